@@ -1,0 +1,145 @@
+"""Writing and reading stage outputs: atomic, deterministic, hashed.
+
+Every file a stage produces goes through ``write_bytes`` (temporary file in the same folder, fsync,
+rename), so a killed stage leaves the old file or none, never half a file. JSON is written with sorted
+keys and full-precision floats so that reruns on the same machine give identical bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import UserError
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Atomically replace ``path`` with ``data``."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror}; make its folder writable") from None
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def to_jsonable(value: Any) -> Any:
+    """Plain JSON types; non-finite floats become the strings 'nan', 'inf', '-inf'."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    return value
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(to_jsonable(value), sort_keys=True, indent=2, allow_nan=False) + "\n"
+
+
+def write_json(path: str | Path, value: Any) -> None:
+    write_bytes(path, dumps(value).encode())
+
+
+def read_json(path: str | Path, produced_by: str = "") -> Any:
+    """Read a JSON output of an earlier stage.
+
+    Raises:
+        UserError: the file is missing or not valid JSON.
+    """
+    path = Path(path)
+    hint = f"; run `dvc repro {produced_by}` first" if produced_by else ""
+    try:
+        return from_jsonable(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise UserError(f"{path} not found{hint}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{path} is not valid JSON (damaged?){hint or '; regenerate it with dvc repro --force'}") from None
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def from_jsonable(value: Any) -> Any:
+    """Inverse of ``to_jsonable``: the strings 'nan', 'inf', '-inf' become floats again."""
+    if isinstance(value, str):
+        return _NONFINITE.get(value, value)
+    if isinstance(value, dict):
+        return {k: from_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_jsonable(v) for v in value]
+    return value
+
+
+def write_tensors(path: str | Path, tensors: dict[str, Any], meta: dict[str, Any] | None = None) -> str:
+    """Write a safetensors file (tensors sorted by name, metadata as JSON strings); return its sha256."""
+    from safetensors.torch import save
+
+    metadata = {k: json.dumps(to_jsonable(v), sort_keys=True) for k, v in sorted((meta or {}).items())}
+    write_bytes(path, save(dict(sorted(tensors.items())), metadata=metadata))
+    return sha256_file(path)
+
+
+def read_tensors(path: str | Path, expected_sha256: str | None = None, produced_by: str = "") -> tuple[dict, dict]:
+    """Read a safetensors file written by ``write_tensors``, verifying its hash first when one is expected.
+
+    Raises:
+        UserError: missing file, hash mismatch, or not a valid safetensors file (nothing is executed).
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    path = Path(path)
+    hint = f"`dvc repro {produced_by}`" if produced_by else "`dvc repro --force`"
+    if not path.is_file():
+        raise UserError(f"{path} not found; run {hint} to produce it")
+    raw = path.read_bytes()
+    if expected_sha256 is not None:
+        actual = hashlib.sha256(raw).hexdigest()
+        if actual != expected_sha256:
+            raise UserError(
+                f"{path} has sha256 {actual[:12]}… but its manifest expects {expected_sha256[:12]}…; it was damaged "
+                f"or replaced: restore it with `dvc checkout` or rebuild it with {hint}"
+            )
+    try:
+        tensors = load(raw)
+        header_len = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8 : 8 + header_len])
+        meta = {k: json.loads(v) for k, v in (header.get("__metadata__") or {}).items()}
+    except (SafetensorError, ValueError, OverflowError, UnicodeDecodeError, json.JSONDecodeError):
+        raise UserError(
+            f"{path} is not a valid safetensors file (truncated, or a pickle renamed?); nothing was loaded: rebuild it with {hint}"
+        ) from None
+    return tensors, meta

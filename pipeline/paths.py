@@ -1,0 +1,51 @@
+"""The one table of output paths. dvc.yaml declares the same paths; a test keeps the two in step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DATA = Path("data")
+
+PREPARED = DATA / "prepared"
+PREPARED_CASES = PREPARED / "cases.safetensors"
+PREPARED_TRAIN = PREPARED / "train.safetensors"
+
+REFERENCE = DATA / "reference"
+REF_INIT = REFERENCE / "init.safetensors"
+REF_CHECKPOINT = REFERENCE / "checkpoint.safetensors"
+REF_CASES = REFERENCE / "cases.safetensors"
+REF_OUTPUTS = REFERENCE / "outputs.safetensors"
+REF_OUTPUTS_FP64 = REFERENCE / "outputs_fp64.safetensors"
+REF_TRAJECTORY = REFERENCE / "trajectory.json"
+REF_MANIFEST = REFERENCE / "manifest.json"
+
+METRICS = DATA / "metrics"  # DVC metrics, kept in git (cache: false) so `dvc metrics diff` works across commits
+RESUME = DATA / "resume"  # not a DVC output: DVC deletes outputs before a stage runs
+
+
+def trial(dtype: str) -> Path:
+    return DATA / "trial" / dtype
+
+
+def compare(dtype: str) -> Path:
+    return DATA / "compare" / dtype
+
+
+def diagnose(dtype: str) -> Path:
+    return DATA / "diagnose" / dtype
+
+
+def decision(dtype: str) -> Path:
+    return DATA / "decision" / dtype
+
+
+def benchmark(dtype: str) -> Path:
+    return DATA / "benchmark" / dtype
+
+
+def compare_metrics(dtype: str) -> Path:
+    return METRICS / f"compare-{dtype}.json"
+
+
+def decision_metrics(dtype: str) -> Path:
+    return METRICS / f"decision-{dtype}.json"

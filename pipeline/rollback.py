@@ -1,0 +1,58 @@
+"""The rollback package: what it takes to go back to the FP32 reference exactly, and why.
+
+It holds the reference policy as a params snippet, the sha256 of the reference checkpoint (weights,
+optimizer state, RNG) and of its inputs, and the cases that motivated the rollback. ``restore`` checks
+every hash before loading anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import yaml
+
+from pipeline import checkpoint, paths, task
+from pipeline.artifacts import read_json, sha256_file, write_bytes, write_json
+from pipeline.config import Params
+from pipeline.errors import UserError
+
+
+def write_package(folder: Path, params: Params, ref_manifest: dict, stats: dict, dtype: str) -> None:
+    snippet = {
+        "seed": params.seed,
+        "task": asdict(params.task),
+        "reference": asdict(params.reference),
+        "precision": "float32  # rolled back from autocast " + dtype,
+    }
+    write_bytes(folder / "reference_policy.yaml", ("# FP32 reference configuration to restore\n" + yaml.safe_dump(snippet, sort_keys=True)).encode())
+    keep = (paths.REF_CHECKPOINT, paths.REF_INIT, paths.PREPARED_CASES, paths.PREPARED_TRAIN, paths.REF_CASES)
+    write_json(folder / "manifest.json", {
+        "dtype": dtype,
+        "rule_sha256": ref_manifest["rule_sha256"],
+        "reference_run_key": ref_manifest["run_key"],
+        "files": {str(p): ref_manifest["files"][str(p)] for p in keep},
+    })
+    motivating = [f for f in stats["flips"]["flip_list"] if not f["boundary"]]
+    per_kind = {name: {k: g for k, g in gap["per_kind"].items() if g["failing"] or g["nonfinite_trial_only"]} for name, gap in stats["values"].items()}
+    write_json(folder / "cases.json", {"flips": motivating, "boundary_flips": [f for f in stats["flips"]["flip_list"] if f["boundary"]], "value_failures_by_kind": per_kind})
+
+
+def restore(dtype: str, params: Params, target: Path) -> dict:
+    """Verify the package's hashes, load the reference training state, and write it to ``target``.
+
+    Raises:
+        UserError: no package, or a file whose hash differs from the package.
+    """
+    folder = paths.decision(dtype) / "rollback"
+    manifest = read_json(folder / "manifest.json", f"decide@{dtype}")
+    for name, expected in manifest["files"].items():
+        if not Path(name).is_file():
+            raise UserError(f"{name} is missing; run `dvc checkout` to restore it from the DVC cache")
+        if sha256_file(name) != expected:
+            raise UserError(f"{name} differs from the rollback package (sha256); run `dvc checkout` to restore the frozen reference")
+    ckpt = checkpoint.load(paths.REF_CHECKPOINT, manifest["files"][str(paths.REF_CHECKPOINT)])
+    model = task.build_model(params.task, params.seed)
+    checkpoint.restore(ckpt, model, rng=True)  # proves the state loads into the model
+    sha = checkpoint.save(target, ckpt)
+    return {"restored": str(target), "sha256": sha, "verified": sorted(manifest["files"])}

@@ -1,0 +1,31 @@
+"""Stage decide@DTYPE: apply the frozen rule; on rollback, package what restores the reference."""
+
+from __future__ import annotations
+
+from pipeline import paths, rollback, verdict
+from pipeline.artifacts import read_json, write_json
+from pipeline.config import load_params
+from pipeline.errors import UserError
+
+
+def main(dtype: str, params_path: str = "params.yaml") -> None:
+    params = load_params(params_path)
+    manifest = read_json(paths.REF_MANIFEST, "freeze")
+    rule_sha = params.acceptance.sha256()
+    if manifest["rule_sha256"] != rule_sha:
+        raise UserError(
+            "the acceptance rule in params.yaml differs from the one frozen with the reference; a rule is fixed "
+            "before the trial: run `dvc repro` so the reference is re-frozen and every trial re-run under it"
+        )
+    stats = read_json(paths.compare(dtype) / "stats.json", f"compare@{dtype}")
+    diagnosis = read_json(paths.diagnose(dtype) / "diagnosis.json", f"diagnose@{dtype}")
+    trial_manifest = read_json(paths.trial(dtype) / "manifest.json", f"trial@{dtype}")
+    result = verdict.decide(stats, params.acceptance, diagnosis["findings"])
+    result.update({"dtype": dtype, "rule_sha256": rule_sha, "policy": trial_manifest["policy"], "env": trial_manifest["env"]})
+    out = paths.decision(dtype)
+    if result["decision"] == "rollback":
+        result["rollback_package"] = str(out / "rollback")
+        rollback.write_package(out / "rollback", params, manifest, stats, dtype)
+    write_json(out / "decision.json", result)
+    write_json(paths.decision_metrics(dtype), {"accepted": int(result["decision"] == "accept"), "reasons": len(result["reasons"])})
+    print(f"decide {dtype}: {result['decision'].upper()}" + "".join(f"\n  - {r}" for r in result["reasons"]))

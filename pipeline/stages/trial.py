@@ -1,0 +1,64 @@
+"""Stage trial@DTYPE: the same reference under autocast, for inference and for training."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+
+from pipeline import checkpoint, devices, paths, precision, reference, task, training
+from pipeline.artifacts import read_tensors, write_json, write_tensors
+from pipeline.config import load_params
+from pipeline.errors import UserError
+from pipeline.precision import Policy
+
+
+def main(dtype: str, params_path: str = "params.yaml") -> None:
+    params = load_params(params_path)
+    if dtype not in params.trial.dtypes:
+        raise UserError(f"--dtype {dtype} is not in trial.dtypes {params.trial.dtypes}; add it there or pick one of them")
+    device = devices.resolve(params.device)
+    devices.check_dtype_supported(device, precision.parse_dtype(dtype))
+    ref = reference.load(params)
+    policy = Policy(dtype=dtype, fp32_modules=tuple(params.trial.fp32_modules))
+    out = paths.trial(dtype)
+
+    # Inference: the trained reference weights, the fixed set, the frozen train/eval mode.
+    model = task.build_model(params.task, params.seed)
+    checkpoint.restore(ref.checkpoint(), model, rng=False)
+    outputs = training.infer(model, ref.cases.x, policy, device, params.reference.eval_mode)
+
+    # Training: the reference's initial state (weights and RNG), same batches, same order.
+    train_t, _ = read_tensors(paths.PREPARED_TRAIN, ref.manifest["files"][str(paths.PREPARED_TRAIN)], "prepare")
+    model = task.build_model(params.task, params.seed)
+    checkpoint.restore(ref.checkpoint("init"), model)
+    key = hashlib.sha256(json.dumps({"ref": ref.manifest["run_key"], "policy": policy.as_dict()}, sort_keys=True).encode()).hexdigest()
+    resume = checkpoint.ResumeFile(paths.RESUME / f"trial-{dtype}.safetensors", key)
+    result = training.train(
+        model, train_t["x"], train_t["y"], params.reference, params.task.loss, policy, device, params.seed,
+        resume=resume.load(), save_resume=resume.save, label=f"trial {dtype}",
+    )
+    trained = training.infer(model, ref.cases.x, policy, device, params.reference.eval_mode)
+
+    env = devices.describe(device)
+    files = {
+        "outputs.safetensors": write_tensors(out / "outputs.safetensors", outputs, {"ids": ref.cases.ids}),
+        "trained_outputs.safetensors": write_tensors(out / "trained_outputs.safetensors", trained, {"ids": ref.cases.ids}),
+        "checkpoint.safetensors": checkpoint.save(out / "checkpoint.safetensors", result.state),
+    }
+    write_json(out / "trajectory.json", {"steps": [asdict(r) for r in result.records], "final_scale": result.state.meta["grad_scaler"].get("scale", 1.0)})
+    write_json(
+        out / "manifest.json",
+        {
+            "files": files,
+            "policy": policy.as_dict(),
+            "reference_run_key": ref.manifest["run_key"],
+            "rule_sha256": ref.manifest["rule_sha256"],
+            "env": env,
+            "env_differs_from_reference": sorted(k for k in env if env[k] != ref.manifest["env"].get(k)),
+            "real_updates": result.real_updates,
+        },
+    )
+    resume.clear()
+    skipped = sum(r.skipped for r in result.records)
+    print(f"trial {dtype}: {len(result.records)} steps, {result.real_updates} real updates, {skipped} skipped; final loss {result.records[-1].loss:.4f}")
