@@ -1,0 +1,91 @@
+"""Shared fixtures: a copy of the project in a temporary git + DVC repository, run with real `dvc repro`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+# Small enough that a whole `dvc repro` takes seconds on 2 CPU cores; same code paths as the defaults.
+TINY = {
+    "prepare": {"ordinary_cases": 64, "edge_samples": 2},
+    "reference": {"train_steps": 12, "batch_size": 32, "checkpoint_every": 4, "boundary_cases": 3},
+    "bench": {"warmup": 1, "repeats": 2, "steps": 2},
+}
+
+
+def env_for(repo: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{repo / 'mlflow.db'}"
+    env["PYTHONPATH"] = str(repo)
+    env.pop("DVC_EXP_NAME", None)
+    return env
+
+
+def run(args: list[str], repo: Path, check: bool = True, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, cwd=repo, env=env or env_for(repo), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
+def write_params(repo: Path, override: dict) -> None:
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    (repo / "params.yaml").write_text(yaml.safe_dump(merge(params, override), sort_keys=False))
+
+
+def make_project(dest: Path, override: dict | None = None) -> Path:
+    """Copy the project into ``dest``, make it a git + DVC repository with tiny params, commit."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore"):
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, dest / name)
+    shutil.copytree(ROOT / "pipeline", dest / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    write_params(dest, merge(TINY, override or {}))
+    run(["git", "init", "-q"], dest)
+    run(["git", "config", "user.email", "test@localhost"], dest)
+    run(["git", "config", "user.name", "test"], dest)
+    run([str(BIN / "dvc"), "init", "-q"], dest)
+    run([str(BIN / "dvc"), "config", "core.analytics", "false"], dest)
+    run(["git", "add", "-A"], dest)
+    run(["git", "commit", "-qm", "init"], dest)
+    return dest
+
+
+def dvc(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return run([str(BIN / "dvc"), *args], repo, check=check)
+
+
+def stage(repo: Path, *args: str, check: bool = False) -> subprocess.CompletedProcess:
+    """Run ``python -m pipeline ARGS`` in ``repo``."""
+    return run([sys.executable, "-m", "pipeline", *args], repo, check=check)
+
+
+@pytest.fixture(scope="session")
+def reproduced(tmp_path_factory) -> Path:
+    """One tiny project after a full `dvc repro` (read-only for tests: copy it before changing anything)."""
+    repo = make_project(tmp_path_factory.mktemp("reproduced") / "repo")
+    dvc(repo, "repro")
+    return repo
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A fresh tiny project, not yet reproduced."""
+    return make_project(tmp_path / "repo")
