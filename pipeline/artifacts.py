@@ -107,8 +107,14 @@ def write_tensors(path: str | Path, tensors: dict[str, Any], meta: dict[str, Any
     """Write a safetensors file (tensors sorted by name, metadata as JSON strings); return its sha256."""
     from safetensors.torch import save
 
-    metadata = {k: json.dumps(to_jsonable(v), sort_keys=True) for k, v in sorted((meta or {}).items())}
-    write_bytes(path, save(dict(sorted(tensors.items())), metadata=metadata))
+    metadata = {k: json.dumps(to_jsonable(v), sort_keys=True) for k, v in (meta or {}).items()}
+    raw = save(tensors, metadata=metadata)
+    # safetensors writes its header from a hash map, whose order changes from one process to the next;
+    # re-serialise it with sorted keys (same offsets, same data) so equal content gives equal bytes.
+    size = int.from_bytes(raw[:8], "little")
+    header = json.dumps(json.loads(raw[8 : 8 + size]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    write_bytes(path, len(header).to_bytes(8, "little") + header + raw[8 + size :])
     return sha256_file(path)
 
 
@@ -137,7 +143,7 @@ def read_tensors(path: str | Path, expected_sha256: str | None = None, produced_
         tensors = load(raw)
         header_len = int.from_bytes(raw[:8], "little")
         header = json.loads(raw[8 : 8 + header_len])
-        meta = {k: json.loads(v) for k, v in (header.get("__metadata__") or {}).items()}
+        meta = {k: from_jsonable(json.loads(v)) for k, v in (header.get("__metadata__") or {}).items()}
     except (SafetensorError, ValueError, OverflowError, UnicodeDecodeError, json.JSONDecodeError):
         raise UserError(
             f"{path} is not a valid safetensors file (truncated, or a pickle renamed?); nothing was loaded: rebuild it with {hint}"

@@ -142,7 +142,7 @@ class TrialConfig:
 class Tolerance:
     atol: float = 0.05
     """Absolute tolerance: an element fails where |trial - ref| > atol + rtol * |ref|."""
-    rtol: float = 0.05
+    rtol: float = 0.02
     """Relative tolerance."""
 
     def check(self, key: str) -> None:
@@ -168,13 +168,13 @@ class AcceptanceConfig:
     """Fraction of boundary cases allowed to flip (they are always listed)."""
     threshold: float | None = None
     """Regression only: decision threshold; crossing it is a flip."""
-    min_quality: float = 0.0
-    """Minimum quality of the trial on the fixed set (accuracy, or -RMSE for regression)."""
+    min_quality: float | None = None
+    """Minimum quality of the trial on the fixed set (accuracy, or -RMSE for regression); null: no minimum."""
     max_quality_drop: float = 0.01
     """Largest drop of quality versus the reference, inference and after training."""
     loss_rtol: float = 0.1
     """Training: per-step band |loss_amp - loss_fp32| <= loss_atol + loss_rtol * |loss_fp32|."""
-    loss_atol: float = 0.02
+    loss_atol: float = 0.05
     """Training: absolute part of the per-step loss band."""
     max_skipped_fraction: float = 0.1
     """Training: largest fraction of steps whose update the GradScaler skipped."""

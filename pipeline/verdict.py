@@ -63,11 +63,12 @@ def decide(stats: dict, rule: AcceptanceConfig, findings: list[str] | None = Non
             f"quality {label}: {trial_q:.4f} vs reference {ref_q:.4f} (drop {drop:.4f} <= {rule.max_quality_drop})",
             f"quality {label}: {trial_q:.4f} vs reference {ref_q:.4f}, drop {drop:.4f} > allowed {rule.max_quality_drop}",
         )
-        check(
-            trial_q >= rule.min_quality,
-            f"quality {label}: {trial_q:.4f} >= minimum {rule.min_quality}",
-            f"quality {label}: {trial_q:.4f} below minimum {rule.min_quality}",
-        )
+        if rule.min_quality is not None:
+            check(
+                trial_q >= rule.min_quality,
+                f"quality {label}: {trial_q:.4f} >= minimum {rule.min_quality}",
+                f"quality {label}: {trial_q:.4f} below minimum {rule.min_quality}",
+            )
     train = stats["training"]
     check(
         train["first_nonfinite_loss_step"] < 0,
