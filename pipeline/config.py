@@ -234,6 +234,24 @@ class TrackingConfig:
 
 
 @dataclass(frozen=True)
+class DiagnoseConfig:
+    """What diagnose@DTYPE may spend. Nothing here changes a trial: suggestions are written, never applied."""
+
+    probe: Literal["always", "on_failure", "never"] = "always"
+    """When to map the precision of every op and measure gradient underflow on one training batch (one
+    forward and a few backward passes): ``always``, only when the trial fails the rule, or ``never``."""
+    search_budget: int = 4
+    """Most trial re-runs (inference and training under a candidate ``trial.fp32_modules``) the FP32-region
+    search may spend; 0 still locates the first non-finite value but checks no suggestion."""
+    max_cases: int = 16
+    """Most failing fixed-set cases replayed when locating a non-finite output."""
+
+    def check(self, key: str) -> None:
+        _non_negative(self.search_budget, f"{key}.search_budget")
+        _positive(self.max_cases, f"{key}.max_cases")
+
+
+@dataclass(frozen=True)
 class Params:
     seed: int = 0
     """Seeds weights, batch order and every random draw."""
@@ -246,6 +264,7 @@ class Params:
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
 
     def check(self, key: str = "") -> None:
         _non_negative(self.seed, "seed")

@@ -1,12 +1,25 @@
-"""Which device runs, and which backend really ran it (CPU, CUDA or ROCm: both GPUs are ``cuda``)."""
+"""Which device runs, which backend really ran it, and which autocast dtypes it can run.
+
+Backends are ``cpu``, ``cuda`` and ``rocm``. On ROCm, torch still names the device ``cuda``: what tells the
+two apart is ``torch.version.hip`` (set on ROCm builds) against ``torch.version.cuda``.
+"""
 
 from __future__ import annotations
 
 import platform
+import warnings
+from pathlib import Path
 
 import torch
 
 from pipeline.errors import UserError
+
+# Below these NVIDIA compute capabilities the hardware lacks the arithmetic: bfloat16 arrived with Ampere
+# (8.0); float16 arithmetic with 5.3. torch can emulate bf16 on older cards, far slower than FP32, which is
+# no configuration to validate and then ship.
+_MIN_CAPABILITY = {"float16": (5, 3), "bfloat16": (8, 0)}
+# TF32 tensor cores arrived with Ampere too.
+TF32_MIN_CAPABILITY = (8, 0)
 
 
 def resolve(choice: str) -> torch.device:
@@ -32,29 +45,113 @@ def backend(device: torch.device) -> str:
 
 
 def describe(device: torch.device) -> dict[str, str]:
-    """Environment facts recorded with every output (deterministic on one machine)."""
+    """Environment facts recorded with every output (deterministic on one machine).
+
+    ``capability`` is the compute capability on NVIDIA (``8.0``), the one ROCm reports beside the gfx
+    architecture (``arch``), and on the CPU the vector instruction set torch dispatches to (``AVX512``).
+    """
     info = {
         "backend": backend(device),
         "device": device.type,
         "torch": torch.__version__,
-        "device_name": platform.processor() or platform.machine(),
+        "device_name": _cpu_name(),
+        "capability": _cpu_capability(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info["device_name"] = props.name
         info["capability"] = f"{props.major}.{props.minor}"
         info["runtime"] = str(torch.version.hip or torch.version.cuda)
+        arch = getattr(props, "gcnArchName", "")
+        if info["backend"] == "rocm" and arch:
+            info["arch"] = arch
     return info
+
+
+def dtype_problem(env: dict[str, str], dtype: str, autocast_runs: bool) -> str | None:
+    """Why ``dtype`` cannot run under autocast on the device ``env`` describes, with what to use; None if it can.
+
+    Pure, so that every branch is testable without the hardware: ``env`` is what ``describe`` returns and
+    ``autocast_runs`` whether a matmul under autocast actually came out in ``dtype`` on that device.
+    """
+    other = "bfloat16" if dtype == "float16" else "float16"
+    where = f"{env.get('device_name', env['device'])} ({env['backend']}"
+    cap = env.get("capability", "")
+    if env["backend"] == "cuda" and dtype in _MIN_CAPABILITY and _version(cap) < _MIN_CAPABILITY[dtype]:
+        need = ".".join(map(str, _MIN_CAPABILITY[dtype]))
+        other_ok = _version(cap) >= _MIN_CAPABILITY[other]
+        fix = f"use {other} instead (trial.dtypes: [{other}])" if other_ok else "keep FP32: this GPU runs neither AMP dtype natively"
+        return f"trial.dtypes: {dtype} cannot run natively on {where}, capability {cap}; it needs {need} or newer): {fix}"
+    if not autocast_runs:
+        if env["backend"] == "cpu":
+            fix = f"use {other} instead (trial.dtypes: [{other}]), or torch >= 2.4 where CPU autocast takes both"
+        else:
+            fix = f"use {other} instead (trial.dtypes: [{other}])"
+        return f"trial.dtypes: torch {env['torch']} cannot autocast to {dtype} on {where}): {fix}"
+    return None
 
 
 def check_dtype_supported(device: torch.device, dtype: torch.dtype) -> None:
     """Refuse a dtype the device cannot run under autocast, saying what to use instead.
 
     Raises:
-        UserError: bfloat16 on a GPU without bf16 support.
+        UserError: the device lacks the dtype (bfloat16 before Ampere, float16 on CPU autocast of old torch).
     """
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise UserError(
-            "trial.dtypes: bfloat16 is not supported on this GPU "
-            f"({torch.cuda.get_device_name(device)}); use float16 instead"
-        )
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    problem = dtype_problem(describe(device), name, _autocast_runs(device, dtype))
+    if problem:
+        raise UserError(problem)
+
+
+def tf32_available(env: dict[str, str]) -> tuple[bool, str]:
+    """Whether a TF32 baseline can be measured on this device, and why not when it cannot."""
+    if env["backend"] == "cpu":
+        return False, "TF32 is a GPU tensor-core format; the CPU has none"
+    if env["backend"] == "rocm":
+        return False, "not measured on ROCm: whether TF32 applies depends on the GPU, the torch build and HIPBLASLT flags"
+    if _version(env.get("capability", "")) < TF32_MIN_CAPABILITY:
+        return False, f"capability {env.get('capability')} has no TF32 (needs 8.0 or newer)"
+    return True, "capability 8.0 or newer: TF32 tensor cores"
+
+
+def _autocast_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run one small matmul under autocast and check it came out in ``dtype``.
+
+    An unsupported combination either raises (CUDA bf16 before Ampere on some torch versions) or warns and
+    disables autocast (float16 on the CPU before torch 2.4); both mean "cannot run".
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            a = torch.ones(8, 8, device=device)
+            with torch.autocast(device_type=device.type, dtype=dtype):
+                out = a @ a
+        return out.dtype == dtype
+    except RuntimeError:
+        return False
+
+
+def _version(capability: str) -> tuple[int, int]:
+    try:
+        major, minor = capability.split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return (0, 0)
+
+
+def _cpu_name() -> str:
+    """The CPU model as /proc/cpuinfo names it (Linux), else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_capability() -> str:
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except AttributeError:  # torch builds without the query
+        return "unknown"

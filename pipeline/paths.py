@@ -49,3 +49,17 @@ def compare_metrics(dtype: str) -> Path:
 
 def decision_metrics(dtype: str) -> Path:
     return METRICS / f"decision-{dtype}.json"
+
+
+REPORT = DATA / "report"  # the report stage's folder: plots, curves for `dvc plots`, the HTML report
+REPORT_HTML = REPORT / "report.html"
+REPORT_SUMMARY = REPORT / "summary.md"
+REPORT_CURVES = REPORT / "curves"  # one folder per curve family, one flat JSON per dtype (dvc.yaml `plots:`)
+
+
+def report_plot(dtype: str, name: str) -> Path:
+    return REPORT / "plots" / dtype / f"{name}.png"
+
+
+def report_curve(family: str, dtype: str) -> Path:
+    return REPORT_CURVES / family / f"{dtype}.json"

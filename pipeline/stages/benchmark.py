@@ -1,11 +1,16 @@
-"""Stage benchmark@DTYPE: time per training step and peak memory, FP32 vs AMP, for accepted variants only."""
+"""Stage benchmark@DTYPE: time per training step and peak memory, strict FP32 (and TF32) vs AMP, accepted variants only.
+
+pipeline/benchmark.py holds the method; this stage picks the variants, times them interleaved in this
+process, measures each one's memory in its own process, and writes the figures.
+"""
 
 from __future__ import annotations
 
-from pipeline import benchmark, checkpoint, devices, paths, task, training
-from pipeline.artifacts import read_json, read_tensors, write_json
+import contextlib
+
+from pipeline import benchmark, devices, paths, precision
+from pipeline.artifacts import read_json, write_json
 from pipeline.config import load_params
-from pipeline.precision import Policy
 
 
 def main(dtype: str, params_path: str = "params.yaml") -> None:
@@ -13,29 +18,60 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     decision = read_json(paths.decision(dtype) / "decision.json", f"decide@{dtype}")
     out = paths.benchmark(dtype) / "benchmark.json"
     if decision["decision"] != "accept":
-        write_json(out, {"benchmarked": False, "reason": f"{dtype} was rolled back; only accepted variants are benchmarked"})
+        write_json(out, {"benchmarked": False, "dtype": dtype, "reason": f"{dtype} was rolled back; only accepted variants are benchmarked"})
         print(f"benchmark {dtype}: skipped (rolled back)")
         return
     device = devices.resolve(params.device)
-    train_t, _ = read_tensors(paths.PREPARED_TRAIN, produced_by="prepare")
-    idx = training.batch_order(train_t["x"].shape[0], params.reference.batch_size, 1, params.seed)[0]
-    x, y = train_t["x"][idx].to(device), train_t["y"][idx].to(device)
-    loss_fn = training.loss_function(params.task.loss)
-    variants = {}
-    for name, policy in (("fp32", Policy()), ("amp", Policy(dtype=dtype, fp32_modules=tuple(params.trial.fp32_modules)))):
-        model = task.build_model(params.task, params.seed).to(device).train()
-        checkpoint.restore(checkpoint.load(paths.REF_INIT), model, rng=False)
-        variants[name] = benchmark.make_step(model, x, y, lambda o, t: loss_fn(task.primary(task.named_outputs(o)), t), params.reference.lr, policy, device)
-    times = benchmark.interleaved(variants, params.bench.warmup, params.bench.repeats, params.bench.steps, device)
+    devices.check_dtype_supported(device, precision.parse_dtype(dtype))
+    env = devices.describe(device)
+    chosen, tf32_note = benchmark.variants(dtype, tuple(params.trial.fp32_modules), env)
+    bench = params.bench
+
+    # Memory first, each variant in a fresh process; TF32 stores the same tensors as FP32, so it is not repeated.
+    memory = benchmark.measure_memory(params_path, dtype, [v.name for v in chosen if v.name != "tf32"], parallel=device.type == "cpu")
+
+    # Time: every variant's own model, optimizer and scaler, all in this process, rounds interleaved.
+    steps, works = {}, []
+    with contextlib.ExitStack() as stack:
+        for v in chosen:
+            work = benchmark.load_workload(params, device)
+            stack.enter_context(precision.fp32_regions(work.model, v.policy, device))
+            steps[v.name] = (benchmark.make_step(work, v.policy), v.tf32)
+            works.append(work)
+        times = benchmark.interleaved(steps, bench.warmup, bench.repeats, bench.steps, device)
+
     result = {
         "benchmarked": True,
         "dtype": dtype,
-        "env": devices.describe(device),
-        "batch_size": int(x.shape[0]),
+        "env": env,
+        "workload": {
+            "model": params.task.model,
+            "options": params.task.options,
+            "parameters": benchmark.parameter_count(works[0].model),
+            "batch_size": int(works[0].x.shape[0]),
+            "input_shape": list(works[0].x.shape),
+            "fp32_modules": list(params.trial.fp32_modules),
+        },
+        "method": {
+            "warmup": bench.warmup,
+            "repeats": bench.repeats,
+            "steps_per_repeat": bench.steps,
+            "clock": "CUDA events, synchronized" if device.type == "cuda" else "time.perf_counter (monotonic)",
+            "order": "interleaved, rotating each round",
+            "fp32": "strict: TF32 off for matmul and cuDNN",
+            "tf32": tf32_note,
+            "memory": memory[next(iter(memory))]["method"] + "; one fresh process per variant",
+        },
         "seconds_per_step": {name: benchmark.spread(t) for name, t in times.items()},
         "speedup": benchmark.ratio_spread(times["fp32"], times["amp"]),
-        "repeats": params.bench.repeats,
-        "steps_per_repeat": params.bench.steps,
+        **benchmark.memory_summary(memory),
+        "samples": {"seconds_per_step": times, "memory": memory},
     }
+    if "tf32" in times:
+        result["speedup_vs_tf32"] = benchmark.ratio_spread(times["tf32"], times["amp"])
     write_json(out, result)
-    print(f"benchmark {dtype}: speedup x{result['speedup']['median']:.2f} (IQR {result['speedup']['q1']:.2f}-{result['speedup']['q3']:.2f})")
+    s, m = result["speedup"], result.get("memory_ratio")
+    line = f"benchmark {dtype}: speedup x{s['median']:.2f} (IQR {s['q1']:.2f}-{s['q3']:.2f}, {bench.repeats} rounds)"
+    if m:
+        line += f", peak memory x{m['median']:.2f} of FP32 (IQR {m['q1']:.2f}-{m['q3']:.2f})"
+    print(line)

@@ -1,0 +1,334 @@
+"""What really ran in which precision: every aten op of a forward and backward pass, seen from below autocast.
+
+A ``TorchDispatchMode`` sits under autocast and autograd in the dispatcher, so it sees each op after
+autocast chose its dtypes and after autograd split the backward into ops of its own. ``ModuleScope``
+(forward hooks on every module, and gradient hooks on their outputs) says which module an op ran for.
+On top of that one recorder:
+
+- the precision map: op, phase, input and output dtypes, count and FLOPs (matmul-like ops), and the
+  share of matmul-like work that ran in reduced precision;
+- missing kernels: an op without a kernel for the reduced dtype on this device is recorded with its
+  name and re-run in float32 so the pass goes on (a finding, not a crash);
+- the first non-finite producer: the first op whose output is not finite while its inputs are.
+
+Used by the diagnosis only: these hooks never run in the trial's or the benchmark's code.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from pipeline import precision
+from pipeline.precision import Policy
+from pipeline.task import named_outputs, primary
+
+try:  # FLOP formulas of the ops PyTorch's own FlopCounterMode knows (mm, addmm, bmm, conv, attention)
+    from torch.utils.flop_counter import flop_registry as _FLOPS
+except ImportError:  # pragma: no cover - older torch: counts only
+    _FLOPS = {}
+
+REDUCED = (torch.float16, torch.bfloat16)
+MATMUL_LIKE = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "convolution", "_convolution",
+               "convolution_backward", "mkldnn_convolution", "_addmm_activation", "_scaled_mm"}
+_MISSING_KERNEL = re.compile(r"not implemented for '(Half|BFloat16)'|Low precision dtypes not supported|Unsupported dtype (Half|BFloat16)")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def is_matmul_like(op: str) -> bool:
+    """``op`` is the overload packet name (``addmm``); attention kernels count as matmul work too."""
+    return op in MATMUL_LIKE or op.startswith("_scaled_dot_product") or op.endswith("_attention") or "convolution" in op
+
+
+def _floats(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if torch.is_tensor(t) and t.is_floating_point()]
+
+
+def max_abs(t: torch.Tensor) -> float:
+    """Largest finite magnitude (0.0 when none is finite): how close a tensor came to the dtype's limit."""
+    finite = t.detach()[torch.isfinite(t.detach())]
+    return float(finite.abs().max()) if finite.numel() else 0.0
+
+
+class ModuleScope:
+    """Which module is running. Forward: a stack of qualified names kept by pre/post hooks. Backward: the
+    module whose output gradient arrived last (its backward ops follow), from gradient hooks on outputs.
+    ``on_output(name, module, tensors)`` and ``on_output_grad(name, grad)`` let a caller watch both.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        on_output: Callable[[str, torch.nn.Module, list[torch.Tensor]], None] | None = None,
+        on_output_grad: Callable[[str, torch.Tensor], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.types = {name: type(m).__name__ for name, m in model.named_modules()}
+        self.on_output, self.on_output_grad = on_output, on_output_grad
+        self.stack: list[str] = []
+        self.backward_module = ""
+        self.phase = "forward"
+        self._handles: list[Any] = []
+
+    def current(self) -> str:
+        if self.phase == "backward":
+            return self.backward_module
+        return self.stack[-1] if self.stack else ""
+
+    def __enter__(self) -> "ModuleScope":
+        for name, module in self.model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self.stack.append(n)))
+            self._handles.append(module.register_forward_hook(lambda m, a, out, n=name: self._after(n, m, out)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _after(self, name: str, module: torch.nn.Module, output: Any) -> None:
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+        tensors = _floats(output)
+        if self.on_output is not None:
+            self.on_output(name, module, tensors)
+        for t in tensors:
+            if t.requires_grad:
+                t.register_hook(lambda g, n=name: self._grad(n, g))
+
+    def _grad(self, name: str, grad: torch.Tensor) -> None:
+        # A container returns its last child's tensor: keep the innermost module, not the ancestor.
+        current = self.backward_module
+        if not (current and (name == "" or current.startswith(name + "."))):
+            self.backward_module = name
+        if self.on_output_grad is not None:
+            self.on_output_grad(name, grad)
+
+
+class Recorder(TorchDispatchMode):
+    """Records every op (see the module docstring). Enter it inside a ``ModuleScope``."""
+
+    def __init__(self, scope: ModuleScope, watch_nonfinite: bool = True) -> None:
+        super().__init__()
+        self.scope, self.watch_nonfinite = scope, watch_nonfinite
+        self.rows: dict[tuple, dict] = {}
+        self.missing: list[dict] = []
+        self.first_nonfinite: dict | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = func._overloadpacket.__name__
+        module = self.scope.current()
+        try:
+            out = func(*args, **kwargs)
+        except (NotImplementedError, RuntimeError) as exc:
+            if not isinstance(exc, NotImplementedError) and not _MISSING_KERNEL.search(str(exc)):
+                raise
+            self._missing(func, module, args, kwargs, exc)
+            out = _in_float32(func, args, kwargs)
+        ins, outs = _floats((args, kwargs)), _floats(out)
+        in_dt = ",".join(dtype_name(t.dtype) for t in ins)
+        out_dt = ",".join(dtype_name(t.dtype) for t in outs)
+        reduced = bool(ins) and all(t.dtype in REDUCED for t in ins)
+        flops = 0
+        if is_matmul_like(op) and func._overloadpacket in _FLOPS:
+            try:
+                flops = int(_FLOPS[func._overloadpacket](*args, **kwargs, out_val=out))
+            except Exception:  # a formula that does not fit this overload: count the op, not its FLOPs
+                flops = 0
+        key = (self.scope.phase, module, str(func), in_dt, out_dt)
+        row = self.rows.setdefault(key, {"count": 0, "flops": 0, "reduced": reduced, "matmul_like": is_matmul_like(op)})
+        row["count"] += 1
+        row["flops"] += flops
+        if self.watch_nonfinite and self.first_nonfinite is None:
+            bad = [t for t in outs if not bool(torch.isfinite(t).all())]
+            if bad and all(bool(torch.isfinite(t).all()) for t in ins):
+                self.first_nonfinite = {
+                    "phase": self.scope.phase,
+                    "module": module,
+                    "module_type": self.scope.types.get(module, ""),
+                    "op": str(func),
+                    "input_dtypes": in_dt,
+                    "output_dtypes": out_dt,
+                    "max_abs_input": max((max_abs(t) for t in ins), default=0.0),
+                    "max_abs_finite_output": max(max_abs(t) for t in bad),
+                    "nonfinite_elements": sum(int((~torch.isfinite(t)).sum()) for t in bad),
+                    "cast": op == "_to_copy",
+                }
+        return out
+
+    def _missing(self, func, module: str, args, kwargs, exc: BaseException) -> None:
+        dtypes = sorted({dtype_name(t.dtype) for t in _floats((args, kwargs))})
+        if not any(m["op"] == str(func) and m["module"] == module for m in self.missing):
+            message = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            self.missing.append({"op": str(func), "module": module, "module_type": self.scope.types.get(module, ""),
+                                 "phase": self.scope.phase, "dtypes": dtypes, "error": message})
+
+    def table(self) -> list[dict]:
+        """One row per (phase, op, input dtypes, output dtypes), summed over modules; stable order."""
+        merged: dict[tuple, dict] = {}
+        for (phase, _, op, in_dt, out_dt), row in self.rows.items():
+            m = merged.setdefault((phase, op, in_dt, out_dt), {**row, "count": 0, "flops": 0})
+            m["count"] += row["count"]
+            m["flops"] += row["flops"]
+        return [
+            {"phase": k[0], "op": k[1], "input_dtypes": k[2], "output_dtypes": k[3], **v}
+            for k, v in sorted(merged.items(), key=lambda kv: (kv[0][0] != "forward", kv[0][1:]))
+        ]
+
+    def matmul_by_module(self) -> dict[str, dict]:
+        """Matmul-like work each module ran itself (forward and backward), and how much in reduced precision."""
+        out: dict[str, dict] = {}
+        for (_, module, _, _, _), row in sorted(self.rows.items()):
+            if row["matmul_like"]:
+                m = out.setdefault(module, {"count": 0, "reduced_count": 0, "flops": 0, "reduced_flops": 0})
+                m["count"] += row["count"]
+                m["flops"] += row["flops"]
+                if row["reduced"]:
+                    m["reduced_count"] += row["count"]
+                    m["reduced_flops"] += row["flops"]
+        return out
+
+
+def _in_float32(func, args, kwargs):
+    """Re-run an op without a reduced-precision kernel in float32, write back what it mutates, and cast
+    its outputs back to the reduced dtype it was called with, so the rest of the pass sees what it expects."""
+    reduced = next((t.dtype for t in _floats((args, kwargs)) if t.dtype in REDUCED), torch.float32)
+
+    def up(t):
+        return t.float() if torch.is_tensor(t) and t.dtype in REDUCED else t
+
+    args32, kwargs32 = tree_map(up, args), tree_map(up, kwargs)
+    out = func(*args32, **kwargs32)
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            source = args[i] if i < len(args) else kwargs.get(arg.name)
+            target = args32[i] if i < len(args32) else kwargs32.get(arg.name)
+            if torch.is_tensor(source) and source is not target:
+                source.copy_(target)
+    return tree_map(lambda t: t.to(reduced) if torch.is_tensor(t) and t.dtype == torch.float32 else t, out)
+
+
+def summarize(recorder: Recorder) -> dict:
+    """Share of matmul-like work in reduced precision, FLOP-weighted where FLOPs are known, else by count."""
+    rows = [r for r in recorder.rows.values() if r["matmul_like"]]
+    flops = sum(r["flops"] for r in rows)
+    reduced_flops = sum(r["flops"] for r in rows if r["reduced"])
+    count = sum(r["count"] for r in rows)
+    reduced_count = sum(r["count"] for r in rows if r["reduced"])
+    return {
+        "matmul_ops": count,
+        "matmul_ops_reduced": reduced_count,
+        "matmul_flops": flops,
+        "matmul_flops_reduced": reduced_flops,
+        "reduced_share": (reduced_flops / flops) if flops else (reduced_count / count if count else 0.0),
+        "share_weighted_by": "flops" if flops else "count",
+    }
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    policy: Policy,
+    device: torch.device,
+    scope: ModuleScope | None = None,
+    scale: float = 1.0,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """One pass as the training step does it: autocast (and FP32 regions) around forward and loss only,
+    backward of the loss times ``scale`` (what ``GradScaler.scale`` does) after the context closes.
+    Without ``y`` it is an inference pass: no loss, no backward, no graph.
+    """
+    def phase(name: str) -> None:
+        if scope is not None:
+            scope.phase = name
+
+    phase("forward")
+    with torch.set_grad_enabled(y is not None), precision.fp32_regions(model, policy, device):
+        with precision.autocast(policy, device):
+            outputs = named_outputs(model(x))
+            phase("loss")
+            loss = loss_fn(primary(outputs), y) if y is not None and loss_fn is not None else None
+    if loss is not None:
+        phase("backward")
+        (loss * torch.full((), scale, dtype=torch.float32, device=loss.device)).backward()
+    return outputs, loss
+
+
+def precision_map(model, x, y, loss_fn, policy: Policy, device: torch.device) -> dict:
+    """The op table of one forward and backward pass under ``policy``, its summary, and missing kernels.
+
+    A pass that stops on an error the float32 fallback cannot get past is reported with the error,
+    and the table holds what ran until then.
+    """
+    model.zero_grad(set_to_none=True)
+    scope = ModuleScope(model)
+    recorder = Recorder(scope, watch_nonfinite=False)
+    error = None
+    try:
+        with scope, recorder:
+            forward_backward(model, x, y, loss_fn, policy, device, scope)
+    except (NotImplementedError, RuntimeError) as exc:
+        error = f"{type(exc).__name__} in {scope.phase} of module {scope.current()!r}: {str(exc).strip().splitlines()[0][:200]}"
+    model.zero_grad(set_to_none=True)
+    return {
+        "dtype": policy.dtype or "float32",
+        "fp32_modules": list(policy.fp32_modules),
+        "batch": int(x.shape[0]),
+        "summary": summarize(recorder),
+        "ops": recorder.table(),
+        "matmul_by_module": recorder.matmul_by_module(),
+        "missing_kernels": recorder.missing,
+        "error": error,
+    }
+
+
+def gradient_underflow(model, x, y, loss_fn, policy: Policy, device: torch.device, scale: float) -> dict:
+    """Per parameter: the fraction of gradient elements that are zero under autocast (after unscaling)
+    but not in FP32, on the same weights, batch and RNG state, without loss scaling and with ``scale``.
+    Elements that overflow (inf/NaN) at that scale are counted apart: the GradScaler would skip that step.
+    """
+    rng = torch.get_rng_state()
+
+    def grads(p: Policy, s: float) -> dict[str, torch.Tensor]:
+        torch.set_rng_state(rng)
+        model.zero_grad(set_to_none=True)
+        forward_backward(model, x, y, loss_fn, p, device, scale=s)
+        out = {n: (q.grad.detach().float() / s) for n, q in model.named_parameters() if q.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    fp32 = grads(Policy(), 1.0)
+    plain, scaled = grads(policy, 1.0), grads(policy, scale)
+    torch.set_rng_state(rng)
+    rows, totals = [], {"elements": 0, "nonzero_fp32": 0, "vanished_unscaled": 0, "vanished_scaled": 0, "nonfinite_scaled": 0}
+    for name, g32 in fp32.items():
+        alive = g32 != 0
+        row = {
+            "parameter": name,
+            "elements": g32.numel(),
+            "nonzero_fp32": int(alive.sum()),
+            "vanished_unscaled": int((alive & (plain[name] == 0)).sum()),
+            "vanished_scaled": int((alive & (scaled[name] == 0)).sum()),
+            "nonfinite_scaled": int((~torch.isfinite(scaled[name])).sum()),
+        }
+        row["fraction_unscaled"] = row["vanished_unscaled"] / row["elements"]
+        row["fraction_scaled"] = row["vanished_scaled"] / row["elements"]
+        rows.append(row)
+        for k in totals:
+            totals[k] += row[k]
+    return {
+        "dtype": policy.dtype,
+        "scale": scale,
+        "parameters": rows,
+        "total": {**totals, "fraction_unscaled": totals["vanished_unscaled"] / max(totals["elements"], 1),
+                  "fraction_scaled": totals["vanished_scaled"] / max(totals["elements"], 1)},
+    }

@@ -1,0 +1,189 @@
+"""One report for every variant side by side: decision, reasons, key metrics, benchmark, plots.
+
+Pure: the loaded stage outputs in, text out. ``html`` is the self-contained page (plots embedded as
+base64 PNG) that the report stage writes and publish uploads; ``markdown`` is the same summary without
+images, which MLflow shows as the description of the pipeline run. No timestamps, no absolute paths:
+the same inputs give the same bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import html as _html
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+# Plot files of one variant, in the order the report shows them, with their captions.
+PLOTS = (
+    ("loss", "Loss per step, FP32 vs AMP"),
+    ("scale", "Loss scale per step, skipped updates marked"),
+    ("scores", "Outputs, reference vs trial"),
+    ("errors", "Absolute error histogram"),
+)
+
+
+def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
+    """The side-by-side table: one (label, [cell per variant]) row per key figure.
+
+    Each variant is a mapping with ``dtype``, ``decision`` (decision.json), ``metrics`` (the compare
+    metrics, flat), ``diagnosis`` (diagnosis.json) and ``benchmark`` (benchmark.json).
+    """
+
+    def metric(key: str) -> Callable[[Mapping], str]:
+        return lambda v: _num(v["metrics"].get(key))
+
+    outputs = sorted({k.split(".")[1] for v in variants for k in v["metrics"] if k.startswith("values.") and k.count(".") >= 2})
+    table: list[tuple[str, Callable[[Mapping], str]]] = [
+        ("decision", lambda v: v["decision"]["decision"].upper()),
+        ("reasons", lambda v: str(len(v["decision"]["reasons"]))),
+        ("quality: reference", metric("quality.reference")),
+        ("quality: AMP inference", metric("quality.trial")),
+        ("quality: AMP after training", metric("quality.trained")),
+        ("decision flips (non-boundary)", metric("decisions.flips")),
+        ("boundary flips", lambda v: f"{_num(v['metrics'].get('decisions.boundary_flips'))} of {_num(v['metrics'].get('decisions.boundary_cases'))}"),
+    ]
+    for name in outputs:
+        table += [
+            (f"'{name}': max |error|", metric(f"values.{name}.max_abs")),
+            (f"'{name}': p99 |error|", metric(f"values.{name}.p99_abs")),
+            (f"'{name}': fraction outside tolerance", metric(f"values.{name}.failing_fraction")),
+            (f"'{name}': non-finite where FP32 is finite", metric(f"values.{name}.nonfinite_trial_only")),
+        ]
+    table += [
+        ("training: max loss gap", metric("training.max_loss_gap")),
+        ("training: steps outside loss band", metric("training.band_violations")),
+        ("training: skipped fraction", metric("training.skipped_fraction")),
+        ("training: real updates", metric("training.real_updates")),
+        ("training: final loss scale", metric("training.final_scale")),
+        ("diagnosis findings", lambda v: str(len(v["diagnosis"].get("findings", [])))),
+        ("benchmark: speedup (median, IQR)", _speedup),
+        ("benchmark: s/step FP32 (median)", lambda v: _seconds(v, "fp32")),
+        ("benchmark: s/step AMP (median)", lambda v: _seconds(v, "amp")),
+    ]
+    return [(label, [cell(v) for v in variants]) for label, cell in table]
+
+
+def markdown(reference: Mapping[str, Any], variants: Sequence[Mapping[str, Any]]) -> str:
+    """The summary as Markdown (MLflow run description, pull-request comments)."""
+    dtypes = [v["dtype"] for v in variants]
+    out = [
+        "# AMP validation",
+        "",
+        f"Acceptance rule sha256 `{reference['rule_sha256']}`; reference run key `{reference['run_key'][:16]}`; "
+        f"{_env(reference['env'])}.",
+        "",
+        "| | " + " | ".join(dtypes) + " |",
+        "|---|" + "---|" * len(dtypes),
+    ]
+    out += [f"| {_cell(label)} | " + " | ".join(_cell(c) for c in cells) + " |" for label, cells in rows(variants)]
+    for v in variants:
+        reasons = v["decision"]["reasons"]
+        out += ["", f"## {v['dtype']}: {v['decision']['decision'].upper()}", ""]
+        out += [f"- {r}" for r in reasons] or ["- every criterion of the rule passed"]
+    return "\n".join(out) + "\n"
+
+
+def html(reference: Mapping[str, Any], variants: Sequence[Mapping[str, Any]], images: Mapping[str, Mapping[str, bytes]]) -> str:
+    """The self-contained HTML report; ``images[dtype][plot]`` are PNG bytes (see ``PLOTS``)."""
+    e = _html.escape
+    dtypes = [v["dtype"] for v in variants]
+    head = "".join(f"<th>{e(d)}</th>" for d in dtypes)
+    body = []
+    for label, cells in rows(variants):
+        css = [f' class="{c.lower()}"' if c in ("ACCEPT", "ROLLBACK") else "" for c in cells]
+        body.append(f"<tr><th>{e(label)}</th>" + "".join(f"<td{k}>{e(c)}</td>" for k, c in zip(css, cells)) + "</tr>")
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8"><title>AMP validation report</title>',
+        f"<style>{_CSS}</style></head><body>",
+        "<h1>AMP validation report</h1>",
+        f"<p>Acceptance rule sha256 <code>{e(reference['rule_sha256'])}</code><br>"
+        f"Reference run key <code>{e(reference['run_key'])}</code><br>"
+        f"Reference: {e(_env(reference['env']))}; {e(_cases(reference.get('cases', {})))}</p>",
+        "<h2>Variants side by side</h2>",
+        f'<table class="summary"><tr><th></th>{head}</tr>',
+        *body,
+        "</table>",
+    ]
+    for v in variants:
+        d, decision = v["dtype"], v["decision"]
+        parts.append(f'<h2 id="{e(d)}">{e(d)}: <span class="{e(decision["decision"])}">{e(decision["decision"].upper())}</span></h2>')
+        parts.append(f"<p>{e(_env(v.get('env') or {}))}</p>")
+        reasons = decision["reasons"]
+        parts.append("<h3>Reasons</h3><ul>" + ("".join(f"<li>{e(r)}</li>" for r in reasons) or "<li>every criterion of the rule passed</li>") + "</ul>")
+        checks = decision.get("checks", [])
+        if checks:
+            parts.append(f"<details><summary>{len(checks)} passing check(s)</summary><ul>" + "".join(f"<li>{e(c)}</li>" for c in checks) + "</ul></details>")
+        findings = v["diagnosis"].get("findings", [])
+        if findings:
+            parts.append("<h3>Diagnosis</h3><ul>" + "".join(f"<li>{e(f)}</li>" for f in findings) + "</ul>")
+        bench = v["benchmark"]
+        if not bench.get("benchmarked"):
+            parts.append(f"<p>Benchmark: {e(str(bench.get('reason', 'not benchmarked')))}</p>")
+        figures = images.get(d, {})
+        parts.append('<div class="plots">')
+        for name, caption in PLOTS:
+            if name in figures:
+                data = base64.b64encode(figures[name]).decode("ascii")
+                parts.append(f'<figure><img alt="{e(caption)}" src="data:image/png;base64,{data}"><figcaption>{e(caption)}</figcaption></figure>')
+        parts.append("</div>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+_CSS = (
+    "body{font-family:sans-serif;margin:2em;max-width:1400px}"
+    "table.summary{border-collapse:collapse}th,td{border:1px solid #ccc;padding:4px 10px;text-align:left}"
+    "td{font-family:monospace}.accept{color:#176b2c;font-weight:bold}.rollback{color:#b00020;font-weight:bold}"
+    ".plots{display:flex;flex-wrap:wrap;gap:1em}figure{margin:0}img{max-width:640px}"
+)
+
+
+def _cell(text: str) -> str:
+    """A Markdown table cell: a bare ``|`` would end it."""
+    return text.replace("|", "\\|")
+
+
+def _num(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if value.is_integer() and abs(value) < 1e15:
+            return str(int(value))
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _speedup(v: Mapping) -> str:
+    b = v["benchmark"]
+    if not b.get("benchmarked"):
+        return "not benchmarked"
+    s = b["speedup"]
+    return f"x{s['median']:.2f} ({s['q1']:.2f}-{s['q3']:.2f})"
+
+
+def _seconds(v: Mapping, name: str) -> str:
+    b = v["benchmark"]
+    if not b.get("benchmarked"):
+        return "-"
+    return f"{b['seconds_per_step'][name]['median']:.3g}"
+
+
+def _env(env: Mapping[str, Any]) -> str:
+    if not env:
+        return "environment not recorded"
+    return f"backend {env.get('backend', '?')}, device {env.get('device_name', '?')}, torch {env.get('torch', '?')}"
+
+
+def _cases(cases: Mapping[str, Any]) -> str:
+    if not cases:
+        return "cases not recorded"
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(cases.items()) if k != "total")
+    return f"{cases.get('total', '?')} fixed cases ({kinds})"

@@ -1,0 +1,84 @@
+"""Stage report: plots per variant, flat curves for `dvc plots`, and one report of every variant side by side.
+
+Everything it writes is deterministic except the benchmark figures quoted in report.html and
+summary.md. Reads outputs with safetensors' numpy loader: this stage never needs torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from pipeline import paths, plots, report
+from pipeline.artifacts import read_json, sha256_file, write_bytes, write_json
+from pipeline.config import load_params
+from pipeline.errors import UserError
+
+
+def main(params_path: str = "params.yaml") -> None:
+    params = load_params(params_path)
+    manifest = read_json(paths.REF_MANIFEST, "freeze")
+    ref_steps = read_json(paths.REF_TRAJECTORY, "freeze")["steps"]
+    ref_out = _outputs(paths.REF_OUTPUTS, manifest["files"][str(paths.REF_OUTPUTS)], "freeze")
+    written: set[Path] = set()
+    variants, images = [], {}
+    for d in params.trial.dtypes:
+        trial_manifest = read_json(paths.trial(d) / "manifest.json", f"trial@{d}")
+        steps = read_json(paths.trial(d) / "trajectory.json", f"trial@{d}")["steps"]
+        trial_out = _outputs(paths.trial(d) / "outputs.safetensors", trial_manifest["files"]["outputs.safetensors"], f"trial@{d}")
+        stats = read_json(paths.compare(d) / "stats.json", f"compare@{d}")
+        figures = {
+            "loss": plots.loss_curves(ref_steps, steps, d),
+            "scale": plots.loss_scale(steps, d),
+            "scores": plots.scores(ref_out, trial_out, d),
+            "errors": plots.error_histogram(ref_out, trial_out, {n: g["atol"] for n, g in stats["values"].items()}, d),
+        }
+        for name, png in figures.items():
+            written.add(_write(paths.report_plot(d, name), png))
+        for family, rows in plots.curve_rows(ref_steps, steps).items():
+            write_json(paths.report_curve(family, d), rows)
+            written.add(paths.report_curve(family, d))
+        images[d] = figures
+        variants.append({
+            "dtype": d,
+            "env": trial_manifest["env"],
+            "decision": read_json(paths.decision(d) / "decision.json", f"decide@{d}"),
+            "metrics": read_json(paths.compare_metrics(d), f"compare@{d}"),
+            "diagnosis": read_json(paths.diagnose(d) / "diagnosis.json", f"diagnose@{d}"),
+            "benchmark": read_json(paths.benchmark(d) / "benchmark.json", f"benchmark@{d}"),
+        })
+    reference = {k: manifest[k] for k in ("rule_sha256", "run_key", "env", "cases") if k in manifest}
+    written.add(_write(paths.REPORT_HTML, report.html(reference, variants, images).encode()))
+    written.add(_write(paths.REPORT_SUMMARY, report.markdown(reference, variants).encode()))
+    _prune(paths.REPORT, written)
+    print(f"report: {paths.REPORT_HTML} ({len(variants)} variant(s): " + ", ".join(f"{v['dtype']} {v['decision']['decision']}" for v in variants) + ")")
+
+
+def _write(path: Path, data: bytes) -> Path:
+    write_bytes(path, data)
+    return path
+
+
+def _outputs(path: Path, expected_sha256: str, produced_by: str) -> dict[str, np.ndarray]:
+    """Named output arrays of a safetensors file, after checking it is the one its manifest names.
+
+    Raises:
+        UserError: missing or replaced file.
+    """
+    from safetensors.numpy import load_file
+
+    if not path.is_file():
+        raise UserError(f"{path} not found; run `dvc repro {produced_by}` first")
+    if sha256_file(path) != expected_sha256:
+        raise UserError(f"{path} differs from its manifest (sha256); restore it with `dvc checkout` or rerun `dvc repro {produced_by}`")
+    return load_file(str(path))
+
+
+def _prune(folder: Path, keep: set[Path]) -> None:
+    """Remove what an earlier run left here for dtypes no longer configured (the folder is this stage's)."""
+    for path in sorted(folder.rglob("*"), reverse=True):
+        if path.is_file() and path not in keep:
+            path.unlink()
+        elif path.is_dir() and not any(path.iterdir()):
+            path.rmdir()

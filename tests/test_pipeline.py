@@ -1,0 +1,179 @@
+"""End to end: real `dvc repro` in a temporary git repository, real safetensors, real MLflow (sqlite)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import dvc, make_project, run, stage
+from pipeline import checkpoint
+
+pytestmark = pytest.mark.integration
+
+
+def digest_tree(root: Path, skip: tuple[str, ...] = ("data/benchmark",)) -> dict[str, str]:
+    out = {}
+    for p in sorted((root / "data").rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and not rel.startswith(skip) and p.name != ".gitignore":
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def test_every_stage_produced_its_outputs(reproduced):
+    data = reproduced / "data"
+    for dtype in ("float16", "bfloat16"):
+        decision = json.loads((data / "decision" / dtype / "decision.json").read_text())
+        assert decision["decision"] in ("accept", "rollback")
+        assert isinstance(decision["reasons"], list)
+        assert len(decision["rule_sha256"]) == 64
+        ckpt = checkpoint.load(data / "trial" / dtype / "checkpoint.safetensors")
+        if dtype == "float16":
+            assert ckpt.meta["grad_scaler"]["scale"] > 0 and "_growth_tracker" in ckpt.meta["grad_scaler"]
+        else:
+            assert ckpt.meta["grad_scaler"] == {}  # BF16 trains without loss scaling
+        assert ckpt.meta["policy"]["dtype"] == dtype
+        trajectory = json.loads((data / "trial" / dtype / "trajectory.json").read_text())["steps"]
+        assert {"loss", "grad_norm", "scale", "skipped", "real_updates"} <= set(trajectory[0])
+        bench = json.loads((data / "benchmark" / dtype / "benchmark.json").read_text())
+        assert bench["benchmarked"] == (decision["decision"] == "accept")
+    manifest = json.loads((data / "reference" / "manifest.json").read_text())
+    ref = checkpoint.load(data / "reference" / "checkpoint.safetensors", manifest["files"]["data/reference/checkpoint.safetensors"])
+    assert any(k.startswith("optim/") for k in ref.tensors) and "rng/cpu" in ref.tensors
+    kinds = manifest["cases"]
+    assert kinds["ordinary"] == 64 and kinds["edge"] > 0 and kinds["boundary"] > 0
+
+
+def test_second_repro_runs_nothing_and_status_is_clean(reproduced):
+    status = dvc(reproduced, "status")
+    assert "up to date" in status.stdout.lower(), status.stdout
+    again = dvc(reproduced, "repro")
+    assert "Running stage" not in again.stdout, again.stdout
+
+
+def test_repro_force_is_byte_identical(reproduced, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(reproduced, copy, symlinks=True)
+    before = digest_tree(copy)
+    dvc(copy, "repro", "--force")
+    after = digest_tree(copy)
+    assert before.keys() == after.keys()
+    changed = [k for k in before if before[k] != after[k]]
+    assert not changed, changed
+    assert len(before) > 20
+
+
+def test_mlflow_holds_one_run_per_stage_variant(reproduced):
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{reproduced / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("amp-validation")
+    runs = client.search_runs([exp.experiment_id])
+    names = {r.info.run_name for r in runs}
+    for dtype in ("float16", "bfloat16"):
+        assert {f"trial@{dtype}", f"compare@{dtype}", f"decide@{dtype}", f"benchmark@{dtype}"} <= names
+    decide = next(r for r in runs if r.info.run_name == "decide@float16")
+    decision = json.loads((reproduced / "data/decision/float16/decision.json").read_text())
+    assert decide.data.tags["decision"] == decision["decision"]
+    for tag in ("dtype", "backend", "torch_version", "git_commit", "rule_sha256", "device_name"):
+        assert decide.data.tags.get(tag), tag
+
+
+BYO_MODEL = '''
+import torch
+
+
+def load_data(width=6, **_):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(200, width, generator=g)
+    y = (x[:, 0] > 0).long()
+    return {"train_x": x[:150], "train_y": y[:150], "eval_x": x[150:], "eval_y": y[150:]}
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.body = torch.nn.Linear(width, 16)
+        self.cls = torch.nn.Linear(16, 2)
+        self.aux = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return {"output": self.cls(h), "aux": self.aux(h) * 100.0}
+
+
+def build_model(width=6, **_):
+    return TwoHeads(width)
+'''
+
+
+def test_bring_your_own_model_with_named_outputs(tmp_path):
+    override = {
+        "task": {"model": "usermodels.twoheads:build_model", "data": "usermodels.twoheads:load_data", "options": {"width": 6}},
+        "acceptance": {"outputs": {"*": {"atol": 0.05, "rtol": 0.02}, "aux": {"atol": 1.0, "rtol": 0.05}}, "min_quality": 0.5},
+        "trial": {"dtypes": ["bfloat16"]},
+    }
+    repo = make_project(tmp_path / "repo", override)
+    (repo / "usermodels").mkdir()
+    (repo / "usermodels" / "__init__.py").write_text("")
+    (repo / "usermodels" / "twoheads.py").write_text(textwrap.dedent(BYO_MODEL))
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "user model"], repo)
+    dvc(repo, "repro")
+    stats = json.loads((repo / "data/compare/bfloat16/stats.json").read_text())
+    assert set(stats["values"]) == {"aux", "output"}
+    assert stats["values"]["aux"]["atol"] == 1.0 and stats["values"]["output"]["atol"] == 0.05
+    assert stats["values"]["aux"]["max_abs"] > stats["values"]["output"]["max_abs"]  # x100 head, bigger gaps
+    assert json.loads((repo / "data/decision/bfloat16/decision.json").read_text())["decision"] in ("accept", "rollback")
+
+
+def test_regression_example_runs_end_to_end(tmp_path):
+    override = {
+        "task": {"kind": "regression", "loss": "mse", "model": "pipeline.examples.diabetes:build_model", "data": "pipeline.examples.diabetes:load_data"},
+        "acceptance": {"threshold": 1.0, "min_quality": -1.5},
+        "trial": {"dtypes": ["bfloat16"]},
+        "reference": {"lr": 0.01},
+    }
+    repo = make_project(tmp_path / "repo", override)
+    dvc(repo, "repro")
+    stats = json.loads((repo / "data/compare/bfloat16/stats.json").read_text())
+    assert stats["quality"]["metric"] == "neg_rmse"
+    for key in ("mae", "rmse", "max_error", "extreme_low_mae", "extreme_high_mae", "output_min", "output_max"):
+        assert key in stats["regression"]["trial"]
+    assert stats["flips"]["boundary_cases"] == 0
+    assert not (repo / "data/trial/float16").exists()  # the matrix follows trial.dtypes
+
+
+def test_restore_verifies_hashes_and_restores_the_reference_state(reproduced, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(reproduced, copy, symlinks=True)
+    dtype = "bfloat16"  # the tiny rule (conftest.TINY) rolls BF16 back
+    decision = json.loads((copy / f"data/decision/{dtype}/decision.json").read_text())
+    assert decision["decision"] == "rollback", decision
+    package = copy / f"data/decision/{dtype}/rollback"
+    assert {"reference_policy.yaml", "manifest.json", "cases.json"} <= {p.name for p in package.iterdir()}
+    out = stage(copy, "restore", "--dtype", dtype)
+    assert out.returncode == 0, out.stderr
+    manifest = json.loads((copy / "data/reference/manifest.json").read_text())
+    restored = copy / "restored" / f"reference-{dtype}.safetensors"
+    assert hashlib.sha256(restored.read_bytes()).hexdigest() == manifest["files"]["data/reference/checkpoint.safetensors"]
+    # A tampered reference is refused, with one line and nothing restored.
+    (copy / "data/reference/checkpoint.safetensors").chmod(0o644)
+    with open(copy / "data/reference/checkpoint.safetensors", "r+b") as f:
+        f.seek(-3, 2)
+        f.write(b"\x00\x01\x02")
+    restored.unlink()
+    bad = stage(copy, "restore", "--dtype", dtype)
+    assert bad.returncode == 2 and "differs from the rollback package" in bad.stderr
+    assert "Traceback" not in bad.stderr and not restored.exists()
+
+
+def test_accepted_variant_is_benchmarked_with_spread(reproduced):
+    bench = json.loads((reproduced / "data/benchmark/float16/benchmark.json").read_text())
+    assert bench["benchmarked"] is True
+    assert bench["speedup"]["median"] > 0
