@@ -101,3 +101,27 @@ def named_outputs(result: Any, entry: str = "task.model") -> dict[str, torch.Ten
 def primary(outputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """The output that decisions and the loss are computed from: ``output``, or the first by name."""
     return outputs.get(DEFAULT_OUTPUT, next(iter(outputs.values())))
+
+
+def check_outputs(outputs: dict[str, torch.Tensor], kind: str, rows: int, targets: torch.Tensor, entry: str) -> None:
+    """Refuse outputs that cannot be compared or decided on, before any training is spent on them.
+
+    Raises:
+        UserError: wrong number of rows, classification scores not [N, C>=2], or targets out of range.
+    """
+    for name, value in outputs.items():
+        if value.shape[:1] != (rows,):
+            raise UserError(f"task.model {entry}: output '{name}' has shape {tuple(value.shape)} for a batch of {rows}; return one row per sample")
+        if not value.is_floating_point():
+            raise UserError(f"task.model {entry}: output '{name}' is {value.dtype}; return floating-point scores or values")
+    scores = primary(outputs)
+    if kind == "classification":
+        if scores.ndim != 2 or scores.shape[1] < 2:
+            raise UserError(
+                f"task.model {entry}: classification needs scores of shape [N, classes>=2], got {tuple(scores.shape)}; "
+                f"return one score per class, or set task.kind: regression"
+            )
+        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= scores.shape[1]):
+            raise UserError(f"task.data: targets range over {int(targets.min())}..{int(targets.max())} but the model scores {scores.shape[1]} classes; make them agree")
+    elif scores.reshape(rows, -1).shape[1] != targets.reshape(targets.shape[0], -1).shape[1]:
+        raise UserError(f"task.model {entry}: output has {scores.reshape(rows, -1).shape[1]} value(s) per sample but targets have {targets.reshape(targets.shape[0], -1).shape[1]}; make them agree")

@@ -100,3 +100,66 @@ def decide(stats: dict, rule: AcceptanceConfig, findings: list[str] | None = Non
     if reasons and findings:
         reasons.extend(f"diagnosis: {f}" for f in findings)
     return {"decision": "rollback" if reasons else "accept", "reasons": reasons, "checks": checks}
+
+
+# Direction in which each criterion of the rule gets looser: +1 when a larger value lets more through.
+_LOOSER_WHEN = {
+    "max_failing_fraction": +1,
+    "boundary_margin": +1,  # more cases count as boundary cases, whose flips are limited less
+    "max_flips": +1,
+    "max_boundary_flip_fraction": +1,
+    "min_quality": -1,
+    "max_quality_drop": +1,
+    "loss_rtol": +1,
+    "loss_atol": +1,
+    "max_skipped_fraction": +1,
+    "stall_window": +1,
+    "min_scale": -1,
+}
+
+
+def loosened(old: dict, new: dict) -> list[str]:
+    """Criteria on which rule ``new`` lets through more than rule ``old`` (both as plain dicts).
+
+    Any loosened criterion is listed, even if others were tightened: a tolerance widened to make a
+    case disappear must be visible whatever else changed.
+    """
+    out = []
+    names = sorted(set(old["outputs"]) | set(new["outputs"]))
+    for name in names:
+        o = old["outputs"].get(name, old["outputs"].get("*", {}))
+        n = new["outputs"].get(name, new["outputs"].get("*", {}))
+        for key in ("atol", "rtol"):
+            if key in o and key in n and n[key] > o[key]:
+                out.append(f"outputs.{name}.{key} {o[key]:g} -> {n[key]:g}")
+    for key, sign in _LOOSER_WHEN.items():
+        a, b = old.get(key), new.get(key)
+        if a is None and b is None:
+            continue
+        if key == "min_quality" and (a is not None and b is None):
+            out.append("min_quality removed")
+            continue
+        if a is None or b is None:
+            continue
+        if (b - a) * sign > 0:
+            out.append(f"{key} {a:g} -> {b:g}")
+    if old.get("tie_rule") == "tie_is_flip" and new.get("tie_rule") == "lowest_index":
+        out.append("tie_rule tie_is_flip -> lowest_index")
+    if old.get("threshold") is not None and new.get("threshold") is None:
+        out.append("threshold removed")
+    return out
+
+
+def flag_loosened_rule(decision: dict, rule: dict, earlier_rollbacks: list[dict]) -> dict:
+    """On an accept, say so when an earlier rollback of the same reference ran under a stricter rule."""
+    if decision["decision"] != "accept":
+        return decision
+    for earlier in earlier_rollbacks:
+        diff = loosened(earlier["rule"], rule)
+        if diff:
+            decision["reasons"].append(
+                f"warning: accepted under a rule looser than the one (sha256 {earlier['rule_sha256'][:12]}) under which this "
+                f"reference was rolled back before: {'; '.join(diff)}"
+            )
+            decision.setdefault("tags", {})["rule_loosened"] = "true"
+    return decision

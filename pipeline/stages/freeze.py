@@ -27,6 +27,9 @@ def main(params_path: str = "params.yaml") -> None:
 
     model = task.build_model(params.task, params.seed)
     init = checkpoint.capture(model)
+    probe = training.infer(model, train_t["x"][:2], FP32, device, eval_mode=True)
+    task.check_outputs(probe, params.task.kind, min(2, train_t["x"].shape[0]), train_t["y"], params.task.model)
+    checkpoint.restore(init, model)  # the probe must not move the RNG the training starts from
     run_key = _run_key(params, inputs)
     resume = checkpoint.ResumeFile(paths.RESUME / "reference.safetensors", run_key)
     result = training.train(

@@ -1,0 +1,94 @@
+"""params.yaml loads into the typed config once; mistakes are named; the rule hash is canonical."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import config, paths
+from pipeline.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(tmp_path, text):
+    p = tmp_path / "params.yaml"
+    p.write_text(text)
+    return config.load_params(p)
+
+
+def test_shipped_params_load_and_every_section_is_present():
+    params = config.load_params(ROOT / "params.yaml")
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert set(raw) == {f.name for f in config.dataclasses.fields(config.Params)}
+    assert params.trial.dtypes == ["float16", "bfloat16"]
+    assert params.acceptance.tolerance("anything").atol == 0.05
+
+
+def test_empty_file_gives_defaults(tmp_path):
+    assert load(tmp_path, "") == config.Params()
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("acceptance: {outputs: {'*': {atol: -1, rtol: 0}}}", ["acceptance.outputs.*.atol", "0 or more"]),
+        ("trial: {dtypes: [fp8]}", ["trial.dtypes[0]", "'float16', 'bfloat16'"]),
+        ("task: {model: digits}", ["task.model", "module:function"]),
+        ("reference: {train_steps: 1.5}", ["reference.train_steps", "integer"]),
+        ("reference: {eval_mode: 'yes'}", ["reference.eval_mode", "true or false"]),
+        ("bench: {repeats: 0}", ["bench.repeats", "greater than 0"]),
+        ("reference: {lr_schedule: {kind: cosine}}", ["reference.lr_schedule.kind", "'none', 'step'"]),
+        ("acceptance: {loss_atol: .nan}", ["acceptance.loss_atol", "finite"]),
+        ("device: tpu", ["device", "'auto', 'cpu', 'cuda'"]),
+        ("task: [1, 2]", ["task must be a mapping"]),
+        ("trial: {dtypes: [float16, float16]}", ["twice"]),
+    ],
+)
+def test_mistakes_name_the_key_and_the_fix(tmp_path, text, words):
+    with pytest.raises(UserError) as err:
+        load(tmp_path, text)
+    message = str(err.value)
+    assert "\n" not in message
+    for w in words:
+        assert w in message, (w, message)
+
+
+def test_unknown_key_lists_the_known_ones(tmp_path):
+    with pytest.raises(UserError, match=r"unknown key 'acceptance.atoll'.*max_failing_fraction"):
+        load(tmp_path, "acceptance: {atoll: 0.1}")
+
+
+def test_rule_hash_is_canonical_and_sensitive(tmp_path):
+    a = load(tmp_path, "acceptance: {max_flips: 0, loss_atol: 0.05}").acceptance.sha256()
+    b = load(tmp_path, "acceptance: {loss_atol: 0.05, max_flips: 0}").acceptance.sha256()
+    c = load(tmp_path, "acceptance: {loss_atol: 0.05, max_flips: 1}").acceptance.sha256()
+    assert a == b != c
+    assert load(tmp_path, "acceptance: {loss_atol: 1}").acceptance.loss_atol == 1.0  # ints are numbers too
+
+
+def test_dvc_yaml_and_paths_table_agree():
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    declared = set()
+    for stage in dvc["stages"].values():
+        for kind in ("outs", "metrics"):
+            for item in stage.get(kind, []):
+                declared.add(next(iter(item)) if isinstance(item, dict) else item)
+    d = "${item.dtype}"
+    expected = {
+        str(paths.PREPARED_CASES), str(paths.PREPARED_TRAIN), str(paths.REFERENCE),
+        str(paths.trial(d)), str(paths.compare(d)), str(paths.diagnose(d)), str(paths.decision(d)),
+        str(paths.compare_metrics(d)), str(paths.decision_metrics(d)),
+    }
+    assert expected <= declared, expected - declared
+
+
+def test_each_stage_declares_only_sections_that_exist():
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    sections = {f.name for f in config.dataclasses.fields(config.Params)}
+    for name, stage in dvc["stages"].items():
+        for p in stage.get("params", []):
+            key = p if isinstance(p, str) else next(iter(p))
+            if key.endswith(".yaml"):  # a whole params file (publish labels runs with every param)
+                continue
+            assert key.split(".")[0] in sections, (name, key)
