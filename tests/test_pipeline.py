@@ -177,3 +177,24 @@ def test_accepted_variant_is_benchmarked_with_spread(reproduced):
     bench = json.loads((reproduced / "data/benchmark/float16/benchmark.json").read_text())
     assert bench["benchmarked"] is True
     assert bench["speedup"]["median"] > 0
+
+
+def test_checkout_of_older_params_restores_the_old_decision(reproduced, tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(reproduced, repo, symlinks=True)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "first results"], repo)
+    old = (repo / "data/decision/bfloat16/decision.json").read_bytes()
+    assert json.loads(old)["decision"] == "rollback"  # the tiny rule's atol 0.002 is below BF16's gaps
+
+    # A looser rule (what the guide forbids doing silently): BF16 now passes the value check.
+    params = (repo / "params.yaml").read_text().replace("atol: 0.002", "atol: 0.05")
+    (repo / "params.yaml").write_text(params)
+    dvc(repo, "repro")
+    new = json.loads((repo / "data/decision/bfloat16/decision.json").read_text())
+    assert new["rule_sha256"] != json.loads(old)["rule_sha256"]
+
+    run(["git", "checkout", "HEAD", "--", "params.yaml"], repo)
+    again = dvc(repo, "repro")
+    assert "Running stage 'freeze'" not in again.stdout  # restored from the DVC run cache, not recomputed
+    assert (repo / "data/decision/bfloat16/decision.json").read_bytes() == old

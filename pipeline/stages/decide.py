@@ -22,6 +22,10 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     trial_manifest = read_json(paths.trial(dtype) / "manifest.json", f"trial@{dtype}")
     result = verdict.decide(stats, params.acceptance, diagnosis["findings"])
     result.update({"dtype": dtype, "rule_sha256": rule_sha, "policy": trial_manifest["policy"], "env": trial_manifest["env"]})
+    differs = trial_manifest["env_differs_from_reference"]
+    if differs:
+        # Floating-point results differ across devices and execution paths: say so, beside the verdict.
+        result["notes"] = [f"the trial ran with a different {', '.join(differs)} than the reference: {manifest['env']} vs {trial_manifest['env']}"]
     out = paths.decision(dtype)
     if result["decision"] == "rollback":
         result["rollback_package"] = str(out / "rollback")
