@@ -12,7 +12,7 @@ import sys
 
 from pipeline.errors import UserError
 
-STAGES = ("prepare", "freeze", "trial", "compare", "diagnose", "decide", "benchmark", "publish", "restore")
+STAGES = ("prepare", "freeze", "trial", "compare", "diagnose", "decide", "benchmark", "report", "publish", "restore")
 PER_DTYPE = {"trial", "compare", "diagnose", "decide", "benchmark", "restore"}
 
 

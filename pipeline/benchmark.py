@@ -18,7 +18,8 @@ The method, and why:
 - Memory: each variant runs in its own fresh process (``python -m pipeline.benchmark``), so one variant's
   cached blocks never count for the other. GPU: ``torch.cuda.max_memory_allocated`` after
   ``reset_peak_memory_stats``. CPU: the process's peak resident memory (VmHWM), reset through
-  ``/proc/self/clear_refs`` before each round, with large blocks mmapped so freed memory leaves the process.
+  ``/proc/self/clear_refs`` before each round, with large blocks mmapped so freed memory leaves the process
+  (probes run single-threaded: a step's tensors do not depend on the thread count).
 - Figures: median and interquartile range over rounds; speedup (fp32 / amp time) and memory ratio (amp /
   fp32 peak) from per-round pairs, with their own median and IQR.
 """
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import ctypes.util
 import json
 import math
 import os
@@ -36,9 +36,9 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
@@ -48,9 +48,11 @@ from pipeline.config import Params, load_params
 from pipeline.errors import UserError
 from pipeline.precision import Policy
 
-# Large buffers (activations, gradients) go through mmap and return to the OS when freed, so the resident
-# size follows live memory instead of glibc's heap high-water mark. Read by glibc at process start.
-_CPU_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+# Environment of a memory probe. Large buffers (activations, gradients) go through mmap and return to the OS
+# when freed, so the resident size follows live memory instead of glibc's heap high-water mark (read by
+# glibc at process start). One thread: a step's tensors do not depend on the thread count, and probes
+# running side by side then take one core each instead of fighting over all of them.
+_PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
 
 
 # --- statistics (pure) --------------------------------------------------------------------------------
@@ -266,35 +268,55 @@ def peak_memory(step: Callable[[], None], warmup: int, repeats: int, steps: int,
     return {"peak": peaks, "baseline": baselines, "method": "peak resident set (VmHWM) reset via /proc/self/clear_refs"}
 
 
-def measure_memory(params_path: str, dtype: str, names: list[str], parallel: bool, cwd: str | Path = ".") -> dict[str, dict]:
-    """Run ``python -m pipeline.benchmark`` once per variant, each in a fresh process, and collect the figures.
+class MemoryProbes:
+    """``python -m pipeline.benchmark`` once per variant, each in a fresh process: start them, then collect.
 
-    ``parallel`` runs the processes side by side: right on the CPU, where peak resident memory is per
-    process and CPU contention does not change it; on a GPU they run one after the other, so that two
-    large models never compete for the device's memory.
-
-    Raises:
-        UserError: a child stopped on a user mistake (its one line is passed on).
-        RuntimeError: a child crashed (a bug: its stderr is attached).
+    On the CPU they run side by side: peak resident memory is per process, and CPU contention does not
+    change it; the caller may load its own models meanwhile, but must ``collect`` before timing anything.
+    On a GPU they run one after the other, so two large models never compete for the device's memory.
     """
-    env = dict(os.environ, **_CPU_MEMORY_ENV)
 
-    def start(name: str) -> tuple[list[str], subprocess.Popen]:
-        cmd = [sys.executable, "-m", "pipeline.benchmark", "--params", params_path, "--dtype", dtype, "--variant", name]
-        return cmd, subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def __init__(self, params_path: str, dtype: str, names: list[str], parallel: bool, cwd: str | Path = ".") -> None:
+        self.env = dict(os.environ, **_PROBE_ENV)
+        self.cwd, self.parallel = cwd, parallel
+        self.cmds = {
+            n: [sys.executable, "-m", "pipeline.benchmark", "--params", params_path, "--dtype", dtype, "--variant", n]
+            for n in names
+        }
+        self.running = {n: self._start(n) for n in names} if parallel else {}
 
-    def finish(cmd: list[str], proc: subprocess.Popen) -> dict:
-        stdout, stderr = proc.communicate()
-        if proc.returncode == 2:
-            raise UserError(stderr.strip().splitlines()[-1].removeprefix("error: "))
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{stderr[-3000:]}")
-        return json.loads(stdout.strip().splitlines()[-1])
+    def _start(self, name: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            self.cmds[name], cwd=self.cwd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
 
-    if parallel:
-        running = {name: start(name) for name in names}
-        return {name: finish(*running[name]) for name in names}
-    return {name: finish(*start(name)) for name in names}
+    def collect(self) -> dict[str, dict]:
+        """Each variant's figures (``peak_memory``'s result).
+
+        Raises:
+            UserError: a child stopped on a user mistake (its one line is passed on).
+            RuntimeError: a child crashed (a bug: its stderr is attached).
+        """
+        out = {}
+        for name, cmd in self.cmds.items():
+            proc = self.running[name] if self.parallel else self._start(name)
+            stdout, stderr = proc.communicate()
+            if proc.returncode == 2:
+                raise UserError(stderr.strip().splitlines()[-1].removeprefix("error: "))
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{stderr[-3000:]}")
+            out[name] = json.loads(stdout.strip().splitlines()[-1])
+        return out
+
+    def __enter__(self) -> MemoryProbes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # A stage that stopped early leaves no child behind.
+        for proc in self.running.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 def memory_summary(by_variant: dict[str, dict]) -> dict:
@@ -317,19 +339,13 @@ def memory_summary(by_variant: dict[str, dict]) -> dict:
     return out
 
 
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-
-
 def _trim_heap() -> None:
     """Give freed heap pages back to the OS (glibc), so the round's baseline is live memory only."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    try:
+        # The symbols already loaded into this process: no library search, no subprocess.
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim, the baseline is a little high
+        pass
 
 
 def _reset_peak_rss() -> bool:
@@ -353,7 +369,9 @@ def _proc_status_bytes(field: str) -> int:
 
 def _child(argv: list[str] | None = None) -> int:
     """``python -m pipeline.benchmark --dtype D --variant V``: print one variant's memory figures as JSON."""
-    parser = argparse.ArgumentParser(prog="python -m pipeline.benchmark", description="Peak memory of one benchmark variant, in this process.")
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.benchmark", description="Peak memory of one benchmark variant, in this process."
+    )
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--dtype", required=True)
     parser.add_argument("--variant", required=True, choices=("fp32", "tf32", "amp"))

@@ -210,12 +210,15 @@ class AcceptanceConfig:
 
 @dataclass(frozen=True)
 class BenchConfig:
+    """How benchmark@DTYPE measures (the method is in pipeline/benchmark.py); the workload is the trial's."""
+
     warmup: int = 3
-    """Untimed steps before measuring."""
-    repeats: int = 5
-    """Interleaved FP32/AMP rounds; medians and spread come from these."""
+    """Untimed steps of each variant before any round (allocator, kernel choice, autocast cache)."""
+    repeats: int = 10
+    """Rounds: each times every variant (FP32, TF32 where the GPU has it, AMP) in rotating order, and each
+    memory probe records one peak per round; medians, IQRs and per-round ratios come from these."""
     steps: int = 10
-    """Timed training steps per round."""
+    """Back-to-back training steps per round, timed together (one clock reading per round)."""
 
     def check(self, key: str) -> None:
         _non_negative(self.warmup, f"{key}.warmup")
@@ -237,9 +240,10 @@ class TrackingConfig:
 class DiagnoseConfig:
     """What diagnose@DTYPE may spend. Nothing here changes a trial: suggestions are written, never applied."""
 
-    probe: Literal["always", "on_failure", "never"] = "always"
-    """When to map the precision of every op and measure gradient underflow on one training batch (one
-    forward and a few backward passes): ``always``, only when the trial fails the rule, or ``never``."""
+    probe: Literal["always", "on_failure", "never"] = "on_failure"
+    """When to map the precision of every op and measure gradient underflow on one training batch (a few
+    passes): ``always`` (also for healthy trials: one process with torch and the model, ~the cost of a
+    tiny trial), ``on_failure`` (a healthy trial then costs a JSON read), or ``never``."""
     search_budget: int = 4
     """Most trial re-runs (inference and training under a candidate ``trial.fp32_modules``) the FP32-region
     search may spend; 0 still locates the first non-finite value but checks no suggestion."""

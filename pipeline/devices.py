@@ -80,7 +80,11 @@ def dtype_problem(env: dict[str, str], dtype: str, autocast_runs: bool) -> str |
     if env["backend"] == "cuda" and dtype in _MIN_CAPABILITY and _version(cap) < _MIN_CAPABILITY[dtype]:
         need = ".".join(map(str, _MIN_CAPABILITY[dtype]))
         other_ok = _version(cap) >= _MIN_CAPABILITY[other]
-        fix = f"use {other} instead (trial.dtypes: [{other}])" if other_ok else "keep FP32: this GPU runs neither AMP dtype natively"
+        fix = (
+            f"use {other} instead (trial.dtypes: [{other}])"
+            if other_ok
+            else f"keep FP32 (remove {dtype} from trial.dtypes): this GPU runs neither AMP dtype natively"
+        )
         return f"trial.dtypes: {dtype} cannot run natively on {where}, capability {cap}; it needs {need} or newer): {fix}"
     if not autocast_runs:
         if env["backend"] == "cpu":

@@ -51,9 +51,7 @@ def decision_metrics(dtype: str) -> Path:
     return METRICS / f"decision-{dtype}.json"
 
 
-REPORT = DATA / "report"  # the report stage's folder: plots, curves for `dvc plots`, the HTML report
-REPORT_HTML = REPORT / "report.html"
-REPORT_SUMMARY = REPORT / "summary.md"
+REPORT = DATA / "report"  # the report stage's figures (PNG) and curves for `dvc plots`; publish adds the timings
 REPORT_CURVES = REPORT / "curves"  # one folder per curve family, one flat JSON per dtype (dvc.yaml `plots:`)
 
 

@@ -39,8 +39,9 @@ def _styled(draw: Callable[..., bytes]) -> Callable[..., bytes]:
 def curve_rows(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping]) -> dict[str, list[dict]]:
     """Flat per-step rows for `dvc plots`: ``loss`` (FP32 vs AMP) and ``scale`` (loss scale, skipped).
 
-    DVC plots a list of flat records, one file per curve family; trajectory.json nests the steps
-    under a key and mixes fields, so the report stage writes these rows to files of their own.
+    The FP32 and AMP losses sit in two trajectory files, and a plot that names those files would have
+    to name every dtype in dvc.yaml. These rows put both losses in one record with fixed field names;
+    the report stage writes one file per dtype into a folder that dvc.yaml declares as a whole.
     """
     ref_loss = {int(s["step"]): s["loss"] for s in ref_steps}
     loss = [{"step": int(s["step"]), "loss_fp32": ref_loss.get(int(s["step"]), math.nan), "loss_amp": s["loss"]} for s in trial_steps]
@@ -62,6 +63,7 @@ def loss_curves(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dt
     if bad:
         ax.plot([], [], color=_BAD, alpha=0.5, label=f"non-finite AMP loss ({len(bad)} steps, first {bad[0]})")
     ax.set(xlabel="step", ylabel="training loss", title=f"Loss per step: FP32 vs AMP {dtype}")
+    _integer_steps(ax)
     ax.legend(loc="upper right")
     return _png(fig)
 
@@ -82,8 +84,9 @@ def loss_scale(trial_steps: Sequence[Mapping], dtype: str) -> bytes:
         ax.set_yscale("log", base=2)  # the scaler halves and doubles: powers of two read best
     title = f"Loss scale per step: AMP {dtype}"
     if finite and max(finite) == min(finite) == 1.0:
-        title += " (GradScaler disabled: scale fixed at 1)"
+        title += "\n(GradScaler disabled: scale fixed at 1)"
     ax.set(xlabel="step", ylabel="loss scale", title=title)
+    _integer_steps(ax)
     ax.legend(loc="lower left")
     return _png(fig)
 
@@ -149,6 +152,12 @@ def _figure(square: bool = False):
 
     fig = Figure(figsize=(4.8, 4.8) if square else _SIZE, dpi=_DPI, layout="constrained")
     return fig, fig.add_subplot()
+
+
+def _integer_steps(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _png(fig) -> bytes:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+from torch.utils._pytree import tree_map
 
 from pipeline.errors import UserError
 
@@ -43,6 +44,15 @@ class Policy:
 
     def as_dict(self) -> dict:
         return {"dtype": self.dtype or "float32", "fp32_modules": list(self.fp32_modules)}
+
+
+def strict_fp32() -> None:
+    """FP32 means FP32: no TF32 in matmuls or convolutions (on by default for cuDNN on Ampere and newer).
+
+    Autocast regions are unaffected; the reference and every op left in FP32 by a trial are exact FP32.
+    """
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def autocast(policy: Policy, device: torch.device) -> contextlib.AbstractContextManager:
@@ -95,6 +105,5 @@ def fp32_regions(model: torch.nn.Module, policy: Policy, device: torch.device) -
 
 
 def _to_fp32(value):
-    if torch.is_tensor(value) and value.is_floating_point():
-        return value.float()
-    return value
+    # Nested inputs too: an LSTM's (h0, c0) left in float16 would meet float32 weights and fail.
+    return tree_map(lambda v: v.float() if torch.is_tensor(v) and v.is_floating_point() else v, value)

@@ -9,15 +9,18 @@ On top of that one recorder:
   share of matmul-like work that ran in reduced precision;
 - missing kernels: an op without a kernel for the reduced dtype on this device is recorded with its
   name and re-run in float32 so the pass goes on (a finding, not a crash);
-- the first non-finite producer: the first op whose output is not finite while its inputs are.
+- the first non-finite producer: the first op whose output is not finite while its inputs are
+  (``trace``: one watched pass, with each module's largest output magnitude and non-finite gradients).
 
 Used by the diagnosis only: these hooks never run in the trial's or the benchmark's code.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,11 +34,31 @@ try:  # FLOP formulas of the ops PyTorch's own FlopCounterMode knows (mm, addmm,
     from torch.utils.flop_counter import flop_registry as _FLOPS
 except ImportError:  # pragma: no cover - older torch: counts only
     _FLOPS = {}
+# The CPU attention kernels take the same leading (grad_out,) query, key, value as the GPU ones the registry knows.
+_FLOPS_ALIAS = {
+    "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu_backward": "_scaled_dot_product_flash_attention_backward",
+}
 
 REDUCED = (torch.float16, torch.bfloat16)
-MATMUL_LIKE = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "convolution", "_convolution",
-               "convolution_backward", "mkldnn_convolution", "_addmm_activation", "_scaled_mm"}
-_MISSING_KERNEL = re.compile(r"not implemented for '(Half|BFloat16)'|Low precision dtypes not supported|Unsupported dtype (Half|BFloat16)")
+MATMUL_LIKE = {
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "addbmm",
+    "matmul",
+    "linear",
+    "convolution",
+    "_convolution",
+    "convolution_backward",
+    "mkldnn_convolution",
+    "_addmm_activation",
+    "_scaled_mm",
+}
+_MISSING_KERNEL = re.compile(
+    r"not implemented for '(Half|BFloat16)'|Low precision dtypes not supported|Unsupported dtype (Half|BFloat16)"
+)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -44,7 +67,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def is_matmul_like(op: str) -> bool:
     """``op`` is the overload packet name (``addmm``); attention kernels count as matmul work too."""
-    return op in MATMUL_LIKE or op.startswith("_scaled_dot_product") or op.endswith("_attention") or "convolution" in op
+    return op in MATMUL_LIKE or "attention" in op or "convolution" in op
 
 
 def _floats(tree: Any) -> list[torch.Tensor]:
@@ -82,7 +105,7 @@ class ModuleScope:
             return self.backward_module
         return self.stack[-1] if self.stack else ""
 
-    def __enter__(self) -> "ModuleScope":
+    def __enter__(self) -> ModuleScope:
         for name, module in self.model.named_modules():
             self._handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self.stack.append(n)))
             self._handles.append(module.register_forward_hook(lambda m, a, out, n=name: self._after(n, m, out)))
@@ -124,7 +147,8 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        op = func._overloadpacket.__name__
+        packet = getattr(func, "_overloadpacket", func)
+        op = getattr(packet, "__name__", str(func))
         module = self.scope.current()
         try:
             out = func(*args, **kwargs)
@@ -136,13 +160,9 @@ class Recorder(TorchDispatchMode):
         ins, outs = _floats((args, kwargs)), _floats(out)
         in_dt = ",".join(dtype_name(t.dtype) for t in ins)
         out_dt = ",".join(dtype_name(t.dtype) for t in outs)
-        reduced = bool(ins) and all(t.dtype in REDUCED for t in ins)
-        flops = 0
-        if is_matmul_like(op) and func._overloadpacket in _FLOPS:
-            try:
-                flops = int(_FLOPS[func._overloadpacket](*args, **kwargs, out_val=out))
-            except Exception:  # a formula that does not fit this overload: count the op, not its FLOPs
-                flops = 0
+        # Reduced: the main operand and the main result in float16/bfloat16 (attention keeps FP32 statistics beside them).
+        reduced = bool(ins) and ins[0].dtype in REDUCED and (not outs or outs[0].dtype in REDUCED)
+        flops = _flops(packet, op, args, kwargs, out) if is_matmul_like(op) else 0
         key = (self.scope.phase, module, str(func), in_dt, out_dt)
         row = self.rows.setdefault(key, {"count": 0, "flops": 0, "reduced": reduced, "matmul_like": is_matmul_like(op)})
         row["count"] += 1
@@ -168,8 +188,16 @@ class Recorder(TorchDispatchMode):
         dtypes = sorted({dtype_name(t.dtype) for t in _floats((args, kwargs))})
         if not any(m["op"] == str(func) and m["module"] == module for m in self.missing):
             message = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-            self.missing.append({"op": str(func), "module": module, "module_type": self.scope.types.get(module, ""),
-                                 "phase": self.scope.phase, "dtypes": dtypes, "error": message})
+            self.missing.append(
+                {
+                    "op": str(func),
+                    "module": module,
+                    "module_type": self.scope.types.get(module, ""),
+                    "phase": self.scope.phase,
+                    "dtypes": dtypes,
+                    "error": message,
+                }
+            )
 
     def table(self) -> list[dict]:
         """One row per (phase, op, input dtypes, output dtypes), summed over modules; stable order."""
@@ -197,6 +225,17 @@ class Recorder(TorchDispatchMode):
         return out
 
 
+def _flops(packet, op: str, args, kwargs, out) -> int:
+    alias = _FLOPS_ALIAS.get(op)
+    formula = _FLOPS.get(packet) or (_FLOPS.get(getattr(torch.ops.aten, alias)) if alias else None)
+    if formula is None:
+        return 0
+    try:
+        return int(formula(*args, **kwargs, out_val=out))
+    except Exception:  # noqa: BLE001 - a formula that does not fit this overload: count the op, not its FLOPs
+        return 0
+
+
 def _in_float32(func, args, kwargs):
     """Re-run an op without a reduced-precision kernel in float32, write back what it mutates, and cast
     its outputs back to the reduced dtype it was called with, so the rest of the pass sees what it expects."""
@@ -207,7 +246,7 @@ def _in_float32(func, args, kwargs):
 
     args32, kwargs32 = tree_map(up, args), tree_map(up, kwargs)
     out = func(*args32, **kwargs32)
-    for i, arg in enumerate(func._schema.arguments):
+    for i, arg in enumerate(getattr(getattr(func, "_schema", None), "arguments", [])):
         if arg.alias_info is not None and arg.alias_info.is_write:
             source = args[i] if i < len(args) else kwargs.get(arg.name)
             target = args32[i] if i < len(args32) else kwargs32.get(arg.name)
@@ -247,20 +286,26 @@ def forward_backward(
     backward of the loss times ``scale`` (what ``GradScaler.scale`` does) after the context closes.
     Without ``y`` it is an inference pass: no loss, no backward, no graph.
     """
+
     def phase(name: str) -> None:
         if scope is not None:
             scope.phase = name
 
     phase("forward")
-    with torch.set_grad_enabled(y is not None), precision.fp32_regions(model, policy, device):
-        with precision.autocast(policy, device):
-            outputs = named_outputs(model(x))
-            phase("loss")
-            loss = loss_fn(primary(outputs), y) if y is not None and loss_fn is not None else None
+    grad = torch.set_grad_enabled(y is not None)
+    with grad, precision.fp32_regions(model, policy, device), precision.autocast(policy, device):
+        outputs = named_outputs(model(x))
+        phase("loss")
+        loss = loss_fn(primary(outputs), y) if y is not None and loss_fn is not None else None
     if loss is not None:
         phase("backward")
         (loss * torch.full((), scale, dtype=torch.float32, device=loss.device)).backward()
     return outputs, loss
+
+
+def same_rng(device: torch.device):
+    """A context that runs from the current RNG state (CPU, and the GPU's) and puts it back afterwards."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
 def precision_map(model, x, y, loss_fn, policy: Policy, device: torch.device) -> dict:
@@ -274,7 +319,7 @@ def precision_map(model, x, y, loss_fn, policy: Policy, device: torch.device) ->
     recorder = Recorder(scope, watch_nonfinite=False)
     error = None
     try:
-        with scope, recorder:
+        with same_rng(device), scope, recorder:
             forward_backward(model, x, y, loss_fn, policy, device, scope)
     except (NotImplementedError, RuntimeError) as exc:
         error = f"{type(exc).__name__} in {scope.phase} of module {scope.current()!r}: {str(exc).strip().splitlines()[0][:200]}"
@@ -291,25 +336,39 @@ def precision_map(model, x, y, loss_fn, policy: Policy, device: torch.device) ->
     }
 
 
-def gradient_underflow(model, x, y, loss_fn, policy: Policy, device: torch.device, scale: float) -> dict:
+def gradient_underflow(model, x, y, loss_fn, policy: Policy, device: torch.device, scale: float, fallback: bool = False) -> dict:
     """Per parameter: the fraction of gradient elements that are zero under autocast (after unscaling)
     but not in FP32, on the same weights, batch and RNG state, without loss scaling and with ``scale``.
     Elements that overflow (inf/NaN) at that scale are counted apart: the GradScaler would skip that step.
+    ``fallback`` runs ops without a reduced-precision kernel in float32 (see ``Recorder``).
     """
-    rng = torch.get_rng_state()
 
     def grads(p: Policy, s: float) -> dict[str, torch.Tensor]:
-        torch.set_rng_state(rng)
         model.zero_grad(set_to_none=True)
-        forward_backward(model, x, y, loss_fn, p, device, scale=s)
+        with same_rng(device):  # dropout draws the same masks in every pass
+            if fallback:
+                scope = ModuleScope(model)
+                with scope, Recorder(scope, watch_nonfinite=False):
+                    forward_backward(model, x, y, loss_fn, p, device, scope, scale=s)
+            else:
+                forward_backward(model, x, y, loss_fn, p, device, scale=s)
         out = {n: (q.grad.detach().float() / s) for n, q in model.named_parameters() if q.grad is not None}
         model.zero_grad(set_to_none=True)
         return out
 
     fp32 = grads(Policy(), 1.0)
     plain, scaled = grads(policy, 1.0), grads(policy, scale)
-    torch.set_rng_state(rng)
-    rows, totals = [], {"elements": 0, "nonzero_fp32": 0, "vanished_unscaled": 0, "vanished_scaled": 0, "nonfinite_scaled": 0}
+    rows, totals = (
+        [],
+        {
+            "elements": 0,
+            "nonzero_fp32": 0,
+            "vanished_unscaled": 0,
+            "vanished_scaled": 0,
+            "nonfinite_unscaled": 0,
+            "nonfinite_scaled": 0,
+        },
+    )
     for name, g32 in fp32.items():
         alive = g32 != 0
         row = {
@@ -318,6 +377,7 @@ def gradient_underflow(model, x, y, loss_fn, policy: Policy, device: torch.devic
             "nonzero_fp32": int(alive.sum()),
             "vanished_unscaled": int((alive & (plain[name] == 0)).sum()),
             "vanished_scaled": int((alive & (scaled[name] == 0)).sum()),
+            "nonfinite_unscaled": int((~torch.isfinite(plain[name])).sum()),
             "nonfinite_scaled": int((~torch.isfinite(scaled[name])).sum()),
         }
         row["fraction_unscaled"] = row["vanished_unscaled"] / row["elements"]
@@ -329,6 +389,66 @@ def gradient_underflow(model, x, y, loss_fn, policy: Policy, device: torch.devic
         "dtype": policy.dtype,
         "scale": scale,
         "parameters": rows,
-        "total": {**totals, "fraction_unscaled": totals["vanished_unscaled"] / max(totals["elements"], 1),
-                  "fraction_scaled": totals["vanished_scaled"] / max(totals["elements"], 1)},
+        "total": {
+            **totals,
+            "fraction_unscaled": totals["vanished_unscaled"] / max(totals["elements"], 1),
+            "fraction_scaled": totals["vanished_scaled"] / max(totals["elements"], 1),
+        },
     }
+
+
+def trace(model, x, y, loss_fn, policy: Policy, device: torch.device, scale: float = 1.0) -> dict:
+    """One watched pass: per-module output magnitudes, the first op that made a non-finite value from
+    finite inputs (with its module), and which parameter gradients are non-finite after unscaling."""
+    modules: dict[str, dict] = {}
+
+    def on_output(name: str, module: torch.nn.Module, tensors: list[torch.Tensor]) -> None:
+        if not tensors:
+            return
+        m = modules.setdefault(name, {"type": type(module).__name__, "dtype": "", "max_abs": 0.0, "finite": True})
+        m["dtype"] = ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors}))
+        m["max_abs"] = max(m["max_abs"], max(max_abs(t) for t in tensors))
+        m["finite"] = m["finite"] and all(bool(torch.isfinite(t).all()) for t in tensors)
+
+    model.zero_grad(set_to_none=True)
+    scope = ModuleScope(model, on_output=on_output)
+    recorder = Recorder(scope)
+    x = x.to(device)
+    with scope, recorder:
+        outputs, loss = forward_backward(model, x, y.to(device) if y is not None else None, loss_fn, policy, device, scope, scale)
+    bad_grads = [n for n, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad / scale).all())]
+    model.zero_grad(set_to_none=True)
+    first = recorder.first_nonfinite
+    x_finite = not x.is_floating_point() or bool(torch.isfinite(x).all())
+    where = None if first is None else {"forward": "module", "loss": "loss", "backward": "gradient"}[first["phase"]]
+    if not x_finite:
+        where, first = "input", None
+    return {
+        "policy": policy.as_dict(),
+        "scale": scale,
+        "input_finite": x_finite,
+        "outputs_finite": all(bool(torch.isfinite(v).all()) for v in outputs.values()),
+        "loss": float(loss.detach()) if loss is not None else None,
+        "gradients_finite": None if loss is None else not bad_grads,
+        "nonfinite_gradients": bad_grads,
+        "first": None if where is None else {"where": where, **(first or {})},
+        "modules": dict(sorted(modules.items())),
+        "missing_kernels": recorder.missing,
+    }
+
+
+def finite(t: dict) -> bool:
+    return (
+        t["input_finite"]
+        and t["outputs_finite"]
+        and (t["loss"] is None or math.isfinite(t["loss"]))
+        and t["gradients_finite"] is not False
+    )
+
+
+def culprit(t: dict) -> str | None:
+    """The module to run outside autocast: the one whose forward (or backward) made the first non-finite value."""
+    first = t["first"]
+    if first is None or first["where"] not in ("module", "gradient") or not first["module"]:
+        return None
+    return first["module"]

@@ -1,9 +1,10 @@
 """One report for every variant side by side: decision, reasons, key metrics, benchmark, plots.
 
-Pure: the loaded stage outputs in, text out. ``html`` is the self-contained page (plots embedded as
-base64 PNG) that the report stage writes and publish uploads; ``markdown`` is the same summary without
-images, which MLflow shows as the description of the pipeline run. No timestamps, no absolute paths:
-the same inputs give the same bytes.
+Pure: the loaded stage outputs in, text out. ``html`` is the self-contained page (the report stage's
+PNGs embedded as base64) that publish uploads to the pipeline's MLflow run; ``markdown`` is the same
+summary without images, which MLflow shows as that run's description. No timestamps, no absolute
+paths: the same inputs give the same bytes. It quotes benchmark timings, which is why it is not a DVC
+output (those must be byte-identical on a rerun).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
         ("benchmark: speedup (median, IQR)", _speedup),
         ("benchmark: s/step FP32 (median)", lambda v: _seconds(v, "fp32")),
         ("benchmark: s/step AMP (median)", lambda v: _seconds(v, "amp")),
+        ("benchmark: peak memory FP32 (median)", lambda v: _memory(v, "fp32")),
+        ("benchmark: peak memory AMP (median)", lambda v: _memory(v, "amp")),
     ]
     return [(label, [cell(v) for v in variants]) for label, cell in table]
 
@@ -70,8 +73,10 @@ def markdown(reference: Mapping[str, Any], variants: Sequence[Mapping[str, Any]]
     out = [
         "# AMP validation",
         "",
-        f"Acceptance rule sha256 `{reference['rule_sha256']}`; reference run key `{reference['run_key'][:16]}`; "
-        f"{_env(reference['env'])}.",
+        (
+            f"Acceptance rule sha256 `{reference['rule_sha256']}`; reference run key `{reference['run_key'][:16]}`; "
+            f"{_env(reference['env'])}."
+        ),
         "",
         "| | " + " | ".join(dtypes) + " |",
         "|---|" + "---|" * len(dtypes),
@@ -98,9 +103,11 @@ def html(reference: Mapping[str, Any], variants: Sequence[Mapping[str, Any]], im
         '<html lang="en"><head><meta charset="utf-8"><title>AMP validation report</title>',
         f"<style>{_CSS}</style></head><body>",
         "<h1>AMP validation report</h1>",
-        f"<p>Acceptance rule sha256 <code>{e(reference['rule_sha256'])}</code><br>"
-        f"Reference run key <code>{e(reference['run_key'])}</code><br>"
-        f"Reference: {e(_env(reference['env']))}; {e(_cases(reference.get('cases', {})))}</p>",
+        (
+            f"<p>Acceptance rule sha256 <code>{e(reference['rule_sha256'])}</code><br>"
+            f"Reference run key <code>{e(reference['run_key'])}</code><br>"
+            f"Reference: {e(_env(reference['env']))}; {e(_cases(reference.get('cases', {})))}</p>"
+        ),
         "<h2>Variants side by side</h2>",
         f'<table class="summary"><tr><th></th>{head}</tr>',
         *body,
@@ -165,15 +172,21 @@ def _speedup(v: Mapping) -> str:
     b = v["benchmark"]
     if not b.get("benchmarked"):
         return "not benchmarked"
-    s = b["speedup"]
-    return f"x{s['median']:.2f} ({s['q1']:.2f}-{s['q3']:.2f})"
+    s = b.get("speedup", {})
+    if "median" not in s:
+        return "-"
+    spread = f" ({s['q1']:.2f}-{s['q3']:.2f})" if "q1" in s and "q3" in s else ""
+    return f"x{s['median']:.2f}{spread}"
 
 
 def _seconds(v: Mapping, name: str) -> str:
-    b = v["benchmark"]
-    if not b.get("benchmarked"):
-        return "-"
-    return f"{b['seconds_per_step'][name]['median']:.3g}"
+    median = v["benchmark"].get("seconds_per_step", {}).get(name, {}).get("median")
+    return "-" if median is None else f"{median:.3g}"
+
+
+def _memory(v: Mapping, name: str) -> str:
+    median = v["benchmark"].get("peak_memory_bytes", {}).get(name, {}).get("median")
+    return "-" if median is None else f"{median / 2**20:.1f} MiB"
 
 
 def _env(env: Mapping[str, Any]) -> str:

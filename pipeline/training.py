@@ -10,6 +10,8 @@ skipped does not count as a real update, and the learning-rate schedule follows 
 from __future__ import annotations
 
 import math
+import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -93,6 +95,7 @@ def train(
     The caller has already put the model in its initial state (weights and RNG). With ``resume``, the
     loop continues from a saved state and ends exactly as if it had never stopped.
     """
+    precision.strict_fp32()
     model.to(device).train()
     loss_fn = loss_function(loss_kind)
     optimizer = make_optimizer(model, cfg)
@@ -108,6 +111,7 @@ def train(
         real_updates = resume.meta["real_updates"]
         start = resume.meta["step"]
     params = [p for p in model.parameters() if p.requires_grad]
+    kill_after = int(os.environ.get("PIPELINE_KILL_AFTER_STEP", "0"))
     progress = Progress(label, cfg.train_steps, start)
     with precision.fp32_regions(model, policy, device):
         for step in range(start, cfg.train_steps):
@@ -143,6 +147,8 @@ def train(
             every = cfg.checkpoint_every
             if save_resume is not None and every and (step + 1) % every == 0 and step + 1 < cfg.train_steps:
                 save_resume(_snapshot(model, optimizer, scaler, scheduler, records, real_updates, step + 1, policy))
+            if kill_after == step + 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the kill-and-resume tests
     state = _snapshot(model, optimizer, scaler, scheduler, records, real_updates, cfg.train_steps, policy)
     return TrainResult(records=records, real_updates=real_updates, state=state)
 
@@ -172,6 +178,7 @@ def infer(
     batch_size: int = 256,
 ) -> dict[str, torch.Tensor]:
     """Outputs of ``model`` on ``x`` under ``policy``, as float32 CPU tensors (exact for fp16/bf16 values)."""
+    precision.strict_fp32()
     model.to(device)
     model.train(not eval_mode)
     chunks: dict[str, list[torch.Tensor]] = {}
@@ -203,7 +210,8 @@ class Progress:
         rate = (done - self.start) / max(now - self.t0, 1e-9)
         eta = (self.total - done) / rate if rate > 0 else float("inf")
         end = "\n" if done == self.total else ""
-        print(f"\r{self.label}: step {done}/{self.total} loss {loss:.4f} {rate:.1f} step/s ETA {eta:.0f}s", end=end, file=sys.stderr, flush=True)
+        # \x1b[K clears the rest of the line: a shorter line ("ETA 9s" after "ETA 10s") leaves no residue.
+        print(f"\r{self.label}: step {done}/{self.total} loss {loss:.4f} {rate:.1f} step/s ETA {eta:.0f}s\x1b[K", end=end, file=sys.stderr, flush=True)
 
 
 def resume_path(folder: str | Path) -> Path:

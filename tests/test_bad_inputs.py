@@ -80,6 +80,14 @@ def build_model(**_):
     return LogNet()
 """
 
+NO_HALF_KERNEL = """
+import torch
+from pipeline.examples.digits import load_data
+def build_model(**_):
+    # RReLU samples its slopes in training; on the CPU that kernel exists for float32 only.
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.RReLU(), torch.nn.Linear(32, 10))
+"""
+
 
 def params_case(path, value):
     return lambda repo: edit_params(repo, setter(path, value))
@@ -168,6 +176,7 @@ CASES = [
     ("data with NaN", both(user_module(NAN_DATA), params_case("task.data", "badmods.m:load_data")), ["prepare"], ["NaN or inf", "clean the data"]),
     ("empty fixed set", both(user_module(EMPTY_EVAL), params_case("task.data", "badmods.m:load_data")), ["prepare"], ["eval_x is empty"]),
     ("reference with NaN", both(user_module(NAN_REFERENCE), params_case("task.model", "badmods.m:build_model"), params_case("task.data", "badmods.m:load_data"), lambda r: (stage(r, "prepare"), None)[1]), ["freeze"], ["reference is not finite", "edge/zeros"]),
+    ("op without a float16 kernel", both(user_module(NO_HALF_KERNEL), params_case("task.model", "badmods.m:build_model"), lambda r: (stage(r, "freeze"), None)[1]), ["trial", "--dtype", "float16"], ["no float16 kernel", "fp32_modules"]),
     ("missing output file", lambda r: (r / "data/reference/manifest.json").unlink(), ["trial", "--dtype", "float16"], ["manifest.json not found", "dvc repro freeze"]),
     ("missing params file", None, ["prepare", "--params", "nope.yaml"], ["nope.yaml not found"]),
     ("truncated checkpoint", truncate("data/reference/checkpoint.safetensors"), ["trial", "--dtype", "float16"], ["sha256", "dvc checkout"]),

@@ -1,12 +1,15 @@
 """Stage benchmark@DTYPE: time per training step and peak memory, strict FP32 (and TF32) vs AMP, accepted variants only.
 
-pipeline/benchmark.py holds the method; this stage picks the variants, times them interleaved in this
-process, measures each one's memory in its own process, and writes the figures.
+pipeline/benchmark.py holds the method; this stage picks the variants, measures each one's memory in its
+own process, times them all interleaved in this process, and writes the figures.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+
+import torch
 
 from pipeline import benchmark, devices, paths, precision
 from pipeline.artifacts import read_json, write_json
@@ -18,7 +21,10 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     decision = read_json(paths.decision(dtype) / "decision.json", f"decide@{dtype}")
     out = paths.benchmark(dtype) / "benchmark.json"
     if decision["decision"] != "accept":
-        write_json(out, {"benchmarked": False, "dtype": dtype, "reason": f"{dtype} was rolled back; only accepted variants are benchmarked"})
+        write_json(
+            out,
+            {"benchmarked": False, "dtype": dtype, "reason": f"{dtype} was rolled back; only accepted variants are benchmarked"},
+        )
         print(f"benchmark {dtype}: skipped (rolled back)")
         return
     device = devices.resolve(params.device)
@@ -26,18 +32,21 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     env = devices.describe(device)
     chosen, tf32_note = benchmark.variants(dtype, tuple(params.trial.fp32_modules), env)
     bench = params.bench
+    # TF32 stores the same tensors as FP32: its memory is not measured again.
+    probe_names = [v.name for v in chosen if v.name != "tf32"]
 
-    # Memory first, each variant in a fresh process; TF32 stores the same tensors as FP32, so it is not repeated.
-    memory = benchmark.measure_memory(params_path, dtype, [v.name for v in chosen if v.name != "tf32"], parallel=device.type == "cpu")
-
-    # Time: every variant's own model, optimizer and scaler, all in this process, rounds interleaved.
-    steps, works = {}, []
-    with contextlib.ExitStack() as stack:
-        for v in chosen:
+    with (
+        benchmark.MemoryProbes(params_path, dtype, probe_names, parallel=device.type == "cpu") as probes,
+        contextlib.ExitStack() as stack,
+    ):
+        steps, works = {}, []
+        for v in chosen:  # each variant its own model, optimizer and scaler
             work = benchmark.load_workload(params, device)
             stack.enter_context(precision.fp32_regions(work.model, v.policy, device))
             steps[v.name] = (benchmark.make_step(work, v.policy), v.tf32)
             works.append(work)
+        memory = probes.collect()  # before timing: nothing else may run while the clock does
+        load = os.getloadavg()[0] if device.type == "cpu" else None
         times = benchmark.interleaved(steps, bench.warmup, bench.repeats, bench.steps, device)
 
     result = {
@@ -60,7 +69,10 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
             "order": "interleaved, rotating each round",
             "fp32": "strict: TF32 off for matmul and cuDNN",
             "tf32": tf32_note,
-            "memory": memory[next(iter(memory))]["method"] + "; one fresh process per variant",
+            "memory": memory["fp32"]["method"] + "; one fresh process per variant",
+            "cpu_threads": torch.get_num_threads(),
+            # Other processes on the CPU slow multi-threaded steps unevenly: read wide IQRs in that light.
+            "cpu_load_1min": load,
         },
         "seconds_per_step": {name: benchmark.spread(t) for name, t in times.items()},
         "speedup": benchmark.ratio_spread(times["fp32"], times["amp"]),

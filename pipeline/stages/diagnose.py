@@ -1,16 +1,43 @@
-"""Stage diagnose@DTYPE: findings that explain a failing trial (cheap when all is well)."""
+"""Stage diagnose@DTYPE: why a trial failed and which FP32 regions would fix it (cheap when all is well).
+
+Writes ``diagnosis.json`` (findings and notes as lines, the structured details beside them) and, when
+there is one, ``suggested_params.yaml``: a suggestion, never applied.
+"""
 
 from __future__ import annotations
 
-from pipeline import diagnostics, paths
-from pipeline.artifacts import read_json, write_json
+import time
+
+from pipeline import paths, verdict
+from pipeline.artifacts import read_json, write_bytes, write_json
 from pipeline.config import load_params
+
+NOTHING_TO_DO = {
+    "needed": False,
+    "failing": [],
+    "findings": [],
+    "notes": [],
+    "work": {"replayed_steps": 0, "traced_passes": 0, "trial_reruns": 0},
+}
 
 
 def main(dtype: str, params_path: str = "params.yaml") -> None:
+    start = time.perf_counter()
     params = load_params(params_path)
     stats = read_json(paths.compare(dtype) / "stats.json", f"compare@{dtype}")
     trajectory = read_json(paths.trial(dtype) / "trajectory.json", f"trial@{dtype}")
-    report = diagnostics.triage(stats, trajectory["steps"], params.acceptance)
-    write_json(paths.diagnose(dtype) / "diagnosis.json", report)
-    print(f"diagnose {dtype}: {len(report['findings'])} finding(s)")
+    out = paths.diagnose(dtype)
+    report = NOTHING_TO_DO
+    if verdict.decide(stats, params.acceptance)["reasons"] or params.diagnose.probe == "always":
+        from pipeline import diagnostics  # torch and the task's model load only when there is something to replay or probe
+
+        report = diagnostics.run(params, dtype, stats, trajectory)
+        if report["suggestion"]:
+            write_bytes(out / "suggested_params.yaml", diagnostics.snippet(report, dtype).encode())
+    write_json(out / "diagnosis.json", report)
+    work = report["work"]
+    print(
+        f"diagnose {dtype}: {len(report['findings'])} finding(s), {work['trial_reruns']} trial re-run(s), "
+        f"{work['replayed_steps']} replayed step(s), {time.perf_counter() - start:.1f}s"
+        + "".join(f"\n  - {f}" for f in report["findings"] + report["notes"])
+    )

@@ -1,7 +1,8 @@
-"""Stage report: plots per variant, flat curves for `dvc plots`, and one report of every variant side by side.
+"""Stage report: the figures of the report, per variant, and the flat curves that `dvc plots` draws.
 
-Everything it writes is deterministic except the benchmark figures quoted in report.html and
-summary.md. Reads outputs with safetensors' numpy loader: this stage never needs torch.
+Deterministic, like every DVC output but the benchmark: it reads no timing. The HTML report, which
+quotes the benchmark, is assembled from these figures by publish and lives in MLflow. Outputs are read
+with safetensors' numpy loader: this stage never imports torch.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import paths, plots, report
+from pipeline import paths, plots
 from pipeline.artifacts import read_json, sha256_file, write_bytes, write_json
 from pipeline.config import load_params
 from pipeline.errors import UserError
@@ -22,7 +23,6 @@ def main(params_path: str = "params.yaml") -> None:
     ref_steps = read_json(paths.REF_TRAJECTORY, "freeze")["steps"]
     ref_out = _outputs(paths.REF_OUTPUTS, manifest["files"][str(paths.REF_OUTPUTS)], "freeze")
     written: set[Path] = set()
-    variants, images = [], {}
     for d in params.trial.dtypes:
         trial_manifest = read_json(paths.trial(d) / "manifest.json", f"trial@{d}")
         steps = read_json(paths.trial(d) / "trajectory.json", f"trial@{d}")["steps"]
@@ -35,29 +35,13 @@ def main(params_path: str = "params.yaml") -> None:
             "errors": plots.error_histogram(ref_out, trial_out, {n: g["atol"] for n, g in stats["values"].items()}, d),
         }
         for name, png in figures.items():
-            written.add(_write(paths.report_plot(d, name), png))
+            write_bytes(paths.report_plot(d, name), png)
+            written.add(paths.report_plot(d, name))
         for family, rows in plots.curve_rows(ref_steps, steps).items():
             write_json(paths.report_curve(family, d), rows)
             written.add(paths.report_curve(family, d))
-        images[d] = figures
-        variants.append({
-            "dtype": d,
-            "env": trial_manifest["env"],
-            "decision": read_json(paths.decision(d) / "decision.json", f"decide@{d}"),
-            "metrics": read_json(paths.compare_metrics(d), f"compare@{d}"),
-            "diagnosis": read_json(paths.diagnose(d) / "diagnosis.json", f"diagnose@{d}"),
-            "benchmark": read_json(paths.benchmark(d) / "benchmark.json", f"benchmark@{d}"),
-        })
-    reference = {k: manifest[k] for k in ("rule_sha256", "run_key", "env", "cases") if k in manifest}
-    written.add(_write(paths.REPORT_HTML, report.html(reference, variants, images).encode()))
-    written.add(_write(paths.REPORT_SUMMARY, report.markdown(reference, variants).encode()))
     _prune(paths.REPORT, written)
-    print(f"report: {paths.REPORT_HTML} ({len(variants)} variant(s): " + ", ".join(f"{v['dtype']} {v['decision']['decision']}" for v in variants) + ")")
-
-
-def _write(path: Path, data: bytes) -> Path:
-    write_bytes(path, data)
-    return path
+    print(f"report: {len(written)} figure and curve file(s) under {paths.REPORT} for {', '.join(params.trial.dtypes)}")
 
 
 def _outputs(path: Path, expected_sha256: str, produced_by: str) -> dict[str, np.ndarray]:
@@ -76,7 +60,7 @@ def _outputs(path: Path, expected_sha256: str, produced_by: str) -> dict[str, np
 
 
 def _prune(folder: Path, keep: set[Path]) -> None:
-    """Remove what an earlier run left here for dtypes no longer configured (the folder is this stage's)."""
+    """Remove what an earlier run left for dtypes no longer configured (the folder belongs to this stage)."""
     for path in sorted(folder.rglob("*"), reverse=True):
         if path.is_file() and path not in keep:
             path.unlink()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import asdict
+from typing import Iterator
 
 from pipeline import checkpoint, devices, paths, precision, reference, task, training
 from pipeline.artifacts import read_tensors, write_json, write_tensors
@@ -26,7 +28,8 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     # Inference: the trained reference weights, the fixed set, the frozen train/eval mode.
     model = task.build_model(params.task, params.seed)
     checkpoint.restore(ref.checkpoint(), model, rng=False)
-    outputs = training.infer(model, ref.cases.x, policy, device, params.reference.eval_mode)
+    with _missing_kernels(dtype, device):
+        outputs = training.infer(model, ref.cases.x, policy, device, params.reference.eval_mode)
 
     # Training: the reference's initial state (weights and RNG), same batches, same order.
     train_t, _ = read_tensors(paths.PREPARED_TRAIN, ref.manifest["files"][str(paths.PREPARED_TRAIN)], "prepare")
@@ -34,11 +37,12 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     checkpoint.restore(ref.checkpoint("init"), model)
     key = hashlib.sha256(json.dumps({"ref": ref.manifest["run_key"], "policy": policy.as_dict()}, sort_keys=True).encode()).hexdigest()
     resume = checkpoint.ResumeFile(paths.RESUME / f"trial-{dtype}.safetensors", key)
-    result = training.train(
-        model, train_t["x"], train_t["y"], params.reference, params.task.loss, policy, device, params.seed,
-        resume=resume.load(), save_resume=resume.save, label=f"trial {dtype}",
-    )
-    trained = training.infer(model, ref.cases.x, policy, device, params.reference.eval_mode)
+    with _missing_kernels(dtype, device):
+        result = training.train(
+            model, train_t["x"], train_t["y"], params.reference, params.task.loss, policy, device, params.seed,
+            resume=resume.load(), save_resume=resume.save, label=f"trial {dtype}",
+        )
+        trained = training.infer(model, ref.cases.x, policy, device, params.reference.eval_mode)
 
     env = devices.describe(device)
     files = {
@@ -62,3 +66,18 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     resume.clear()
     skipped = sum(r.skipped for r in result.records)
     print(f"trial {dtype}: {len(result.records)} steps, {result.real_updates} real updates, {skipped} skipped; final loss {result.records[-1].loss:.4f}")
+
+
+@contextlib.contextmanager
+def _missing_kernels(dtype: str, device) -> Iterator[None]:
+    """An op without a kernel for the dtype on this device is a finding about the target, not a crash."""
+    try:
+        yield
+    except (NotImplementedError, RuntimeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "not implemented for" not in first and not isinstance(exc, NotImplementedError):
+            raise
+        raise UserError(
+            f"trial {dtype} on {device.type}: an op has no {dtype} kernel here ({first[:200]}); keep its module in FP32 "
+            f"with trial.fp32_modules, or trial another dtype"
+        ) from None

@@ -1,0 +1,462 @@
+#!/usr/bin/env python3
+"""GPU check: run the default pipeline and a compute-bound transformer benchmark, and write the figures.
+
+    python3 scripts/gpu_check.py OUT [--no-dvc] [--size auto|gpu|cpu|tiny] [--only default|transformer]
+                                     [--task transformer] [--dtypes float16,bfloat16]
+
+Two runs, each in a fresh temporary copy of the project (this checkout's data/, dvc.lock and MLflow are
+never touched):
+
+- ``default``: the pipeline on params.yaml as committed, the figures every user gets first;
+- ``transformer``: the same pipeline on the built-in transformer example, sized by ``--size`` (on a GPU:
+  ~57M parameters, 64 x 256 tokens a step, so a step is compute-bound and AMP's gain is visible).
+
+OUT/figures.json holds everything (per-stage wall time, decisions and reasons, benchmark figures with
+their spread, the machine) and OUT/figures.md a summary to paste into the README.
+
+Two modes:
+
+- with DVC (``dvc`` importable and on PATH): ``git init``, ``dvc init`` and ``dvc repro`` in the copy,
+  publish included (MLflow at ``MLFLOW_TRACKING_URI``, else an sqlite file inside the copy);
+- without DVC (a bare PyTorch image whose python3 has only torch, pyyaml, safetensors and numpy; or
+  ``--no-dvc``): this script reads dvc.yaml itself, expands each ``matrix`` over params.yaml (so
+  ``trial@float16`` ...), orders the stages by their deps and outs, runs each stage's ``cmd`` with this
+  interpreter, and skips ``publish`` (MLflow is not there).
+
+Without scikit-learn the default example (digits, which loads scikit-learn's bundled data) cannot run,
+so the ``default`` run uses the transformer example at CPU size instead, and figures.json says so.
+``--task transformer`` forces that substitution where scikit-learn is present (the tests use it).
+
+The whole check is meant to finish in under 8 minutes on a GPU; figures.json records the time it took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import itertools
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT_FILES = ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore")
+TIME_LIMIT_S = 8 * 60
+# Packages a bare PyTorch image may lack whose stages only present results (plots, the MLflow mirror).
+OPTIONAL = {"matplotlib", "mlflow"}
+_MISSING = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
+TRANSFORMER = "pipeline.examples.transformer"
+
+# The transformer example at three sizes. The GPU size makes every matmul large enough for tensor cores
+# (d_model 768, 64 x 256 tokens a step): strict FP32 then costs several times an AMP step.
+TRANSFORMER_OPTIONS = {
+    "gpu": {"seq_len": 256, "features": 32, "d_model": 768, "heads": 12, "layers": 8, "n_train": 2048, "n_eval": 256},
+    "cpu": {"seq_len": 32, "features": 16, "d_model": 64, "heads": 4, "layers": 2, "n_train": 2048, "n_eval": 256},
+    "tiny": {"seq_len": 16, "features": 8, "d_model": 32, "heads": 2, "layers": 1, "n_train": 256, "n_eval": 64},
+}
+# Adam learns this task within the reference's steps where the digits example's SGD settings do not. No
+# resumable checkpoints: on the GPU size each would hold ~0.7 GB of weights and Adam state.
+TRANSFORMER_REFERENCE = {
+    "gpu": {"optimizer": "adam", "lr": 1.0e-3, "batch_size": 64, "checkpoint_every": 0},
+    "cpu": {"optimizer": "adam", "lr": 1.0e-3, "batch_size": 64, "checkpoint_every": 0},
+    "tiny": {"optimizer": "adam", "lr": 3.0e-3, "batch_size": 32, "checkpoint_every": 0, "train_steps": 40},
+}
+# The rule for the transformer runs, fixed here before any trial runs: params.yaml's rule except the
+# quality floor, set for a 4-class task (chance is 0.25). Drops against the reference, flips, value
+# tolerances and the training checks stay as committed.
+TRANSFORMER_ACCEPTANCE = {"min_quality": 0.5}
+# Small enough that a whole run takes seconds on a CPU; the same stages and code paths (tests use it).
+TINY = {
+    "prepare": {"ordinary_cases": 64, "edge_samples": 2},
+    "reference": {"train_steps": 12, "batch_size": 32, "checkpoint_every": 0, "boundary_cases": 3},
+    "bench": {"warmup": 1, "repeats": 3, "steps": 2},
+}
+
+
+@dataclass
+class Stage:
+    name: str
+    cmd: str
+    deps: list[str] = field(default_factory=list)
+    outs: list[str] = field(default_factory=list)
+
+
+# --- dvc.yaml without dvc ---------------------------------------------------------------------------------
+
+_REF = re.compile(r"\$\{\s*([^}]+?)\s*\}")
+
+
+def lookup(context: dict, dotted: str) -> Any:
+    value: Any = context
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(f"dvc.yaml refers to ${{{dotted}}}, which params.yaml does not define")
+        value = value[part]
+    return value
+
+
+def interpolate(value: Any, context: dict) -> Any:
+    """Resolve ``${a.b}`` as DVC does: a whole-string reference keeps its type, embedded ones become text."""
+    if isinstance(value, str):
+        whole = _REF.fullmatch(value.strip())
+        if whole:
+            return lookup(context, whole.group(1))
+        return _REF.sub(lambda m: str(lookup(context, m.group(1))), value)
+    if isinstance(value, list):
+        return [interpolate(v, context) for v in value]
+    if isinstance(value, dict):
+        return {interpolate(k, context): interpolate(v, context) for k, v in value.items()}
+    return value
+
+
+def _paths(entries: list | None) -> list[str]:
+    """Paths of a deps/outs/metrics/plots list, whose entries are strings or ``{path: options}``."""
+    out = []
+    for entry in entries or []:
+        out.extend([entry] if isinstance(entry, str) else list(entry))
+    return out
+
+
+def plan(dvc_yaml: dict, params: dict) -> list[Stage]:
+    """Every stage of dvc.yaml, ``matrix`` expanded, in an order where each runs after what it depends on.
+
+    Raises:
+        ValueError: a ``foreach`` stage (not supported here) or a dependency cycle.
+    """
+    stages: list[Stage] = []
+    for name, spec in (dvc_yaml.get("stages") or {}).items():
+        if "foreach" in spec:
+            raise ValueError(f"dvc.yaml stage {name!r} uses foreach; this runner expands only matrix")
+        if "matrix" not in spec:
+            items: list[tuple[str, dict]] = [(name, {})]
+        else:
+            axes = {k: interpolate(v, params) for k, v in spec["matrix"].items()}
+            items = [
+                (f"{name}@{'-'.join(str(v) for v in combo)}", dict(zip(axes, combo)))
+                for combo in itertools.product(*axes.values())
+            ]
+        body = {k: v for k, v in spec.items() if k != "matrix"}
+        for stage_name, item in items:
+            resolved = interpolate(body, {**params, "item": item})
+            outs = _paths(resolved.get("outs")) + _paths(resolved.get("metrics")) + _paths(resolved.get("plots"))
+            stages.append(Stage(stage_name, resolved["cmd"], _paths(resolved.get("deps")), outs))
+    return _topological(stages)
+
+
+def _inside(path: str, folder: str) -> bool:
+    p, f = Path(path), Path(folder)
+    return p == f or f in p.parents or p in f.parents
+
+
+def _topological(stages: list[Stage]) -> list[Stage]:
+    after = {
+        s.name: {o.name for o in stages if o is not s and any(_inside(d, out) for d in s.deps for out in o.outs)} for s in stages
+    }
+    ordered: list[Stage] = []
+    done: set[str] = set()
+    while len(ordered) < len(stages):
+        ready = [s for s in stages if s.name not in done and after[s.name] <= done]
+        if not ready:
+            raise ValueError(f"dvc.yaml has a dependency cycle among {sorted(set(after) - done)}")
+        ordered.append(ready[0])  # dvc.yaml order among the ready ones
+        done.add(ready[0].name)
+    return ordered
+
+
+# --- running a project copy ----------------------------------------------------------------------------
+
+
+def merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
+def make_copy(dest: Path, override: dict) -> Path:
+    """The project's pipeline files in ``dest``, params.yaml with ``override`` merged in."""
+    dest.mkdir(parents=True)
+    for name in PROJECT_FILES:
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, dest / name)
+    shutil.copytree(ROOT / "pipeline", dest / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    params = yaml.safe_load((dest / "params.yaml").read_text())
+    (dest / "params.yaml").write_text(yaml.safe_dump(merge(params, override), sort_keys=False))
+    return dest
+
+
+def _env(repo: Path) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(repo), PYTHONUNBUFFERED="1")
+    env.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{repo / 'mlflow.db'}")
+    env.pop("DVC_EXP_NAME", None)
+    return env
+
+
+def _command(cmd: str) -> list[str]:
+    """A stage's cmd, its ``python``/``python3`` replaced by this interpreter (a bare image may lack ``python``)."""
+    args = shlex.split(cmd)
+    if args and args[0] in ("python", "python3"):
+        args[0] = sys.executable
+    return args
+
+
+def run_stages(repo: Path) -> list[dict]:
+    """Run dvc.yaml's stages in dependency order without dvc, publish skipped; stop at the first failure.
+
+    A stage that stops because an optional package is missing (OPTIONAL: plots, MLflow) is recorded as
+    skipped, and so is every stage that depends on what it would have written; any other failure stops
+    the run.
+    """
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    records = []
+    missing_outs: list[str] = []
+    for stage in plan(yaml.safe_load((repo / "dvc.yaml").read_text()), params):
+        if stage.name == "publish":
+            records.append({"stage": stage.name, "status": "skipped: MLflow mirror, not run without dvc", "seconds": 0.0})
+            missing_outs += stage.outs
+            continue
+        if any(_inside(d, o) for d in stage.deps for o in missing_outs):
+            records.append({"stage": stage.name, "status": "skipped: depends on a skipped stage", "seconds": 0.0})
+            missing_outs += stage.outs
+            continue
+        t0 = time.monotonic()
+        proc = subprocess.run(_command(stage.cmd), cwd=repo, env=_env(repo), capture_output=True, text=True, check=False)
+        record = {
+            "stage": stage.name,
+            "seconds": round(time.monotonic() - t0, 2),
+            "status": "ok" if proc.returncode == 0 else f"failed ({proc.returncode})",
+        }
+        absent = _MISSING.search(proc.stderr or "")
+        if proc.returncode != 0 and absent and absent.group(1).split(".")[0] in OPTIONAL:
+            record["status"] = f"skipped: needs {absent.group(1).split('.')[0]}, not installed"
+            missing_outs += stage.outs
+        elif proc.returncode != 0:
+            record["stderr"] = proc.stderr[-3000:]
+        print(f"  {stage.name}: {record['status']} in {record['seconds']:.1f}s", flush=True)
+        records.append(record)
+        if record["status"].startswith("failed"):
+            break
+    return records
+
+
+def run_dvc(repo: Path) -> list[dict]:
+    """``git init``, ``dvc init`` and ``dvc repro`` in the copy (publish included)."""
+    env = _env(repo)
+    for args in (
+        ["git", "init", "-q"],
+        [
+            "git",
+            "-c",
+            "user.name=gpu-check",
+            "-c",
+            "user.email=gpu-check@localhost",
+            "commit",
+            "-q",
+            "--allow-empty",
+            "-m",
+            "empty",
+        ],
+        ["dvc", "init", "-q"],
+        ["dvc", "config", "core.analytics", "false"],
+    ):
+        subprocess.run(args, cwd=repo, env=env, check=True, capture_output=True)
+    subprocess.run(["git", "add", "-A"], cwd=repo, env=env, check=True, capture_output=True)
+    subprocess.run(
+        ["git", "-c", "user.name=gpu-check", "-c", "user.email=gpu-check@localhost", "commit", "-qm", "copy"],
+        cwd=repo,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run(["dvc", "repro"], cwd=repo, env=env, capture_output=True, text=True, check=False)
+    record = {
+        "stage": "dvc repro",
+        "seconds": round(time.monotonic() - t0, 2),
+        "status": "ok" if proc.returncode == 0 else f"failed ({proc.returncode})",
+    }
+    print(f"  dvc repro: {record['status']} in {record['seconds']:.1f}s", flush=True)
+    if proc.returncode != 0:
+        record["stderr"] = (proc.stderr or proc.stdout)[-3000:]
+    return [record]
+
+
+def collect(repo: Path, dtypes: list[str]) -> dict:
+    """Decisions, compare metrics and benchmark figures of a finished (or stopped) run."""
+
+    def read(path: Path) -> Any:
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    out: dict = {"decisions": {}, "compare": {}, "benchmark": {}}
+    manifest = read(repo / "data/reference/manifest.json")
+    out["env"] = manifest.get("env") if manifest else None
+    for d in dtypes:
+        decision = read(repo / f"data/decision/{d}/decision.json")
+        if decision:
+            out["decisions"][d] = {"decision": decision["decision"], "reasons": decision["reasons"]}
+        out["compare"][d] = read(repo / f"data/metrics/compare-{d}.json")
+        bench = read(repo / f"data/benchmark/{d}/benchmark.json")
+        if bench:
+            out["benchmark"][d] = bench
+    return out
+
+
+# --- the check ------------------------------------------------------------------------------------------
+
+
+def profiles(
+    size: str, only: str | None, force_transformer: bool, dtypes: list[str] | None
+) -> tuple[dict[str, dict], dict[str, str]]:
+    """Params overrides of each run, and notes on what was substituted and why."""
+    notes: dict[str, str] = {}
+    base: dict = merge(TINY, {}) if size == "tiny" else {}
+    if dtypes:
+        base["trial"] = {"dtypes": dtypes}
+    transformer = merge(
+        base,
+        {
+            "task": {
+                "kind": "classification",
+                "model": f"{TRANSFORMER}:build_model",
+                "data": f"{TRANSFORMER}:load_data",
+                "options": TRANSFORMER_OPTIONS[size],
+                "loss": "cross_entropy",
+            },
+            "reference": TRANSFORMER_REFERENCE[size],
+            "acceptance": TRANSFORMER_ACCEPTANCE,
+        },
+    )
+    default = copy.deepcopy(base)
+    if force_transformer or importlib.util.find_spec("sklearn") is None:
+        small = "tiny" if size == "tiny" else "cpu"
+        default = merge(transformer, {"task": {"options": TRANSFORMER_OPTIONS[small]}, "reference": TRANSFORMER_REFERENCE[small]})
+        why = "--task transformer" if force_transformer else "scikit-learn is not installed (the digits example needs it)"
+        notes["default"] = f"{why}: ran the transformer example at {small} size instead of params.yaml's task"
+    runs = {"default": default, "transformer": transformer}
+    return ({only: runs[only]} if only else runs), notes
+
+
+def detect_size() -> str:
+    try:
+        import torch
+    except ImportError:
+        sys.exit("gpu_check: torch is not importable by this python; run it inside the image")
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def markdown(figures: dict) -> str:
+    """The figures as a short Markdown summary: one table per run, one row per dtype."""
+    lines = [f"GPU check, {figures['mode']} mode, size {figures['size']}, {figures['total_seconds']:.0f} s in all.", ""]
+    columns = ["dtype", "decision", "FP32 s/step", "AMP s/step", "speedup vs FP32 (IQR)", "vs TF32 (IQR)"]
+    header = "| " + " | ".join([*columns, "peak memory AMP/FP32 (IQR)", "rounds"]) + " |"
+    for name, run in figures["runs"].items():
+        env = run.get("env") or {}
+        machine = f"{env.get('device_name', '?')} ({env.get('backend', '?')}, capability {env.get('capability', '?')}"
+        lines += [
+            f"**{name}** on {machine}, torch {env.get('torch', '?')})" + (f": {run['note']}" if run.get("note") else ""),
+            "",
+        ]
+        lines += [header, "|---|---|---|---|---|---|---|---|"]
+        for dtype, dec in run["decisions"].items():
+            b = run["benchmark"].get(dtype) or {}
+            if not b.get("benchmarked"):
+                lines.append(f"| {dtype} | {dec['decision']} | | | not benchmarked | | | |")
+                continue
+            sec, method = b["seconds_per_step"], b["method"]
+            cells = [
+                dtype,
+                dec["decision"],
+                f"{sec['fp32']['median']:.4g}",
+                f"{sec['amp']['median']:.4g}",
+                _ratio(b.get("speedup")),
+                _ratio(b.get("speedup_vs_tf32")),
+                _ratio(b.get("memory_ratio")),
+                f"{method['repeats']} x {method['steps_per_repeat']} steps",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(s: dict | None) -> str:
+    return f"x{s['median']:.2f} ({s['q1']:.2f}-{s['q3']:.2f})" if s else "n/a"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="folder for figures.json and figures.md")
+    parser.add_argument(
+        "--no-dvc", action="store_true", help="run the stages' commands from dvc.yaml without dvc (publish skipped)"
+    )
+    parser.add_argument(
+        "--size",
+        choices=("auto", "gpu", "cpu", "tiny"),
+        default="auto",
+        help="transformer size (auto: gpu if CUDA/ROCm is visible)",
+    )
+    parser.add_argument("--only", choices=("default", "transformer"), help="run one of the two runs")
+    parser.add_argument(
+        "--task", choices=("transformer",), help="default run on the transformer example even where scikit-learn exists"
+    )
+    parser.add_argument("--dtypes", help="comma-separated trial.dtypes override, e.g. float16")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary project copies (their paths are printed)")
+    args = parser.parse_args(argv)
+
+    size = detect_size() if args.size == "auto" else args.size
+    use_dvc = not args.no_dvc and shutil.which("dvc") is not None and importlib.util.find_spec("dvc") is not None
+    dtypes = args.dtypes.split(",") if args.dtypes else None
+    runs, notes = profiles(size, args.only, args.task == "transformer", dtypes)
+    figures: dict = {
+        "mode": "dvc" if use_dvc else "stages (no dvc)",
+        "size": size,
+        "python": platform.python_version(),
+        "runs": {},
+    }
+    start = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    ok = True
+    try:
+        for name, override in runs.items():
+            print(f"gpu_check: run {name} ({figures['mode']}, size {size})", flush=True)
+            repo = make_copy(work / name, override)
+            t0 = time.monotonic()
+            stages = run_dvc(repo) if use_dvc else run_stages(repo)
+            run_dtypes = yaml.safe_load((repo / "params.yaml").read_text())["trial"]["dtypes"]
+            figures["runs"][name] = {
+                "note": notes.get(name, ""),
+                "params_override": override,
+                "seconds": round(time.monotonic() - t0, 2),
+                "stages": stages,
+                **collect(repo, run_dtypes),
+            }
+            ok = ok and all(not s["status"].startswith("failed") for s in stages)
+    finally:
+        figures["total_seconds"] = round(time.monotonic() - start, 2)
+        figures["within_time_limit"] = figures["total_seconds"] <= TIME_LIMIT_S
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "figures.json").write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
+        (args.out / "figures.md").write_text(markdown(figures))
+        if args.keep:
+            print(f"gpu_check: project copies kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    print(markdown(figures))
+    print(f"gpu_check: figures in {args.out}/figures.json ({figures['total_seconds']:.0f} s)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

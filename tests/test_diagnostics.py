@@ -1,0 +1,198 @@
+"""Diagnostics: the stress examples through real `dvc repro`, the precision map, gradient underflow,
+missing kernels, the exact replay of a training step, and the cost on a healthy trial."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import ROOT, TINY, dvc, make_project, merge, stage
+
+from pipeline import diagnostics, precision_map, training
+from pipeline.config import load_params
+from pipeline.errors import UserError
+from pipeline.examples import stress
+from pipeline.precision import Policy
+
+CPU = torch.device("cpu")
+
+
+def cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out, y)
+
+
+def example(name: str) -> dict:
+    """An example params file with the tiny sizes of the test suite (its task, rule and diagnose kept)."""
+    params = yaml.safe_load((ROOT / "examples" / f"{name}.params.yaml").read_text())
+    return merge(params, {k: v for k, v in TINY.items() if k != "acceptance"})
+
+
+@pytest.mark.integration
+def test_overflow_example_rolls_fp16_back_naming_the_culprit_and_accepts_bf16(tmp_path):
+    repo = make_project(tmp_path / "repo", example("stress_overflow"))
+    dvc(repo, "repro", "decide")
+
+    fp16 = json.loads((repo / "data/decision/float16/decision.json").read_text())
+    assert fp16["decision"] == "rollback"
+    culprit_reasons = [r for r in fp16["reasons"] if r.startswith("diagnosis:") and "module 'amplify' (Linear, aten.addmm" in r]
+    assert culprit_reasons and "float16's largest finite value is 65504" in culprit_reasons[0]
+    assert any("suggested trial.fp32_modules: ['amplify']" in r for r in fp16["reasons"])
+
+    diag = json.loads((repo / "data/diagnose/float16/diagnosis.json").read_text())
+    assert diag["needed"] and diag["reference_fails_rule"] == []
+    first = diag["first_nonfinite"]
+    assert {loc["case"].split(" ")[0] for loc in first} == {"inference", "training"}
+    for loc in first:
+        assert loc["amp"]["first"]["where"] == "module" and loc["amp"]["first"]["module"] == "amplify"
+        assert loc["amp"]["first"]["output_dtypes"] == "float16"
+        assert loc["fp32"]["first"] is None and loc["fp32"]["outputs_finite"]  # the reference is finite on the same case
+        assert loc["fp32"]["modules"]["amplify"]["max_abs"] > 65504
+    assert diag["local_fix"][0]["cases_finite"] and diag["reruns"][-1]["decision"] == "accept"
+    assert diag["suggestion"] == {
+        "fp32_modules": ["amplify"],
+        "rule_passes": True,
+        "file": "data/diagnose/float16/suggested_params.yaml",
+    }
+    snippet = yaml.safe_load((repo / "data/diagnose/float16/suggested_params.yaml").read_text())
+    assert snippet == {"trial": {"fp32_modules": ["amplify"]}}
+    assert load_params(repo / "params.yaml").trial.fp32_modules == []  # suggested, never applied
+
+    bf16 = json.loads((repo / "data/decision/bfloat16/decision.json").read_text())
+    assert bf16["decision"] == "accept", bf16["reasons"]
+    healthy = json.loads((repo / "data/diagnose/bfloat16/diagnosis.json").read_text())
+    assert not healthy["needed"] and healthy["findings"] == []
+    assert healthy["work"] == {"replayed_steps": 0, "traced_passes": 4, "trial_reruns": 0}  # the probe (probe: always), no replay
+    assert healthy["precision_map"]["summary"]["reduced_share"] == 1.0
+
+
+def test_underflow_example_gradients_vanish_without_scaling_and_survive_with_it():
+    options = yaml.safe_load((ROOT / "examples/stress_underflow.params.yaml").read_text())["task"]["options"]
+    data = stress.load_underflow_data(**options)
+    torch.manual_seed(0)
+    model = stress.build_underflow_model(**options)
+    x, y = data["train_x"][:64], data["train_y"][:64]
+    loss = training.loss_function("mse")
+
+    fp16 = precision_map.gradient_underflow(model, x, y, loss, Policy(dtype="float16"), CPU, scale=65536.0)
+    rows = {r["parameter"]: r for r in fp16["parameters"]}
+    for name in ("body.weight", "body.bias"):
+        assert rows[name]["nonzero_fp32"] == rows[name]["elements"]
+        assert rows[name]["fraction_unscaled"] == 1.0  # every element vanished in float16
+        assert rows[name]["fraction_scaled"] < 0.01  # and survives at the GradScaler's initial scale
+    assert rows["head.weight"]["fraction_unscaled"] == 0.0
+
+    bf16 = precision_map.gradient_underflow(model, x, y, loss, Policy(dtype="bfloat16"), CPU, scale=65536.0)
+    assert bf16["total"]["vanished_unscaled"] == 0  # BF16 has FP32's exponent range
+
+    pmap = precision_map.precision_map(model, x, y, loss, Policy(dtype="float16"), CPU)
+    findings, notes = diagnostics.probe_findings(pmap, fp16, Policy(dtype="float16"), CPU)
+    assert findings == []
+    assert any("without loss scaling" in n and "body.weight 100%" in n and "GradScaler's scale 65536" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_precision_map_lists_reduced_matmuls_and_respects_fp32_regions(dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+
+    pmap = precision_map.precision_map(model, x, y, cross_entropy, Policy(dtype=dtype), CPU)
+    ops = {(r["phase"], r["op"], r["input_dtypes"]): r for r in pmap["ops"]}
+    assert ops[("forward", "aten.addmm.default", f"{dtype},{dtype},{dtype}")]["count"] == 2
+    assert ops[("backward", "aten.mm.default", f"{dtype},{dtype}")]["count"] == 3  # 2 weight grads, 1 input grad
+    assert pmap["summary"]["share_weighted_by"] == "flops" and pmap["summary"]["reduced_share"] == 1.0
+    assert pmap["missing_kernels"] == [] and pmap["error"] is None
+
+    mixed = precision_map.precision_map(model, x, y, cross_entropy, Policy(dtype=dtype, fp32_modules=("0",)), CPU)
+    assert ("forward", "aten.addmm.default", "float32,float32,float32") in {
+        (r["phase"], r["op"], r["input_dtypes"]) for r in mixed["ops"]
+    }
+    flops = mixed["matmul_by_module"]
+    assert flops["0"]["reduced_flops"] == 0 and flops["2"]["reduced_flops"] == flops["2"]["flops"] > 0
+    assert 0 < mixed["summary"]["reduced_share"] < 1
+
+
+class Bessel(torch.nn.Module):
+    """Bessel features, as in some physics-informed models: aten.special_bessel_j0 has no reduced-precision CPU kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.special.bessel_j0(x)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "activation", "op"),
+    [("float16", torch.nn.RReLU(), "aten.rrelu_with_noise.default"), ("bfloat16", Bessel(), "aten.special_bessel_j0.default")],
+)
+def test_op_without_reduced_precision_kernel_is_a_finding_not_a_crash(dtype, activation, op):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("fc", torch.nn.Linear(8, 16))
+    model.add_module("act", activation)
+    model.add_module("head", torch.nn.Linear(16, 3))
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    with pytest.raises(NotImplementedError), torch.autocast("cpu", dtype=getattr(torch, dtype)):
+        model(x)  # the real thing: the trial itself would stop here
+
+    pmap = precision_map.precision_map(model, x, y, cross_entropy, Policy(dtype=dtype), CPU)
+    assert pmap["error"] is None  # the op ran in float32 and the pass went on, backward included
+    assert [(m["op"], m["module"], m["module_type"], m["dtypes"]) for m in pmap["missing_kernels"]] == [
+        (op, "act", type(activation).__name__, [dtype])
+    ]
+    assert "not implemented for" in pmap["missing_kernels"][0]["error"]
+    assert any(r["phase"] == "backward" and r["op"] == "aten.mm.default" for r in pmap["ops"])
+    under = precision_map.gradient_underflow(model, x, y, cross_entropy, Policy(dtype=dtype), CPU, 65536.0, fallback=True)
+    findings, _ = diagnostics.probe_findings(pmap, under, Policy(dtype=dtype), CPU)
+    assert any(f.startswith(f"op {op} has no {dtype} kernel on cpu (module 'act'") for f in findings), findings
+
+
+def test_training_replay_is_the_exact_step_of_the_trial(reproduced, monkeypatch):
+    monkeypatch.chdir(reproduced)  # read only: stages read data/ relative to the repository
+    params = load_params("params.yaml")
+    stats = json.loads(Path("data/compare/float16/stats.json").read_text())
+    trajectory = json.loads(Path("data/trial/float16/trajectory.json").read_text())
+    ctx, run = diagnostics.load(params, "float16", stats, trajectory)
+    case = diagnostics.training_case(ctx, run, step=5)
+    assert case.replay_matches_trial and ctx.work["replayed_steps"] == 5
+    watched = case.trace(ctx, run.policy)
+    assert watched["loss"] == trajectory["steps"][5]["loss"]  # bit for bit, hooks and dispatch mode included
+    assert watched["scale"] == trajectory["steps"][5]["scale"]
+    assert diagnostics.finite(watched) and watched["first"] is None
+
+
+@pytest.mark.integration
+def test_diagnose_is_cheap_on_a_healthy_trial(reproduced, tmp_path):
+    decision = json.loads((reproduced / "data/decision/float16/decision.json").read_text())
+    assert decision["decision"] == "accept", "the tiny default float16 trial is expected healthy"
+    diag = json.loads((reproduced / "data/diagnose/float16/diagnosis.json").read_text())
+    assert not diag["needed"] and diag["findings"] == []
+    assert diag["work"] == {"replayed_steps": 0, "traced_passes": 0, "trial_reruns": 0}  # diagnose.probe: on_failure
+
+    copy = tmp_path / "copy"
+    shutil.copytree(reproduced, copy, symlinks=True)
+    seconds = {}
+    for name in ("diagnose", "trial"):
+        start = time.perf_counter()
+        assert stage(copy, name, "--dtype", "float16").returncode == 0
+        seconds[name] = time.perf_counter() - start
+    print(f"healthy float16: diagnose {seconds['diagnose']:.1f}s, trial {seconds['trial']:.1f}s (whole processes)")
+    assert seconds["diagnose"] < seconds["trial"] / 2  # a JSON read and no torch, against a whole (tiny) training
+    assert (copy / "data/diagnose/float16/diagnosis.json").read_bytes() == (
+        reproduced / "data/diagnose/float16/diagnosis.json"
+    ).read_bytes()
+
+
+def test_diagnose_params_are_validated(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("diagnose: {search_budget: -1}\n")
+    with pytest.raises(UserError, match=r"diagnose\.search_budget is -1"):
+        load_params(path)
+    path.write_text("diagnose: {probe: sometimes}\n")
+    with pytest.raises(UserError, match=r"diagnose\.probe"):
+        load_params(path)
+    assert math.isfinite(load_params(ROOT / "examples/stress_overflow.params.yaml").task.options["gain"])

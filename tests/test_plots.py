@@ -1,0 +1,163 @@
+"""Figures, report and DVC plots: deterministic bytes, complete content, and `dvc plots show` rendering them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT, dvc, stage, write_params
+
+from pipeline import plots, report
+
+DTYPES = ("float16", "bfloat16")
+
+
+def synthetic() -> tuple[list[dict], dict[str, list[dict]], dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
+    """A reference and two trials: one with skipped steps and a non-finite loss, one with exact outputs."""
+    ref_steps = [{"step": i, "loss": 2.0 / (1 + i), "scale": 1.0, "skipped": False, "grad_norm": 1.0} for i in range(20)]
+    fp16 = [{"step": i, "loss": 2.0 / (1 + i) + 0.01, "scale": 65536.0 / 2 ** (i // 7), "skipped": i in (7, 14), "grad_norm": 1.0} for i in range(20)]
+    fp16[3]["loss"] = math.inf
+    bf16 = [{"step": i, "loss": 2.0 / (1 + i) - 0.02, "scale": 1.0, "skipped": False, "grad_norm": 1.0} for i in range(20)]
+    gen = np.random.default_rng(0)
+    ref = {"output": gen.normal(size=(50, 10)).astype(np.float32), "aux": gen.normal(size=(50, 1)).astype(np.float32) * 100}
+    trial = {
+        "float16": {k: (v + gen.normal(scale=1e-3, size=v.shape)).astype(np.float32) for k, v in ref.items()},
+        "bfloat16": {k: v.copy() for k, v in ref.items()},
+    }
+    trial["float16"]["output"][0, 0] = np.nan
+    return ref_steps, {"float16": fp16, "bfloat16": bf16}, ref, trial
+
+
+def render_all() -> dict[str, bytes]:
+    ref_steps, steps, ref, trial = synthetic()
+    out = {}
+    for d in DTYPES:
+        out[f"{d}/loss"] = plots.loss_curves(ref_steps, steps[d], d)
+        out[f"{d}/scale"] = plots.loss_scale(steps[d], d)
+        out[f"{d}/scores"] = plots.scores(ref, trial[d], d)
+        out[f"{d}/errors"] = plots.error_histogram(ref, trial[d], {"output": 0.05, "aux": 0.5}, d)
+    return out
+
+
+def digests(figures: dict[str, bytes]) -> dict[str, str]:
+    return {k: hashlib.sha256(v).hexdigest() for k, v in figures.items()}
+
+
+def variants() -> list[dict]:
+    accept = {"decision": "accept", "reasons": [], "checks": ["training: every loss finite"]}
+    rollback = {"decision": "rollback", "reasons": ["values 'output': 3 of 10 <outside> | atol"], "checks": []}
+    metrics = {"quality.reference": 0.9, "quality.trial": 0.89, "values.output.max_abs": 0.01, "decisions.boundary_flips": 1, "decisions.boundary_cases": 4}
+    bench = {"benchmarked": True, "speedup": {"median": 1.5, "q1": 1.4, "q3": 1.6}, "seconds_per_step": {"fp32": {"median": 0.3}, "amp": {"median": 0.2}}}
+    return [
+        {"dtype": "float16", "env": {"backend": "cpu"}, "decision": accept, "metrics": metrics, "diagnosis": {"findings": []}, "benchmark": bench},
+        {"dtype": "bfloat16", "env": {"backend": "cpu"}, "decision": rollback, "metrics": metrics, "diagnosis": {"findings": ["first non-finite loss at step 3"]},
+         "benchmark": {"benchmarked": False, "reason": "bfloat16 was rolled back"}},
+    ]
+
+
+REFERENCE = {"rule_sha256": "ab" * 32, "run_key": "cd" * 32, "env": {"backend": "cpu", "device_name": "x86_64", "torch": "2.13.0"}, "cases": {"total": 50, "ordinary": 50}}
+
+
+@pytest.fixture(scope="module")
+def figures() -> dict[str, bytes]:
+    return render_all()
+
+
+def test_figures_are_identical_bytes_in_one_process_and_across_processes(figures):
+    ref_steps, steps, ref, trial = synthetic()
+    first = figures
+    # Again in this process (state left behind by earlier figures must not leak in), then in a fresh one.
+    assert plots.loss_curves(ref_steps, steps["float16"], "float16") == first["float16/loss"]
+    assert plots.error_histogram(ref, trial["bfloat16"], {"output": 0.05, "aux": 0.5}, "bfloat16") == first["bfloat16/errors"]
+    script = "import json, test_plots; print(json.dumps(test_plots.digests(test_plots.render_all())))"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT / "tests", capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == digests(first)
+    for name, png in first.items():
+        assert png.startswith(b"\x89PNG\r\n\x1a\n"), name
+        assert b"Software" not in png and b"matplotlib" not in png.lower(), name
+
+
+def test_curve_rows_are_flat_records_dvc_can_plot():
+    ref_steps, steps, _, _ = synthetic()
+    rows = plots.curve_rows(ref_steps, steps["float16"])
+    assert set(rows) == {"loss", "scale"}
+    assert rows["loss"][0] == {"step": 0, "loss_fp32": 2.0, "loss_amp": 2.01}
+    assert [r["skipped"] for r in rows["scale"]].count(1) == 2
+    assert all(set(r) == {"step", "scale", "skipped"} for r in rows["scale"])
+
+
+def test_report_is_deterministic_and_shows_every_variant_side_by_side(figures):
+    images = {d: {k.split("/")[1]: v for k, v in figures.items() if k.startswith(d)} for d in DTYPES}
+    page = report.html(REFERENCE, variants(), images)
+    assert page == report.html(REFERENCE, variants(), images)
+    assert page.count('src="data:image/png;base64,') == 8
+    assert '<td class="accept">ACCEPT</td><td class="rollback">ROLLBACK</td>' in page
+    assert "&lt;outside&gt; | atol" in page and "<outside>" not in page  # escaped
+    assert "x1.50 (1.40-1.60)" in page and "bfloat16 was rolled back" in page
+    assert "first non-finite loss at step 3" in page
+    md = report.markdown(REFERENCE, variants())
+    assert md == report.markdown(REFERENCE, variants())
+    table = [line for line in md.splitlines() if line.startswith("|")]
+    assert table[0] == "| | float16 | bfloat16 |"
+    assert all(line.replace("\\|", "").count("|") == 4 for line in table), "a cell broke the Markdown table"
+    assert "## bfloat16: ROLLBACK" in md and "every criterion of the rule passed" in md
+
+
+def test_report_stage_reproduces_its_dvc_outputs_byte_for_byte(reproduced, tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(reproduced, repo, symlinks=True)
+    folder = repo / "data" / "report"
+    before = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert {str(p) for p in before} >= {f"plots/{d}/{n}.png" for d in DTYPES for n in ("loss", "scale", "scores", "errors")}
+    shutil.rmtree(folder)
+    proc = stage(repo, "report")
+    assert proc.returncode == 0, proc.stderr
+    after = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert after.keys() == before.keys()
+    assert [str(k) for k in before if before[k] != after[k]] == []
+
+
+def test_dvc_metrics_and_plots_show_the_verdict_and_the_curves(reproduced, tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(reproduced, repo, symlinks=True)
+    shown = json.loads(dvc(repo, "metrics", "show", "--json").stdout)
+    metrics = next(iter(shown.values()))["data"]
+    for d in DTYPES:
+        assert "quality.trial" in metrics[f"data/metrics/compare-{d}.json"]["data"]
+        assert set(metrics[f"data/metrics/decision-{d}.json"]["data"]) >= {"accepted", "reasons"}
+    diff = json.loads(dvc(repo, "metrics", "diff", "--json").stdout)  # HEAD has none yet: every figure is new
+    assert f"data/metrics/decision-{DTYPES[0]}.json" in diff
+    out = tmp_path / "plots"
+    dvc(repo, "plots", "show", "-o", str(out))
+    page = (out / "index.html").read_text()
+    for family in ("loss", "scale"):
+        for d in DTYPES:
+            assert f'id = "data_report_curves_{family}_{d}_json"' in page, (family, d)
+    assert "loss_fp32" in page and "loss_amp" in page
+
+
+def test_one_dtype_leaves_no_stale_figures_and_plots_still_render(reproduced, tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(reproduced, repo, symlinks=True)
+    write_params(repo, {"trial": {"dtypes": ["bfloat16"]}})
+    dvc(repo, "repro", "--single-item", "report")  # only this stage; dvc.lock then lists only bfloat16 files
+    assert not (repo / "data/report/plots/float16").exists()
+    assert not (repo / "data/report/curves/loss/float16.json").exists()
+    rendered = json.loads(dvc(repo, "plots", "show", "--json").stdout)
+    ids = set(rendered.get("data", rendered))
+    assert any("bfloat16" in i for i in ids) and not any("/float16" in i for i in ids), ids
+    assert "errors" not in rendered or not rendered["errors"], rendered.get("errors")
+
+
+@pytest.mark.parametrize("steps", [[], [{"step": 0, "loss": math.nan, "scale": math.nan, "skipped": True}]])
+def test_degenerate_curves_still_render(steps):
+    assert plots.loss_curves(steps, steps, "float16").startswith(b"\x89PNG")
+    assert plots.loss_scale(steps, "float16").startswith(b"\x89PNG")

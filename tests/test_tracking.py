@@ -1,0 +1,334 @@
+"""Publishing to a real `mlflow server` on 127.0.0.1, read back through the MLflow client.
+
+One server per module (it takes seconds to start on 2 cores); each test copies the session's reproduced
+project before publishing, and reads what the server holds afterwards. No mock anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import BIN, dvc, env_for, run, write_params
+
+from pipeline import tracking
+
+CHILDREN = ("trial", "compare", "diagnose", "decide", "benchmark")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[str]:
+    """A real tracking server with a temporary sqlite backend and artifact store, up until the module ends."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    with open(root / "server.log", "wb") as log:
+        proc = subprocess.Popen(
+            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no background job workers: CPU for the tests
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(uri + "/health", timeout=2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"mlflow server did not start:\n{(root / 'server.log').read_text()[-3000:]}") from None
+                time.sleep(0.5)
+        yield uri
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and the uvicorn worker it started
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def publish(repo: Path, uri: str) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**env_for(repo), "MLFLOW_TRACKING_URI": uri}
+    start = time.monotonic()
+    proc = run([sys.executable, "-m", "pipeline", "publish"], repo, check=False, env=env, timeout=300)
+    return proc, time.monotonic() - start
+
+
+def fingerprint(repo: Path) -> dict[str, str]:
+    """sha256 of every DVC output and of dvc.lock: what must survive a failed publish untouched."""
+    files = [p for p in (repo / "data").rglob("*") if p.is_file()] + [repo / "dvc.lock"]
+    return {str(p.relative_to(repo)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(files)}
+
+
+def client(uri: str):
+    import mlflow
+
+    return mlflow.MlflowClient(tracking_uri=uri)
+
+
+def runs_of(uri: str, experiment: str = "amp-validation") -> list:
+    c = client(uri)
+    exp = c.get_experiment_by_name(experiment)
+    return [] if exp is None else list(c.search_runs([exp.experiment_id], max_results=1000))
+
+
+def artifacts(c, run_id: str, path: str | None = None) -> set[str]:
+    out = set()
+    for a in c.list_artifacts(run_id, path):
+        out |= artifacts(c, run_id, a.path) if a.is_dir else {a.path}
+    return out
+
+
+def read(repo: Path, rel: str):
+    return json.loads((repo / rel).read_text())
+
+
+@pytest.fixture(scope="module")
+def story(reproduced, server, tmp_path_factory) -> dict:
+    """Publish against a server that is down, one that hangs, then the live one twice; record everything."""
+    repo = tmp_path_factory.mktemp("publish") / "repo"
+    shutil.copytree(reproduced, repo, symlinks=True)
+    out: dict = {"repo": repo, "uri": server}
+    before = fingerprint(repo)
+    out["down"] = publish(repo, f"http://127.0.0.1:{free_port()}")
+    with socket.socket() as hung:  # accepts connections, never answers
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)
+        out["hung"] = publish(repo, f"http://127.0.0.1:{hung.getsockname()[1]}")
+    out["intact"] = fingerprint(repo) == before
+    out["first"] = publish(repo, server)
+    out["runs_after_first"] = len(runs_of(server))
+    out["second"] = publish(repo, server)
+    out["runs_after_second"] = len(runs_of(server))
+    # What a publish killed midway leaves: a parent that never reached FINISHED, a child missing.
+    c = client(server)
+    runs = runs_of(server)
+    out["old_parent"] = next(r.info.run_id for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    c.update_run(out["old_parent"], status="RUNNING")
+    c.delete_run(next(r.info.run_id for r in runs if r.info.run_name.startswith("decide@")))
+    out["redo"] = publish(repo, server)
+    return out
+
+
+def test_unreachable_server_fails_fast_in_one_line_and_leaves_outputs(story):
+    for case in ("down", "hung"):
+        proc, took = story[case]
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2, (case, proc.stderr)
+        assert len(lines) == 1 and lines[0].startswith("error: "), (case, proc.stderr)
+        assert "unreachable" in lines[0] and "python -m pipeline publish" in lines[0], lines[0]
+        assert "Traceback" not in proc.stderr
+        assert took < 20, f"{case}: publish took {took:.1f} s to give up"
+    assert story["intact"], "a failed publish changed DVC outputs or dvc.lock"
+
+
+def test_publish_later_creates_the_whole_tree_once(story):
+    proc, took = story["first"]
+    assert proc.returncode == 0, proc.stderr
+    dtypes = yaml.safe_load((story["repo"] / "params.yaml").read_text())["trial"]["dtypes"]
+    expected = 2 + len(CHILDREN) * len(dtypes)  # parent + freeze + one run per stage variant
+    assert story["runs_after_first"] == expected
+    assert f"{expected} run(s) created" in proc.stdout
+    print(f"\npublish to {story['uri']}: {took:.1f} s for {expected} runs")
+
+
+def test_republishing_adds_nothing(story):
+    proc, _ = story["second"]
+    assert proc.returncode == 0, proc.stderr
+    assert "already published" in proc.stdout and story["uri"] in proc.stdout
+    assert story["runs_after_second"] == story["runs_after_first"]
+
+
+def test_parent_and_children_are_linked_and_tagged(story):
+    repo, uri = story["repo"], story["uri"]
+    runs = runs_of(uri)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1
+    parent = parents[0]
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags[tracking.KEY_TAG]
+    children = {r.info.run_name: r for r in runs if r is not parent}
+    dtypes = yaml.safe_load((repo / "params.yaml").read_text())["trial"]["dtypes"]
+    assert set(children) == {"freeze"} | {f"{s}@{d}" for s in CHILDREN for d in dtypes}
+    manifest = read(repo, "data/reference/manifest.json")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+    for name, r in children.items():
+        tags = r.data.tags
+        assert tags["mlflow.parentRunId"] == parent.info.run_id, name
+        assert r.info.status == "FINISHED", name
+        assert tags["git_commit"] == commit
+        assert tags["rule_sha256"] == manifest["rule_sha256"]
+        assert tags["backend"] in ("cpu", "cuda", "rocm")
+        assert tags["torch_version"] == manifest["env"]["torch"]
+        assert tags["device_name"]
+        assert tags["stage"] == name.split("@")[0]
+    for d in dtypes:
+        decision = read(repo, f"data/decision/{d}/decision.json")
+        for s in CHILDREN:
+            tags = children[f"{s}@{d}"].data.tags
+            assert tags["dtype"] == d
+            assert tags["decision"] == decision["decision"]
+            assert tags["reasons_count"] == str(len(decision["reasons"]))
+        assert parent.data.tags[f"decision.{d}"] == decision["decision"]
+        assert decision["decision"].upper() in children[f"decide@{d}"].data.tags["mlflow.note.content"]
+    assert "dvc_experiment" not in parent.data.tags  # not run by `dvc exp run`
+
+
+def test_params_are_flattened_from_params_yaml(story):
+    parent = next(r for r in runs_of(story["uri"]) if "mlflow.parentRunId" not in r.data.tags)
+    params = parent.data.params
+    raw = yaml.safe_load((story["repo"] / "params.yaml").read_text())
+    assert params["reference.train_steps"] == str(raw["reference"]["train_steps"])
+    assert json.loads(params["trial.dtypes"]) == raw["trial"]["dtypes"]
+    assert float(params["acceptance.outputs.default.atol"]) == raw["acceptance"]["outputs"]["*"]["atol"]  # `*` is not a valid MLflow key
+    assert params["tracking.experiment"] == "amp-validation"
+
+
+def test_metrics_and_per_step_training_curves(story):
+    repo, c = story["repo"], client(story["uri"])
+    runs = {r.info.run_name: r for r in runs_of(story["uri"])}
+    d = yaml.safe_load((repo / "params.yaml").read_text())["trial"]["dtypes"][0]
+    trial, compare = runs[f"trial@{d}"], runs[f"compare@{d}"]
+    steps = read(repo, f"data/trial/{d}/trajectory.json")["steps"]
+    ref_steps = read(repo, "data/reference/trajectory.json")["steps"]
+    for key, field, source in (("loss_amp", "loss", steps), ("loss_fp32", "loss", ref_steps), ("loss_scale", "scale", steps), ("grad_norm", "grad_norm", steps)):
+        history = sorted(c.get_metric_history(trial.info.run_id, key), key=lambda m: m.step)
+        assert [m.step for m in history] == [s["step"] for s in source], key
+        assert [m.value for m in history] == pytest.approx([s[field] for s in source], rel=1e-12), key
+    skipped = c.get_metric_history(trial.info.run_id, "skipped")
+    assert sorted(m.value for m in skipped) == sorted(float(s["skipped"]) for s in steps)
+    for key, value in read(repo, f"data/metrics/compare-{d}.json").items():
+        assert compare.data.metrics[key] == pytest.approx(value), key
+    decision = read(repo, f"data/decision/{d}/decision.json")
+    assert runs[f"decide@{d}"].data.metrics["accepted"] == float(decision["decision"] == "accept")
+    parent = next(r for r in runs.values() if "mlflow.parentRunId" not in r.data.tags)
+    assert parent.data.metrics[f"{d}/reasons"] == len(decision["reasons"])
+
+
+def test_artifacts_a_reviewer_opens(story, tmp_path):
+    repo, uri = story["repo"], story["uri"]
+    c = client(uri)
+    runs = {r.info.run_name: r for r in runs_of(uri)}
+    parent = next(r for r in runs.values() if "mlflow.parentRunId" not in r.data.tags)
+    assert {"report.html", "summary.md", "params.yaml", "dvc.lock"} <= artifacts(c, parent.info.run_id)
+    for d in yaml.safe_load((repo / "params.yaml").read_text())["trial"]["dtypes"]:
+        assert {"plots/loss.png", "plots/scale.png", "trajectory.json"} <= artifacts(c, runs[f"trial@{d}"].info.run_id)
+        assert {"cases.json", "stats.json", "plots/scores.png", "plots/errors.png"} <= artifacts(c, runs[f"compare@{d}"].info.run_id)
+        assert "decision.json" in artifacts(c, runs[f"decide@{d}"].info.run_id)
+        assert "benchmark.json" in artifacts(c, runs[f"benchmark@{d}"].info.run_id)
+        # The per-case table, as MLflow logged it (pandas "split" orient), row for row.
+        table = json.loads(Path(c.download_artifacts(runs[f"compare@{d}"].info.run_id, "cases.json", str(tmp_path))).read_text())
+        cases = read(repo, f"data/compare/{d}/cases.json")
+        assert table["columns"][:2] == ["id", "kind"] and "flipped" in table["columns"]
+        assert [row[0] for row in table["data"]] == [case["id"] for case in cases]
+        assert "table" in runs[f"compare@{d}"].data.tags["mlflow.loggedArtifacts"]
+    report = Path(c.download_artifacts(parent.info.run_id, "report.html", str(tmp_path))).read_text()
+    dtypes = yaml.safe_load((repo / "params.yaml").read_text())["trial"]["dtypes"]
+    assert report.count('src="data:image/png;base64,') == 4 * len(dtypes)
+    for d in dtypes:
+        assert f'<h2 id="{d}">' in report
+        for reason in read(repo, f"data/decision/{d}/decision.json")["reasons"]:
+            assert html.escape(reason) in report
+
+
+def test_interrupted_publish_is_redone_once(story):
+    """A parent left RUNNING (publish killed midway) is replaced by one complete tree, not duplicated."""
+    proc, _ = story["redo"]
+    assert proc.returncode == 0, proc.stderr
+    runs = runs_of(story["uri"])
+    assert len(runs) == story["runs_after_first"]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parent) == 1 and parent[0].info.run_id != story["old_parent"]
+    assert {r.data.tags["mlflow.parentRunId"] for r in runs if r is not parent[0]} == {parent[0].info.run_id}
+
+
+def test_batches_non_finite_values_and_awkward_names_reach_the_server(server):
+    """Past MLflow's per-call limits (100 params, 1000 metrics), NaN/inf kept, refused characters renamed."""
+    spec = tracking.RunSpec(
+        name="limits",
+        tags={"stage": "test"},
+        params={f"p.{i}": i for i in range(150)} | {"outputs.*.atol": 0.1, "outputs.a*b": 1, "outputs.a_b": 2},
+        metrics={"nan": math.nan, "inf": math.inf, "flag": True, "text": "ignored"},
+        steps={"curve": [(i, float(i)) for i in range(2500)], "nan": [(0, 1.0)]},
+    )
+    published = tracking.Publisher("limits", uri=server).publish("limits-key", spec, [])
+    c = client(server)
+    r = c.get_run(published.run_id)
+    assert len(r.data.params) == 153
+    assert r.data.params["outputs.default.atol"] == "0.1"
+    assert {r.data.params["outputs.a_b"], r.data.params["outputs.a_b_2"]} == {"1", "2"}
+    assert math.isnan(r.data.metrics["nan"]) and r.data.metrics["inf"] > 1e300 and r.data.metrics["flag"] == 1.0
+    assert "text" not in r.data.metrics and r.data.metrics["nan_2"] == 1.0
+    assert [m.step for m in sorted(c.get_metric_history(published.run_id, "curve"), key=lambda m: m.step)] == list(range(2500))
+    assert tracking.Publisher("limits", uri=server).publish("limits-key", spec, []).created == 0
+
+
+def test_stale_params_are_refused_before_contacting_mlflow(reproduced, tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(reproduced, repo, symlinks=True)
+    write_params(repo, {"reference": {"lr": 0.5}})
+    proc, _ = publish(repo, f"http://127.0.0.1:{free_port()}")
+    assert proc.returncode == 2
+    assert "reference" in proc.stderr and "dvc repro" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_dvc_exp_run_temp_publishes_to_the_workspace_database(reproduced, tmp_path):
+    """`dvc exp run --temp -S trial.dtypes=[bfloat16]`: the default URI still points at <repo>/mlflow.db."""
+    repo = tmp_path / "repo"
+    shutil.copytree(reproduced, repo, symlinks=True)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "reproduced"], repo)
+    env = env_for(repo)
+    del env["MLFLOW_TRACKING_URI"]  # the default: sqlite:///<repository root>/mlflow.db
+    before = {r.info.run_id for r in runs_of(f"sqlite:///{repo / 'mlflow.db'}")}
+    proc = run([str(BIN / "dvc"), "exp", "run", "--temp", "-n", "bf16-only", "-S", "trial.dtypes=[bfloat16]"], repo, env=env, timeout=600)
+    assert "publish" in proc.stdout
+    runs = [r for r in runs_of(f"sqlite:///{repo / 'mlflow.db'}") if r.info.run_id not in before]
+    parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parent) == 1 and parent[0].data.tags["dvc_experiment"] == "bf16-only"
+    assert {r.data.tags.get("dtype") for r in runs} == {None, "float32", "bfloat16"}
+    assert not list((repo / ".dvc" / "tmp").rglob("mlflow.db")), "a database was created inside the temporary copy"
+    shown = json.loads(dvc(repo, "exp", "show", "--json").stdout)
+    names = [e.get("name") for c in shown for e in (c.get("experiments") or [])]
+    assert "bf16-only" in names
+
+
+def test_default_uri_is_the_repository_database_also_from_a_temp_copy(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    copy = tmp_path / "repo" / ".dvc" / "tmp" / "exps" / "tmpabc123"
+    copy.mkdir(parents=True)
+    assert tracking.repository_root(copy) == tmp_path / "repo"
+    monkeypatch.chdir(copy)
+    assert tracking.tracking_uri() == f"sqlite:///{(tmp_path / 'repo').resolve()}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
+    assert tracking.tracking_uri() == "http://127.0.0.1:1"
+
+
+def test_mlflow_keys():
+    assert tracking.mlflow_key("acceptance.outputs.*.atol") == "acceptance.outputs.default.atol"
+    assert tracking.mlflow_key("values.logits[0].max_abs") == "values.logits_0_.max_abs"
+    assert len(tracking.mlflow_key("x" * 400)) == 250
+    assert tracking.flatten({"a": {"b": 1, "c": {}}, "d": [1]}) == {"a.b": 1, "a.c": {}, "d": [1]}
