@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from pipeline.config import DTYPES, load_params
 from pipeline.errors import UserError
 
 STAGES = ("prepare", "freeze", "trial", "compare", "diagnose", "decide", "benchmark", "report", "publish", "restore")
@@ -25,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.stage in PER_DTYPE and not args.dtype:
             raise UserError(f"stage {args.stage} needs --dtype (float16 or bfloat16)")
+        if args.dtype is not None and args.dtype not in DTYPES:
+            raise UserError(f"--dtype {args.dtype}: unknown dtype; use one of {', '.join(DTYPES)}")
+        load_params(args.params)  # a mistake in params.yaml is reported before torch is even imported
         module = importlib.import_module(f"pipeline.stages.{args.stage}")
         kwargs = {"dtype": args.dtype} if args.stage in PER_DTYPE else {}
         module.main(params_path=args.params, **kwargs)

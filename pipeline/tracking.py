@@ -333,3 +333,40 @@ def _cell(value: Any) -> Any:
     if isinstance(value, (list, dict)):
         return json.dumps(value, sort_keys=True)
     return value
+
+
+def earlier_rollbacks(experiment: str, reference_run_key: str, dtype: str) -> tuple[list[dict], str | None]:
+    """Rules under which this reference was rolled back for ``dtype`` in earlier published runs.
+
+    Returns the rules (``{"rule": dict, "rule_sha256": str}``) and, when the history could not be read,
+    why (the decision records it: an unread history is said, never taken for an empty one). Reads only:
+    a missing sqlite database is not created.
+    """
+    uri = tracking_uri()
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+        return [], None  # nothing was ever published here
+    for name, value in _ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    try:
+        check_reachable(uri)
+        with _failures(uri):
+            import mlflow
+
+            client = mlflow.MlflowClient(tracking_uri=uri)
+            found = client.get_experiment_by_name(experiment)
+            if found is None:
+                return [], None
+            query = (
+                f"tags.stage = 'decide' AND tags.dtype = '{dtype}' AND tags.decision = 'rollback' "
+                f"AND tags.reference_run_key = '{reference_run_key}'"
+            )
+            runs = client.search_runs([found.experiment_id], filter_string=query, max_results=1000)
+    except UserError as exc:
+        return [], str(exc)
+    out, seen = [], set()
+    for run in runs:
+        rule_json, sha = run.data.tags.get("rule_json"), run.data.tags.get("rule_sha256", "")
+        if rule_json and sha not in seen:
+            seen.add(sha)
+            out.append({"rule": json.loads(rule_json), "rule_sha256": sha})
+    return sorted(out, key=lambda r: r["rule_sha256"]), None

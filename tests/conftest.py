@@ -6,10 +6,15 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
+
+# One OpenMP thread for the test process and every stage it starts: no oversubscription on a small
+# machine, and the same thread count everywhere (CPU matmul results depend on it, bit for bit).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -23,6 +28,20 @@ TINY = {
     # bits): the tiny run then exercises both verdicts, accept (FP16) and rollback (BF16).
     "acceptance": {"outputs": {"*": {"atol": 0.002, "rtol": 0.0}}, "min_quality": 0.5},
 }
+
+
+_BLANK_DB: list[Path] = []
+
+
+def blank_mlflow_db() -> Path:
+    """An empty MLflow sqlite database, made once per session: creating the tables takes ~10 s."""
+    if not _BLANK_DB:
+        folder = Path(tempfile.mkdtemp(prefix="mlflow-blank-"))
+        db = folder / "mlflow.db"
+        code = f"import mlflow; mlflow.MlflowClient(tracking_uri='sqlite:///{db}').search_experiments()"
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300)
+        _BLANK_DB.append(db)
+    return _BLANK_DB[0]
 
 
 def env_for(repo: Path) -> dict[str, str]:
@@ -61,6 +80,7 @@ def make_project(dest: Path, override: dict | None = None) -> Path:
             shutil.copy2(ROOT / name, dest / name)
     shutil.copytree(ROOT / "pipeline", dest / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
     write_params(dest, merge(TINY, override or {}))
+    shutil.copy2(blank_mlflow_db(), dest / "mlflow.db")  # ignored by git, like a user's local database
     run(["git", "init", "-q"], dest)
     run(["git", "config", "user.email", "test@localhost"], dest)
     run(["git", "config", "user.name", "test"], dest)

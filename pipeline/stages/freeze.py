@@ -27,7 +27,14 @@ def main(params_path: str = "params.yaml") -> None:
 
     model = task.build_model(params.task, params.seed)
     init = checkpoint.capture(model)
-    probe = training.infer(model, train_t["x"][:2], FP32, device, eval_mode=True)
+    try:
+        probe = training.infer(model, train_t["x"][:2], FP32, device, eval_mode=True)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(
+            f"task.model {params.task.model} fails on a batch of the prepared data of shape {tuple(train_t['x'][:2].shape)} "
+            f"({first}); make the model take the data function's inputs, then `dvc repro`"
+        ) from None
     task.check_outputs(probe, params.task.kind, min(2, train_t["x"].shape[0]), train_t["y"], params.task.model)
     checkpoint.restore(init, model)  # the probe must not move the RNG the training starts from
     run_key = _run_key(params, inputs)
@@ -47,6 +54,7 @@ def main(params_path: str = "params.yaml") -> None:
     outputs = training.infer(model, fixed.x, FP32, device, params.reference.eval_mode)
     bad = sorted({fixed.ids[i] for v in outputs.values() for i in torch.nonzero(~torch.isfinite(v.reshape(v.shape[0], -1)).all(dim=1)).flatten().tolist()})
     if bad:
+        resume.clear()  # nothing of a refused reference is kept
         raise UserError(
             f"the FP32 reference is not finite on {len(bad)} case(s) ({', '.join(bad[:5])}); an incorrect FP32 run is no "
             f"baseline: fix the model, data or prepare.edge_scales, then rerun"

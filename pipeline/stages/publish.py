@@ -165,7 +165,10 @@ def _variant_runs(d: str, v: dict, ref_steps: list[dict], common: dict, flat: di
         ),
         RunSpec(
             name=f"decide@{d}",
-            tags={**tags, **_env_tags(decision.get("env") or v["manifest"]["env"]), "stage": "decide"},
+            tags={**tags, **_env_tags(decision.get("env") or v["manifest"]["env"]), "stage": "decide",
+                  # the rule itself, so that a later accept under a looser rule can be flagged (decide)
+                  **({"rule_json": json.dumps(decision["rule"], sort_keys=True)} if "rule" in decision else {}),
+                  **{f"decision_tag.{k}": v for k, v in decision.get("tags", {}).items()}},
             params=flat,
             metrics={"accepted": decision["decision"] == "accept", "reasons": len(decision["reasons"]), "checks": len(decision.get("checks", []))},
             artifacts=[(paths.decision(d) / "decision.json", "")] + [(p, "rollback") for p in sorted(rollback.glob("*")) if p.is_file()],
