@@ -27,6 +27,7 @@ def compare(
     trial_steps: list[dict],
     final_scale: float,
     fp64_out: dict[str, torch.Tensor] | None = None,
+    scaler_enabled: bool = True,
 ) -> dict:
     values = {}
     for name in sorted(ref_out):
@@ -72,6 +73,7 @@ def compare(
             rule.stall_window,
         )
     )
+    training["scaler_enabled"] = scaler_enabled
     stats = {"values": values, "arbiter": arbiter, "flips": flips, "quality": quality, "regression": regression, "training": training}
     return stats
 

@@ -260,6 +260,7 @@ def rerun(ctx: Context, policy: Policy) -> Run:
         ref.trajectory,
         steps,
         result.state.meta["grad_scaler"].get("scale", 1.0),
+        scaler_enabled=policy.uses_scaler,
     )
     ctx.work["trial_reruns"] += 1
     return Run(policy, outputs, steps, stats, verdict.decide(stats, params.acceptance))

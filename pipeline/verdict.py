@@ -92,11 +92,12 @@ def decide(stats: dict, rule: AcceptanceConfig, findings: list[str] | None = Non
         f"training: real updates still advancing in the last {rule.stall_window} steps",
         f"training: updates stopped advancing: no real update in the last {rule.stall_window} steps",
     )
-    check(
-        train["final_scale"] >= rule.min_scale,
-        f"training: final loss scale {train['final_scale']:g} >= {rule.min_scale:g}",
-        f"training: updates stopped advancing: loss scale fell to {train['final_scale']:g} < {rule.min_scale:g}",
-    )
+    if train.get("scaler_enabled", True):  # without a GradScaler (bfloat16) there is no scale to fall
+        check(
+            train["final_scale"] >= rule.min_scale,
+            f"training: final loss scale {train['final_scale']:g} >= {rule.min_scale:g}",
+            f"training: updates stopped advancing: loss scale fell to {train['final_scale']:g} < {rule.min_scale:g}",
+        )
     if reasons and findings:
         reasons.extend(f"diagnosis: {f}" for f in findings)
     return {"decision": "rollback" if reasons else "accept", "reasons": reasons, "checks": checks}

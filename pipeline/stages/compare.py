@@ -18,7 +18,7 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     trajectory = read_json(trial_dir / "trajectory.json", f"trial@{dtype}")
     stats = comparison.compare(
         params.task.kind, params.acceptance, ref.cases, ref.outputs, trial_out, trained_out,
-        ref.trajectory, trajectory["steps"], trajectory["final_scale"], ref.outputs_fp64(),
+        ref.trajectory, trajectory["steps"], trajectory["final_scale"], ref.outputs_fp64(), trajectory.get("scaler_enabled", True),
     )
     stats["env_differs_from_reference"] = manifest["env_differs_from_reference"]
     out = paths.compare(dtype)

@@ -50,7 +50,7 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
         "trained_outputs.safetensors": write_tensors(out / "trained_outputs.safetensors", trained, {"ids": ref.cases.ids}),
         "checkpoint.safetensors": checkpoint.save(out / "checkpoint.safetensors", result.state),
     }
-    write_json(out / "trajectory.json", {"steps": [asdict(r) for r in result.records], "final_scale": result.state.meta["grad_scaler"].get("scale", 1.0)})
+    write_json(out / "trajectory.json", {"steps": [asdict(r) for r in result.records], "final_scale": result.state.meta["grad_scaler"].get("scale", 1.0), "scaler_enabled": policy.uses_scaler})
     write_json(
         out / "manifest.json",
         {
