@@ -92,3 +92,9 @@ def test_each_stage_declares_only_sections_that_exist():
             if key.endswith(".yaml"):  # a whole params file (publish labels runs with every param)
                 continue
             assert key.split(".")[0] in sections, (name, key)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.params.yaml")), ids=lambda p: p.name)
+def test_shipped_example_params_are_valid(path):
+    params = config.load_params(path)
+    assert params.task.kind in ("classification", "regression")
