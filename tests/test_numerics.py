@@ -78,7 +78,7 @@ def test_worked_example_from_the_guide_tiny_gap_flips_the_decision():
     """Scores 1.0000 and 1.0003: FP16 cannot tell them apart (spacing near 1 is 2**-10), the tie
     goes to the lowest index, and the decision flips although the value gap is 3e-4."""
     ref = torch.tensor([[1.0000, 1.0003]])
-    trial = ref.half().float()
+    trial = ref.half().float()  # allowed: rounds two scores to FP16, the guide's worked example
     assert trial[0, 0] == trial[0, 1]  # real FP16 rounding, not a hand-made tie
     gap = numerics.value_gaps(ref, trial, atol=1e-3, rtol=0.0)
     assert gap["failing"] == 0  # within a 1e-3 tolerance...
