@@ -104,7 +104,7 @@ def from_jsonable(value: Any) -> Any:
 
 
 def write_tensors(path: str | Path, tensors: dict[str, Any], meta: dict[str, Any] | None = None) -> str:
-    """Write a safetensors file (tensors sorted by name, metadata as JSON strings); return its sha256."""
+    """Write a safetensors file (header keys sorted, metadata as JSON strings); return its sha256."""
     from safetensors.torch import save
 
     metadata = {k: json.dumps(to_jsonable(v), sort_keys=True) for k, v in (meta or {}).items()}

@@ -169,7 +169,7 @@ def training_case(ctx: Context, run: Run, step: int) -> Case:
     replayed = [r.loss for r in result.records]
     recorded = [s["loss"] for s in run.steps[:step]]
     matches = all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(replayed, recorded))
-    scale = float(result.state.meta["grad_scaler"].get("scale", 1.0)) if run.policy.uses_scaler else 1.0
+    scale = float(result.final_scale) if run.policy.uses_scaler else 1.0
     ref_cfg = ctx.params.reference
     idx = training.batch_order(ctx.train_x.shape[0], ref_cfg.batch_size, ref_cfg.train_steps, ctx.params.seed)[step]
     return Case(
@@ -234,13 +234,12 @@ def locate(ctx: Context, run: Run) -> list[Located]:
 def rerun(ctx: Context, policy: Policy) -> Run:
     """The trial again under ``policy``, as trial@DTYPE runs it, then compare and the rule."""
     params, ref = ctx.params, ctx.ref
-    model = ctx.model("trained")
-    outputs = training.infer(model, ref.cases.x, policy, ctx.device, params.reference.eval_mode)
-    model = ctx.model("init")
-    result = training.train(
-        model,
+    run = training.run_trial(
+        ctx.model("trained"),
+        lambda: ctx.model("init"),
         ctx.train_x,
         ctx.train_y,
+        ref.cases.x,
         params.reference,
         params.task.loss,
         policy,
@@ -248,7 +247,7 @@ def rerun(ctx: Context, policy: Policy) -> Run:
         params.seed,
         label=f"diagnose re-run {ctx.dtype}",
     )
-    trained = training.infer(model, ref.cases.x, policy, ctx.device, params.reference.eval_mode)
+    outputs, result, trained = run.outputs, run.training, run.trained_outputs
     steps = [asdict(r) for r in result.records]
     stats = comparison.compare(
         params.task.kind,
@@ -259,7 +258,7 @@ def rerun(ctx: Context, policy: Policy) -> Run:
         trained,
         ref.trajectory,
         steps,
-        result.state.meta["grad_scaler"].get("scale", 1.0),
+        result.final_scale,
         scaler_enabled=policy.uses_scaler,
     )
     ctx.work["trial_reruns"] += 1

@@ -15,7 +15,6 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -75,6 +74,48 @@ class TrainResult:
     records: list[StepRecord]
     real_updates: int
     state: checkpoint.Checkpoint
+
+    @property
+    def final_scale(self) -> float:
+        """The GradScaler's scale after the last update; 1.0 when no scaler ran (FP32, bfloat16)."""
+        return self.state.meta["grad_scaler"].get("scale", 1.0)
+
+
+@dataclass
+class TrialResult:
+    outputs: dict[str, torch.Tensor]
+    """The trained reference's outputs on the fixed set, under the policy."""
+    training: TrainResult
+    """The training repeated from the reference's initial state, under the policy."""
+    trained_outputs: dict[str, torch.Tensor]
+    """Outputs on the fixed set of the model trained under the policy."""
+
+
+def run_trial(
+    trained: torch.nn.Module,
+    make_initial: Callable[[], torch.nn.Module],
+    train_x: torch.Tensor,
+    train_y: torch.Tensor,
+    cases_x: torch.Tensor,
+    cfg: ReferenceConfig,
+    loss_kind: str,
+    policy: Policy,
+    device: torch.device,
+    seed: int,
+    resume: checkpoint.Checkpoint | None = None,
+    save_resume: Callable[[checkpoint.Checkpoint], None] | None = None,
+    label: str = "trial",
+) -> TrialResult:
+    """A trial, the one definition trial@DTYPE and the diagnosis's re-runs share.
+
+    Inference with the trained reference weights in the frozen train/eval mode; then training from the
+    reference's initial state. ``make_initial`` restores that state (weights and RNG) and is called
+    only after the inference, so that nothing the inference draws moves the RNG the training starts from.
+    """
+    outputs = infer(trained, cases_x, policy, device, cfg.eval_mode)
+    model = make_initial()
+    result = train(model, train_x, train_y, cfg, loss_kind, policy, device, seed, resume=resume, save_resume=save_resume, label=label)
+    return TrialResult(outputs, result, infer(model, cases_x, policy, device, cfg.eval_mode))
 
 
 def train(
@@ -212,7 +253,3 @@ class Progress:
         end = "\n" if done == self.total else ""
         # \x1b[K clears the rest of the line: a shorter line ("ETA 9s" after "ETA 10s") leaves no residue.
         print(f"\r{self.label}: step {done}/{self.total} loss {loss:.4f} {rate:.1f} step/s ETA {eta:.0f}s\x1b[K", end=end, file=sys.stderr, flush=True)
-
-
-def resume_path(folder: str | Path) -> Path:
-    return Path(folder) / "resume.safetensors"

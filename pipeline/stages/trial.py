@@ -25,32 +25,30 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     policy = Policy(dtype=dtype, fp32_modules=tuple(params.trial.fp32_modules))
     out = paths.trial(dtype)
 
-    # Inference: the trained reference weights, the fixed set, the frozen train/eval mode.
-    model = task.build_model(params.task, params.seed)
-    checkpoint.restore(ref.checkpoint(), model, rng=False)
-    with _missing_kernels(dtype, device):
-        outputs = training.infer(model, ref.cases.x, policy, device, params.reference.eval_mode)
+    def initial():
+        model = task.build_model(params.task, params.seed)
+        checkpoint.restore(ref.checkpoint("init"), model)  # weights and RNG of the reference's start
+        return model
 
-    # Training: the reference's initial state (weights and RNG), same batches, same order.
+    trained = task.build_model(params.task, params.seed)
+    checkpoint.restore(ref.checkpoint(), trained, rng=False)
     train_t, _ = read_tensors(paths.PREPARED_TRAIN, ref.manifest["files"][str(paths.PREPARED_TRAIN)], "prepare")
-    model = task.build_model(params.task, params.seed)
-    checkpoint.restore(ref.checkpoint("init"), model)
     key = hashlib.sha256(json.dumps({"ref": ref.manifest["run_key"], "policy": policy.as_dict()}, sort_keys=True).encode()).hexdigest()
     resume = checkpoint.ResumeFile(paths.RESUME / f"trial-{dtype}.safetensors", key)
     with _missing_kernels(dtype, device):
-        result = training.train(
-            model, train_t["x"], train_t["y"], params.reference, params.task.loss, policy, device, params.seed,
-            resume=resume.load(), save_resume=resume.save, label=f"trial {dtype}",
+        run = training.run_trial(
+            trained, initial, train_t["x"], train_t["y"], ref.cases.x, params.reference, params.task.loss, policy, device,
+            params.seed, resume=resume.load(), save_resume=resume.save, label=f"trial {dtype}",
         )
-        trained = training.infer(model, ref.cases.x, policy, device, params.reference.eval_mode)
+    result = run.training
 
     env = devices.describe(device)
     files = {
-        "outputs.safetensors": write_tensors(out / "outputs.safetensors", outputs, {"ids": ref.cases.ids}),
-        "trained_outputs.safetensors": write_tensors(out / "trained_outputs.safetensors", trained, {"ids": ref.cases.ids}),
+        "outputs.safetensors": write_tensors(out / "outputs.safetensors", run.outputs, {"ids": ref.cases.ids}),
+        "trained_outputs.safetensors": write_tensors(out / "trained_outputs.safetensors", run.trained_outputs, {"ids": ref.cases.ids}),
         "checkpoint.safetensors": checkpoint.save(out / "checkpoint.safetensors", result.state),
     }
-    write_json(out / "trajectory.json", {"steps": [asdict(r) for r in result.records], "final_scale": result.state.meta["grad_scaler"].get("scale", 1.0), "scaler_enabled": policy.uses_scaler})
+    write_json(out / "trajectory.json", {"steps": [asdict(r) for r in result.records], "final_scale": result.final_scale, "scaler_enabled": policy.uses_scaler})
     write_json(
         out / "manifest.json",
         {
