@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 BIN := $(abspath $(VENV))/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: run test lint clean-venv timings
+.PHONY: run test test-fast test-gpu lint clean-venv timings
 
 $(VENV)/.installed: pyproject.toml requirements.lock requirements-dev.lock
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,8 +20,17 @@ run: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" $(BIN)/dvc repro
 	@echo "Results: $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db  (then open http://127.0.0.1:5000)"
 
+# Every test (what CI runs; < 8 min on 2 cores): gpu-marked tests skip themselves where no GPU is visible.
 test: $(VENV)/.installed
-	PATH="$(BIN):$$PATH" $(PY) -m pytest -q -ra tests
+	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=10 tests
+
+# Pure and unit tests only (< 60 s): no dvc repro, no server, no GPU.
+test-fast: $(VENV)/.installed
+	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m "not integration and not gpu" tests
+
+# Only the GPU tests, inside a GPU image (see .github/workflows/gpu.yml).
+test-gpu: $(VENV)/.installed
+	PATH="$(BIN):$$PATH" $(PY) -m pytest -q -ra -m gpu tests
 
 timings: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" $(PY) scripts/timings.py

@@ -2,12 +2,18 @@
 
 User mistakes (``UserError``) print one line and exit with status 2; anything else is a bug and keeps
 its traceback.
+
+Params are validated before torch is imported (a typo costs no torch start-up), and params ``threads`` is
+applied then too: OMP_NUM_THREADS and MKL_NUM_THREADS (read once, when the libraries start) and, once the
+stage has imported torch, torch's own intra-op and inter-op counts. The param wins over the environment,
+because only the param is a DVC dependency: the thread count changes CPU bytes.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from pipeline.config import DTYPES, load_params
@@ -28,17 +34,51 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"stage {args.stage} needs --dtype (float16 or bfloat16)")
         if args.dtype is not None and args.dtype not in DTYPES:
             raise UserError(f"--dtype {args.dtype}: unknown dtype; use one of {', '.join(DTYPES)}")
-        load_params(args.params)  # a mistake in params.yaml is reported before torch is even imported
+        params = load_params(args.params)  # a mistake in params.yaml is reported before torch is even imported
+        set_thread_env(params.threads, os.environ)
+        if getattr(params.reference, "deterministic", False):
+            # cuBLAS reads it when it starts: before torch, to be sure (precision.deterministic sets it too).
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         module = importlib.import_module(f"pipeline.stages.{args.stage}")
+        if "torch" in sys.modules:  # the stage computes: fix torch's own counts before it starts
+            from pipeline import devices
+
+            devices.apply_threads(params.threads)
         kwargs = {"dtype": args.dtype} if args.stage in PER_DTYPE else {}
         module.main(params_path=args.params, **kwargs)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        line = _nondeterministic(exc)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted; outputs are written atomically, rerun the stage to finish", file=sys.stderr)
         return 130
     return 0
+
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def set_thread_env(threads: int | None, environ: dict) -> None:
+    """Params ``threads`` into the variables the CPU libraries read at start (None: leave the environment)."""
+    if threads is not None:
+        for name in THREAD_VARIABLES:
+            environ[name] = str(threads)
+
+
+def _nondeterministic(exc: RuntimeError) -> str | None:
+    """The one line for torch's "no deterministic implementation" error (reference.deterministic), else None."""
+    if "torch" not in sys.modules:
+        return None
+    from pipeline import precision
+
+    op = precision.nondeterministic_op(exc)
+    return precision.nondeterministic_message([op]) if op else None
 
 
 if __name__ == "__main__":

@@ -19,7 +19,12 @@ from pipeline.errors import UserError
 
 
 def write_bytes(path: str | Path, data: bytes) -> None:
-    """Atomically replace ``path`` with ``data``."""
+    """Atomically replace ``path`` with ``data``, with the mode a plain ``open(path, "wb")`` would give.
+
+    ``mkstemp`` creates its file ``-rw-------``; a DVC cache or workspace shared by a team, or written in
+    a container under another uid, must stay readable by the others, so the file gets 0666 minus the
+    process umask (0644 under the usual 022) before it takes ``path``'s place.
+    """
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -27,6 +32,7 @@ def write_bytes(path: str | Path, data: bytes) -> None:
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror}; make its folder writable") from None
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -40,6 +46,20 @@ def write_bytes(path: str | Path, data: bytes) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux reports it (``os.umask`` can only swap it)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def to_jsonable(value: Any) -> Any:

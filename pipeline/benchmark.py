@@ -2,11 +2,18 @@
 
 The method, and why:
 
-- Same work as the trial: the task's model from the reference's initial weights, the trial's first batch
-  (same shape, same batch size), the trial's optimizer, clipping and precision policy (FP32 modules
-  included). The only change is what the trial adds for evidence: no loss read-back, no scale check, no
-  per-step record and no learning-rate schedule (each needs a host sync), so none sits in the timed region.
-  The one sync left is GradScaler's own inf check in ``scaler.step``: it is part of what FP16 training costs.
+- Same work as the trial: the task's model from the reference's initial weights, the trial's first update
+  (same micro-batches, same batch size), the trial's optimizer, clipping and precision policy (FP32 modules
+  included), stepped by the ONE update function the trial uses (``training.amp_step``, ``read_back=False``).
+  The only change is what the trial adds for evidence: no loss read-back, no scale check, no per-step record
+  and no learning-rate schedule (each needs a host sync), so none sits in the timed region. The one sync left
+  is GradScaler's own inf check in ``scaler.step``: it is part of what FP16 training costs.
+- No skipped step is timed: the FP16 scaler starts from the trial's FINAL state (``grad_scaler`` in the trial
+  checkpoint), not a fresh one at 65536 that overflows and halves through the first rounds; and every
+  optimizer update is counted (a step post-hook, no sync), so a round in which the scaler still skipped an
+  update (cheaper: no optimizer step) is dropped, for every variant alike, and reported.
+- Sized by device (``bench`` params left null): short on the CPU, where the figures only show the method
+  works (the record says so); long enough on a GPU for quotable medians.
 - Warm-up first (allocator, kernel selection, autocast weight cache), then rounds: each round times
   ``steps`` steps of every variant, the order rotating from round to round, so drift (clocks, thermals,
   other load) hits all variants alike and each round gives a paired ratio.
@@ -27,7 +34,6 @@ The method, and why:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import json
 import math
@@ -36,14 +42,13 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pipeline import checkpoint, devices, paths, precision, task, training
-from pipeline.artifacts import read_tensors
 from pipeline.config import Params, load_params
 from pipeline.errors import UserError
 from pipeline.precision import Policy
@@ -116,16 +121,29 @@ def variants(dtype: str, fp32_modules: tuple[str, ...], env: dict[str, str]) -> 
     return out, note
 
 
-@contextlib.contextmanager
-def matmul_precision(tf32: bool) -> Iterator[None]:
-    """Allow or forbid TF32 for FP32 matmuls and cuDNN convolutions, restoring the previous setting after."""
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+# Sizes when params leave ``bench`` fields null: (warmup, repeats, steps).
+SIZES = {"cpu": (2, 5, 3), "gpu": (10, 20, 20)}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    warmup: int
+    repeats: int
+    steps: int
+    note: str
+
+
+def sizes(bench, device: torch.device) -> Sizes:
+    """The rounds to run: params ``bench`` where set, else sized by device (short on the CPU, saying so)."""
+    kind = "gpu" if device.type == "cuda" else "cpu"
+    auto = SIZES[kind]
+    chosen = [auto[i] if v is None else v for i, v in enumerate((bench.warmup, bench.repeats, bench.steps))]
+    note = "set in params (bench)" if all(v is not None for v in (bench.warmup, bench.repeats, bench.steps)) else (
+        "sized for the CPU: a short run that shows the method works; its figures say little about a GPU"
+        if kind == "cpu"
+        else "sized for a GPU: enough rounds for medians and IQRs to quote"
+    )
+    return Sizes(*chosen, note=note)
 
 
 # --- workload -----------------------------------------------------------------------------------------
@@ -133,49 +151,73 @@ def matmul_precision(tf32: bool) -> Iterator[None]:
 
 @dataclass
 class Workload:
-    """What one variant trains: a model in its initial state and one batch, on the device."""
+    """What one variant trains: a model in its initial state and the trial's first update, on the device."""
 
     model: torch.nn.Module
-    x: torch.Tensor
-    y: torch.Tensor
+    micro_batches: list[tuple[task.Inputs, torch.Tensor]]
     params: Params
     device: torch.device
+    scaler_state: dict
+    """The trial's final GradScaler ``state_dict`` (empty for bfloat16 or without a trial)."""
 
 
-def load_workload(params: Params, device: torch.device) -> Workload:
-    """The reference's initial model and the trial's first batch (read from the stages' outputs).
+def load_workload(params: Params, device: torch.device, dtype: str | None = None) -> Workload:
+    """The reference's initial model, the trial's first update's micro-batches and (with ``dtype``) the scaler
+    state the trial of ``dtype`` ended with (read from the stages' outputs).
 
     Raises:
-        UserError: prepare or freeze has not run.
+        UserError: prepare, freeze or trial@DTYPE has not run.
     """
-    train_t, _ = read_tensors(paths.PREPARED_TRAIN, produced_by="prepare")
-    idx = training.batch_order(train_t["x"].shape[0], params.reference.batch_size, 1, params.seed)[0]
+    from pipeline import trial as trial_artifact
+
+    source = task.load_train(params.task, paths.PREPARED_TRAIN)
+    first_update = training.update_batches(len(source), params.reference, params.seed)[0]
+    micro = []
+    for idx in first_update:
+        x, y = source.batch(idx)
+        micro.append((task.to_device(x, device), y.to(device)))
     model = task.build_model(params.task, params.seed)
     checkpoint.restore(checkpoint.load(paths.REF_INIT), model, rng=False)
-    return Workload(model.to(device).train(), train_t["x"][idx].to(device), train_t["y"][idx].to(device), params, device)
+    scaler_state = {}
+    if dtype is not None and Policy(dtype=dtype).uses_scaler:  # bfloat16 runs no scaler: nothing to read
+        scaler_state = trial_artifact.load(dtype).checkpoint().meta.get("grad_scaler") or {}
+    return Workload(model.to(device).train(), micro, params, device, scaler_state)
 
 
-def make_step(work: Workload, policy: Policy) -> Callable[[], None]:
-    """One training step in the trial's order, with nothing read back to the host."""
-    cfg = work.params.reference
-    loss_fn = training.loss_function(work.params.task.loss)
-    optimizer = training.make_optimizer(work.model, cfg)
-    scaler = precision.make_scaler(policy, work.device)
-    trainable = [p for p in work.model.parameters() if p.requires_grad]
-    max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
-    model, x, y = work.model, work.x, work.y
+class TrainingStep:
+    """One training update of the trial's, by ``training.amp_step`` with nothing read back to the host.
 
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with precision.autocast(policy, work.device):
-            loss = loss_fn(task.primary(task.named_outputs(model(x))), y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(trainable, max_norm=max_norm)
-        scaler.step(optimizer)
-        scaler.update()
+    ``updates`` counts the optimizer updates really made (a step post-hook: GradScaler calls
+    ``optimizer.step`` only when the gradients are finite), so a caller can tell skipped steps apart
+    without a sync of its own.
+    """
 
-    return step
+    def __init__(self, work: Workload, policy: Policy) -> None:
+        cfg = work.params.reference
+        self.work, self.policy = work, policy
+        self.loss_fn = training.make_loss(work.params.task)
+        self.optimizer = training.make_optimizer(work.model, cfg)
+        self.scaler = precision.make_scaler(policy, work.device)
+        if self.scaler.is_enabled() and work.scaler_state:
+            self.scaler.load_state_dict(work.scaler_state)
+        self.trainable = [p for p in work.model.parameters() if p.requires_grad]
+        self.max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
+        self.updates = 0
+        self.optimizer.register_step_post_hook(self._count)
+
+    def _count(self, *_: object) -> None:
+        self.updates += 1
+
+    def __call__(self) -> None:
+        w = self.work
+        training.amp_step(
+            w.model, w.micro_batches, self.loss_fn, self.optimizer, self.scaler, self.policy, w.device,
+            self.max_norm, self.trainable, read_back=False,
+        )
+
+
+def make_step(work: Workload, policy: Policy) -> TrainingStep:
+    return TrainingStep(work, policy)
 
 
 def parameter_count(model: torch.nn.Module) -> int:
@@ -202,31 +244,56 @@ def time_steps(step: Callable[[], None], steps: int, device: torch.device) -> fl
     return (time.perf_counter() - t0) / steps
 
 
+@dataclass
+class Rounds:
+    """Per variant, one value per round: seconds per step, and steps whose update the scaler skipped."""
+
+    times: dict[str, list[float]]
+    skipped: dict[str, list[int]]
+
+    def dropped(self) -> list[int]:
+        """Rounds in which any variant skipped an update: not comparable, dropped for every variant."""
+        n = len(next(iter(self.times.values()), []))
+        return [r for r in range(n) if any(s[r] for s in self.skipped.values())]
+
+    def kept_times(self) -> dict[str, list[float]]:
+        drop = set(self.dropped())
+        return {name: [t for r, t in enumerate(ts) if r not in drop] for name, ts in self.times.items()}
+
+
+def _updates(step: Callable[[], None]) -> int:
+    return getattr(step, "updates", 0)
+
+
 def interleaved(
     steps_by_variant: dict[str, tuple[Callable[[], None], bool]],
     warmup: int,
     repeats: int,
     steps: int,
     device: torch.device,
-) -> dict[str, list[float]]:
-    """Seconds per step of each variant, one value per round.
+) -> Rounds:
+    """Seconds per step of each variant, one value per round, and the updates skipped in each round.
 
     ``steps_by_variant`` maps a name to its step function and whether TF32 is allowed while it runs. Round
     ``r`` runs the variants starting from the ``r``-th, so none is always first (or always after another).
+    A step with an ``updates`` counter (``TrainingStep``) reports skipped updates; a plain function none.
     """
     names = list(steps_by_variant)
     for name in names:
         step, tf32 = steps_by_variant[name]
-        with matmul_precision(tf32):
+        with precision.tf32(tf32):
             for _ in range(warmup):
                 step()
-    times: dict[str, list[float]] = {name: [] for name in names}
+    rounds = Rounds({name: [] for name in names}, {name: [] for name in names})
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             step, tf32 = steps_by_variant[name]
-            with matmul_precision(tf32):
-                times[name].append(time_steps(step, steps, device))
-    return times
+            before = _updates(step)
+            with precision.tf32(tf32):
+                rounds.times[name].append(time_steps(step, steps, device))
+            counted = hasattr(step, "updates")
+            rounds.skipped[name].append(steps - (_updates(step) - before) if counted else 0)
+    return rounds
 
 
 # --- memory -------------------------------------------------------------------------------------------
@@ -236,36 +303,43 @@ def peak_memory(step: Callable[[], None], warmup: int, repeats: int, steps: int,
     """Peak memory of ``steps`` steps, per round, in THIS process (call it in a fresh one).
 
     Returns ``peak`` (bytes: max allocated on a GPU, peak resident set on the CPU), ``baseline`` (the same
-    measure just before the round: weights, optimizer state, batch) and ``method``.
+    measure just before the round: weights, optimizer state, batch), ``skipped`` (updates the scaler skipped
+    in the round: a skipped update allocates no optimizer state, so that round's peak is dropped) and ``method``.
     """
     for _ in range(warmup):
         step()
     peaks: list[float] = []
     baselines: list[float] = []
+    skipped: list[int] = []
+
+    def run_steps() -> None:
+        before = _updates(step)
+        for _ in range(steps):
+            step()
+        skipped.append(steps - (_updates(step) - before) if hasattr(step, "updates") else 0)
+
     if device.type == "cuda":
         for _ in range(repeats):
             torch.cuda.synchronize(device)
             baselines.append(float(torch.cuda.memory_allocated(device)))
             torch.cuda.reset_peak_memory_stats(device)
-            for _ in range(steps):
-                step()
+            run_steps()
             torch.cuda.synchronize(device)
             peaks.append(float(torch.cuda.max_memory_allocated(device)))
-        return {"peak": peaks, "baseline": baselines, "method": "torch.cuda.max_memory_allocated after reset_peak_memory_stats"}
+        method = "torch.cuda.max_memory_allocated after reset_peak_memory_stats"
+        return {"peak": peaks, "baseline": baselines, "skipped": skipped, "method": method}
     if not _reset_peak_rss():
         # No resettable peak (not Linux, or /proc read-only): the process's lifetime peak, one sample.
-        for _ in range(steps):
-            step()
+        run_steps()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-        return {"peak": [float(peak)], "baseline": [float("nan")], "method": "getrusage ru_maxrss (process lifetime)"}
+        return {"peak": [float(peak)], "baseline": [float("nan")], "skipped": skipped, "method": "getrusage ru_maxrss (process lifetime)"}
     for _ in range(repeats):
         _trim_heap()
         baselines.append(float(_proc_status_bytes("VmRSS")))
         _reset_peak_rss()
-        for _ in range(steps):
-            step()
+        run_steps()
         peaks.append(float(_proc_status_bytes("VmHWM")))
-    return {"peak": peaks, "baseline": baselines, "method": "peak resident set (VmHWM) reset via /proc/self/clear_refs"}
+    return {"peak": peaks, "baseline": baselines, "skipped": skipped, "method": "peak resident set (VmHWM) reset via /proc/self/clear_refs"}
 
 
 class MemoryProbes:
@@ -322,6 +396,11 @@ class MemoryProbes:
 def memory_summary(by_variant: dict[str, dict]) -> dict:
     """Peak and working memory (peak minus baseline) per variant, and the AMP / FP32 ratios of both."""
     out: dict = {"peak_memory_bytes": {}, "working_memory_bytes": {}}
+    by_variant = {name: _without_skipped(m) for name, m in by_variant.items()}
+    dropped = {name: m["dropped_rounds"] for name, m in by_variant.items() if m["dropped_rounds"]}
+    if dropped:
+        out["memory_rounds_dropped"] = dropped
+    by_variant = {name: m for name, m in by_variant.items() if m["peak"]}
     for name, m in by_variant.items():
         out["peak_memory_bytes"][name] = spread(m["peak"])
         working = [p - b for p, b in zip(m["peak"], m["baseline"])]
@@ -337,6 +416,118 @@ def memory_summary(by_variant: dict[str, dict]) -> dict:
             if all(w > 0 for w in wf):
                 out["working_memory_ratio"] = ratio_spread(wa, wf)
     return out
+
+
+# --- the record ---------------------------------------------------------------------------------------------
+
+
+def record(
+    dtype: str,
+    env: dict,
+    work: Workload,
+    size: Sizes,
+    tf32_note: str,
+    memory: dict[str, dict],
+    rounds: Rounds,
+    cpu_load: float | None,
+) -> dict:
+    """Everything measured, with the method and the workload (``benchmark.json``; not a DVC metric)."""
+    params, device = work.params, work.device
+    dropped = rounds.dropped()
+    times = rounds.kept_times()
+    x0, y0 = work.micro_batches[0]
+    out = {
+        "benchmarked": True,
+        "dtype": dtype,
+        "env": env,
+        "workload": {
+            "model": params.task.model,
+            "options": params.task.options,
+            "parameters": parameter_count(work.model),
+            "batch_size": int(y0.shape[0]),
+            "micro_batches": len(work.micro_batches),
+            "input_shape": list(x0.shape),
+            "fp32_modules": list(params.trial.fp32_modules),
+            "initial_grad_scaler": work_scaler(work, dtype),
+        },
+        "method": {
+            "warmup": size.warmup,
+            "repeats": size.repeats,
+            "steps_per_repeat": size.steps,
+            "sizing": size.note,
+            "clock": "CUDA events, synchronized" if device.type == "cuda" else "time.perf_counter (monotonic)",
+            "order": "interleaved, rotating each round",
+            "fp32": "strict: TF32 off for matmul and cuDNN",
+            "tf32": tf32_note,
+            "memory": next(iter(memory.values()))["method"] + "; one fresh process per variant",
+            "skipped_updates": "rounds with an update the GradScaler skipped are dropped for every variant",
+            "cpu_threads": torch.get_num_threads(),
+            # Other processes on the CPU slow multi-threaded steps unevenly: read wide IQRs in that light.
+            "cpu_load_1min": cpu_load,
+        },
+        "rounds_dropped": {"timed": dropped, "skipped_updates": {n: s for n, s in rounds.skipped.items() if any(s)}},
+        "samples": {"seconds_per_step": rounds.times, "memory": memory},
+        **memory_summary(memory),
+    }
+    if times["fp32"]:
+        out["seconds_per_step"] = {name: spread(t) for name, t in times.items()}
+        out["speedup"] = ratio_spread(times["fp32"], times["amp"])
+        if "tf32" in times:
+            out["speedup_vs_tf32"] = ratio_spread(times["tf32"], times["amp"])
+    else:
+        out["speedup"] = None
+        out["no_speedup_because"] = (
+            f"every timed round had an update the GradScaler skipped ({len(dropped)} of {size.repeats}); the scale "
+            f"had not settled: raise bench.warmup"
+        )
+    return out
+
+
+def work_scaler(work: Workload, dtype: str) -> dict | str:
+    """The scaler state AMP started from, as recorded (or why there is none)."""
+    if dtype != "float16":
+        return "none: only float16 uses a GradScaler"
+    return work.scaler_state or "fresh: no trial state found"
+
+
+def short_metrics(result: dict) -> dict:
+    """The benchmark's DVC metrics: two numbers (``benchmark.json`` holds the rest)."""
+    if not result.get("benchmarked"):
+        return {}
+    speedup, memory = result.get("speedup"), result.get("memory_ratio")
+    return {
+        "speedup_median": speedup["median"] if speedup else None,
+        "memory_ratio": memory["median"] if memory else None,
+    }
+
+
+def summary_line(result: dict) -> str:
+    dtype, s, m = result["dtype"], result.get("speedup"), result.get("memory_ratio")
+    if not result.get("benchmarked"):
+        return f"benchmark {dtype}: skipped ({result['reason']})"
+    rounds = result["method"]["repeats"] - len(result["rounds_dropped"]["timed"])
+    line = f"benchmark {dtype}: " + (
+        f"speedup x{s['median']:.2f} (IQR {s['q1']:.2f}-{s['q3']:.2f}, {rounds} rounds)" if s else result["no_speedup_because"]
+    )
+    if m:
+        line += f", peak memory x{m['median']:.2f} of FP32 (IQR {m['q1']:.2f}-{m['q3']:.2f})"
+    if result["rounds_dropped"]["timed"]:
+        line += f"; {len(result['rounds_dropped']['timed'])} round(s) dropped: the GradScaler skipped an update"
+    if result["env"]["backend"] == "cpu":
+        line += " [CPU: a short run, not a GPU figure]"
+    return line
+
+
+def _without_skipped(m: dict) -> dict:
+    """A probe's figures without its rounds that had a skipped update."""
+    skipped = m.get("skipped") or [0] * len(m["peak"])
+    keep = [r for r, s in enumerate(skipped) if not s]
+    return {
+        **m,
+        "peak": [m["peak"][r] for r in keep],
+        "baseline": [m["baseline"][r] for r in keep],
+        "dropped_rounds": [r for r, s in enumerate(skipped) if s],
+    }
 
 
 def _trim_heap() -> None:
@@ -383,11 +574,11 @@ def _child(argv: list[str] | None = None) -> int:
         if args.variant not in chosen:
             raise UserError(f"--variant {args.variant} is not measured on this device; use one of {sorted(chosen)}")
         variant = chosen[args.variant]
-        work = load_workload(params, device)
+        work = load_workload(params, device, args.dtype if variant.policy.amp else None)
         step = make_step(work, variant.policy)
-        bench = params.bench
-        with precision.fp32_regions(work.model, variant.policy, device), matmul_precision(variant.tf32):
-            result = peak_memory(step, bench.warmup, bench.repeats, bench.steps, device)
+        size = sizes(params.bench, device)
+        with precision.fp32_regions(work.model, variant.policy, device), precision.tf32(variant.tf32):
+            result = peak_memory(step, size.warmup, size.repeats, size.steps, device)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,29 +1,38 @@
 """The fixed input set: ordinary samples, edge cases and decision-boundary cases, each with a stable id.
 
-Ids say which kind a case is: ``ordinary/<data id>``, ``edge/<what>`` and ``boundary/<a>~<b>``.
+Ids say which kind a case is: ``ordinary/<data id>``, ``edge/<what>`` and ``boundary/<a>~<b>`` (built
+by bisection) or ``boundary/<data id>`` (a real sample selected for its small reference margin).
 Only ordinary cases carry a target; quality is measured on them, decisions are compared on all.
+
+Inputs are kept as the data function gives them (a tensor or a dict of tensors, any dtype): scaled and
+constant edge cases change floating tensors only, and bisection needs floating inputs; for any other
+input, boundary cases are selected among the real samples. Users add named edge cases of their own
+with ``edge_x`` / ``edge_ids`` from the data function.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from pipeline import task
 from pipeline.artifacts import read_tensors, write_tensors
 from pipeline.config import PrepareConfig
 from pipeline.errors import UserError
-from pipeline.task import TaskData
+from pipeline.task import Inputs, TaskData
 
 
 @dataclass
 class Cases:
     ids: list[str]
-    x: torch.Tensor
+    x: Inputs
     y: torch.Tensor
     has_target: torch.Tensor
+    meta: dict = field(default_factory=dict)
+    """What was asked and what was available (``ordinary_requested``, ``ordinary_available``), saved with the cases."""
 
     @property
     def kinds(self) -> list[str]:
@@ -34,18 +43,24 @@ class Cases:
         idx = torch.nonzero(self.has_target).flatten()
         return idx, self.y[idx]
 
+    def select(self, idx) -> "Cases":
+        return Cases(ids=[self.ids[i] for i in torch.as_tensor(idx).tolist()], x=self.x[idx], y=self.y[idx], has_target=self.has_target[idx])
+
     def __add__(self, other: "Cases") -> "Cases":
+        if not other.ids:
+            return self
         return Cases(
             ids=self.ids + other.ids,
-            x=torch.cat([self.x, other.x]),
+            x=task.cat([self.x, other.x]),
             y=torch.cat([self.y, other.y]),
             has_target=torch.cat([self.has_target, other.has_target]),
+            meta=self.meta,
         )
 
 
 def save(path: str | Path, cases: Cases) -> str:
-    tensors = {"x": cases.x.contiguous(), "y": cases.y.contiguous(), "has_target": cases.has_target.contiguous()}
-    return write_tensors(path, tensors, {"ids": cases.ids})
+    tensors = {**task.flatten(cases.x, "x"), "y": cases.y.contiguous(), "has_target": cases.has_target.contiguous()}
+    return write_tensors(path, tensors, {"ids": cases.ids, **({"cases": cases.meta} if cases.meta else {})})
 
 
 def load(path: str | Path, expected_sha256: str | None = None, produced_by: str = "prepare") -> Cases:
@@ -53,50 +68,130 @@ def load(path: str | Path, expected_sha256: str | None = None, produced_by: str 
     ids = meta.get("ids")
     if not ids:
         raise UserError(f"{path} holds an empty fixed set; give the data function at least one eval sample")
-    return Cases(ids=ids, x=tensors["x"], y=tensors["y"], has_target=tensors["has_target"])
+    return Cases(ids=ids, x=task.unflatten(tensors, "x"), y=tensors["y"], has_target=tensors["has_target"], meta=meta.get("cases", {}))
 
 
 def build(data: TaskData, cfg: PrepareConfig) -> Cases:
-    """Ordinary cases in data order, then edge cases derived from them and from the training range."""
-    n = min(cfg.ordinary_cases, data.eval_x.shape[0])
+    """Ordinary cases in data order, then edge cases derived from them and from the training range,
+    then the user's named edge cases."""
+    available = task.rows(data.eval_x)
+    n = min(cfg.ordinary_cases, available)
     ordinary = Cases(
         ids=[f"ordinary/{i}" for i in data.eval_ids[:n]],
-        x=data.eval_x[:n].clone(),
+        x=data.eval_x[torch.arange(n)],  # a copy, not a view of the whole eval set
         y=data.eval_y[:n].clone(),
         has_target=torch.ones(n, dtype=torch.bool),
+        meta={"ordinary_requested": cfg.ordinary_cases, "ordinary_available": available, "ordinary_cases": n},
     )
-    return ordinary + edge_cases(ordinary, data.train_x, cfg, data.eval_y)
+    in_memory = data.train.x if isinstance(data.train, task.TensorSource) else ordinary.x
+    fixed = ordinary + edge_cases(ordinary, in_memory, cfg, data.eval_y)
+    if data.edge_x is not None:
+        k = task.rows(data.edge_x)
+        fixed = fixed + Cases(
+            ids=[f"edge/user/{i}" for i in data.edge_ids],
+            x=data.edge_x,
+            y=torch.zeros((k,) + tuple(data.eval_y.shape[1:]), dtype=data.eval_y.dtype),
+            has_target=torch.zeros(k, dtype=torch.bool),
+        )
+    return fixed
 
 
-def edge_cases(ordinary: Cases, train_x: torch.Tensor, cfg: PrepareConfig, like_y: torch.Tensor) -> Cases:
-    """Zeros, constant inputs at the training minimum and maximum, and ordinary samples scaled to extreme magnitudes."""
-    shape = ordinary.x.shape[1:]
-    items: list[tuple[str, torch.Tensor]] = [
-        ("edge/zeros", torch.zeros(shape)),
-        ("edge/constant-min", torch.full(shape, float(train_x.min()))),
-        ("edge/constant-max", torch.full(shape, float(train_x.max()))),
+def _constant(template: Inputs, ranges: Inputs, pick: str) -> Inputs:
+    """``template`` with every floating tensor replaced by the minimum (or maximum, or zero) of its name in ``ranges``."""
+
+    def value(t: torch.Tensor, name: str) -> torch.Tensor:
+        if pick == "zeros":
+            return torch.zeros_like(t)
+        src = ranges if torch.is_tensor(ranges) else ranges[name]
+        return torch.full_like(t, float(src.min() if pick == "min" else src.max()))
+
+    if torch.is_tensor(template):
+        return value(template, "")
+    return task.Batch({k: value(v, k) if v.is_floating_point() else v for k, v in template.items()})
+
+
+def edge_cases(ordinary: Cases, train_x: Inputs, cfg: PrepareConfig, like_y: torch.Tensor) -> Cases:
+    """Zeros, constant inputs at the training minimum and maximum, and ordinary samples scaled to extreme
+    magnitudes; built on floating input tensors only (ids and masks are kept from the first sample)."""
+    floating = {k for k, t in task.tensors_of(ordinary.x).items() if t.is_floating_point()}
+    if not floating or not ordinary.ids:
+        return Cases(ids=[], x=ordinary.x[:0], y=like_y[:0], has_target=torch.zeros(0, dtype=torch.bool))
+    template = ordinary.x[0]
+    items: list[tuple[str, Inputs]] = [
+        ("edge/zeros", _constant(template, train_x, "zeros")),
+        ("edge/constant-min", _constant(template, train_x, "min")),
+        ("edge/constant-max", _constant(template, train_x, "max")),
     ]
     for scale in cfg.edge_scales:
         for i in range(min(cfg.edge_samples, len(ordinary.ids))):
             source = ordinary.ids[i].split("/", 1)[1]
-            items.append((f"edge/scale-{scale:g}/{source}", ordinary.x[i] * scale))
-    x = torch.stack([t for _, t in items]).float()
+            items.append((f"edge/scale-{scale:g}/{source}", task.map_floating(ordinary.x[i], lambda t: t * scale)))
+    x = task.stack([t for _, t in items])
     y = torch.zeros((len(items),) + tuple(like_y.shape[1:]), dtype=like_y.dtype)
     return Cases(ids=[i for i, _ in items], x=x, y=y, has_target=torch.zeros(len(items), dtype=torch.bool))
 
 
+def margins(scores: torch.Tensor) -> torch.Tensor:
+    """Top-2 margin per case; per token [N, T, C], the smallest over the tokens."""
+    top2 = scores.double().topk(2, dim=-1).values
+    m = top2[..., 0] - top2[..., 1]
+    return m.reshape(m.shape[0], -1).min(dim=1).values if m.ndim > 1 else m
+
+
 def boundary_cases(
-    score: Callable[[torch.Tensor], torch.Tensor],
+    score: Callable[[Inputs], torch.Tensor],
     ordinary: Cases,
     count: int,
     epsilon: float,
     like_y: torch.Tensor,
     max_iter: int = 60,
+    method: str = "auto",
 ) -> Cases:
-    """Bisect between pairs of ordinary inputs the reference classifies differently, until the
-    reference's top-2 margin is below ``epsilon`` (or the budget ends): cases a hair from the boundary.
+    """Cases a hair from the reference's decision boundary.
+
+    ``bisect``: between pairs of ordinary inputs the reference classifies differently, until the top-2
+    margin is below ``epsilon`` (or the budget ends); floating inputs and [N, C] scores only.
+    ``select``: the ``count`` ordinary samples with the smallest reference top-2 margin, as they are.
+    ``auto``: bisect where possible, select otherwise.
+
+    Raises:
+        UserError: ``bisect`` asked for inputs that cannot be interpolated.
     """
     scores = score(ordinary.x)
+    can_bisect = task.is_floating(ordinary.x) and scores.ndim == 2
+    if method == "bisect" and not can_bisect:
+        raise UserError(
+            "reference.boundary_method is bisect but the inputs are not all floating (or scores are per token); "
+            "use auto or select, which picks real samples nearest the boundary"
+        )
+    if method == "select" or not can_bisect:
+        return _select(scores, ordinary, count, like_y)
+    built = _bisect(score, scores, ordinary, count, epsilon, like_y, max_iter)
+    if method == "auto" and len(built.ids) < count:  # too few pairs the reference tells apart: add real samples
+        built = built + _select(scores, ordinary, count - len(built.ids), like_y)
+    return built
+
+
+def _select(scores: torch.Tensor, ordinary: Cases, count: int, like_y: torch.Tensor) -> Cases:
+    m = margins(scores)
+    order = sorted(range(len(ordinary.ids)), key=lambda i: (float(m[i]), i))[:count]
+    idx = torch.tensor(order, dtype=torch.long)
+    n = len(order)
+    return Cases(
+        ids=[f"boundary/{ordinary.ids[i].split('/', 1)[1]}" for i in order],
+        x=ordinary.x[idx],
+        y=torch.zeros((n,) + tuple(like_y.shape[1:]), dtype=like_y.dtype),
+        has_target=torch.zeros(n, dtype=torch.bool),
+    )
+
+
+def _lerp(a: Inputs, b: Inputs, t: float) -> Inputs:
+    if torch.is_tensor(a):
+        return ((1 - t) * a.double() + t * b.double()).to(a.dtype)
+    return task.Batch({k: ((1 - t) * a[k].double() + t * b[k].double()).to(a[k].dtype) for k in a})
+
+
+def _bisect(score, scores, ordinary: Cases, count: int, epsilon: float, like_y: torch.Tensor, max_iter: int) -> Cases:
     labels = scores.argmax(dim=1)
     ids, xs = [], []
     for i in range(len(ordinary.ids)):
@@ -105,13 +200,13 @@ def boundary_cases(
         j = next((j for j in range(i + 1, len(ordinary.ids)) if labels[j] != labels[i]), None)
         if j is None:
             continue
-        a, b, la = ordinary.x[i].double(), ordinary.x[j].double(), labels[i]
+        a, b, la = ordinary.x[i], ordinary.x[j], labels[i]
         lo, hi = 0.0, 1.0
         best, best_margin = None, float("inf")
         for _ in range(max_iter):
             mid = (lo + hi) / 2
-            x = ((1 - mid) * a + mid * b).float()
-            s = score(x.unsqueeze(0))[0]
+            x = _lerp(a, b, mid)
+            s = score(task.stack([x]))[0]
             top2 = s.topk(2).values
             margin = float(top2[0] - top2[1])
             if margin < best_margin:
@@ -125,6 +220,6 @@ def boundary_cases(
         ids.append(f"boundary/{ordinary.ids[i].split('/', 1)[1]}~{ordinary.ids[j].split('/', 1)[1]}")
         xs.append(best)
     n = len(ids)
-    x = torch.stack(xs) if xs else torch.zeros((0,) + tuple(ordinary.x.shape[1:]))
+    x = task.stack(xs) if xs else ordinary.x[:0]
     y = torch.zeros((n,) + tuple(like_y.shape[1:]), dtype=like_y.dtype)
     return Cases(ids=ids, x=x, y=y, has_target=torch.zeros(n, dtype=torch.bool))

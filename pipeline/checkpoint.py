@@ -50,10 +50,7 @@ def capture(
                     scalars.setdefault(str(idx), {})[key] = value
         out_meta["optim_param_groups"] = state["param_groups"]
         out_meta["optim_scalars"] = scalars
-    tensors["rng/cpu"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"rng/cuda/{i}"] = s
+    tensors.update(rng_state())
     out_meta["grad_scaler"] = scaler.state_dict() if scaler is not None else {}
     out_meta["scheduler"] = scheduler.state_dict() if scheduler is not None else {}
     return Checkpoint(tensors=tensors, meta=out_meta)
@@ -108,32 +105,86 @@ def restore(
     if scheduler is not None and ckpt.meta.get("scheduler"):
         scheduler.load_state_dict(ckpt.meta["scheduler"])
     if rng:
-        torch.set_rng_state(ckpt.tensors["rng/cpu"])
-        cuda_keys = sorted((k for k in ckpt.tensors if k.startswith("rng/cuda/")), key=lambda k: int(k.rsplit("/", 1)[1]))
-        cuda_states = [ckpt.tensors[k] for k in cuda_keys]
-        if cuda_states and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(cuda_states)
+        set_rng_state(ckpt.tensors)
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """The CPU generator's state (``rng/cpu``) and, where a GPU is visible, every GPU's (``rng/cuda/I``).
+
+    Taken whenever CUDA (or ROCm) is available, initialised or not: a state captured before the first GPU
+    op (the reference's ``init``) must still carry the GPU streams a model's forward will draw from.
+    """
+    out = {"rng/cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"rng/cuda/{i}"] = state.to("cpu", copy=True).contiguous()
+    return out
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor]) -> None:
+    """Put back what ``rng_state`` took: the CPU state, and each GPU's where that GPU is visible.
+
+    A checkpoint from a machine with more GPUs sets the ones this machine has; one with no GPU state (saved on
+    a CPU machine) leaves the GPU generators as they are.
+    """
+    torch.set_rng_state(tensors["rng/cpu"])
+    cuda = sorted((int(k.rsplit("/", 1)[1]), v) for k, v in tensors.items() if k.startswith("rng/cuda/"))
+    if cuda and torch.cuda.is_available():
+        for i, state in cuda[: torch.cuda.device_count()]:
+            torch.cuda.set_rng_state(state, i)
+
+
+def environment_key(device: torch.device) -> dict[str, str]:
+    """What a resumed run must share with the run that saved: backend, device name and torch version."""
+    from pipeline import devices  # here, so that checkpoint I/O alone never queries a GPU
+
+    env = devices.describe(device)
+    return {"backend": env["backend"], "device_name": env["device_name"], "torch": env["torch"]}
 
 
 class ResumeFile:
     """A resumable training state kept beside (not inside) a stage's outputs, since DVC deletes those
     before a stage runs. ``key`` names the run (inputs and policy): a state saved by another run is ignored.
+
+    The environment (backend, device name, torch version: ``environment_key``) is part of the key: a state
+    saved by the same run on another device or torch is refused with one line, never resumed, since the
+    result would be one artifact trained on two machines. ``device`` is the run's device; without it, the
+    GPU when one is visible, else the CPU.
     """
 
-    def __init__(self, path: str | Path, key: str) -> None:
+    def __init__(self, path: str | Path, key: str, device: torch.device | str | None = None) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.path, self.key = Path(path), key
+        self.env = environment_key(torch.device(device))
 
     def load(self) -> Checkpoint | None:
+        """The saved state of this run, None when there is none (or it is damaged, or another run's).
+
+        Raises:
+            UserError: this run's state was saved under another backend, device or torch version.
+        """
         if not self.path.is_file():
             return None
         try:
             ckpt = load(self.path)
         except UserError:
             return None  # a damaged resume state costs a restart, never a wrong result
-        return ckpt if ckpt.meta.get("run_key") == self.key else None
+        if ckpt.meta.get("run_key") != self.key:
+            return None
+        saved = ckpt.meta.get("run_env")
+        if saved != self.env:
+            was = ", ".join(f"{k} {v}" for k, v in (saved or {}).items()) or "an unrecorded environment"
+            now = ", ".join(f"{k} {v}" for k, v in self.env.items())
+            raise UserError(
+                f"{self.path} holds this run's interrupted state from {was}, not {now}; resume it there, "
+                f"or delete {self.path} to restart from step 0 here"
+            )
+        return ckpt
 
     def save(self, ckpt: Checkpoint) -> None:
         ckpt.meta["run_key"] = self.key
+        ckpt.meta["run_env"] = self.env
         save(self.path, ckpt)
 
     def clear(self) -> None:

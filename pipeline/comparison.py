@@ -1,70 +1,260 @@
-"""Assemble the comparison of one trial against the reference from the pure numerics.
+"""Assemble the comparison of one trial against the reference from the pure numerics, chunk by chunk.
 
-Pure: tensors and records in, the statistics (what decide reads), a flat metrics summary (what DVC
-and MLflow show) and the per-case table out.
+Reference, trial, trained-trial and FP64 outputs are read one chunk of rows at a time (``Source``:
+an ``outputs.OutputsReader`` on a file, or ``InMemory`` on tensors already loaded); the accumulators of
+``numerics`` keep the statistics, so memory is one chunk of each source plus a few numbers per case,
+whatever the fixed set's size. Kinds (ordinary, edge, boundary) are computed once from the ids.
+
+Out: the statistics (what decide reads; see ``compare_stats`` for the artifact) and the per-case table,
+which keeps every flipped case and the ``table_rows`` worst others (counts stay exact in the stats).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from pipeline import numerics
-from pipeline.cases import Cases
-from pipeline.config import AcceptanceConfig
+from pipeline.config import AcceptanceConfig, CompareConfig
 from pipeline.task import primary
 
 
-def compare(
+class Source(Protocol):
+    """Named per-case outputs readable by slices of rows (``outputs.OutputsReader`` is one)."""
+
+    names: list[str]
+    rows: int
+
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor: ...
+
+
+class InMemory:
+    """A ``Source`` over tensors already in memory (small sets, diagnosis re-runs, tests)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.names = sorted(tensors)
+        self.rows = next(iter(tensors.values())).shape[0] if tensors else 0
+
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.tensors[name][start:stop]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+
+@dataclass(frozen=True)
+class Metric:
+    """The quality metric in effect: its name, direction, k of top_k, and the function of a user metric."""
+
+    name: str
+    higher_is_better: bool = True
+    top_k: int = 5
+    function: Callable | None = None
+
+    @classmethod
+    def for_task(cls, task, kind: str) -> "Metric":
+        """From ``task`` (a TaskConfig; fields read with defaults so older configs still work)."""
+        name = getattr(task, "metric_name", None) or ("accuracy" if kind == "classification" else "neg_rmse")
+        higher = getattr(task, "higher_is_better", True)
+        function = None
+        if name not in numerics.BUILTIN_METRICS:
+            from pipeline.task import resolve
+
+            function = resolve(name, "task.metric")
+        return cls(name=name, higher_is_better=higher, top_k=getattr(task, "top_k", 5), function=function)
+
+
+def _primary_name(names: Sequence[str]) -> str:
+    """The output decisions are made on, by ``task.primary``'s rule (it only looks at the names)."""
+    return primary({n: n for n in names})
+
+
+def kinds_of(ids: Sequence[str]) -> list[str]:
+    """Kind of every case id (``ordinary/...`` -> ``ordinary``), computed once."""
+    return [i.split("/", 1)[0] for i in ids]
+
+
+def _runs(kinds: list[str], start: int, stop: int) -> list[tuple[int, int, str]]:
+    """Maximal runs of one kind within rows start:stop, as (start, stop, kind), in row order."""
+    runs, s = [], start
+    for i in range(start + 1, stop + 1):
+        if i == stop or kinds[i] != kinds[s]:
+            runs.append((s, i, kinds[s]))
+            s = i
+    return runs
+
+
+def compare_streams(
     kind: str,
     rule: AcceptanceConfig,
-    fixed: Cases,
-    ref_out: dict[str, torch.Tensor],
-    trial_out: dict[str, torch.Tensor],
-    trained_out: dict[str, torch.Tensor],
+    ids: list[str],
+    targets: torch.Tensor,
+    has_target: torch.Tensor,
+    ref: Source,
+    trial: Source,
+    trained: Source,
     ref_steps: list[dict],
     trial_steps: list[dict],
     final_scale: float,
-    fp64_out: dict[str, torch.Tensor] | None = None,
+    fp64: Source | None = None,
     scaler_enabled: bool = True,
-) -> dict:
-    values = {}
-    for name in sorted(ref_out):
-        tol = rule.tolerance(name)
-        values[name] = numerics.value_gaps(ref_out[name], trial_out[name], tol.atol, tol.rtol)
-        per_kind = {}
-        for k in sorted(set(fixed.kinds)):
-            idx = torch.tensor([i for i, kk in enumerate(fixed.kinds) if kk == k])
-            g = numerics.value_gaps(ref_out[name][idx], trial_out[name][idx], tol.atol, tol.rtol)
-            per_kind[k] = {key: g[key] for key in ("elements", "failing", "max_abs", "max_rel", "nonfinite_trial_only")}
-        values[name]["per_kind"] = per_kind
-    arbiter = None
-    if fp64_out is not None:
-        arbiter = {name: numerics.error_vs_arbiter(ref_out[name], trial_out[name], fp64_out[name]) for name in sorted(ref_out)}
-
-    ref_p, trial_p, trained_p = primary(ref_out), primary(trial_out), primary(trained_out)
+    metric: Metric | None = None,
+    cfg: CompareConfig | None = None,
+    replicate_steps: list[dict] | None = None,
+) -> tuple[dict, list[dict]]:
+    """Statistics and per-case table of one trial; each source read once, one chunk of rows at a time."""
+    cfg = cfg or CompareConfig()
+    metric = metric or Metric("accuracy" if kind == "classification" else "neg_rmse")
+    kinds = kinds_of(ids)
+    n = len(ids)
+    if ref.rows != n or trial.rows != n or trained.rows != n:
+        raise ValueError(f"outputs hold {ref.rows}/{trial.rows}/{trained.rows} rows (reference/trial/trained) for {n} cases")
+    names = sorted(ref.names)
+    main = _primary_name(names)
+    shapes = {name: tuple(_shape(ref, name)) for name in names}
+    per_row = max(sum(math.prod(s[1:]) for s in shapes.values()), 1)
+    step = max(1, cfg.chunk_elements // per_row)
+    gaps = {name: numerics.GapStats(rule.tolerance(name).atol, rule.tolerance(name).rtol, math.prod(shapes[name])) for name in names}
+    arbiter = {name: numerics.ArbiterStats() for name in names} if fp64 is not None else None
+    main_shape = shapes[main]
+    per_token = kind == "classification" and len(main_shape) == 3
+    decisions = None
     if kind == "classification":
-        flips = numerics.classification_flips(fixed.ids, fixed.kinds, ref_p, trial_p, rule.tie_rule, rule.boundary_margin)
-    else:
-        flips = numerics.regression_flips(fixed.ids, fixed.kinds, ref_p, trial_p, rule.threshold)
-    idx, targets = fixed.targets()
-    quality = {
-        "metric": "accuracy" if kind == "classification" else "neg_rmse",
-        "reference": numerics.quality(kind, ref_p[idx], targets, rule.tie_rule),
-        "trial": numerics.quality(kind, trial_p[idx], targets, rule.tie_rule),
-        "trained": numerics.quality(kind, trained_p[idx], targets, rule.tie_rule),
+        tokens = main_shape[0] * (main_shape[1] if per_token else 1)
+        decisions = numerics.DecisionStats(ids, kinds, rule.tie_rule, rule.boundary_margin, rule.boundary_margin_kind, tokens,
+                                           top_k=metric.top_k, max_listed=cfg.max_listed_flips)
+    quality = {side: numerics.QualityStats(metric.name, rule.tie_rule, metric.top_k, metric.function) for side in ("reference", "trial", "trained")}
+    row_gap = torch.zeros(n, dtype=torch.float64)
+    first_values: dict[str, list[torch.Tensor]] = {"reference": [], "trial": [], "trained": []}
+    state = _State(names, main, kind, per_token, kinds, targets, has_target.bool(), gaps, arbiter, decisions, quality, row_gap, first_values)
+    for start in range(0, n, step):  # one chunk of every source in memory at a time
+        _chunk(state, ref, trial, trained, fp64, start, min(start + step, n))
+
+    values = {name: gaps[name].result() for name in names}
+    stats: dict = {
+        "values": values,
+        "arbiter": {name: a.result() for name, a in arbiter.items()} if arbiter is not None else None,
+        "outputs": {"cases": n, "primary": main, "per_token": per_token, "shapes": {k: list(v) for k, v in shapes.items()}, "chunk_rows": step},
     }
     regression = None
-    if kind == "regression":
-        regression = {
-            "reference": numerics.regression_errors(ref_p[idx], targets),
-            "trial": numerics.regression_errors(trial_p[idx], targets),
-            "trained": numerics.regression_errors(trained_p[idx], targets),
-        }
+    if decisions is not None:
+        stats["flips"] = decisions.result()
+        stats["distribution"] = decisions.distribution()
+    else:
+        firsts = {side: torch.cat(v) if v else torch.zeros(0, dtype=torch.float64) for side, v in first_values.items()}
+        stats["flips"] = numerics.regression_flips(ids, kinds, firsts["reference"][:, None], firsts["trial"][:, None], rule.threshold)
+        stats["distribution"] = None
+        idx = torch.nonzero(has_target).flatten()
+        y = targets[idx]
+        regression = {side: numerics.regression_errors(firsts[side][idx][:, None], y) for side in ("reference", "trial", "trained")}
+    stats["quality"] = {
+        "metric": metric.name if not per_token or metric.name != "accuracy" else "token_accuracy",
+        "higher_is_better": metric.higher_is_better,
+        **{side: q.result() for side, q in quality.items()},
+    }
+    if per_token and quality["reference"].perplexity() is not None:
+        stats["quality"]["perplexity"] = {side: q.perplexity() for side, q in quality.items()}
+    stats["regression"] = regression
+    stats["training"] = training_stats(rule, ref_steps, trial_steps, final_scale, scaler_enabled, replicate_steps)
+    table = case_table_rows(ids, kinds, stats, row_gap,
+                            decisions.per_case() if decisions is not None else None,
+                            {side: torch.cat(v) for side, v in first_values.items() if v} if decisions is None else None,
+                            cfg.table_rows)
+    return stats, table
+
+
+@dataclass
+class _State:
+    names: list[str]
+    main: str
+    kind: str
+    per_token: bool
+    kinds: list[str]
+    targets: torch.Tensor
+    has_target: torch.Tensor
+    gaps: dict
+    arbiter: dict | None
+    decisions: numerics.DecisionStats | None
+    quality: dict
+    row_gap: torch.Tensor
+    first_values: dict
+
+
+def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source | None, start: int, stop: int) -> None:
+    """Rows start:stop of every source read once, their statistics computed by slices (small temporaries)."""
+    chunk = {name: (ref.read(name, start, stop), trial.read(name, start, stop)) for name in st.names}
+    chunk_fp64 = {name: fp64.read(name, start, stop) for name in st.names} if fp64 is not None else None
+    trained_main = trained.read(st.main, start, stop)
+    for name in st.names:
+        r_all, t_all = chunk[name]
+        main = name == st.main
+        for a, b, p, q in _slices(r_all.shape, start, st.per_token and main):
+            r, t = r_all[a - start : b - start], t_all[a - start : b - start]
+            if p is not None:
+                r, t = r[:, p:q], t[:, p:q]
+            gap = torch.cat([st.gaps[name].update(r[x - a : y - a], t[x - a : y - a], k) for x, y, k in _runs(st.kinds, a, b)])
+            if gap.numel():
+                worst = torch.nan_to_num(gap.reshape(b - a, -1).amax(1).double(), nan=math.inf)
+                st.row_gap[a:b] = torch.maximum(st.row_gap[a:b], worst)
+            del gap
+            if chunk_fp64 is not None:
+                f = chunk_fp64[name][a - start : b - start]
+                st.arbiter[name].update(r, t, f[:, p:q] if p is not None else f)
+            if not main:
+                continue
+            y = st.targets[a:b] if not st.per_token else st.targets[a:b, p:q]
+            labels = {}
+            if st.decisions is not None:
+                labels = st.decisions.update(a, r, t, y if st.per_token else None, position=p or 0)
+            trained_slice = trained_main[a - start : b - start]
+            trained_slice = trained_slice[:, p:q] if p is not None else trained_slice
+            with_target = st.has_target[a:b]
+            for side, out in (("reference", r), ("trial", t), ("trained", trained_slice)):
+                if bool(with_target.any()):
+                    known = labels.get(side)
+                    st.quality[side].update(out[with_target], y[with_target], known[with_target] if known is not None else None)
+                if st.kind != "classification":
+                    st.first_values[side].append(out.reshape(out.shape[0], -1)[:, :1].double().reshape(-1))
+
+
+SLICE_ELEMENTS = 1 << 18
+"""Elements per computation slice: each temporary of the statistics is about 1 MiB, whatever the chunk."""
+
+
+def _slices(shape: tuple[int, ...], start: int, by_position: bool):
+    """(row_a, row_b, position_p, position_q) slices of a chunk whose first row is ``start``; positions are
+    None unless ``by_position`` (per-token scores [n, T, C]) and one row exceeds ``SLICE_ELEMENTS``."""
+    rows = shape[0]
+    per_row = max(math.prod(shape[1:]), 1)
+    if by_position and per_row > SLICE_ELEMENTS and len(shape) == 3:
+        per_pos = max(math.prod(shape[2:]), 1)
+        width = max(1, SLICE_ELEMENTS // per_pos)
+        for i in range(rows):
+            for p in range(0, shape[1], width):
+                yield start + i, start + i + 1, p, min(p + width, shape[1])
+        return
+    height = max(1, SLICE_ELEMENTS // per_row)
+    for i in range(0, rows, height):
+        yield start + i, start + min(i + height, rows), None, None
+
+
+def _shape(source: Source, name: str) -> tuple[int, ...]:
+    shape = getattr(source, "shape", None)
+    if callable(shape):
+        return tuple(shape(name))
+    return (source.rows, *source.read(name, 0, 1).shape[1:])
+
+
+def training_stats(rule: AcceptanceConfig, ref_steps: list[dict], trial_steps: list[dict], final_scale: float,
+                   scaler_enabled: bool, replicate_steps: list[dict] | None = None) -> dict:
     ref_loss = [s["loss"] for s in ref_steps]
     trial_loss = [s["loss"] for s in trial_steps]
-    training = numerics.trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol)
+    replicate = [s["loss"] for s in replicate_steps] if replicate_steps is not None else None
+    training = numerics.trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol, replicate, rule.loss_noise_multiple, rule.loss_noise_atol)
     training.update(
         numerics.update_health(
             [s["skipped"] for s in trial_steps],
@@ -74,8 +264,72 @@ def compare(
         )
     )
     training["scaler_enabled"] = scaler_enabled
-    stats = {"values": values, "arbiter": arbiter, "flips": flips, "quality": quality, "regression": regression, "training": training}
+    return training
+
+
+def case_table_rows(ids: list[str], kinds: list[str], stats: dict, row_gap: torch.Tensor, per_case: dict | None,
+                    firsts: dict | None, worst: int) -> list[dict]:
+    """Every flipped case and the ``worst`` others with the largest gap (per token: largest KL), in case order."""
+    n = len(ids)
+    if n == 0:
+        return []
+    flips = per_case["flips"] if per_case is not None else torch.zeros(n, dtype=torch.int32)
+    if per_case is None:
+        flipped_ids = {f["id"] for f in stats["flips"]["flip_list"]}
+        flips = torch.tensor([i in flipped_ids for i in ids], dtype=torch.int32) if flipped_ids else flips
+    score = per_case["kl_max"].double() if per_case is not None and "kl_max" in per_case else row_gap.double()
+    keep = flips > 0
+    others = (~keep).nonzero().flatten()
+    if worst and others.numel():
+        order = torch.sort(torch.nan_to_num(score[others], nan=math.inf), descending=True, stable=True).indices  # ties: lowest index first
+        keep[others[order[:worst]]] = True
+    rows = []
+    for i in keep.nonzero().flatten().tolist():
+        row = {"id": ids[i], "kind": kinds[i], "max_abs_gap": float(row_gap[i]), "flipped": bool(flips[i] > 0)}
+        if per_case is not None and "kl_max" in per_case:
+            row.update({"flipped_tokens": int(flips[i]), "kl_mean": float(per_case["kl_mean"][i]), "kl_max": float(per_case["kl_max"][i]),
+                        "worst_token": int(per_case["worst_token"][i]), "reference_margin": float(per_case["margin"][i])})
+        elif per_case is not None:
+            row.update({"reference_class": int(per_case["reference_class"][i]), "trial_class": int(per_case["trial_class"][i]),
+                        "reference_margin": float(per_case["margin"][i])})
+        elif firsts is not None:
+            row.update({"reference": float(firsts["reference"][i]), "trial": float(firsts["trial"][i])})
+        rows.append(row)
+    return rows
+
+
+def compare(
+    kind: str,
+    rule: AcceptanceConfig,
+    fixed,
+    ref_out: dict[str, torch.Tensor],
+    trial_out: dict[str, torch.Tensor],
+    trained_out: dict[str, torch.Tensor],
+    ref_steps: list[dict],
+    trial_steps: list[dict],
+    final_scale: float,
+    fp64_out: dict[str, torch.Tensor] | None = None,
+    scaler_enabled: bool = True,
+    metric: Metric | None = None,
+    cfg: CompareConfig | None = None,
+    replicate_steps: list[dict] | None = None,
+) -> dict:
+    """``compare_streams`` on outputs already in memory (``fixed``: the Cases); the statistics only."""
+    stats, _ = compare_streams(
+        kind, rule, list(fixed.ids), fixed.y, fixed.has_target, InMemory(ref_out), InMemory(trial_out), InMemory(trained_out),
+        ref_steps, trial_steps, final_scale, InMemory(fp64_out) if fp64_out is not None else None, scaler_enabled, metric, cfg, replicate_steps,
+    )
     return stats
+
+
+def case_table(kind: str, rule: AcceptanceConfig, fixed, ref_out: dict[str, torch.Tensor], trial_out: dict[str, torch.Tensor],
+               worst: int = 10**9) -> list[dict]:
+    """The per-case table of outputs in memory (every case by default): see ``case_table_rows``."""
+    _, table = compare_streams(
+        kind, rule, list(fixed.ids), fixed.y, fixed.has_target, InMemory(ref_out), InMemory(trial_out), InMemory(trial_out), [], [], 1.0,
+        cfg=CompareConfig(table_rows=worst),
+    )
+    return table
 
 
 def summary(stats: dict) -> dict:
@@ -87,36 +341,13 @@ def summary(stats: dict) -> dict:
     if stats["arbiter"]:
         for name, a in stats["arbiter"].items():
             out[f"arbiter.{name}.amp_over_fp32"] = a["amp_over_fp32"]
-    for key in ("flips", "boundary_flips", "boundary_cases"):
-        out[f"decisions.{key}"] = stats["flips"][key]
+    for key in ("flips", "near_boundary_flips", "boundary_flips", "boundary_cases"):
+        out[f"decisions.{key}"] = stats["flips"].get(key, 0)
     for key in ("reference", "trial", "trained"):
         out[f"quality.{key}"] = stats["quality"][key]
+    if stats.get("distribution"):
+        for key in ("kl_mean", "kl_p99", "kl_max", "top1_agreement", "top_k_overlap"):
+            out[f"distribution.{key}"] = stats["distribution"][key]
     for key in ("max_loss_gap", "band_violations", "skipped_fraction", "real_updates", "final_scale", "final_loss_reference", "final_loss_trial"):
         out[f"training.{key}"] = stats["training"][key]
     return out
-
-
-def case_table(fixed: Cases, ref_out: dict[str, torch.Tensor], trial_out: dict[str, torch.Tensor], stats: dict) -> list[dict]:
-    """One row per case: id, kind, reference vs trial primary output, largest gap, flipped or not."""
-    flipped = {f["id"] for f in stats["flips"]["flip_list"]}
-    ref_p, trial_p = primary(ref_out), primary(trial_out)
-    rows = []
-    for i, case_id in enumerate(fixed.ids):
-        r = ref_p[i].reshape(-1)
-        t = trial_p[i].reshape(-1)
-        row = {
-            "id": case_id,
-            "kind": fixed.kinds[i],
-            "max_abs_gap": float((t.double() - r.double()).abs().max()) if r.numel() else 0.0,
-            "flipped": case_id in flipped,
-        }
-        if r.numel() > 1:
-            row["reference_class"] = int(r.argmax())
-            row["trial_class"] = int(t.argmax())
-            top = r.topk(2).values
-            row["reference_margin"] = float(top[0] - top[1])
-        else:
-            row["reference"] = float(r[0]) if r.numel() else math.nan
-            row["trial"] = float(t[0]) if t.numel() else math.nan
-        rows.append(row)
-    return rows

@@ -29,15 +29,29 @@ _ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 @dataclass(frozen=True)
 class TaskConfig:
     kind: Literal["classification", "regression"] = "classification"
-    """How outputs turn into decisions: argmax (classification) or error and threshold (regression)."""
+    """How outputs turn into decisions: argmax (classification, per sample [N, C] or per token [N, T, C])
+    or error and threshold (regression)."""
     model: str = "pipeline.examples.digits:build_model"
     """``module:function`` returning a ``torch.nn.Module``; called with ``options``."""
     data: str = "pipeline.examples.digits:load_data"
-    """``module:function`` returning train_x, train_y, eval_x, eval_y (and optional eval_ids)."""
+    """``module:function`` returning train_x, train_y, eval_x, eval_y (and optional eval_ids, edge_x, edge_ids).
+    Inputs are a tensor or a dict of tensors sharing dim 0 (dtypes kept); train_x may be a map-style Dataset."""
     options: dict = field(default_factory=dict)
     """Keyword arguments given to both functions."""
-    loss: Literal["cross_entropy", "mse"] = "cross_entropy"
-    """Training loss; cross_entropy for classification, mse for regression."""
+    loss: str = "cross_entropy"
+    """Training loss: ``cross_entropy`` (classification; targets of -100 ignored), ``mse`` (regression),
+    ``model`` (the model's own ``.loss``, targets passed under ``label_key``) or ``module:function``
+    called as ``f(output, target)``. Always computed in float32 or wider."""
+    label_key: str = "labels"
+    """Keyword under which targets reach the model when ``loss: model`` (Hugging Face style), and the
+    key of the target in a training Dataset item that is a dict."""
+    metric: str = "auto"
+    """Quality on the ordinary cases: ``accuracy``, ``top_k``, ``neg_rmse``, ``neg_mae`` or ``module:function``
+    (``f(output, target) -> float``); ``auto`` is accuracy for classification, neg_rmse for regression."""
+    metric_direction: Literal["auto", "higher", "lower"] = "auto"
+    """Whether a larger metric is better; built-in metrics know theirs (higher), a ``module:function`` says it."""
+    top_k: int = 5
+    """k of the ``top_k`` metric."""
 
     def check(self, key: str) -> None:
         for name in ("model", "data"):
@@ -47,12 +61,53 @@ class TaskConfig:
                     f"params.yaml: {key}.{name} is {value!r}; write it as 'module:function', "
                     f"for example 'pipeline.examples.digits:build_model'"
                 )
-        expected = "cross_entropy" if self.kind == "classification" else "mse"
-        if self.loss != expected:
+        if self.loss not in LOSSES and not _ENTRY_POINT.match(self.loss):
+            raise UserError(f"params.yaml: {key}.loss is {self.loss!r}; use one of {', '.join(LOSSES)} or 'module:function'")
+        wanted = {"cross_entropy": "classification", "mse": "regression"}.get(self.loss)
+        if wanted is not None and wanted != self.kind:
+            expected = "cross_entropy" if self.kind == "classification" else "mse"
             raise UserError(
-                f"params.yaml: {key}.loss is {self.loss!r} but task.kind is {self.kind!r}; "
-                f"use loss: {expected}"
+                f"params.yaml: {key}.loss is {self.loss!r} but task.kind is {self.kind!r}; use loss: {expected}, model or 'module:function'"
             )
+        if self.metric != "auto" and self.metric not in METRICS and not _ENTRY_POINT.match(self.metric):
+            raise UserError(f"params.yaml: {key}.metric is {self.metric!r}; use auto, one of {', '.join(METRICS)} or 'module:function'")
+        name = self.metric_name
+        if name in METRICS and METRICS[name][0] != self.kind:
+            raise UserError(f"params.yaml: {key}.metric {name} is for {METRICS[name][0]} but task.kind is {self.kind!r}; use metric: auto")
+        if name not in METRICS and self.metric_direction == "auto":
+            raise UserError(f"params.yaml: {key}.metric {name} is your own: say whether larger is better with metric_direction: higher or lower")
+        if name in METRICS and self.metric_direction == "lower":
+            raise UserError(f"params.yaml: {key}.metric_direction is lower but {name} is larger-is-better; use auto")
+        _positive(self.top_k, f"{key}.top_k")
+        if not self.label_key.strip():
+            raise UserError(f"params.yaml: {key}.label_key is empty; give the keyword your model takes its targets under, e.g. labels")
+
+    @property
+    def metric_name(self) -> str:
+        """The metric in effect: ``auto`` resolved by kind."""
+        if self.metric != "auto":
+            return self.metric
+        return "accuracy" if self.kind == "classification" else "neg_rmse"
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.metric_direction != "lower"
+
+    @property
+    def metric_range(self) -> tuple[float, float]:
+        """Closed range of the metric's values (infinite ends for unbounded or user metrics)."""
+        name = self.metric_name
+        return METRICS[name][1] if name in METRICS else (-math.inf, math.inf)
+
+
+LOSSES = ("cross_entropy", "mse", "model")
+METRICS: dict[str, tuple[str, tuple[float, float]]] = {
+    "accuracy": ("classification", (0.0, 1.0)),
+    "top_k": ("classification", (0.0, 1.0)),
+    "neg_rmse": ("regression", (-math.inf, 0.0)),
+    "neg_mae": ("regression", (-math.inf, 0.0)),
+}
+"""Built-in metrics: the kind each fits and its range (all larger-is-better)."""
 
 
 @dataclass(frozen=True)
@@ -73,15 +128,19 @@ class PrepareConfig:
 
 @dataclass(frozen=True)
 class LrSchedule:
-    kind: Literal["none", "step"] = "none"
-    """``step`` multiplies the learning rate by ``gamma`` every ``every`` REAL updates."""
+    kind: Literal["none", "step", "cosine", "linear"] = "none"
+    """Multiplier of ``reference.lr`` as a function of REAL (not skipped) updates u, after ``warmup``:
+    ``step`` gamma^((u - warmup) // every); ``cosine`` and ``linear`` decay to 0 at the last update."""
     every: int = 20
-    """Real (not skipped) optimizer updates between two decays."""
+    """Real (not skipped) optimizer updates between two decays (``step``)."""
     gamma: float = 0.5
-    """Decay factor, in (0, 1]."""
+    """Decay factor, in (0, 1] (``step``)."""
+    warmup: int = 0
+    """Linear warmup from 0 over this many REAL updates (Hugging Face's convention), for every kind."""
 
     def check(self, key: str) -> None:
         _positive(self.every, f"{key}.every")
+        _non_negative(self.warmup, f"{key}.warmup")
         if not 0 < self.gamma <= 1:
             raise UserError(f"params.yaml: {key}.gamma is {self.gamma}; use a factor in (0, 1]")
 
@@ -89,15 +148,23 @@ class LrSchedule:
 @dataclass(frozen=True)
 class ReferenceConfig:
     train_steps: int = 60
-    """Optimizer steps of the FP32 reference training (the trial repeats exactly these)."""
+    """Optimizer updates (steps) of the FP32 reference training (the trial repeats exactly these); each
+    step consumes ``grad_accumulation`` micro-batches."""
     batch_size: int = 64
-    """Training batch size; batches are drawn in a fixed order from ``seed``."""
-    optimizer: Literal["sgd", "adam"] = "sgd"
-    """Optimizer used by the reference and the trial."""
+    """Micro-batch size; batches are drawn in a fixed order from ``seed``."""
+    grad_accumulation: int = 1
+    """Micro-batches per optimizer update: gradients add up, then one ``unscale_``, clip and step."""
+    optimizer: str = "sgd"
+    """``sgd``, ``adam``, ``adamw``, or ``module:function`` called with the model's parameters and
+    returning a ``torch.optim.Optimizer`` (then lr, momentum, betas and weight_decay here are not used)."""
     lr: float = 0.05
     """Learning rate."""
     momentum: float = 0.9
-    """SGD momentum (ignored by adam)."""
+    """SGD momentum (ignored by adam and adamw)."""
+    weight_decay: float = 0.0
+    """Weight decay (sgd, adam: L2 in the gradient; adamw: decoupled)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam and AdamW betas."""
     grad_clip: float | None = 1.0
     """Max total gradient norm, applied after ``unscale_``; null disables clipping."""
     lr_schedule: LrSchedule = field(default_factory=LrSchedule)
@@ -107,21 +174,39 @@ class ReferenceConfig:
     checkpoint_every: int = 20
     """Save a resumable checkpoint every this many steps (0 disables)."""
     boundary_cases: int = 8
-    """Decision-boundary cases built from the trained reference (classification only)."""
+    """Decision-boundary cases from the trained reference (classification only)."""
+    boundary_method: Literal["auto", "bisect", "select"] = "auto"
+    """``bisect`` between ordinary inputs the reference classifies differently (floating inputs only);
+    ``select`` the ordinary samples with the smallest reference top-2 margin (any input); ``auto``:
+    bisect where every input is floating, select otherwise."""
     boundary_epsilon: float = 1.0e-3
     """Bisection stops when the reference's top-2 margin is below this."""
+    noise_replicate: bool = True
+    """Also train an FP32 replicate from the initial weights moved by one ulp (seeded): FP32's own
+    trajectory noise, against which the rule measures AMP's gap. Costs one more FP32 training in freeze."""
+    deterministic: bool = False
+    """Ask PyTorch for deterministic kernels in freeze and trial (slower on GPU; CPU results already are)."""
 
     def check(self, key: str) -> None:
         _positive(self.train_steps, f"{key}.train_steps")
         _positive(self.batch_size, f"{key}.batch_size")
+        _positive(self.grad_accumulation, f"{key}.grad_accumulation")
+        if self.optimizer not in OPTIMIZERS and not _ENTRY_POINT.match(self.optimizer):
+            raise UserError(f"params.yaml: {key}.optimizer is {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)} or 'module:function'")
         _positive(self.lr, f"{key}.lr")
         _non_negative(self.momentum, f"{key}.momentum")
+        _non_negative(self.weight_decay, f"{key}.weight_decay")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise UserError(f"params.yaml: {key}.betas is {self.betas}; give two numbers in [0, 1), e.g. [0.9, 0.999]")
         if self.grad_clip is not None:
             _positive(self.grad_clip, f"{key}.grad_clip")
         _non_negative(self.checkpoint_every, f"{key}.checkpoint_every")
         _non_negative(self.boundary_cases, f"{key}.boundary_cases")
         _positive(self.boundary_epsilon, f"{key}.boundary_epsilon")
         self.lr_schedule.check(f"{key}.lr_schedule")
+
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 @dataclass(frozen=True)
@@ -136,6 +221,9 @@ class TrialConfig:
             raise UserError(f"params.yaml: {key}.dtypes is empty; list at least one of {list(DTYPES)}")
         if len(set(self.dtypes)) != len(self.dtypes):
             raise UserError(f"params.yaml: {key}.dtypes lists a dtype twice; list each once")
+        twice = sorted({m for m in self.fp32_modules if self.fp32_modules.count(m) > 1})
+        if twice:
+            raise UserError(f"params.yaml: {key}.fp32_modules lists {', '.join(map(repr, twice))} more than once; list each module once")
 
 
 @dataclass(frozen=True)
@@ -161,11 +249,27 @@ class AcceptanceConfig:
     tie_rule: Literal["lowest_index", "tie_is_flip"] = "lowest_index"
     """Classification ties: take the lowest class index, or count any tie the reference lacks as a flip."""
     boundary_margin: float = 0.05
-    """A case whose reference top-2 margin is below this is a boundary case."""
+    """A real case (ordinary, edge) whose reference top-2 margin is below this is near the boundary: its
+    flips are counted apart (``max_near_boundary_flips``), in the unit of ``boundary_margin_kind``."""
+    boundary_margin_kind: Literal["logit", "probability", "relative"] = "logit"
+    """Unit of ``boundary_margin``: ``logit`` (z1 - z2, depends on the scores' scale), ``probability``
+    (p1 - p2 of the softmax, in [0, 1]: means the same for every model) or ``relative`` ((z1 - z2) / std
+    of the row's scores)."""
     max_flips: int = 0
-    """Decision flips allowed among non-boundary cases."""
+    """Decision flips allowed among real cases that are not near the boundary (per token for [N, T, C])."""
+    max_near_boundary_flips: int | None = None
+    """Decision flips allowed among real cases near the boundary; null: not limited, but every such flip is
+    counted and listed (a real sample never flips unreported)."""
     max_boundary_flip_fraction: float = 1.0
-    """Fraction of boundary cases allowed to flip (they are always listed)."""
+    """Fraction of the constructed boundary cases (kind ``boundary``) allowed to flip (they are always listed)."""
+    max_kl_mean: float | None = None
+    """Per-token outputs: largest mean over tokens of KL(reference || trial) in nats; null: not applied.
+    Needs the full score vectors of both sides (or top-k logits plus log-sum-exp, bounding the rest)."""
+    max_kl_p99: float | None = None
+    """Per-token outputs: largest 99th percentile (nearest rank) of the per-token KL; null: not applied."""
+    min_top1_agreement: float | None = None
+    """Per-token outputs: smallest fraction of tokens whose top-1 class is the reference's; null: not applied.
+    Needs only each side's argmax per token."""
     threshold: float | None = None
     """Regression only: decision threshold; crossing it is a flip."""
     min_quality: float | None = None
@@ -182,6 +286,12 @@ class AcceptanceConfig:
     """Training: updates stopped advancing if none of the last this many steps made a real update."""
     min_scale: float = 1.0
     """Training: updates stopped advancing if the final GradScaler scale is below this."""
+    loss_noise_multiple: float | None = None
+    """Training, noise floor: per step |loss_amp - loss_fp32| <= loss_noise_multiple * |loss_replicate -
+    loss_fp32| + loss_noise_atol, where the replicate is FP32 again from one-ulp-perturbed weights (needs
+    reference.noise_replicate); null (with loss_noise_atol null): not applied."""
+    loss_noise_atol: float | None = None
+    """Training, noise floor: absolute part of that band (steps where FP32's own noise is 0)."""
 
     def check(self, key: str) -> None:
         if not self.outputs:
@@ -198,6 +308,13 @@ class AcceptanceConfig:
         _fraction(self.max_skipped_fraction, f"{key}.max_skipped_fraction")
         _positive(self.stall_window, f"{key}.stall_window")
         _non_negative(self.min_scale, f"{key}.min_scale")
+        for name in ("max_near_boundary_flips", "max_kl_mean", "max_kl_p99", "loss_noise_multiple", "loss_noise_atol"):
+            if getattr(self, name) is not None:
+                _non_negative(getattr(self, name), f"{key}.{name}")
+        if self.min_top1_agreement is not None:
+            _fraction(self.min_top1_agreement, f"{key}.min_top1_agreement")
+        if self.boundary_margin_kind == "probability":
+            _fraction(self.boundary_margin, f"{key}.boundary_margin")
 
     def tolerance(self, output: str) -> Tolerance:
         return self.outputs.get(output, self.outputs.get("*", Tolerance()))
@@ -209,21 +326,45 @@ class AcceptanceConfig:
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    """How benchmark@DTYPE measures (the method is in pipeline/benchmark.py); the workload is the trial's."""
+class CompareConfig:
+    """How compare@DTYPE reads and reports; nothing here changes a verdict (the rule is ``acceptance``)."""
 
-    warmup: int = 3
+    chunk_elements: int = 4_000_000
+    """Output elements per chunk: compare holds one chunk of the reference, the trial and the FP64 arbiter
+    (16 MB each in float32, plus a few temporaries of that size), whatever the fixed set's size."""
+    table_rows: int = 100
+    """The per-case table keeps every flipped case and this many worst others (largest gap, or KL per token)."""
+    max_listed_flips: int = 10_000
+    """Per-token outputs: most flipped tokens listed one by one in stats.json (their count stays exact)."""
+
+    def check(self, key: str) -> None:
+        _positive(self.chunk_elements, f"{key}.chunk_elements")
+        _non_negative(self.table_rows, f"{key}.table_rows")
+        _non_negative(self.max_listed_flips, f"{key}.max_listed_flips")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """How benchmark@DTYPE measures (the method is in pipeline/benchmark.py); the workload is the trial's.
+
+    A field left null is sized by device (``benchmark.SIZES``): short on the CPU, where the figures only show
+    that the method runs, long enough on a GPU for medians and IQRs worth quoting."""
+
+    warmup: int | None = None
     """Untimed steps of each variant before any round (allocator, kernel choice, autocast cache)."""
-    repeats: int = 10
+    repeats: int | None = None
     """Rounds: each times every variant (FP32, TF32 where the GPU has it, AMP) in rotating order, and each
     memory probe records one peak per round; medians, IQRs and per-round ratios come from these."""
-    steps: int = 10
+    steps: int | None = None
     """Back-to-back training steps per round, timed together (one clock reading per round)."""
 
     def check(self, key: str) -> None:
-        _non_negative(self.warmup, f"{key}.warmup")
-        _positive(self.repeats, f"{key}.repeats")
-        _positive(self.steps, f"{key}.steps")
+        if self.warmup is not None:
+            _non_negative(self.warmup, f"{key}.warmup")
+        if self.repeats is not None:
+            _positive(self.repeats, f"{key}.repeats")
+        if self.steps is not None:
+            _positive(self.steps, f"{key}.steps")
 
 
 @dataclass(frozen=True)
@@ -260,22 +401,62 @@ class Params:
     seed: int = 0
     """Seeds weights, batch order and every random draw."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """``auto`` takes a GPU (CUDA or ROCm) when present, else the CPU."""
+    """``auto`` takes a GPU (CUDA or ROCm) when present, else the CPU; ``cuda`` stops with one line when none is
+    visible (what a GPU CI job asks for, so that it can never pass on the CPU)."""
+    threads: int | None = 1
+    """CPU threads of every stage (intra-op; inter-op too), applied before torch starts. CPU float sums are
+    blocked by thread, so another count changes the bytes of every output; 1 makes the CPU example
+    reproduce on any machine. null: torch's default (one per core), faster, bytes then tied to the core count."""
     task: TaskConfig = field(default_factory=TaskConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     trial: TrialConfig = field(default_factory=TrialConfig)
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
 
     def check(self, key: str = "") -> None:
         _non_negative(self.seed, "seed")
+        if self.threads is not None:
+            _positive(self.threads, "threads")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if dataclasses.is_dataclass(value):
                 value.check(f.name)
+        _check_min_quality(self)
+
+
+def _check_min_quality(params: "Params") -> None:
+    """A ``min_quality`` the metric cannot reach (0.9 with -RMSE) would roll back every trial: refuse it here."""
+    floor = getattr(params.acceptance, "min_quality", None)
+    if floor is None:
+        return
+    lo, hi = params.task.metric_range
+    if not lo <= floor <= hi:
+        span = f"[{lo:g}, {hi:g}]".replace("-inf", "-∞").replace("inf", "∞")
+        hint = "for example -1.0 (an RMSE of at most 1), or null" if hi <= 0 else "or null"
+        raise UserError(
+            f"params.yaml: acceptance.min_quality {floor} is outside the range {span} of task.metric "
+            f"{params.task.metric_name}; use a value in that range, {hint}"
+        )
+
+
+class ParamsLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading numbers as YAML 1.2 (and DVC, which reads params.yaml with ruamel) does.
+
+    PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent: ``1e-4`` and ``1.0e30`` would
+    be strings there, while ``dvc exp run -S`` and ``dvc params diff`` see floats. Integers keep PyYAML's
+    rule (it is checked first); this adds the 1.2 floats it misses.
+    """
+
+
+ParamsLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
@@ -286,7 +467,7 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     """
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=ParamsLoader)  # noqa: S506 - a SafeLoader
     except FileNotFoundError:
         raise UserError(f"{path} not found; run from the repository root or pass --params PATH") from None
     except yaml.YAMLError as exc:
@@ -349,6 +530,8 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
             raise UserError(f"params.yaml: {key} must be true or false, got {_show(value)}")
         return value
     if hint is int:
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            return int(value)  # `1e3` is a YAML float: a count written that way is still a whole number
         if isinstance(value, bool) or not isinstance(value, int):
             raise UserError(f"params.yaml: {key} must be an integer, got {_show(value)}")
         return value

@@ -6,9 +6,13 @@ two apart is ``torch.version.hip`` (set on ROCm builds) against ``torch.version.
 
 from __future__ import annotations
 
+import os
 import platform
+import re
+import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,9 +36,32 @@ def resolve(choice: str) -> torch.device:
         return torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda")
+    problem = device_node_problem(getattr(torch.version, "hip", None), Path("/dev/kfd"), os.getuid(), os.getgroups())
     if choice == "cuda":
-        raise UserError("device: cuda was asked for but no CUDA or ROCm GPU is visible; use device: cpu or auto")
+        raise UserError(problem or "device: cuda was asked for but no CUDA or ROCm GPU is visible; use device: cpu or auto")
+    if problem:  # auto: the CPU is a fallback, but not a silent one when a GPU is there and out of reach
+        print(f"warning: {problem}; running on the CPU", file=sys.stderr)
     return torch.device("cpu")
+
+
+def device_node_problem(hip: str | None, kfd: Path, uid: int, groups: list[int]) -> str | None:
+    """Why a ROCm torch sees no GPU although the machine has one: /dev/kfd exists but this user cannot open it.
+
+    On current ROCm hosts /dev/kfd and /dev/dri/renderD* belong to the group ``render``, whose id differs from
+    host to host; a container started without that id gets no GPU, and HIP says nothing more.
+    """
+    if not hip or uid == 0:
+        return None
+    try:
+        st = kfd.stat()
+    except OSError:
+        return None  # no AMD GPU driver here at all: nothing to say beyond "no GPU"
+    if st.st_mode & 0o006 == 0o006 or (st.st_gid in groups and st.st_mode & 0o060 == 0o060):
+        return None
+    return (
+        f"{kfd} exists but this user (uid {uid}) is not in its group (gid {st.st_gid}), so HIP sees no GPU; "
+        f"add that group: docker run --group-add {st.st_gid} (on the host: getent group render | cut -d: -f3)"
+    )
 
 
 def backend(device: torch.device) -> str:
@@ -44,18 +71,24 @@ def backend(device: torch.device) -> str:
     return "rocm" if getattr(torch.version, "hip", None) else "cuda"
 
 
-def describe(device: torch.device) -> dict[str, str]:
+def describe(device: torch.device) -> dict[str, Any]:
     """Environment facts recorded with every output (deterministic on one machine).
 
     ``capability`` is the compute capability on NVIDIA (``8.0``), the one ROCm reports beside the gfx
     architecture (``arch``), and on the CPU the vector instruction set torch dispatches to (``AVX512``).
+    ``threads`` / ``interop_threads`` are torch's intra-op and inter-op thread counts and ``blas`` the CPU
+    BLAS torch was built with: CPU float sums are split by thread and blocked by the BLAS, so two machines'
+    CPU bytes can only be compared when these match.
     """
-    info = {
+    info: dict[str, Any] = {
         "backend": backend(device),
         "device": device.type,
         "torch": torch.__version__,
         "device_name": _cpu_name(),
         "capability": _cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "blas": cpu_blas(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -66,6 +99,32 @@ def describe(device: torch.device) -> dict[str, str]:
         if info["backend"] == "rocm" and arch:
             info["arch"] = arch
     return info
+
+
+def apply_threads(threads: int | None) -> None:
+    """Set torch's intra-op and inter-op thread counts (params ``threads``; None leaves torch's defaults).
+
+    ``python -m pipeline`` also sets OMP_NUM_THREADS and MKL_NUM_THREADS before torch is imported, so that
+    the libraries start with that count; this sets it in torch itself. The inter-op count can only be set
+    before inter-op work starts: once it has, it is left as it is (it does not change any result).
+    """
+    if threads is None:
+        return
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(threads)
+    except RuntimeError:  # already started (or already set): inter-op threads only run independent ops
+        pass
+
+
+def cpu_blas() -> str:
+    """The CPU BLAS torch was built with and its version, e.g. ``mkl 2024.2`` or ``openblas``."""
+    config = torch.__config__.show()
+    match = re.search(r"BLAS_INFO=([\w.-]+)", config)
+    name = match.group(1) if match else "unknown"
+    version = re.search(r"Math Kernel Library Version ([\d.]+)", config) if name == "mkl" else None
+    return f"{name} {version.group(1)}" if version else name
 
 
 def dtype_problem(env: dict[str, str], dtype: str, autocast_runs: bool) -> str | None:
@@ -159,3 +218,21 @@ def _cpu_capability() -> str:
         return str(torch.backends.cpu.get_cpu_capability())
     except AttributeError:  # torch builds without the query
         return "unknown"
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m pipeline.devices [auto|cpu|cuda]``: resolve the device and print what describes it, as JSON;
+    one line and exit status 2 when it cannot (the GPU CI's first check that the GPU is reachable)."""
+    import json
+
+    try:
+        device = resolve(argv[0] if argv else "auto")
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(describe(device), sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -17,6 +17,7 @@ REF_CASES = REFERENCE / "cases.safetensors"
 REF_OUTPUTS = REFERENCE / "outputs.safetensors"
 REF_OUTPUTS_FP64 = REFERENCE / "outputs_fp64.safetensors"
 REF_TRAJECTORY = REFERENCE / "trajectory.json"
+REF_REPLICATE_TRAJECTORY = REFERENCE / "replicate_trajectory.json"  # FP32 noise replicate (reference.noise_replicate)
 REF_MANIFEST = REFERENCE / "manifest.json"
 
 METRICS = DATA / "metrics"  # DVC metrics, kept in git (cache: false) so `dvc metrics diff` works across commits
@@ -43,12 +44,18 @@ def benchmark(dtype: str) -> Path:
     return DATA / "benchmark" / dtype
 
 
+def benchmark_metrics(dtype: str) -> Path:
+    """The benchmark's two DVC metrics (speedup_median, memory_ratio); details in benchmark(dtype)/benchmark.json."""
+    return benchmark(dtype) / "metrics.json"
+
+
 def compare_metrics(dtype: str) -> Path:
     return METRICS / f"compare-{dtype}.json"
 
 
 def decision_metrics(dtype: str) -> Path:
-    return METRICS / f"decision-{dtype}.json"
+    """The short metrics file of one variant (decide writes it; `dvc metrics diff` shows it)."""
+    return METRICS / f"{dtype}.json"
 
 
 REPORT = DATA / "report"  # the report stage's figures (PNG) and curves for `dvc plots`; publish adds the timings

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 # One size for every figure: readable in the MLflow artifact viewer and small inside the HTML report.
-_SIZE = (6.4, 3.6)
+_SIZE = (8.0, 4.0)
 _DPI = 100
 _FP32, _AMP, _BAD = "#1f77b4", "#ff7f0e", "#d62728"
 
@@ -36,23 +36,51 @@ def _styled(draw: Callable[..., bytes]) -> Callable[..., bytes]:
     return wrapper
 
 
-def curve_rows(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping]) -> dict[str, list[dict]]:
-    """Flat per-step rows for `dvc plots`: ``loss`` (FP32 vs AMP) and ``scale`` (loss scale, skipped).
+def curve_rows(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dtype: str = "", band: tuple[float, float] | None = None,
+               noise_steps: Sequence[Mapping] | None = None) -> dict[str, list[dict]]:
+    """Per-step rows for `dvc plots`, in long form (one value per row, named by ``series``), one list per family.
 
-    The FP32 and AMP losses sit in two trajectory files, and a plot that names those files would have
-    to name every dtype in dvc.yaml. These rows put both losses in one record with fixed field names;
-    the report stage writes one file per dtype into a folder that dvc.yaml declares as a whole.
+    ``loss``: the FP32 and AMP losses (``panel`` "loss"), then AMP's |gap| to FP32, the band the rule allows
+    (``band`` = (loss_atol, loss_rtol): atol + rtol*|FP32 loss|) and, when given, the FP32 noise floor
+    (|replicate - FP32|) (``panel`` "gap"). ``scale``: the loss scale and the skipped updates. Every row
+    carries ``dtype``: the plot templates title, colour and facet by these fields, so one template serves
+    every dtype and `dvc plots diff` tells revisions apart by DVC's own ``rev``.
     """
     ref_loss = {int(s["step"]): s["loss"] for s in ref_steps}
-    loss = [{"step": int(s["step"]), "loss_fp32": ref_loss.get(int(s["step"]), math.nan), "loss_amp": s["loss"]} for s in trial_steps]
-    scale = [{"step": int(s["step"]), "scale": s["scale"], "skipped": int(bool(s["skipped"]))} for s in trial_steps]
-    return {"loss": loss, "scale": scale}
+    amp = f"AMP {dtype}".strip()
+    loss: list[dict] = []
+    for s in trial_steps:
+        step = int(s["step"])
+        fp32 = ref_loss.get(step, math.nan)
+        loss.append({"step": step, "dtype": dtype, "panel": "loss", "series": "FP32 reference", "value": fp32})
+        loss.append({"step": step, "dtype": dtype, "panel": "loss", "series": amp, "value": s["loss"]})
+        loss.append({"step": step, "dtype": dtype, "panel": "gap", "series": f"|{amp} - FP32|", "value": abs(s["loss"] - fp32)})
+        if band is not None:
+            loss.append({"step": step, "dtype": dtype, "panel": "gap", "series": "band allowed by the rule", "value": band[0] + band[1] * abs(fp32)})
+    for s in noise_steps or []:
+        step = int(s["step"])
+        if step in ref_loss:
+            loss.append({"step": step, "dtype": dtype, "panel": "gap", "series": "FP32 noise floor", "value": abs(s["loss"] - ref_loss[step])})
+    enabled = any(float(s["scale"]) != 1.0 for s in trial_steps) or dtype == "float16"
+    label = "loss scale" if enabled else "no GradScaler: scale fixed at 1"
+    scale = [{"step": int(s["step"]), "dtype": dtype, "series": label, "scale": s["scale"], "skipped": int(bool(s["skipped"]))} for s in trial_steps]
+    return {"loss": [_finite_row(r) for r in loss], "scale": [_finite_row(r) for r in scale]}
+
+
+def _finite_row(row: dict) -> dict:
+    """JSON for DVC: a non-finite value becomes null (vega leaves a gap there)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
 
 @_styled
-def loss_curves(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dtype: str) -> bytes:
-    """Training loss per step, FP32 reference against the AMP trial; non-finite AMP losses marked."""
-    fig, ax = _figure()
+def loss_curves(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dtype: str, band: tuple[float, float] | None = None,
+                noise_steps: Sequence[Mapping] | None = None) -> bytes:
+    """Training loss per step, FP32 reference against the AMP trial (top), and AMP's |gap| against the band
+    the rule allows, ``atol + rtol*|FP32 loss|`` (bottom), with the FP32 noise floor when one was measured."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(_SIZE[0], _SIZE[1] * 1.5), dpi=_DPI, layout="constrained")
+    ax, gap_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
     rs, rl = _series(ref_steps, "loss")
     ts, tl = _series(trial_steps, "loss")
     ax.plot(rs, rl, color=_FP32, label="FP32 reference", linewidth=1.5)
@@ -62,9 +90,27 @@ def loss_curves(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dt
         ax.axvline(s, color=_BAD, alpha=0.3, linewidth=1)
     if bad:
         ax.plot([], [], color=_BAD, alpha=0.5, label=f"non-finite AMP loss ({len(bad)} steps, first {bad[0]})")
-    ax.set(xlabel="step", ylabel="training loss", title=f"Loss per step: FP32 vs AMP {dtype}")
-    _integer_steps(ax)
-    ax.legend(loc="upper right")
+    ax.set(ylabel="training loss", title=f"Training loss: FP32 vs AMP {dtype}")
+    ax.legend(loc="upper right", fontsize="small")
+    ref = dict(zip(rs, rl))
+    shared = [(s, v) for s, v in zip(ts, tl) if s in ref]
+    gaps = [abs(v - ref[s]) for s, v in shared]
+    gap_ax.plot([s for s, _ in shared], gaps, color=_AMP, label=f"|AMP {dtype} - FP32|")
+    if band is not None:
+        gap_ax.plot([s for s, _ in shared], [band[0] + band[1] * abs(ref[s]) for s, _ in shared], color=_BAD, linestyle=":",
+                    label=f"band: {band[0]:g} + {band[1]:g}*|FP32 loss|")
+        outside = [(s, g) for (s, _), g in zip(shared, gaps) if math.isfinite(g) and g > band[0] + band[1] * abs(ref[s])]
+        if outside:
+            gap_ax.plot([s for s, _ in outside], [g for _, g in outside], "x", color=_BAD, label=f"outside the band ({len(outside)} steps)")
+    if noise_steps:
+        ns, nl = _series(noise_steps, "loss")
+        gap_ax.plot([s for s in ns if s in ref], [abs(v - ref[s]) for s, v in zip(ns, nl) if s in ref], color=_FP32, linewidth=1,
+                    label="FP32 noise floor (|replicate - FP32|)")
+    if any(math.isfinite(g) and g > 0 for g in gaps):
+        gap_ax.set_yscale("log")
+    gap_ax.set(xlabel="step", ylabel="|loss gap|")
+    _integer_steps(gap_ax)
+    gap_ax.legend(loc="upper left", fontsize="small", bbox_to_anchor=(1.01, 1.0))
     return _png(fig)
 
 
@@ -84,33 +130,85 @@ def loss_scale(trial_steps: Sequence[Mapping], dtype: str) -> bytes:
         ax.set_yscale("log", base=2)  # the scaler halves and doubles: powers of two read best
     title = f"Loss scale per step: AMP {dtype}"
     if finite and max(finite) == min(finite) == 1.0:
-        title += "\n(GradScaler disabled: scale fixed at 1)"
+        title = f"AMP {dtype}: no GradScaler (scale fixed at 1 by design, not a collapse)"
     ax.set(xlabel="step", ylabel="loss scale", title=title)
     _integer_steps(ax)
     ax.legend(loc="lower left")
     return _png(fig)
 
 
+MAX_POINTS = 20000
+"""Most elements drawn per output in the envelope plot: every one outside the envelope or in a flipped case
+(up to the cap), then an even stride of the others. Counts in the legend are always exact."""
+
+
 @_styled
-def scores(reference: Mapping[str, np.ndarray], trial: Mapping[str, np.ndarray], dtype: str) -> bytes:
-    """Every output element, reference against trial, one colour per named output; y = x drawn."""
-    fig, ax = _figure(square=True)
-    lo, hi, dropped = math.inf, -math.inf, 0
-    for name in sorted(reference):
-        r, t = _flat(reference[name]), _flat(trial[name])
-        keep = np.isfinite(r) & np.isfinite(t)
-        dropped += int((~keep).sum())
-        if keep.any():
-            ax.scatter(r[keep], t[keep], s=6, alpha=0.5, label=f"{name} ({int(keep.sum())} values)")
-            lo, hi = min(lo, float(r[keep].min()), float(t[keep].min())), max(hi, float(r[keep].max()), float(t[keep].max()))
-    if math.isfinite(lo):
-        ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8, label="trial = reference")
-    title = f"Outputs: FP32 reference vs AMP {dtype}"
-    if dropped:
-        title += f"\n{dropped} non-finite value(s) not drawn"
-    ax.set(xlabel="FP32 reference", ylabel=f"AMP {dtype}", title=title)
-    ax.legend(loc="upper left", fontsize="small")
+def error_envelope(
+    reference: Mapping[str, np.ndarray],
+    trial: Mapping[str, np.ndarray],
+    tolerances: Mapping[str, tuple[float, float]],
+    dtype: str,
+    flipped: np.ndarray | None = None,
+) -> bytes:
+    """Per output element: |AMP - FP32| against |FP32|, on log axes, under the envelope ``atol + rtol*|ref|``
+    that the rule allows. Elements above it fail; elements of flipped cases (``flipped``: one bool per row)
+    are ringed. Exact matches (error 0) cannot sit on a log axis: counted in the legend."""
+    fig, ax = _figure()
+    xmin, xmax, shown = math.inf, -math.inf, False
+    for i, name in enumerate(sorted(reference)):
+        r, t = np.asarray(reference[name], dtype=np.float64), np.asarray(trial[name], dtype=np.float64)
+        rows = r.shape[0] if r.ndim else 1
+        per_row = max(1, r.size // max(rows, 1))
+        r, t = r.reshape(-1), t.reshape(-1)
+        atol, rtol = tolerances.get(name, (0.0, 0.0))
+        err, mag = np.abs(t - r), np.abs(r)
+        ok = np.isfinite(err) & np.isfinite(mag)
+        env = atol + rtol * mag
+        out = ok & (err > env)
+        ring = np.repeat(np.asarray(flipped, dtype=bool), per_row)[: r.size] if flipped is not None and len(flipped) == rows else np.zeros(r.size, bool)
+        draw = ok & (err > 0) & (mag > 0)
+        exact = int((ok & (err == 0)).sum())
+        pick = _pick(draw, out | ring)
+        colour = f"C{i % 10}"
+        if pick.size:
+            shown = True
+            ax.scatter(mag[pick], err[pick], s=5, alpha=0.4, color=colour, linewidths=0,
+                       label=f"'{name}': {int(ok.sum())} elements, {int(out.sum())} above the envelope, {exact} exact")
+            xmin, xmax = min(xmin, float(mag[pick].min())), max(xmax, float(mag[pick].max()))
+            bad = pick[out[pick]]
+            if bad.size:
+                ax.scatter(mag[bad], err[bad], s=7, color=_BAD, linewidths=0)
+            rung = pick[ring[pick]]
+            if rung.size:
+                ax.scatter(mag[rung], err[rung], s=40, facecolors="none", edgecolors="black", linewidths=0.8,
+                           label=f"'{name}': elements of the {int(np.asarray(flipped).sum())} flipped case(s)")
+        if not ok.all():
+            ax.plot([], [], " ", label=f"'{name}': {int((~ok).sum())} non-finite element(s) not drawn")
+    if shown:
+        xs = np.logspace(math.log10(xmin), math.log10(xmax), 64)
+        for i, name in enumerate(sorted(reference)):
+            atol, rtol = tolerances.get(name, (0.0, 0.0))
+            if atol > 0 or rtol > 0:
+                ax.plot(xs, atol + rtol * xs, color=_BAD if len(reference) == 1 else f"C{i % 10}", linestyle="--", linewidth=1.2,
+                        label=f"envelope '{name}': {atol:g} + {rtol:g}*|ref|")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "every element identical to the reference", ha="center", va="center", transform=ax.transAxes)
+    ax.set(xlabel="|FP32 reference| per element", ylabel=f"|AMP {dtype} - FP32|", title=f"Error against the tolerance envelope: AMP {dtype}")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", fontsize="x-small", bbox_to_anchor=(1.01, 1.0))
     return _png(fig)
+
+
+def _pick(draw: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Indices to draw: those in ``first`` (up to MAX_POINTS), then an even stride of the rest; sorted."""
+    priority = np.flatnonzero(draw & first)[:MAX_POINTS]
+    rest = np.flatnonzero(draw & ~first)
+    room = MAX_POINTS - priority.size
+    if rest.size > room:
+        rest = rest[np.linspace(0, rest.size - 1, max(room, 0)).astype(np.int64)] if room > 0 else rest[:0]
+    return np.sort(np.concatenate([priority, rest]))
 
 
 @_styled
@@ -143,7 +241,7 @@ def error_histogram(
     if not positive.size:
         ax.text(0.5, 0.5, "every element identical to the reference", ha="center", va="center", transform=ax.transAxes)
     ax.set(xlabel="|AMP - FP32| per element", ylabel="elements", title=f"Absolute error, AMP {dtype} vs FP32")
-    ax.legend(loc="upper right", fontsize="small")
+    ax.legend(loc="upper left", fontsize="x-small", bbox_to_anchor=(1.01, 1.0))  # beside the axes, never over the bars
     return _png(fig)
 
 

@@ -7,6 +7,9 @@ Everything else in the pipeline asks this module for contexts and scalers.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -46,13 +49,144 @@ class Policy:
         return {"dtype": self.dtype or "float32", "fp32_modules": list(self.fp32_modules)}
 
 
+# --- TF32: the one switch -------------------------------------------------------------------------------
+#
+# torch >= 2.9 has a per-backend ``fp32_precision`` ("ieee" or "tf32"); older torch has ``allow_tf32``. Once
+# anything in the process (a user's model module, a library) has used the new API, merely READING a legacy
+# flag raises "you have used mix of the legacy and new APIs" (torch 2.13). So where the new API exists this
+# module reads and writes it only, and never touches a legacy flag; elsewhere it uses the legacy flags.
+
+_NEW_TF32_API = hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(torch.backends.cudnn, "conv")
+
+
+def _tf32_switches() -> list[tuple[object, str]]:
+    """The (object, attribute) pairs that decide TF32 for FP32 matmuls, convolutions and cuDNN RNNs."""
+    if _NEW_TF32_API:
+        out = [(torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.cudnn.conv, "fp32_precision")]
+        if hasattr(torch.backends.cudnn, "rnn"):
+            out.append((torch.backends.cudnn.rnn, "fp32_precision"))
+        return out
+    return [(torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32")]
+
+
+def tf32_state() -> tuple:
+    """The current TF32 settings, opaque: give them back to ``set_tf32_state``."""
+    return tuple(getattr(obj, name) for obj, name in _tf32_switches())
+
+
+def set_tf32_state(state: tuple) -> None:
+    for (obj, name), value in zip(_tf32_switches(), state):
+        setattr(obj, name, value)
+
+
+def set_tf32(enabled: bool) -> None:
+    """Allow (True) or forbid (False) TF32 in FP32 matmuls, convolutions and cuDNN RNNs, on every GPU."""
+    value = ("tf32" if enabled else "ieee") if _NEW_TF32_API else bool(enabled)
+    set_tf32_state(tuple(value for _ in _tf32_switches()))
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """``set_tf32(enabled)`` for the duration of the context, the previous settings restored after."""
+    saved = tf32_state()
+    set_tf32(enabled)
+    try:
+        yield
+    finally:
+        set_tf32_state(saved)
+
+
 def strict_fp32() -> None:
     """FP32 means FP32: no TF32 in matmuls or convolutions (on by default for cuDNN on Ampere and newer).
 
     Autocast regions are unaffected; the reference and every op left in FP32 by a trial are exact FP32.
     """
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    set_tf32(False)
+
+
+# --- determinism ------------------------------------------------------------------------------------------
+
+CUBLAS_WORKSPACE = ":4096:8"
+"""cuBLAS needs a fixed workspace per stream for reproducible results (CUDA >= 10.2)."""
+_NOT_DETERMINISTIC = re.compile(r"^(.*?) does not have a deterministic implementation")
+
+
+def nondeterministic_op(exc: BaseException | str) -> str | None:
+    """The op named by torch's "X does not have a deterministic implementation" error or warning, else None."""
+    match = _NOT_DETERMINISTIC.match(str(exc).strip())
+    return match.group(1).strip() if match else None
+
+
+def nondeterministic_message(ops: list[str]) -> str:
+    """The one line that reports ops with no deterministic kernel, and what to do."""
+    return (
+        f"reference.deterministic: torch has no deterministic kernel on this device for {', '.join(ops)}; replace "
+        f"that op in the model, or set reference.deterministic: false (GPU results may then vary from run to run)"
+    )
+
+
+class deterministic:
+    """Deterministic kernels only, or the defaults back (``enabled=False``).
+
+    Applies at once: ``torch.use_deterministic_algorithms``, ``CUBLAS_WORKSPACE_CONFIG`` (set when unset; it
+    must be in place before cuBLAS starts, so call this before the first GPU matmul), ``cudnn.deterministic``
+    on and ``cudnn.benchmark`` off (no autotuner picking kernels by timing).
+
+    Called as a function, it stays in force, and the first op with no deterministic kernel raises torch's
+    RuntimeError (``python -m pipeline`` turns it into one line). Used as a context manager, such ops only
+    warn while it runs; on exit every op met is reported in ONE line (``UserError``) and the settings are
+    restored.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = bool(enabled)
+        self._saved = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.backends.cudnn.deterministic,
+            torch.backends.cudnn.benchmark,
+        )
+        self._warnings: contextlib.AbstractContextManager | None = None
+        self._record: list = []
+        self._apply(warn_only=False)
+
+    def _apply(self, warn_only: bool) -> None:
+        if self.enabled:
+            if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+                os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+            torch.use_deterministic_algorithms(True, warn_only=warn_only)
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+        else:
+            torch.use_deterministic_algorithms(False)
+            torch.backends.cudnn.deterministic = False
+
+    def __enter__(self) -> deterministic:
+        if self.enabled:
+            self._apply(warn_only=True)
+            self._warnings = warnings.catch_warnings(record=True)
+            self._record = self._warnings.__enter__()
+            warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, typ, exc, tb) -> None:
+        ops: list[str] = []
+        if self._warnings is not None:
+            self._warnings.__exit__(None, None, None)
+            for w in self._record:
+                op = nondeterministic_op(str(w.message))
+                if op is None:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)  # not ours: pass it on
+                elif op not in ops:
+                    ops.append(op)
+        mode, warn_only, cudnn_det, cudnn_bench = self._saved
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_det, cudnn_bench
+        op = nondeterministic_op(exc) if isinstance(exc, RuntimeError) else None
+        if op is not None and op not in ops:
+            ops.append(op)
+        if ops and (exc is None or op is not None):
+            raise UserError(nondeterministic_message(ops)) from None
 
 
 def autocast(policy: Policy, device: torch.device) -> contextlib.AbstractContextManager:
@@ -97,7 +231,8 @@ def fp32_regions(model: torch.nn.Module, policy: Policy, device: torch.device) -
     try:
         yield
     finally:
-        for module, own in handles:
+        # Reverse order: each wrapper saved what was there before it, so the last installed goes first.
+        for module, own in reversed(handles):
             if own is None:
                 del module.forward
             else:

@@ -1,14 +1,21 @@
-"""Reading the frozen FP32 reference back, with every file checked against the manifest's sha256."""
+"""The frozen FP32 reference as one typed artifact: written here, read back here, every file verified.
+
+``write`` lays out ``data/reference/`` (initial and trained training states, the fixed set with its
+boundary cases, the outputs on it, the FP64 arbiter's where the model allows, the trajectory, the FP32
+noise replicate's trajectory) and writes the manifest last, with every file's sha256; ``load`` refuses a
+reference frozen under another rule or from other data, and any file whose sha256 differs.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 
-from pipeline import cases, checkpoint, paths
-from pipeline.artifacts import read_json, read_tensors, sha256_file
+from pipeline import cases, checkpoint, outputs as output_store, paths, task
+from pipeline.artifacts import read_json, read_tensors, sha256_file, write_json
 from pipeline.config import Params
 from pipeline.errors import UserError
 
@@ -19,6 +26,8 @@ class Reference:
     cases: cases.Cases
     outputs: dict[str, torch.Tensor]
     trajectory: list[dict]
+    replicate: list[dict] | None = None
+    """Per-step records of the FP32 noise replicate (``reference.noise_replicate``), or None."""
 
     def checkpoint(self, name: str = "checkpoint") -> checkpoint.Checkpoint:
         path = paths.REF_CHECKPOINT if name == "checkpoint" else paths.REF_INIT
@@ -29,6 +38,88 @@ class Reference:
         if sha is None:
             return None
         return read_tensors(paths.REF_OUTPUTS_FP64, sha, "freeze")[0]
+
+    def outputs_reader(self) -> output_store.OutputsReader:
+        """The outputs read in slices of rows (bounded memory)."""
+        return output_store.OutputsReader(paths.REF_OUTPUTS, self.manifest["files"][str(paths.REF_OUTPUTS)])
+
+    def train_data(self, params: Params) -> task.TrainSource:
+        """The training data the reference was trained on (tensors, or the verified Dataset)."""
+        return task.load_train(params.task, paths.PREPARED_TRAIN, self.manifest["files"][str(paths.PREPARED_TRAIN)])
+
+
+class NonFinite(Exception):
+    """Raised by ``write`` when the reference's outputs are not finite on some cases (ids in ``args[0]``)."""
+
+
+def _checked(chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], bad: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+    row = 0
+    for chunk in chunks:
+        n = next(iter(chunk.values())).shape[0]
+        finite = torch.ones(n, dtype=torch.bool)
+        for v in chunk.values():
+            finite &= torch.isfinite(v.reshape(n, -1)).all(dim=1)
+        bad.extend(ids[row + i] for i in torch.nonzero(~finite).flatten().tolist())
+        row += n
+        yield chunk
+
+
+def write(
+    *,
+    params: Params,
+    inputs: dict[str, str],
+    run_key: str,
+    env: dict,
+    init: checkpoint.Checkpoint,
+    trained: checkpoint.Checkpoint,
+    records: list,
+    real_updates: int,
+    fixed: cases.Cases,
+    outputs: Iterable[dict[str, torch.Tensor]],
+    fp64: Iterable[dict[str, torch.Tensor]] | None,
+    replicate: list | None,
+    policy: dict,
+) -> dict:
+    """Write the reference (manifest last) and return the manifest.
+
+    Raises:
+        NonFinite: the FP32 outputs are not finite on some case; nothing is left in ``data/reference``.
+    """
+    bad: list[str] = []
+    files = dict(inputs)
+    files[str(paths.REF_OUTPUTS)] = output_store.write_outputs(paths.REF_OUTPUTS, _checked(outputs, fixed.ids, bad), fixed.ids)
+    if bad:
+        paths.REF_OUTPUTS.unlink(missing_ok=True)
+        raise NonFinite(sorted(set(bad)))
+    if fp64 is not None:
+        files[str(paths.REF_OUTPUTS_FP64)] = output_store.write_outputs(paths.REF_OUTPUTS_FP64, fp64, fixed.ids)
+    files[str(paths.REF_INIT)] = checkpoint.save(paths.REF_INIT, init)
+    files[str(paths.REF_CHECKPOINT)] = checkpoint.save(paths.REF_CHECKPOINT, trained)
+    files[str(paths.REF_CASES)] = cases.save(paths.REF_CASES, fixed)
+    write_json(paths.REF_TRAJECTORY, {"steps": [asdict(r) for r in records]})
+    files[str(paths.REF_TRAJECTORY)] = sha256_file(paths.REF_TRAJECTORY)
+    if replicate is not None:
+        write_json(paths.REF_REPLICATE_TRAJECTORY, {"steps": [asdict(r) for r in replicate], "perturbation": "one ulp per weight, seeded"})
+        files[str(paths.REF_REPLICATE_TRAJECTORY)] = sha256_file(paths.REF_REPLICATE_TRAJECTORY)
+    manifest = {
+        "files": files,
+        "rule_sha256": params.acceptance.sha256(),
+        "run_key": run_key,
+        "env": env,
+        "policy": policy,
+        "real_updates": real_updates,
+        "cases": {"total": len(fixed.ids), **{k: fixed.kinds.count(k) for k in sorted(set(fixed.kinds))}},
+        "fixed_set": fixed.meta,
+    }
+    write_json(paths.REF_MANIFEST, manifest)
+    return manifest
+
+
+def _verified_json(path: Path, files: dict) -> dict:
+    sha = files.get(str(path))
+    if sha is not None and Path(path).is_file() and sha256_file(path) != sha:
+        raise UserError(f"{path} differs from the reference manifest (damaged or edited); restore it with `dvc checkout` or run `dvc repro --force`")
+    return read_json(path, "freeze")
 
 
 def load(params: Params) -> Reference:
@@ -52,5 +143,8 @@ def load(params: Params) -> Reference:
             raise UserError(f"{key} differs from the data the reference was frozen on; run `dvc repro` to re-freeze")
     fixed = cases.load(paths.REF_CASES, files[str(paths.REF_CASES)], "freeze")
     outputs = read_tensors(paths.REF_OUTPUTS, files[str(paths.REF_OUTPUTS)], "freeze")[0]
-    trajectory = read_json(paths.REF_TRAJECTORY, "freeze")["steps"]
-    return Reference(manifest=manifest, cases=fixed, outputs=outputs, trajectory=trajectory)
+    trajectory = _verified_json(paths.REF_TRAJECTORY, files)["steps"]
+    replicate = None
+    if str(paths.REF_REPLICATE_TRAJECTORY) in files:
+        replicate = _verified_json(paths.REF_REPLICATE_TRAJECTORY, files)["steps"]
+    return Reference(manifest=manifest, cases=fixed, outputs=outputs, trajectory=trajectory, replicate=replicate)

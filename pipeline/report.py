@@ -1,8 +1,10 @@
-"""One report for every variant side by side: decision, reasons, key metrics, benchmark, plots.
+"""One report for every variant side by side: the verdict first, then key figures, plots, and hashes last.
 
 Pure: the loaded stage outputs in, text out. ``html`` is the self-contained page (the report stage's
 PNGs embedded as base64) that publish uploads to the pipeline's MLflow run; ``markdown`` is the same
-summary without images, which MLflow shows as that run's description. No timestamps, no absolute
+summary without images, which MLflow shows as that run's description. Both open with the verdict block
+(``pipeline.review``): a reviewer reads the decision, its reasons, the flipped cases, the gain and the
+next commands before any table; hashes and environment go to a footer. No timestamps, no absolute
 paths: the same inputs give the same bytes. It quotes benchmark timings, which is why it is not a DVC
 output (those must be byte-identical on a rerun).
 """
@@ -15,34 +17,48 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pipeline import review
+
 # Plot files of one variant, in the order the report shows them, with their captions.
 PLOTS = (
-    ("loss", "Loss per step, FP32 vs AMP"),
-    ("scale", "Loss scale per step, skipped updates marked"),
-    ("scores", "Outputs, reference vs trial"),
-    ("errors", "Absolute error histogram"),
+    ("loss", "Training loss per step: FP32 and AMP (top), AMP's gap against the band the rule allows (bottom)"),
+    ("scale", "GradScaler loss scale per step, skipped updates marked"),
+    ("envelope", "Error per output element against the tolerance envelope atol + rtol*|reference|; flipped cases ringed"),
+    ("errors", "Absolute error histogram, tolerance marked"),
 )
+
+
+def flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings to dotted keys (``{"a": {"b": 1}}`` -> ``{"a.b": 1}``); lists are left out."""
+    out: dict[str, Any] = {}
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            out.update(flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif not isinstance(value, list):
+        out[prefix] = value
+    return out
 
 
 def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
     """The side-by-side table: one (label, [cell per variant]) row per key figure.
 
-    Each variant is a mapping with ``dtype``, ``decision`` (decision.json), ``metrics`` (the compare
-    metrics, flat), ``diagnosis`` (diagnosis.json) and ``benchmark`` (benchmark.json).
+    Each variant is a mapping with ``dtype``, ``decision`` (decision.json), ``metrics`` (compare's
+    stats.json, flattened by ``flat``), ``diagnosis`` (diagnosis.json) and ``benchmark`` (benchmark.json).
     """
 
     def metric(key: str) -> Callable[[Mapping], str]:
-        return lambda v: _num(v["metrics"].get(key))
+        return lambda v: number(v["metrics"].get(key))
 
-    outputs = sorted({k.split(".")[1] for v in variants for k in v["metrics"] if k.startswith("values.") and k.count(".") >= 2})
+    outputs = sorted({k.split(".")[1] for v in variants for k in v["metrics"] if k.startswith("values.") and k.count(".") == 2})
     table: list[tuple[str, Callable[[Mapping], str]]] = [
         ("decision", lambda v: v["decision"]["decision"].upper()),
         ("reasons", lambda v: str(len(v["decision"]["reasons"]))),
         ("quality: reference", metric("quality.reference")),
         ("quality: AMP inference", metric("quality.trial")),
         ("quality: AMP after training", metric("quality.trained")),
-        ("decision flips (non-boundary)", metric("decisions.flips")),
-        ("boundary flips", lambda v: f"{_num(v['metrics'].get('decisions.boundary_flips'))} of {_num(v['metrics'].get('decisions.boundary_cases'))}"),
+        ("decision flips (cases with a clear reference margin)", metric("flips.flips")),
+        ("decision flips near the boundary (reference margin < boundary_margin)",
+         lambda v: f"{number(v['metrics'].get('flips.boundary_flips'))} of {number(v['metrics'].get('flips.boundary_cases'))}"),
     ]
     for name in outputs:
         table += [
@@ -54,44 +70,52 @@ def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
     table += [
         ("training: max loss gap", metric("training.max_loss_gap")),
         ("training: steps outside loss band", metric("training.band_violations")),
+        ("training: GradScaler", lambda v: "on" if v["metrics"].get("training.scaler_enabled") else "off (no GradScaler)"),
         ("training: skipped fraction", metric("training.skipped_fraction")),
         ("training: real updates", metric("training.real_updates")),
         ("training: final loss scale", metric("training.final_scale")),
         ("diagnosis findings", lambda v: str(len(v["diagnosis"].get("findings", [])))),
-        ("benchmark: speedup (median, IQR)", _speedup),
-        ("benchmark: s/step FP32 (median)", lambda v: _seconds(v, "fp32")),
-        ("benchmark: s/step AMP (median)", lambda v: _seconds(v, "amp")),
-        ("benchmark: peak memory FP32 (median)", lambda v: _memory(v, "fp32")),
-        ("benchmark: peak memory AMP (median)", lambda v: _memory(v, "amp")),
+        ("benchmark: speedup FP32 time / AMP time (median, IQR)", _speedup),
+        ("benchmark: ms/step FP32 (median)", lambda v: _ms(v, "fp32")),
+        ("benchmark: ms/step AMP (median)", lambda v: _ms(v, "amp")),
+        ("benchmark: working memory FP32 (peak above baseline)", lambda v: _memory(v, "working_memory_bytes", "fp32")),
+        ("benchmark: working memory AMP (peak above baseline)", lambda v: _memory(v, "working_memory_bytes", "amp")),
+        ("benchmark: working memory AMP / FP32", lambda v: _ratio(v, "working_memory_ratio")),
+        ("benchmark: process peak memory FP32 (incl. torch itself)", lambda v: _memory(v, "peak_memory_bytes", "fp32")),
+        ("benchmark: process peak memory AMP (incl. torch itself)", lambda v: _memory(v, "peak_memory_bytes", "amp")),
     ]
     return [(label, [cell(v) for v in variants]) for label, cell in table]
 
 
-def markdown(reference: Mapping[str, Any], variants: Sequence[Mapping[str, Any]]) -> str:
-    """The summary as Markdown (MLflow run description, pull-request comments)."""
-    dtypes = [v["dtype"] for v in variants]
-    out = [
-        "# AMP validation",
-        "",
-        (
-            f"Acceptance rule sha256 `{reference['rule_sha256']}`; reference run key `{reference['run_key'][:16]}`; "
-            f"{_env(reference['env'])}."
-        ),
-        "",
-        "| | " + " | ".join(dtypes) + " |",
-        "|---|" + "---|" * len(dtypes),
+def verdicts_of(variants: Sequence[Mapping[str, Any]]) -> list[review.Verdict]:
+    """The verdict of every variant from its outputs (publish passes its own, with the loosened-rule flag)."""
+    return [
+        review.verdict(v["dtype"], v["decision"], v.get("stats"), v.get("diagnosis"), v.get("benchmark"))
+        for v in variants
     ]
+
+
+def markdown(reference: Mapping[str, Any], variants: Sequence[Mapping[str, Any]], verdicts: Sequence[review.Verdict] | None = None) -> str:
+    """The summary as Markdown (MLflow run description, pull-request comments): verdict, table, footer."""
+    verdicts = verdicts_of(variants) if verdicts is None else verdicts
+    dtypes = [v["dtype"] for v in variants]
+    out = ["# AMP validation", "", review.markdown(verdicts), "## Key figures", ""]
+    out += ["| | " + " | ".join(dtypes) + " |", "|---|" + "---|" * len(dtypes)]
     out += [f"| {_cell(label)} | " + " | ".join(_cell(c) for c in cells) + " |" for label, cells in rows(variants)]
-    for v in variants:
-        reasons = v["decision"]["reasons"]
-        out += ["", f"## {v['dtype']}: {v['decision']['decision'].upper()}", ""]
-        out += [f"- {r}" for r in reasons] or ["- every criterion of the rule passed"]
+    out += ["", "---", "", f"Reference: {_env(reference['env'])}; {_cases(reference.get('cases', {}))}.  ",
+            f"Acceptance rule sha256 `{reference['rule_sha256']}`; reference run key `{reference['run_key']}`."]
     return "\n".join(out) + "\n"
 
 
-def html(reference: Mapping[str, Any], variants: Sequence[Mapping[str, Any]], images: Mapping[str, Mapping[str, bytes]]) -> str:
+def html(
+    reference: Mapping[str, Any],
+    variants: Sequence[Mapping[str, Any]],
+    images: Mapping[str, Mapping[str, bytes]],
+    verdicts: Sequence[review.Verdict] | None = None,
+) -> str:
     """The self-contained HTML report; ``images[dtype][plot]`` are PNG bytes (see ``PLOTS``)."""
     e = _html.escape
+    verdicts = verdicts_of(variants) if verdicts is None else verdicts
     dtypes = [v["dtype"] for v in variants]
     head = "".join(f"<th>{e(d)}</th>" for d in dtypes)
     body = []
@@ -103,12 +127,8 @@ def html(reference: Mapping[str, Any], variants: Sequence[Mapping[str, Any]], im
         '<html lang="en"><head><meta charset="utf-8"><title>AMP validation report</title>',
         f"<style>{_CSS}</style></head><body>",
         "<h1>AMP validation report</h1>",
-        (
-            f"<p>Acceptance rule sha256 <code>{e(reference['rule_sha256'])}</code><br>"
-            f"Reference run key <code>{e(reference['run_key'])}</code><br>"
-            f"Reference: {e(_env(reference['env']))}; {e(_cases(reference.get('cases', {})))}</p>"
-        ),
-        "<h2>Variants side by side</h2>",
+        review.html(verdicts),
+        "<h2>Key figures, variants side by side</h2>",
         f'<table class="summary"><tr><th></th>{head}</tr>',
         *body,
         "</table>",
@@ -116,7 +136,6 @@ def html(reference: Mapping[str, Any], variants: Sequence[Mapping[str, Any]], im
     for v in variants:
         d, decision = v["dtype"], v["decision"]
         parts.append(f'<h2 id="{e(d)}">{e(d)}: <span class="{e(decision["decision"])}">{e(decision["decision"].upper())}</span></h2>')
-        parts.append(f"<p>{e(_env(v.get('env') or {}))}</p>")
         reasons = decision["reasons"]
         parts.append("<h3>Reasons</h3><ul>" + ("".join(f"<li>{e(r)}</li>" for r in reasons) or "<li>every criterion of the rule passed</li>") + "</ul>")
         checks = decision.get("checks", [])
@@ -133,8 +152,16 @@ def html(reference: Mapping[str, Any], variants: Sequence[Mapping[str, Any]], im
         for name, caption in PLOTS:
             if name in figures:
                 data = base64.b64encode(figures[name]).decode("ascii")
-                parts.append(f'<figure><img alt="{e(caption)}" src="data:image/png;base64,{data}"><figcaption>{e(caption)}</figcaption></figure>')
+                parts.append(
+                    f'<figure data-plot="{e(d)}/{e(name)}"><img alt="{e(caption)} ({e(d)})" src="data:image/png;base64,{data}">'
+                    f"<figcaption>{e(caption)}</figcaption></figure>"
+                )
         parts.append("</div>")
+    parts.append(
+        f'<footer><p>Reference: {e(_env(reference["env"]))}; {e(_cases(reference.get("cases", {})))}<br>'
+        f"Acceptance rule sha256 <code>{e(reference['rule_sha256'])}</code><br>"
+        f"Reference run key <code>{e(reference['run_key'])}</code></p></footer>"
+    )
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
@@ -144,6 +171,10 @@ _CSS = (
     "table.summary{border-collapse:collapse}th,td{border:1px solid #ccc;padding:4px 10px;text-align:left}"
     "td{font-family:monospace}.accept{color:#176b2c;font-weight:bold}.rollback{color:#b00020;font-weight:bold}"
     ".plots{display:flex;flex-wrap:wrap;gap:1em}figure{margin:0}img{max-width:640px}"
+    "#verdict .verdict{border-left:6px solid #999;padding:2px 12px;margin:8px 0;background:#fafafa}"
+    "#verdict .accept{border-color:#176b2c}#verdict .rollback{border-color:#b00020}"
+    ".sentence{font-size:1.15em;font-weight:bold}.warning{color:#8a5a00;font-weight:bold}"
+    "pre{background:#f0f0f0;padding:6px;overflow-x:auto}footer{color:#666;font-size:.9em;margin-top:2em}"
 )
 
 
@@ -152,7 +183,7 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def _num(value: Any) -> str:
+def number(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -176,17 +207,23 @@ def _speedup(v: Mapping) -> str:
     if "median" not in s:
         return "-"
     spread = f" ({s['q1']:.2f}-{s['q3']:.2f})" if "q1" in s and "q3" in s else ""
-    return f"x{s['median']:.2f}{spread}"
+    word = " faster" if s["median"] >= review.FASTER else " slower" if s["median"] <= review.SLOWER else ""
+    return f"x{s['median']:.2f}{spread}{word}"
 
 
-def _seconds(v: Mapping, name: str) -> str:
+def _ms(v: Mapping, name: str) -> str:
     median = v["benchmark"].get("seconds_per_step", {}).get(name, {}).get("median")
-    return "-" if median is None else f"{median:.3g}"
+    return "-" if median is None else f"{1000 * median:.3g} ms"
 
 
-def _memory(v: Mapping, name: str) -> str:
-    median = v["benchmark"].get("peak_memory_bytes", {}).get(name, {}).get("median")
+def _memory(v: Mapping, field: str, name: str) -> str:
+    median = v["benchmark"].get(field, {}).get(name, {}).get("median")
     return "-" if median is None else f"{median / 2**20:.1f} MiB"
+
+
+def _ratio(v: Mapping, field: str) -> str:
+    median = v["benchmark"].get(field, {}).get("median")
+    return "-" if median is None else f"x{median:.2f}"
 
 
 def _env(env: Mapping[str, Any]) -> str:

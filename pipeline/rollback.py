@@ -1,8 +1,8 @@
 """The rollback package: what it takes to go back to the FP32 reference exactly, and why.
 
 It holds the reference policy as a params snippet, the sha256 of the reference checkpoint (weights,
-optimizer state, RNG) and of its inputs, and the cases that motivated the rollback. ``restore`` checks
-every hash before loading anything.
+optimizer state, RNG) and of its inputs, and the cases that motivated the rollback. decide writes it
+(torch-free); ``python -m pipeline restore`` checks every hash (``verified_files``) before loading anything.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline import checkpoint, paths, task
+from pipeline import paths
 from pipeline.artifacts import read_json, sha256_file, write_bytes, write_json
 from pipeline.config import Params
 from pipeline.errors import UserError
@@ -38,21 +38,16 @@ def write_package(folder: Path, params: Params, ref_manifest: dict, stats: dict,
     write_json(folder / "cases.json", {"flips": motivating, "boundary_flips": [f for f in stats["flips"]["flip_list"] if f["boundary"]], "value_failures_by_kind": per_kind})
 
 
-def restore(dtype: str, params: Params, target: Path) -> dict:
-    """Verify the package's hashes, load the reference training state, and write it to ``target``.
+def verified_files(dtype: str) -> dict[str, str]:
+    """The package's files (path -> sha256), each checked on disk against the package first.
 
     Raises:
-        UserError: no package, or a file whose hash differs from the package.
+        UserError: no package, or a file missing or whose hash differs from the package.
     """
-    folder = paths.decision(dtype) / "rollback"
-    manifest = read_json(folder / "manifest.json", f"decide@{dtype}")
+    manifest = read_json(paths.decision(dtype) / "rollback" / "manifest.json", f"decide@{dtype}")
     for name, expected in manifest["files"].items():
         if not Path(name).is_file():
             raise UserError(f"{name} is missing; run `dvc checkout` to restore it from the DVC cache")
         if sha256_file(name) != expected:
             raise UserError(f"{name} differs from the rollback package (sha256); run `dvc checkout` to restore the frozen reference")
-    ckpt = checkpoint.load(paths.REF_CHECKPOINT, manifest["files"][str(paths.REF_CHECKPOINT)])
-    model = task.build_model(params.task, params.seed)
-    checkpoint.restore(ckpt, model, rng=True)  # proves the state loads into the model
-    sha = checkpoint.save(target, ckpt)
-    return {"restored": str(target), "sha256": sha, "verified": sorted(manifest["files"])}
+    return manifest["files"]

@@ -1,26 +1,265 @@
-"""The task contract: the user's model and data functions, and their outputs as named tensors."""
+"""The task contract: the user's model and data functions, their inputs as given, their outputs as named tensors.
+
+Inputs are what users have: a tensor, or a dict of tensors sharing their first dimension
+(``input_ids``, ``attention_mask``, ``pixel_values``...), every dtype kept as given (token ids stay
+integers; autocast decides the compute precision). A dict is called ``model(**batch)``, a tensor
+``model(x)``. Training data may also be a map-style ``torch.utils.data.Dataset`` (larger than memory):
+batches are then read item by item in the same seeded order as tensors would be.
+
+Outputs may be a tensor, a dict of named tensors, or an object with ``.logits`` (a Hugging Face
+``ModelOutput``); ``named_outputs`` turns each into a dict.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Union
 
 import torch
 
+from pipeline.artifacts import read_tensors, write_tensors
 from pipeline.config import TaskConfig
 from pipeline.errors import UserError
 
 DEFAULT_OUTPUT = "output"
+IGNORE_INDEX = -100
+"""Targets equal to this are ignored by cross_entropy and by per-token checks, as Hugging Face does."""
+
+
+class Batch(dict):
+    """Named input tensors sharing dim 0. Indexing with a name gives a tensor; any other index
+    (slice, index tensor, list) selects rows of every tensor, as it would on one tensor."""
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return dict.__getitem__(self, key)
+        return Batch({k: v[key] for k, v in self.items()})
+
+    @property
+    def shape(self) -> torch.Size:
+        """Only the row count, so code written for one tensor (``x.shape[0]``) keeps working."""
+        return torch.Size([rows(self)])
+
+    def to(self, device) -> "Batch":
+        return Batch({k: v.to(device) for k, v in self.items()})
+
+
+Inputs = Union[torch.Tensor, Batch]
+
+
+def rows(x: Inputs) -> int:
+    if torch.is_tensor(x):
+        return x.shape[0]
+    return next(iter(x.values())).shape[0]
+
+
+def take(x: Inputs, idx) -> Inputs:
+    return x[idx]
+
+
+def to_device(x: Inputs, device: torch.device) -> Inputs:
+    return x.to(device)
+
+
+def cat(parts: list[Inputs]) -> Inputs:
+    if torch.is_tensor(parts[0]):
+        return torch.cat(parts)
+    return Batch({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
+
+
+def stack(items: list[Inputs]) -> Inputs:
+    if torch.is_tensor(items[0]):
+        return torch.stack(items)
+    return Batch({k: torch.stack([i[k] for i in items]) for k in items[0]})
+
+
+def tensors_of(x: Inputs) -> dict[str, torch.Tensor]:
+    return {"": x} if torch.is_tensor(x) else dict(x)
+
+
+def is_floating(x: Inputs) -> bool:
+    """Every input tensor is floating point: inputs may then be scaled and interpolated."""
+    return all(t.is_floating_point() for t in tensors_of(x).values())
+
+
+def map_floating(x: Inputs, fn: Callable[[torch.Tensor], torch.Tensor]) -> Inputs:
+    """Apply ``fn`` to floating tensors only (integers, masks and ids are left as they are)."""
+    if torch.is_tensor(x):
+        return fn(x) if x.is_floating_point() else x
+    return Batch({k: fn(v) if v.is_floating_point() else v for k, v in x.items()})
+
+
+def flatten(x: Inputs, prefix: str = "x") -> dict[str, torch.Tensor]:
+    """Tensors for a safetensors file: ``x`` for a tensor, ``x.<name>`` for each tensor of a dict."""
+    if torch.is_tensor(x):
+        return {prefix: x.contiguous()}
+    return {f"{prefix}.{k}": v.contiguous() for k, v in x.items()}
+
+
+def unflatten(tensors: Mapping[str, torch.Tensor], prefix: str = "x") -> Inputs:
+    if prefix in tensors:
+        return tensors[prefix]
+    named = {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
+    if not named:
+        raise KeyError(prefix)
+    return Batch(sorted(named.items()))
+
+
+def call(model: torch.nn.Module, x: Inputs, **extra: Any) -> Any:
+    """``model(**x)`` for a dict of inputs, ``model(x)`` for a tensor."""
+    if torch.is_tensor(x):
+        return model(x, **extra)
+    return model(**x, **extra)
+
+
+def check_inputs(value: Any, name: str, entry: str) -> Inputs:
+    """A tensor, or a dict of tensors that share dim 0 (returned as a ``Batch``, keys sorted).
+
+    Raises:
+        UserError: anything else, an empty input, tensors disagreeing on dim 0, or NaN/inf.
+    """
+    if torch.is_tensor(value):
+        x: Inputs = value
+    elif isinstance(value, Mapping) and value and all(torch.is_tensor(v) for v in value.values()):
+        x = Batch(sorted((str(k), v) for k, v in value.items()))
+        lengths = {k: v.shape[0] if v.ndim else None for k, v in x.items()}
+        if len(set(lengths.values())) != 1 or None in lengths.values():
+            shown = ", ".join(f"{k}: {n}" for k, n in lengths.items())
+            raise UserError(
+                f"task.data {entry}: the tensors of {name} disagree on their first dimension ({shown}); "
+                f"give every tensor of a dict input one row per sample"
+            )
+    else:
+        raise UserError(f"task.data {entry}: {name} is {type(value).__name__}; give a tensor or a dict of tensors sharing their first dimension")
+    for key, t in tensors_of(x).items():
+        if t.ndim == 0 or t.shape[0] == 0:
+            raise UserError(f"task.data {entry}: {name} is empty; the fixed set needs at least one sample")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            where = f"{name}[{key!r}]" if key else name
+            raise UserError(f"task.data {entry}: {where} holds NaN or inf; clean the data before freezing a reference")
+    return x
+
+
+# --- training data: tensors in memory, or a Dataset read item by item ---------------------------------
+
+
+class TensorSource:
+    """Training data held in memory."""
+
+    def __init__(self, x: Inputs, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return rows(self.x)
+
+    def batch(self, idx: torch.Tensor) -> tuple[Inputs, torch.Tensor]:
+        return self.x[idx], self.y[idx]
+
+
+class DatasetSource:
+    """A map-style Dataset: item ``i`` is ``(x, y)``, or a dict of tensors holding the target under ``label_key``."""
+
+    def __init__(self, dataset: Any, label_key: str, entry: str = "") -> None:
+        self.dataset, self.label_key, self.entry = dataset, label_key, entry
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def item(self, i: int) -> tuple[Inputs, torch.Tensor]:
+        item = self.dataset[int(i)]
+        if isinstance(item, (tuple, list)) and len(item) == 2:
+            x, y = item
+        elif isinstance(item, Mapping):
+            if self.label_key not in item:
+                raise UserError(
+                    f"task.data {self.entry}: training item {int(i)} has no {self.label_key!r} (task.label_key) among "
+                    f"{sorted(item)}; put the target there or set task.label_key"
+                )
+            y = item[self.label_key]
+            x = {k: v for k, v in item.items() if k != self.label_key}
+        else:
+            raise UserError(f"task.data {self.entry}: training item {int(i)} is {type(item).__name__}; return (x, y) or a dict with the target under task.label_key")
+        x = Batch(sorted(x.items())) if isinstance(x, Mapping) else x
+        return x, y if torch.is_tensor(y) else torch.tensor(y)
+
+    def batch(self, idx: torch.Tensor) -> tuple[Inputs, torch.Tensor]:
+        items = [self.item(i) for i in idx.tolist()]
+        xs = [x for x, _ in items]
+        first = tensors_of(xs[0])
+        for x in xs[1:]:
+            if {k: (t.shape, t.dtype) for k, t in tensors_of(x).items()} != {k: (t.shape, t.dtype) for k, t in first.items()}:
+                raise UserError(
+                    f"task.data {self.entry}: training items differ in input names, shapes or dtypes; pad them to one shape "
+                    f"in the Dataset (a batch is stacked as is)"
+                )
+        return stack(xs), torch.stack([y for _, y in items])
+
+    def fingerprint(self) -> str:
+        """sha256 of a few items (first, middle, last): a changed Dataset is noticed before training on it."""
+        digest = hashlib.sha256(str(len(self)).encode())
+        for i in sorted({0, len(self) // 2, len(self) - 1}):
+            x, y = self.item(i)
+            for key, t in sorted({**tensors_of(x), "__target__": y}.items()):
+                t = t.detach().cpu().contiguous()
+                digest.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+                digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return digest.hexdigest()
+
+
+TrainSource = Union[TensorSource, DatasetSource]
+
+
+def save_train(path, source: TrainSource) -> str:
+    """The prepared training data: the tensors themselves, or (a Dataset, maybe larger than memory) its
+    length and fingerprint, checked again by ``load_train``. Returns the file's sha256."""
+    if isinstance(source, TensorSource):
+        return write_tensors(path, {**flatten(source.x, "x"), "y": source.y.contiguous()})
+    n = len(source)
+    return write_tensors(path, {"length": torch.tensor([n])}, {"dataset": {"length": n, "fingerprint": source.fingerprint()}})
+
+
+def load_train(cfg: TaskConfig, path, expected_sha256: str | None = None) -> TrainSource:
+    """The training data prepare froze: tensors from the file, or the data function's Dataset, verified.
+
+    Raises:
+        UserError: the file is missing or damaged, or the Dataset differs from the one prepare saw.
+    """
+    tensors, meta = read_tensors(path, expected_sha256, "prepare")
+    frozen = meta.get("dataset")
+    if frozen is None:
+        return TensorSource(unflatten(tensors, "x"), tensors["y"])
+    source = load_data(cfg).train
+    if not isinstance(source, DatasetSource) or len(source) != frozen["length"] or source.fingerprint() != frozen["fingerprint"]:
+        raise UserError(
+            f"task.data {cfg.data}: the training Dataset differs from the one prepare recorded (length or items); its items "
+            f"must be deterministic: run `dvc repro` to prepare again"
+        )
+    return source
+
+
+def _is_dataset(value: Any) -> bool:
+    return isinstance(value, torch.utils.data.Dataset) and not isinstance(value, torch.utils.data.IterableDataset)
 
 
 @dataclass
 class TaskData:
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    eval_x: torch.Tensor
+    train: TrainSource
+    eval_x: Inputs
     eval_y: torch.Tensor
     eval_ids: list[str]
+    edge_x: Inputs | None = None
+    edge_ids: list[str] = field(default_factory=list)
+
+    @property
+    def train_x(self) -> Inputs:
+        """The training inputs when they are held in memory (not for a Dataset)."""
+        return self.train.x
+
+    @property
+    def train_y(self) -> torch.Tensor:
+        return self.train.y
 
 
 def resolve(entry: str, key: str) -> Callable[..., Any]:
@@ -43,37 +282,57 @@ def resolve(entry: str, key: str) -> Callable[..., Any]:
     return func
 
 
+def _split_targets(raw: dict, split: str, cfg: TaskConfig) -> tuple[Inputs, torch.Tensor]:
+    """``{split}_x`` and ``{split}_y``; without ``{split}_y``, the target is taken from the dict input under label_key."""
+    x = check_inputs(raw.get(f"{split}_x"), f"{split}_x", cfg.data)
+    y = raw.get(f"{split}_y")
+    if y is None:
+        if torch.is_tensor(x) or cfg.label_key not in x:
+            raise UserError(
+                f"task.data {cfg.data} returned no {split}_y and {split}_x has no {cfg.label_key!r} (task.label_key); "
+                f"return {split}_y, or put the targets in {split}_x under task.label_key"
+            )
+        y = x[cfg.label_key]
+        x = Batch({k: v for k, v in x.items() if k != cfg.label_key})
+    if not torch.is_tensor(y):
+        raise UserError(f"task.data {cfg.data}: {split}_y is {type(y).__name__}; return the targets as a tensor")
+    if y.ndim == 0 or y.shape[0] != rows(x):
+        raise UserError(f"task.data {cfg.data}: {split}_x and {split}_y have different lengths; give one target per sample")
+    return x, y
+
+
 def load_data(cfg: TaskConfig) -> TaskData:
     """Call the data function and check what it returns.
 
     Raises:
-        UserError: a key is missing, a tensor is empty or non-finite, or lengths disagree.
+        UserError: a key is missing, an input is empty or non-finite, lengths disagree, or ids are not distinct.
     """
     raw = resolve(cfg.data, "task.data")(**cfg.options)
     if not isinstance(raw, dict):
         raise UserError(f"task.data {cfg.data} returned {type(raw).__name__}; return a dict with train_x, train_y, eval_x, eval_y")
-    for key in ("train_x", "train_y", "eval_x", "eval_y"):
-        value = raw.get(key)
-        if not torch.is_tensor(value):
-            raise UserError(f"task.data {cfg.data} returned no tensor {key!r}; return train_x, train_y, eval_x, eval_y as tensors")
-        if value.shape[0] == 0:
-            raise UserError(f"task.data {cfg.data}: {key} is empty; the fixed set needs at least one sample")
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise UserError(f"task.data {cfg.data}: {key} holds NaN or inf; clean the data before freezing a reference")
-    for split in ("train", "eval"):
-        if raw[f"{split}_x"].shape[0] != raw[f"{split}_y"].shape[0]:
-            raise UserError(f"task.data {cfg.data}: {split}_x and {split}_y have different lengths; give one target per sample")
-    n_eval = raw["eval_x"].shape[0]
+    if _is_dataset(raw.get("train_x")):
+        train: TrainSource = DatasetSource(raw["train_x"], cfg.label_key, cfg.data)
+        if len(train) == 0:
+            raise UserError(f"task.data {cfg.data}: the training Dataset is empty; give it at least one item")
+    else:
+        train = TensorSource(*_split_targets(raw, "train", cfg))
+    eval_x, eval_y = _split_targets(raw, "eval", cfg)
+    n_eval = rows(eval_x)
     ids = raw.get("eval_ids") or [f"sample-{i:05d}" for i in range(n_eval)]
     if len(ids) != n_eval or len(set(ids)) != n_eval:
         raise UserError(f"task.data {cfg.data}: eval_ids must be {n_eval} distinct strings, one per eval sample")
-    return TaskData(
-        train_x=raw["train_x"].float(),
-        train_y=raw["train_y"],
-        eval_x=raw["eval_x"].float(),
-        eval_y=raw["eval_y"],
-        eval_ids=[str(i) for i in ids],
-    )
+    edge_x, edge_ids = raw.get("edge_x"), [str(i) for i in raw.get("edge_ids") or []]
+    if edge_x is not None:
+        edge_x = check_inputs(edge_x, "edge_x", cfg.data)
+        if len(edge_ids) != rows(edge_x) or len(set(edge_ids)) != len(edge_ids):
+            raise UserError(f"task.data {cfg.data}: edge_ids must be {rows(edge_x)} distinct names, one per edge_x row")
+        if _structure(edge_x) != _structure(eval_x):
+            raise UserError(f"task.data {cfg.data}: edge_x {_structure(edge_x)} does not match eval_x {_structure(eval_x)}; give edge cases eval_x's names, shapes and dtypes")
+    return TaskData(train=train, eval_x=eval_x, eval_y=eval_y, eval_ids=[str(i) for i in ids], edge_x=edge_x, edge_ids=edge_ids)
+
+
+def _structure(x: Inputs) -> dict:
+    return {k: (tuple(t.shape[1:]), str(t.dtype).replace("torch.", "")) for k, t in tensors_of(x).items()}
 
 
 def build_model(cfg: TaskConfig, seed: int) -> torch.nn.Module:
@@ -86,28 +345,41 @@ def build_model(cfg: TaskConfig, seed: int) -> torch.nn.Module:
 
 
 def named_outputs(result: Any, entry: str = "task.model") -> dict[str, torch.Tensor]:
-    """``model(x)`` may return a tensor or a dict of named tensors; always give a dict.
+    """A tensor, a dict of named tensors, or an object with a tensor ``.logits`` (Hugging Face
+    ``ModelOutput``: only its logits are compared); always give a dict.
 
     Raises:
         UserError: the model returned something else.
     """
     if torch.is_tensor(result):
         return {DEFAULT_OUTPUT: result}
-    if isinstance(result, dict) and result and all(torch.is_tensor(v) for v in result.values()):
+    logits = getattr(result, "logits", None)
+    if torch.is_tensor(logits):
+        return {"logits": logits}
+    if isinstance(result, Mapping) and result and all(torch.is_tensor(v) for v in result.values()):
         return {str(k): v for k, v in sorted(result.items())}
-    raise UserError(f"{entry} returned {type(result).__name__}; return a tensor or a dict of named tensors")
+    raise UserError(
+        f"{entry} returned {type(result).__name__} with no tensor and no .logits; return a tensor, a dict of named "
+        f"tensors, or an object with .logits"
+    )
 
 
 def primary(outputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The output that decisions and the loss are computed from: ``output``, or the first by name."""
-    return outputs.get(DEFAULT_OUTPUT, next(iter(outputs.values())))
+    """The output that decisions and the loss are computed from: ``output``, ``logits``, or the first by name."""
+    for name in (DEFAULT_OUTPUT, "logits"):
+        if name in outputs:
+            return outputs[name]
+    return next(iter(outputs.values()))
 
 
 def check_outputs(outputs: dict[str, torch.Tensor], kind: str, rows: int, targets: torch.Tensor, entry: str) -> None:
     """Refuse outputs that cannot be compared or decided on, before any training is spent on them.
 
+    Classification scores are [N, C] against targets [N], or per token [N, T, C] against [N, T];
+    targets of -100 are ignored.
+
     Raises:
-        UserError: wrong number of rows, classification scores not [N, C>=2], or targets out of range.
+        UserError: wrong number of rows, classification scores of another shape, or targets out of range.
     """
     for name, value in outputs.items():
         if value.shape[:1] != (rows,):
@@ -116,12 +388,22 @@ def check_outputs(outputs: dict[str, torch.Tensor], kind: str, rows: int, target
             raise UserError(f"task.model {entry}: output '{name}' is {value.dtype}; return floating-point scores or values")
     scores = primary(outputs)
     if kind == "classification":
-        if scores.ndim != 2 or scores.shape[1] < 2:
+        per_token = scores.ndim == 3 and targets.ndim == 2 and tuple(targets.shape[1:]) == tuple(scores.shape[1:2])
+        if not (scores.ndim == 2 and targets.ndim == 1 or per_token) or scores.shape[-1] < 2:
             raise UserError(
-                f"task.model {entry}: classification needs scores of shape [N, classes>=2], got {tuple(scores.shape)}; "
-                f"return one score per class, or set task.kind: regression"
+                f"task.model {entry}: classification needs scores [N, classes>=2] for targets [N], or [N, T, classes] for "
+                f"targets [N, T]; got scores {tuple(scores.shape)} for targets {tuple(targets.shape)}: return one score per "
+                f"class, or set task.kind: regression"
             )
-        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= scores.shape[1]):
-            raise UserError(f"task.data: targets range over {int(targets.min())}..{int(targets.max())} but the model scores {scores.shape[1]} classes; make them agree")
+        valid = targets[targets != IGNORE_INDEX]
+        if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= scores.shape[-1]):
+            raise UserError(f"task.data: targets range over {int(valid.min())}..{int(valid.max())} but the model scores {scores.shape[-1]} classes; make them agree")
     elif scores.reshape(rows, -1).shape[1] != targets.reshape(targets.shape[0], -1).shape[1]:
         raise UserError(f"task.model {entry}: output has {scores.reshape(rows, -1).shape[1]} value(s) per sample but targets have {targets.reshape(targets.shape[0], -1).shape[1]}; make them agree")
+
+
+def iter_rows(x: Inputs, batch_size: int) -> Iterable[tuple[int, int, Inputs]]:
+    """(start, stop, rows) chunks of ``x`` in order."""
+    n = rows(x)
+    for start in range(0, n, batch_size):
+        yield start, min(start + batch_size, n), x[start : start + batch_size]

@@ -1,19 +1,19 @@
 """MLflow: the only module that imports it. A mirror of the DVC outputs, never their owner.
 
 Layout: one parent run per pipeline execution, found again by a key (tag ``amp.key``) that the caller
-derives from the reference, the code version and the bytes it mirrors; one child run per stage variant,
-linked with the ``mlflow.parentRunId`` tag (each stage ran in a process of its own, so there is no
-active run to nest under).
+derives from the reference, the code version and the bytes it mirrors; under it, children linked with
+the ``mlflow.parentRunId`` tag (each stage ran in a process of its own, so there is no active run to
+nest under).
 
-Publishing is all or nothing, and idempotent. The parent is created RUNNING and set FINISHED only
-after its last child is complete, so a FINISHED parent with the key means "already published" and
-nothing is added. A parent with the key that is not FINISHED is what an interrupted publish left: it
-and its children are deleted and everything is published again, once.
+Publishing is all or nothing, idempotent, and safe under concurrency (see ``Publisher``): the parent is
+created RUNNING with a heartbeat and set FINISHED only after its last child is complete, so a FINISHED
+parent with the key means "already published"; a RUNNING one with a fresh heartbeat is a live publish,
+waited for; one with an old heartbeat is what an interrupted publish left, deleted and redone once.
 
 The tracking URI is ``MLFLOW_TRACKING_URI`` or, by default, ``sqlite:///<repository root>/mlflow.db``
 with an absolute path, so that ``dvc exp run --temp`` writes to the same database as the workspace. An
-HTTP server that does not answer stops publish within seconds, with one line; nothing under data/ is
-ever written here.
+HTTP server that does not answer, or a store that cannot be written, stops publish within seconds, with
+one line; nothing under data/ is ever written here.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ import math
 import os
 import re
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,18 @@ from typing import Any
 from pipeline.errors import UserError
 
 KEY_TAG = "amp.key"
+"""Tag of a parent run: which execution it mirrors (the caller's key)."""
+MEMBER_TAG = "amp.member_of"
+"""Tag of a child run: the key of the execution it belongs to (found again after its parent is gone)."""
+HEARTBEAT_TAG = "amp.heartbeat_ms"
+"""Tag of a run being published: when its publisher last showed it was alive (ms since the epoch)."""
+LEASE_S = 120.0
+"""A RUNNING parent with an older heartbeat is an interrupted publish (publishers beat after every upload)."""
+WAIT_S = 600.0
+"""How long a publisher waits for a live publish of the same key to end before giving up."""
+SETTLE_S = 2.0
+"""Time for a claim made at the same moment on a server to become visible before claims are ordered."""
+_LOCK_TIMEOUT_S = 900.0
 
 # MLflow's limits (mlflow/utils/validation.py): per log_batch call, and on key and value lengths.
 _BATCH_PARAMS = 100
@@ -86,13 +99,24 @@ class Published:
     """Runs created by this call; 0 when the key was already published."""
     uri: str
     experiment_id: str
+    removed: int = 0
+    """Runs deleted by this call: duplicates and leftovers of concurrent or interrupted publishes."""
 
     @property
     def link(self) -> str:
-        """Where a reviewer opens the parent run: a URL for a server, else the `mlflow ui` command."""
+        """Where a reviewer lands: the experiment's runs table in model-training mode (MLflow 3 opens in GenAI
+        mode otherwise, showing "Traces 0"); for a local database, the command that serves it, then the URL."""
+        view = f"#/experiments/{self.experiment_id}/runs?workflowType=machine_learning"
         if self.uri.startswith(("http://", "https://")):
-            return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
-        return f"mlflow ui --backend-store-uri {self.uri}  (run {self.run_id})"
+            return f"{self.uri.rstrip('/')}/{view}"
+        return f"`mlflow ui --backend-store-uri {self.uri}`, then open http://127.0.0.1:5000/{view}"
+
+    @property
+    def run_link(self) -> str:
+        """The parent run's own page (its description holds the verdict), in model-training mode."""
+        page = f"#/experiments/{self.experiment_id}/runs/{self.run_id}?workflowType=machine_learning"
+        base = self.uri.rstrip("/") if self.uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+        return f"{base}/{page}"
 
 
 def repository_root(start: Path | None = None) -> Path:
@@ -173,18 +197,31 @@ def mlflow_key(name: str) -> str:
 
 
 class Publisher:
-    """Publishes one parent run and its children to one experiment, once per key.
+    """Publishes one parent run and its children to one experiment, once per key, also under concurrency.
+
+    Several publishers of the same results may run at once (two CI legs, two clones, a parallel DVC
+    queue). Each claims the key by creating the parent RUNNING with a heartbeat tag it refreshes after
+    every run and artifact; a RUNNING parent whose heartbeat is older than ``lease_s`` is what a killed
+    publish left, and is deleted with its children; a fresher one is a live publish, which is waited for.
+    Two claims made at the same moment are ordered by (start time, run id) after ``settle_s``: the first
+    publishes, the others withdraw. Should two ever both finish (clocks further apart than ``settle_s``),
+    the next publish keeps the first and deletes the rest. On a sqlite store, a file lock beside the
+    system's temporary files serializes publishers of one database, from its creation on.
 
     Raises (every method):
-        UserError: the server is unreachable or fails midway, or the experiment was deleted.
+        UserError: the server is unreachable or fails midway, the experiment was deleted, or another
+            publish of the same key is still running after ``wait_s``.
     """
 
-    def __init__(self, experiment: str, uri: str | None = None) -> None:
+    def __init__(self, experiment: str, uri: str | None = None, lease_s: float = LEASE_S, wait_s: float = WAIT_S) -> None:
         for name, value in _ENV_DEFAULTS.items():
             os.environ.setdefault(name, value)
         self.uri = uri or tracking_uri()
+        self.lease_s, self.wait_s = lease_s, wait_s
         _check_store(self.uri)
-        with _failures(self.uri):
+        self._lock = _store_lock(self.uri)
+        self.settle_s = 0.0 if self.uri.startswith("sqlite:") else SETTLE_S  # the lock already orders sqlite publishers
+        with self._lock, _failures(self.uri):
             import mlflow
 
             self.client = mlflow.MlflowClient(tracking_uri=self.uri)
@@ -192,33 +229,79 @@ class Publisher:
 
     def publish(self, key: str, parent: RunSpec, children: list[RunSpec]) -> Published:
         """Create ``parent`` (tagged with ``key``) and ``children`` under it, unless ``key`` is published."""
-        with _failures(self.uri):
-            existing = self._search(f"tags.`{KEY_TAG}` = '{key}'")
-            done = [r for r in existing if r.info.status == "FINISHED"]
-            if done:
-                return Published(done[0].info.run_id, 0, self.uri, self.experiment_id)
-            for run in existing:
-                self._discard(run.info.run_id)
-            parent_id = self._create(parent, {KEY_TAG: key})
-            for spec in children:
-                self.client.set_terminated(self._create(spec, {"mlflow.parentRunId": parent_id}), "FINISHED")
-            self.client.set_terminated(parent_id, "FINISHED")
-            return Published(parent_id, 1 + len(children), self.uri, self.experiment_id)
+        with self._lock, _failures(self.uri):
+            deadline = time.monotonic() + self.wait_s
+            while True:
+                parents = self._parents(key)
+                done = [r for r in parents if r.info.status == "FINISHED"]
+                if done:
+                    return Published(done[0].info.run_id, 0, self.uri, self.experiment_id, self._dedupe(key, done[0].info.run_id))
+                live = []
+                for run in parents:
+                    if self._stale(run):
+                        self._discard(run.info.run_id)  # an interrupted publish: redone in full below
+                    else:
+                        live.append(run)
+                if live:
+                    if time.monotonic() > deadline:
+                        age = time.time() - _heartbeat(live[0]) / 1000
+                        raise UserError(
+                            f"another publish of these results (run {live[0].info.run_id} at {self.uri}) is still running, "
+                            f"last heartbeat {age:.0f} s ago; rerun `python -m pipeline publish` once it ends (it then adds nothing)"
+                        )
+                    time.sleep(1.0)
+                    continue
+                parent_id = self._claim(parent, key)
+                if parent_id is None:
+                    continue  # an earlier claim won: wait for it
+                self._fill(parent_id, parent)
+                for spec in children:
+                    child = self._start(spec, {"mlflow.parentRunId": parent_id, MEMBER_TAG: key})
+                    self._fill(child, spec, heartbeat=parent_id)
+                    self.client.set_terminated(child, "FINISHED")
+                self.client.set_terminated(parent_id, "FINISHED")
+                return Published(parent_id, 1 + len(children), self.uri, self.experiment_id, self._dedupe(key, parent_id))
+
+    def earlier_rollbacks(self, reference_run_key: str, dtype: str) -> list[dict]:
+        """Rules under which this reference was rolled back for ``dtype`` in runs published before.
+
+        Returns ``[{"rule": dict, "rule_sha256": str}]``, one per distinct rule, in a fixed order.
+        Variant runs carry ``rule_json``; so did the ``decide@DTYPE`` runs of earlier versions.
+        """
+        with self._lock, _failures(self.uri):
+            query = (
+                f"tags.dtype = '{dtype}' AND tags.decision = 'rollback' AND tags.reference_run_key = '{reference_run_key}'"
+            )
+            runs = self._search(query)
+        out, seen = [], set()
+        for run in runs:
+            rule_json, sha = run.data.tags.get("rule_json"), run.data.tags.get("rule_sha256", "")
+            if rule_json and sha not in seen:
+                seen.add(sha)
+                out.append({"rule": json.loads(rule_json), "rule_sha256": sha})
+        return sorted(out, key=lambda r: r["rule_sha256"])
 
     def _experiment(self, name: str) -> str:
+        from mlflow.exceptions import MlflowException
+
         found = self.client.get_experiment_by_name(name)
-        if found is not None:
-            if found.lifecycle_stage == "deleted":
-                raise UserError(
-                    f"MLflow experiment {name!r} at {self.uri} is deleted; restore it (`mlflow experiments restore "
-                    f"--experiment-id {found.experiment_id}`) or set tracking.experiment in params.yaml to another name"
-                )
-            return found.experiment_id
-        location = None
-        if self.uri.startswith("sqlite:"):
-            # Beside the database, not under the working folder (a `dvc exp run --temp` copy is deleted).
-            location = (repository_root() / "mlartifacts").as_uri()
-        return self.client.create_experiment(name, artifact_location=location)
+        if found is None:
+            location = None
+            if self.uri.startswith("sqlite:"):
+                # Beside the database, not under the working folder (a `dvc exp run --temp` copy is deleted).
+                location = (repository_root() / "mlartifacts").as_uri()
+            try:
+                return self.client.create_experiment(name, artifact_location=location)
+            except MlflowException as exc:  # another publisher created it a moment ago
+                if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                found = self.client.get_experiment_by_name(name)
+        if found.lifecycle_stage == "deleted":
+            raise UserError(
+                f"MLflow experiment {name!r} at {self.uri} is deleted; restore it (`mlflow experiments restore "
+                f"--experiment-id {found.experiment_id}`) or set tracking.experiment in params.yaml to another name"
+            )
+        return found.experiment_id
 
     def _search(self, query: str) -> list:
         runs, token = [], None
@@ -229,20 +312,74 @@ class Publisher:
             if not token:
                 return runs
 
-    def _discard(self, run_id: str) -> None:
-        """Delete an interrupted publish: the parent and whatever children it got."""
-        for child in self._search(f"tags.`mlflow.parentRunId` = '{run_id}'"):
+    def _parents(self, key: str) -> list:
+        """Every live parent run of ``key``, first claim first."""
+        runs = [r for r in self._search(f"tags.`{KEY_TAG}` = '{key}'") if "mlflow.parentRunId" not in r.data.tags]
+        return sorted(runs, key=lambda r: (r.info.start_time or 0, r.info.run_id))
+
+    def _stale(self, run) -> bool:
+        """A RUNNING parent whose publisher stopped refreshing its heartbeat (killed, or its machine lost)."""
+        return time.time() * 1000 - _heartbeat(run) > self.lease_s * 1000
+
+    def _claim(self, spec: RunSpec, key: str) -> str | None:
+        """Create the parent RUNNING; keep it only if no earlier claim of ``key`` is live or finished."""
+        run_id = self._start(spec, {KEY_TAG: key})
+        if self.settle_s:
+            time.sleep(self.settle_s)  # lets a claim made at the same moment become visible
+        rivals = [r for r in self._parents(key) if r.info.status == "FINISHED" or not self._stale(r)]
+        if rivals and rivals[0].info.run_id != run_id:
+            self.client.delete_run(run_id)
+            return None
+        return run_id
+
+    def _dedupe(self, key: str, keep: str) -> int:
+        """Delete what concurrent or killed publishers of ``key`` left beside the published tree ``keep``:
+        other finished parents with their children, and children whose parent is gone. Returns how many."""
+        removed = 0
+        for run in self._parents(key):
+            if run.info.run_id != keep and run.info.status == "FINISHED":
+                removed += self._discard(run.info.run_id)
+        for child in self._search(f"tags.`{MEMBER_TAG}` = '{key}'"):
+            parent = child.data.tags.get("mlflow.parentRunId")
+            if parent != keep and not self._is_live_parent(parent):
+                self.client.delete_run(child.info.run_id)
+                removed += 1
+        return removed
+
+    def _is_live_parent(self, run_id: str | None) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        if not run_id:
+            return False
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            return False
+        return run.info.lifecycle_stage == "active" and run.info.status == "RUNNING" and not self._stale(run)
+
+    def _discard(self, run_id: str) -> int:
+        """Delete a parent and whatever children it got; returns how many runs were deleted."""
+        children = self._search(f"tags.`mlflow.parentRunId` = '{run_id}'")
+        for child in children:
             self.client.delete_run(child.info.run_id)
         self.client.delete_run(run_id)
+        return 1 + len(children)
 
-    def _create(self, spec: RunSpec, link: dict[str, str]) -> str:
-        from mlflow.entities import Metric, Param
+    def _beat(self, run_id: str) -> None:
+        self.client.set_tag(run_id, HEARTBEAT_TAG, str(int(time.time() * 1000)))
 
-        tags = {**spec.tags, **link, "mlflow.runName": spec.name}
+    def _start(self, spec: RunSpec, link: dict[str, str]) -> str:
+        tags = {**spec.tags, **link, "mlflow.runName": spec.name, HEARTBEAT_TAG: str(int(time.time() * 1000))}
         if spec.note:
             tags["mlflow.note.content"] = spec.note
         tags = {k: str(v)[:_TAG_LENGTH] for k, v in tags.items()}
-        run_id = self.client.create_run(self.experiment_id, tags=tags, run_name=spec.name).info.run_id
+        return self.client.create_run(self.experiment_id, tags=tags, run_name=spec.name).info.run_id
+
+    def _fill(self, run_id: str, spec: RunSpec, heartbeat: str | None = None) -> None:
+        """Log ``spec``'s params, metrics and artifacts, refreshing the parent's heartbeat between uploads."""
+        from mlflow.entities import Metric, Param
+
+        beat = heartbeat or run_id
         now = int(time.time() * 1000)
         params = [Param(k, _param_value(v)) for k, v in zip(_mlflow_keys(list(spec.params)), spec.params.values())]
         # Single values and histories share one namespace in MLflow: name them together.
@@ -257,20 +394,94 @@ class Publisher:
             self.client.log_batch(run_id, metrics=chunk)
         for path, folder in spec.artifacts:
             self.client.log_artifact(run_id, str(path), folder or None)
+            self._beat(beat)
         for name, text in spec.texts.items():
             self.client.log_text(run_id, text, name)
         for name, rows in spec.tables.items():
             self.client.log_table(run_id, data=_columns(rows), artifact_file=name)
-        return run_id
+        self._beat(beat)
+
+
+def _heartbeat(run) -> float:
+    """Milliseconds since the epoch of a run's last heartbeat (its start, for runs of older versions)."""
+    try:
+        return float(run.data.tags[HEARTBEAT_TAG])
+    except (KeyError, ValueError):
+        return float(run.info.start_time or 0)
+
+
+def _store_lock(uri: str):
+    """A lock that serializes the publishers of one sqlite file: MLflow creates and migrates a new database
+    without one, so two first publishes at once (a parallel `dvc queue start --jobs 2`) break each other.
+    Beside the system's temporary files, not the database: its folder may be a repository that git shows."""
+    if not uri.startswith("sqlite:///"):
+        return nullcontext()
+    import filelock
+
+    db = Path(uri[len("sqlite:///") :]).resolve()
+    name = f"amp-mlflow-{hashlib.sha256(str(db).encode()).hexdigest()[:16]}.lock"
+    return filelock.FileLock(str(Path(tempfile.gettempdir()) / name), timeout=_LOCK_TIMEOUT_S)
 
 
 def _check_store(uri: str) -> None:
-    """Refuse, in one line, a tracking URI that cannot work before anything is created."""
+    """Refuse, in one line and within seconds, a tracking URI that cannot work, before anything is created.
+
+    A read-only sqlite path would otherwise have MLflow retry its engine for a minute, and a read-only
+    plain path would get MLflow 3's "file store in maintenance mode" message, which names neither the
+    folder nor the fix.
+    """
     check_reachable(uri)
     if uri.startswith("sqlite:///"):
-        folder = Path(uri[len("sqlite:///") :]).parent
+        db = Path(uri[len("sqlite:///") :])
+        folder = db.parent
         if not folder.is_dir():
             raise UserError(f"MLFLOW_TRACKING_URI {uri}: folder {folder} does not exist; create it or fix the URI")
+        _check_writable(folder, db, uri, f"sqlite:///{Path.home() / 'mlflow.db'}")
+        return
+    path = _plain_path(uri)
+    if path is None:
+        return
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None:
+        _check_writable(existing if existing.is_dir() else existing.parent, None, uri, f"sqlite:///{Path.home() / 'mlflow.db'}")
+    if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):
+        raise UserError(
+            f"MLFLOW_TRACKING_URI {uri} is a folder, and MLflow 3 refuses its file store (maintenance mode); use a "
+            f"database instead, e.g. MLFLOW_TRACKING_URI=sqlite:///{path / 'mlflow.db'}, or set MLFLOW_ALLOW_FILE_STORE=true"
+        )
+
+
+def _plain_path(uri: str) -> Path | None:
+    """The folder of a file-store URI (``/some/mlruns``, ``file:///some/mlruns``), else None."""
+    if uri.startswith("file:"):
+        from urllib.parse import unquote, urlparse
+
+        return Path(unquote(urlparse(uri).path))
+    if "://" not in uri and not uri.startswith(("databricks", "sqlite:", "postgresql", "mysql", "mssql")):
+        return Path(uri).expanduser().absolute()
+    return None
+
+
+def _check_writable(folder: Path, db: Path | None, uri: str, example: str) -> None:
+    """Create (and remove) a file in ``folder`` and open ``db`` for writing: the only test that also holds
+    for root, for read-only mounts and for ACLs, where permission bits tell nothing.
+
+    Raises:
+        UserError: naming the path that cannot be written and what to do.
+    """
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".amp-write-probe-"):
+            pass
+        if db is not None and db.exists():
+            os.close(os.open(db, os.O_RDWR))
+    except OSError as exc:
+        what = db if db is not None and db.exists() and exc.filename == str(db) else folder
+        raise UserError(
+            f"MLflow tracking store {what} is not writable ({exc.strerror}); point MLFLOW_TRACKING_URI at a writable "
+            f"place (e.g. {example}) or make {what} writable, then rerun `python -m pipeline publish`"
+        ) from None
 
 
 @contextmanager
@@ -283,9 +494,15 @@ def _failures(uri: str) -> Iterator[None]:
         yield
     except (MlflowException, requests.exceptions.RequestException, OSError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        if "must be in the 'active' state" in str(exc):
+            raise UserError(
+                f"publishing to {uri} stopped: another publish of the same results took this one for interrupted (no "
+                f"heartbeat for {LEASE_S:.0f} s) and removed its runs; rerun `python -m pipeline publish`: it adds nothing "
+                f"if the other one finished, and removes any duplicate"
+            ) from None
         raise UserError(
             f"publishing to {uri} failed ({first}); the DVC outputs are intact and an interrupted publish is redone "
-            f"in full: fix the tracking server, then rerun `python -m pipeline publish`"
+            f"in full: check the tracking server or MLFLOW_TRACKING_URI, then rerun `python -m pipeline publish`"
         ) from None
 
 
@@ -333,40 +550,3 @@ def _cell(value: Any) -> Any:
     if isinstance(value, (list, dict)):
         return json.dumps(value, sort_keys=True)
     return value
-
-
-def earlier_rollbacks(experiment: str, reference_run_key: str, dtype: str) -> tuple[list[dict], str | None]:
-    """Rules under which this reference was rolled back for ``dtype`` in earlier published runs.
-
-    Returns the rules (``{"rule": dict, "rule_sha256": str}``) and, when the history could not be read,
-    why (the decision records it: an unread history is said, never taken for an empty one). Reads only:
-    a missing sqlite database is not created.
-    """
-    uri = tracking_uri()
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
-        return [], None  # nothing was ever published here
-    for name, value in _ENV_DEFAULTS.items():
-        os.environ.setdefault(name, value)
-    try:
-        check_reachable(uri)
-        with _failures(uri):
-            import mlflow
-
-            client = mlflow.MlflowClient(tracking_uri=uri)
-            found = client.get_experiment_by_name(experiment)
-            if found is None:
-                return [], None
-            query = (
-                f"tags.stage = 'decide' AND tags.dtype = '{dtype}' AND tags.decision = 'rollback' "
-                f"AND tags.reference_run_key = '{reference_run_key}'"
-            )
-            runs = client.search_runs([found.experiment_id], filter_string=query, max_results=1000)
-    except UserError as exc:
-        return [], str(exc)
-    out, seen = [], set()
-    for run in runs:
-        rule_json, sha = run.data.tags.get("rule_json"), run.data.tags.get("rule_sha256", "")
-        if rule_json and sha not in seen:
-            seen.add(sha)
-            out.append({"rule": json.loads(rule_json), "rule_sha256": sha})
-    return sorted(out, key=lambda r: r["rule_sha256"]), None

@@ -1,28 +1,48 @@
 """The training loop shared by the FP32 reference and every AMP trial, and inference on the fixed set.
 
 One loop, so that the reference and the trial differ only by their precision policy: same initial
-state, same batches in the same order, same optimizer. The step follows the AMP recipe: scaler created
-once; zero_grad(set_to_none=True); autocast around forward and loss only; backward after the context
-closes; unscale_ once, before clipping; scaler.step; scaler.update. A step whose update the scaler
-skipped does not count as a real update, and the learning-rate schedule follows real updates only.
+state, same batches in the same order, same optimizer and schedule. One optimizer update
+(``amp_step``) follows the AMP recipe: scaler created once; zero_grad(set_to_none=True); for each of
+the ``grad_accumulation`` micro-batches, autocast around forward and loss only and a scaled backward
+after the context closes; then ONE ``unscale_`` (after the accumulation), clipping, scaler.step and
+scaler.update. An update the scaler skipped does not count as a real update, and the learning-rate
+schedule (warmup included) follows real updates only. The loss is computed in float32 or wider, so
+targets are never rounded to the autocast dtype.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 
-from pipeline import checkpoint, precision
-from pipeline.config import ReferenceConfig
+from pipeline import checkpoint, precision, task
+from pipeline.config import ReferenceConfig, TaskConfig
+from pipeline.errors import UserError
 from pipeline.precision import Policy
-from pipeline.task import named_outputs, primary
+from pipeline.task import (
+    IGNORE_INDEX,
+    check_outputs,
+    map_floating,
+    DatasetSource,
+    Inputs,
+    TensorSource,
+    TrainSource,
+    call,
+    iter_rows,
+    named_outputs,
+    primary,
+    resolve,
+    to_device,
+)
 
 
 @dataclass
@@ -37,7 +57,7 @@ class StepRecord:
 
 
 def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[torch.Tensor]:
-    """Indices of each step's batch: epochs of seeded permutations, independent of the global RNG."""
+    """Indices of each micro-batch: epochs of seeded permutations, independent of the global RNG."""
     gen = torch.Generator().manual_seed(seed)
     order: list[torch.Tensor] = []
     perm = torch.randperm(n, generator=gen)
@@ -51,22 +71,190 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[torch.Te
     return order
 
 
+def update_batches(n: int, cfg: ReferenceConfig, seed: int) -> list[list[torch.Tensor]]:
+    """For each optimizer update, the indices of its ``grad_accumulation`` micro-batches (seeded, fixed)."""
+    k = cfg.grad_accumulation
+    flat = batch_order(n, cfg.batch_size, cfg.train_steps * k, seed)
+    return [flat[i * k : (i + 1) * k] for i in range(cfg.train_steps)]
+
+
+def as_source(train_x: Any, train_y: torch.Tensor | None = None) -> TrainSource:
+    """Tensors (or a dict of tensors) and targets, or an already built source."""
+    if isinstance(train_x, (TensorSource, DatasetSource)):
+        return train_x
+    return TensorSource(train_x, train_y)
+
+
+# --- loss -------------------------------------------------------------------------------------------------
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """At least float32: a float16 output is widened exactly; a target is never rounded to the autocast dtype."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[N, C] against [N], or per token [N, T, C] against [N, T]; targets of -100 ignored."""
+    out = _wide(out)
+    if out.ndim == 3:
+        out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+    return F.cross_entropy(out, y.long(), ignore_index=IGNORE_INDEX)
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = _wide(out)
+    n = y.shape[0]
+    return F.mse_loss(out.reshape(n, -1), y.reshape(n, -1).to(out.dtype))
+
+
 def loss_function(kind: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss(output, target)`` for a loss computed from the primary output (not ``model``)."""
     if kind == "cross_entropy":
-        return lambda out, y: torch.nn.functional.cross_entropy(out, y.long())
-    return lambda out, y: torch.nn.functional.mse_loss(out.reshape(y.shape[0], -1), y.reshape(y.shape[0], -1).to(out.dtype))
+        return cross_entropy
+    if kind == "mse":
+        return mse
+    if kind == "model":
+        raise ValueError("loss 'model' is computed by the model: use make_loss")
+    user = resolve(kind, "task.loss")
+
+    def custom(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        value = user(out, y)
+        if not torch.is_tensor(value) or value.numel() != 1:
+            raise UserError(f"task.loss {kind} returned {type(value).__name__}; return a scalar tensor")
+        return _wide(value.reshape(()))
+
+    return custom
+
+
+class Loss:
+    """``loss(model, x, y)``: forward and loss, as the task says (the model's own ``.loss`` included)."""
+
+    def __init__(self, kind: str, label_key: str = "labels", entry: str = "task.model") -> None:
+        self.kind, self.label_key, self.entry = kind, label_key, entry
+        self.of_output = None if kind == "model" else loss_function(kind)
+
+    def __call__(self, model: torch.nn.Module, x: Inputs, y: torch.Tensor) -> torch.Tensor:
+        if self.of_output is not None:
+            return self.of_output(primary(named_outputs(call(model, x), self.entry)), y)
+        if not torch.is_tensor(x) and self.label_key in x:
+            raise UserError(f"task.label_key {self.label_key!r} is also an input name; give the targets as train_y only, or rename one")
+        result = call(model, x, **{self.label_key: y})
+        loss = getattr(result, "loss", None)
+        if loss is None and isinstance(result, dict):
+            loss = result.get("loss")
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise UserError(
+                f"{self.entry} returned no scalar .loss although task.loss is model; make it compute the loss when given "
+                f"{self.label_key}=..., or pick another task.loss"
+            )
+        return _wide(loss.reshape(()))
+
+
+def make_loss(task: TaskConfig | str) -> Loss:
+    if isinstance(task, str):
+        return Loss(task)
+    return Loss(task.loss, task.label_key, f"task.model {task.model}")
+
+
+# --- optimizer and schedule ----------------------------------------------------------------------------
 
 
 def make_optimizer(model: torch.nn.Module, cfg: ReferenceConfig) -> torch.optim.Optimizer:
+    """The recipe's optimizer on ``model.parameters()``.
+
+    Raises:
+        UserError: a ``module:function`` factory that does not return an optimizer.
+    """
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        return torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    optimizer = resolve(cfg.optimizer, "reference.optimizer")(model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserError(
+            f"reference.optimizer {cfg.optimizer} returned {type(optimizer).__name__}; return a torch.optim.Optimizer "
+            f"built on the parameters it is given"
+        )
+    return optimizer
+
+
+def lr_factor(cfg: ReferenceConfig, updates: int) -> float:
+    """Multiplier of the base learning rate after ``updates`` REAL updates (warmup from 0, then the decay)."""
+    s = cfg.lr_schedule
+    if updates < s.warmup:
+        return updates / s.warmup
+    after = updates - s.warmup
+    span = max(1, cfg.train_steps - s.warmup)
+    if s.kind == "step":
+        return s.gamma ** (after // s.every)
+    if s.kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(after / span, 1.0)))
+    if s.kind == "linear":
+        return max(0.0, 1.0 - after / span)
+    return 1.0
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: ReferenceConfig):
-    if cfg.lr_schedule.kind == "step":
-        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=cfg.lr_schedule.every, gamma=cfg.lr_schedule.gamma)
-    return None
+    """A ``LambdaLR`` stepped once per REAL update; None when the rate is constant."""
+    if cfg.lr_schedule.kind == "none" and cfg.lr_schedule.warmup == 0:
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: lr_factor(cfg, u))
+
+
+# --- one update ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepOutcome:
+    loss: torch.Tensor
+    """Mean loss over the micro-batches (detached, on the device)."""
+    grad_norm: torch.Tensor
+    """Total gradient norm after unscale_, before clipping."""
+    scale: float
+    """The GradScaler's scale this update ran with (1.0 without a scaler, or when not read back)."""
+    skipped: bool
+    """The scaler skipped the optimizer step (inf/NaN gradients); always False when not read back."""
+
+
+def amp_step(
+    model: torch.nn.Module,
+    micro_batches: list[tuple[Inputs, torch.Tensor]],
+    loss_fn: Callable[[torch.nn.Module, Inputs, torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    policy: Policy,
+    device: torch.device,
+    max_norm: float = math.inf,
+    params: list[torch.nn.Parameter] | None = None,
+    read_back: bool = True,
+) -> StepOutcome:
+    """ONE optimizer update, the recipe's: the training loop, the benchmark and the diagnosis all use it.
+
+    ``micro_batches`` are (inputs, targets) already on ``device``; each one's loss is divided by their
+    count, so the accumulated gradient is that of the mean loss. Autocast covers forward and loss only;
+    backward runs after the context closes; ``unscale_`` runs once, after the last micro-batch, then the
+    gradient is clipped to ``max_norm`` and the scaler steps and updates. With ``read_back=False`` nothing
+    is read back to the host (the benchmark's timed loop): ``scale`` is 1.0 and ``skipped`` False.
+    The caller owns ``scheduler.step()`` (on real updates only, ``not outcome.skipped``).
+    """
+    params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
+    optimizer.zero_grad(set_to_none=True)
+    scale = scaler.get_scale() if read_back and scaler.is_enabled() else 1.0
+    n = len(micro_batches)
+    total = None
+    for x, y in micro_batches:
+        with precision.autocast(policy, device):
+            loss = loss_fn(model, x, y)
+        scaler.scale(loss if n == 1 else loss / n).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    skipped = bool(read_back and scaler.is_enabled() and scaler.get_scale() < scale)
+    return StepOutcome(loss=total if n == 1 else total / n, grad_norm=grad_norm, scale=float(scale), skipped=skipped)
 
 
 @dataclass
@@ -83,47 +271,57 @@ class TrainResult:
 
 @dataclass
 class TrialResult:
-    outputs: dict[str, torch.Tensor]
-    """The trained reference's outputs on the fixed set, under the policy."""
+    outputs: dict[str, torch.Tensor] | None
+    """The trained reference's outputs on the fixed set, under the policy (None when streamed to a sink)."""
     training: TrainResult
     """The training repeated from the reference's initial state, under the policy."""
-    trained_outputs: dict[str, torch.Tensor]
-    """Outputs on the fixed set of the model trained under the policy."""
+    trained_outputs: dict[str, torch.Tensor] | None
+    """Outputs on the fixed set of the model trained under the policy (None when streamed to a sink)."""
 
 
 def run_trial(
     trained: torch.nn.Module,
     make_initial: Callable[[], torch.nn.Module],
-    train_x: torch.Tensor,
-    train_y: torch.Tensor,
-    cases_x: torch.Tensor,
+    train_x: Any,
+    train_y: torch.Tensor | None,
+    cases_x: Inputs,
     cfg: ReferenceConfig,
-    loss_kind: str,
+    loss_kind: TaskConfig | str,
     policy: Policy,
     device: torch.device,
     seed: int,
     resume: checkpoint.Checkpoint | None = None,
     save_resume: Callable[[checkpoint.Checkpoint], None] | None = None,
     label: str = "trial",
+    sink: Callable[[str, Iterator[dict[str, torch.Tensor]]], None] | None = None,
 ) -> TrialResult:
     """A trial, the one definition trial@DTYPE and the diagnosis's re-runs share.
 
     Inference with the trained reference weights in the frozen train/eval mode; then training from the
     reference's initial state. ``make_initial`` restores that state (weights and RNG) and is called
     only after the inference, so that nothing the inference draws moves the RNG the training starts from.
+    With ``sink``, outputs are streamed chunk by chunk to ``sink("outputs" | "trained_outputs", chunks)``
+    instead of being held in memory.
     """
-    outputs = infer(trained, cases_x, policy, device, cfg.eval_mode)
+
+    def outputs(name: str, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        if sink is None:
+            return infer(model, cases_x, policy, device, cfg.eval_mode)
+        sink(name, infer_chunks(model, cases_x, policy, device, cfg.eval_mode))
+        return None
+
+    first = outputs("outputs", trained)
     model = make_initial()
     result = train(model, train_x, train_y, cfg, loss_kind, policy, device, seed, resume=resume, save_resume=save_resume, label=label)
-    return TrialResult(outputs, result, infer(model, cases_x, policy, device, cfg.eval_mode))
+    return TrialResult(first, result, outputs("trained_outputs", model))
 
 
 def train(
     model: torch.nn.Module,
-    train_x: torch.Tensor,
-    train_y: torch.Tensor,
+    train_x: Any,
+    train_y: torch.Tensor | None,
     cfg: ReferenceConfig,
-    loss_kind: str,
+    loss_kind: TaskConfig | str,
     policy: Policy,
     device: torch.device,
     seed: int,
@@ -131,18 +329,21 @@ def train(
     save_resume: Callable[[checkpoint.Checkpoint], None] | None = None,
     label: str = "train",
 ) -> TrainResult:
-    """Train ``model`` in place for ``cfg.train_steps`` steps under ``policy``.
+    """Train ``model`` in place for ``cfg.train_steps`` optimizer updates under ``policy``.
 
-    The caller has already put the model in its initial state (weights and RNG). With ``resume``, the
-    loop continues from a saved state and ends exactly as if it had never stopped.
+    ``train_x`` is a tensor, a dict of tensors (``train_y`` the targets), or a training source (a
+    Dataset's, ``train_y`` None). ``loss_kind`` is the task (or a loss name). The caller has already put
+    the model in its initial state (weights and RNG). With ``resume``, the loop continues from a saved
+    state and ends exactly as if it had never stopped.
     """
     precision.strict_fp32()
+    source = as_source(train_x, train_y)
     model.to(device).train()
-    loss_fn = loss_function(loss_kind)
+    loss_fn = make_loss(loss_kind)
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg)
     scaler = precision.make_scaler(policy, device)
-    order = batch_order(train_x.shape[0], cfg.batch_size, cfg.train_steps, seed)
+    order = update_batches(len(source), cfg, seed)
     records: list[StepRecord] = []
     real_updates = 0
     start = 0
@@ -152,39 +353,32 @@ def train(
         real_updates = resume.meta["real_updates"]
         start = resume.meta["step"]
     params = [p for p in model.parameters() if p.requires_grad]
+    max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
     kill_after = int(os.environ.get("PIPELINE_KILL_AFTER_STEP", "0"))
     progress = Progress(label, cfg.train_steps, start)
     with precision.fp32_regions(model, policy, device):
         for step in range(start, cfg.train_steps):
-            idx = order[step]
-            x, y = train_x[idx].to(device), train_y[idx].to(device)
-            optimizer.zero_grad(set_to_none=True)
-            with precision.autocast(policy, device):
-                loss = loss_fn(primary(named_outputs(model(x))), y)
-            scale = scaler.get_scale() if scaler.is_enabled() else 1.0
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
-            scaler.step(optimizer)
-            scaler.update()
-            skipped = scaler.is_enabled() and scaler.get_scale() < scale
-            if not skipped:
+            micro = []
+            for idx in order[step]:
+                x, y = source.batch(idx)
+                micro.append((to_device(x, device), y.to(device)))
+            out = amp_step(model, micro, loss_fn, optimizer, scaler, policy, device, max_norm, params)
+            if not out.skipped:
                 real_updates += 1
                 if scheduler is not None:
                     scheduler.step()
             records.append(
                 StepRecord(
                     step=step,
-                    loss=float(loss.item()),
-                    grad_norm=float(grad_norm.item()),
-                    scale=float(scale),
-                    skipped=bool(skipped),
+                    loss=float(out.loss.item()),
+                    grad_norm=float(out.grad_norm.item()),
+                    scale=out.scale,
+                    skipped=out.skipped,
                     real_updates=real_updates,
                     lr=float(optimizer.param_groups[0]["lr"]),
                 )
             )
-            progress.tick(step + 1, records[-1].loss)
+            progress.tick(step + 1, records[-1].loss, out.scale, sum(r.skipped for r in records))
             every = cfg.checkpoint_every
             if save_resume is not None and every and (step + 1) % every == 0 and step + 1 < cfg.train_steps:
                 save_resume(_snapshot(model, optimizer, scaler, scheduler, records, real_updates, step + 1, policy))
@@ -210,30 +404,117 @@ def _snapshot(model, optimizer, scaler, scheduler, records, real_updates, step, 
 
 
 @torch.no_grad()
+def perturb_one_ulp(model: torch.nn.Module, seed: int) -> None:
+    """Move every floating parameter element by one ulp, up or down by a seeded coin (``seed``).
+
+    Why this perturbation for the FP32 noise replicate: one ulp is the smallest change FP32 can
+    represent, the size of the rounding differences any change of arithmetic (a reordered sum, another
+    kernel, another thread count) makes; the replicate then differs from the reference by nothing a
+    user could call a different model, and how far its trajectory drifts is FP32's own noise under this
+    recipe. Seeded and independent of the global RNG, so the replicate is reproducible bit for bit.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for _, p in sorted(model.named_parameters()):
+        if not p.is_floating_point():
+            continue
+        up = torch.rand(p.shape, generator=gen) < 0.5
+        direction = torch.where(up, torch.tensor(math.inf), torch.tensor(-math.inf)).to(p.dtype).to(p.device)
+        p.copy_(torch.nextafter(p, direction))
+
+
+# --- inference -------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def infer_chunks(
+    model: torch.nn.Module,
+    x: Inputs,
+    policy: Policy,
+    device: torch.device,
+    eval_mode: bool,
+    batch_size: int = 256,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Outputs of ``model`` on ``x`` under ``policy``, one dict of float32 CPU tensors per batch of rows
+    (exact for fp16/bf16 values)."""
+    precision.strict_fp32()
+    model.to(device)
+    model.train(not eval_mode)
+    with precision.fp32_regions(model, policy, device):
+        for _, _, part in iter_rows(x, batch_size):
+            with precision.autocast(policy, device):
+                out = named_outputs(call(model, to_device(part, device)))
+            yield {name: value.detach().float().cpu() for name, value in out.items()}
+
+
 def infer(
     model: torch.nn.Module,
-    x: torch.Tensor,
+    x: Inputs,
     policy: Policy,
     device: torch.device,
     eval_mode: bool,
     batch_size: int = 256,
 ) -> dict[str, torch.Tensor]:
-    """Outputs of ``model`` on ``x`` under ``policy``, as float32 CPU tensors (exact for fp16/bf16 values)."""
-    precision.strict_fp32()
-    model.to(device)
-    model.train(not eval_mode)
+    """All of ``infer_chunks`` concatenated (small sets)."""
     chunks: dict[str, list[torch.Tensor]] = {}
-    with precision.fp32_regions(model, policy, device):
-        for start in range(0, x.shape[0], batch_size):
-            with precision.autocast(policy, device):
-                out = named_outputs(model(x[start : start + batch_size].to(device)))
-            for name, value in out.items():
-                chunks.setdefault(name, []).append(value.detach().float().cpu())
+    for out in infer_chunks(model, x, policy, device, eval_mode, batch_size):
+        for name, value in out.items():
+            chunks.setdefault(name, []).append(value)
     return {name: torch.cat(parts) for name, parts in chunks.items()}
 
 
+def probe(model: torch.nn.Module, source: TrainSource, task_cfg: TaskConfig, device: torch.device) -> None:
+    """Run the model on two training samples before any training is spent on it: it must take the
+    inputs, give outputs that can be compared, and (``loss: model``) compute its own loss.
+
+    Raises:
+        UserError: the model fails on the inputs, or its outputs or loss do not fit the task.
+    """
+    x, y = source.batch(torch.arange(min(2, len(source))))
+    shapes = {k or "x": tuple(t.shape) for k, t in (x.items() if isinstance(x, dict) else {"": x}.items())}
+    entry = f"task.model {task_cfg.model}"
+    try:
+        out = infer(model, x, Policy(), device, eval_mode=True)
+        if task_cfg.loss == "model":
+            with torch.no_grad():
+                make_loss(task_cfg)(model, to_device(x, device), y.to(device))
+    except UserError:
+        raise
+    except (RuntimeError, TypeError, ValueError, KeyError, IndexError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(
+            f"{entry} fails on a batch of the prepared data {shapes} ({first}); make the model take the data "
+            f"function's inputs, then `dvc repro`"
+        ) from None
+    targets = source.y if isinstance(source, TensorSource) else y
+    check_outputs(out, task_cfg.kind, task.rows(x), targets, task_cfg.model)
+
+
+def fp64_chunks(model: torch.nn.Module, x: Inputs, eval_mode: bool, batch_size: int = 256) -> Iterator[dict[str, torch.Tensor]] | None:
+    """The FP64 arbiter's outputs on CPU, chunk by chunk (floating inputs in float64, ids as they are);
+    None when the model does not run in float64."""
+    try:
+        arbiter = copy.deepcopy(model).to("cpu").double()
+        arbiter.train(not eval_mode)
+        chunks = (
+            {k: v.double().contiguous() for k, v in named_outputs(call(arbiter, map_floating(part, torch.Tensor.double))).items()}
+            for _, _, part in iter_rows(x, batch_size)
+        )
+        with torch.no_grad():
+            first = next(chunks)
+    except (RuntimeError, TypeError, NotImplementedError, UserError):
+        return None
+
+    def rest() -> Iterator[dict[str, torch.Tensor]]:
+        yield first
+        with torch.no_grad():
+            yield from chunks
+
+    return rest()
+
+
 class Progress:
-    """Per-step lines with rate and ETA on a terminal; silent when output is not a terminal."""
+    """Per-update lines on a terminal (step, loss, loss scale, skipped updates, rate, ETA); silent when
+    stderr is not a terminal (DVC logs, CI)."""
 
     def __init__(self, label: str, total: int, start: int = 0) -> None:
         self.label, self.total, self.start = label, total, start
@@ -241,15 +522,21 @@ class Progress:
         self.enabled = sys.stderr.isatty()
         self.last = 0.0
 
-    def tick(self, done: int, loss: float) -> None:
+    def line(self, done: int, loss: float, scale: float, skipped: int, now: float) -> str:
+        rate = (done - self.start) / max(now - self.t0, 1e-9)
+        eta = (self.total - done) / rate if rate > 0 else float("inf")
+        return (
+            f"{self.label}: step {done}/{self.total} loss {loss:.4f} scale {scale:g} skipped {skipped} "
+            f"{rate:.1f} step/s ETA {eta:.0f}s"
+        )
+
+    def tick(self, done: int, loss: float, scale: float = 1.0, skipped: int = 0) -> None:
         if not self.enabled:
             return
         now = time.monotonic()
         if now - self.last < 0.5 and done < self.total:
             return
         self.last = now
-        rate = (done - self.start) / max(now - self.t0, 1e-9)
-        eta = (self.total - done) / rate if rate > 0 else float("inf")
         end = "\n" if done == self.total else ""
         # \x1b[K clears the rest of the line: a shorter line ("ETA 9s" after "ETA 10s") leaves no residue.
-        print(f"\r{self.label}: step {done}/{self.total} loss {loss:.4f} {rate:.1f} step/s ETA {eta:.0f}s\x1b[K", end=end, file=sys.stderr, flush=True)
+        print(f"\r{self.line(done, loss, scale, skipped, now)}\x1b[K", end=end, file=sys.stderr, flush=True)

@@ -19,9 +19,9 @@ Two modes:
 - with DVC (``dvc`` importable and on PATH): ``git init``, ``dvc init`` and ``dvc repro`` in the copy,
   publish included (MLflow at ``MLFLOW_TRACKING_URI``, else an sqlite file inside the copy);
 - without DVC (a bare PyTorch image whose python3 has only torch, pyyaml, safetensors and numpy; or
-  ``--no-dvc``): this script reads dvc.yaml itself, expands each ``matrix`` over params.yaml (so
-  ``trial@float16`` ...), orders the stages by their deps and outs, runs each stage's ``cmd`` with this
-  interpreter, and skips ``publish`` (MLflow is not there).
+  ``--no-dvc``): the stages run one by one as ``python -m pipeline STAGE [--dtype D]``, in the package's
+  own order (``pipeline.__main__.STAGES``, per-dtype stages once per ``trial.dtypes``), ``publish``
+  skipped (MLflow is not there). dvc.yaml is not read: what it would run is what the package runs.
 
 Without scikit-learn the default example (digits, which loads scikit-learn's bundled data) cannot run,
 so the ``default`` run uses the transformer example at CPU size instead, and figures.json says so.
@@ -35,12 +35,10 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
-import itertools
 import json
 import os
 import platform
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -53,6 +51,10 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the package's stage order, whatever the current folder
+
+from pipeline.__main__ import PER_DTYPE, STAGES  # noqa: E402  (imports only the params loader: no torch)
+
 PROJECT_FILES = ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore")
 TIME_LIMIT_S = 8 * 60
 # Packages a bare PyTorch image may lack whose stages only present results (plots, the MLflow mirror).
@@ -89,91 +91,22 @@ TINY = {
 @dataclass
 class Stage:
     name: str
-    cmd: str
-    deps: list[str] = field(default_factory=list)
-    outs: list[str] = field(default_factory=list)
+    args: list[str] = field(default_factory=list)
 
 
-# --- dvc.yaml without dvc ---------------------------------------------------------------------------------
-
-_REF = re.compile(r"\$\{\s*([^}]+?)\s*\}")
+NOT_DVC_STAGES = {"restore"}  # a command users run after a rollback, not a stage of dvc.yaml
 
 
-def lookup(context: dict, dotted: str) -> Any:
-    value: Any = context
-    for part in dotted.split("."):
-        if not isinstance(value, dict) or part not in value:
-            raise KeyError(f"dvc.yaml refers to ${{{dotted}}}, which params.yaml does not define")
-        value = value[part]
-    return value
-
-
-def interpolate(value: Any, context: dict) -> Any:
-    """Resolve ``${a.b}`` as DVC does: a whole-string reference keeps its type, embedded ones become text."""
-    if isinstance(value, str):
-        whole = _REF.fullmatch(value.strip())
-        if whole:
-            return lookup(context, whole.group(1))
-        return _REF.sub(lambda m: str(lookup(context, m.group(1))), value)
-    if isinstance(value, list):
-        return [interpolate(v, context) for v in value]
-    if isinstance(value, dict):
-        return {interpolate(k, context): interpolate(v, context) for k, v in value.items()}
-    return value
-
-
-def _paths(entries: list | None) -> list[str]:
-    """Paths of a deps/outs/metrics/plots list, whose entries are strings or ``{path: options}``."""
+def plan(params: dict) -> list[Stage]:
+    """The DVC stages in the package's order, per-dtype ones once per ``trial.dtypes`` (``trial@float16`` ...)."""
+    dtypes = params.get("trial", {}).get("dtypes", [])
     out = []
-    for entry in entries or []:
-        out.extend([entry] if isinstance(entry, str) else list(entry))
-    return out
-
-
-def plan(dvc_yaml: dict, params: dict) -> list[Stage]:
-    """Every stage of dvc.yaml, ``matrix`` expanded, in an order where each runs after what it depends on.
-
-    Raises:
-        ValueError: a ``foreach`` stage (not supported here) or a dependency cycle.
-    """
-    stages: list[Stage] = []
-    for name, spec in (dvc_yaml.get("stages") or {}).items():
-        if "foreach" in spec:
-            raise ValueError(f"dvc.yaml stage {name!r} uses foreach; this runner expands only matrix")
-        if "matrix" not in spec:
-            items: list[tuple[str, dict]] = [(name, {})]
+    for name in (s for s in STAGES if s not in NOT_DVC_STAGES):
+        if name in PER_DTYPE:
+            out += [Stage(f"{name}@{d}", [name, "--dtype", d]) for d in dtypes]
         else:
-            axes = {k: interpolate(v, params) for k, v in spec["matrix"].items()}
-            items = [
-                (f"{name}@{'-'.join(str(v) for v in combo)}", dict(zip(axes, combo)))
-                for combo in itertools.product(*axes.values())
-            ]
-        body = {k: v for k, v in spec.items() if k != "matrix"}
-        for stage_name, item in items:
-            resolved = interpolate(body, {**params, "item": item})
-            outs = _paths(resolved.get("outs")) + _paths(resolved.get("metrics")) + _paths(resolved.get("plots"))
-            stages.append(Stage(stage_name, resolved["cmd"], _paths(resolved.get("deps")), outs))
-    return _topological(stages)
-
-
-def _inside(path: str, folder: str) -> bool:
-    p, f = Path(path), Path(folder)
-    return p == f or f in p.parents or p in f.parents
-
-
-def _topological(stages: list[Stage]) -> list[Stage]:
-    after = {
-        s.name: {o.name for o in stages if o is not s and any(_inside(d, out) for d in s.deps for out in o.outs)} for s in stages
-    }
-    ordered: list[Stage] = []
-    done: set[str] = set()
-    while len(ordered) < len(stages):
-        ready = [s for s in stages if s.name not in done and after[s.name] <= done]
-        if not ready:
-            raise ValueError(f"dvc.yaml has a dependency cycle among {sorted(set(after) - done)}")
-        ordered.append(ready[0])  # dvc.yaml order among the ready ones
-        done.add(ready[0].name)
-    return ordered
+            out.append(Stage(name, [name]))
+    return out
 
 
 # --- running a project copy ----------------------------------------------------------------------------
@@ -205,35 +138,20 @@ def _env(repo: Path) -> dict[str, str]:
     return env
 
 
-def _command(cmd: str) -> list[str]:
-    """A stage's cmd, its ``python``/``python3`` replaced by this interpreter (a bare image may lack ``python``)."""
-    args = shlex.split(cmd)
-    if args and args[0] in ("python", "python3"):
-        args[0] = sys.executable
-    return args
-
-
 def run_stages(repo: Path) -> list[dict]:
-    """Run dvc.yaml's stages in dependency order without dvc, publish skipped; stop at the first failure.
+    """Run the stages one by one without dvc, publish skipped; stop at the first failure.
 
-    A stage that stops because an optional package is missing (OPTIONAL: plots, MLflow) is recorded as
-    skipped, and so is every stage that depends on what it would have written; any other failure stops
-    the run.
+    A stage that stops because an optional package is missing (OPTIONAL: plots, the MLflow mirror) is
+    recorded as skipped (nothing but publish, skipped anyway, reads what it writes); any other failure
+    stops the run.
     """
-    params = yaml.safe_load((repo / "params.yaml").read_text())
     records = []
-    missing_outs: list[str] = []
-    for stage in plan(yaml.safe_load((repo / "dvc.yaml").read_text()), params):
+    for stage in plan(yaml.safe_load((repo / "params.yaml").read_text())):
         if stage.name == "publish":
             records.append({"stage": stage.name, "status": "skipped: MLflow mirror, not run without dvc", "seconds": 0.0})
-            missing_outs += stage.outs
-            continue
-        if any(_inside(d, o) for d in stage.deps for o in missing_outs):
-            records.append({"stage": stage.name, "status": "skipped: depends on a skipped stage", "seconds": 0.0})
-            missing_outs += stage.outs
             continue
         t0 = time.monotonic()
-        proc = subprocess.run(_command(stage.cmd), cwd=repo, env=_env(repo), capture_output=True, text=True, check=False)
+        proc = subprocess.run([sys.executable, "-m", "pipeline", *stage.args], cwd=repo, env=_env(repo), capture_output=True, text=True, check=False)
         record = {
             "stage": stage.name,
             "seconds": round(time.monotonic() - t0, 2),
@@ -242,7 +160,6 @@ def run_stages(repo: Path) -> list[dict]:
         absent = _MISSING.search(proc.stderr or "")
         if proc.returncode != 0 and absent and absent.group(1).split(".")[0] in OPTIONAL:
             record["status"] = f"skipped: needs {absent.group(1).split('.')[0]}, not installed"
-            missing_outs += stage.outs
         elif proc.returncode != 0:
             record["stderr"] = proc.stderr[-3000:]
         print(f"  {stage.name}: {record['status']} in {record['seconds']:.1f}s", flush=True)
@@ -307,7 +224,7 @@ def collect(repo: Path, dtypes: list[str]) -> dict:
         decision = read(repo / f"data/decision/{d}/decision.json")
         if decision:
             out["decisions"][d] = {"decision": decision["decision"], "reasons": decision["reasons"]}
-        out["compare"][d] = read(repo / f"data/metrics/compare-{d}.json")
+        out["compare"][d] = read(repo / f"data/metrics/{d}.json")  # decide's short metrics: flips, gaps, quality
         bench = read(repo / f"data/benchmark/{d}/benchmark.json")
         if bench:
             out["benchmark"][d] = bench

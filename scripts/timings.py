@@ -1,10 +1,15 @@
-"""Print wall times of the main job on this machine: `make run` from a fresh clone, a full
-`dvc repro --force`, and a no-op `dvc repro`.
+"""Wall times of the main job on this machine, as ratios to `python -c "import torch"` measured in the same run
+(so that a fast and a slow machine can be held to the same goals, issue 13):
 
-    python scripts/timings.py [--venv PATH]
+- a full `dvc repro --force`, with each stage's share (goal: at most 15 import-torch);
+- a no-op `dvc repro` (goal: at most 2 s);
+- `make run` in a fresh copy of the working tree (install skipped with --venv).
 
---venv reuses an existing virtual environment (skips the install, which depends on the network);
-without it the fresh clone installs its own, as a newcomer's machine would.
+    python scripts/timings.py [--venv PATH] [--threads N]
+
+The copy holds the working tree as it is (tracked and untracked files, not ignored ones), committed in a
+new git repository, so uncommitted edits are measured too. Without --venv the copy installs its own
+virtual environment, as a newcomer's machine would (that depends on the network).
 """
 
 from __future__ import annotations
@@ -12,12 +17,18 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
+import shutil
+import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FULL_REPRO_GOAL = 15.0  # import-torch units
+NOOP_GOAL_S = 2.0
 
 
 def timed(cmd: list[str], cwd: Path, env: dict[str, str]) -> float:
@@ -26,24 +37,75 @@ def timed(cmd: list[str], cwd: Path, env: dict[str, str]) -> float:
     return time.monotonic() - t0
 
 
+def staged(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, dict[str, float]]:
+    """Run a `dvc repro` and time each stage from its "Running stage" line to the next one."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    stages: dict[str, float] = {}
+    current, since = None, t0
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        found = re.match(r"Running stage '([^']+)'", line)
+        if found:
+            now = time.monotonic()
+            if current is not None:
+                stages[current] = now - since
+            current, since = found.group(1), now
+    if proc.wait() != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed in {cwd}")
+    total = time.monotonic() - t0
+    if current is not None:
+        stages[current] = t0 + total - since
+    return total, stages
+
+
+def copy_worktree(dest: Path) -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, check=True, capture_output=True
+    ).stdout.split(b"\0")
+    for name in filter(None, (f.decode() for f in files)):
+        source = ROOT / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+
+
+def import_torch(python: str, env: dict[str, str], repeats: int = 3) -> float:
+    return statistics.median(timed([python, "-c", "import torch"], ROOT, env) for _ in range(repeats))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--venv", type=Path, help="reuse this virtual environment instead of installing one")
+    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every process (default: as set)")
     args = parser.parse_args()
+    base_env = dict(os.environ)
+    if args.threads:
+        base_env["OMP_NUM_THREADS"] = str(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         clone = Path(tmp) / "clone"
-        subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
-        env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{clone / 'mlflow.db'}")
+        copy_worktree(clone)
+        env = dict(base_env, MLFLOW_TRACKING_URI=f"sqlite:///{clone / 'mlflow.db'}")
         make = ["make", "run"] + ([f"VENV={args.venv.resolve()}"] if args.venv else [])
         first = timed(make, clone, env)
         venv_bin = (args.venv.resolve() if args.venv else clone / ".venv") / "bin"
         env["PATH"] = f"{venv_bin}{os.pathsep}{env['PATH']}"
-        force = timed([str(venv_bin / "dvc"), "repro", "--force"], clone, env)
+        torch_s = import_torch(str(venv_bin / "python"), env)
+        mlflow_s = timed([str(venv_bin / "python"), "-c", "import mlflow"], ROOT, env)
+        force, stages = staged([str(venv_bin / "dvc"), "repro", "--force"], clone, env)
         noop = timed([str(venv_bin / "dvc"), "repro"], clone, env)
-    print(f"machine: {platform.machine()} {os.cpu_count()} cores, {platform.python_implementation()} {platform.python_version()}")
-    print(f"make run, fresh clone{' (venv reused)' if args.venv else ''}: {first:.1f} s")
-    print(f"dvc repro --force (every stage): {force:.1f} s")
-    print(f"dvc repro with nothing to do:    {noop:.1f} s")
+    print(f"machine: {platform.machine()} {os.cpu_count()} cores, {platform.python_implementation()} {platform.python_version()}, "
+          f"OMP_NUM_THREADS={base_env.get('OMP_NUM_THREADS', 'unset')}")
+    print(f"import torch: {torch_s:.2f} s (median of 3; the unit below); import mlflow: {mlflow_s:.2f} s")
+    print(f"make run, fresh copy{' (venv reused)' if args.venv else ''}: {first:.1f} s")
+    ratio = force / torch_s
+    print(f"dvc repro --force (every stage): {force:.1f} s = {ratio:.1f} x import torch "
+          f"(goal <= {FULL_REPRO_GOAL:g}: {'ok' if ratio <= FULL_REPRO_GOAL else 'MISSED'})")
+    print(f"dvc repro with nothing to do:    {noop:.2f} s (goal <= {NOOP_GOAL_S:g} s: {'ok' if noop <= NOOP_GOAL_S else 'MISSED'})")
+    print("per stage (from dvc's 'Running stage' lines, dvc's own hashing included):")
+    for name, seconds in stages.items():
+        print(f"  {name:<22} {seconds:6.1f} s  {seconds / torch_s:5.1f} x import torch")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -100,6 +100,38 @@ def stage(repo: Path, *args: str, check: bool = False) -> subprocess.CompletedPr
     return run([sys.executable, "-m", "pipeline", *args], repo, check=check)
 
 
+# --- test lanes ----------------------------------------------------------------------------------------------
+# `make test-fast` runs `-m "not integration and not gpu"`. A test is integration when it, or any fixture it
+# uses (transitively), copies the project (make_project: then it runs dvc or a stage) or starts a server
+# (Popen): marked here from the code itself, so a new test cannot slip into the fast lane by forgetting a mark.
+_INTEGRATION_CALLS = {"make_project", "Popen"}
+
+
+def _runs_the_real_thing(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    funcs = [getattr(item, "function", None)] + [d.func for ds in defs for d in ds]
+    return any(_INTEGRATION_CALLS & set(f.__code__.co_names) for f in funcs if hasattr(f, "__code__"))
+
+
+def _gpu_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: the marks added here count
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if not item.get_closest_marker("integration") and _runs_the_real_thing(item):
+            item.add_marker(pytest.mark.integration)
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu and not _gpu_visible():
+        skip = pytest.mark.skip(reason="needs a CUDA or ROCm GPU: torch.cuda.is_available() is False here")
+        for item in gpu:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def reproduced(tmp_path_factory) -> Path:
     """One tiny project after a full `dvc repro` (read-only for tests: copy it before changing anything)."""

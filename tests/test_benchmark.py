@@ -3,6 +3,7 @@ own processes, the benchmark stage on a tiny project, and scripts/gpu_check.py w
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import subprocess
@@ -14,8 +15,11 @@ import torch
 import yaml
 from conftest import ROOT, env_for, make_project, run
 
-from pipeline import benchmark, devices
+from pipeline import benchmark, checkpoint, devices, precision
+from pipeline.config import BenchConfig, Params
+from pipeline.precision import Policy
 from pipeline.benchmark import quantile, ratio_spread, spread
+from pipeline.config import load_params
 from pipeline.errors import UserError
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -74,13 +78,65 @@ def test_tf32_baseline_only_where_the_gpu_has_tf32() -> None:
     assert chosen[-1].policy.dtype == "float16" and chosen[-1].policy.fp32_modules == ("head",)
 
 
-def test_matmul_precision_sets_and_restores_the_tf32_flags() -> None:
-    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    with benchmark.matmul_precision(True):
-        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-        with benchmark.matmul_precision(False):
-            assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
-    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+def test_variants_switch_tf32_through_the_one_switch() -> None:
+    """benchmark.py has no TF32 flag of its own: precision.tf32 sets it for each variant's steps."""
+    assert not hasattr(benchmark, "matmul_precision")
+    seen: list[tuple] = []
+    steps = {name: (lambda: seen.append(precision.tf32_state()), tf32) for name, tf32 in (("fp32", False), ("tf32", True))}
+    before = precision.tf32_state()
+    benchmark.interleaved(steps, warmup=0, repeats=1, steps=1, device=torch.device("cpu"))
+    assert precision.tf32_state() == before
+    off, on = seen
+    assert len(set(off)) == 1 and len(set(on)) == 1 and off != on
+
+
+def test_sizes_by_device_unless_params_set_them() -> None:
+    cpu, gpu = benchmark.sizes(BenchConfig(), torch.device("cpu")), benchmark.sizes(BenchConfig(), torch.device("cuda"))
+    assert (cpu.warmup, cpu.repeats, cpu.steps) == benchmark.SIZES["cpu"] and "CPU" in cpu.note
+    assert (gpu.warmup, gpu.repeats, gpu.steps) == benchmark.SIZES["gpu"] and "GPU" in gpu.note
+    assert gpu.repeats * gpu.steps > cpu.repeats * cpu.steps
+    set_ = benchmark.sizes(BenchConfig(warmup=0, repeats=2, steps=3), torch.device("cuda"))
+    assert (set_.warmup, set_.repeats, set_.steps, set_.note) == (0, 2, 3, "set in params (bench)")
+
+
+def _overflowing(scale: float) -> tuple[benchmark.TrainingStep, benchmark.TrainingStep]:
+    """FP32 and float16 steps of one tiny model; the float16 scaler starts at ``scale``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    state = {"scale": scale, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "_growth_tracker": 0}
+    cpu = torch.device("cpu")
+    fp32 = benchmark.make_step(benchmark.Workload(copy.deepcopy(model), [(x, y)], Params(), cpu, {}), Policy())
+    amp = benchmark.make_step(benchmark.Workload(copy.deepcopy(model), [(x, y)], Params(), cpu, state), Policy(dtype="float16"))
+    return fp32, amp
+
+
+def test_rounds_with_a_skipped_update_are_dropped_and_reported() -> None:
+    """A forced overflow on the CPU: the scaler starts at 2**22, skips 3 updates, then settles."""
+    fp32, amp = _overflowing(2.0**22)
+    assert amp.scaler.get_scale() == 2.0**22, "the scaler starts from the given state, not a fresh 65536"
+    rounds = benchmark.interleaved({"fp32": (fp32, False), "amp": (amp, False)}, warmup=0, repeats=6, steps=2, device=torch.device("cpu"))
+    assert rounds.skipped == {"fp32": [0] * 6, "amp": [2, 1, 0, 0, 0, 0]}
+    assert rounds.dropped() == [0, 1]
+    kept = rounds.kept_times()
+    assert kept["fp32"] == rounds.times["fp32"][2:] and kept["amp"] == rounds.times["amp"][2:]
+    assert amp.updates == 12 - 3 and fp32.updates == 12
+    # In the record: the ratio comes from kept rounds only, the dropped ones are listed.
+    memory = {n: {"peak": [1.0] * 6, "baseline": [0.5] * 6, "skipped": s, "method": "m"} for n, s in rounds.skipped.items()}
+    summary = benchmark.memory_summary(memory)
+    assert summary["memory_rounds_dropped"] == {"amp": [0, 1]} and summary["memory_ratio"]["n"] == 4
+
+
+def test_every_round_skipped_gives_no_speedup_and_says_why() -> None:
+    fp32, amp = _overflowing(2.0**60)
+    rounds = benchmark.interleaved({"fp32": (fp32, False), "amp": (amp, False)}, warmup=0, repeats=3, steps=2, device=torch.device("cpu"))
+    assert rounds.dropped() == [0, 1, 2]
+    size = benchmark.Sizes(0, 3, 2, "test")
+    memory = {n: {"peak": [2.0] * 3, "baseline": [1.0] * 3, "skipped": [0] * 3, "method": "m"} for n in ("fp32", "amp")}
+    result = benchmark.record("float16", CPU, amp.work, size, "n/a", memory, rounds, None)
+    assert result["speedup"] is None and "raise bench.warmup" in result["no_speedup_because"]
+    assert benchmark.short_metrics(result) == {"speedup_median": None, "memory_ratio": 1.0}
+    assert "raise bench.warmup" in benchmark.summary_line(result)
 
 
 def test_dtype_problems_say_what_to_use_instead() -> None:
@@ -109,10 +165,11 @@ def test_cpu_runs_both_dtypes_and_records_name_and_capability() -> None:
 def test_rounds_are_interleaved_with_rotating_order() -> None:
     order: list[str] = []
     steps = {name: (lambda name=name: order.append(name), False) for name in ("fp32", "amp")}
-    times = benchmark.interleaved(steps, warmup=1, repeats=3, steps=2, device=torch.device("cpu"))
+    rounds = benchmark.interleaved(steps, warmup=1, repeats=3, steps=2, device=torch.device("cpu"))
     assert order == ["fp32", "amp"] + ["fp32"] * 2 + ["amp"] * 2 + ["amp"] * 2 + ["fp32"] * 2 + ["fp32"] * 2 + ["amp"] * 2
-    assert {k: len(v) for k, v in times.items()} == {"fp32": 3, "amp": 3}
-    assert all(t > 0 for v in times.values() for t in v)
+    assert {k: len(v) for k, v in rounds.times.items()} == {"fp32": 3, "amp": 3}
+    assert all(t > 0 for v in rounds.times.values() for t in v)
+    assert rounds.dropped() == [], "plain functions count no updates: nothing is dropped"
 
 
 # --- on a tiny project --------------------------------------------------------------------------------------
@@ -143,8 +200,8 @@ def stage(repo: Path, *args: str):
 def frozen(tmp_path_factory) -> Path:
     """A tiny project after prepare and freeze: what the benchmark reads besides the decision."""
     repo = make_project(tmp_path_factory.mktemp("bench") / "repo", TINY_TRANSFORMER)
-    for name in ("prepare", "freeze"):
-        proc = stage(repo, name)
+    for args in (["prepare"], ["freeze"], ["trial", "--dtype", "float16"]):
+        proc = stage(repo, *args)
         assert proc.returncode == 0, proc.stderr
     return repo
 
@@ -152,7 +209,8 @@ def frozen(tmp_path_factory) -> Path:
 def decide(repo: Path, dtype: str, decision: str) -> None:
     folder = repo / "data" / "decision" / dtype
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "decision.json").write_text(json.dumps({"decision": decision, "reasons": []}))
+    fields = {"dtype": dtype, "decision": decision, "reasons": [], "checks": [], "rule": {}, "rule_sha256": "", "policy": {}, "env": {}}
+    (folder / "decision.json").write_text(json.dumps(fields))
 
 
 def test_peak_memory_in_its_own_process_is_positive(frozen: Path) -> None:
@@ -165,11 +223,25 @@ def test_peak_memory_in_its_own_process_is_positive(frozen: Path) -> None:
     assert "VmHWM" in memory["method"]
 
 
+def test_workload_starts_from_the_trials_final_scaler_state(frozen: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(frozen)
+    params = load_params("params.yaml")
+    trial_ckpt = checkpoint.load(frozen / "data/trial/float16/checkpoint.safetensors")
+    work = benchmark.load_workload(params, torch.device("cpu"), "float16")
+    assert work.scaler_state == trial_ckpt.meta["grad_scaler"] and work.scaler_state["scale"] > 0
+    step = benchmark.make_step(work, Policy(dtype="float16"))
+    assert step.scaler.get_scale() == trial_ckpt.meta["grad_scaler"]["scale"]
+    assert benchmark.load_workload(params, torch.device("cpu")).scaler_state == {}
+
+
 def test_benchmark_stage_measures_an_accepted_variant(frozen: Path) -> None:
     decide(frozen, "float16", "accept")
     proc = stage(frozen, "benchmark", "--dtype", "float16")
     assert proc.returncode == 0, proc.stderr
     result = json.loads((frozen / "data/benchmark/float16/benchmark.json").read_text())
+    metrics = json.loads((frozen / "data/benchmark/float16/metrics.json").read_text())
+    assert metrics == {"speedup_median": result["speedup"]["median"], "memory_ratio": result["memory_ratio"]["median"]}
+    assert result["workload"]["initial_grad_scaler"]["scale"] > 0
     params = yaml.safe_load((frozen / "params.yaml").read_text())
     assert result["benchmarked"] and result["env"]["backend"] == "cpu" and result["env"]["capability"]
     assert set(result["seconds_per_step"]) == {"fp32", "amp"}, "no TF32 baseline on a CPU"
@@ -182,7 +254,7 @@ def test_benchmark_stage_measures_an_accepted_variant(frozen: Path) -> None:
     assert result["memory_ratio"]["median"] > 0
     assert result["workload"]["batch_size"] == params["reference"]["batch_size"]
     assert result["method"]["clock"].startswith("time.perf_counter")
-    assert "speedup x" in proc.stdout
+    assert "speedup x" in proc.stdout and "CPU: a short run" in proc.stdout
 
 
 def test_benchmark_stage_skips_a_rolled_back_variant(frozen: Path) -> None:
@@ -195,6 +267,7 @@ def test_benchmark_stage_skips_a_rolled_back_variant(frozen: Path) -> None:
         "dtype": "bfloat16",
         "reason": "bfloat16 was rolled back; only accepted variants are benchmarked",
     }
+    assert json.loads((frozen / "data/benchmark/bfloat16/metrics.json").read_text()) == {}
 
 
 @pytest.mark.gpu
@@ -214,19 +287,14 @@ def test_gpu_benchmark_uses_events_and_reports_tf32_where_it_exists(frozen: Path
 # --- scripts/gpu_check.py -----------------------------------------------------------------------------------
 
 
-def test_dvc_yaml_plan_without_dvc() -> None:
-    params = {**yaml.safe_load((ROOT / "params.yaml").read_text()), "trial": {"dtypes": ["float16", "bfloat16"]}}
-    plan = gpu_check.plan(yaml.safe_load((ROOT / "dvc.yaml").read_text()), params)
+def test_stage_plan_without_dvc() -> None:
+    """gpu_check's bare-image order: the package's STAGES, per-dtype ones once per dtype, no restore."""
+    plan = gpu_check.plan({"trial": {"dtypes": ["float16", "bfloat16"]}})
     names = [s.name for s in plan]
-    assert names[:2] == ["prepare", "freeze"] and names[-1] == "publish"
+    assert names[:2] == ["prepare", "freeze"] and names[-1] == "publish" and "restore@float16" not in names
     for dtype in ("float16", "bfloat16"):
         chain = [f"trial@{dtype}", f"compare@{dtype}", f"decide@{dtype}", f"benchmark@{dtype}"]
         assert [names.index(n) for n in chain] == sorted(names.index(n) for n in chain)
-    bench = plan[names.index("benchmark@bfloat16")]
-    assert bench.cmd == "python -m pipeline benchmark --dtype bfloat16"
-    assert "data/decision/bfloat16" in bench.deps
-    assert gpu_check.interpolate("${a.b}", {"a": {"b": [1, 2]}}) == [1, 2]
-    assert gpu_check.interpolate("x ${a.b} y", {"a": {"b": 3}}) == "x 3 y"
 
 
 def test_gpu_check_runs_the_stages_without_dvc_and_writes_figures(tmp_path: Path) -> None:

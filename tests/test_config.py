@@ -38,7 +38,7 @@ def test_empty_file_gives_defaults(tmp_path):
         ("reference: {train_steps: 1.5}", ["reference.train_steps", "integer"]),
         ("reference: {eval_mode: 'yes'}", ["reference.eval_mode", "true or false"]),
         ("bench: {repeats: 0}", ["bench.repeats", "greater than 0"]),
-        ("reference: {lr_schedule: {kind: cosine}}", ["reference.lr_schedule.kind", "'none', 'step'"]),
+        ("reference: {lr_schedule: {kind: exponential}}", ["reference.lr_schedule.kind", "'none', 'step', 'cosine', 'linear'"]),
         ("acceptance: {loss_atol: .nan}", ["acceptance.loss_atol", "finite"]),
         ("device: tpu", ["device", "'auto', 'cpu', 'cuda'"]),
         ("task: [1, 2]", ["task must be a mapping"]),

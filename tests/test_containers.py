@@ -11,8 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import BIN, ROOT
+
+from pipeline import devices
 
 DOCKERFILES = ("Dockerfile.cuda", "Dockerfile.rocm")
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -57,7 +60,7 @@ def test_image_keeps_its_torch_and_installs_the_lock(dockerfile: str) -> None:
         assert base[0].startswith("pytorch/pytorch:") and base[0].endswith("-runtime"), base[0]
     else:
         assert base[0].startswith("rocm/pytorch:"), base[0]
-    assert ("COPY", "requirements.lock /tmp/requirements.lock") in steps
+    assert ("COPY", "requirements.lock requirements-dev.lock /tmp/") in steps
     runs = " ".join(args for word, args in steps if word == "RUN")
     installs = re.findall(r"pip install ([^&;]*)", runs)
     assert installs, f"{dockerfile}: no pip install"
@@ -72,19 +75,63 @@ def test_image_keeps_its_torch_and_installs_the_lock(dockerfile: str) -> None:
     assert steps[-1] == ("CMD", '["dvc", "repro"]')
 
 
+def image_python(dockerfile: str) -> str:
+    """The Python the Dockerfile declares for its base image (``ARG PYTHON=3.12``), checked by its build."""
+    args = [a for word, a in instructions(dockerfile) if word == "ARG" and a.startswith("PYTHON=")]
+    assert len(args) == 1, f"{dockerfile}: declare the base image's Python once (ARG PYTHON=3.x)"
+    return args[0].split("=", 1)[1]
+
+
 def test_both_images_install_the_same_way() -> None:
-    """Only the base image and its comments differ: the same lock, installed the same way."""
-    cuda, rocm = (instructions(f)[1:] for f in DOCKERFILES)
+    """Only the base image, its Python and the comments differ: the same locks, installed the same way."""
+    cuda, rocm = ([s for s in instructions(f)[1:] if not s[1].startswith("PYTHON=")] for f in DOCKERFILES)
     assert cuda == rocm
 
 
-def test_lock_has_no_torch_and_dockerignore_sends_only_the_lock() -> None:
-    names = [
-        re.split(r"[=<>\[ ]", line)[0].lower() for line in (ROOT / "requirements.lock").read_text().splitlines() if line.strip()
-    ]
-    assert "torch" not in names and not any(n.startswith("nvidia-") for n in names)
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_image_build_checks_its_python_and_lets_the_user_reach_gpu_nodes(dockerfile: str) -> None:
+    steps = instructions(dockerfile)
+    version = image_python(dockerfile)
+    assert tuple(map(int, version.split("."))) >= (3, 11), f"{dockerfile}: the locks need Python 3.11 or newer"
+    base = next(a for w, a in steps if w == "FROM")
+    if "_py3." in base:  # the ROCm tag says its Python: the declaration must agree
+        assert f"_py{version}_" in base
+    runs = [a for w, a in steps if w == "RUN"]
+    assert "sys.version_info[:2]" in runs[0] and "${PYTHON}" in runs[0], "the first RUN stops on another Python"
+    assert any("usermod -aG" in r and "render" in r and "video" in r for r in runs), "the user joins video and render"
+    assert [w for w, _ in steps].index("USER") > max(i for i, (w, a) in enumerate(steps) if "usermod" in a)
+
+
+def test_lock_has_no_torch_and_dockerignore_sends_only_the_locks() -> None:
+    for lock in ("requirements.lock", "requirements-dev.lock"):
+        names = [re.split(r"[=<>\[ ]", line)[0].lower() for line in (ROOT / lock).read_text().splitlines() if line.strip()]
+        assert "torch" not in names and not any(n.startswith("nvidia-") for n in names), lock
     lines = [l for l in (ROOT / ".dockerignore").read_text().splitlines() if l and not l.startswith("#")]
-    assert lines == ["*", "!requirements.lock"]
+    assert lines == ["*", "!requirements.lock", "!requirements-dev.lock"]
+
+
+@pytest.mark.integration  # asks the package index (PyPI), ~20 s per Python
+@pytest.mark.parametrize("python", ["3.10", *sorted({image_python(f) for f in DOCKERFILES})])
+def test_locks_install_on_each_images_python(python: str, tmp_path: Path) -> None:
+    """Issue 12.11: every pinned package has a distribution for the image's Python (3.10 must fail: the control).
+
+    ``--no-deps`` (the locks are complete) lets pip take ``--python-version`` without ``--only-binary=:all:``,
+    which the lock cannot pass: antlr4-python3-runtime 4.9.3 (hydra-core, via dvc) is published as an sdist
+    only. ``--ignore-installed`` matters: without it pip accepts what THIS venv has installed, for any version.
+    """
+    cmd = [
+        sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet",
+        "--python-version", python, "--report", str(tmp_path / "report.json"),
+        "-r", str(ROOT / "requirements.lock"), "-r", str(ROOT / "requirements-dev.lock"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    if python == "3.10":
+        assert proc.returncode != 0 and "Requires-Python >=3.11" in proc.stderr, proc.stderr[-2000:]
+        return
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    pinned = [l for lock in ("requirements.lock", "requirements-dev.lock") for l in (ROOT / lock).read_text().splitlines() if l.strip() and not l.startswith("#")]
+    assert len(report["install"]) == len(pinned)
 
 
 def test_gpu_workflow_shape() -> None:
@@ -99,16 +146,31 @@ def test_gpu_workflow_shape() -> None:
         "dvc repro",
         "secrets.MLFLOW_TRACKING_URI",
         "actions/upload-artifact",
-        "compare_decisions.py --base-ref origin/main",
+        "compare_decisions.py --base-ref origin/main --expect-backend \\\"${{ matrix.backend }}\\\"",
+        "getent group render | cut -d: -f3",  # ROCm: the host's render gid
+        "python3 -m pytest -m gpu",  # the gpu-marked tests, inside the image
+        "device: cuda",  # never the CPU fallback
+        "python3 -m pipeline.devices cuda",  # fails in one line when no GPU is visible
     ):
         assert needle in text, needle
+    names = [step.get("name", "") for step in job["steps"]]
+    order = [next(i for i, n in enumerate(names) if key in n) for key in ("render gid", "Ask for the GPU", "gpu-marked", "dvc repro")]
+    assert order == sorted(order), "flags, then the GPU check, the gpu tests and the pipeline"
+    every_run = [step["run"] for step in job["steps"] if "docker run" in step.get("run", "") and "compare_decisions" not in step["run"]]
+    assert every_run and all("$GPU_ARGS" in r for r in every_run), "every GPU container gets the GPU flags"
+
+
+def test_readme_rocm_commands_add_the_render_gid() -> None:
+    readme = (ROOT / "README.md").read_text()
+    rocm_runs = [l for l in readme.splitlines() if "docker run" in l and "amp-validation:rocm" in l]
+    assert rocm_runs and all("--group-add video" in l and '$(getent group render | cut -d: -f3)' in l for l in rocm_runs)
     ci = yaml.safe_load((ROOT / ".github/workflows/ci.yml").read_text())
     assert ci["jobs"]["test"]["runs-on"] == "ubuntu-latest"
     assert "bash .ci/run" in json.dumps(ci["jobs"]["test"]["steps"])
 
 
 def test_rolled_back_variant_that_main_accepts_fails() -> None:
-    base = {"float16": {"accepted": 1}, "bfloat16": {"accepted": 0}}
+    base = {"float16": {"decision": 1}, "bfloat16": {"accepted": 0}}  # decide's metrics, or the older format
     assert compare_decisions.regressions(base, {"float16": {"accepted": 1}, "bfloat16": {"accepted": 0}}) == ([], [])
     problems, _ = compare_decisions.regressions(base, {"float16": {"accepted": 0}, "bfloat16": {"accepted": 1}})
     assert problems == ["float16: accepted on the base branch, rolled back in this run"]
@@ -123,11 +185,56 @@ def test_compare_decisions_against_a_git_ref(tmp_path: Path) -> None:
     metrics.mkdir(parents=True)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
     subprocess.run(["git", "init", "-q", "-b", "main"], cwd=tmp_path, check=True)
-    (metrics / "decision-float16.json").write_text('{"accepted": 1, "reasons": 0}')
+    (metrics / "decision-float16.json").write_text('{"accepted": 1, "reasons": 0}')  # an older commit's format
+    (metrics / "compare-float16.json").write_text('{"flips": 0}')  # not a decision: ignored
     subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True)
     subprocess.run([*git, "commit", "-qm", "decisions"], cwd=tmp_path, check=True)
+    (metrics / "decision-float16.json").unlink()
     script = [sys.executable, str(ROOT / "scripts" / "compare_decisions.py"), "--base-ref", "main"]
+    (metrics / "float16.json").write_text('{"decision": 1, "reasons": 0}')
     assert subprocess.run(script, cwd=tmp_path, capture_output=True, check=False).returncode == 0
-    (metrics / "decision-float16.json").write_text('{"accepted": 0, "reasons": 2}')
+    (metrics / "float16.json").write_text('{"decision": 0, "reasons": 2}')
     proc = subprocess.run(script, cwd=tmp_path, capture_output=True, text=True, check=False)
     assert proc.returncode == 1 and "float16: accepted on the base branch, rolled back" in proc.stderr
+
+
+def test_compare_decisions_fails_when_another_backend_ran(tmp_path: Path) -> None:
+    """Issue 12.2: a GPU leg whose runs went to the CPU fails, naming each record; a missing trial fails too."""
+    data = tmp_path / "data"
+
+    def record(path: str, backend: str, **extra) -> None:
+        (data / path).parent.mkdir(parents=True, exist_ok=True)
+        (data / path).write_text(json.dumps({"env": {"backend": backend}, **extra}))
+
+    assert any("missing" in p for p in compare_decisions.backend_problems(data, "cuda"))
+    record("reference/manifest.json", "cuda")
+    record("trial/float16/manifest.json", "cuda")
+    record("trial/bfloat16/manifest.json", "cuda")
+    record("benchmark/float16/benchmark.json", "cuda", benchmarked=True)
+    (data / "benchmark/bfloat16").mkdir(parents=True)
+    (data / "benchmark/bfloat16/benchmark.json").write_text('{"benchmarked": false}')
+    assert compare_decisions.backend_problems(data, "cuda") == []
+    record("trial/bfloat16/manifest.json", "cpu")
+    assert compare_decisions.backend_problems(data, "cuda") == [f"{data}/trial/bfloat16/manifest.json: ran on cpu, not cuda"]
+    assert len(compare_decisions.backend_problems(data, "rocm")) == 4
+
+
+def test_device_cuda_without_a_gpu_fails_in_one_line() -> None:
+    """What the GPU job's first check runs: no GPU visible means exit 2 and one line, never the CPU."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the gpu-marked tests cover this machine")
+    proc = subprocess.run([sys.executable, "-m", "pipeline.devices", "cuda"], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "device: cuda was asked for but no CUDA or ROCm GPU is visible" in proc.stderr
+
+
+def test_rocm_device_node_out_of_reach_is_named_with_its_gid(tmp_path: Path) -> None:
+    kfd = tmp_path / "kfd"
+    kfd.write_text("")
+    kfd.chmod(0o660)
+    gid = kfd.stat().st_gid
+    problem = devices.device_node_problem("7.2", kfd, uid=1000, groups=[gid + 1])
+    assert problem and f"--group-add {gid}" in problem and "getent group render" in problem and "\n" not in problem
+    assert devices.device_node_problem("7.2", kfd, uid=1000, groups=[gid]) is None
+    assert devices.device_node_problem(None, kfd, uid=1000, groups=[]) is None, "CUDA builds: not a ROCm matter"
+    assert devices.device_node_problem("7.2", tmp_path / "absent", uid=1000, groups=[]) is None

@@ -14,8 +14,9 @@ import torch
 import yaml
 from conftest import ROOT, TINY, dvc, make_project, merge, stage
 
-from pipeline import diagnostics, precision_map, training
+from pipeline import precision, training, verdict
 from pipeline.config import load_params
+from pipeline.diagnosis import precision_map, replay, wording
 from pipeline.errors import UserError
 from pipeline.examples import stress
 from pipeline.precision import Policy
@@ -91,7 +92,7 @@ def test_underflow_example_gradients_vanish_without_scaling_and_survive_with_it(
     assert bf16["total"]["vanished_unscaled"] == 0  # BF16 has FP32's exponent range
 
     pmap = precision_map.precision_map(model, x, y, loss, Policy(dtype="float16"), CPU)
-    findings, notes = diagnostics.probe_findings(pmap, fp16, Policy(dtype="float16"), CPU)
+    findings, notes = wording.probe_findings(pmap, fp16, Policy(dtype="float16"), CPU)
     assert findings == []
     assert any("without loss scaling" in n and "body.weight 100%" in n and "GradScaler's scale 65536" in n for n in notes), notes
 
@@ -147,8 +148,64 @@ def test_op_without_reduced_precision_kernel_is_a_finding_not_a_crash(dtype, act
     assert "not implemented for" in pmap["missing_kernels"][0]["error"]
     assert any(r["phase"] == "backward" and r["op"] == "aten.mm.default" for r in pmap["ops"])
     under = precision_map.gradient_underflow(model, x, y, cross_entropy, Policy(dtype=dtype), CPU, 65536.0, fallback=True)
-    findings, _ = diagnostics.probe_findings(pmap, under, Policy(dtype=dtype), CPU)
+    findings, _ = wording.probe_findings(pmap, under, Policy(dtype=dtype), CPU)
     assert any(f.startswith(f"op {op} has no {dtype} kernel on cpu (module 'act'") for f in findings), findings
+
+
+def test_every_pass_of_the_diagnosis_starts_in_strict_fp32():
+    """TF32 on (cuDNN's default on Ampere and newer) must not make the FP32 side of a comparison TF32: the
+    precision map and the gradient-underflow probe switch it off before their first op (issue 12 item 6)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    saved = precision.tf32_state()
+    precision.set_tf32(False)
+    strict = precision.tf32_state()
+    try:
+        for probe in (
+            lambda: precision_map.precision_map(model, x, y, cross_entropy, Policy(dtype="bfloat16"), CPU),
+            lambda: precision_map.gradient_underflow(model, x, y, cross_entropy, Policy(dtype="bfloat16"), CPU, 65536.0),
+            lambda: precision_map.trace(model, x, y, cross_entropy, Policy(), CPU),
+        ):
+            precision.set_tf32(True)
+            assert precision.tf32_state() != strict
+            probe()
+            assert precision.tf32_state() == strict
+    finally:
+        precision.set_tf32_state(saved)
+
+
+@pytest.mark.gpu
+def test_fp32_side_of_a_gpu_trace_is_not_tf32():
+    """On a GPU with TF32 switched on beforehand, the FP32 trace's matmuls are exact FP32: their outputs match
+    a float64 computation to FP32's precision (TF32's 10-bit mantissa would be off by ~1e-3)."""
+    gpu = torch.device("cuda")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512, bias=False)).to(gpu)
+    x = torch.randn(256, 512, device=gpu)
+    saved = precision.tf32_state()
+    try:
+        precision.set_tf32(True)
+        traced = precision_map.trace(model, x, None, None, Policy(), gpu)
+        with torch.no_grad():
+            out = model(x)  # right after the trace: the switch it set is still in force
+            exact = (x.double() @ model[0].weight.double().T)
+        assert traced["outputs_finite"]
+        assert float(((out.double() - exact).abs().max() / exact.abs().max())) < 1e-5
+    finally:
+        precision.set_tf32_state(saved)
+
+
+def test_probes_leave_the_rng_where_they_found_it():
+    """Dropout draws the same masks in every pass of a probe, and the caller's RNG stream does not move."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 3)).train()
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    before = torch.get_rng_state()
+    precision_map.precision_map(model, x, y, cross_entropy, Policy(dtype="bfloat16"), CPU)
+    under = precision_map.gradient_underflow(model, x, y, cross_entropy, Policy(), CPU, 1.0)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert under["total"]["vanished_unscaled"] == 0  # FP32 against FP32 with the same masks: nothing vanishes
 
 
 def test_training_replay_is_the_exact_step_of_the_trial(reproduced, monkeypatch):
@@ -156,13 +213,13 @@ def test_training_replay_is_the_exact_step_of_the_trial(reproduced, monkeypatch)
     params = load_params("params.yaml")
     stats = json.loads(Path("data/compare/float16/stats.json").read_text())
     trajectory = json.loads(Path("data/trial/float16/trajectory.json").read_text())
-    ctx, run = diagnostics.load(params, "float16", stats, trajectory)
-    case = diagnostics.training_case(ctx, run, step=5)
+    ctx, run, _ = replay.load(params, "float16", stats, verdict.decide(stats, params.acceptance))
+    case = replay.training_case(ctx, run, step=5)
     assert case.replay_matches_trial and ctx.work["replayed_steps"] == 5
     watched = case.trace(ctx, run.policy)
     assert watched["loss"] == trajectory["steps"][5]["loss"]  # bit for bit, hooks and dispatch mode included
     assert watched["scale"] == trajectory["steps"][5]["scale"]
-    assert diagnostics.finite(watched) and watched["first"] is None
+    assert precision_map.finite(watched) and watched["first"] is None
 
 
 @pytest.mark.integration

@@ -85,9 +85,11 @@ def test_worked_example_from_the_guide_tiny_gap_flips_the_decision():
     flips = numerics.classification_flips(["ordinary/x"], ["ordinary"], ref, trial, "lowest_index", boundary_margin=0.0)
     assert flips["flips"] == 1  # ...yet the action changes
     assert flips["flip_list"][0]["reference_class"] == 1 and flips["flip_list"][0]["trial_class"] == 0
-    # With a boundary margin above the reference margin (3e-4) the same flip is a boundary flip.
+    # With a boundary margin above the reference margin (3e-4) the same flip of a REAL sample is a
+    # near-boundary flip: counted apart from constructed boundary cases, never silently allowed.
     flips = numerics.classification_flips(["ordinary/x"], ["ordinary"], ref, trial, "lowest_index", boundary_margin=1e-3)
-    assert flips["flips"] == 0 and flips["boundary_flips"] == 1
+    assert flips["flips"] == 0 and flips["near_boundary_flips"] == 1 and flips["boundary_flips"] == 0
+    assert flips["flip_list"][0]["near_boundary"] and not flips["flip_list"][0]["boundary"]
 
 
 def test_tie_rules():
@@ -117,9 +119,10 @@ def test_boundary_flips_are_counted_apart():
     ref = torch.tensor([[1.0, 0.99], [5.0, 0.0], [0.0, 0.02]])
     trial = torch.tensor([[0.98, 0.99], [0.0, 5.0], [0.0, 0.02]])
     f = numerics.classification_flips(["b", "o", "c"], ["boundary", "ordinary", "ordinary"], ref, trial, "lowest_index", 0.05)
-    assert f["boundary_cases"] == 2  # margins 0.01 and 0.02
-    assert f["boundary_flips"] == 1 and f["flips"] == 1
-    assert f["boundary_flip_fraction"] == 0.5
+    assert f["boundary_cases"] == 1  # the constructed one
+    assert f["near_boundary_cases"] == 1  # the real sample of margin 0.02
+    assert f["boundary_flips"] == 1 and f["flips"] == 1 and f["near_boundary_flips"] == 0
+    assert f["boundary_flip_fraction"] == 1.0
 
 
 def test_regression_flips_across_threshold():
@@ -166,3 +169,130 @@ def test_error_vs_arbiter():
     fp64 = torch.tensor([1.0, 2.0], dtype=torch.float64)
     a = numerics.error_vs_arbiter(torch.tensor([1.0, 2.0]), torch.tensor([1.1, 2.0]), fp64)
     assert a["fp32_rmse_vs_fp64"] == 0.0 and a["amp_over_fp32"] == math.inf
+
+
+# ---------------------------------------------------------------- streaming, per token, margins, noise
+
+
+def test_streamed_gaps_equal_one_shot_gaps_whatever_the_chunking():
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(1000, 7, generator=g)
+    trial = ref + torch.randn(1000, 7, generator=g) * 1e-2
+    ref[3, 2] = 0.0
+    trial[5, 1] = math.nan
+    whole = numerics.value_gaps(ref, trial, 0.01, 0.01)
+    acc = numerics.GapStats(0.01, 0.01, ref.numel())
+    for s in range(0, 1000, 37):
+        acc.update(ref[s : s + 37], trial[s : s + 37], "ordinary" if s < 500 else "edge")
+    streamed = acc.result()
+    for key in ("elements", "failing", "nonfinite_trial_only", "max_abs", "p99_abs", "max_rel", "p99_rel", "min_passing_atol", "min_passing_rtol"):
+        assert streamed[key] == whole[key], key
+    assert streamed["mean_abs"] == pytest.approx(whole["mean_abs"], rel=1e-12)
+    assert sum(k["elements"] for k in streamed["per_kind"].values()) == 7000
+    finite = ~torch.isnan(trial)
+    gaps = (trial[finite].double() - ref[finite].double()).abs()
+    assert streamed["p99_abs"] == pytest.approx(float(gaps.sort().values[math.ceil(0.99 * gaps.numel()) - 1]), rel=1e-6)
+
+
+def test_stream_quantile_exact_and_sketch_bound():
+    g = torch.Generator().manual_seed(2)
+    v = torch.rand(200_000, generator=g).pow(3) * 10
+    exact = numerics.quantile(v, 0.99)
+    assert exact == float(v.sort().values[math.ceil(0.99 * v.numel()) - 1])
+    q = numerics.StreamQuantile(0.99, v.numel())
+    for part in v.split(7_919):
+        q.update(part)
+    assert q.exact and q.result() == exact
+    sketch = numerics.StreamQuantile(0.99, v.numel(), max_exact=10)  # forced past the exact budget
+    for part in v.split(7_919):
+        sketch.update(part)
+    assert not sketch.exact
+    assert abs(sketch.result() - exact) <= numerics.SKETCH_ALPHA * exact * 1.0001
+    assert numerics.quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+
+
+def test_per_token_flips_kl_and_agreement():
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(4, 6, 50, generator=g) * 3
+    trial = ref + torch.randn(4, 6, 50, generator=g) * 1e-3
+    # one token flips hard: the trial's best class moves
+    j = int(ref[1, 2].argmax())
+    trial[1, 2, j] -= 20
+    targets = ref.argmax(-1)
+    targets[0, :2] = numerics.IGNORE_INDEX
+    f = numerics.classification_flips([f"ordinary/{i}" for i in range(4)], ["ordinary"] * 4, ref, trial, "lowest_index", 0.0, targets=targets)
+    assert f["unit"] == "token" and f["cases"] == 22
+    assert f["flips"] == 1 and f["flip_list"][0]["position"] == 2 and f["flip_list"][0]["id"] == "ordinary/1"
+    d = f["distribution"]
+    # reference KL computed in float64 the textbook way
+    lp_r = torch.log_softmax(ref.double(), -1)
+    lp_t = torch.log_softmax(trial.double(), -1)
+    kl = (lp_r.exp() * (lp_r - lp_t)).sum(-1)
+    valid = targets != -100
+    assert d["kl_mean"] == pytest.approx(float(kl[valid].mean()), rel=1e-4)
+    assert d["kl_max"] == pytest.approx(float(kl[valid].max()), rel=1e-4)
+    assert d["top1_agreement"] == pytest.approx(21 / 22)
+    assert 0.0 < d["top_k_overlap"] <= 1.0
+
+
+def test_kl_is_accurate_for_tiny_divergences():
+    g = torch.Generator().manual_seed(4)
+    ref = torch.randn(64, 32000, generator=g) * 4 + 10  # logits far from 0: naive lse differences cancel
+    trial = (ref.half().float())  # real FP16 rounding of the logits
+    kl = numerics.kl_per_position(ref, trial)
+    lp_r = torch.log_softmax(ref.double(), -1)
+    lp_t = torch.log_softmax(trial.double(), -1)
+    truth = (lp_r.exp() * (lp_r - lp_t)).sum(-1)
+    assert torch.allclose(kl, truth, rtol=1e-3, atol=1e-12)
+    assert float(numerics.kl_per_position(ref, ref).max()) == 0.0
+
+
+def test_margins_in_probability_mean_the_same_at_every_scale():
+    base = torch.tensor([[2.0, 1.9, 0.0]])
+    for scale in (1.0, 100.0):
+        labels, m = numerics.decisions(base * scale, "lowest_index", "logit")
+        assert float(m[0]) == pytest.approx(0.1 * scale)
+    _, p_small = numerics.decisions(torch.tensor([[0.02, 0.0]]), "lowest_index", "probability")
+    assert float(p_small[0]) == pytest.approx(math.tanh(0.01), rel=1e-6)  # p1 - p2 of two logits 0.02 apart
+    _, rel = numerics.decisions(base * 100, "lowest_index", "relative")
+    _, rel1 = numerics.decisions(base, "lowest_index", "relative")
+    assert float(rel[0]) == pytest.approx(float(rel1[0]))
+
+
+def test_real_sample_near_boundary_is_never_unreported():
+    """The digits case: a real sample with a small margin flips; it is counted, not hidden among boundary cases."""
+    ref = torch.tensor([[0.0, 5.0, 4.963], [1.0, 0.0, 0.0], [0.50, 0.49, 0.0]])
+    trial = torch.tensor([[0.0, 4.96, 4.963], [1.0, 0.0, 0.0], [0.49, 0.50, 0.0]])
+    f = numerics.classification_flips(["ordinary/digits-1274", "ordinary/b", "boundary/x~y"], ["ordinary", "ordinary", "boundary"], ref, trial,
+                                      "lowest_index", 0.05)
+    assert f["near_boundary_flips"] == 1 and f["boundary_flips"] == 1 and f["flips"] == 0 and f["real_flips"] == 1
+    assert [r["id"] for r in f["flip_list"] if not r["boundary"]] == ["ordinary/digits-1274"]
+
+
+def test_quality_metrics():
+    scores = torch.tensor([[0.0, 1.0, 2.0], [3.0, 2.0, 1.0]])
+    y = torch.tensor([1, 0])
+    assert numerics.quality("classification", scores, y, "lowest_index", "accuracy") == 0.5
+    assert numerics.quality("classification", scores, y, "lowest_index", "top_k", top_k=2) == 1.0
+    pred, target = torch.tensor([[1.0], [3.0]]), torch.tensor([[1.0], [1.0]])
+    assert numerics.quality("regression", pred, target, "lowest_index", "neg_mae") == -1.0
+    # per token: token accuracy and perplexity over targets != -100
+    logits = torch.log(torch.tensor([[[0.5, 0.5], [0.9, 0.1], [0.2, 0.8]]]))
+    tokens = torch.tensor([[0, 0, -100]])
+    acc = numerics.QualityStats("accuracy", "lowest_index")
+    acc.update(logits, tokens)
+    assert acc.result() == 1.0
+    assert acc.perplexity() == pytest.approx(math.exp(-(math.log(0.5) + math.log(0.9)) / 2))
+
+
+def test_noise_floor_band():
+    ref = [2.0, 1.5, 1.0]
+    rep = [2.0, 1.51, 1.02]
+    amp = [2.0, 1.53, 1.05]
+    g = numerics.trajectory_gap(ref, amp, 1.0, 0.0, replicate_loss=rep, noise_multiple=2.0, noise_atol=0.0)
+    n = g["noise"]
+    assert n["replicate_gap"] == pytest.approx([0.0, 0.01, 0.02])
+    assert n["violations"] == 2 and n["first_violation_step"] == 1  # 0.03 > 2*0.01, 0.05 > 2*0.02
+    ok = numerics.trajectory_gap(ref, amp, 1.0, 0.0, replicate_loss=rep, noise_multiple=3.0, noise_atol=0.001)
+    assert ok["noise"]["violations"] == 0
+    assert "violations" in numerics.trajectory_gap(ref, amp, 1.0, 0.0, replicate_loss=rep)["noise"]

@@ -41,7 +41,7 @@ def render_all() -> dict[str, bytes]:
     for d in DTYPES:
         out[f"{d}/loss"] = plots.loss_curves(ref_steps, steps[d], d)
         out[f"{d}/scale"] = plots.loss_scale(steps[d], d)
-        out[f"{d}/scores"] = plots.scores(ref, trial[d], d)
+        out[f"{d}/envelope"] = plots.error_envelope(ref, trial[d], {"output": (0.05, 0.01), "aux": (0.5, 0.0)}, d, np.arange(50) % 7 == 0)
         out[f"{d}/errors"] = plots.error_histogram(ref, trial[d], {"output": 0.05, "aux": 0.5}, d)
     return out
 
@@ -51,14 +51,22 @@ def digests(figures: dict[str, bytes]) -> dict[str, str]:
 
 
 def variants() -> list[dict]:
-    accept = {"decision": "accept", "reasons": [], "checks": ["training: every loss finite"]}
-    rollback = {"decision": "rollback", "reasons": ["values 'output': 3 of 10 <outside> | atol"], "checks": []}
-    metrics = {"quality.reference": 0.9, "quality.trial": 0.89, "values.output.max_abs": 0.01, "decisions.boundary_flips": 1, "decisions.boundary_cases": 4}
-    bench = {"benchmarked": True, "speedup": {"median": 1.5, "q1": 1.4, "q3": 1.6}, "seconds_per_step": {"fp32": {"median": 0.3}, "amp": {"median": 0.2}}}
+    accept = {"decision": "accept", "reasons": [], "checks": ["training: every loss finite"], "rule": {"boundary_margin": 0.05}, "env": {"backend": "cpu"}}
+    rollback = {"decision": "rollback", "reasons": ["values 'output': 3 of 10 <outside> | atol", "diagnosis: first non-finite loss at step 3"], "checks": [],
+                "rule": {"boundary_margin": 0.05}, "env": {"backend": "cpu"}}
+    flip = {"id": "ordinary/digits-1274", "kind": "ordinary", "boundary": True, "reference_class": 5, "trial_class": 2, "reference_margin": 0.037, "trial_margin": 0.01}
+    stats = {"flips": {"flips": 0, "boundary_flips": 1, "boundary_cases": 4, "flip_list": [flip]},
+             "quality": {"reference": 0.9, "trial": 0.89}, "values": {"output": {"max_abs": 0.01, "atol": 0.05, "rtol": 0.0}},
+             "training": {"max_loss_gap": 0.01, "band_violations": 0, "scaler_enabled": False, "final_scale": 1.0, "skipped_fraction": 0.0}}
+    bench = {"benchmarked": True, "speedup": {"median": 1.5, "q1": 1.4, "q3": 1.6}, "seconds_per_step": {"fp32": {"median": 0.3}, "amp": {"median": 0.2}},
+             "working_memory_ratio": {"median": 0.5}}
+    slow = {**bench, "speedup": {"median": 0.32, "q1": 0.3, "q3": 0.34}}
+    diagnosis = {"findings": ["first non-finite loss at step 3"], "suggestion": {"fp32_modules": ["head", "0"], "rule_passes": True}}
     return [
-        {"dtype": "float16", "env": {"backend": "cpu"}, "decision": accept, "metrics": metrics, "diagnosis": {"findings": []}, "benchmark": bench},
-        {"dtype": "bfloat16", "env": {"backend": "cpu"}, "decision": rollback, "metrics": metrics, "diagnosis": {"findings": ["first non-finite loss at step 3"]},
+        {"dtype": "float16", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": report.flat(stats), "diagnosis": {"findings": []}, "benchmark": slow},
+        {"dtype": "bfloat16", "env": {"backend": "cpu"}, "decision": rollback, "stats": stats, "metrics": report.flat(stats), "diagnosis": diagnosis,
          "benchmark": {"benchmarked": False, "reason": "bfloat16 was rolled back"}},
+        {"dtype": "float16-fast", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": report.flat(stats), "diagnosis": {"findings": []}, "benchmark": bench},
     ]
 
 
@@ -85,30 +93,33 @@ def test_figures_are_identical_bytes_in_one_process_and_across_processes(figures
         assert b"Software" not in png and b"matplotlib" not in png.lower(), name
 
 
-def test_curve_rows_are_flat_records_dvc_can_plot():
+def test_curve_rows_are_long_records_titled_and_coloured_per_dtype_and_series():
     ref_steps, steps, _, _ = synthetic()
-    rows = plots.curve_rows(ref_steps, steps["float16"])
+    rows = plots.curve_rows(ref_steps, steps["float16"], "float16", band=(0.05, 0.1), noise_steps=ref_steps[:3])
     assert set(rows) == {"loss", "scale"}
-    assert rows["loss"][0] == {"step": 0, "loss_fp32": 2.0, "loss_amp": 2.01}
+    first = [r for r in rows["loss"] if r["step"] == 0]
+    assert {r["series"]: r["value"] for r in first} == pytest.approx({
+        "FP32 reference": 2.0, "AMP float16": 2.01, "|AMP float16 - FP32|": 0.01, "band allowed by the rule": 0.05 + 0.1 * 2.0, "FP32 noise floor": 0.0})
+    assert {r["panel"] for r in first} == {"loss", "gap"} and {r["dtype"] for r in rows["loss"]} == {"float16"}
+    assert [r for r in rows["loss"] if r["step"] == 3 and r["series"] == "AMP float16"][0]["value"] is None  # inf: a gap, valid JSON
     assert [r["skipped"] for r in rows["scale"]].count(1) == 2
-    assert all(set(r) == {"step", "scale", "skipped"} for r in rows["scale"])
+    assert {r["series"] for r in plots.curve_rows(ref_steps, steps["bfloat16"], "bfloat16")["scale"]} == {"no GradScaler: scale fixed at 1"}
 
 
-def test_report_is_deterministic_and_shows_every_variant_side_by_side(figures):
+def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
     images = {d: {k.split("/")[1]: v for k, v in figures.items() if k.startswith(d)} for d in DTYPES}
     page = report.html(REFERENCE, variants(), images)
-    assert page == report.html(REFERENCE, variants(), images)
-    assert page.count('src="data:image/png;base64,') == 8
-    assert '<td class="accept">ACCEPT</td><td class="rollback">ROLLBACK</td>' in page
-    assert "&lt;outside&gt; | atol" in page and "<outside>" not in page  # escaped
-    assert "x1.50 (1.40-1.60)" in page and "bfloat16 was rolled back" in page
-    assert "first non-finite loss at step 3" in page
+    assert page.index('<section id="verdict">') < page.index('<table class="summary">') < page.index("<footer>") < page.index(REFERENCE["rule_sha256"])
+    verdict = page[page.index('<section id="verdict">'):page.index("</section>")]
+    assert "float16: ACCEPT: the rule passed, x0.32 (3.1 times slower) on this CPU" in verdict and "keep FP32 here" in verdict
+    assert "float16-fast: ACCEPT: the rule passed, x1.50 faster on this CPU, working memory x0.50: switch to AMP here" in verdict
+    assert "bfloat16: ROLLBACK: 1 criterion failed; keep FP32 for bfloat16" in verdict
+    assert "ordinary/digits-1274: class 5 -&gt; 2, reference margin 0.037" in verdict and "a REAL sample" in verdict
+    assert "python -m pipeline restore --dtype bfloat16" in verdict
+    assert "dvc exp run -S &#x27;trial.fp32_modules=[head,0]&#x27; -S &#x27;trial.dtypes=[bfloat16]&#x27;" in verdict
+    assert "no GradScaler" in verdict
     md = report.markdown(REFERENCE, variants())
-    assert md == report.markdown(REFERENCE, variants())
-    table = [line for line in md.splitlines() if line.startswith("|")]
-    assert table[0] == "| | float16 | bfloat16 |"
-    assert all(line.replace("\\|", "").count("|") == 4 for line in table), "a cell broke the Markdown table"
-    assert "## bfloat16: ROLLBACK" in md and "every criterion of the rule passed" in md
+    assert md.index("## Verdict") < md.index("## Key figures") < md.index(REFERENCE["rule_sha256"])
 
 
 def test_report_stage_reproduces_its_dvc_outputs_byte_for_byte(reproduced, tmp_path):
@@ -116,7 +127,7 @@ def test_report_stage_reproduces_its_dvc_outputs_byte_for_byte(reproduced, tmp_p
     shutil.copytree(reproduced, repo, symlinks=True)
     folder = repo / "data" / "report"
     before = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-    assert {str(p) for p in before} >= {f"plots/{d}/{n}.png" for d in DTYPES for n in ("loss", "scale", "scores", "errors")}
+    assert {str(p) for p in before} >= {f"plots/{d}/{n}.png" for d in DTYPES for n in ("loss", "scale", "envelope", "errors")}
     shutil.rmtree(folder)
     proc = stage(repo, "report")
     assert proc.returncode == 0, proc.stderr

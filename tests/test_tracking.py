@@ -1,7 +1,8 @@
 """Publishing to a real `mlflow server` on 127.0.0.1, read back through the MLflow client.
 
 One server per module (it takes seconds to start on 2 cores); each test copies the session's reproduced
-project before publishing, and reads what the server holds afterwards. No mock anywhere.
+project before publishing, and reads what the server holds afterwards. No mock anywhere. Concurrency is
+real too: two publisher processes at once against the server.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ from conftest import BIN, dvc, env_for, run, write_params
 
 from pipeline import tracking
 
-CHILDREN = ("trial", "compare", "diagnose", "decide", "benchmark")
+def dtypes_of(repo: Path) -> list[str]:
+    return yaml.safe_load((repo / "params.yaml").read_text())["trial"]["dtypes"]
+
+
+def parents_of(runs: list) -> list:
+    return [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
 
 
 def free_port() -> int:
@@ -127,7 +133,8 @@ def story(reproduced, server, tmp_path_factory) -> dict:
     runs = runs_of(server)
     out["old_parent"] = next(r.info.run_id for r in runs if "mlflow.parentRunId" not in r.data.tags)
     c.update_run(out["old_parent"], status="RUNNING")
-    c.delete_run(next(r.info.run_id for r in runs if r.info.run_name.startswith("decide@")))
+    c.set_tag(out["old_parent"], tracking.HEARTBEAT_TAG, str(int((time.time() - 2 * tracking.LEASE_S) * 1000)))  # killed long ago
+    c.delete_run(next(r.info.run_id for r in runs if "mlflow.parentRunId" in r.data.tags))
     out["redo"] = publish(repo, server)
     return out
 
@@ -147,11 +154,21 @@ def test_unreachable_server_fails_fast_in_one_line_and_leaves_outputs(story):
 def test_publish_later_creates_the_whole_tree_once(story):
     proc, took = story["first"]
     assert proc.returncode == 0, proc.stderr
-    dtypes = yaml.safe_load((story["repo"] / "params.yaml").read_text())["trial"]["dtypes"]
-    expected = 2 + len(CHILDREN) * len(dtypes)  # parent + freeze + one run per stage variant
+    expected = 1 + len(dtypes_of(story["repo"]))  # parent + one run per dtype
     assert story["runs_after_first"] == expected
     assert f"{expected} run(s) created" in proc.stdout
     print(f"\npublish to {story['uri']}: {took:.1f} s for {expected} runs")
+
+
+def test_publish_prints_the_verdict_last_and_a_link_in_model_training_mode(story):
+    proc, _ = story["first"]
+    exp = client(story["uri"]).get_experiment_by_name("amp-validation").experiment_id
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.endswith(f"review: {story['uri']}/#/experiments/{exp}/runs?workflowType=machine_learning"), last
+    for d in dtypes_of(story["repo"]):
+        decision = read(story["repo"], f"data/decision/{d}/decision.json")["decision"]
+        assert f"{d} {decision.upper()}" in last
+    assert "workflowType=machine_learning" in proc.stdout.strip().splitlines()[-2]  # the parent run's own page
 
 
 def test_republishing_adds_nothing(story):
@@ -161,43 +178,51 @@ def test_republishing_adds_nothing(story):
     assert story["runs_after_second"] == story["runs_after_first"]
 
 
-def test_parent_and_children_are_linked_and_tagged(story):
+def test_one_child_per_dtype_named_by_its_decision_and_tagged(story):
     repo, uri = story["repo"], story["uri"]
     runs = runs_of(uri)
-    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    parents = parents_of(runs)
     assert len(parents) == 1
     parent = parents[0]
     assert parent.info.status == "FINISHED"
     assert parent.data.tags[tracking.KEY_TAG]
+    dtypes = dtypes_of(repo)
+    decisions = {d: read(repo, f"data/decision/{d}/decision.json") for d in dtypes}
+    assert parent.info.run_name.startswith(", ".join(f"{decisions[d]['decision'].upper()} {d}" for d in dtypes))
     children = {r.info.run_name: r for r in runs if r is not parent}
-    dtypes = yaml.safe_load((repo / "params.yaml").read_text())["trial"]["dtypes"]
-    assert set(children) == {"freeze"} | {f"{s}@{d}" for s in CHILDREN for d in dtypes}
+    assert set(children) == {f"{decisions[d]['decision'].upper()} {d}" for d in dtypes}
     manifest = read(repo, "data/reference/manifest.json")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
-    for name, r in children.items():
-        tags = r.data.tags
-        assert tags["mlflow.parentRunId"] == parent.info.run_id, name
-        assert r.info.status == "FINISHED", name
-        assert tags["git_commit"] == commit
-        assert tags["rule_sha256"] == manifest["rule_sha256"]
-        assert tags["backend"] in ("cpu", "cuda", "rocm")
-        assert tags["torch_version"] == manifest["env"]["torch"]
-        assert tags["device_name"]
-        assert tags["stage"] == name.split("@")[0]
     for d in dtypes:
-        decision = read(repo, f"data/decision/{d}/decision.json")
-        for s in CHILDREN:
-            tags = children[f"{s}@{d}"].data.tags
-            assert tags["dtype"] == d
-            assert tags["decision"] == decision["decision"]
-            assert tags["reasons_count"] == str(len(decision["reasons"]))
-        assert parent.data.tags[f"decision.{d}"] == decision["decision"]
-        assert decision["decision"].upper() in children[f"decide@{d}"].data.tags["mlflow.note.content"]
+        r = children[f"{decisions[d]['decision'].upper()} {d}"]
+        tags = r.data.tags
+        assert tags["mlflow.parentRunId"] == parent.info.run_id and r.info.status == "FINISHED"
+        assert tags["git_commit"] == commit and tags["rule_sha256"] == manifest["rule_sha256"]
+        assert tags["backend"] in ("cpu", "cuda", "rocm") and tags["device_name"] and tags["torch_version"] == manifest["env"]["torch"]
+        assert tags["stage"] == "variant" and tags["dtype"] == d
+        assert tags["decision"] == decisions[d]["decision"] and tags["reasons_count"] == str(len(decisions[d]["reasons"]))
+        assert json.loads(tags["rule_json"]) == decisions[d]["rule"]
+        assert parent.data.tags[f"decision.{d}"] == decisions[d]["decision"]
+        note = tags["mlflow.note.content"]
+        assert note.startswith("## Verdict") and f"**{d}: {decisions[d]['decision'].upper()}" in note
     assert "dvc_experiment" not in parent.data.tags  # not run by `dvc exp run`
 
 
+def test_parent_description_opens_with_the_verdict_and_keeps_hashes_for_the_footer(story):
+    parent = parents_of(runs_of(story["uri"]))[0]
+    note = parent.data.tags["mlflow.note.content"]
+    manifest = read(story["repo"], "data/reference/manifest.json")
+    assert note.startswith("# AMP validation\n\n## Verdict")
+    assert note.index("## Verdict") < note.index("## Key figures") < note.index(manifest["rule_sha256"])
+    for d in dtypes_of(story["repo"]):
+        decision = read(story["repo"], f"data/decision/{d}/decision.json")
+        assert f"**{d}: {decision['decision'].upper()}" in note.split("## Key figures")[0]
+        if decision["decision"] == "rollback":
+            assert f"python -m pipeline restore --dtype {d}" in note
+
+
 def test_params_are_flattened_from_params_yaml(story):
-    parent = next(r for r in runs_of(story["uri"]) if "mlflow.parentRunId" not in r.data.tags)
+    parent = parents_of(runs_of(story["uri"]))[0]
     params = parent.data.params
     raw = yaml.safe_load((story["repo"] / "params.yaml").read_text())
     assert params["reference.train_steps"] == str(raw["reference"]["train_steps"])
@@ -206,47 +231,64 @@ def test_params_are_flattened_from_params_yaml(story):
     assert params["tracking.experiment"] == "amp-validation"
 
 
-def test_metrics_and_per_step_training_curves(story):
+def test_decision_and_key_figures_are_columns_and_curves_have_gap_and_band(story):
     repo, c = story["repo"], client(story["uri"])
-    runs = {r.info.run_name: r for r in runs_of(story["uri"])}
-    d = yaml.safe_load((repo / "params.yaml").read_text())["trial"]["dtypes"][0]
-    trial, compare = runs[f"trial@{d}"], runs[f"compare@{d}"]
-    steps = read(repo, f"data/trial/{d}/trajectory.json")["steps"]
+    runs = runs_of(story["uri"])
     ref_steps = read(repo, "data/reference/trajectory.json")["steps"]
-    for key, field, source in (("loss_amp", "loss", steps), ("loss_fp32", "loss", ref_steps), ("loss_scale", "scale", steps), ("grad_norm", "grad_norm", steps)):
-        history = sorted(c.get_metric_history(trial.info.run_id, key), key=lambda m: m.step)
-        assert [m.step for m in history] == [s["step"] for s in source], key
-        assert [m.value for m in history] == pytest.approx([s[field] for s in source], rel=1e-12), key
-    skipped = c.get_metric_history(trial.info.run_id, "skipped")
-    assert sorted(m.value for m in skipped) == sorted(float(s["skipped"]) for s in steps)
-    for key, value in read(repo, f"data/metrics/compare-{d}.json").items():
-        assert compare.data.metrics[key] == pytest.approx(value), key
-    decision = read(repo, f"data/decision/{d}/decision.json")
-    assert runs[f"decide@{d}"].data.metrics["accepted"] == float(decision["decision"] == "accept")
-    parent = next(r for r in runs.values() if "mlflow.parentRunId" not in r.data.tags)
-    assert parent.data.metrics[f"{d}/reasons"] == len(decision["reasons"])
+    for d in dtypes_of(repo):
+        decision = read(repo, f"data/decision/{d}/decision.json")
+        stats = read(repo, f"data/compare/{d}/stats.json")
+        run = next(r for r in runs if r.data.tags.get("dtype") == d)
+        steps = read(repo, f"data/trial/{d}/trajectory.json")["steps"]
+        for key, field, source in (("loss_amp", "loss", steps), ("loss_fp32", "loss", ref_steps), ("loss_scale", "scale", steps), ("grad_norm", "grad_norm", steps)):
+            history = sorted(c.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+            assert [m.step for m in history] == [s["step"] for s in source], key
+            assert [m.value for m in history] == pytest.approx([s[field] for s in source], rel=1e-12), key
+        ref = {s["step"]: s["loss"] for s in ref_steps}
+        gap = sorted(c.get_metric_history(run.info.run_id, "loss_gap_abs"), key=lambda m: m.step)
+        assert [m.value for m in gap] == pytest.approx([abs(s["loss"] - ref[s["step"]]) for s in steps], rel=1e-9, abs=1e-12)
+        band = sorted(c.get_metric_history(run.info.run_id, "loss_band"), key=lambda m: m.step)
+        rule = decision["rule"]
+        assert [m.value for m in band] == pytest.approx([rule["loss_atol"] + rule["loss_rtol"] * abs(ref[s["step"]]) for s in steps])
+        m = run.data.metrics
+        assert m["accepted"] == float(decision["decision"] == "accept")
+        assert m["flips"] == stats["flips"]["flips"] and m["near_boundary_flips"] == stats["flips"]["boundary_flips"]
+        assert m["max_abs_gap"] == pytest.approx(max(v["max_abs"] for v in stats["values"].values()))
+        assert m["quality_trial"] == pytest.approx(stats["quality"]["trial"]) and m["max_loss_gap"] == pytest.approx(stats["training"]["max_loss_gap"])
+        assert not any("arbiter" in k for k in m) and not any(k.endswith("_bytes") for k in m)  # renamed, with units
+        bench = read(repo, f"data/benchmark/{d}/benchmark.json")
+        if bench.get("benchmarked"):
+            assert m["speedup_median"] == pytest.approx(bench["speedup"]["median"])
+            assert m["step_ms.amp"] == pytest.approx(1000 * bench["seconds_per_step"]["amp"]["median"])
+            assert m["process_peak_mib.fp32"] == pytest.approx(bench["peak_memory_bytes"]["fp32"]["median"] / 2**20)
+            assert "working_mib.fp32" in m and "working_memory_ratio" in m
+        assert len(m) < 40, sorted(m)  # columns a reviewer reads, not 248
 
 
 def test_artifacts_a_reviewer_opens(story, tmp_path):
     repo, uri = story["repo"], story["uri"]
     c = client(uri)
-    runs = {r.info.run_name: r for r in runs_of(uri)}
-    parent = next(r for r in runs.values() if "mlflow.parentRunId" not in r.data.tags)
-    assert {"report.html", "summary.md", "params.yaml", "dvc.lock"} <= artifacts(c, parent.info.run_id)
-    for d in yaml.safe_load((repo / "params.yaml").read_text())["trial"]["dtypes"]:
-        assert {"plots/loss.png", "plots/scale.png", "trajectory.json"} <= artifacts(c, runs[f"trial@{d}"].info.run_id)
-        assert {"cases.json", "stats.json", "plots/scores.png", "plots/errors.png"} <= artifacts(c, runs[f"compare@{d}"].info.run_id)
-        assert "decision.json" in artifacts(c, runs[f"decide@{d}"].info.run_id)
-        assert "benchmark.json" in artifacts(c, runs[f"benchmark@{d}"].info.run_id)
+    runs = runs_of(uri)
+    parent = parents_of(runs)[0]
+    assert {"report.html", "summary.md", "params.yaml", "dvc.lock", "reference/manifest.json", "reference/trajectory.json"} <= artifacts(c, parent.info.run_id)
+    dtypes = dtypes_of(repo)
+    for d in dtypes:
+        run = next(r for r in runs if r.data.tags.get("dtype") == d)
+        have = artifacts(c, run.info.run_id)
+        assert {f"plots/{n}.png" for n in ("loss", "scale", "envelope", "errors")} <= have
+        assert {"decision.json", "cases.json", "stages/compare/stats.json", "stages/trial/trajectory.json", "stages/diagnose/diagnosis.json"} <= have
+        if (repo / f"data/diagnose/{d}/suggested_params.yaml").is_file():
+            assert "suggested_params.yaml" in have
+        if (repo / f"data/decision/{d}/rollback").is_dir():
+            assert {f"rollback/{p.name}" for p in (repo / f"data/decision/{d}/rollback").iterdir()} <= have
         # The per-case table, as MLflow logged it (pandas "split" orient), row for row.
-        table = json.loads(Path(c.download_artifacts(runs[f"compare@{d}"].info.run_id, "cases.json", str(tmp_path))).read_text())
+        table = json.loads(Path(c.download_artifacts(run.info.run_id, "cases.json", str(tmp_path))).read_text())
         cases = read(repo, f"data/compare/{d}/cases.json")
         assert table["columns"][:2] == ["id", "kind"] and "flipped" in table["columns"]
         assert [row[0] for row in table["data"]] == [case["id"] for case in cases]
-        assert "table" in runs[f"compare@{d}"].data.tags["mlflow.loggedArtifacts"]
     report = Path(c.download_artifacts(parent.info.run_id, "report.html", str(tmp_path))).read_text()
-    dtypes = yaml.safe_load((repo / "params.yaml").read_text())["trial"]["dtypes"]
     assert report.count('src="data:image/png;base64,') == 4 * len(dtypes)
+    assert report.index('<section id="verdict">') < report.index('<table class="summary">')
     for d in dtypes:
         assert f'<h2 id="{d}">' in report
         for reason in read(repo, f"data/decision/{d}/decision.json")["reasons"]:
@@ -254,15 +296,95 @@ def test_artifacts_a_reviewer_opens(story, tmp_path):
 
 
 def test_interrupted_publish_is_redone_once(story):
-    """A parent left RUNNING (publish killed midway) is replaced by one complete tree, not duplicated."""
+    """A parent left RUNNING without a heartbeat for longer than the lease (publish killed midway) is replaced
+    by one complete tree, not duplicated."""
     proc, _ = story["redo"]
     assert proc.returncode == 0, proc.stderr
     runs = runs_of(story["uri"])
     assert len(runs) == story["runs_after_first"]
     assert all(r.info.status == "FINISHED" for r in runs)
-    parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    parent = parents_of(runs)
     assert len(parent) == 1 and parent[0].info.run_id != story["old_parent"]
     assert {r.data.tags["mlflow.parentRunId"] for r in runs if r is not parent[0]} == {parent[0].info.run_id}
+
+
+def test_two_publishers_at_once_publish_one_tree(reproduced, server, tmp_path):
+    """Two clones of the same results publish at the same moment, in two processes: one tree, no error,
+    nothing deleted under the other's feet (issue 15: one took the other's live parent for interrupted)."""
+    repos = []
+    for name in ("a", "b"):
+        repo = tmp_path / name
+        shutil.copytree(reproduced, repo, symlinks=True)
+        write_params(repo, {"tracking": {"experiment": "concurrent"}})
+        repos.append(repo)
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "pipeline", "publish"], cwd=repo, env={**env_for(repo), "MLFLOW_TRACKING_URI": server},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for repo in repos
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert "Traceback" not in err and "fix the tracking server" not in err
+    stdout = [out for out, _ in outs]
+    assert sum("run(s) created" in out for out in stdout) == 1, stdout
+    assert sum("already published" in out for out in stdout) == 1, stdout
+    runs = runs_of(server, "concurrent")
+    assert len(parents_of(runs)) == 1 and len(runs) == 1 + len(dtypes_of(repos[0]))
+    assert all(r.info.status == "FINISHED" for r in runs)
+
+
+def spec(name: str = "x") -> tracking.RunSpec:
+    return tracking.RunSpec(name=name, tags={"stage": "test"}, metrics={"m": 1.0})
+
+
+def test_a_live_publish_is_waited_for_and_a_stale_one_taken_over(server):
+    publisher = tracking.Publisher("lease", uri=server, wait_s=1.0)
+    c = client(server)
+    live = c.create_run(publisher.experiment_id, tags={tracking.KEY_TAG: "k1", tracking.HEARTBEAT_TAG: str(int(time.time() * 1000))}).info.run_id
+    start = time.monotonic()
+    with pytest.raises(tracking.UserError, match="still running"):
+        publisher.publish("k1", spec(), [spec("child")])
+    assert time.monotonic() - start < 30
+    assert c.get_run(live).info.lifecycle_stage == "active"  # a live publish is never deleted
+    c.set_tag(live, tracking.HEARTBEAT_TAG, str(int((time.time() - 2 * tracking.LEASE_S) * 1000)))
+    published = publisher.publish("k1", spec(), [spec("child")])
+    assert published.created == 2 and c.get_run(live).info.lifecycle_stage == "deleted"
+
+
+def test_a_rerun_removes_duplicates_and_orphans(server):
+    """What two publishers whose clocks disagree, or an old version, could leave: a second finished tree and
+    children whose parent is gone. The next publish keeps the first tree and deletes the rest."""
+    publisher = tracking.Publisher("dedupe", uri=server)
+    first = publisher.publish("k2", spec(), [spec("child")])
+    c = client(server)
+    exp = publisher.experiment_id
+    dup = c.create_run(exp, tags={tracking.KEY_TAG: "k2"}).info.run_id
+    c.create_run(exp, tags={"mlflow.parentRunId": dup, tracking.MEMBER_TAG: "k2"})
+    gone = c.create_run(exp, tags={tracking.KEY_TAG: "k2"}).info.run_id
+    c.create_run(exp, tags={"mlflow.parentRunId": gone, tracking.MEMBER_TAG: "k2"})
+    c.set_terminated(dup, "FINISHED")
+    c.delete_run(gone)
+    again = publisher.publish("k2", spec(), [spec("child")])
+    assert (again.run_id, again.created, again.removed) == (first.run_id, 0, 3)
+    left = runs_of(server, "dedupe")
+    assert len(left) == 2 and {r.info.run_id for r in parents_of(left)} == {first.run_id}
+
+
+def test_publish_flags_an_accept_under_a_rule_loosened_since_a_rollback(server):
+    """The loosened-rule flag comes from the runs published before (decide no longer reads MLflow)."""
+    from pipeline.stages import publish
+
+    publisher = tracking.Publisher("loosened", uri=server)
+    strict = {"outputs": {"*": {"atol": 0.001, "rtol": 0.0}}, "max_failing_fraction": 0.0}
+    loose = {"outputs": {"*": {"atol": 0.01, "rtol": 0.0}}, "max_failing_fraction": 0.0}
+    c = client(server)
+    c.create_run(publisher.experiment_id, tags={"dtype": "bfloat16", "decision": "rollback", "reference_run_key": "R",
+                                               "rule_json": json.dumps(strict), "rule_sha256": "s" * 64})
+    accept = {"dtype": "bfloat16", "decision": {"decision": "accept", "rule": loose, "reasons": []}}
+    assert publish._loosened(publisher, "R", accept) == [f"outputs.*.atol 0.001 -> 0.01 (rolled back under rule {'s' * 12})"]
+    assert publish._loosened(publisher, "other reference", accept) == []
+    assert publish._loosened(publisher, "R", {**accept, "decision": {"decision": "accept", "rule": strict, "reasons": []}}) == []
 
 
 def test_batches_non_finite_values_and_awkward_names_reach_the_server(server):
@@ -309,7 +431,7 @@ def test_dvc_exp_run_temp_publishes_to_the_workspace_database(reproduced, tmp_pa
     runs = [r for r in runs_of(f"sqlite:///{repo / 'mlflow.db'}") if r.info.run_id not in before]
     parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parent) == 1 and parent[0].data.tags["dvc_experiment"] == "bf16-only"
-    assert {r.data.tags.get("dtype") for r in runs} == {None, "float32", "bfloat16"}
+    assert {r.data.tags.get("dtype") for r in runs} == {None, "bfloat16"}
     assert not list((repo / ".dvc" / "tmp").rglob("mlflow.db")), "a database was created inside the temporary copy"
     shown = json.loads(dvc(repo, "exp", "show", "--json").stdout)
     names = [e.get("name") for c in shown for e in (c.get("experiments") or [])]

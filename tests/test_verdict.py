@@ -36,7 +36,7 @@ def test_healthy_trial_is_accepted_with_checks_listed():
     [
         (("values", "output", "nonfinite_trial_only"), 3, "non-finite"),
         (("values", "output", "failing_fraction"), 0.01, "outside atol"),
-        (("flips", "flips"), 1, "flip(s) among non-boundary"),
+        (("flips", "flips"), 1, "flip(s) among real cases away from the boundary"),
         (("quality", "trial"), 0.93, "drop"),
         (("quality", "trained"), 0.85, "below minimum"),
         (("training", "first_nonfinite_loss_step"), 7, "loss not finite from step 7"),
@@ -91,3 +91,62 @@ def test_accept_under_a_looser_rule_than_an_earlier_rollback_is_flagged():
     assert any("looser" in r and "outputs.*.atol" in r for r in flagged["reasons"])
     same = verdict.flag_loosened_rule(copy.deepcopy(accepted), strict, [{"rule": strict, "rule_sha256": "a" * 64}])
     assert same["reasons"] == [] and "tags" not in same
+
+
+def test_every_numeric_criterion_has_a_direction():
+    """A new criterion in AcceptanceConfig must say which way is looser, or loosening it would go unflagged."""
+    fields = {f.name for f in dataclasses.fields(AcceptanceConfig)}
+    assert set(verdict._LOOSER_WHEN) | set(verdict._COMPARED_APART) == fields
+    assert not set(verdict._LOOSER_WHEN) & set(verdict._COMPARED_APART)
+    for name in verdict._LOOSER_WHEN:  # each loosening step is seen, from a set value
+        base = {"outputs": {}, name: 0.5}
+        looser = {"outputs": {}, name: 0.5 + verdict._LOOSER_WHEN[name]}
+        assert verdict.loosened(base, looser) == [f"{name} 0.5 -> {0.5 + verdict._LOOSER_WHEN[name]:g}"]
+        assert verdict.loosened(base, {"outputs": {}, name: None}) == [f"{name} removed (was 0.5)"]
+        assert verdict.loosened(looser, base) == []
+
+
+def test_real_flips_near_the_boundary_are_reported_and_limited():
+    stats = healthy_stats()
+    stats["flips"].update({"near_boundary_flips": 1, "near_boundary_cases": 3, "margin_kind": "probability",
+                           "flip_list": [{"id": "ordinary/digits-1274", "boundary": False, "near_boundary": True}]})
+    d = verdict.decide(stats, RULE)
+    assert d["decision"] == "accept"
+    assert any("ordinary/digits-1274" in c and "near the boundary" in c for c in d["checks"])
+    d = verdict.decide(stats, dataclasses.replace(RULE, max_near_boundary_flips=0))
+    assert d["decision"] == "rollback" and any("ordinary/digits-1274" in r for r in d["reasons"])
+
+
+def test_distribution_criteria():
+    stats = healthy_stats()
+    stats["distribution"] = {"tokens": 1000, "kl_mean": 1e-3, "kl_p99": 2e-2, "kl_max": 0.3, "top1_agreement": 0.995, "top_k_overlap": 0.98}
+    assert verdict.decide(stats, RULE)["decision"] == "accept"  # null criteria: not applied
+    ok = dataclasses.replace(RULE, max_kl_mean=1e-2, max_kl_p99=0.05, min_top1_agreement=0.99)
+    assert verdict.decide(stats, ok)["decision"] == "accept"
+    for strict, word in ((dict(max_kl_mean=1e-4), "KL(reference || trial) mean"), (dict(max_kl_p99=1e-2), "p99"),
+                         (dict(min_top1_agreement=0.999), "top-1 agreement")):
+        d = verdict.decide(stats, dataclasses.replace(RULE, **strict))
+        assert d["decision"] == "rollback" and any(word in r for r in d["reasons"]), d["reasons"]
+    del stats["distribution"]
+    d = verdict.decide(stats, ok)
+    assert d["decision"] == "rollback" and any("per-token" in r for r in d["reasons"])
+
+
+def test_noise_floor_criterion():
+    stats = healthy_stats()
+    stats["training"]["noise"] = {"violations": 2, "first_violation_step": 5, "mean_amp_gap": 0.02, "mean_replicate_gap": 0.001}
+    assert verdict.decide(stats, RULE)["decision"] == "accept"
+    d = verdict.decide(stats, dataclasses.replace(RULE, loss_noise_multiple=3.0, loss_noise_atol=0.0))
+    assert d["decision"] == "rollback" and any("noise floor" in r and "step 5" in r for r in d["reasons"])
+    del stats["training"]["noise"]
+    d = verdict.decide(stats, dataclasses.replace(RULE, loss_noise_multiple=3.0))
+    assert any("replicate" in r for r in d["reasons"])
+
+
+def test_quality_drop_follows_the_metric_direction():
+    stats = healthy_stats()
+    stats["quality"] = {"metric": "perplexity", "higher_is_better": False, "reference": 10.0, "trial": 10.005, "trained": 10.0}
+    assert verdict.decide(stats, AcceptanceConfig())["decision"] == "accept"
+    stats["quality"]["trial"] = 10.5
+    d = verdict.decide(stats, AcceptanceConfig())
+    assert d["decision"] == "rollback" and any("drop 0.5" in r for r in d["reasons"])

@@ -5,9 +5,9 @@ It needs nothing but torch (no scikit-learn, nothing downloaded), so it runs in 
 8 and ``seq_len`` 256 (see scripts/gpu_check.py) make a GPU step compute-bound, which is where AMP gains.
 
 The task: each sequence is filler tokens plus a few "marker" tokens, one marker per class; the label is the
-marker planted most often (strictly: no ties). Tokens enter the model as float feature vectors (a fixed
-random codebook plus noise), not as integer ids, because the pipeline's edge cases scale inputs by extreme
-factors: a scaled float sequence is still a valid input, a scaled id is not.
+marker planted most often (strictly: no ties). Tokens enter the model as integer ids (int64) through an
+``nn.Embedding``, as in any language model: the pipeline keeps their dtype, builds no scaled edge cases from
+them (ids cannot be scaled) and selects boundary cases among the real sequences.
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ def load_data(
     n_train: int = 2048,
     n_eval: int = 512,
     seq_len: int = 32,
-    features: int = 16,
     vocab: int = 64,
     classes: int = 4,
-    noise: float = 0.1,
     data_seed: int = 0,
     **_: object,
 ) -> dict:
@@ -37,19 +35,15 @@ def load_data(
         n_train: training sequences.
         n_eval: evaluation sequences (ids ``seq-NNNNN``).
         seq_len: tokens per sequence.
-        features: size of each token's feature vector.
         vocab: token kinds; the first ``classes`` are the markers.
         classes: number of classes (one marker token each).
-        noise: standard deviation of the Gaussian noise added to each token's features.
-        data_seed: seeds the codebook, the sequences and the noise.
+        data_seed: seeds the sequences.
     """
     if not 2 <= classes < vocab:
         raise UserError(f"task.options: classes must be in [2, vocab); got classes={classes}, vocab={vocab}")
     if seq_len < 2 * classes:
         raise UserError(f"task.options: seq_len must be at least 2 * classes ({2 * classes}); got {seq_len}")
     gen = torch.Generator().manual_seed(data_seed)
-    codebook = torch.randn(vocab, features, generator=gen)
-    codebook = codebook / codebook.norm(dim=1, keepdim=True)
     n = n_train + n_eval
     tokens = torch.randint(classes, vocab, (n, seq_len), generator=gen)  # filler: never a marker
     labels = torch.randint(0, classes, (n,), generator=gen)
@@ -64,7 +58,7 @@ def load_data(
             k = int(counts[i, marker])
             tokens[i, slots[start : start + k]] = marker
             start += k
-    x = codebook[tokens] + noise * torch.randn(n, seq_len, features, generator=gen)
+    x = tokens
     return {
         "train_x": x[:n_train],
         "train_y": labels[:n_train],
@@ -100,11 +94,11 @@ class Block(torch.nn.Module):
 
 
 class TransformerClassifier(torch.nn.Module):
-    """Input projection, learned positions, encoder blocks, final norm, mean pooling, linear head."""
+    """Token embedding, learned positions, encoder blocks, final norm, mean pooling, linear head."""
 
-    def __init__(self, features: int, seq_len: int, d_model: int, heads: int, layers: int, mlp_ratio: int, classes: int) -> None:
+    def __init__(self, vocab: int, seq_len: int, d_model: int, heads: int, layers: int, mlp_ratio: int, classes: int) -> None:
         super().__init__()
-        self.embed = torch.nn.Linear(features, d_model)
+        self.embed = torch.nn.Embedding(vocab, d_model)
         self.pos = torch.nn.Parameter(torch.randn(seq_len, d_model) / math.sqrt(d_model))
         self.blocks = torch.nn.ModuleList(Block(d_model, heads, mlp_ratio) for _ in range(layers))
         self.norm = torch.nn.LayerNorm(d_model)
@@ -119,7 +113,7 @@ class TransformerClassifier(torch.nn.Module):
 
 def build_model(
     seq_len: int = 32,
-    features: int = 16,
+    vocab: int = 64,
     classes: int = 4,
     d_model: int = 64,
     heads: int = 4,
@@ -134,4 +128,4 @@ def build_model(
     """
     if d_model % heads:
         raise UserError(f"task.options: d_model ({d_model}) must be a multiple of heads ({heads})")
-    return TransformerClassifier(features, seq_len, d_model, heads, layers, mlp_ratio, classes)
+    return TransformerClassifier(vocab, seq_len, d_model, heads, layers, mlp_ratio, classes)

@@ -1,29 +1,33 @@
-"""Stage compare@DTYPE: value gaps, decision flips, quality and training gap of one trial."""
+"""Stage compare@DTYPE: value gaps, decision flips, distribution agreement, quality and training gap of one trial.
+
+Outputs are read one chunk of rows at a time (``params.compare.chunk_elements``): memory stays one chunk of
+the reference, the trial and the FP64 arbiter, whatever the fixed set's size.
+"""
 
 from __future__ import annotations
 
-from pipeline import comparison, paths, reference
-from pipeline.artifacts import read_json, read_tensors, write_json
+from pipeline import compare_stats, comparison, paths, reference, trial
 from pipeline.config import load_params
+from pipeline.outputs import OutputsReader
 
 
 def main(dtype: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
     ref = reference.load(params)
-    trial_dir = paths.trial(dtype)
-    manifest = read_json(trial_dir / "manifest.json", f"trial@{dtype}")
-    files = manifest["files"]
-    trial_out = read_tensors(trial_dir / "outputs.safetensors", files["outputs.safetensors"], f"trial@{dtype}")[0]
-    trained_out = read_tensors(trial_dir / "trained_outputs.safetensors", files["trained_outputs.safetensors"], f"trial@{dtype}")[0]
-    trajectory = read_json(trial_dir / "trajectory.json", f"trial@{dtype}")
-    stats = comparison.compare(
-        params.task.kind, params.acceptance, ref.cases, ref.outputs, trial_out, trained_out,
-        ref.trajectory, trajectory["steps"], trajectory["final_scale"], ref.outputs_fp64(), trajectory.get("scaler_enabled", True),
+    run = trial.load(dtype, ref.manifest)
+    fp64_sha = ref.manifest["files"].get(str(paths.REF_OUTPUTS_FP64))
+    fp64 = OutputsReader(paths.REF_OUTPUTS_FP64, fp64_sha, "freeze") if fp64_sha else None
+    stats, table = comparison.compare_streams(
+        params.task.kind, params.acceptance, list(ref.cases.ids), ref.cases.y, ref.cases.has_target,
+        ref.outputs_reader(), run.reader("outputs"), run.reader("trained_outputs"),
+        ref.trajectory, run.steps, run.final_scale, fp64, run.scaler_enabled,
+        metric=comparison.Metric.for_task(params.task, params.task.kind), cfg=params.compare, replicate_steps=ref.replicate,
     )
-    stats["env_differs_from_reference"] = manifest["env_differs_from_reference"]
-    out = paths.compare(dtype)
-    write_json(out / "stats.json", stats)
-    write_json(paths.compare_metrics(dtype), comparison.summary(stats))
-    write_json(out / "cases.json", comparison.case_table(ref.cases, ref.outputs, trial_out, stats))
-    f = stats["flips"]
-    print(f"compare {dtype}: {f['flips']} flip(s), {f['boundary_flips']}/{f['boundary_cases']} boundary flip(s); quality {stats['quality']}")
+    stats["env_differs_from_reference"] = run.manifest["env_differs_from_reference"]
+    compare_stats.write(dtype, stats, table)
+    f, d = stats["flips"], stats["distribution"]
+    print(
+        f"compare {dtype}: {f['flips']} flip(s), {f['near_boundary_flips']} near the boundary, {f['boundary_flips']}/{f['boundary_cases']} "
+        f"boundary flip(s) (per {f['unit']}); quality {stats['quality']['metric']} {stats['quality']['trial']:.4f} vs {stats['quality']['reference']:.4f}"
+        + (f"; KL mean {d['kl_mean']:.3g}, top-1 agreement {d['top1_agreement']:.4f}" if d else "")
+    )

@@ -1,7 +1,8 @@
 """Stage diagnose@DTYPE: why a trial failed and which FP32 regions would fix it (cheap when all is well).
 
 Writes ``diagnosis.json`` (findings and notes as lines, the structured details beside them) and, when
-there is one, ``suggested_params.yaml``: a suggestion, never applied.
+there is one, ``suggested_params.yaml``: a suggestion, never applied. A healthy trial costs two JSON reads:
+torch and the task's model load only when there is something to replay or probe.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
     stats = read_json(paths.compare(dtype) / "stats.json", f"compare@{dtype}")
     trajectory = read_json(paths.trial(dtype) / "trajectory.json", f"trial@{dtype}")
+    decision = verdict.decide(stats, params.acceptance)  # once; the diagnosis is handed it
     out = paths.diagnose(dtype)
     report = NOTHING_TO_DO
-    if verdict.decide(stats, params.acceptance)["reasons"] or params.diagnose.probe == "always":
-        from pipeline import diagnostics  # torch and the task's model load only when there is something to replay or probe
+    if decision["reasons"] or params.diagnose.probe == "always":
+        from pipeline.diagnosis import flow, wording
 
-        report = diagnostics.run(params, dtype, stats, trajectory)
+        report = flow.run(params, dtype, stats, trajectory, decision)
         if report["suggestion"]:
-            write_bytes(out / "suggested_params.yaml", diagnostics.snippet(report, dtype).encode())
+            write_bytes(out / "suggested_params.yaml", wording.snippet(report, dtype).encode())
     write_json(out / "diagnosis.json", report)
     work = report["work"]
     print(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pipeline import cases, paths, task
-from pipeline.artifacts import write_tensors
 from pipeline.config import load_params
 
 
@@ -11,6 +10,10 @@ def main(params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
     data = task.load_data(params.task)
     fixed = cases.build(data, params.prepare)
-    write_tensors(paths.PREPARED_TRAIN, {"x": data.train_x.contiguous(), "y": data.train_y.contiguous()})
+    task.save_train(paths.PREPARED_TRAIN, data.train)
     cases.save(paths.PREPARED_CASES, fixed)
-    print(f"prepare: {len(fixed.ids)} cases ({sum(k == 'edge' for k in fixed.kinds)} edge), {data.train_x.shape[0]} training samples")
+    asked, available = fixed.meta["ordinary_requested"], fixed.meta["ordinary_available"]
+    if available < asked:
+        print(f"prepare: prepare.ordinary_cases is {asked} but task.data gives {available} eval samples: the fixed set takes all {available}")
+    kind = "a Dataset of" if isinstance(data.train, task.DatasetSource) else ""
+    print(f"prepare: {len(fixed.ids)} cases ({sum(k == 'edge' for k in fixed.kinds)} edge), {kind} {len(data.train)} training samples".replace("  ", " "))

@@ -1,14 +1,22 @@
-"""``python -m pipeline restore --dtype DTYPE``: restore the FP32 reference state from a rollback package."""
+"""``python -m pipeline restore --dtype DTYPE``: restore the FP32 reference state from a rollback package.
+
+Not a DVC stage: a command a user runs after a rollback. Every hash is checked before anything is loaded.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import rollback
+from pipeline import checkpoint, paths, rollback, task
 from pipeline.config import load_params
 
 
 def main(dtype: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
-    result = rollback.restore(dtype, params, Path("restored") / f"reference-{dtype}.safetensors")
-    print(f"restore {dtype}: verified {len(result['verified'])} file(s); reference state written to {result['restored']} (sha256 {result['sha256'][:12]}…)")
+    files = rollback.verified_files(dtype)
+    ckpt = checkpoint.load(paths.REF_CHECKPOINT, files[str(paths.REF_CHECKPOINT)])
+    model = task.build_model(params.task, params.seed)
+    checkpoint.restore(ckpt, model, rng=True)  # proves the state loads into the model
+    target = Path("restored") / f"reference-{dtype}.safetensors"
+    sha = checkpoint.save(target, ckpt)
+    print(f"restore {dtype}: verified {len(files)} file(s); reference state written to {target} (sha256 {sha[:12]}…)")

@@ -5,11 +5,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from dataclasses import asdict
 from typing import Iterator
 
 from pipeline import checkpoint, devices, paths, precision, reference, task, training
-from pipeline.artifacts import read_tensors, write_json, write_tensors
+from pipeline import trial as artifact
 from pipeline.config import load_params
 from pipeline.errors import UserError
 from pipeline.precision import Policy
@@ -23,7 +22,6 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     devices.check_dtype_supported(device, precision.parse_dtype(dtype))
     ref = reference.load(params)
     policy = Policy(dtype=dtype, fp32_modules=tuple(params.trial.fp32_modules))
-    out = paths.trial(dtype)
 
     def initial():
         model = task.build_model(params.task, params.seed)
@@ -32,35 +30,16 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
 
     trained = task.build_model(params.task, params.seed)
     checkpoint.restore(ref.checkpoint(), trained, rng=False)
-    train_t, _ = read_tensors(paths.PREPARED_TRAIN, ref.manifest["files"][str(paths.PREPARED_TRAIN)], "prepare")
     key = hashlib.sha256(json.dumps({"ref": ref.manifest["run_key"], "policy": policy.as_dict()}, sort_keys=True).encode()).hexdigest()
     resume = checkpoint.ResumeFile(paths.RESUME / f"trial-{dtype}.safetensors", key)
-    with _missing_kernels(dtype, device):
+    writer = artifact.Writer(dtype, ref.cases.ids)
+    with _missing_kernels(dtype, device), precision.deterministic(params.reference.deterministic):
         run = training.run_trial(
-            trained, initial, train_t["x"], train_t["y"], ref.cases.x, params.reference, params.task.loss, policy, device,
-            params.seed, resume=resume.load(), save_resume=resume.save, label=f"trial {dtype}",
+            trained, initial, ref.train_data(params), None, ref.cases.x, params.reference, params.task, policy, device,
+            params.seed, resume=resume.load(), save_resume=resume.save, label=f"trial {dtype}", sink=writer.sink,
         )
     result = run.training
-
-    env = devices.describe(device)
-    files = {
-        "outputs.safetensors": write_tensors(out / "outputs.safetensors", run.outputs, {"ids": ref.cases.ids}),
-        "trained_outputs.safetensors": write_tensors(out / "trained_outputs.safetensors", run.trained_outputs, {"ids": ref.cases.ids}),
-        "checkpoint.safetensors": checkpoint.save(out / "checkpoint.safetensors", result.state),
-    }
-    write_json(out / "trajectory.json", {"steps": [asdict(r) for r in result.records], "final_scale": result.final_scale, "scaler_enabled": policy.uses_scaler})
-    write_json(
-        out / "manifest.json",
-        {
-            "files": files,
-            "policy": policy.as_dict(),
-            "reference_run_key": ref.manifest["run_key"],
-            "rule_sha256": ref.manifest["rule_sha256"],
-            "env": env,
-            "env_differs_from_reference": sorted(k for k in env if env[k] != ref.manifest["env"].get(k)),
-            "real_updates": result.real_updates,
-        },
-    )
+    writer.finish(result, policy, ref.manifest, devices.describe(device))
     resume.clear()
     skipped = sum(r.skipped for r in result.records)
     print(f"trial {dtype}: {len(result.records)} steps, {result.real_updates} real updates, {skipped} skipped; final loss {result.records[-1].loss:.4f}")

@@ -12,23 +12,26 @@ On top of that one recorder:
 - the first non-finite producer: the first op whose output is not finite while its inputs are
   (``trace``: one watched pass, with each module's largest output magnitude and non-finite gradients).
 
-Used by the diagnosis only: these hooks never run in the trial's or the benchmark's code.
+Used by the diagnosis only: these hooks never run in the trial's or the benchmark's code. Every pass
+(``forward_backward``) starts with ``precision.strict_fp32()``: the FP32 side of each comparison is exact
+FP32, never TF32 (on by default for cuDNN on Ampere and newer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from pipeline import precision
+from pipeline import checkpoint, precision
 from pipeline.precision import Policy
-from pipeline.task import named_outputs, primary
+from pipeline.task import Inputs, call, named_outputs, primary, rows, tensors_of, to_device
 
 try:  # FLOP formulas of the ops PyTorch's own FlopCounterMode knows (mm, addmm, bmm, conv, attention)
     from torch.utils.flop_counter import flop_registry as _FLOPS
@@ -272,11 +275,29 @@ def summarize(recorder: Recorder) -> dict:
     }
 
 
+Loss = Callable[..., torch.Tensor]
+"""``loss(output, target)``, or the task's ``training.Loss`` (which may be the model's own ``.loss``)."""
+
+
+def _forward_and_loss(model: torch.nn.Module, x: Inputs, y: torch.Tensor | None, loss_fn: Loss | None, phase: Callable[[str], None]):
+    """The model's named outputs and, with ``y``, the loss, as the task computes it (``phase("loss")`` between
+    the two, unless the model computes its own loss inside its forward)."""
+    if y is None or loss_fn is None:
+        return named_outputs(call(model, x)), None
+    if getattr(loss_fn, "of_output", True) is None:  # task.loss: model, the model computes its own loss from the labels
+        result = call(model, x, **{loss_fn.label_key: y})
+        loss = result.get("loss") if isinstance(result, dict) else getattr(result, "loss", None)
+        return {k: v for k, v in named_outputs(result).items() if k != "loss"}, loss
+    outputs = named_outputs(call(model, x))
+    phase("loss")
+    return outputs, getattr(loss_fn, "of_output", loss_fn)(primary(outputs), y)
+
+
 def forward_backward(
     model: torch.nn.Module,
-    x: torch.Tensor,
+    x: Inputs,
     y: torch.Tensor | None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    loss_fn: Loss | None,
     policy: Policy,
     device: torch.device,
     scope: ModuleScope | None = None,
@@ -284,28 +305,32 @@ def forward_backward(
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """One pass as the training step does it: autocast (and FP32 regions) around forward and loss only,
     backward of the loss times ``scale`` (what ``GradScaler.scale`` does) after the context closes.
-    Without ``y`` it is an inference pass: no loss, no backward, no graph.
+    Without ``y`` it is an inference pass: no loss, no backward, no graph. Strict FP32 first, every time.
     """
 
     def phase(name: str) -> None:
         if scope is not None:
             scope.phase = name
 
+    precision.strict_fp32()
     phase("forward")
     grad = torch.set_grad_enabled(y is not None)
     with grad, precision.fp32_regions(model, policy, device), precision.autocast(policy, device):
-        outputs = named_outputs(model(x))
-        phase("loss")
-        loss = loss_fn(primary(outputs), y) if y is not None and loss_fn is not None else None
+        outputs, loss = _forward_and_loss(model, x, y, loss_fn, phase)
     if loss is not None:
         phase("backward")
         (loss * torch.full((), scale, dtype=torch.float32, device=loss.device)).backward()
     return outputs, loss
 
 
-def same_rng(device: torch.device):
-    """A context that runs from the current RNG state (CPU, and the GPU's) and puts it back afterwards."""
-    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+@contextlib.contextmanager
+def same_rng() -> Iterator[None]:
+    """Run from the current RNG state (CPU and every GPU's: checkpoint's one capture) and put it back after."""
+    state = checkpoint.rng_state()
+    try:
+        yield
+    finally:
+        checkpoint.set_rng_state(state)
 
 
 def precision_map(model, x, y, loss_fn, policy: Policy, device: torch.device) -> dict:
@@ -319,7 +344,7 @@ def precision_map(model, x, y, loss_fn, policy: Policy, device: torch.device) ->
     recorder = Recorder(scope, watch_nonfinite=False)
     error = None
     try:
-        with same_rng(device), scope, recorder:
+        with same_rng(), scope, recorder:
             forward_backward(model, x, y, loss_fn, policy, device, scope)
     except (NotImplementedError, RuntimeError) as exc:
         error = f"{type(exc).__name__} in {scope.phase} of module {scope.current()!r}: {str(exc).strip().splitlines()[0][:200]}"
@@ -327,7 +352,7 @@ def precision_map(model, x, y, loss_fn, policy: Policy, device: torch.device) ->
     return {
         "dtype": policy.dtype or "float32",
         "fp32_modules": list(policy.fp32_modules),
-        "batch": int(x.shape[0]),
+        "batch": rows(x),
         "summary": summarize(recorder),
         "ops": recorder.table(),
         "matmul_by_module": recorder.matmul_by_module(),
@@ -345,7 +370,7 @@ def gradient_underflow(model, x, y, loss_fn, policy: Policy, device: torch.devic
 
     def grads(p: Policy, s: float) -> dict[str, torch.Tensor]:
         model.zero_grad(set_to_none=True)
-        with same_rng(device):  # dropout draws the same masks in every pass
+        with same_rng():  # dropout draws the same masks in every pass
             if fallback:
                 scope = ModuleScope(model)
                 with scope, Recorder(scope, watch_nonfinite=False):
@@ -413,13 +438,13 @@ def trace(model, x, y, loss_fn, policy: Policy, device: torch.device, scale: flo
     model.zero_grad(set_to_none=True)
     scope = ModuleScope(model, on_output=on_output)
     recorder = Recorder(scope)
-    x = x.to(device)
+    x = to_device(x, device)
     with scope, recorder:
         outputs, loss = forward_backward(model, x, y.to(device) if y is not None else None, loss_fn, policy, device, scope, scale)
     bad_grads = [n for n, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad / scale).all())]
     model.zero_grad(set_to_none=True)
     first = recorder.first_nonfinite
-    x_finite = not x.is_floating_point() or bool(torch.isfinite(x).all())
+    x_finite = all(bool(torch.isfinite(t).all()) for t in tensors_of(x).values() if t.is_floating_point())
     where = None if first is None else {"forward": "module", "loss": "loss", "backward": "gradient"}[first["phase"]]
     if not x_finite:
         where, first = "input", None

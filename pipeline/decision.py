@@ -1,0 +1,78 @@
+"""The decision artifact: ``data/decision/DTYPE/decision.json`` and its short metrics file, one owner.
+
+decide writes it; benchmark, report and publish read it through ``read``. Torch-free and MLflow-free:
+a decision is a function of the stage's DVC deps alone (the stats, the diagnosis, the manifests and the
+rule), so the same commit gives the same bytes on any machine and against any tracking server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from pipeline import paths
+from pipeline.artifacts import read_json, write_json
+
+FILE = "decision.json"
+
+
+@dataclass
+class Decision:
+    """The rule's verdict on one trial, with what it was decided under."""
+
+    dtype: str
+    decision: Literal["accept", "rollback"]
+    reasons: list[str]
+    """Every failed criterion (empty on accept), then the diagnosis' findings on rollback."""
+    checks: list[str]
+    """Every criterion that passed, so a reviewer sees what was verified."""
+    rule: dict
+    rule_sha256: str
+    policy: dict
+    """The trial's precision policy (dtype, fp32_modules)."""
+    env: dict
+    """Where the trial ran (backend, device, torch version)."""
+    notes: list[str] = field(default_factory=list)
+    rollback_package: str | None = None
+    """Folder of the rollback package, on rollback."""
+
+    @property
+    def accepted(self) -> bool:
+        return self.decision == "accept"
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        for key in ("notes", "rollback_package"):  # absent rather than empty: the file says only what happened
+            if not out[key]:
+                del out[key]
+        return out
+
+
+def write(d: Decision) -> None:
+    write_json(paths.decision(d.dtype) / FILE, d.as_dict())
+
+
+def read(dtype: str) -> Decision:
+    """Raises: UserError when decide@DTYPE has not run."""
+    raw = read_json(paths.decision(dtype) / FILE, f"decide@{dtype}")
+    known = Decision.__dataclass_fields__
+    return Decision(**{k: v for k, v in raw.items() if k in known})
+
+
+def summary_metrics(d: Decision, stats: dict) -> dict:
+    """The few numbers `dvc metrics diff` shows per dtype (at most eight keys, all plain numbers)."""
+    values = stats["values"].values()
+    return {
+        "decision": int(d.accepted),
+        "reasons": len(d.reasons),
+        "flips": stats["flips"]["flips"],
+        "near_boundary_flips": stats["flips"]["boundary_flips"],
+        "max_abs_gap": max((v["max_abs"] for v in values), default=0.0),
+        "quality_trial": stats["quality"]["trial"],
+        "quality_trained": stats["quality"]["trained"],
+        "max_loss_gap": stats["training"]["max_loss_gap"],
+    }
+
+
+def write_metrics(d: Decision, stats: dict) -> None:
+    write_json(paths.decision_metrics(d.dtype), summary_metrics(d, stats))

@@ -1,0 +1,229 @@
+"""Replaying a trial's failing cases exactly, under its policy and under FP32, and re-running the trial.
+
+A ``Context`` holds what every replay needs, loaded once and checked against the manifests: the frozen
+reference, the training data, the device and the diagnose budget's counters (``work``). A ``Case`` is one
+replayable pass (model state, inputs, RNG state, loss scale), so that every policy sees the same thing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from pipeline import checkpoint, comparison, devices, paths, reference, task, training, verdict
+from pipeline import trial as trial_artifact
+from pipeline.config import Params
+from pipeline.diagnosis.precision_map import finite, trace
+from pipeline.diagnosis.triage import first_nonfinite_step
+from pipeline.precision import Policy
+
+FP32 = Policy()
+
+
+@dataclass
+class Run:
+    """One trial's results: the original (from its files) or a re-run under another policy."""
+
+    policy: Policy
+    outputs: dict[str, torch.Tensor]
+    steps: list[dict]
+    stats: dict
+    decision: dict = field(default_factory=dict)
+
+    @property
+    def accepted(self) -> bool:
+        return self.decision["decision"] == "accept"
+
+    @property
+    def has_nonfinite(self) -> bool:
+        return first_nonfinite_step(self.steps) is not None or any(g["nonfinite_trial_only"] for g in self.stats["values"].values())
+
+    def summary(self) -> dict:
+        return {"fp32_modules": list(self.policy.fp32_modules), "decision": self.decision["decision"], "reasons": self.decision["reasons"]}
+
+
+@dataclass
+class Context:
+    params: Params
+    dtype: str
+    device: torch.device
+    ref: reference.Reference
+    train: task.TrainSource
+    work: dict = field(default_factory=lambda: {"replayed_steps": 0, "traced_passes": 0, "trial_reruns": 0})
+
+    def model(self, state: str) -> torch.nn.Module:
+        """The task's model in the reference's ``trained`` state (weights only) or ``init`` state (weights and RNG)."""
+        model = task.build_model(self.params.task, self.params.seed)
+        if state == "init":
+            checkpoint.restore(self.ref.checkpoint("init"), model)
+        else:
+            checkpoint.restore(self.ref.checkpoint(), model, rng=False)
+        return model.to(self.device)
+
+    def loss(self) -> training.Loss:
+        return training.make_loss(self.params.task)
+
+    def first_batch_of_update(self, step: int) -> tuple[task.Inputs, torch.Tensor]:
+        """The first micro-batch of optimizer update ``step``, in the fixed order reference and trials share."""
+        idx = training.update_batches(len(self.train), self.params.reference, self.params.seed)[step][0]
+        return self.train.batch(idx)
+
+    @property
+    def budget_left(self) -> bool:
+        return self.work["trial_reruns"] < self.params.diagnose.search_budget
+
+
+@dataclass
+class Case:
+    """A replayable case: model state, inputs, RNG state and loss scale, frozen so every policy sees the same."""
+
+    label: str
+    model: torch.nn.Module
+    x: task.Inputs
+    y: torch.Tensor | None
+    loss_fn: object
+    scale: float
+    rng: dict[str, torch.Tensor]
+    ids: list[str] = field(default_factory=list)
+    step: int | None = None
+    replay_matches_trial: bool | None = None
+
+    def trace(self, ctx: Context, policy: Policy, scale: float | None = None) -> dict:
+        checkpoint.set_rng_state(self.rng)
+        ctx.work["traced_passes"] += 1
+        return trace(self.model, self.x, self.y, self.loss_fn, policy, ctx.device, self.scale if scale is None else scale)
+
+
+@dataclass
+class Located:
+    """A failing case traced under the run's policy, under FP32, and (for a gradient failure at a loss
+    scale above 1) without scaling, which separates a scale that overflowed from a real overflow."""
+
+    case: Case
+    amp: dict
+    fp32: dict
+    unscaled: dict | None = None
+
+    @property
+    def autocast_problem(self) -> bool:
+        return not finite(self.amp) and not (self.unscaled is not None and finite(self.unscaled))
+
+    def as_dict(self) -> dict:
+        c = self.case
+        return {
+            "case": c.label,
+            "ids": c.ids,
+            "step": c.step,
+            "scale": c.scale,
+            "replay_matches_trial": c.replay_matches_trial,
+            "amp": self.amp,
+            "fp32": self.fp32,
+            "unscaled": self.unscaled,
+        }
+
+
+def load(params: Params, dtype: str, stats: dict, decision: dict) -> tuple[Context, Run, trial_artifact.Trial]:
+    """The reference, the training data and the trial's own results, each checked against its manifest.
+    ``decision`` is the rule's verdict on the trial, computed once by the stage."""
+    ref = reference.load(params)
+    train = task.load_train(params.task, paths.PREPARED_TRAIN, ref.manifest["files"][str(paths.PREPARED_TRAIN)])
+    ctx = Context(params, dtype, devices.resolve(params.device), ref, train)
+    trial = trial_artifact.load(dtype, ref.manifest)
+    policy = Policy(dtype=dtype, fp32_modules=tuple(trial.manifest["policy"]["fp32_modules"]))  # what ran, not what params say now
+    return ctx, Run(policy, trial.outputs(), trial.steps, stats, decision), trial
+
+
+def inference_case(ctx: Context, run: Run) -> Case | None:
+    """The fixed-set cases where the run's outputs are non-finite and the reference's are not."""
+    bad = torch.zeros(len(ctx.ref.cases.ids), dtype=torch.bool)
+    for name, out in run.outputs.items():
+        ref = ctx.ref.outputs[name].reshape(out.shape[0], -1)
+        bad |= (~torch.isfinite(out.reshape(out.shape[0], -1)) & torch.isfinite(ref)).any(dim=1)
+    idx = torch.nonzero(bad).flatten()[: ctx.params.diagnose.max_cases]
+    if idx.numel() == 0:
+        return None
+    model = ctx.model("trained")
+    model.train(not ctx.params.reference.eval_mode)
+    ids = [ctx.ref.cases.ids[i] for i in idx.tolist()]
+    x = task.take(ctx.ref.cases.x, idx)
+    return Case(f"inference on {len(ids)} failing case(s)", model, x, None, None, 1.0, checkpoint.rng_state(), ids=ids)
+
+
+def training_case(ctx: Context, run: Run, step: int) -> Case:
+    """Training step ``step`` exactly as the run met it: the steps before it are replayed from the
+    reference's initial state (weights and RNG) under the run's policy, in the fixed batch order. With
+    gradient accumulation the traced pass is the update's first micro-batch."""
+    model = ctx.model("init")
+    cfg = replace(ctx.params.reference, train_steps=step, checkpoint_every=0)
+    result = training.train(
+        model, ctx.train, None, cfg, ctx.params.task, run.policy, ctx.device, ctx.params.seed, label=f"diagnose replay {ctx.dtype}"
+    )
+    ctx.work["replayed_steps"] += step
+    replayed = [r.loss for r in result.records]
+    recorded = [s["loss"] for s in run.steps[:step]]
+    matches = all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(replayed, recorded))
+    scale = float(result.final_scale) if run.policy.uses_scaler else 1.0
+    x, y = ctx.first_batch_of_update(step)
+    return Case(f"training step {step}", model, x, y, ctx.loss(), scale, checkpoint.rng_state(), step=step, replay_matches_trial=matches)
+
+
+def locate(ctx: Context, run: Run) -> list[Located]:
+    """Each failing case of ``run``, traced under its policy and under FP32."""
+    cases = []
+    inference = inference_case(ctx, run)
+    if inference is not None:
+        cases.append(inference)
+    step = first_nonfinite_step(run.steps)
+    if step is not None:
+        cases.append(training_case(ctx, run, step))
+    located = []
+    for c in cases:
+        amp = c.trace(ctx, run.policy)
+        first = amp["first"] or {}
+        unscaled = c.trace(ctx, run.policy, scale=1.0) if first.get("where") == "gradient" and c.scale != 1.0 else None
+        located.append(Located(c, amp, c.trace(ctx, FP32, scale=1.0), unscaled))
+    return located
+
+
+def rerun(ctx: Context, policy: Policy) -> Run:
+    """The trial again under ``policy``, as trial@DTYPE runs it, then compare and the rule."""
+    params, ref = ctx.params, ctx.ref
+    run = training.run_trial(
+        ctx.model("trained"),
+        lambda: ctx.model("init"),
+        ctx.train,
+        None,
+        ref.cases.x,
+        params.reference,
+        params.task,
+        policy,
+        ctx.device,
+        params.seed,
+        label=f"diagnose re-run {ctx.dtype}",
+    )
+    steps = [asdict(r) for r in run.training.records]
+    stats = comparison.compare(
+        params.task.kind,
+        params.acceptance,
+        ref.cases,
+        ref.outputs,
+        run.outputs,
+        run.trained_outputs,
+        ref.trajectory,
+        steps,
+        run.training.final_scale,
+        scaler_enabled=policy.uses_scaler,
+    )
+    ctx.work["trial_reruns"] += 1
+    return Run(policy, run.outputs, steps, stats, verdict.decide(stats, params.acceptance))
+
+
+def reference_fails_itself(ctx: Context) -> list[str]:
+    """Reasons the rule rejects the FP32 reference compared with itself: no precision policy can fix those."""
+    ref = ctx.ref
+    stats = comparison.compare(
+        ctx.params.task.kind, ctx.params.acceptance, ref.cases, ref.outputs, ref.outputs, ref.outputs, ref.trajectory, ref.trajectory, math.inf
+    )
+    return verdict.decide(stats, ctx.params.acceptance)["reasons"]

@@ -1,0 +1,157 @@
+"""Finding FP32 regions that make a failing trial pass: fix non-finite values locally, then search.
+
+``search`` is the whole strategy, in the order it runs:
+
+1. while replayed cases are non-finite: move each culprit module out of autocast, replay until finite,
+   re-run the trial under that policy; stop on accept, on a re-run that leaves no non-finite value (go
+   to 2), or when the budget or the culprits run out;
+2. a tolerance failure (no non-finite value left): rank the modules doing reduced-precision matmuls and
+   bisect over how many to keep in FP32 (``search_tolerance``).
+
+Every re-run counts against ``diagnose.search_budget``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from pipeline import numerics, task, training
+from pipeline.diagnosis.precision_map import ModuleScope, Recorder, culprit, finite, forward_backward
+from pipeline.diagnosis.replay import Context, Located, Run, locate, rerun
+from pipeline.precision import Policy
+
+
+@dataclass
+class Outcome:
+    """What the search found and what it cost; ``suggestion`` passed the rule in a re-run, ``unchecked`` did not run."""
+
+    findings: list[str] = field(default_factory=list)
+    local_fix: list[dict] = field(default_factory=list)
+    reruns: list[dict] = field(default_factory=list)
+    ranking: list[dict] = field(default_factory=list)
+    suggestion: Policy | None = None
+    unchecked: Policy | None = None
+
+    @property
+    def chosen(self) -> Policy | None:
+        return self.suggestion or self.unchecked
+
+
+def search(ctx: Context, run: Run, located: list[Located], reference_fails: bool) -> Outcome:
+    """Fix the located non-finite cases, then (tolerance failures) search the ranked modules; see the module doc."""
+    out = Outcome()
+    current = run
+    while located:
+        policy, ok, steps = fix_nonfinite(ctx, located, current.policy)
+        out.local_fix.append({"from": list(current.policy.fp32_modules), "to": list(policy.fp32_modules), "cases_finite": ok, "steps": steps})
+        if policy == current.policy:
+            out.findings.append(
+                "no module to move out of autocast: the non-finite values do not come from a module's reduced-precision work"
+            )
+            return out
+        added = ", ".join(repr(m) for m in policy.fp32_modules if m not in current.policy.fp32_modules)
+        out.findings.append(
+            f"with {added} outside autocast (inputs cast to float32) the replayed case(s) are {'finite' if ok else 'still not finite'}"
+        )
+        if not ctx.budget_left:
+            out.unchecked = policy if ok else None
+            return out
+        current = rerun(ctx, policy)
+        out.reruns.append(current.summary())
+        if current.accepted:
+            out.suggestion = policy
+            return out
+        out.findings.append(
+            f"a re-run with trial.fp32_modules {list(policy.fp32_modules)} still fails: {'; '.join(current.decision['reasons'][:2])}"
+        )
+        located = locate(ctx, current) if current.has_nonfinite else []
+    if reference_fails or not ctx.budget_left:
+        return out
+    out.suggestion = search_tolerance(ctx, current.policy, out)
+    if out.suggestion is None:
+        out.findings.append(
+            "no FP32 region passes the rule within diagnose.search_budget"
+            if out.ranking
+            else "no module runs reduced-precision matmuls: no FP32 region to suggest"
+        )
+    return out
+
+
+def with_modules(policy: Policy, names: list[str]) -> Policy:
+    """``policy`` plus ``names`` outside autocast, dropping modules already inside a listed ancestor."""
+    merged = list(policy.fp32_modules) + [n for n in names if n not in policy.fp32_modules]
+    kept = [n for n in merged if not any(a != n and n.startswith(a + ".") for a in merged)]
+    return replace(policy, fp32_modules=tuple(kept))
+
+
+def fix_nonfinite(ctx: Context, located: list[Located], policy: Policy) -> tuple[Policy, bool, list[dict]]:
+    """Add each case's culprit to the FP32 regions and replay, until every case is finite or no culprit is left."""
+    cases = [loc.case for loc in located if loc.autocast_problem]
+    traces = [loc.amp for loc in located if loc.autocast_problem]
+    steps = []
+    for _ in range(sum(1 for _ in cases[0].model.modules()) if cases else 0):  # each round adds a module, or stops
+        new = sorted({c for t in traces if not finite(t) and (c := culprit(t)) and c not in policy.fp32_modules})
+        if not new:
+            break
+        policy = with_modules(policy, new)
+        traces = [case.trace(ctx, policy) for case in cases]
+        steps.append({"fp32_modules": list(policy.fp32_modules), "cases_finite": [finite(t) for t in traces], "first": [t["first"] for t in traces]})
+    return policy, all(finite(t) for t in traces), steps
+
+
+def rank_modules(ctx: Context, policy: Policy) -> list[dict]:
+    """Modules that run reduced-precision matmul work themselves, ranked by what each one alone does to
+    the outputs on the fixed set: it stays under autocast, every other candidate runs in FP32, and the
+    outputs are held against the reference with the rule's tolerances (failing elements, then max error)."""
+    model = ctx.model("trained")
+    model.train(not ctx.params.reference.eval_mode)
+    cases_x = ctx.ref.cases.x
+    scope = ModuleScope(model)
+    recorder = Recorder(scope, watch_nonfinite=False)
+    sample = task.take(cases_x, torch.arange(min(256, len(ctx.ref.cases.ids))))
+    with torch.no_grad(), scope, recorder:
+        forward_backward(model, task.to_device(sample, ctx.device), None, None, policy, ctx.device, scope)
+    names = [n for n, m in recorder.matmul_by_module().items() if n and m["reduced_count"] and n not in policy.fp32_modules]
+    ranked = []
+    for name in names:
+        others = [o for o in names if o != name and not name.startswith(o + ".") and not o.startswith(name + ".")]
+        out = training.infer(model, cases_x, with_modules(policy, others), ctx.device, ctx.params.reference.eval_mode)
+        tolerance = ctx.params.acceptance.tolerance
+        gaps = [numerics.value_gaps(ctx.ref.outputs[k], out[k], tolerance(k).atol, tolerance(k).rtol) for k in sorted(ctx.ref.outputs)]
+        ranked.append(
+            {
+                "module": name,
+                "type": type(dict(model.named_modules())[name]).__name__,
+                "failing_elements": sum(g["failing"] for g in gaps),
+                "max_abs_error": max(g["max_abs"] for g in gaps),
+            }
+        )
+    return sorted(ranked, key=lambda r: (-r["failing_elements"], -r["max_abs_error"], r["module"]))
+
+
+def search_tolerance(ctx: Context, base: Policy, out: Outcome) -> Policy | None:
+    """Bisect over the ranked modules for the shortest prefix in FP32 that passes the rule, then try
+    dropping the others one by one, all within ``diagnose.search_budget`` trial re-runs."""
+    out.ranking += rank_modules(ctx, base)
+    names = [r["module"] for r in out.ranking]
+
+    def passes(chosen: list[str]) -> bool:
+        run = rerun(ctx, with_modules(base, chosen))
+        out.reruns.append(run.summary())
+        return run.accepted
+
+    if not names or not passes(names):
+        return None
+    lo, hi = 0, len(names)  # the trial itself (none in FP32) fails; all of them passes
+    while hi - lo > 1 and ctx.budget_left:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if passes(names[:mid]) else (mid, hi)
+    chosen = names[:hi]
+    for name in reversed(chosen[:-1] if hi - lo == 1 else chosen):  # names[:hi-1] is known to fail when hi - lo == 1
+        if not ctx.budget_left:
+            break
+        if passes([n for n in chosen if n != name]):
+            chosen.remove(name)
+    return with_modules(base, chosen)

@@ -1,0 +1,27 @@
+"""What the recorded statistics alone say about a trial: no torch, no replay (the healthy path)."""
+
+from __future__ import annotations
+
+import math
+
+
+def triage(stats: dict, trial_steps: list[dict], failing: list[str]) -> dict:
+    """Findings from the recorded statistics alone: non-finite outputs by case kind, first non-finite
+    training step; ``failing`` is the rule's verdict on the trial (its reasons), computed once by the stage."""
+    findings: list[str] = []
+    for name, gap in sorted(stats["values"].items()):
+        for kind, g in sorted(gap["per_kind"].items()):
+            if g["nonfinite_trial_only"]:
+                findings.append(f"output '{name}' is non-finite on {g['nonfinite_trial_only']} element(s) of {kind} cases")
+    first_loss = first_nonfinite_step(trial_steps, "loss")
+    if first_loss is not None:
+        findings.append(f"first non-finite loss at training step {first_loss}")
+    first_grad = first_nonfinite_step(trial_steps, "grad_norm")
+    if first_grad is not None:
+        findings.append(f"first non-finite gradient norm at training step {first_grad} (the scaler skips such updates)")
+    return {"findings": findings, "notes": [], "needed": bool(failing), "failing": list(failing)}
+
+
+def first_nonfinite_step(steps: list[dict], key: str = "") -> int | None:
+    keys = (key,) if key else ("loss", "grad_norm")
+    return next((s["step"] for s in steps if any(not math.isfinite(s[k]) for k in keys)), None)

@@ -1,0 +1,112 @@
+"""Hugging Face adapter: any ``transformers`` architecture, from a config (random init, nothing downloaded)
+or from a local directory (``from_pretrained(path)``, offline), plus seeded token and image data.
+
+Needs the optional extra: ``pip install 'amp-validation[hf]'`` (``transformers``).
+
+The model is called as Hugging Face models are, ``model(**batch)`` with ``input_ids``, ``attention_mask``
+(or ``pixel_values``), and returns a ``ModelOutput``: the pipeline compares its ``.logits``. With
+``task.loss: model`` the targets are passed as ``labels=...`` and the model's own ``.loss`` is trained.
+
+    task:
+      model: pipeline.examples.huggingface:build_model
+      data: pipeline.examples.huggingface:load_token_data
+      loss: model                      # BERT's own cross-entropy; or cross_entropy on the logits
+      options:
+        architecture: BertForSequenceClassification
+        config: {model_type: bert, vocab_size: 65, hidden_size: 32, num_hidden_layers: 2,
+                 num_attention_heads: 2, intermediate_size: 64, max_position_embeddings: 64, num_labels: 4}
+
+``pretrained: /path/to/dir`` loads weights saved by ``save_pretrained`` instead (``config`` then overrides
+nothing; the directory's config is used). Nothing is ever fetched from the network.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.errors import UserError
+from pipeline.examples import transformer
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("task.model needs the transformers package: pip install 'amp-validation[hf]' (or transformers)") from None
+    return transformers
+
+
+def build_model(
+    architecture: str = "BertForSequenceClassification",
+    config: dict | None = None,
+    pretrained: str | None = None,
+    **_: object,
+) -> torch.nn.Module:
+    """``architecture`` is a class name of ``transformers`` (``BertForSequenceClassification``,
+    ``ResNetForImageClassification``, ``GPT2LMHeadModel``...).
+
+    Args:
+        architecture: the model class.
+        config: keyword arguments of its config, with ``model_type`` (``bert``, ``resnet``, ``gpt2``...);
+            weights are randomly initialised from the global seed the pipeline sets.
+        pretrained: a local directory written by ``save_pretrained``; read offline, never downloaded.
+
+    Raises:
+        UserError: an unknown architecture or model_type, or neither config nor pretrained.
+    """
+    hf = _transformers()
+    cls = getattr(hf, architecture, None)
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        raise UserError(f"task.options.architecture {architecture!r} is not a transformers model class; e.g. BertForSequenceClassification")
+    if pretrained:
+        return cls.from_pretrained(pretrained, local_files_only=True)
+    if not config or "model_type" not in config:
+        raise UserError("task.options.config needs model_type (e.g. bert) and the sizes, or give task.options.pretrained: a local directory")
+    options = dict(config)
+    model_type = options.pop("model_type")
+    try:
+        hf_config = hf.AutoConfig.for_model(model_type, **options)
+    except ValueError as exc:
+        raise UserError(f"task.options.config: {str(exc).splitlines()[0][:200]}; use a model_type transformers knows") from None
+    return cls(hf_config)
+
+
+def load_token_data(
+    n_train: int = 512,
+    n_eval: int = 128,
+    seq_len: int = 16,
+    vocab: int = 64,
+    classes: int = 4,
+    max_padding: int = 4,
+    data_seed: int = 0,
+    **_: object,
+) -> dict:
+    """The marker-counting sequences of ``pipeline.examples.transformer`` as a tokenizer would give them:
+    ``input_ids`` (int64) and ``attention_mask``. Each sequence is followed by extra filler tokens (never
+    a marker: the label is unchanged) and then 0 to ``max_padding`` padding tokens (id ``vocab``, mask 0:
+    the model's vocab_size must be at least ``vocab + 1``), so real lengths vary. Targets are the labels.
+    One named edge case: a sequence of padding behind a single marker token."""
+    raw = transformer.load_data(n_train=n_train, n_eval=n_eval, seq_len=seq_len, vocab=vocab, classes=classes, data_seed=data_seed)
+    tokens = torch.cat([raw["train_x"], raw["eval_x"]])
+    n, width = tokens.shape[0], seq_len + max_padding
+    gen = torch.Generator().manual_seed(data_seed + 1)
+    pads = torch.randint(0, max_padding + 1, (n,), generator=gen)
+    filler = torch.randint(classes, vocab, (n, max_padding), generator=gen)
+    ids = torch.cat([tokens, filler], dim=1)
+    positions = torch.arange(width).unsqueeze(0)
+    mask = (positions < (width - pads).unsqueeze(1)).long()
+    ids = torch.where(mask.bool(), ids, torch.full_like(ids, vocab))
+    labels = torch.cat([raw["train_y"], raw["eval_y"]])
+    batch = {"input_ids": ids, "attention_mask": mask}
+    return {
+        "train_x": {k: v[:n_train] for k, v in batch.items()},
+        "train_y": labels[:n_train],
+        "eval_x": {k: v[n_train:] for k, v in batch.items()},
+        "eval_y": labels[n_train:],
+        "eval_ids": raw["eval_ids"],
+        "edge_x": {
+            "input_ids": torch.full((1, width), vocab, dtype=torch.long).index_fill_(1, torch.tensor([0]), 0),
+            "attention_mask": (positions < 1).long(),
+        },
+        "edge_ids": ["one-marker-token"],
+    }

@@ -1,0 +1,240 @@
+"""The store of per-case outputs: one safetensors file, written and read in chunks of rows.
+
+A fixed set of a real validation holds thousands of cases, and a language model gives a distribution
+over its vocabulary at every position: the outputs of freeze and trial need not fit in memory twice.
+
+- ``write_outputs(path, chunks, ids)`` writes the concatenation (along rows, dim 0) of the chunks an
+  iterable yields, holding one chunk at a time: the header is known from ``len(ids)`` and the first
+  chunk, each tensor's region of the file is reserved up front and each chunk's rows are written at
+  their offset. Tensors are laid out by decreasing item size, then name (as safetensors does, so every
+  tensor stays aligned), the header is JSON with sorted keys: equal content gives equal bytes.
+- ``OutputsReader(path, expected_sha256)`` verifies the file's sha256 first (streamed, 1 MiB at a
+  time), validates the header with ``safetensors.safe_open``, then reads a slice of rows with one
+  positioned read into a fresh tensor (no memory map: pages of a mapped file stay in the process's
+  resident memory once touched, so a mapped reader of a large file would grow with the file, not
+  the chunk). Files written by ``artifacts.write_tensors`` read the same way.
+
+Metadata holds ``ids`` (one string per row) as a JSON string, as ``artifacts.write_tensors`` writes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from pipeline.artifacts import from_jsonable, sha256_file, to_jsonable
+from pipeline.errors import UserError
+
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def write_outputs(path: str | Path, chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], meta: dict[str, Any] | None = None) -> str:
+    """Write the row-wise concatenation of ``chunks`` to one safetensors file, atomically; return its sha256.
+
+    Every chunk names the same tensors, with the same dtype and the same shape past dim 0; their rows
+    add up to ``len(ids)``. At most one chunk is held (plus the header). ``meta`` adds metadata keys.
+
+    Raises:
+        ValueError: no chunk, chunks that disagree in names, dtype or shape, or rows that do not add up.
+    """
+    path = Path(path)
+    ids = [str(i) for i in ids]
+    n_rows = len(ids)
+    iterator = iter(chunks)
+    first = next(iterator, None)
+    if first is None:
+        raise ValueError(f"{path}: write_outputs got no chunk; give at least one (it may have 0 rows)")
+    layout = _layout(first, n_rows)
+    metadata = {k: json.dumps(to_jsonable(v), sort_keys=True) for k, v in {**(meta or {}), "ids": ids}.items()}
+    header_obj: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, (dtype, trailing, row_bytes) in layout.items():
+        size = row_bytes * n_rows
+        header_obj[name] = {"dtype": _DTYPES[dtype], "shape": [n_rows, *trailing], "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps(header_obj, sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    base = 8 + len(header)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(len(header).to_bytes(8, "little") + header)
+            handle.truncate(base + offset)
+            row = 0
+            chunk: dict[str, torch.Tensor] | None = first
+            while chunk is not None:
+                rows = _check_chunk(chunk, layout, path)
+                if row + rows > n_rows:
+                    raise ValueError(f"{path}: the chunks hold more rows than the {n_rows} ids")
+                for name, (_, _, row_bytes) in layout.items():
+                    if rows:
+                        handle.seek(base + header_obj[name]["data_offsets"][0] + row * row_bytes)
+                        handle.write(_raw(chunk[name]))
+                row += rows
+                chunk = next(iterator, None)
+            if row != n_rows:
+                raise ValueError(f"{path}: the chunks hold {row} rows for {n_rows} ids; give one row per id")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return sha256_file(path)
+
+
+def _layout(first: dict[str, torch.Tensor], n_rows: int) -> dict[str, tuple[torch.dtype, list[int], int]]:
+    """Name -> (dtype, shape past dim 0, bytes per row), in file order: larger items first, then by name."""
+    if not first:
+        raise ValueError("write_outputs: the first chunk names no tensor")
+    out = {}
+    for name in sorted(first, key=lambda n: (-first[n].element_size(), n)):
+        t = first[name]
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"write_outputs: output '{name}' has dtype {t.dtype}, which safetensors cannot store here")
+        if t.ndim == 0:
+            raise ValueError(f"write_outputs: output '{name}' is a scalar; give one row per case")
+        trailing = list(t.shape[1:])
+        out[name] = (t.dtype, trailing, t.element_size() * int(torch.Size(trailing).numel()))
+    return out
+
+
+def _check_chunk(chunk: dict[str, torch.Tensor], layout: dict, path: Path) -> int:
+    if set(chunk) != set(layout):
+        raise ValueError(f"{path}: a chunk names {sorted(chunk)} but the first named {sorted(layout)}")
+    rows = None
+    for name, (dtype, trailing, _) in layout.items():
+        t = chunk[name]
+        if t.dtype != dtype or list(t.shape[1:]) != trailing:
+            raise ValueError(f"{path}: output '{name}' is {t.dtype} {tuple(t.shape)} in a chunk, {dtype} [*, {trailing}] in the first")
+        if rows is None:
+            rows = t.shape[0]
+        elif t.shape[0] != rows:
+            raise ValueError(f"{path}: the tensors of a chunk have different row counts")
+    return int(rows or 0)
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes in native (little-endian) order, without a copy when it is contiguous on CPU."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+_FROM_CODE = {code: dtype for dtype, code in _DTYPES.items()}
+
+
+class OutputsReader:
+    """Named per-case outputs of one safetensors file, read by slices of rows.
+
+    ``expected_sha256`` (from a manifest) is checked before anything is read; ``produced_by`` names the
+    stage to rerun in error messages.
+
+    Raises:
+        UserError: missing file, hash mismatch, or not a valid safetensors file (nothing is executed).
+    """
+
+    def __init__(self, path: str | Path, expected_sha256: str | None = None, produced_by: str = "") -> None:
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
+        hint = f"`dvc repro {produced_by}`" if produced_by else "`dvc repro --force`"
+        if not self.path.is_file():
+            raise UserError(f"{self.path} not found; run {hint} to produce it")
+        if expected_sha256 is not None:
+            actual = sha256_file(self.path)
+            if actual != expected_sha256:
+                raise UserError(
+                    f"{self.path} has sha256 {actual[:12]}… but its manifest expects {expected_sha256[:12]}…; it was damaged "
+                    f"or replaced: restore it with `dvc checkout` or rebuild it with {hint}"
+                )
+        try:
+            with open(self.path, "rb") as handle:
+                size = int.from_bytes(handle.read(8), "little")
+                if size <= 0 or size > 100_000_000:
+                    raise ValueError("bad header size")
+                header = json.loads(handle.read(size))
+            with safe_open(str(self.path), framework="pt"):  # validates header, offsets and size; reads no data
+                pass
+        except (SafetensorError, ValueError, OverflowError, UnicodeDecodeError, json.JSONDecodeError, OSError):
+            raise UserError(
+                f"{self.path} is not a valid safetensors file (truncated, or a pickle renamed?); nothing was loaded: rebuild it with {hint}"
+            ) from None
+        self.meta = {k: from_jsonable(json.loads(v)) for k, v in (header.pop("__metadata__", None) or {}).items()}
+        self._shapes = {name: tuple(entry["shape"]) for name, entry in header.items()}
+        self._dtypes = {name: _FROM_CODE[entry["dtype"]] for name, entry in header.items()}
+        self._offsets = {name: 8 + size + entry["data_offsets"][0] for name, entry in header.items()}
+        self.names: list[str] = sorted(self._shapes)
+        ids = self.meta.get("ids")
+        self.ids: list[str] | None = [str(i) for i in ids] if isinstance(ids, list) else None
+        row_counts = {s[0] if s else 0 for s in self._shapes.values()}
+        if len(row_counts) > 1 or (self.ids is not None and row_counts and row_counts != {len(self.ids)}):
+            raise UserError(f"{self.path} holds tensors of different row counts or ids that do not match them; rebuild it with {hint}")
+        self.rows: int = row_counts.pop() if row_counts else len(self.ids or [])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of output ``name`` (a new CPU tensor of the stored dtype)."""
+        stop = self.rows if stop is None else min(stop, self.rows)
+        start = min(max(start, 0), stop)
+        shape = self._shapes[name]
+        row_elems = int(torch.Size(shape[1:]).numel())
+        dtype = self._dtypes[name]
+        item = torch.empty(0, dtype=dtype).element_size()
+        out = torch.empty((stop - start, *shape[1:]), dtype=dtype)
+        nbytes = (stop - start) * row_elems * item
+        if nbytes:
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            with open(self.path, "rb", buffering=0) as handle:
+                handle.seek(self._offsets[name] + start * row_elems * item)
+                got = 0
+                while got < nbytes:
+                    n = handle.readinto(view[got:])
+                    if not n:
+                        raise UserError(f"{self.path} is truncated; rebuild it with `dvc repro --force`")
+                    got += n
+        return out
+
+    def chunks(self, size: int) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+        """(start, stop, {name: rows start:stop}) for consecutive slices of ``size`` rows."""
+        if size <= 0:
+            raise ValueError(f"chunk size must be positive, got {size}")
+        for start in range(0, self.rows, size):
+            stop = min(start + size, self.rows)
+            yield start, stop, {name: self.read(name, start, stop) for name in self.names}
+
+    def read_all(self) -> dict[str, torch.Tensor]:
+        """Every output whole: for small sets only."""
+        return {name: self.read(name) for name in self.names}
+
+    def row_bytes(self) -> int:
+        """Bytes of one row of every output together (to size chunks by memory)."""
+        total = 0
+        for name in self.names:
+            t = self.read(name, 0, min(1, self.rows))
+            per = t.element_size() * int(torch.Size(self._shapes[name][1:]).numel())
+            total += per
+        return total

@@ -1,0 +1,249 @@
+"""The verdict block: what a reviewer reads first, per dtype, wherever they land.
+
+Pure: the loaded stage outputs in, text out (no torch, no MLflow, no clock). The same ``Verdict`` is
+rendered as Markdown (MLflow descriptions), HTML (report.html), plain text (a stage's terminal note) and
+one line (publish's last line). Per dtype it says:
+
+- the decision in one sentence, with the gain in words ("accepted numerically; x0.32 slower on this
+  CPU: keep FP32 here");
+- the reasons (failed criteria, then the diagnosis' findings);
+- the flipped cases, reference -> trial class and margin, calling out real samples that the rule counted
+  as boundary cases only because their reference margin is small;
+- whether training drifted (worst loss gap against its band; "no GradScaler" for bfloat16);
+- on rollback, the next commands, ready to paste.
+
+Hashes and environment go to a footer, not here.
+"""
+
+from __future__ import annotations
+
+import html as _html
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_FLIPS = 10
+"""Flipped cases listed per dtype; the rest are counted (every one is in compare's cases.json)."""
+FASTER, SLOWER = 1.05, 0.95
+"""Speedups between these are "no measurable speed difference" (benchmark noise on a shared machine)."""
+
+
+@dataclass
+class Verdict:
+    dtype: str
+    decision: str
+    """``accept`` or ``rollback``."""
+    sentence: str
+    reasons: list[str] = field(default_factory=list)
+    flips: list[str] = field(default_factory=list)
+    training: str = ""
+    gain: str = ""
+    commands: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def short(self) -> str:
+        """The decision and its gain in a few words, for run names and one-line summaries."""
+        return f"{self.decision.upper()} {self.dtype}"
+
+
+def verdict(
+    dtype: str,
+    decision: Mapping[str, Any],
+    stats: Mapping[str, Any] | None = None,
+    diagnosis: Mapping[str, Any] | None = None,
+    benchmark: Mapping[str, Any] | None = None,
+    loosened: Sequence[str] = (),
+) -> Verdict:
+    """The verdict of one dtype from its outputs: ``decision.json``, compare's ``stats.json``,
+    ``diagnosis.json`` and ``benchmark.json`` (each may be absent: decide runs before the benchmark).
+    ``loosened``: how the rule was loosened since an earlier rollback of the same reference (publish)."""
+    stats, diagnosis = stats or {}, diagnosis or {}
+    accepted = decision.get("decision") == "accept"
+    env = decision.get("env") or {}
+    gain = _gain(benchmark, env) if accepted else ""
+    if accepted:
+        sentence = f"{dtype}: ACCEPT: the rule passed, {gain}" if gain else f"{dtype}: ACCEPT: every criterion of the rule passed"
+    else:
+        failed = [r for r in decision.get("reasons", []) if not str(r).startswith(("warning", "diagnosis:"))]
+        what = f"{len(failed)} criteria failed" if len(failed) != 1 else "1 criterion failed"
+        sentence = f"{dtype}: ROLLBACK: {what}; keep FP32 for {dtype} (the reference state is restorable exactly)"
+    out = Verdict(dtype=dtype, decision=str(decision.get("decision", "?")), sentence=sentence)
+    # decide lists the failed criteria, then the diagnosis' findings (prefixed "diagnosis:"); older decisions
+    # did not carry the findings: take them from the diagnosis then.
+    reasons = [str(r) for r in decision.get("reasons", [])]
+    if not accepted and not any(r.startswith("diagnosis:") for r in reasons):
+        reasons += [f"diagnosis: {f}" for f in diagnosis.get("findings", [])]
+    out.reasons = reasons
+    out.flips = _flips(stats, decision.get("rule") or {})
+    out.training = _training(stats, dtype)
+    out.gain = gain
+    if not accepted:
+        out.commands = _commands(dtype, diagnosis)
+    if loosened:
+        out.warnings.append(
+            f"the rule was loosened since this reference was rolled back for {dtype}: {'; '.join(loosened)}"
+            + (" - this accept may exist only because of it" if accepted else "")
+        )
+    return out
+
+
+def _gain(bench: Mapping[str, Any] | None, env: Mapping[str, Any]) -> str:
+    """The benchmark in words; a slower AMP is said plainly, beside a green accept."""
+    where = "this CPU" if env.get("backend", "cpu") == "cpu" else f"this {env.get('device_name') or 'GPU'}"
+    if not bench:
+        return "not benchmarked yet"
+    if not bench.get("benchmarked"):
+        return f"not benchmarked ({bench.get('reason', 'no reason recorded')})"
+    s = (bench.get("speedup") or {}).get("median")
+    w = (bench.get("working_memory_ratio") or {}).get("median")
+    memory = f"working memory x{w:.2f}" if isinstance(w, (int, float)) and math.isfinite(w) else ""
+    if not isinstance(s, (int, float)) or not math.isfinite(s):
+        return "speed not measured"
+    if s >= FASTER:
+        return f"x{s:.2f} faster on {where}" + (f", {memory}" if memory else "") + ": switch to AMP here"
+    if s <= SLOWER:
+        words = f"x{s:.2f} ({1 / s:.1f} times slower) on {where}" if s > 0 else f"x{s:.2f} on {where}"
+        if memory and w < 0.9:
+            return f"{words}, {memory}: keep FP32 here unless memory is what you lack"
+        return f"{words}: keep FP32 here"
+    return f"no measurable speed difference (x{s:.2f}) on {where}" + (f", {memory}" if memory else "") + ": AMP gains nothing here but memory"
+
+
+def _flips(stats: Mapping[str, Any], rule: Mapping[str, Any]) -> list[str]:
+    flips = (stats.get("flips") or {}).get("flip_list") or []
+    margin = rule.get("boundary_margin")
+    order = sorted(flips, key=lambda f: (bool(f.get("boundary")) and f.get("kind") != "ordinary", str(f.get("id"))))
+    lines = []
+    for f in order[:MAX_FLIPS]:
+        if "reference_class" in f:
+            text = (
+                f"{f['id']}: class {f['reference_class']} -> {f['trial_class']}, reference margin "
+                f"{_g(f.get('reference_margin'))} (trial {_g(f.get('trial_margin'))})"
+            )
+        else:
+            text = f"{f['id']}: {_g(f.get('reference'))} -> {_g(f.get('trial'))} across the threshold"
+        if f.get("boundary") and f.get("kind") == "ordinary":
+            text += f" - a REAL sample, counted as a boundary case only because its margin is under boundary_margin {_g(margin)}"
+        elif f.get("boundary"):
+            text += " - boundary case"
+        lines.append(text)
+    if len(order) > MAX_FLIPS:
+        lines.append(f"... and {len(order) - MAX_FLIPS} more (compare's cases.json, column 'flipped')")
+    return lines
+
+
+def _training(stats: Mapping[str, Any], dtype: str) -> str:
+    t = stats.get("training") or {}
+    if not t:
+        return ""
+    gap, violations = t.get("max_loss_gap"), t.get("band_violations")
+    drift = "stayed inside its band" if not violations else f"left its band at {violations} step(s)"
+    scaler = (
+        "no GradScaler (bfloat16 keeps FP32's exponent range: the loss scale stays 1 by design)"
+        if dtype == "bfloat16"
+        else f"final loss scale {_g(t.get('final_scale'))}, {_g(100 * t.get('skipped_fraction', 0.0))}% of steps skipped"
+    )
+    noise = t.get("noise_floor") or t.get("max_replicate_gap")
+    floor = f" (FP32 noise floor {_g(noise)})" if isinstance(noise, (int, float)) else ""
+    return f"training: worst loss gap {_g(gap)}{floor}, {drift}; {scaler}"
+
+
+def _commands(dtype: str, diagnosis: Mapping[str, Any]) -> list[str]:
+    cmds = [f"python -m pipeline restore --dtype {dtype}   # verified FP32 reference state -> restored/"]
+    s = diagnosis.get("suggestion") or {}
+    if s.get("fp32_modules"):
+        modules = "[" + ",".join(s["fp32_modules"]) + "]"
+        checked = "passes the rule in a re-run" if s.get("rule_passes") else "not checked by a re-run"
+        cmds.append(f"dvc exp run -S 'trial.fp32_modules={modules}' -S 'trial.dtypes=[{dtype}]'   # suggested FP32 regions ({checked})")
+    return cmds
+
+
+def _g(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value).lower() if value is not None else "-"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+# --- renderings ------------------------------------------------------------------------------------------
+
+
+def text(v: Verdict) -> str:
+    """Plain text for a terminal: the sentence, then indented details."""
+    lines = [v.sentence]
+    lines += [f"  ! {w}" for w in v.warnings]
+    lines += [f"  - {r}" for r in v.reasons]
+    if v.flips:
+        lines.append(f"  flipped cases ({_count(v.flips)}):")
+        lines += [f"    {f}" for f in v.flips]
+    if v.training:
+        lines.append(f"  {v.training}")
+    if v.commands:
+        lines.append("  next:")
+        lines += [f"    {c}" for c in v.commands]
+    return "\n".join(lines)
+
+
+def markdown(verdicts: Sequence[Verdict]) -> str:
+    """The block as Markdown: a heading per dtype, the sentence in bold, details as lists, commands in code."""
+    out = ["## Verdict", ""]
+    for v in verdicts:
+        out += [f"**{_md(v.sentence)}**", ""]
+        out += [f"- :warning: {_md(w)}" for w in v.warnings]
+        out += [f"- {_md(r)}" for r in v.reasons]
+        if v.training:
+            out.append(f"- {_md(v.training)}")
+        if v.flips:
+            out.append(f"- flipped cases ({_count(v.flips)}):")
+            out += [f"    - {_md(f)}" for f in v.flips]
+        if v.commands:
+            out += ["", "Next:", "", "```", *v.commands, "```"]
+        out.append("")
+    return "\n".join(out)
+
+
+def html(verdicts: Sequence[Verdict]) -> str:
+    """The block as an HTML fragment (``<section id="verdict">``), first on the report page."""
+    e = _html.escape
+    parts = ['<section id="verdict"><h2>Verdict</h2>']
+    for v in verdicts:
+        parts.append(f'<div class="verdict {e(v.decision)}" data-dtype="{e(v.dtype)}"><p class="sentence">{e(v.sentence)}</p><ul>')
+        parts += [f'<li class="warning">{e(w)}</li>' for w in v.warnings]
+        parts += [f"<li>{e(r)}</li>" for r in v.reasons]
+        if v.training:
+            parts.append(f"<li>{e(v.training)}</li>")
+        if v.flips:
+            parts.append(f"<li>flipped cases ({_count(v.flips)}):<ul>" + "".join(f"<li>{e(f)}</li>" for f in v.flips) + "</ul></li>")
+        parts.append("</ul>")
+        if v.commands:
+            parts.append("<p>Next:</p><pre>" + e("\n".join(v.commands)) + "</pre>")
+        parts.append("</div>")
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def one_line(verdicts: Sequence[Verdict]) -> str:
+    """Every dtype's decision and gain on one line (publish's last line)."""
+    return "; ".join(
+        f"{v.dtype} {v.decision.upper()}" + (f" ({v.gain})" if v.gain else f" ({len(v.reasons)} reason(s): restore / fp32_modules)" if v.decision != "accept" else "")
+        for v in verdicts
+    )
+
+
+def run_name(verdicts: Sequence[Verdict], suffix: str = "") -> str:
+    """A run name that leads with the decisions (the runs table cuts long names)."""
+    return " ".join([", ".join(f"{v.decision.upper()} {v.dtype}" for v in verdicts), suffix]).strip()
+
+
+def _count(flips: Sequence[str]) -> str:
+    more = [f for f in flips if f.startswith("... and ")]
+    if not more:
+        return str(len(flips))
+    return str(len(flips) - 1 + int(more[0].split()[2]))
+
+
+def _md(s: str) -> str:
+    return s.replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")

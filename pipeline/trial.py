@@ -1,0 +1,111 @@
+"""The trial artifact of one dtype (``data/trial/<dtype>/``): written here, read back here, verified.
+
+Files: the trained reference's outputs under the policy (``outputs.safetensors``), the outputs of the
+model trained under the policy (``trained_outputs.safetensors``), its final training state
+(``checkpoint.safetensors``), the per-step trajectory (``trajectory.json``) and the manifest, written
+last, with every file's sha256. Outputs are streamed to disk chunk by chunk (``pipeline.outputs``).
+compare, diagnose and report read a trial through ``load`` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from pipeline import checkpoint, outputs as output_store, paths
+from pipeline.artifacts import read_json, sha256_file, write_json
+from pipeline.errors import UserError
+
+OUTPUTS = "outputs.safetensors"
+TRAINED_OUTPUTS = "trained_outputs.safetensors"
+CHECKPOINT = "checkpoint.safetensors"
+TRAJECTORY = "trajectory.json"
+MANIFEST = "manifest.json"
+
+
+class Writer:
+    """Streams a trial's outputs as they are computed, then writes its state, trajectory and manifest."""
+
+    def __init__(self, dtype: str, ids: list[str]) -> None:
+        self.folder = paths.trial(dtype)
+        self.ids = ids
+        self.files: dict[str, str] = {}
+
+    def sink(self, name: str, chunks: Iterable[dict[str, torch.Tensor]]) -> None:
+        """``name`` is ``outputs`` or ``trained_outputs`` (what ``training.run_trial`` streams)."""
+        file = f"{name}.safetensors"
+        self.files[file] = output_store.write_outputs(self.folder / file, chunks, self.ids)
+
+    def finish(self, result, policy, reference_manifest: dict, env: dict) -> dict:
+        """Write the training state, the trajectory and (last) the manifest; return the manifest."""
+        self.files[CHECKPOINT] = checkpoint.save(self.folder / CHECKPOINT, result.state)
+        write_json(
+            self.folder / TRAJECTORY,
+            {"steps": [asdict(r) for r in result.records], "final_scale": result.final_scale, "scaler_enabled": policy.uses_scaler},
+        )
+        self.files[TRAJECTORY] = sha256_file(self.folder / TRAJECTORY)
+        manifest = {
+            "files": dict(sorted(self.files.items())),
+            "policy": policy.as_dict(),
+            "reference_run_key": reference_manifest["run_key"],
+            "rule_sha256": reference_manifest["rule_sha256"],
+            "env": env,
+            "env_differs_from_reference": sorted(k for k in env if env[k] != reference_manifest["env"].get(k)),
+            "real_updates": result.real_updates,
+        }
+        write_json(self.folder / MANIFEST, manifest)
+        return manifest
+
+
+@dataclass
+class Trial:
+    dtype: str
+    folder: Path
+    manifest: dict
+    trajectory: dict
+
+    @property
+    def steps(self) -> list[dict]:
+        return self.trajectory["steps"]
+
+    @property
+    def final_scale(self) -> float:
+        return self.trajectory["final_scale"]
+
+    @property
+    def scaler_enabled(self) -> bool:
+        return self.trajectory.get("scaler_enabled", True)
+
+    def reader(self, name: str = "outputs") -> output_store.OutputsReader:
+        """``outputs`` or ``trained_outputs``, read by slices of rows, sha256 verified."""
+        file = f"{name}.safetensors"
+        return output_store.OutputsReader(self.folder / file, self.manifest["files"][file], f"trial@{self.dtype}")
+
+    def outputs(self) -> dict[str, torch.Tensor]:
+        return self.reader("outputs").read_all()
+
+    def trained_outputs(self) -> dict[str, torch.Tensor]:
+        return self.reader("trained_outputs").read_all()
+
+    def checkpoint(self) -> checkpoint.Checkpoint:
+        return checkpoint.load(self.folder / CHECKPOINT, self.manifest["files"][CHECKPOINT])
+
+
+def load(dtype: str, reference_manifest: dict | None = None) -> Trial:
+    """Read a trial's manifest and trajectory (verified); outputs are read on demand, verified too.
+
+    Raises:
+        UserError: missing or damaged files, or a trial of another reference than ``reference_manifest``.
+    """
+    folder = paths.trial(dtype)
+    manifest = read_json(folder / MANIFEST, f"trial@{dtype}")
+    if reference_manifest is not None and manifest.get("reference_run_key") != reference_manifest.get("run_key"):
+        raise UserError(f"{folder} was made from another reference than data/reference; run `dvc repro trial@{dtype}`")
+    sha = manifest["files"].get(TRAJECTORY)
+    if sha is not None and (folder / TRAJECTORY).is_file() and sha256_file(folder / TRAJECTORY) != sha:
+        raise UserError(f"{folder / TRAJECTORY} differs from its manifest (damaged or edited); run `dvc repro --force trial@{dtype}`")
+    trajectory = read_json(folder / TRAJECTORY, f"trial@{dtype}")
+    return Trial(dtype=dtype, folder=folder, manifest=manifest, trajectory=trajectory)

@@ -1,0 +1,81 @@
+"""Issue 15 for real: a parallel DVC queue against one new MLflow database, and a fresh clone that publishes.
+
+Both run real `dvc` in temporary git repositories (tiny params, seconds per stage).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import BIN, dvc, env_for, make_project, run
+
+pytestmark = pytest.mark.integration
+
+
+def parents(db: Path) -> list:
+    import mlflow
+
+    c = mlflow.MlflowClient(tracking_uri=f"sqlite:///{db}")
+    exp = c.get_experiment_by_name("amp-validation")
+    runs = [] if exp is None else c.search_runs([exp.experiment_id], max_results=1000)
+    return [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+
+
+def experiment_names(repo: Path) -> set[str]:
+    shown = json.loads(dvc(repo, "exp", "show", "--json").stdout)
+    return {e.get("name") for c in shown for e in (c.get("experiments") or []) if e.get("name")}
+
+
+def test_parallel_queue_with_a_new_database_keeps_both_experiments(tmp_path):
+    """`dvc queue start --jobs 2` with no mlflow.db yet: both experiments reach publish at about the same time
+    and both create the database; before the store lock, one of them died in MLflow's migrations and was lost."""
+    repo = make_project(tmp_path / "repo", {"bench": {"repeats": 1, "steps": 1, "warmup": 0}})
+    (repo / "mlflow.db").unlink()  # a repository that never published: the queue creates the database
+    env = env_for(repo)
+    for name, seed in (("q1", 1), ("q2", 2)):  # same work, so both publish at the same moment
+        run([str(BIN / "dvc"), "exp", "run", "--queue", "-n", name, "-S", f"seed={seed}"], repo, env=env)
+    run([str(BIN / "dvc"), "queue", "start", "--jobs", "2"], repo, env=env)
+    deadline = time.monotonic() + 900
+    try:
+        while True:
+            status = run([str(BIN / "dvc"), "queue", "status"], repo, env=env).stdout
+            if not any(word in status for word in ("Queued", "Running")):
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(3)
+    finally:
+        run([str(BIN / "dvc"), "queue", "stop"], repo, env=env, check=False)
+    logs = {n: run([str(BIN / "dvc"), "queue", "logs", n], repo, env=env, check=False).stdout for n in ("q1", "q2")}
+    assert "Success" in status and "Failed" not in status, (status, {n: log[-3000:] for n, log in logs.items()})
+    assert {"q1", "q2"} <= experiment_names(repo)
+    published = {r.data.tags.get("dvc_experiment") for r in parents(repo / "mlflow.db")}
+    assert published == {"q1", "q2"}, published
+
+
+def test_a_fresh_clone_publishes_what_it_reproduces_and_a_rerun_adds_nothing(reproduced, tmp_path):
+    """A clone whose outputs match the committed dvc.lock (they come from a shared DVC cache): `dvc repro`
+    finds every stage unchanged, yet publish runs, because this tracking store lacks the execution."""
+    origin = tmp_path / "origin"
+    subprocess.run(["cp", "-a", str(reproduced), str(origin)], check=True)
+    run(["git", "add", "-A"], origin)
+    run(["git", "commit", "-qm", "reproduced"], origin)
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(origin), str(clone)], tmp_path)
+    dvc(clone, "cache", "dir", str(origin / ".dvc" / "cache"))  # a team's shared cache: nothing recomputed
+    dvc(clone, "checkout")
+    assert not (clone / "mlflow.db").exists()
+    first = dvc(clone, "repro")
+    assert "Running stage 'publish'" in first.stdout, first.stdout
+    assert not [line for line in first.stdout.splitlines() if line.startswith("Running stage") and "publish" not in line], first.stdout
+    runs = parents(clone / "mlflow.db")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    start = time.monotonic()
+    again = dvc(clone, "repro")
+    took = time.monotonic() - start
+    assert "already published, nothing added" in again.stdout, again.stdout
+    assert len(parents(clone / "mlflow.db")) == 1
+    print(f"\nno-op publish inside `dvc repro`: {took:.1f} s")

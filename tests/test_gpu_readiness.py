@@ -1,0 +1,248 @@
+"""Issue 12 and 15.3 on the CPU where a CPU can show it, ``gpu``-marked where only a GPU can: the TF32 switch,
+determinism, FP32 regions, RNG capture, resume keys, thread counts and what the manifests record."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT
+
+from pipeline import checkpoint, devices, precision
+from pipeline.__main__ import set_thread_env
+from pipeline.config import Params, TrialConfig, build
+from pipeline.errors import UserError
+from pipeline.precision import Policy
+
+CPU = torch.device("cpu")
+NEW_TF32_API = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+
+
+def python(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter: TF32 and determinism flags are process-wide, and a test must not leak them."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+# --- TF32: one switch, never a legacy read after the new API ------------------------------------------------
+
+
+@pytest.mark.skipif(not NEW_TF32_API, reason="torch < 2.9 has only the legacy TF32 flags: nothing to mix")
+def test_legacy_tf32_read_after_the_new_api_crashes_and_the_switch_does_not() -> None:
+    """Reproduces issue 12.5 on torch >= 2.9 (CPU): a user's module sets the new API, then the old code reads."""
+    user_module = "import torch; torch.backends.cuda.matmul.fp32_precision = 'tf32'\n"
+    legacy = python(user_module + "print(torch.backends.cuda.matmul.allow_tf32)")
+    assert legacy.returncode != 0 and "mix of the legacy and new APIs" in legacy.stderr
+    ours = python(
+        user_module
+        + "from pipeline import precision\n"
+        + "with precision.tf32(False):\n    inside = precision.tf32_state()\n"
+        + "after = precision.tf32_state()\n"
+        + "precision.strict_fp32()\n"
+        + "print(inside, after, precision.tf32_state())"
+    )
+    assert ours.returncode == 0, ours.stderr
+    assert ours.stdout.split("\n")[0] == "('ieee', 'ieee', 'ieee') ('tf32', 'tf32', 'tf32') ('ieee', 'ieee', 'ieee')"
+
+
+def test_tf32_switch_sets_and_restores() -> None:
+    saved = precision.tf32_state()
+    try:
+        with precision.tf32(True):
+            on = precision.tf32_state()
+            with precision.tf32(False):
+                off = precision.tf32_state()
+        assert precision.tf32_state() == saved
+        if NEW_TF32_API:
+            assert set(on) == {"tf32"} and set(off) == {"ieee"}
+        else:
+            assert set(on) == {True} and set(off) == {False}
+    finally:
+        precision.set_tf32_state(saved)
+
+
+def test_no_tf32_flag_is_touched_outside_precision_py() -> None:
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "pipeline").rglob("*.py"))
+        if p.name != "precision.py" and ("allow_tf32" in p.read_text() or "fp32_precision" in p.read_text())
+    ]
+    assert offenders == [], "every TF32 switch lives in pipeline/precision.py"
+
+
+# --- determinism ---------------------------------------------------------------------------------------------
+
+
+def test_deterministic_reports_the_ops_without_a_deterministic_kernel_in_one_line() -> None:
+    # put_ (accumulate=False) has no deterministic kernel, on the CPU too: the one op a CPU can show this with.
+    code = (
+        "import os, torch\nfrom pipeline import precision\nfrom pipeline.errors import UserError\n"
+        "t = torch.zeros(4)\n"
+        "try:\n"
+        "    with precision.deterministic(True):\n"
+        "        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic\n"
+        "        assert not torch.backends.cudnn.benchmark and os.environ['CUBLAS_WORKSPACE_CONFIG'] == ':4096:8'\n"
+        "        t.put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))\n"
+        "        t.put_(torch.tensor([1, 1]), torch.tensor([1.0, 2.0]))\n"
+        "        t.index_add_(0, torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))  # deterministic on the CPU\n"
+        "except UserError as exc:\n"
+        "    print('USER', exc)\n"
+        "print('after', torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic)\n"
+        "precision.deterministic(True)  # as a plain call: in force, first such op raises\n"
+        "try:\n"
+        "    t.put_(torch.tensor([0]), torch.tensor([1.0]))\n"
+        "except RuntimeError as exc:\n"
+        "    print('RAISED', precision.nondeterministic_op(exc))\n"
+    )
+    proc = python(code)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("USER reference.deterministic: ") and "for put_;" in lines[0] and "deterministic: false" in lines[0]
+    assert lines[1] == "after False False"
+    assert lines[2] == "RAISED put_"
+
+
+def test_deterministic_stage_error_is_one_line(tmp_path: Path) -> None:
+    """``python -m pipeline`` turns torch's error for a plain ``deterministic(True)`` call into one line, exit 2."""
+    from pipeline import __main__ as entry
+
+    exc = RuntimeError("put_ does not have a deterministic implementation, but you set 'torch.use_deterministic_algorithms(True)'. ...")
+    line = entry._nondeterministic(exc)
+    assert line is not None and "\n" not in line and "put_" in line
+    assert entry._nondeterministic(RuntimeError("shape mismatch")) is None
+
+
+# --- FP32 regions ----------------------------------------------------------------------------------------------
+
+
+def test_duplicate_fp32_modules_are_refused_in_config_and_regions_restore_in_reverse() -> None:
+    with pytest.raises(UserError, match=r"trial.fp32_modules lists '0' more than once; list each module once"):
+        build(TrialConfig, {"fp32_modules": ["0", "1", "0"]}, "trial").check("trial")
+    # A policy built in code (the diagnosis's candidates) may still name a module twice: two wrappers stack,
+    # and restoring in reverse removes both (forward order left the second one installed).
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with precision.fp32_regions(model, Policy(dtype="bfloat16", fp32_modules=("0", "0")), CPU):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model[0](torch.ones(2, 4)).dtype == torch.float32
+    assert "forward" not in model[0].__dict__
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model[0](torch.ones(2, 4)).dtype == torch.bfloat16, "module 0 is back under autocast"
+
+
+# --- RNG -----------------------------------------------------------------------------------------------------
+
+
+def test_rng_state_round_trips_cpu_and_every_gpu_format(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The file format with two (simulated) GPUs: every device's state saved, restored to the same device."""
+    gpu_states = [torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)]
+    set_calls: list[tuple[int, list[int]]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in gpu_states])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, i: set_calls.append((i, state.tolist())))
+    torch.manual_seed(3)
+    ckpt = checkpoint.capture(torch.nn.Linear(2, 2))
+    expected = torch.rand(3)
+    checkpoint.save(tmp_path / "c.safetensors", ckpt)
+    loaded = checkpoint.load(tmp_path / "c.safetensors")
+    assert sorted(k for k in loaded.tensors if k.startswith("rng/")) == ["rng/cpu", "rng/cuda/0", "rng/cuda/1"]
+    torch.manual_seed(99)
+    checkpoint.restore(loaded, torch.nn.Linear(2, 2))
+    assert torch.equal(torch.rand(3), expected)
+    assert set_calls == [(0, list(range(16))), (1, list(range(16, 32)))]
+    # A machine with one GPU takes the first state only; a CPU-only checkpoint leaves the GPUs alone.
+    set_calls.clear()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    checkpoint.restore(loaded, torch.nn.Linear(2, 2))
+    assert [i for i, _ in set_calls] == [0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_gpu_rng_is_captured_before_cuda_starts_and_restored() -> None:
+    torch.manual_seed(5)
+    init = checkpoint.capture(torch.nn.Linear(2, 2))  # what freeze does, before any GPU op
+    assert "rng/cuda/0" in init.tensors
+    first = torch.rand(8, device="cuda")
+    torch.rand(100, device="cuda")
+    checkpoint.restore(init, torch.nn.Linear(2, 2))
+    assert torch.equal(torch.rand(8, device="cuda"), first)
+    dropout = torch.nn.Dropout(0.5).cuda().train()
+    checkpoint.restore(init, torch.nn.Linear(2, 2))
+    a = dropout(torch.ones(64, device="cuda"))
+    checkpoint.restore(init, torch.nn.Linear(2, 2))
+    assert torch.equal(dropout(torch.ones(64, device="cuda")), a), "a forward that draws on the GPU repeats"
+
+
+# --- resume keys ---------------------------------------------------------------------------------------------
+
+
+def test_resume_state_from_another_torch_or_device_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "resume.safetensors"
+    resume = checkpoint.ResumeFile(path, "run-1", CPU)
+    assert resume.env == {"backend": "cpu", "device_name": devices.describe(CPU)["device_name"], "torch": torch.__version__}
+    resume.save(checkpoint.capture(torch.nn.Linear(2, 2), meta={"step": 4}))
+    assert resume.load().meta["step"] == 4
+    assert checkpoint.ResumeFile(path, "run-2", CPU).load() is None, "another run's state is ignored"
+    # The same run's state, as written by another torch (or on a GPU): refused, never resumed.
+    for other in ({"torch": "2.4.0"}, {"backend": "cuda", "device_name": "NVIDIA H200"}):
+        ckpt = checkpoint.load(path)
+        ckpt.meta["run_env"] = {**resume.env, **other}
+        checkpoint.save(path, ckpt)
+        with pytest.raises(UserError) as err:
+            checkpoint.ResumeFile(path, "run-1", CPU).load()
+        line = str(err.value)
+        assert "\n" not in line and f"delete {path}" in line and list(other.values())[0] in line
+
+
+# --- threads and what manifests record -----------------------------------------------------------------------
+
+
+def test_describe_records_threads_and_blas() -> None:
+    env = devices.describe(CPU)
+    assert env["threads"] == torch.get_num_threads() and env["interop_threads"] == torch.get_num_interop_threads()
+    assert env["blas"] and env["blas"] != "unknown"
+
+
+def test_threads_param_goes_to_the_environment_before_torch() -> None:
+    assert Params().threads == 1
+    assert build(Params, {"threads": None}, "").threads is None
+    with pytest.raises(UserError, match="threads is 0; it must be greater than 0"):
+        build(Params, {"threads": 0}, "").check()
+    environ = {"OMP_NUM_THREADS": "2"}
+    set_thread_env(3, environ)
+    assert environ == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "3"}
+    environ = {"OMP_NUM_THREADS": "2"}
+    set_thread_env(None, environ)
+    assert environ == {"OMP_NUM_THREADS": "2"}
+
+
+def test_entry_point_applies_threads_and_imports_no_torch_before_params(tmp_path: Path) -> None:
+    """``python -m pipeline``: a bad params file stops before torch; a good one sets the counts in torch."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("threads: two\n")
+    code = (
+        "import sys\nfrom pipeline import __main__ as m\n"
+        f"rc = m.main(['prepare', '--params', {str(bad)!r}])\n"
+        "print(rc, 'torch' in sys.modules)\n"
+    )
+    proc = python(code)
+    assert proc.stdout.split() == ["2", "False"] and "threads must be an integer" in proc.stderr
+    code = (
+        "import os, sys, types\nfrom pipeline import __main__ as m\n"
+        "stage = types.ModuleType('pipeline.stages.prepare')\n"
+        "def main(params_path):\n"
+        "    import torch\n"
+        "    print(os.environ['OMP_NUM_THREADS'], torch.get_num_threads(), torch.get_num_interop_threads())\n"
+        "stage.main = main\nimport torch\nsys.modules['pipeline.stages.prepare'] = stage\n"
+        f"open({str(tmp_path / 'p.yaml')!r}, 'w').write('threads: 1\\n')\n"
+        f"sys.exit(m.main(['prepare', '--params', {str(tmp_path / 'p.yaml')!r}]))\n"
+    )
+    env_code = "import os; os.environ['OMP_NUM_THREADS'] = '2'\n" + code
+    proc = python(env_code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["1", "1", "1"]
