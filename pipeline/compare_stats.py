@@ -4,7 +4,7 @@ Files: ``stats.json`` (every statistic: what decide applies the rule to), ``case
 table: every flipped case and the ``compare.table_rows`` worst others) and the flat summary
 ``paths.compare_metrics(dtype)``. compare writes them with ``write``; decide, diagnose, report and
 publish read them with ``read`` / ``read_table`` and the typed accessors of ``Stats``, never by key
-paths of their own.
+paths of their own. Torch-free (decide reads it without importing torch).
 
 API:
     write(dtype, stats: dict, table: list[dict]) -> None
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline import comparison, paths
+from pipeline import paths
 from pipeline.artifacts import read_json, write_json
 
 STATS = "stats.json"
@@ -138,7 +138,24 @@ class Stats:
 
 
 def summary(stats: dict) -> dict:
-    return comparison.summary(stats)
+    """Flat numbers for `dvc metrics show` and MLflow."""
+    out: dict[str, float | int] = {}
+    for name, g in stats["values"].items():
+        for key in ("max_abs", "p99_abs", "max_rel", "failing_fraction", "nonfinite_trial_only", "min_passing_atol"):
+            out[f"values.{name}.{key}"] = g[key]
+    if stats.get("arbiter"):
+        for name, a in stats["arbiter"].items():
+            out[f"arbiter.{name}.amp_over_fp32"] = a["amp_over_fp32"]
+    for key in ("flips", "near_boundary_flips", "boundary_flips", "boundary_cases"):
+        out[f"decisions.{key}"] = stats["flips"].get(key, 0)
+    for key in ("reference", "trial", "trained"):
+        out[f"quality.{key}"] = stats["quality"][key]
+    if stats.get("distribution"):
+        for key in ("kl_mean", "kl_p99", "kl_max", "top1_agreement", "top_k_overlap"):
+            out[f"distribution.{key}"] = stats["distribution"][key]
+    for key in ("max_loss_gap", "band_violations", "skipped_fraction", "real_updates", "final_scale", "final_loss_reference", "final_loss_trial"):
+        out[f"training.{key}"] = stats["training"][key]
+    return out
 
 
 def write(dtype: str, stats: dict, table: list[dict]) -> None:

@@ -333,21 +333,7 @@ def case_table(kind: str, rule: AcceptanceConfig, fixed, ref_out: dict[str, torc
 
 
 def summary(stats: dict) -> dict:
-    """Flat numbers for `dvc metrics show` and MLflow."""
-    out: dict[str, float | int] = {}
-    for name, g in stats["values"].items():
-        for key in ("max_abs", "p99_abs", "max_rel", "failing_fraction", "nonfinite_trial_only", "min_passing_atol"):
-            out[f"values.{name}.{key}"] = g[key]
-    if stats["arbiter"]:
-        for name, a in stats["arbiter"].items():
-            out[f"arbiter.{name}.amp_over_fp32"] = a["amp_over_fp32"]
-    for key in ("flips", "near_boundary_flips", "boundary_flips", "boundary_cases"):
-        out[f"decisions.{key}"] = stats["flips"].get(key, 0)
-    for key in ("reference", "trial", "trained"):
-        out[f"quality.{key}"] = stats["quality"][key]
-    if stats.get("distribution"):
-        for key in ("kl_mean", "kl_p99", "kl_max", "top1_agreement", "top_k_overlap"):
-            out[f"distribution.{key}"] = stats["distribution"][key]
-    for key in ("max_loss_gap", "band_violations", "skipped_fraction", "real_updates", "final_scale", "final_loss_reference", "final_loss_trial"):
-        out[f"training.{key}"] = stats["training"][key]
-    return out
+    """Flat numbers for `dvc metrics show` and MLflow (``compare_stats.summary``)."""
+    from pipeline import compare_stats
+
+    return compare_stats.summary(stats)

@@ -8,10 +8,13 @@ rule), so the same commit gives the same bytes on any machine and against any tr
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pipeline import paths
 from pipeline.artifacts import read_json, write_json
+
+if TYPE_CHECKING:
+    from pipeline.compare_stats import Stats
 
 FILE = "decision.json"
 
@@ -59,20 +62,21 @@ def read(dtype: str) -> Decision:
     return Decision(**{k: v for k, v in raw.items() if k in known})
 
 
-def summary_metrics(d: Decision, stats: dict) -> dict:
-    """The few numbers `dvc metrics diff` shows per dtype (at most eight keys, all plain numbers)."""
-    values = stats["values"].values()
+def summary_metrics(d: Decision, stats: Stats) -> dict:
+    """The few numbers `dvc metrics diff` shows per dtype (eight keys, plain numbers): the verdict (1 accept,
+    0 rollback), how many reasons, flips of real cases and those near the boundary, the largest value gap,
+    quality of the trial (inference, after training) and the largest training-loss gap."""
     return {
         "decision": int(d.accepted),
         "reasons": len(d.reasons),
-        "flips": stats["flips"]["flips"],
-        "near_boundary_flips": stats["flips"]["boundary_flips"],
-        "max_abs_gap": max((v["max_abs"] for v in values), default=0.0),
-        "quality_trial": stats["quality"]["trial"],
-        "quality_trained": stats["quality"]["trained"],
-        "max_loss_gap": stats["training"]["max_loss_gap"],
+        "flips": stats.real_flips,
+        "near_boundary_flips": stats.near_boundary_flips,
+        "max_abs_gap": stats.max_abs_gap,
+        "quality_trial": stats.quality_trial,
+        "quality_trained": stats.quality_trained,
+        "max_loss_gap": stats.max_loss_gap,
     }
 
 
-def write_metrics(d: Decision, stats: dict) -> None:
+def write_metrics(d: Decision, stats: Stats) -> None:
     write_json(paths.decision_metrics(d.dtype), summary_metrics(d, stats))

@@ -84,9 +84,10 @@ class StreamQuantile:
         self._negatives: list[torch.Tensor] = []
         self._bins: dict[int, int] = {}
 
-    def update(self, values: torch.Tensor) -> None:
+    def update(self, values: torch.Tensor, finite: bool = False) -> None:
+        """Add values (``finite``: the caller guarantees no NaN, which saves a pass)."""
         v = values.detach().flatten()
-        if v.is_floating_point() and bool(torch.isnan(v).any()):
+        if not finite and v.is_floating_point() and bool(torch.isnan(v).any()):
             v = v[~torch.isnan(v)]
         self.n += v.numel()
         if self.exact:
@@ -110,11 +111,19 @@ class StreamQuantile:
                 self._bins[lo + i] = self._bins.get(lo + i, 0) + int(counts[i])
 
     def _shrink(self) -> None:
+        """Keep the ``keep`` largest values: a ``kthvalue`` (quickselect, one copy) then a filter; ``topk``
+        with a large k sorts with int64 indices and needs several times the memory."""
         allv = torch.cat(self._parts)
-        top = allv.topk(min(self.keep, allv.numel()), sorted=False).values
+        self._parts = []
+        if allv.numel() <= self.keep:
+            self._parts, self._held = [allv], allv.numel()
+            return
+        floor = allv.kthvalue(allv.numel() - self.keep + 1).values  # the keep-th largest
+        top = allv[allv > floor]
+        ties = self.keep - top.numel()  # values equal to the floor that belong to the keep largest
+        top = torch.cat([top, floor.expand(ties)]) if ties > 0 else top
         self._parts, self._held = [top], top.numel()
-        if top.numel() >= self.keep:
-            self._floor = float(top.min())
+        self._floor = float(floor)
 
     def result(self) -> float:
         if self.n == 0:
@@ -212,7 +221,7 @@ class GapStats:
             g["max_abs"] = max(g["max_abs"], mx)
             self.sum_abs += total
             self.n_abs += gap.numel()
-            self.p_abs.update(gap)
+            self.p_abs.update(gap, finite=True)
             rel = gap / mag
             if float(mag.min()) == 0.0:  # a zero reference has no relative error; it passes through atol alone
                 nz = mag > 0
@@ -225,7 +234,7 @@ class GapStats:
                 g["max_rel"] = max(g["max_rel"], float(rel.max()))
                 self.sum_rel += float(rel.sum(dtype=torch.float64))
                 self.n_rel += rel.numel()
-                self.p_rel.update(rel)
+                self.p_rel.update(rel, finite=True)
                 if self.atol == 0.0:
                     self.need_rtol = max(self.need_rtol, g["max_rel"])
                 elif mx > self.atol:
@@ -315,6 +324,19 @@ def decisions(scores: torch.Tensor, tie_rule: str, margin_kind: str = "logit") -
     """
     labels, top, lse = _top(scores, 2, tie_rule, need_lse=margin_kind == "probability")
     return labels, margins(top, margin_kind, lse, scores)
+
+
+def labels_of(scores: torch.Tensor, tie_rule: str) -> torch.Tensor:
+    """Decisions only (as ``decisions``), in one pass for ``lowest_index``: ``max`` gives the first maximal index."""
+    s = scores.detach()
+    if s.dtype not in (torch.float32, torch.float64):
+        s = s.float()
+    if s.numel() == 0:
+        return torch.zeros(s.shape[:-1], dtype=torch.long)
+    values, labels = s.max(dim=-1)
+    if tie_rule == "tie_is_flip":
+        labels = torch.where((s == values.unsqueeze(-1)).sum(-1) > 1, torch.full_like(labels, -1), labels)
+    return torch.where(torch.isnan(values), torch.full_like(labels, -2), labels)
 
 
 def _top(scores: torch.Tensor, k: int, tie_rule: str, need_lse: bool = False):
@@ -449,9 +471,13 @@ class DecisionStats:
         need_lse = self.margin_kind == "probability"
         k = min(max(self.top_k, 2), ref.shape[-1]) if per_token else 2
         r_lab, r_top, r_lse = _top(ref, k, self.tie_rule, need_lse)
-        t_lab, t_top, t_lse = _top(trial, k, self.tie_rule, need_lse)
         r_margin = margins(r_top, self.margin_kind, r_lse, ref)
-        t_margin = margins(t_top, self.margin_kind, t_lse, trial)
+        if per_token:  # top-k overlap needs the trial's k best
+            t_lab, t_top, t_lse = _top(trial, k, self.tie_rule, need_lse)
+            t_margin = margins(t_top, self.margin_kind, t_lse, trial)
+        else:  # the trial's margin is only reported for flipped cases: computed for them alone, below
+            t_lab = labels_of(trial, self.tie_rule)
+            t_margin = None
         rows = slice(row, row + n)
         constructed = self.constructed[rows]
         if per_token:
@@ -475,9 +501,14 @@ class DecisionStats:
             case["margin"][rows] = r_margin
             case["reference_class"][rows] = r_lab
             case["trial_class"][rows] = t_lab
-            for i in torch.nonzero(flipped).flatten().tolist():
+            where = torch.nonzero(flipped).flatten()
+            if where.numel():
+                t_sub = trial[where]
+                _, top_sub, lse_sub = _top(t_sub, 2, self.tie_rule, need_lse)
+                t_margin = margins(top_sub, self.margin_kind, lse_sub, t_sub)
+            for j, i in enumerate(where.tolist()):
                 self.flip_list.append(self._record(row + i, None, bool(near[i]), int(r_lab[i]), int(t_lab[i]),
-                                                   float(r_margin[i]), float(t_margin[i]), ref[i], trial[i]))
+                                                   float(r_margin[i]), float(t_margin[j]), ref[i], trial[i]))
             return {"reference": r_lab, "trial": t_lab}
         kl = kl_per_position(ref, trial, diff)
         kl_v = kl[valid]
@@ -636,7 +667,7 @@ class QualityStats:
             valid = y != IGNORE_INDEX
             if self.metric == "accuracy":
                 if labels is None:
-                    labels, _, _ = _top(s, 2, self.tie_rule)
+                    labels = labels_of(s, self.tie_rule)
                 hit = labels == y
             else:
                 idx = s.float().topk(min(self.top_k, s.shape[-1]), dim=-1).indices

@@ -99,7 +99,8 @@ def markdown(reference: Mapping[str, Any], variants: Sequence[Mapping[str, Any]]
     """The summary as Markdown (MLflow run description, pull-request comments): verdict, table, footer."""
     verdicts = verdicts_of(variants) if verdicts is None else verdicts
     dtypes = [v["dtype"] for v in variants]
-    out = ["# AMP validation", "", review.markdown(verdicts), "## Key figures", ""]
+    # The headline first: MLflow shows a description's first lines only, until "Show more".
+    out = [review.headline(verdicts), "# AMP validation", "", review.markdown(verdicts), "## Key figures", ""]
     out += ["| | " + " | ".join(dtypes) + " |", "|---|" + "---|" * len(dtypes)]
     out += [f"| {_cell(label)} | " + " | ".join(_cell(c) for c in cells) + " |" for label, cells in rows(variants)]
     out += ["", "---", "", f"Reference: {_env(reference['env'])}; {_cases(reference.get('cases', {}))}.  ",

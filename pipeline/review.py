@@ -225,6 +225,21 @@ def html(verdicts: Sequence[Verdict]) -> str:
     return "".join(parts)
 
 
+def headline(verdicts: Sequence[Verdict]) -> str:
+    """One Markdown line per dtype, for the few lines MLflow shows of a description before "Show more"."""
+    lines = []
+    for v in verdicts:
+        head = f"{v.dtype}: {v.decision.upper()}"
+        rest = v.sentence[len(head):].lstrip(": ") if v.sentence.startswith(head) else v.sentence
+        line = f"**{head}** - {_md(rest)}"
+        if v.commands:
+            line += f"; next: `{v.commands[0].split('#')[0].strip()}`"
+        if v.warnings:
+            line += " (:warning: rule loosened since a rollback)"
+        lines.append(line)
+    return "  \n".join(lines) + "\n"
+
+
 def one_line(verdicts: Sequence[Verdict]) -> str:
     """Every dtype's decision and gain on one line (publish's last line)."""
     return "; ".join(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -17,8 +18,11 @@ from pipeline.artifacts import read_json, sha256_file, write_bytes, write_json
 from pipeline.config import Params
 from pipeline.errors import UserError
 
+if TYPE_CHECKING:
+    from pipeline.compare_stats import Stats
 
-def write_package(folder: Path, params: Params, ref_manifest: dict, stats: dict, dtype: str) -> None:
+
+def write_package(folder: Path, params: Params, ref_manifest: dict, stats: Stats, dtype: str) -> None:
     snippet = {
         "seed": params.seed,
         "task": asdict(params.task),
@@ -33,9 +37,13 @@ def write_package(folder: Path, params: Params, ref_manifest: dict, stats: dict,
         "reference_run_key": ref_manifest["run_key"],
         "files": {str(p): ref_manifest["files"][str(p)] for p in keep},
     })
-    motivating = [f for f in stats["flips"]["flip_list"] if not f["boundary"]]
-    per_kind = {name: {k: g for k, g in gap["per_kind"].items() if g["failing"] or g["nonfinite_trial_only"]} for name, gap in stats["values"].items()}
-    write_json(folder / "cases.json", {"flips": motivating, "boundary_flips": [f for f in stats["flips"]["flip_list"] if f["boundary"]], "value_failures_by_kind": per_kind})
+    flips = stats.flips["flip_list"]
+    per_kind = {name: {k: g for k, g in gap["per_kind"].items() if g["failing"] or g["nonfinite_trial_only"]} for name, gap in stats.values.items()}
+    write_json(folder / "cases.json", {
+        "flips": [f for f in flips if not f["boundary"]],
+        "boundary_flips": [f for f in flips if f["boundary"]],
+        "value_failures_by_kind": per_kind,
+    })
 
 
 def verified_files(dtype: str) -> dict[str, str]:

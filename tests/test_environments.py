@@ -111,3 +111,21 @@ def test_yaml_numbers_agree_with_dvc_and_words_stay_refused(tmp_path):
         (tmp_path / "params.yaml").write_text(bad + "\n")
         with pytest.raises(UserError, match=words):
             load_params(tmp_path / "params.yaml")
+
+
+def test_default_uri_is_the_repository_database_also_from_a_temp_copy(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    copy = tmp_path / "repo" / ".dvc" / "tmp" / "exps" / "tmpabc123"
+    copy.mkdir(parents=True)
+    assert tracking.repository_root(copy) == tmp_path / "repo"
+    monkeypatch.chdir(copy)
+    assert tracking.tracking_uri() == f"sqlite:///{(tmp_path / 'repo').resolve()}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
+    assert tracking.tracking_uri() == "http://127.0.0.1:1"
+
+
+def test_mlflow_keys():
+    assert tracking.mlflow_key("acceptance.outputs.*.atol") == "acceptance.outputs.default.atol"
+    assert tracking.mlflow_key("values.logits[0].max_abs") == "values.logits_0_.max_abs"
+    assert len(tracking.mlflow_key("x" * 400)) == 250
+    assert tracking.flatten({"a": {"b": 1, "c": {}}, "d": [1]}) == {"a.b": 1, "a.c": {}, "d": [1]}

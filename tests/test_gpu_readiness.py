@@ -246,3 +246,53 @@ def test_entry_point_applies_threads_and_imports_no_torch_before_params(tmp_path
     proc = python(env_code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["1", "1", "1"]
+
+
+# --- on a GPU only -------------------------------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_strict_fp32_is_ieee_and_the_tf32_switch_works() -> None:
+    """Strict FP32 on the GPU agrees with float64 to FP32 accuracy; TF32 (capability 8.0+, CUDA) does not."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(512, 512, device="cuda", generator=gen)
+    b = torch.randn(512, 512, device="cuda", generator=gen)
+    exact = (a.double() @ b.double()).float()
+    with precision.tf32(False):
+        strict = (a @ b - exact).abs().max().item()
+    with precision.tf32(True):
+        loose = (a @ b - exact).abs().max().item()
+    assert strict < 1e-3
+    env = devices.describe(torch.device("cuda"))
+    if devices.tf32_available(env)[0]:
+        assert loose > 10 * strict, (strict, loose)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_deterministic_training_step_repeats_bit_for_bit() -> None:
+    """With precision.deterministic(True) a conv + matmul forward/backward gives the same bits twice."""
+
+    def run() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(10)).cuda()
+        x = torch.randn(16, 3, 32, 32, device="cuda")
+        model(x).square().mean().backward()
+        return [p.grad.detach().clone() for p in model.parameters()]
+
+    with precision.deterministic(True):
+        first, second = run(), run()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_resume_key_names_the_gpu(tmp_path: Path) -> None:
+    resume = checkpoint.ResumeFile(tmp_path / "r.safetensors", "k", torch.device("cuda"))
+    assert resume.env["backend"] in ("cuda", "rocm") and resume.env["device_name"] == torch.cuda.get_device_name(0)
+    resume.save(checkpoint.capture(torch.nn.Linear(2, 2)))
+    with pytest.raises(UserError, match="not backend cpu"):
+        checkpoint.ResumeFile(tmp_path / "r.safetensors", "k", CPU).load()

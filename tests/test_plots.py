@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -120,44 +121,64 @@ def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
     assert "no GradScaler" in verdict
     md = report.markdown(REFERENCE, variants())
     assert md.index("## Verdict") < md.index("## Key figures") < md.index(REFERENCE["rule_sha256"])
+    assert md.splitlines()[:3] == [
+        "**float16: ACCEPT** - the rule passed, x0.32 (3.1 times slower) on this CPU, working memory x0.50: keep FP32 here unless memory is what you lack  ",
+        "**bfloat16: ROLLBACK** - 1 criterion failed; keep FP32 for bfloat16 (the reference state is restorable exactly); next: `python -m pipeline restore --dtype bfloat16`  ",
+        "**float16-fast: ACCEPT** - the rule passed, x1.50 faster on this CPU, working memory x0.50: switch to AMP here",
+    ]
 
 
+@pytest.mark.integration
 def test_report_stage_reproduces_its_dvc_outputs_byte_for_byte(reproduced, tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(reproduced, repo, symlinks=True)
     folder = repo / "data" / "report"
-    before = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    before = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != ".gitignore"}
     assert {str(p) for p in before} >= {f"plots/{d}/{n}.png" for d in DTYPES for n in ("loss", "scale", "envelope", "errors")}
     shutil.rmtree(folder)
     proc = stage(repo, "report")
     assert proc.returncode == 0, proc.stderr
-    after = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    after = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != ".gitignore"}
     assert after.keys() == before.keys()
     assert [str(k) for k in before if before[k] != after[k]] == []
 
 
-def test_dvc_metrics_and_plots_show_the_verdict_and_the_curves(reproduced, tmp_path):
+def with_templates(repo) -> None:
+    """The plot templates and the offline page, as the repository ships them in .dvc/ (tests build bare projects)."""
+    shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots", dirs_exist_ok=True)
+    dvc(repo, "config", "plots.html_template", "plots/offline.html")
+
+
+@pytest.mark.integration
+def test_dvc_metrics_are_short_and_plots_render_offline_titled_per_dtype(reproduced, tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(reproduced, repo, symlinks=True)
+    with_templates(repo)
     shown = json.loads(dvc(repo, "metrics", "show", "--json").stdout)
     metrics = next(iter(shown.values()))["data"]
+    assert not any("compare" in path for path in metrics), "compare's big JSON is not a metric any more"
     for d in DTYPES:
-        assert "quality.trial" in metrics[f"data/metrics/compare-{d}.json"]["data"]
-        assert set(metrics[f"data/metrics/decision-{d}.json"]["data"]) >= {"accepted", "reasons"}
-    diff = json.loads(dvc(repo, "metrics", "diff", "--json").stdout)  # HEAD has none yet: every figure is new
-    assert f"data/metrics/decision-{DTYPES[0]}.json" in diff
+        short = metrics[f"data/metrics/{d}.json"]["data"]
+        assert "decision" in short and len(short) <= 8, short
+        assert all(isinstance(v, (int, float)) for v in short.values()), short  # no text, no quantiles
+    table = dvc(repo, "metrics", "show").stdout
+    print(f"\n`dvc metrics show` is {max(len(line) for line in table.splitlines())} columns wide:\n{table}")
     out = tmp_path / "plots"
     dvc(repo, "plots", "show", "-o", str(out))
     page = (out / "index.html").read_text()
+    assert not re.search(r"<script[^>]+src=", page), "a script would load from the network: blank when offline"
+    assert page.count("vegaEmbed(") >= 4 and "Training loss per step and AMP" in page
     for family in ("loss", "scale"):
         for d in DTYPES:
             assert f'id = "data_report_curves_{family}_{d}_json"' in page, (family, d)
-    assert "loss_fp32" in page and "loss_amp" in page
+    assert '"series":"FP32 reference"' in page.replace(" ", "") and '"series":"bandallowedbytherule"' in page.replace(" ", "")
 
 
+@pytest.mark.integration
 def test_one_dtype_leaves_no_stale_figures_and_plots_still_render(reproduced, tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(reproduced, repo, symlinks=True)
+    with_templates(repo)
     write_params(repo, {"trial": {"dtypes": ["bfloat16"]}})
     dvc(repo, "repro", "--single-item", "report")  # only this stage; dvc.lock then lists only bfloat16 files
     assert not (repo / "data/report/plots/float16").exists()
@@ -172,3 +193,22 @@ def test_one_dtype_leaves_no_stale_figures_and_plots_still_render(reproduced, tm
 def test_degenerate_curves_still_render(steps):
     assert plots.loss_curves(steps, steps, "float16").startswith(b"\x89PNG")
     assert plots.loss_scale(steps, "float16").startswith(b"\x89PNG")
+
+
+@pytest.mark.integration
+def test_plots_diff_between_revisions_needs_no_dvc_cache(reproduced, tmp_path):
+    """`dvc plots diff main EXP` from a fresh clone: the curves are in git (cache: false), not only in the cache."""
+    repo = tmp_path / "repo"
+    shutil.copytree(reproduced, repo, symlinks=True)
+    with_templates(repo)
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-qm", "reproduced"], cwd=repo, check=True)
+    dvc(repo, "exp", "run", "-n", "bf16", "-S", "trial.dtypes=[bfloat16]")  # reruns report (and publish) only
+    branch = subprocess.run(["git", "branch", "--show-current"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+    shutil.rmtree(repo / ".dvc" / "cache")  # what a fresh clone has: git, no DVC cache
+    rendered = json.loads(dvc(repo, "plots", "diff", branch, "bf16", "--json").stdout)
+    assert not rendered.get("errors"), rendered.get("errors")
+    data = rendered.get("data", rendered)
+    loss = [entry for key, entries in data.items() if "loss/bfloat16" in key for entry in entries]
+    revs = {r["rev"] for entry in loss for r in (entry.get("content", {}).get("data", {}).get("values") or [])}
+    assert {branch, "bf16"} <= revs, revs

@@ -322,3 +322,16 @@ def test_regression_with_a_classification_min_quality_is_refused(tmp_path):
     path.write_text("task: {metric: 'mypkg.m:score'}\n")
     with pytest.raises(UserError, match="metric_direction: higher or lower"):
         config.load_params(path)
+
+
+def test_prepare_says_in_one_line_when_ordinary_cases_is_cut_and_records_it(tmp_path, monkeypatch, capsys):
+    from pipeline.stages import prepare
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("prepare: {ordinary_cases: 100000, edge_samples: 1}\n")
+    prepare.main()
+    out = capsys.readouterr().out
+    assert "prepare: prepare.ordinary_cases is 100000 but task.data gives 449 eval samples: the fixed set takes all 449" in out
+    fixed = cases.load("data/prepared/cases.safetensors")
+    assert fixed.meta == {"ordinary_requested": 100000, "ordinary_available": 449, "ordinary_cases": 449}
+    assert fixed.kinds.count("ordinary") == 449

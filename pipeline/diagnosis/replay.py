@@ -17,6 +17,7 @@ from pipeline import trial as trial_artifact
 from pipeline.config import Params
 from pipeline.diagnosis.precision_map import finite, trace
 from pipeline.diagnosis.triage import first_nonfinite_step
+from pipeline.outputs import OutputsReader
 from pipeline.precision import Policy
 
 FP32 = Policy()
@@ -128,8 +129,7 @@ def load(params: Params, dtype: str, stats: dict, decision: dict) -> tuple[Conte
     """The reference, the training data and the trial's own results, each checked against its manifest.
     ``decision`` is the rule's verdict on the trial, computed once by the stage."""
     ref = reference.load(params)
-    train = task.load_train(params.task, paths.PREPARED_TRAIN, ref.manifest["files"][str(paths.PREPARED_TRAIN)])
-    ctx = Context(params, dtype, devices.resolve(params.device), ref, train)
+    ctx = Context(params, dtype, devices.resolve(params.device), ref, ref.train_data(params))
     trial = trial_artifact.load(dtype, ref.manifest)
     policy = Policy(dtype=dtype, fp32_modules=tuple(trial.manifest["policy"]["fp32_modules"]))  # what ran, not what params say now
     return ctx, Run(policy, trial.outputs(), trial.steps, stats, decision), trial
@@ -204,17 +204,14 @@ def rerun(ctx: Context, policy: Policy) -> Run:
         label=f"diagnose re-run {ctx.dtype}",
     )
     steps = [asdict(r) for r in run.training.records]
-    stats = comparison.compare(
-        params.task.kind,
-        params.acceptance,
-        ref.cases,
-        ref.outputs,
-        run.outputs,
-        run.trained_outputs,
-        ref.trajectory,
-        steps,
-        run.training.final_scale,
-        scaler_enabled=policy.uses_scaler,
+    # As the compare stage calls it (same metric, chunking, FP64 arbiter and noise replicate): the same verdict.
+    fp64_sha = ref.manifest["files"].get(str(paths.REF_OUTPUTS_FP64))
+    stats, _ = comparison.compare_streams(
+        params.task.kind, params.acceptance, list(ref.cases.ids), ref.cases.y, ref.cases.has_target,
+        comparison.InMemory(ref.outputs), comparison.InMemory(run.outputs), comparison.InMemory(run.trained_outputs),
+        ref.trajectory, steps, run.training.final_scale,
+        OutputsReader(paths.REF_OUTPUTS_FP64, fp64_sha, "freeze") if fp64_sha else None, policy.uses_scaler,
+        metric=comparison.Metric.for_task(params.task, params.task.kind), cfg=params.compare, replicate_steps=ref.replicate,
     )
     ctx.work["trial_reruns"] += 1
     return Run(policy, run.outputs, steps, stats, verdict.decide(stats, params.acceptance))
@@ -223,7 +220,9 @@ def rerun(ctx: Context, policy: Policy) -> Run:
 def reference_fails_itself(ctx: Context) -> list[str]:
     """Reasons the rule rejects the FP32 reference compared with itself: no precision policy can fix those."""
     ref = ctx.ref
+    params = ctx.params
     stats = comparison.compare(
-        ctx.params.task.kind, ctx.params.acceptance, ref.cases, ref.outputs, ref.outputs, ref.outputs, ref.trajectory, ref.trajectory, math.inf
+        params.task.kind, params.acceptance, ref.cases, ref.outputs, ref.outputs, ref.outputs, ref.trajectory, ref.trajectory, math.inf,
+        metric=comparison.Metric.for_task(params.task, params.task.kind), cfg=params.compare,
     )
-    return verdict.decide(stats, ctx.params.acceptance)["reasons"]
+    return verdict.decide(stats, params.acceptance)["reasons"]

@@ -110,3 +110,25 @@ def load_token_data(
         },
         "edge_ids": ["one-marker-token"],
     }
+
+
+def load_tagging_data(
+    n_train: int = 512,
+    n_eval: int = 128,
+    seq_len: int = 16,
+    vocab: int = 64,
+    classes: int = 4,
+    max_padding: int = 4,
+    data_seed: int = 0,
+    **_: object,
+) -> dict:
+    """Per-token classification (``BertForTokenClassification``, scores [N, T, C]): the sequences of
+    ``load_token_data``, each token labelled with its marker class, or ``classes`` for filler tokens;
+    padding is labelled -100 (ignored by the loss and the comparison's quality, as Hugging Face does).
+    ``num_labels`` must be ``classes + 1``."""
+    data = load_token_data(n_train, n_eval, seq_len, vocab, classes, max_padding, data_seed)
+    for split in ("train", "eval"):
+        ids, mask = data[f"{split}_x"]["input_ids"], data[f"{split}_x"]["attention_mask"]
+        tags = torch.where(ids < classes, ids, torch.full_like(ids, classes))
+        data[f"{split}_y"] = torch.where(mask.bool(), tags, torch.full_like(ids, -100))
+    return data

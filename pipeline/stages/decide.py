@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline import decision, paths, rollback, verdict
+from pipeline import compare_stats, decision, paths, rollback, verdict
 from pipeline.artifacts import read_json
 from pipeline.config import load_params
 from pipeline.errors import UserError
@@ -23,10 +23,10 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
             "the acceptance rule in params.yaml differs from the one frozen with the reference; a rule is fixed "
             "before the trial: run `dvc repro` so the reference is re-frozen and every trial re-run under it"
         )
-    stats = read_json(paths.compare(dtype) / "stats.json", f"compare@{dtype}")
+    stats = compare_stats.read(dtype)
     diagnosis = read_json(paths.diagnose(dtype) / "diagnosis.json", f"diagnose@{dtype}")
     trial_manifest = read_json(paths.trial(dtype) / "manifest.json", f"trial@{dtype}")
-    verdict_ = verdict.decide(stats, params.acceptance, diagnosis["findings"])
+    verdict_ = verdict.decide(stats.raw, params.acceptance, diagnosis["findings"])
     result = decision.Decision(
         dtype=dtype,
         decision=verdict_["decision"],

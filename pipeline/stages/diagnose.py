@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from pipeline import paths, verdict
+from pipeline import compare_stats, paths, verdict
 from pipeline.artifacts import read_json, write_bytes, write_json
 from pipeline.config import load_params
 
@@ -25,7 +25,7 @@ NOTHING_TO_DO = {
 def main(dtype: str, params_path: str = "params.yaml") -> None:
     start = time.perf_counter()
     params = load_params(params_path)
-    stats = read_json(paths.compare(dtype) / "stats.json", f"compare@{dtype}")
+    stats = compare_stats.read(dtype).raw
     trajectory = read_json(paths.trial(dtype) / "trajectory.json", f"trial@{dtype}")
     decision = verdict.decide(stats, params.acceptance)  # once; the diagnosis is handed it
     out = paths.diagnose(dtype)

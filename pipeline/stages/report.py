@@ -45,7 +45,8 @@ def main(params_path: str = "params.yaml") -> None:
         for family, rows in plots.curve_rows(ref_steps, steps, d, band, noise).items():
             write_json(paths.report_curve(family, d), rows)
             written.add(paths.report_curve(family, d))
-    _prune(paths.REPORT, written)
+    for folder in (paths.REPORT / "plots", paths.REPORT_CURVES):  # the stage's two outputs (DVC's .gitignore sits beside)
+        _prune(folder, written)
     print(f"report: {len(written)} figure and curve file(s) under {paths.REPORT} for {', '.join(params.trial.dtypes)}")
 
 

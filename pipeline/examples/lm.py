@@ -1,0 +1,138 @@
+"""Built-in language-model example: a small causal transformer predicting the next token of synthetic text.
+
+Outputs are per-token scores [N, T, vocab] against targets [N, T] (the next token; -100 where a sequence
+is padded, ignored as Hugging Face does), so compare reports per-token flips, token accuracy, perplexity,
+KL(reference || trial), top-1 agreement and top-k overlap. Needs nothing but torch; the text is generated
+from ``data_seed``, never downloaded.
+
+The source: a seeded second-order Markov chain over ``vocab`` tokens whose transitions are concentrated
+on a few successors per context (``branching``), so a model can learn it and its logits have real
+structure (confident tokens, near-ties), like a language model's.
+
+    task:
+      kind: classification
+      model: pipeline.examples.lm:build_model
+      data: pipeline.examples.lm:load_data
+      options: {vocab: 96, seq_len: 32, d_model: 64, layers: 2}
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.errors import UserError
+
+IGNORE_INDEX = -100
+PAD = 0
+"""Token id of padding (inputs after a sequence's end); its targets are -100."""
+
+
+def _chain(vocab: int, branching: int, gen: torch.Generator) -> torch.Tensor:
+    """Transition probabilities [vocab, vocab, vocab]: next token given the two previous ones (never PAD)."""
+    logits = torch.full((vocab, vocab, vocab), -math.inf)
+    succ = torch.randint(1, vocab, (vocab, vocab, branching), generator=gen)
+    weights = torch.randn(vocab, vocab, branching, generator=gen) * 1.5
+    logits.scatter_(2, succ, weights)
+    return torch.softmax(logits, dim=2)
+
+
+def load_data(
+    n_train: int = 1024,
+    n_eval: int = 64,
+    seq_len: int = 32,
+    vocab: int = 96,
+    branching: int = 4,
+    max_padding: int = 6,
+    data_seed: int = 0,
+    **_: object,
+) -> dict:
+    """Deterministic token sequences from ``data_seed``: inputs ``x`` [N, seq_len] (int64 ids) and next-token
+    targets ``y`` [N, seq_len] (-100 after each sequence's end: 0 to ``max_padding`` padded positions).
+
+    Raises:
+        UserError: sizes that cannot make sequences.
+    """
+    if vocab < 3 or not 1 <= branching < vocab:
+        raise UserError(f"task.options: need vocab >= 3 and 1 <= branching < vocab; got vocab={vocab}, branching={branching}")
+    if seq_len < 2 or not 0 <= max_padding < seq_len:
+        raise UserError(f"task.options: need seq_len >= 2 and 0 <= max_padding < seq_len; got seq_len={seq_len}, max_padding={max_padding}")
+    gen = torch.Generator().manual_seed(data_seed)
+    probs = _chain(vocab, branching, gen)
+    n = n_train + n_eval
+    tokens = torch.empty(n, seq_len + 1, dtype=torch.long)
+    tokens[:, :2] = torch.randint(1, vocab, (n, 2), generator=gen)
+    for t in range(2, seq_len + 1):  # vectorised over sequences: one multinomial draw per position
+        p = probs[tokens[:, t - 2], tokens[:, t - 1]]
+        tokens[:, t] = torch.multinomial(p, 1, generator=gen).squeeze(1)
+    x, y = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    pads = torch.randint(0, max_padding + 1, (n,), generator=gen)
+    padded = torch.arange(seq_len).unsqueeze(0) >= (seq_len - pads).unsqueeze(1)
+    x[padded] = PAD
+    y[padded] = IGNORE_INDEX
+    return {
+        "train_x": x[:n_train],
+        "train_y": y[:n_train],
+        "eval_x": x[n_train:],
+        "eval_y": y[n_train:],
+        "eval_ids": [f"text-{i:05d}" for i in range(n_eval)],
+    }
+
+
+class CausalBlock(torch.nn.Module):
+    """Pre-norm decoder block: causal self-attention then MLP, each on a residual branch."""
+
+    def __init__(self, d_model: int, heads: int, mlp_ratio: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(d_model)
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model)
+        self.proj = torch.nn.Linear(d_model, d_model)
+        self.norm2 = torch.nn.LayerNorm(d_model)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d_model, mlp_ratio * d_model), torch.nn.GELU(), torch.nn.Linear(mlp_ratio * d_model, d_model))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape
+        q, k, v = self.qkv(self.norm1(h)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return h + self.mlp(self.norm2(h))
+
+
+class CausalLM(torch.nn.Module):
+    """Token embedding, learned positions, causal blocks, final norm, LM head: logits [N, T, vocab]."""
+
+    def __init__(self, vocab: int, seq_len: int, d_model: int, heads: int, layers: int, mlp_ratio: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d_model)
+        self.pos = torch.nn.Parameter(torch.randn(seq_len, d_model) / math.sqrt(d_model))
+        self.blocks = torch.nn.ModuleList(CausalBlock(d_model, heads, mlp_ratio) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(d_model)
+        self.head = torch.nn.Linear(d_model, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) + self.pos[: x.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def build_model(
+    seq_len: int = 32,
+    vocab: int = 96,
+    d_model: int = 64,
+    heads: int = 4,
+    layers: int = 2,
+    mlp_ratio: int = 4,
+    **_: object,
+) -> torch.nn.Module:
+    """The language model for sequences made by ``load_data`` with the same options.
+
+    Raises:
+        UserError: ``d_model`` is not a multiple of ``heads``.
+    """
+    if d_model % heads:
+        raise UserError(f"task.options: d_model ({d_model}) must be a multiple of heads ({heads})")
+    return CausalLM(vocab, seq_len, d_model, heads, layers, mlp_ratio)

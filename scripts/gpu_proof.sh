@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU proof of issue 12, in one go and at most 8 minutes: what a session (or a person) with a GPU runs.
+#
+#   OUT=/some/folder bash scripts/gpu_proof.sh        # PYTHON=/path/to/python to pick the interpreter
+#
+# 1. the machine: GPU (nvidia-smi or rocm-smi), torch, and `python -m pipeline.devices cuda`, which fails in
+#    one line when torch sees no GPU (then nothing else runs: a CPU run proves nothing here);
+# 2. the gpu-marked tests (`pytest -m gpu`), junit XML and log;
+# 3. `scripts/gpu_check.py --size gpu`: the default pipeline and the GPU-sized transformer benchmark, in
+#    temporary copies of the project (figures.json, figures.md: decisions, speedup and memory ratio with
+#    their spread).
+# Everything lands under $OUT; summary.txt gives each part's exit status. Exit status: 0 only if all passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu-proof}"
+PY="${PYTHON:-python3}"
+TESTS_S="${GPU_PROOF_TESTS_S:-200}"   # the two budgets add up to 7.5 minutes, leaving start-up room
+CHECK_S="${GPU_PROOF_CHECK_S:-250}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+start=$(date +%s)
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  (nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null || rocm-smi --showproductname 2>/dev/null || echo "no nvidia-smi / rocm-smi")
+  "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'hip', getattr(torch.version, 'hip', None))"
+} > "$OUT/machine.txt" 2>&1
+
+if ! "$PY" -m pipeline.devices cuda > "$OUT/device.json" 2> "$OUT/device.err"; then
+  echo "gpu_proof: no GPU: $(cat "$OUT/device.err")" | tee "$OUT/summary.txt"
+  exit 2
+fi
+
+timeout "$TESTS_S" "$PY" -m pytest -m gpu -q -ra -p no:cacheprovider --junitxml "$OUT/pytest-gpu.xml" tests \
+  > "$OUT/pytest-gpu.txt" 2>&1
+tests_rc=$?
+
+timeout "$CHECK_S" "$PY" scripts/gpu_check.py --size gpu "$OUT/gpu-check" > "$OUT/gpu-check.txt" 2>&1
+check_rc=$?
+
+{
+  echo "device: $(cat "$OUT/device.json")"
+  echo "pytest -m gpu: exit $tests_rc ($(tail -n 1 "$OUT/pytest-gpu.txt"))"
+  echo "gpu_check.py --size gpu: exit $check_rc (124 = over ${CHECK_S}s)"
+  echo "seconds: $(( $(date +%s) - start ))"
+} | tee "$OUT/summary.txt"
+[ "$tests_rc" -eq 0 ] && [ "$check_rc" -eq 0 ]

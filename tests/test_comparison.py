@@ -1,0 +1,117 @@
+"""compare by chunks: the same statistics whatever the chunking, one chunk read at a time, a bounded table."""
+
+import math
+
+import pytest
+import torch
+
+from pipeline import comparison, compare_stats, outputs
+from pipeline.config import AcceptanceConfig, CompareConfig
+
+STEPS = [{"loss": 1.0 / (i + 1), "skipped": False, "scale": 2.0**16} for i in range(4)]
+
+
+def _set(n=600, c=10, seed=0, per_token=False):
+    g = torch.Generator().manual_seed(seed)
+    shape = (n, 6, c) if per_token else (n, c)
+    ref = torch.randn(shape, generator=g) * 2
+    trial = ref.to(torch.bfloat16).float()
+    ids = [f"ordinary/{i}" for i in range(n - 30)] + [f"edge/{i}" for i in range(20)] + [f"boundary/{i}" for i in range(10)]
+    targets = ref.argmax(-1)
+    if per_token:
+        targets[:, -1] = -100
+    has_target = torch.tensor([i.startswith("ordinary/") for i in ids])
+    return ids, targets, has_target, {"logits": ref}, {"logits": trial}
+
+
+class Counting:
+    """A source around another that remembers the most rows it was asked for at once."""
+
+    def __init__(self, source):
+        self.source, self.names, self.rows, self.shape, self.most = source, source.names, source.rows, source.shape, 0
+
+    def read(self, name, start, stop):
+        self.most = max(self.most, stop - start)
+        return self.source.read(name, start, stop)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_statistics_do_not_depend_on_the_chunking(per_token):
+    ids, y, has, ref, trial = _set(per_token=per_token)
+    rule = AcceptanceConfig(boundary_margin=0.05, boundary_margin_kind="probability")
+    out = {}
+    for chunk in (10**9, 700, 61):
+        stats, table = comparison.compare_streams("classification", rule, ids, y, has, comparison.InMemory(ref), comparison.InMemory(trial),
+                                                  comparison.InMemory(trial), STEPS, STEPS, 2.0**16, cfg=CompareConfig(chunk_elements=chunk, table_rows=7))
+        out[chunk] = (stats, table)
+    (a, ta), (b, tb), (c, tc) = out.values()
+    for s in (b, c):
+        for key in ("failing", "max_abs", "p99_abs", "max_rel", "p99_rel", "min_passing_atol", "min_passing_rtol"):
+            assert s["values"]["logits"][key] == a["values"]["logits"][key], key
+        assert s["values"]["logits"]["mean_abs"] == pytest.approx(a["values"]["logits"]["mean_abs"], rel=1e-12)
+        assert {k: v for k, v in s["flips"].items()} == a["flips"]
+        assert s["quality"] == pytest.approx(a["quality"]) if not per_token else s["quality"]["trial"] == a["quality"]["trial"]
+        if per_token:
+            assert s["distribution"]["kl_p99"] == a["distribution"]["kl_p99"]
+            assert s["distribution"]["kl_mean"] == pytest.approx(a["distribution"]["kl_mean"], rel=1e-9)
+    assert ta == tb == tc
+
+
+def test_table_keeps_every_flip_and_the_worst_others():
+    ids, y, has, ref, trial = _set()
+    stats, table = comparison.compare_streams("classification", AcceptanceConfig(), ids, y, has, comparison.InMemory(ref),
+                                              comparison.InMemory(trial), comparison.InMemory(trial), STEPS, STEPS, 2.0**16,
+                                              cfg=CompareConfig(table_rows=5))
+    flipped = {f["id"] for f in stats["flips"]["flip_list"]}
+    assert flipped and flipped <= {r["id"] for r in table}
+    assert len(table) == len(flipped) + 5
+    others = sorted((r for r in table if not r["flipped"]), key=lambda r: -r["max_abs_gap"])
+    gaps = (trial["logits"] - ref["logits"]).abs().amax(1)
+    not_flipped = [i for i, x in enumerate(ids) if x not in flipped]
+    fifth = sorted((float(gaps[i]) for i in not_flipped), reverse=True)[4]
+    assert others[-1]["max_abs_gap"] == pytest.approx(fifth)
+    assert [r["id"] for r in table] == [i for i in ids if i in {r["id"] for r in table}]  # case order
+    counts = stats["flips"]
+    assert counts["flips"] + counts["near_boundary_flips"] + counts["boundary_flips"] == len(flipped)  # exact counts
+
+
+def test_a_fixed_set_100_times_the_default_is_read_one_chunk_at_a_time(tmp_path):
+    """The default fixed set is ~270 cases; 100 times that, streamed from real files, never holds more than a chunk."""
+    ids, y, has, ref, trial = _set(n=27_000, c=10, seed=5)
+    paths = {}
+    for name, data in (("ref", ref), ("trial", trial)):
+        paths[name] = outputs.write_outputs(tmp_path / f"{name}.safetensors", ({"logits": data["logits"][s : s + 4000]} for s in range(0, 27_000, 4000)), ids)
+    chunk = 20_000  # elements: 2,000 cases of 10 scores
+    ref_src = Counting(outputs.OutputsReader(tmp_path / "ref.safetensors", paths["ref"]))
+    stats, table = comparison.compare_streams("classification", AcceptanceConfig(), ids, y, has, ref_src,
+                                              outputs.OutputsReader(tmp_path / "trial.safetensors", paths["trial"]),
+                                              outputs.OutputsReader(tmp_path / "trial.safetensors", paths["trial"]),
+                                              STEPS, STEPS, 2.0**16, cfg=CompareConfig(chunk_elements=chunk, table_rows=20))
+    assert ref_src.most == chunk // 10
+    assert stats["values"]["logits"]["elements"] == 270_000 and stats["outputs"]["chunk_rows"] == 2000
+    whole = comparison.compare_streams("classification", AcceptanceConfig(), ids, y, has, comparison.InMemory(ref), comparison.InMemory(trial),
+                                       comparison.InMemory(trial), STEPS, STEPS, 2.0**16)[0]
+    assert stats["flips"] == whole["flips"] and stats["values"]["logits"]["p99_abs"] == whole["values"]["logits"]["p99_abs"]
+
+
+def test_regression_and_typed_stats(tmp_path, monkeypatch):
+    g = torch.Generator().manual_seed(7)
+    ids = [f"ordinary/{i}" for i in range(50)] + ["edge/zeros"]
+    ref = {"output": torch.randn(51, 1, generator=g)}
+    trial = {"output": ref["output"] + 0.01}
+    y = ref["output"].clone()
+    has = torch.tensor([True] * 50 + [False])
+    rule = AcceptanceConfig(threshold=0.0)
+    stats, table = comparison.compare_streams("regression", rule, ids, y, has, comparison.InMemory(ref), comparison.InMemory(trial),
+                                              comparison.InMemory(trial), STEPS, STEPS, 1.0, replicate_steps=STEPS,
+                                              metric=comparison.Metric("neg_mae"))
+    assert stats["quality"]["trial"] == pytest.approx(-0.01, rel=1e-5) and stats["quality"]["metric"] == "neg_mae"
+    crossing = ((ref["output"] < 0) & (ref["output"] + 0.01 >= 0)).sum()
+    assert stats["flips"]["flips"] == int(crossing)
+    assert stats["training"]["noise"]["max_replicate_gap"] == 0.0
+    monkeypatch.chdir(tmp_path)
+    compare_stats.write("float16", stats, table)
+    s = compare_stats.read("float16")
+    assert s.quality_trial == stats["quality"]["trial"] and s.real_flips == int(crossing) and s.kl_mean is None
+    assert s.max_abs_gap == pytest.approx(0.01, rel=1e-4) and compare_stats.read_table("float16") == table
+    assert not math.isnan(s.max_loss_gap)
