@@ -27,7 +27,7 @@ The method, and why:
   ``reset_peak_memory_stats``. CPU: the process's peak resident memory (VmHWM), reset through
   ``/proc/self/clear_refs`` before each round, with large blocks mmapped so freed memory leaves the process
   (probes run single-threaded: a step's tensors do not depend on the thread count).
-- Figures: median and interquartile range over rounds; speedup (fp32 / amp time) and memory ratio (amp /
+- Figures: median and interquartile range over rounds (nearest-rank quantiles, ``numerics.quantile``); speedup (fp32 / amp time) and memory ratio (amp /
   fp32 peak) from per-round pairs, with their own median and IQR.
 """
 
@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from pipeline import checkpoint, devices, paths, precision, task, training
+from pipeline.numerics import quantile
 from pipeline.config import Params, load_params
 from pipeline.errors import UserError
 from pipeline.precision import Policy
@@ -63,19 +64,11 @@ _PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
 # --- statistics (pure) --------------------------------------------------------------------------------
 
 
-def quantile(values: list[float], q: float) -> float:
-    """Linear-interpolation quantile (numpy's default method) of a non-empty list, ``q`` in [0, 1]."""
-    if not values:
-        raise ValueError("quantile of no values")
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def spread(values: list[float]) -> dict[str, float]:
-    """Median, quartiles, IQR (absolute and relative to the median), extremes and count."""
+    """Median, quartiles, IQR (absolute and relative to the median), extremes and count.
+
+    Quantiles are the project's one definition (``numerics.quantile``, nearest rank): a median is always a
+    value that was measured."""
     median = quantile(values, 0.5)
     q1, q3 = quantile(values, 0.25), quantile(values, 0.75)
     return {

@@ -11,6 +11,9 @@ which keeps every flipped case and the ``table_rows`` worst others (counts stay 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
@@ -133,6 +136,7 @@ def compare_streams(
     state = _State(names, main, kind, per_token, kinds, targets, has_target.bool(), gaps, arbiter, decisions, quality, row_gap, first_values)
     for start in range(0, n, step):  # one chunk of every source in memory at a time
         _chunk(state, ref, trial, trained, fp64, start, min(start + step, n))
+        _give_back_freed_memory()
 
     values = {name: gaps[name].result() for name in names}
     stats: dict = {
@@ -182,6 +186,13 @@ class _State:
     quality: dict
     row_gap: torch.Tensor
     first_values: dict
+    merges: int = 0
+
+    def quantile_merged(self) -> bool:
+        """Whether a quantile buffer merged since the last call (its freed memory is worth giving back)."""
+        now = sum(g.p_abs.merges + g.p_rel.merges for g in self.gaps.values()) + (self.decisions.kl_q.merges if self.decisions else 0)
+        changed, self.merges = now != self.merges, now
+        return changed
 
 
 def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source | None, start: int, stop: int) -> None:
@@ -219,10 +230,30 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                     st.quality[side].update(out[with_target], y[with_target], known[with_target] if known is not None else None)
                 if st.kind != "classification":
                     st.first_values[side].append(out.reshape(out.shape[0], -1)[:, :1].double().reshape(-1))
+            if st.quantile_merged():
+                _give_back_freed_memory()
 
 
-SLICE_ELEMENTS = 1 << 18
-"""Elements per computation slice: each temporary of the statistics is about 1 MiB, whatever the chunk."""
+def _give_back_freed_memory() -> None:
+    """Return the heap freed by a chunk's temporaries to the OS (glibc keeps it otherwise, and the
+    resident memory of a long comparison would grow with fragmentation, not with the chunk)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        lib.malloc_trim  # glibc only
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+SLICE_ELEMENTS = 1 << 20
+"""Elements per computation slice: each temporary of the statistics is about 4 MiB, whatever the chunk."""
 
 
 def _slices(shape: tuple[int, ...], start: int, by_position: bool):

@@ -8,7 +8,9 @@ number of elements, only with the number of cases for per-case summaries (a few 
 The one-shot functions (``value_gaps``, ``classification_flips``...) are those accumulators fed once.
 
 Precision: element-wise arithmetic runs in the outputs' own dtype (float32, or float64 for the FP64
-arbiter; float16/bfloat16 are widened to float32), every sum is accumulated in float64. An element
+arbiter; float16/bfloat16 are widened to float32); a slice's sum is taken in that dtype (pairwise,
+relative error ~1e-6 in float32: for the reported means only) and slices are accumulated in float64;
+counts, maxima and quantiles are exact. An element
 fails where |t - r| > atol + rtol |r| evaluated in float32: the rounding of that test (2**-24 relative)
 is orders of magnitude below any tolerance worth setting, and exact equality (atol = rtol = 0) stays
 exact (the float32 difference of two float32 numbers is 0 only when they are equal).
@@ -67,7 +69,7 @@ class StreamQuantile:
     is the (n - ceil(q n) + 1)-th largest of the n values seen, so keeping the ``(1 - q) capacity + 2``
     largest is enough. When that exceeds ``MAX_EXACT``, values go to a logarithmic histogram instead
     (bins [g^(i-1), g^i) with g = (1 + alpha) / (1 - alpha)): the answer then has a relative error of
-    at most ``alpha`` (``result()["exact"]`` says which). NaN values are ignored (callers count them).
+    at most ``alpha`` (the attribute ``exact`` says which). NaN values are ignored (callers count them).
     """
 
     def __init__(self, q: float, capacity: int, alpha: float = SKETCH_ALPHA, max_exact: int = MAX_EXACT) -> None:
@@ -83,18 +85,22 @@ class StreamQuantile:
         self._zeros = 0
         self._negatives: list[torch.Tensor] = []
         self._bins: dict[int, int] = {}
+        self.merges = 0
 
-    def update(self, values: torch.Tensor, finite: bool = False) -> None:
-        """Add values (``finite``: the caller guarantees no NaN, which saves a pass)."""
+    def update(self, values: torch.Tensor, finite: bool = False, vmax: float | None = None) -> None:
+        """Add values (``finite``: the caller guarantees no NaN; ``vmax``: their maximum, when known: each
+        saves a pass)."""
         v = values.detach().flatten()
         if not finite and v.is_floating_point() and bool(torch.isnan(v).any()):
             v = v[~torch.isnan(v)]
         self.n += v.numel()
         if self.exact:
+            if vmax is not None and vmax <= self._floor:
+                return  # nothing here is among the largest kept
             if self._floor > -math.inf:
                 v = v[v > self._floor]
             if v.numel():
-                self._parts.append(v.clone() if v.numel() > 0 and v.data_ptr() == values.data_ptr() else v)
+                self._parts.append(v.clone() if v.data_ptr() == values.data_ptr() else v)  # never a view of the caller's
                 self._held += v.numel()
             if self._held > 2 * self.keep + SLACK:
                 self._shrink()
@@ -111,19 +117,21 @@ class StreamQuantile:
                 self._bins[lo + i] = self._bins.get(lo + i, 0) + int(counts[i])
 
     def _shrink(self) -> None:
-        """Keep the ``keep`` largest values: a ``kthvalue`` (quickselect, one copy) then a filter; ``topk``
-        with a large k sorts with int64 indices and needs several times the memory."""
-        allv = torch.cat(self._parts)
+        """Keep the ``keep`` largest values: numpy's in-place partition (introselect) of the gathered values;
+        ``topk`` or ``kthvalue`` with a large k allocate int64 indices as large as their input."""
+        allv = torch.cat(self._parts) if len(self._parts) > 1 else self._parts[0].clone()
         self._parts = []
+        self.merges += 1
         if allv.numel() <= self.keep:
             self._parts, self._held = [allv], allv.numel()
             return
-        floor = allv.kthvalue(allv.numel() - self.keep + 1).values  # the keep-th largest
-        top = allv[allv > floor]
-        ties = self.keep - top.numel()  # values equal to the floor that belong to the keep largest
-        top = torch.cat([top, floor.expand(ties)]) if ties > 0 else top
+        a = allv.numpy()
+        cut = a.size - self.keep
+        a.partition(cut)  # a[cut] is the keep-th largest, everything after it is >= it
+        top = torch.from_numpy(a[cut:].copy())
+        del allv, a
         self._parts, self._held = [top], top.numel()
-        self._floor = float(floor)
+        self._floor = float(top[0])
 
     def result(self) -> float:
         if self.n == 0:
@@ -131,8 +139,10 @@ class StreamQuantile:
         rank = min(max(math.ceil(self.q * self.n), 1), self.n)
         from_top = self.n - rank + 1  # 1 = the largest
         if self.exact:
-            allv = torch.cat(self._parts) if self._parts else torch.zeros(0)
-            return float(allv.topk(from_top).values[-1])
+            a = torch.cat(self._parts).numpy().copy() if self._parts else torch.zeros(0).numpy()
+            kth = a.size - from_top
+            a.partition(kth)
+            return float(a[kth])
         negatives = torch.cat(self._negatives) if self._negatives else torch.zeros(0, dtype=torch.float64)
         # Walk down from the largest bin.
         remaining = from_top
@@ -196,7 +206,7 @@ class GapStats:
             return torch.zeros(ref.shape, dtype=r.dtype)
         gap = torch.sub(t, r).abs_()
         full_gap = gap
-        total = float(gap.sum(dtype=torch.float64))
+        total = _sum(gap)
         failing = 0
         if not math.isfinite(total):  # some element of either side is not finite: the slow path, rarely taken
             fr, ft = torch.isfinite(r), torch.isfinite(t)
@@ -211,17 +221,20 @@ class GapStats:
             if trial_only:
                 self.need_atol = self.need_rtol = math.inf
             gap, r = gap[both], r[both]
-            total = float(gap.sum(dtype=torch.float64))
+            total = _sum(gap)
         if gap.numel():
             mag = r.abs()
             excess = torch.sub(gap, mag, alpha=self.rtol)  # gap - rtol |r|: fails where > atol
-            failing += int((excess > self.atol).sum())
-            self.need_atol = max(self.need_atol, max(float(excess.max()), 0.0))
+            worst = float(excess.max())
+            if worst > self.atol:  # count only when some element fails (the common, passing case skips it)
+                failing += int((excess > self.atol).sum(dtype=torch.int64))
+            self.need_atol = max(self.need_atol, worst, 0.0)
+            del excess
             mx = float(gap.max())
             g["max_abs"] = max(g["max_abs"], mx)
             self.sum_abs += total
             self.n_abs += gap.numel()
-            self.p_abs.update(gap, finite=True)
+            self.p_abs.update(gap, finite=True, vmax=mx)
             rel = gap / mag
             if float(mag.min()) == 0.0:  # a zero reference has no relative error; it passes through atol alone
                 nz = mag > 0
@@ -231,16 +244,15 @@ class GapStats:
             else:
                 gap_nz, mag_nz = gap, mag
             if rel.numel():
-                g["max_rel"] = max(g["max_rel"], float(rel.max()))
-                self.sum_rel += float(rel.sum(dtype=torch.float64))
+                rmax = float(rel.max())
+                g["max_rel"] = max(g["max_rel"], rmax)
+                self.sum_rel += _sum(rel) if rmax * rel.numel() < 1e30 else float(rel.sum(dtype=torch.float64))
                 self.n_rel += rel.numel()
-                self.p_rel.update(rel, finite=True)
+                self.p_rel.update(rel, finite=True, vmax=rmax)
                 if self.atol == 0.0:
-                    self.need_rtol = max(self.need_rtol, g["max_rel"])
+                    self.need_rtol = max(self.need_rtol, rmax)
                 elif mx > self.atol:
-                    over = gap_nz > self.atol
-                    if bool(over.any()):
-                        self.need_rtol = max(self.need_rtol, float(((gap_nz[over] - self.atol) / mag_nz[over]).max()))
+                    self.need_rtol = max(self.need_rtol, float(torch.sub(gap_nz, self.atol).div_(mag_nz).max()))
         g["failing"] += failing
         return full_gap.reshape(ref.shape)
 
@@ -267,6 +279,12 @@ class GapStats:
             "min_passing_rtol": self.need_rtol,
             "per_kind": {k: dict(v) for k, v in sorted(self.groups.items())},
         }
+
+
+def _sum(v: torch.Tensor) -> float:
+    """Sum of one slice in its own dtype (pairwise: relative error ~1e-6 in float32), to be accumulated
+    across slices in a Python float (float64)."""
+    return float(v.sum())
 
 
 def value_gaps(ref: torch.Tensor, trial: torch.Tensor, atol: float, rtol: float) -> dict:

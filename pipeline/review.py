@@ -112,25 +112,36 @@ def _gain(bench: Mapping[str, Any] | None, env: Mapping[str, Any]) -> str:
 
 
 def _flips(stats: Mapping[str, Any], rule: Mapping[str, Any]) -> list[str]:
-    flips = (stats.get("flips") or {}).get("flip_list") or []
-    margin = rule.get("boundary_margin")
-    order = sorted(flips, key=lambda f: (bool(f.get("boundary")) and f.get("kind") != "ordinary", str(f.get("id"))))
+    """Flipped cases, real samples first. A real sample whose reference margin is under ``boundary_margin``
+    is said to be one (compare counts it as "near the boundary", apart from the constructed boundary cases)."""
+    flips = stats.get("flips") or {}
+    margin = flips.get("boundary_margin", rule.get("boundary_margin"))
+    listed = flips.get("flip_list") or []
+
+    def near(f: Mapping) -> bool:  # older stats had one "boundary" flag, by margin, for real samples too
+        return bool(f.get("near_boundary")) or (bool(f.get("boundary")) and f.get("kind") != "boundary")
+
+    order = sorted(listed, key=lambda f: (f.get("kind") == "boundary", not near(f), str(f.get("id")), f.get("position", -1)))
     lines = []
     for f in order[:MAX_FLIPS]:
+        where = f"{f['id']}@{f['position']}" if "position" in f else str(f["id"])
         if "reference_class" in f:
             text = (
-                f"{f['id']}: class {f['reference_class']} -> {f['trial_class']}, reference margin "
+                f"{where}: class {f['reference_class']} -> {f['trial_class']}, reference margin "
                 f"{_g(f.get('reference_margin'))} (trial {_g(f.get('trial_margin'))})"
             )
         else:
-            text = f"{f['id']}: {_g(f.get('reference'))} -> {_g(f.get('trial'))} across the threshold"
-        if f.get("boundary") and f.get("kind") == "ordinary":
-            text += f" - a REAL sample, counted as a boundary case only because its margin is under boundary_margin {_g(margin)}"
-        elif f.get("boundary"):
-            text += " - boundary case"
+            text = f"{where}: {_g(f.get('reference'))} -> {_g(f.get('trial'))} across the threshold"
+        if f.get("kind") == "boundary":
+            text += " - a constructed boundary case"
+        elif near(f):
+            text += f" - a REAL sample near the boundary (its margin is under boundary_margin {_g(margin)}): it counts as a near-boundary flip"
+        else:
+            text += " - a REAL sample with a clear margin"
         lines.append(text)
-    if len(order) > MAX_FLIPS:
-        lines.append(f"... and {len(order) - MAX_FLIPS} more (compare's cases.json, column 'flipped')")
+    total = len(listed) + int(flips.get("flip_list_dropped") or 0)
+    if total > MAX_FLIPS:
+        lines.append(f"... and {total - MAX_FLIPS} more (compare's stats.json flip_list and cases.json)")
     return lines
 
 
@@ -210,7 +221,10 @@ def html(verdicts: Sequence[Verdict]) -> str:
     e = _html.escape
     parts = ['<section id="verdict"><h2>Verdict</h2>']
     for v in verdicts:
-        parts.append(f'<div class="verdict {e(v.decision)}" data-dtype="{e(v.dtype)}"><p class="sentence">{e(v.sentence)}</p><ul>')
+        head = f"{v.dtype}: {v.decision.upper()}"
+        rest = v.sentence[len(head):] if v.sentence.startswith(head) else ""
+        sentence = f'<span class="{e(v.decision)}">{e(head)}</span>{e(rest)}' if rest else e(v.sentence)
+        parts.append(f'<div class="verdict v-{e(v.decision)}" data-dtype="{e(v.dtype)}"><p class="sentence">{sentence}</p><ul>')
         parts += [f'<li class="warning">{e(w)}</li>' for w in v.warnings]
         parts += [f"<li>{e(r)}</li>" for r in v.reasons]
         if v.training:
@@ -249,8 +263,9 @@ def one_line(verdicts: Sequence[Verdict]) -> str:
 
 
 def run_name(verdicts: Sequence[Verdict], suffix: str = "") -> str:
-    """A run name that leads with the decisions (the runs table cuts long names)."""
-    return " ".join([", ".join(f"{v.decision.upper()} {v.dtype}" for v in verdicts), suffix]).strip()
+    """A run name that leads with the decisions, rollbacks first: the runs table shows about 18 characters."""
+    order = sorted(verdicts, key=lambda v: v.decision == "accept")
+    return " ".join([", ".join(f"{v.decision.upper()} {v.dtype}" for v in order), suffix]).strip()
 
 
 def _count(flips: Sequence[str]) -> str:

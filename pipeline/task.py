@@ -182,6 +182,9 @@ class DatasetSource:
         else:
             raise UserError(f"task.data {self.entry}: training item {int(i)} is {type(item).__name__}; return (x, y) or a dict with the target under task.label_key")
         x = Batch(sorted(x.items())) if isinstance(x, Mapping) else x
+        values = list(x.values()) if isinstance(x, Mapping) else [x]
+        if not values or not all(torch.is_tensor(t) for t in values):
+            raise UserError(f"task.data {self.entry}: training item {int(i)} holds inputs that are not tensors; return tensors (a tensor or a dict of tensors)")
         return x, y if torch.is_tensor(y) else torch.tensor(y)
 
     def batch(self, idx: torch.Tensor) -> tuple[Inputs, torch.Tensor]:
@@ -391,8 +394,8 @@ def check_outputs(outputs: dict[str, torch.Tensor], kind: str, rows: int, target
         per_token = scores.ndim == 3 and targets.ndim == 2 and tuple(targets.shape[1:]) == tuple(scores.shape[1:2])
         if not (scores.ndim == 2 and targets.ndim == 1 or per_token) or scores.shape[-1] < 2:
             raise UserError(
-                f"task.model {entry}: classification needs scores [N, classes>=2] for targets [N], or [N, T, classes] for "
-                f"targets [N, T]; got scores {tuple(scores.shape)} for targets {tuple(targets.shape)}: return one score per "
+                f"task.model {entry}: classification needs scores of shape [N, classes>=2] for targets [N], or [N, T, classes] "
+                f"for targets [N, T]; got scores {tuple(scores.shape)} for targets {tuple(targets.shape)}: return one score per "
                 f"class, or set task.kind: regression"
             )
         valid = targets[targets != IGNORE_INDEX]

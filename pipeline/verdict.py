@@ -3,6 +3,18 @@
 Pure: statistics (the dict that compare writes) and the rule in, a decision out. Every failed criterion
 is a reason; a variant is accepted only when there is none. Passing criteria are listed as checks so a
 reviewer sees what was verified, not only what failed.
+
+What each criterion needs from the outputs (for very large vocabularies, where storing [N, T, C] scores
+of both sides may be too much, this is what a reduced store would have to keep):
+- ``outputs.*`` tolerances and ``max_failing_fraction``: every output element of both sides;
+- ``max_flips``, ``max_near_boundary_flips``, ``max_boundary_flip_fraction``, ``min_top1_agreement``:
+  per case / token, each side's argmax and the reference's top-2 scores (``boundary_margin_kind:
+  probability`` also needs the reference's log-sum-exp; ``relative`` the spread of its scores);
+- ``max_kl_mean``, ``max_kl_p99``: both full distributions per token (top-k logits plus log-sum-exp
+  give only a bound: the probability mass outside the top k is known, its shape is not);
+- ``min_quality``, ``max_quality_drop``: the primary output on the cases with a target (accuracy and
+  top-k need the argmax / top-k indices; perplexity the log-sum-exp and the target's logit);
+- training criteria: the per-step trajectories only (and the FP32 replicate's for the noise floor).
 """
 
 from __future__ import annotations

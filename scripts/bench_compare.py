@@ -75,7 +75,6 @@ def make(case: str, folder: Path, scale: float) -> dict:
         outputs.write_outputs(folder / f"{case}-{kind}.safetensors", chunks(kind), ids)
     targets_shape = (rows, shape[0]) if per_token else (rows,)
     targets = torch.randint(0, shape[-1], targets_shape, generator=g)
-    torch.save  # noqa: B018 - targets go through safetensors, not pickle
     from safetensors.torch import save_file
 
     save_file({"y": targets, "has_target": torch.tensor([i.startswith("ordinary/") for i in ids])}, str(folder / f"{case}-targets.safetensors"))

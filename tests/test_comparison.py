@@ -48,7 +48,7 @@ def test_statistics_do_not_depend_on_the_chunking(per_token):
     for s in (b, c):
         for key in ("failing", "max_abs", "p99_abs", "max_rel", "p99_rel", "min_passing_atol", "min_passing_rtol"):
             assert s["values"]["logits"][key] == a["values"]["logits"][key], key
-        assert s["values"]["logits"]["mean_abs"] == pytest.approx(a["values"]["logits"]["mean_abs"], rel=1e-12)
+        assert s["values"]["logits"]["mean_abs"] == pytest.approx(a["values"]["logits"]["mean_abs"], rel=1e-6)  # float32 sums per slice
         assert {k: v for k, v in s["flips"].items()} == a["flips"]
         assert s["quality"] == pytest.approx(a["quality"]) if not per_token else s["quality"]["trial"] == a["quality"]["trial"]
         if per_token:

@@ -296,3 +296,26 @@ def test_gpu_resume_key_names_the_gpu(tmp_path: Path) -> None:
     resume.save(checkpoint.capture(torch.nn.Linear(2, 2)))
     with pytest.raises(UserError, match="not backend cpu"):
         checkpoint.ResumeFile(tmp_path / "r.safetensors", "k", CPU).load()
+
+
+@pytest.mark.integration
+def test_cpu_bytes_do_not_follow_omp_num_threads(tmp_path: Path) -> None:
+    """Issue 15.3: with the default ``threads: 1`` the reference is byte-identical under OMP_NUM_THREADS 1 and 2,
+    and its manifest records the counts and the BLAS."""
+    import hashlib
+    import json
+
+    from conftest import env_for, make_project
+
+    repo = make_project(tmp_path / "repo")
+    digests = []
+    for omp in ("1", "2"):
+        env = {**env_for(repo), "OMP_NUM_THREADS": omp}
+        for stage in ("prepare", "freeze"):
+            proc = subprocess.run([sys.executable, "-m", "pipeline", stage], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+        files = sorted(p for p in (repo / "data").rglob("*") if p.is_file() and "resume" not in p.parts)
+        digests.append({str(p.relative_to(repo)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files})
+    assert digests[0] == digests[1]
+    env = json.loads((repo / "data/reference/manifest.json").read_text())["env"]
+    assert (env["threads"], env["interop_threads"]) == (1, 1) and env["blas"]

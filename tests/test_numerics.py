@@ -187,7 +187,7 @@ def test_streamed_gaps_equal_one_shot_gaps_whatever_the_chunking():
     streamed = acc.result()
     for key in ("elements", "failing", "nonfinite_trial_only", "max_abs", "p99_abs", "max_rel", "p99_rel", "min_passing_atol", "min_passing_rtol"):
         assert streamed[key] == whole[key], key
-    assert streamed["mean_abs"] == pytest.approx(whole["mean_abs"], rel=1e-12)
+    assert streamed["mean_abs"] == pytest.approx(whole["mean_abs"], rel=1e-6)  # float32 sums per slice
     assert sum(k["elements"] for k in streamed["per_kind"].values()) == 7000
     finite = ~torch.isnan(trial)
     gaps = (trial[finite].double() - ref[finite].double()).abs()
@@ -296,3 +296,20 @@ def test_noise_floor_band():
     ok = numerics.trajectory_gap(ref, amp, 1.0, 0.0, replicate_loss=rep, noise_multiple=3.0, noise_atol=0.001)
     assert ok["noise"]["violations"] == 0
     assert "violations" in numerics.trajectory_gap(ref, amp, 1.0, 0.0, replicate_loss=rep)["noise"]
+
+
+def test_per_token_nonfinite_trial_is_infinite_kl_and_a_flip():
+    ref = torch.tensor([[[2.0, 0.0, -1.0], [0.0, 1.0, 0.0]]])
+    trial = ref.clone()
+    trial[0, 1, 0] = math.nan
+    f = numerics.classification_flips(["ordinary/a"], ["ordinary"], ref, trial, "lowest_index", 0.0, targets=torch.tensor([[0, 1]]))
+    assert f["flips"] == 1 and f["flip_list"][0]["position"] == 1 and f["flip_list"][0]["trial_class"] == -2
+    assert f["distribution"]["kl_max"] == math.inf and f["distribution"]["top1_agreement"] == 0.5
+
+
+def test_labels_of_agrees_with_decisions():
+    g = torch.Generator().manual_seed(9)
+    s = torch.randint(0, 3, (200, 4), generator=g).float()  # many ties
+    s[5, 2] = math.nan
+    for rule in ("lowest_index", "tie_is_flip"):
+        assert torch.equal(numerics.labels_of(s, rule), numerics.decisions(s, rule)[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import math
 import os
@@ -55,8 +56,12 @@ def variants() -> list[dict]:
     accept = {"decision": "accept", "reasons": [], "checks": ["training: every loss finite"], "rule": {"boundary_margin": 0.05}, "env": {"backend": "cpu"}}
     rollback = {"decision": "rollback", "reasons": ["values 'output': 3 of 10 <outside> | atol", "diagnosis: first non-finite loss at step 3"], "checks": [],
                 "rule": {"boundary_margin": 0.05}, "env": {"backend": "cpu"}}
-    flip = {"id": "ordinary/digits-1274", "kind": "ordinary", "boundary": True, "reference_class": 5, "trial_class": 2, "reference_margin": 0.037, "trial_margin": 0.01}
-    stats = {"flips": {"flips": 0, "boundary_flips": 1, "boundary_cases": 4, "flip_list": [flip]},
+    flip = {"id": "ordinary/digits-1274", "kind": "ordinary", "boundary": False, "near_boundary": True, "reference_class": 5, "trial_class": 2,
+            "reference_margin": 0.037, "trial_margin": 0.01}
+    built = {"id": "boundary/a~b", "kind": "boundary", "boundary": True, "near_boundary": False, "reference_class": 1, "trial_class": 7,
+             "reference_margin": 0.0002, "trial_margin": 0.001}
+    stats = {"flips": {"flips": 0, "near_boundary_flips": 1, "near_boundary_cases": 3, "boundary_flips": 1, "boundary_cases": 4,
+                       "boundary_margin": 0.05, "flip_list": [built, flip]},
              "quality": {"reference": 0.9, "trial": 0.89}, "values": {"output": {"max_abs": 0.01, "atol": 0.05, "rtol": 0.0}},
              "training": {"max_loss_gap": 0.01, "band_violations": 0, "scaler_enabled": False, "final_scale": 1.0, "skipped_fraction": 0.0}}
     bench = {"benchmarked": True, "speedup": {"median": 1.5, "q1": 1.4, "q3": 1.6}, "seconds_per_step": {"fp32": {"median": 0.3}, "amp": {"median": 0.2}},
@@ -111,13 +116,15 @@ def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
     images = {d: {k.split("/")[1]: v for k, v in figures.items() if k.startswith(d)} for d in DTYPES}
     page = report.html(REFERENCE, variants(), images)
     assert page.index('<section id="verdict">') < page.index('<table class="summary">') < page.index("<footer>") < page.index(REFERENCE["rule_sha256"])
-    verdict = page[page.index('<section id="verdict">'):page.index("</section>")]
+    verdict = html.unescape(re.sub(r"<[^>]+>", "", page[page.index('<section id="verdict">'):page.index("</section>")]))  # what a reader sees
     assert "float16: ACCEPT: the rule passed, x0.32 (3.1 times slower) on this CPU" in verdict and "keep FP32 here" in verdict
     assert "float16-fast: ACCEPT: the rule passed, x1.50 faster on this CPU, working memory x0.50: switch to AMP here" in verdict
     assert "bfloat16: ROLLBACK: 1 criterion failed; keep FP32 for bfloat16" in verdict
-    assert "ordinary/digits-1274: class 5 -&gt; 2, reference margin 0.037" in verdict and "a REAL sample" in verdict
+    assert "ordinary/digits-1274: class 5 -> 2, reference margin 0.037 (trial 0.01) - a REAL sample near the boundary" in verdict
+    assert verdict.index("ordinary/digits-1274") < verdict.index("boundary/a~b: class 1 -> 7")  # real samples first
+    assert "a constructed boundary case" in verdict
     assert "python -m pipeline restore --dtype bfloat16" in verdict
-    assert "dvc exp run -S &#x27;trial.fp32_modules=[head,0]&#x27; -S &#x27;trial.dtypes=[bfloat16]&#x27;" in verdict
+    assert "dvc exp run -S 'trial.fp32_modules=[head,0]' -S 'trial.dtypes=[bfloat16]'" in verdict
     assert "no GradScaler" in verdict
     md = report.markdown(REFERENCE, variants())
     assert md.index("## Verdict") < md.index("## Key figures") < md.index(REFERENCE["rule_sha256"])
@@ -171,7 +178,8 @@ def test_dvc_metrics_are_short_and_plots_render_offline_titled_per_dtype(reprodu
     for family in ("loss", "scale"):
         for d in DTYPES:
             assert f'id = "data_report_curves_{family}_{d}_json"' in page, (family, d)
-    assert '"series":"FP32 reference"' in page.replace(" ", "") and '"series":"bandallowedbytherule"' in page.replace(" ", "")
+    for series in ("FP32 reference", "AMP float16", "band allowed by the rule", "no GradScaler: scale fixed at 1"):  # coloured per series
+        assert re.search(rf'"series":\s*"{re.escape(series)}"', page), series
 
 
 @pytest.mark.integration

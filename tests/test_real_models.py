@@ -72,7 +72,6 @@ def dataset_project(tmp_path_factory) -> Path:
 
 
 def test_hugging_face_bert_on_token_ids_with_adamw_cosine_warmup_and_accumulation(tmp_path):
-    pytest.importorskip("transformers", reason="the hf extra (transformers) is in requirements-dev.lock")
     repo = make_project(tmp_path / "repo", BERT)
     dvc(repo, *TO_DECISION)
     assert set(decisions(repo).values()) <= {"accept", "rollback"}
@@ -115,3 +114,19 @@ def test_kill_and_resume_with_accumulation_and_a_dataset_is_byte_identical(datas
     assert (repo / "data/resume/trial-float16.safetensors").exists() == (kill_after >= 4)
     run([sys.executable, "-m", "pipeline", "trial", "--dtype", "float16"], repo)
     assert digests(trial) == expected
+
+
+def test_killed_freeze_resumes_to_an_identical_reference_with_a_dataset(dataset_project, tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(dataset_project, repo, symlinks=True)
+    reference = repo / "data/reference"
+    expected = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(reference.iterdir()) if p.is_file()}
+    assert "replicate_trajectory.json" in expected
+    shutil.rmtree(reference)
+    env = env_for(repo)
+    env["PIPELINE_KILL_AFTER_STEP"] = "5"  # after the resumable state of step 4, in the reference's training
+    assert run([sys.executable, "-m", "pipeline", "freeze"], repo, check=False, env=env).returncode == -signal.SIGKILL
+    assert not reference.exists() or not any(reference.iterdir())
+    run([sys.executable, "-m", "pipeline", "freeze"], repo)
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(reference.iterdir()) if p.is_file()} == expected
+    assert not any((repo / "data/resume").glob("*.safetensors"))

@@ -327,11 +327,18 @@ def test_regression_with_a_classification_min_quality_is_refused(tmp_path):
 def test_prepare_says_in_one_line_when_ordinary_cases_is_cut_and_records_it(tmp_path, monkeypatch, capsys):
     from pipeline.stages import prepare
 
+    (tmp_path / "smalldata.py").write_text(
+        "import torch\n"
+        "def load_data(**_):\n"
+        "    x = torch.arange(60.0).reshape(30, 2); y = torch.arange(30) % 2\n"
+        "    return {'train_x': x[:21], 'train_y': y[:21], 'eval_x': x[21:], 'eval_y': y[21:]}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "params.yaml").write_text("prepare: {ordinary_cases: 100000, edge_samples: 1}\n")
+    (tmp_path / "params.yaml").write_text("task: {data: 'smalldata:load_data'}\nprepare: {ordinary_cases: 100, edge_samples: 1}\n")
     prepare.main()
     out = capsys.readouterr().out
-    assert "prepare: prepare.ordinary_cases is 100000 but task.data gives 449 eval samples: the fixed set takes all 449" in out
+    assert "prepare: prepare.ordinary_cases is 100 but task.data gives 9 eval samples: the fixed set takes all 9" in out
     fixed = cases.load("data/prepared/cases.safetensors")
-    assert fixed.meta == {"ordinary_requested": 100000, "ordinary_available": 449, "ordinary_cases": 449}
-    assert fixed.kinds.count("ordinary") == 449
+    assert fixed.meta == {"ordinary_requested": 100, "ordinary_available": 9, "ordinary_cases": 9}
+    assert fixed.kinds.count("ordinary") == 9

@@ -132,3 +132,12 @@ def load_tagging_data(
         tags = torch.where(ids < classes, ids, torch.full_like(ids, classes))
         data[f"{split}_y"] = torch.where(mask.bool(), tags, torch.full_like(ids, -100))
     return data
+
+
+def load_image_data(eval_fraction: float = 0.25, split_seed: int = 0, **_: object) -> dict:
+    """scikit-learn's bundled 8x8 digits as ``pixel_values`` [N, 1, 8, 8] (for ``ResNetForImageClassification``
+    with ``num_channels: 1``, ``num_labels: 10``), the inputs Hugging Face image models take."""
+    from pipeline.examples import convnet
+
+    data = convnet.load_data(eval_fraction, split_seed)
+    return {**data, "train_x": {"pixel_values": data["train_x"]}, "eval_x": {"pixel_values": data["eval_x"]}}

@@ -105,7 +105,7 @@ def _parent(manifest: dict, variants: dict[str, dict], verdicts: list[review.Ver
     )
 
 
-_PARENT_COLUMNS = ("accepted", "flips", "near_boundary_flips", "max_abs_gap", "quality_trial", "max_loss_gap", "speedup_median", "working_memory_ratio")
+_PARENT_COLUMNS = ("accepted", "flips", "near_boundary_flips", "boundary_flips", "max_abs_gap", "quality_trial", "max_loss_gap", "speedup_median", "working_memory_ratio")
 
 
 def _mirrored(dtypes: list[str]) -> list[Path]:
@@ -186,7 +186,8 @@ def _columns(v: dict) -> dict:
         "accepted": v["decision"]["decision"] == "accept",
         "reasons": len(v["decision"]["reasons"]),
         "flips": flips.get("flips"),
-        "near_boundary_flips": flips.get("boundary_flips"),
+        "near_boundary_flips": flips.get("near_boundary_flips"),
+        "boundary_flips": flips.get("boundary_flips"),
         "max_abs_gap": max((x["max_abs"] for x in values if "max_abs" in x), default=None),
         "failing_fraction": max((x["failing_fraction"] for x in values if "failing_fraction" in x), default=None),
         "quality_reference": quality.get("reference"),
@@ -198,6 +199,10 @@ def _columns(v: dict) -> dict:
         "real_updates": training.get("real_updates"),
         "final_loss_scale": training.get("final_scale"),
     }
+    distribution = stats.get("distribution") or {}
+    for key in ("kl_mean", "kl_p99", "top1_agreement"):  # per-token outputs (language models)
+        if distribution.get(key) is not None:
+            out[key] = distribution[key]
     for name, arbiter in (stats.get("arbiter") or {}).items():  # renamed: see _fp64_note
         out[f"fp64_check.{name}.amp_error_over_fp32_error"] = arbiter.get("amp_over_fp32")
     if bench.get("benchmarked"):

@@ -1,0 +1,67 @@
+"""The Hugging Face adapter: architectures from a config (random init, nothing downloaded) or a local
+directory, through the task contract and one AMP update each (CPU, seconds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline import task, training
+from pipeline.config import LrSchedule, ReferenceConfig, TaskConfig
+from pipeline.errors import UserError
+from pipeline.examples import huggingface as hf
+from pipeline.precision import Policy
+
+CPU = torch.device("cpu")
+BERT = {"model_type": "bert", "vocab_size": 65, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 32, "max_position_embeddings": 32}
+RESNET = {"model_type": "resnet", "num_channels": 1, "embedding_size": 8, "hidden_sizes": [8, 16], "depths": [1, 1],
+          "layer_type": "basic", "num_labels": 10}
+RECIPE = ReferenceConfig(train_steps=2, batch_size=4, grad_accumulation=2, optimizer="adamw", lr=1e-3, weight_decay=0.01,
+                         checkpoint_every=0, lr_schedule=LrSchedule(kind="cosine", warmup=1))
+
+
+def build(architecture: str, config: dict) -> torch.nn.Module:
+    return task.build_model(TaskConfig(model="pipeline.examples.huggingface:build_model", options={"architecture": architecture, "config": config}), seed=0)
+
+
+def source(data: dict) -> task.TensorSource:
+    x = task.check_inputs(data["train_x"], "train_x", "hf")
+    return task.TensorSource(x[:16], data["train_y"][:16])
+
+
+@pytest.mark.parametrize(
+    "architecture, config, data, loss",
+    [
+        ("BertForSequenceClassification", {**BERT, "num_labels": 4}, hf.load_token_data(n_train=16, n_eval=4), "model"),
+        ("BertForTokenClassification", {**BERT, "num_labels": 5}, hf.load_tagging_data(n_train=16, n_eval=4), "cross_entropy"),
+        ("ResNetForImageClassification", RESNET, hf.load_image_data(), "model"),
+    ],
+)
+def test_architectures_run_through_the_contract_and_one_amp_update(architecture, config, data, loss):
+    cfg = TaskConfig(model="pipeline.examples.huggingface:build_model", loss=loss, options={"architecture": architecture, "config": config})
+    model = build(architecture, config)
+    again = build(architecture, config)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))  # seeded init
+    src = source(data)
+    training.probe(model, src, cfg, CPU)
+    for dtype in ("float16", "bfloat16"):
+        result = training.train(build(architecture, config), src, None, RECIPE, cfg, Policy(dtype=dtype), CPU, seed=0)
+        assert len(result.records) == 2 and all(torch.isfinite(torch.tensor(r.loss)) for r in result.records)
+
+
+def test_from_pretrained_reads_a_local_directory_offline(tmp_path):
+    model = build("BertForSequenceClassification", {**BERT, "num_labels": 2})
+    model.save_pretrained(tmp_path / "bert")
+    loaded = task.build_model(
+        TaskConfig(model="pipeline.examples.huggingface:build_model", options={"architecture": "BertForSequenceClassification", "pretrained": str(tmp_path / "bert")}),
+        seed=123,
+    )
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+
+
+def test_adapter_mistakes_are_one_line():
+    with pytest.raises(UserError, match="is not a transformers model class"):
+        hf.build_model(architecture="NoSuchModel", config=BERT)
+    with pytest.raises(UserError, match="needs model_type"):
+        hf.build_model(architecture="BertModel", config={"hidden_size": 8})
