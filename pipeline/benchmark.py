@@ -467,8 +467,7 @@ def record(
         out["speedup"] = ratio_spread(times["fp32"], times["amp"])
         if "tf32" in times:
             out["speedup_vs_tf32"] = ratio_spread(times["tf32"], times["amp"])
-    else:
-        out["speedup"] = None
+    else:  # no "speedup" key at all: readers that find one can trust it
         out["no_speedup_because"] = (
             f"every timed round had an update the GradScaler skipped ({len(dropped)} of {size.repeats}); the scale "
             f"had not settled: raise bench.warmup"

@@ -1,8 +1,8 @@
 """The compare artifact of one dtype (``data/compare/<dtype>/``): written here, read back here.
 
 Files: ``stats.json`` (every statistic: what decide applies the rule to), ``cases.json`` (the per-case
-table: every flipped case and the ``compare.table_rows`` worst others) and the flat summary
-``paths.compare_metrics(dtype)``. compare writes them with ``write``; decide, diagnose, report and
+table: every flipped case and the ``compare.table_rows`` worst others) and ``summary.json`` (flat
+numbers; not a DVC metric: decide's short metrics file is). compare writes them with ``write``; decide, diagnose, report and
 publish read them with ``read`` / ``read_table`` and the typed accessors of ``Stats``, never by key
 paths of their own. Torch-free (decide reads it without importing torch).
 
@@ -10,7 +10,7 @@ API:
     write(dtype, stats: dict, table: list[dict]) -> None
     read(dtype) -> Stats                 raises UserError when compare@DTYPE has not run
     read_table(dtype) -> list[dict]
-    summary(stats: dict) -> dict         flat numbers (DVC metrics, MLflow)
+    summary(stats: dict) -> dict         flat numbers (MLflow), also written as summary.json
     Stats.raw                            the whole dict (what ``verdict.decide`` takes)
     Stats.values / .flips / .quality / .training / .distribution / .arbiter / .regression   sections (dicts)
     Stats.real_flips, .near_boundary_flips, .boundary_flips, .boundary_cases, .flip_ids(), .per_token
@@ -28,6 +28,7 @@ from pipeline.artifacts import read_json, write_json
 
 STATS = "stats.json"
 TABLE = "cases.json"
+SUMMARY = "summary.json"
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def write(dtype: str, stats: dict, table: list[dict]) -> None:
     out = paths.compare(dtype)
     write_json(out / STATS, stats)
     write_json(out / TABLE, table)
-    write_json(paths.compare_metrics(dtype), summary(stats))
+    write_json(out / SUMMARY, summary(stats))
 
 
 def read(dtype: str) -> Stats:

@@ -63,18 +63,19 @@ def read(dtype: str) -> Decision:
 
 
 def summary_metrics(d: Decision, stats: Stats) -> dict:
-    """The few numbers `dvc metrics diff` shows per dtype (eight keys, plain numbers): the verdict (1 accept,
-    0 rollback), how many reasons, flips of real cases and those near the boundary, the largest value gap,
-    quality of the trial (inference, after training) and the largest training-loss gap."""
+    """The few numbers `dvc metrics diff` shows per dtype (eight keys, plain numbers, short names so that
+    `dvc metrics show` fits 160 columns): the verdict (1 accept, 0 rollback), how many reasons, flips of real
+    cases and those near the boundary, the largest value gap, quality of the trial (inference, after
+    training) and the largest training-loss gap."""
     return {
         "decision": int(d.accepted),
         "reasons": len(d.reasons),
         "flips": stats.real_flips,
-        "near_boundary_flips": stats.near_boundary_flips,
+        "near_flips": stats.near_boundary_flips,
         "max_abs_gap": stats.max_abs_gap,
         "quality_trial": stats.quality_trial,
         "quality_trained": stats.quality_trained,
-        "max_loss_gap": stats.max_loss_gap,
+        "loss_gap": stats.max_loss_gap,
     }
 
 

@@ -8,6 +8,7 @@ reference frozen under another rule or from other data, and any file whose sha25
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -87,12 +88,22 @@ def write(
     """
     bad: list[str] = []
     files = dict(inputs)
-    files[str(paths.REF_OUTPUTS)] = output_store.write_outputs(paths.REF_OUTPUTS, _checked(outputs, fixed.ids, bad), fixed.ids)
-    if bad:
-        paths.REF_OUTPUTS.unlink(missing_ok=True)
-        raise NonFinite(sorted(set(bad)))
-    if fp64 is not None:
-        files[str(paths.REF_OUTPUTS_FP64)] = output_store.write_outputs(paths.REF_OUTPUTS_FP64, fp64, fixed.ids)
+    pending = {path: path.with_name(f".{path.name}.pending") for path in (paths.REF_OUTPUTS, paths.REF_OUTPUTS_FP64)}
+    try:  # outputs stream to pending files: a refused reference leaves the previous one untouched
+        files[str(paths.REF_OUTPUTS)] = output_store.write_outputs(pending[paths.REF_OUTPUTS], _checked(outputs, fixed.ids, bad), fixed.ids)
+        if bad:
+            raise NonFinite(sorted(set(bad)))
+        if fp64 is not None:
+            files[str(paths.REF_OUTPUTS_FP64)] = output_store.write_outputs(pending[paths.REF_OUTPUTS_FP64], fp64, fixed.ids)
+    except BaseException:
+        for path in pending.values():
+            path.unlink(missing_ok=True)
+        raise
+    for final, path in pending.items():
+        if path.exists():
+            os.replace(path, final)
+        elif str(final) not in files:
+            final.unlink(missing_ok=True)  # no FP64 arbiter this time: drop a stale one
     files[str(paths.REF_INIT)] = checkpoint.save(paths.REF_INIT, init)
     files[str(paths.REF_CHECKPOINT)] = checkpoint.save(paths.REF_CHECKPOINT, trained)
     files[str(paths.REF_CASES)] = cases.save(paths.REF_CASES, fixed)

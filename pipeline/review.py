@@ -256,10 +256,13 @@ def headline(verdicts: Sequence[Verdict]) -> str:
 
 def one_line(verdicts: Sequence[Verdict]) -> str:
     """Every dtype's decision and gain on one line (publish's last line)."""
-    return "; ".join(
-        f"{v.dtype} {v.decision.upper()}" + (f" ({v.gain})" if v.gain else f" ({len(v.reasons)} reason(s): restore / fp32_modules)" if v.decision != "accept" else "")
-        for v in verdicts
-    )
+    def detail(v: Verdict) -> str:
+        if v.decision == "accept":
+            return f" ({v.gain})" if v.gain else ""
+        failed = v.sentence.split(": ROLLBACK: ", 1)[-1].split(";", 1)[0]
+        return f" ({failed}; next: {v.commands[0].split('#')[0].strip()})" if v.commands else f" ({failed})"
+
+    return "; ".join(f"{v.dtype} {v.decision.upper()}{detail(v)}" for v in verdicts)
 
 
 def run_name(verdicts: Sequence[Verdict], suffix: str = "") -> str:

@@ -354,7 +354,7 @@ def train(
         start = resume.meta["step"]
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
-    kill_after = int(os.environ.get("PIPELINE_KILL_AFTER_STEP", "0"))
+    kill_after = int(os.environ.get("PIPELINE_KILL_AFTER_STEP", "0")) - _KILL_OFFSET[0]
     progress = Progress(label, cfg.train_steps, start)
     with precision.fp32_regions(model, policy, device):
         for step in range(start, cfg.train_steps):
@@ -385,7 +385,13 @@ def train(
             if kill_after == step + 1:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the kill-and-resume tests
     state = _snapshot(model, optimizer, scaler, scheduler, records, real_updates, cfg.train_steps, policy)
+    _KILL_OFFSET[0] += cfg.train_steps
     return TrainResult(records=records, real_updates=real_updates, state=state)
+
+
+_KILL_OFFSET = [0]
+"""Fault injection: PIPELINE_KILL_AFTER_STEP=K kills the process after step K of its trainings counted one
+after the other (freeze: the reference's steps 1..S, then the FP32 replicate's S+1..2S)."""
 
 
 def _snapshot(model, optimizer, scaler, scheduler, records, real_updates, step, policy) -> checkpoint.Checkpoint:

@@ -9,6 +9,7 @@ compare, diagnose and report read a trial through ``load`` only.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
@@ -27,20 +28,38 @@ MANIFEST = "manifest.json"
 
 
 class Writer:
-    """Streams a trial's outputs as they are computed, then writes its state, trajectory and manifest."""
+    """Streams a trial's outputs as they are computed, then writes its state, trajectory and manifest.
+
+    Outputs stream to pending files beside their final names and replace them only in ``finish``: a trial
+    that fails half-way (a missing kernel, a kill) leaves the previous outputs as they were. Used as a
+    context manager, pending files are removed when the block raises.
+    """
 
     def __init__(self, dtype: str, ids: list[str]) -> None:
         self.folder = paths.trial(dtype)
         self.ids = ids
         self.files: dict[str, str] = {}
+        self.pending: dict[str, Path] = {}
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, typ, exc, tb) -> None:
+        if exc is not None:
+            for path in self.pending.values():
+                path.unlink(missing_ok=True)
 
     def sink(self, name: str, chunks: Iterable[dict[str, torch.Tensor]]) -> None:
         """``name`` is ``outputs`` or ``trained_outputs`` (what ``training.run_trial`` streams)."""
         file = f"{name}.safetensors"
-        self.files[file] = output_store.write_outputs(self.folder / file, chunks, self.ids)
+        self.pending[file] = self.folder / f".{file}.pending"
+        self.files[file] = output_store.write_outputs(self.pending[file], chunks, self.ids)
 
     def finish(self, result, policy, reference_manifest: dict, env: dict) -> dict:
-        """Write the training state, the trajectory and (last) the manifest; return the manifest."""
+        """Move the outputs into place, write the training state, the trajectory and (last) the manifest."""
+        for file, path in sorted(self.pending.items()):
+            os.replace(path, self.folder / file)
+        self.pending.clear()
         self.files[CHECKPOINT] = checkpoint.save(self.folder / CHECKPOINT, result.state)
         write_json(
             self.folder / TRAJECTORY,

@@ -9,13 +9,16 @@
 # 3. `scripts/gpu_check.py --size gpu`: the default pipeline and the GPU-sized transformer benchmark, in
 #    temporary copies of the project (figures.json, figures.md: decisions, speedup and memory ratio with
 #    their spread).
+# 4. `scripts/gpu_profile.py`: time per step, FLOP rate and the top ops by device time of strict FP32, TF32
+#    and bf16 AMP on the GPU-sized transformer: where the time goes when AMP's speedup falls short.
 # Everything lands under $OUT; summary.txt gives each part's exit status. Exit status: 0 only if all passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-proof}"
 PY="${PYTHON:-python3}"
-TESTS_S="${GPU_PROOF_TESTS_S:-200}"   # the two budgets add up to 7.5 minutes, leaving start-up room
-CHECK_S="${GPU_PROOF_CHECK_S:-250}"
+TESTS_S="${GPU_PROOF_TESTS_S:-180}"   # the three budgets add up to 7.75 minutes, leaving start-up room
+CHECK_S="${GPU_PROOF_CHECK_S:-240}"
+PROFILE_S="${GPU_PROOF_PROFILE_S:-45}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$(date +%s)
@@ -39,10 +42,14 @@ tests_rc=$?
 timeout "$CHECK_S" "$PY" scripts/gpu_check.py --size gpu "$OUT/gpu-check" > "$OUT/gpu-check.txt" 2>&1
 check_rc=$?
 
+timeout "$PROFILE_S" "$PY" scripts/gpu_profile.py --size gpu "$OUT/profile" > "$OUT/profile.txt" 2>&1
+profile_rc=$?
+
 {
   echo "device: $(cat "$OUT/device.json")"
   echo "pytest -m gpu: exit $tests_rc ($(tail -n 1 "$OUT/pytest-gpu.txt"))"
   echo "gpu_check.py --size gpu: exit $check_rc (124 = over ${CHECK_S}s)"
+  echo "gpu_profile.py --size gpu: exit $profile_rc (124 = over ${PROFILE_S}s)"
   echo "seconds: $(( $(date +%s) - start ))"
 } | tee "$OUT/summary.txt"
-[ "$tests_rc" -eq 0 ] && [ "$check_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$check_rc" -eq 0 ] && [ "$profile_rc" -eq 0 ]

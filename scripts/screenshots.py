@@ -88,7 +88,7 @@ def main() -> None:
             lines = done.stdout.strip().splitlines()
             run_page = next(w for w in lines[-2].split() if w.startswith(uri))
             runs_view = lines[-1].rsplit("review: ", 1)[1]
-            shoot(run_page, out / "mlflow-parent-run.png", "1400,1100", 20000)
+            shoot(run_page, out / "mlflow-parent-run.png", "1600,1000", 20000)
             shoot(runs_view, out / "mlflow-runs.png", "1600,900", 20000)
         finally:
             os.killpg(server.pid, signal.SIGTERM)

@@ -86,6 +86,9 @@ def make_project(dest: Path, override: dict | None = None) -> Path:
     run(["git", "config", "user.name", "test"], dest)
     run([str(BIN / "dvc"), "init", "-q"], dest)
     run([str(BIN / "dvc"), "config", "core.analytics", "false"], dest)
+    if (ROOT / ".dvc" / "plots").is_dir():  # the plot templates and the offline page `dvc plots show` uses
+        shutil.copytree(ROOT / ".dvc" / "plots", dest / ".dvc" / "plots")
+        run([str(BIN / "dvc"), "config", "plots.html_template", "plots/offline.html"], dest)
     run(["git", "add", "-A"], dest)
     run(["git", "commit", "-qm", "init"], dest)
     return dest

@@ -132,7 +132,7 @@ def test_every_round_skipped_gives_no_speedup_and_says_why() -> None:
     size = benchmark.Sizes(0, 3, 2, "test")
     memory = {n: {"peak": [2.0] * 3, "baseline": [1.0] * 3, "skipped": [0] * 3, "method": "m"} for n in ("fp32", "amp")}
     result = benchmark.record("float16", CPU, amp.work, size, "n/a", memory, rounds, None)
-    assert result["speedup"] is None and "raise bench.warmup" in result["no_speedup_because"]
+    assert "speedup" not in result and "raise bench.warmup" in result["no_speedup_because"]
     assert benchmark.short_metrics(result) == {"speedup_median": None, "memory_ratio": 1.0}
     assert "raise bench.warmup" in benchmark.summary_line(result)
 
@@ -332,3 +332,27 @@ def test_gpu_check_runs_the_stages_without_dvc_and_writes_figures(tmp_path: Path
     assert "| float16 |" in (out / "figures.md").read_text()
     assert figures["total_seconds"] > 0 and figures["within_time_limit"]
     assert not (repo / "data").exists(), "gpu_check works in copies, never in the project it is given"
+
+
+# --- scripts/gpu_profile.py and scripts/gpu_proof.sh ---------------------------------------------------------
+
+
+def test_gpu_profile_on_the_cpu_at_tiny_size(tmp_path: Path) -> None:
+    """The profile a GPU session reads when AMP's speedup falls short, run here on the CPU at tiny size."""
+    import gpu_profile
+
+    assert gpu_profile.main([str(tmp_path), "--size", "tiny", "--steps", "2"]) == 0
+    result = json.loads((tmp_path / "profile.json").read_text())
+    assert set(result["variants"]) == {"fp32", "amp"} and result["flops_per_step"] > 0
+    for v in result["variants"].values():
+        assert v["seconds_per_step"] > 0 and v["top_ops"] and all(0 <= o["share"] <= 1 for o in v["top_ops"])
+    assert "| amp |" in (tmp_path / "profile.md").read_text()
+
+
+def test_gpu_proof_stops_in_one_line_without_a_gpu(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: run scripts/gpu_proof.sh itself")
+    env = {**quiet_env(ROOT), "OUT": str(tmp_path), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "scripts/gpu_proof.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and "gpu_proof: no GPU: error: device: cuda was asked for" in proc.stdout
+    assert (tmp_path / "machine.txt").is_file() and not (tmp_path / "pytest-gpu.txt").exists()

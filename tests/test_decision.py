@@ -46,10 +46,10 @@ def test_short_metrics_are_eight_plain_numbers(tmp_path: Path, monkeypatch: pyte
         "decision": 0,
         "reasons": 1,
         "flips": 3,  # every real flip, near the boundary or not
-        "near_boundary_flips": 2,
+        "near_flips": 2,
         "max_abs_gap": 0.25,
         "quality_trial": 0.94,
         "quality_trained": 0.93,
-        "max_loss_gap": 0.0125,
+        "loss_gap": 0.0125,
     }
     assert paths.decision_metrics("bfloat16") == Path("data/metrics/bfloat16.json")

@@ -116,7 +116,9 @@ def test_kill_and_resume_with_accumulation_and_a_dataset_is_byte_identical(datas
     assert digests(trial) == expected
 
 
-def test_killed_freeze_resumes_to_an_identical_reference_with_a_dataset(dataset_project, tmp_path):
+# 8 updates, a resumable state every 4: kill in the reference's training (5), or in the FP32 replicate's (8 + 6).
+@pytest.mark.parametrize("kill_after", [5, 14])
+def test_killed_freeze_resumes_to_an_identical_reference_with_a_dataset(dataset_project, tmp_path, kill_after):
     repo = tmp_path / "repo"
     shutil.copytree(dataset_project, repo, symlinks=True)
     reference = repo / "data/reference"
@@ -124,9 +126,11 @@ def test_killed_freeze_resumes_to_an_identical_reference_with_a_dataset(dataset_
     assert "replicate_trajectory.json" in expected
     shutil.rmtree(reference)
     env = env_for(repo)
-    env["PIPELINE_KILL_AFTER_STEP"] = "5"  # after the resumable state of step 4, in the reference's training
+    env["PIPELINE_KILL_AFTER_STEP"] = str(kill_after)
     assert run([sys.executable, "-m", "pipeline", "freeze"], repo, check=False, env=env).returncode == -signal.SIGKILL
     assert not reference.exists() or not any(reference.iterdir())
+    states = sorted(p.name for p in (repo / "data/resume").glob("*.safetensors"))
+    assert states == (["reference.safetensors", "replicate.safetensors"] if kill_after > 8 else ["reference.safetensors"])
     run([sys.executable, "-m", "pipeline", "freeze"], repo)
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(reference.iterdir()) if p.is_file()} == expected
     assert not any((repo / "data/resume").glob("*.safetensors"))

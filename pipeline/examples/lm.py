@@ -5,9 +5,9 @@ is padded, ignored as Hugging Face does), so compare reports per-token flips, to
 KL(reference || trial), top-1 agreement and top-k overlap. Needs nothing but torch; the text is generated
 from ``data_seed``, never downloaded.
 
-The source: a seeded second-order Markov chain over ``vocab`` tokens whose transitions are concentrated
-on a few successors per context (``branching``), so a model can learn it and its logits have real
-structure (confident tokens, near-ties), like a language model's.
+The source: a seeded Markov chain (``order`` 1 or 2) over ``vocab`` tokens whose transitions are
+concentrated on a few successors per context (``branching``), so a small model learns it in a few hundred
+updates and its logits have real structure (confident tokens, near-ties), like a language model's.
 
     task:
       kind: classification
@@ -30,13 +30,14 @@ PAD = 0
 """Token id of padding (inputs after a sequence's end); its targets are -100."""
 
 
-def _chain(vocab: int, branching: int, gen: torch.Generator) -> torch.Tensor:
-    """Transition probabilities [vocab, vocab, vocab]: next token given the two previous ones (never PAD)."""
-    logits = torch.full((vocab, vocab, vocab), -math.inf)
-    succ = torch.randint(1, vocab, (vocab, vocab, branching), generator=gen)
-    weights = torch.randn(vocab, vocab, branching, generator=gen) * 1.5
-    logits.scatter_(2, succ, weights)
-    return torch.softmax(logits, dim=2)
+def _chain(vocab: int, branching: int, order: int, gen: torch.Generator) -> torch.Tensor:
+    """Transition probabilities [vocab] * order + [vocab]: the next token given the ``order`` previous ones
+    (never PAD), spread over ``branching`` successors per context."""
+    contexts = vocab**order
+    logits = torch.full((contexts, vocab), -math.inf)
+    succ = torch.randint(1, vocab, (contexts, branching), generator=gen)
+    logits.scatter_(1, succ, torch.randn(contexts, branching, generator=gen) * 1.5)
+    return torch.softmax(logits, dim=1)
 
 
 def load_data(
@@ -45,6 +46,7 @@ def load_data(
     seq_len: int = 32,
     vocab: int = 96,
     branching: int = 4,
+    order: int = 1,
     max_padding: int = 6,
     data_seed: int = 0,
     **_: object,
@@ -55,18 +57,19 @@ def load_data(
     Raises:
         UserError: sizes that cannot make sequences.
     """
-    if vocab < 3 or not 1 <= branching < vocab:
-        raise UserError(f"task.options: need vocab >= 3 and 1 <= branching < vocab; got vocab={vocab}, branching={branching}")
+    if vocab < 3 or not 1 <= branching < vocab or order not in (1, 2):
+        raise UserError(f"task.options: need vocab >= 3, 1 <= branching < vocab and order 1 or 2; got vocab={vocab}, "
+                        f"branching={branching}, order={order}")
     if seq_len < 2 or not 0 <= max_padding < seq_len:
         raise UserError(f"task.options: need seq_len >= 2 and 0 <= max_padding < seq_len; got seq_len={seq_len}, max_padding={max_padding}")
     gen = torch.Generator().manual_seed(data_seed)
-    probs = _chain(vocab, branching, gen)
+    probs = _chain(vocab, branching, order, gen)
     n = n_train + n_eval
     tokens = torch.empty(n, seq_len + 1, dtype=torch.long)
-    tokens[:, :2] = torch.randint(1, vocab, (n, 2), generator=gen)
-    for t in range(2, seq_len + 1):  # vectorised over sequences: one multinomial draw per position
-        p = probs[tokens[:, t - 2], tokens[:, t - 1]]
-        tokens[:, t] = torch.multinomial(p, 1, generator=gen).squeeze(1)
+    tokens[:, :order] = torch.randint(1, vocab, (n, order), generator=gen)
+    for t in range(order, seq_len + 1):  # vectorised over sequences: one multinomial draw per position
+        context = tokens[:, t - 1] if order == 1 else tokens[:, t - 2] * vocab + tokens[:, t - 1]
+        tokens[:, t] = torch.multinomial(probs[context], 1, generator=gen).squeeze(1)
     x, y = tokens[:, :-1].clone(), tokens[:, 1:].clone()
     pads = torch.randint(0, max_padding + 1, (n,), generator=gen)
     padded = torch.arange(seq_len).unsqueeze(0) >= (seq_len - pads).unsqueeze(1)

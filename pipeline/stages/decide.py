@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline import compare_stats, decision, paths, rollback, verdict
+from pipeline import compare_stats, decision, paths, review, rollback, verdict
 from pipeline.artifacts import read_json
 from pipeline.config import load_params
 from pipeline.errors import UserError
@@ -45,4 +45,4 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
         rollback.write_package(paths.decision(dtype) / "rollback", params, manifest, stats, dtype)
     decision.write(result)
     decision.write_metrics(result, stats)
-    print(f"decide {dtype}: {result.decision.upper()}" + "".join(f"\n  - {r}" for r in result.reasons))
+    print(review.text(review.verdict(dtype, result.as_dict(), stats.raw, diagnosis)))  # the verdict block, as everywhere

@@ -32,8 +32,7 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     checkpoint.restore(ref.checkpoint(), trained, rng=False)
     key = hashlib.sha256(json.dumps({"ref": ref.manifest["run_key"], "policy": policy.as_dict()}, sort_keys=True).encode()).hexdigest()
     resume = checkpoint.ResumeFile(paths.RESUME / f"trial-{dtype}.safetensors", key)
-    writer = artifact.Writer(dtype, ref.cases.ids)
-    with _missing_kernels(dtype, device), precision.deterministic(params.reference.deterministic):
+    with artifact.Writer(dtype, ref.cases.ids) as writer, _missing_kernels(dtype, device), precision.deterministic(params.reference.deterministic):
         run = training.run_trial(
             trained, initial, ref.train_data(params), None, ref.cases.x, params.reference, params.task, policy, device,
             params.seed, resume=resume.load(), save_resume=resume.save, label=f"trial {dtype}", sink=writer.sink,
