@@ -660,7 +660,8 @@ class QualityStats:
     ``metric``: ``accuracy`` (per token: token accuracy over targets != -100), ``top_k`` (target among
     the k best scores), ``neg_rmse``, ``neg_mae`` (regression, over every output value). Per-token
     classification also gives the perplexity exp(mean token NLL) (a language model's). A user metric
-    (``module:function``) is not streamed: ``QualityStats`` then keeps the target rows and calls it once.
+    (``module:function``) is not streamed: ``QualityStats`` then keeps the target rows and calls it once
+    (per-token scores as tokens: ``f(scores [M, C], targets [M])``, -100 targets included).
     """
 
     def __init__(self, metric: str, tie_rule: str, top_k: int = 5, user: Callable | None = None) -> None:
@@ -675,8 +676,11 @@ class QualityStats:
         """``outputs`` and ``targets`` of the cases WITH a target only; ``labels``: their decisions, when known."""
         if outputs.shape[0] == 0:
             return
-        if self.user is not None:
-            self._kept.append((outputs.detach().clone(), targets.detach().clone()))
+        if self.user is not None:  # per token, as tokens [M, C] and [M] (slices of a sequence may differ in length)
+            o, y = outputs.detach(), targets.detach()
+            if o.ndim == 3:
+                o, y = o.reshape(-1, o.shape[-1]), y.reshape(-1)
+            self._kept.append((o.clone(), y.clone()))
             return
         if self.metric in ("accuracy", "top_k"):
             s = outputs.detach()

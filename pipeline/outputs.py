@@ -183,6 +183,9 @@ class OutputsReader:
             ) from None
         self.meta = {k: from_jsonable(json.loads(v)) for k, v in (header.pop("__metadata__", None) or {}).items()}
         self._shapes = {name: tuple(entry["shape"]) for name, entry in header.items()}
+        unknown = sorted(entry["dtype"] for entry in header.values() if entry["dtype"] not in _FROM_CODE)
+        if unknown:
+            raise UserError(f"{self.path} holds tensors of dtype {', '.join(unknown)}, which outputs are never written in; rebuild it with {hint}")
         self._dtypes = {name: _FROM_CODE[entry["dtype"]] for name, entry in header.items()}
         self._offsets = {name: 8 + size + entry["data_offsets"][0] for name, entry in header.items()}
         self.names: list[str] = sorted(self._shapes)

@@ -149,6 +149,7 @@ def error_envelope(
     tolerances: Mapping[str, tuple[float, float]],
     dtype: str,
     flipped: np.ndarray | None = None,
+    note: str = "",
 ) -> bytes:
     """Per output element: |AMP - FP32| against |FP32|, on log axes, under the envelope ``atol + rtol*|ref|``
     that the rule allows. Elements above it fail; elements of flipped cases (``flipped``: one bool per row)
@@ -195,7 +196,8 @@ def error_envelope(
         ax.set_yscale("log")
     else:
         ax.text(0.5, 0.5, "every element identical to the reference", ha="center", va="center", transform=ax.transAxes)
-    ax.set(xlabel="|FP32 reference| per element", ylabel=f"|AMP {dtype} - FP32|", title=f"Error against the tolerance envelope: AMP {dtype}")
+    title = f"Error against the tolerance envelope: AMP {dtype}" + (f"\n({note})" if note else "")
+    ax.set(xlabel="|FP32 reference| per element", ylabel=f"|AMP {dtype} - FP32|", title=title)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", fontsize="x-small", bbox_to_anchor=(1.01, 1.0))
     return _png(fig)
@@ -217,6 +219,7 @@ def error_histogram(
     trial: Mapping[str, np.ndarray],
     tolerances: Mapping[str, float],
     dtype: str,
+    note: str = "",
 ) -> bytes:
     """Histogram of |trial - reference| per element on log-spaced bins, with each output's atol marked.
 
@@ -240,7 +243,7 @@ def error_histogram(
         ax.axvline(tolerances[name], color=_BAD, linestyle=":", linewidth=1.2, label=f"atol {name} = {tolerances[name]:g}")
     if not positive.size:
         ax.text(0.5, 0.5, "every element identical to the reference", ha="center", va="center", transform=ax.transAxes)
-    ax.set(xlabel="|AMP - FP32| per element", ylabel="elements", title=f"Absolute error, AMP {dtype} vs FP32")
+    ax.set(xlabel="|AMP - FP32| per element", ylabel="elements", title=f"Absolute error, AMP {dtype} vs FP32" + (f"\n({note})" if note else ""))
     ax.legend(loc="upper left", fontsize="x-small", bbox_to_anchor=(1.01, 1.0))  # beside the axes, never over the bars
     return _png(fig)
 

@@ -349,6 +349,7 @@ def test_gpu_profile_on_the_cpu_at_tiny_size(tmp_path: Path) -> None:
     assert "| amp |" in (tmp_path / "profile.md").read_text()
 
 
+@pytest.mark.integration  # the whole script, end to end
 def test_gpu_proof_stops_in_one_line_without_a_gpu(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: run scripts/gpu_proof.sh itself")

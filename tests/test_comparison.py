@@ -115,3 +115,18 @@ def test_regression_and_typed_stats(tmp_path, monkeypatch):
     assert s.quality_trial == stats["quality"]["trial"] and s.real_flips == int(crossing) and s.kl_mean is None
     assert s.max_abs_gap == pytest.approx(0.01, rel=1e-4) and compare_stats.read_table("float16") == table
     assert not math.isnan(s.max_loss_gap)
+
+
+def test_user_metric_sees_the_target_rows_once_and_sets_the_direction():
+    ids, y, has, ref, trial = _set(n=200)
+    calls = []
+
+    def error_rate(out, target):
+        calls.append(out.shape[0])
+        return float((out.argmax(-1) != target).double().mean())
+
+    metric = comparison.Metric("mypkg.metrics:error_rate", higher_is_better=False, function=error_rate)
+    stats, _ = comparison.compare_streams("classification", AcceptanceConfig(), ids, y, has, comparison.InMemory(ref), comparison.InMemory(trial),
+                                          comparison.InMemory(trial), STEPS, STEPS, 2.0**16, metric=metric, cfg=CompareConfig(chunk_elements=300))
+    assert calls == [170, 170, 170]  # reference, trial, trained: every ordinary case at once, whatever the chunking
+    assert stats["quality"]["reference"] == 0.0 and stats["quality"]["higher_is_better"] is False

@@ -219,13 +219,15 @@ def test_compare_decisions_fails_when_another_backend_ran(tmp_path: Path) -> Non
     assert len(compare_decisions.backend_problems(data, "rocm")) == 4
 
 
-def test_device_cuda_without_a_gpu_fails_in_one_line() -> None:
-    """What the GPU job's first check runs: no GPU visible means exit 2 and one line, never the CPU."""
+def test_device_cuda_without_a_gpu_fails_in_one_line(capsys: pytest.CaptureFixture) -> None:
+    """What the GPU job's first check runs (``python3 -m pipeline.devices cuda``): no GPU visible means exit 2
+    and one line, never the CPU."""
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: the gpu-marked tests cover this machine")
-    proc = subprocess.run([sys.executable, "-m", "pipeline.devices", "cuda"], cwd=ROOT, capture_output=True, text=True, check=False)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.count("\n") == 1 and "device: cuda was asked for but no CUDA or ROCm GPU is visible" in proc.stderr
+    assert devices._main(["cuda"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "device: cuda was asked for but no CUDA or ROCm GPU is visible" in err
+    assert devices._main(["cpu"]) == 0 and json.loads(capsys.readouterr().out)["backend"] == "cpu"
 
 
 def test_rocm_device_node_out_of_reach_is_named_with_its_gid(tmp_path: Path) -> None:

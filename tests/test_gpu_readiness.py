@@ -33,20 +33,24 @@ def python(code: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(not NEW_TF32_API, reason="torch < 2.9 has only the legacy TF32 flags: nothing to mix")
 def test_legacy_tf32_read_after_the_new_api_crashes_and_the_switch_does_not() -> None:
-    """Reproduces issue 12.5 on torch >= 2.9 (CPU): a user's module sets the new API, then the old code reads."""
-    user_module = "import torch; torch.backends.cuda.matmul.fp32_precision = 'tf32'\n"
-    legacy = python(user_module + "print(torch.backends.cuda.matmul.allow_tf32)")
-    assert legacy.returncode != 0 and "mix of the legacy and new APIs" in legacy.stderr
-    ours = python(
-        user_module
-        + "from pipeline import precision\n"
-        + "with precision.tf32(False):\n    inside = precision.tf32_state()\n"
-        + "after = precision.tf32_state()\n"
-        + "precision.strict_fp32()\n"
-        + "print(inside, after, precision.tf32_state())"
+    """Reproduces issue 12.5 on torch >= 2.9 (CPU): a user's module sets the new API, then the old code reads
+    the legacy flag and crashes; the one switch (precision.tf32 / strict_fp32) keeps working."""
+    code = (
+        "import torch\ntorch.backends.cuda.matmul.fp32_precision = 'tf32'  # what a user's model module may do\n"
+        "try:\n    torch.backends.cuda.matmul.allow_tf32\nexcept RuntimeError as exc:\n"
+        "    print('legacy read:', 'mix of the legacy and new APIs' in str(exc))\n"
+        "from pipeline import precision\n"
+        "with precision.tf32(False):\n    inside = precision.tf32_state()\n"
+        "after = precision.tf32_state()\n"
+        "precision.strict_fp32()\n"
+        "print(inside, after, precision.tf32_state())"
     )
-    assert ours.returncode == 0, ours.stderr
-    assert ours.stdout.split("\n")[0] == "('ieee', 'ieee', 'ieee') ('tf32', 'tf32', 'tf32') ('ieee', 'ieee', 'ieee')"
+    proc = python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "legacy read: True",
+        "('ieee', 'ieee', 'ieee') ('tf32', 'tf32', 'tf32') ('ieee', 'ieee', 'ieee')",
+    ]
 
 
 def test_tf32_switch_sets_and_restores() -> None:
@@ -77,33 +81,29 @@ def test_no_tf32_flag_is_touched_outside_precision_py() -> None:
 # --- determinism ---------------------------------------------------------------------------------------------
 
 
-def test_deterministic_reports_the_ops_without_a_deterministic_kernel_in_one_line() -> None:
+def test_deterministic_reports_the_ops_without_a_deterministic_kernel_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     # put_ (accumulate=False) has no deterministic kernel, on the CPU too: the one op a CPU can show this with.
-    code = (
-        "import os, torch\nfrom pipeline import precision\nfrom pipeline.errors import UserError\n"
-        "t = torch.zeros(4)\n"
-        "try:\n"
-        "    with precision.deterministic(True):\n"
-        "        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic\n"
-        "        assert not torch.backends.cudnn.benchmark and os.environ['CUBLAS_WORKSPACE_CONFIG'] == ':4096:8'\n"
-        "        t.put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))\n"
-        "        t.put_(torch.tensor([1, 1]), torch.tensor([1.0, 2.0]))\n"
-        "        t.index_add_(0, torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))  # deterministic on the CPU\n"
-        "except UserError as exc:\n"
-        "    print('USER', exc)\n"
-        "print('after', torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic)\n"
-        "precision.deterministic(True)  # as a plain call: in force, first such op raises\n"
-        "try:\n"
-        "    t.put_(torch.tensor([0]), torch.tensor([1.0]))\n"
-        "except RuntimeError as exc:\n"
-        "    print('RAISED', precision.nondeterministic_op(exc))\n"
-    )
-    proc = python(code)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    assert lines[0].startswith("USER reference.deterministic: ") and "for put_;" in lines[0] and "deterministic: false" in lines[0]
-    assert lines[1] == "after False False"
-    assert lines[2] == "RAISED put_"
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    t = torch.zeros(4)
+    try:
+        with pytest.raises(UserError) as err:
+            with precision.deterministic(True):
+                assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+                assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+                t.put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))
+                t.put_(torch.tensor([1, 1]), torch.tensor([1.0, 2.0]))
+                t.index_add_(0, torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))  # deterministic on the CPU
+        line = str(err.value)
+        assert line.startswith("reference.deterministic: ") and "for put_;" in line and "deterministic: false" in line
+        assert "\n" not in line
+        assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+        precision.deterministic(True)  # as a plain call: in force, the first such op raises
+        with pytest.raises(RuntimeError) as raised:
+            t.put_(torch.tensor([0]), torch.tensor([1.0]))
+        assert precision.nondeterministic_op(raised.value) == "put_"
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False
 
 
 def test_deterministic_stage_error_is_one_line(tmp_path: Path) -> None:
@@ -221,31 +221,26 @@ def test_threads_param_goes_to_the_environment_before_torch() -> None:
     assert environ == {"OMP_NUM_THREADS": "2"}
 
 
-def test_entry_point_applies_threads_and_imports_no_torch_before_params(tmp_path: Path) -> None:
-    """``python -m pipeline``: a bad params file stops before torch; a good one sets the counts in torch."""
+def test_entry_point_applies_threads_and_imports_no_torch_before_params(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m pipeline``: a bad params file stops before torch; a good one sets the environment and torch."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("threads: two\n")
-    code = (
-        "import sys\nfrom pipeline import __main__ as m\n"
-        f"rc = m.main(['prepare', '--params', {str(bad)!r}])\n"
-        "print(rc, 'torch' in sys.modules)\n"
-    )
+    code = f"import sys\nfrom pipeline import __main__ as m\nrc = m.main(['prepare', '--params', {str(bad)!r}])\nprint(rc, 'torch' in sys.modules)\n"
     proc = python(code)
     assert proc.stdout.split() == ["2", "False"] and "threads must be an integer" in proc.stderr
-    code = (
-        "import os, sys, types\nfrom pipeline import __main__ as m\n"
-        "stage = types.ModuleType('pipeline.stages.prepare')\n"
-        "def main(params_path):\n"
-        "    import torch\n"
-        "    print(os.environ['OMP_NUM_THREADS'], torch.get_num_threads(), torch.get_num_interop_threads())\n"
-        "stage.main = main\nimport torch\nsys.modules['pipeline.stages.prepare'] = stage\n"
-        f"open({str(tmp_path / 'p.yaml')!r}, 'w').write('threads: 1\\n')\n"
-        f"sys.exit(m.main(['prepare', '--params', {str(tmp_path / 'p.yaml')!r}]))\n"
-    )
-    env_code = "import os; os.environ['OMP_NUM_THREADS'] = '2'\n" + code
-    proc = python(env_code)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["1", "1", "1"]
+    # A good one, in this process, with a stand-in stage that reports what it finds.
+    from pipeline import __main__ as entry
+
+    for name in entry.THREAD_VARIABLES:
+        monkeypatch.setenv(name, "2")
+    seen = {}
+    stage = type(sys)("pipeline.stages.prepare")
+    stage.main = lambda params_path: seen.update(env=os.environ["OMP_NUM_THREADS"], threads=torch.get_num_threads())
+    monkeypatch.setitem(sys.modules, "pipeline.stages.prepare", stage)
+    good = tmp_path / "good.yaml"
+    good.write_text("threads: 1\n")
+    assert entry.main(["prepare", "--params", str(good)]) == 0
+    assert seen == {"env": "1", "threads": 1}
 
 
 # --- on a GPU only -------------------------------------------------------------------------------------------

@@ -58,6 +58,15 @@ def test_builtin_causal_lm_end_to_end(tmp_path):
     dvc(repo, "repro")
     stats = _check_per_token(repo, 16)
     assert stats["flips"]["margin_kind"] == "probability"
+    # MLflow mirrors them: the variant's run carries KL and top-1 agreement as metrics.
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("amp-validation")
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.dtype = 'bfloat16'")
+    metrics = [r.data.metrics for r in runs if "kl_mean" in r.data.metrics]
+    assert metrics and metrics[0]["kl_mean"] == pytest.approx(stats["distribution"]["kl_mean"])
+    assert metrics[0]["top1_agreement"] == pytest.approx(stats["distribution"]["top1_agreement"])
 
 
 def test_tiny_gpt2_from_a_config_end_to_end(tmp_path):

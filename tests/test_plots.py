@@ -220,3 +220,28 @@ def test_plots_diff_between_revisions_needs_no_dvc_cache(reproduced, tmp_path):
     loss = [entry for key, entries in data.items() if "loss/bfloat16" in key for entry in entries]
     revs = {r["rev"] for entry in loss for r in (entry.get("content", {}).get("data", {}).get("values") or [])}
     assert {branch, "bf16"} <= revs, revs
+
+
+def test_report_stage_reads_a_bounded_sample_of_large_outputs(tmp_path, monkeypatch):
+    """Past MAX_ELEMENTS (a language model's logits), the figures read evenly spaced cases plus every flipped
+    one, slice by slice, never the whole file; below it, every case."""
+    from safetensors.numpy import save_file
+
+    from pipeline.stages import report as stage_report
+
+    gen = np.random.default_rng(0)
+    full = {"logits": gen.normal(size=(1000, 4, 8)).astype(np.float32), "aux": gen.normal(size=(1000, 1)).astype(np.float32)}
+    path = tmp_path / "outputs.safetensors"
+    save_file(full, str(path), metadata={"ids": json.dumps([f"c{i}" for i in range(1000)])})
+    ids, per_case = stage_report._layout(path)
+    assert ids[:2] == ["c0", "c1"] and per_case == 33
+    assert stage_report._sample(1000, per_case, [3]) == (None, "")
+    monkeypatch.setattr(stage_report, "MAX_ELEMENTS", 33 * 100)
+    rows, note = stage_report._sample(1000, per_case, [3, 998])
+    assert 100 <= len(rows) <= 102 and {0, 3, 998, 999} <= set(rows.tolist()) and list(rows) == sorted(set(rows.tolist()))
+    assert note == f"{len(rows)} of 1000 cases drawn (evenly spaced, every flipped one)"
+    part = stage_report._read(path, rows)
+    for name, value in full.items():
+        np.testing.assert_array_equal(part[name], value[rows])
+    png = plots.error_envelope(part, {k: v + 1e-3 for k, v in part.items()}, {"logits": (1e-4, 0.0)}, "float16", np.isin(rows, [3, 998]), note)
+    assert png.startswith(b"\x89PNG")

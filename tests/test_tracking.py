@@ -257,7 +257,8 @@ def test_decision_and_key_figures_are_columns_and_curves_have_gap_and_band(story
         assert [m.value for m in band] == pytest.approx([rule["loss_atol"] + rule["loss_rtol"] * abs(ref[s["step"]]) for s in steps])
         m = run.data.metrics
         assert m["accepted"] == float(decision["decision"] == "accept")
-        assert m["flips"] == stats["flips"]["flips"] and m["near_boundary_flips"] == stats["flips"]["boundary_flips"]
+        assert m["flips"] == stats["flips"]["flips"] and m["near_boundary_flips"] == stats["flips"]["near_boundary_flips"]
+        assert m["boundary_flips"] == stats["flips"]["boundary_flips"]
         assert m["max_abs_gap"] == pytest.approx(max(v["max_abs"] for v in stats["values"].values()))
         assert m["quality_trial"] == pytest.approx(stats["quality"]["trial"]) and m["max_loss_gap"] == pytest.approx(stats["training"]["max_loss_gap"])
         assert not any("arbiter" in k for k in m) and not any(k.endswith("_bytes") for k in m)  # renamed, with units
