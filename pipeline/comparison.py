@@ -76,6 +76,13 @@ def _primary_name(names: Sequence[str]) -> str:
     return primary({n: n for n in names})
 
 
+def token_mask_of(x) -> torch.Tensor | None:
+    """The ``attention_mask`` of dict inputs (Hugging Face's name), if any: positions where it is 0 are padding."""
+    if isinstance(x, dict) and torch.is_tensor(x.get("attention_mask")) and x["attention_mask"].ndim == 2:
+        return x["attention_mask"]
+    return None
+
+
 def kinds_of(ids: Sequence[str]) -> list[str]:
     """Kind of every case id (``ordinary/...`` -> ``ordinary``), computed once."""
     return [i.split("/", 1)[0] for i in ids]
@@ -108,12 +115,19 @@ def compare_streams(
     metric: Metric | None = None,
     cfg: CompareConfig | None = None,
     replicate_steps: list[dict] | None = None,
+    token_mask: torch.Tensor | None = None,
 ) -> tuple[dict, list[dict]]:
-    """Statistics and per-case table of one trial; each source read once, one chunk of rows at a time."""
+    """Statistics and per-case table of one trial; each source read once, one chunk of rows at a time.
+
+    Per-token outputs ignore positions whose target is -100 and, when ``token_mask`` [N, T] is given (the
+    batch's ``attention_mask``), positions where it is 0.
+    """
     cfg = cfg or CompareConfig()
     metric = metric or Metric("accuracy" if kind == "classification" else "neg_rmse")
     kinds = kinds_of(ids)
     n = len(ids)
+    if token_mask is not None and tuple(token_mask.shape) == tuple(targets.shape) and targets.ndim == 2:
+        targets = targets.masked_fill(~token_mask.bool(), numerics.IGNORE_INDEX)
     if ref.rows != n or trial.rows != n or trained.rows != n:
         raise ValueError(f"outputs hold {ref.rows}/{trial.rows}/{trained.rows} rows (reference/trial/trained) for {n} cases")
     names = sorted(ref.names)

@@ -120,6 +120,8 @@ def check_inputs(value: Any, name: str, entry: str) -> Inputs:
     Raises:
         UserError: anything else, an empty input, tensors disagreeing on dim 0, or NaN/inf.
     """
+    if value is None:
+        raise UserError(f"task.data {entry} returned no {name!r}; return train_x, train_y, eval_x, eval_y (tensors or dicts of tensors)")
     if torch.is_tensor(value):
         x: Inputs = value
     elif isinstance(value, Mapping) and value and all(torch.is_tensor(v) for v in value.values()):
@@ -301,6 +303,8 @@ def _split_targets(raw: dict, split: str, cfg: TaskConfig) -> tuple[Inputs, torc
         raise UserError(f"task.data {cfg.data}: {split}_y is {type(y).__name__}; return the targets as a tensor")
     if y.ndim == 0 or y.shape[0] != rows(x):
         raise UserError(f"task.data {cfg.data}: {split}_x and {split}_y have different lengths; give one target per sample")
+    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        raise UserError(f"task.data {cfg.data}: {split}_y holds NaN or inf; clean the data before freezing a reference")
     return x, y
 
 

@@ -130,3 +130,19 @@ def test_user_metric_sees_the_target_rows_once_and_sets_the_direction():
                                           comparison.InMemory(trial), STEPS, STEPS, 2.0**16, metric=metric, cfg=CompareConfig(chunk_elements=300))
     assert calls == [170, 170, 170]  # reference, trial, trained: every ordinary case at once, whatever the chunking
     assert stats["quality"]["reference"] == 0.0 and stats["quality"]["higher_is_better"] is False
+
+
+def test_attention_mask_excludes_padding_positions():
+    ids, y, has, ref, trial = _set(n=60, per_token=True)
+    trial["logits"] = trial["logits"].clone()
+    trial["logits"][:, 2, :] += torch.randn(60, 10) * 5  # position 2: noise that flips tokens
+    mask = torch.ones(60, 6, dtype=torch.long)
+    mask[:, 2] = 0  # ... but it is padding
+    args = ("classification", AcceptanceConfig(), ids, y, has, comparison.InMemory(ref), comparison.InMemory(trial), comparison.InMemory(trial),
+            STEPS, STEPS, 2.0**16)
+    with_mask, _ = comparison.compare_streams(*args, token_mask=mask)
+    without, _ = comparison.compare_streams(*args)
+    assert with_mask["distribution"]["tokens"] == without["distribution"]["tokens"] - 60 + int((y[:, 2] == -100).sum())
+    assert with_mask["flips"]["real_flips"] < without["flips"]["real_flips"]
+    assert all(f["position"] != 2 for f in with_mask["flips"]["flip_list"])
+    assert comparison.token_mask_of({"input_ids": torch.zeros(2, 3), "attention_mask": mask[:2, :3]}) is not None

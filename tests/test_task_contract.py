@@ -342,3 +342,19 @@ def test_prepare_says_in_one_line_when_ordinary_cases_is_cut_and_records_it(tmp_
     fixed = cases.load("data/prepared/cases.safetensors")
     assert fixed.meta == {"ordinary_requested": 100, "ordinary_available": 9, "ordinary_cases": 9}
     assert fixed.kinds.count("ordinary") == 9
+
+
+def test_missing_inputs_and_non_finite_targets_are_one_line(tmp_path, monkeypatch):
+    (tmp_path / "gaps.py").write_text(
+        "import torch\n"
+        "def no_eval(**_):\n"
+        "    return {'train_x': torch.zeros(4, 2), 'train_y': torch.zeros(4)}\n"
+        "def nan_target(**_):\n"
+        "    y = torch.zeros(4); y[1] = float('nan')\n"
+        "    return {'train_x': torch.zeros(4, 2), 'train_y': y, 'eval_x': torch.zeros(2, 2), 'eval_y': torch.zeros(2)}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError, match="returned no 'eval_x'"):
+        task.load_data(TaskConfig(data="gaps:no_eval"))
+    with pytest.raises(UserError, match="train_y holds NaN or inf"):
+        task.load_data(TaskConfig(kind="regression", loss="mse", data="gaps:nan_target"))
