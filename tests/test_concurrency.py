@@ -33,7 +33,10 @@ def experiment_names(repo: Path) -> set[str]:
 def test_parallel_queue_with_a_new_database_keeps_both_experiments(tmp_path):
     """`dvc queue start --jobs 2` with no mlflow.db yet: both experiments reach publish at about the same time
     and both create the database; before the store lock, one of them died in MLflow's migrations and was lost."""
-    repo = make_project(tmp_path / "repo", {"bench": {"repeats": 1, "steps": 1, "warmup": 0}})
+    smaller = {"bench": {"repeats": 1, "steps": 1, "warmup": 0}, "prepare": {"ordinary_cases": 32},
+               "reference": {"train_steps": 4, "checkpoint_every": 0, "boundary_cases": 1}, "diagnose": {"search_budget": 0},
+               "trial": {"dtypes": ["bfloat16"]}}
+    repo = make_project(tmp_path / "repo", smaller)  # the race is at publish: the rest as small as it goes
     (repo / "mlflow.db").unlink()  # a repository that never published: the queue creates the database
     env = env_for(repo)
     for name, seed in (("q1", 1), ("q2", 2)):  # same work, so both publish at the same moment

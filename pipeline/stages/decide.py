@@ -16,12 +16,13 @@ from pipeline.errors import UserError
 
 def main(dtype: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
+    # The manifests as JSON: pipeline.reference and pipeline.trial import torch, which this stage never needs.
     manifest = read_json(paths.REF_MANIFEST, "freeze")
     rule_sha = params.acceptance.sha256()
-    if manifest["rule_sha256"] != rule_sha:
+    if manifest.get("rule_sha256") != rule_sha:  # reference.load's words: one message wherever it is caught
         raise UserError(
-            "the acceptance rule in params.yaml differs from the one frozen with the reference; a rule is fixed "
-            "before the trial: run `dvc repro` so the reference is re-frozen and every trial re-run under it"
+            f"the acceptance rule in params.yaml (sha256 {rule_sha[:12]}…) differs from the one frozen with the reference "
+            f"({str(manifest.get('rule_sha256'))[:12]}…); the rule is fixed before the trial: run `dvc repro` to re-freeze under the new rule"
         )
     stats = compare_stats.read(dtype)
     diagnosis = read_json(paths.diagnose(dtype) / "diagnosis.json", f"diagnose@{dtype}")

@@ -30,33 +30,39 @@ def main(params_path: str = "params.yaml") -> None:
     checkpoint.restore(init, model)  # the probe must not move the RNG the training starts from
     run_key = _run_key(params, inputs)
     resume = checkpoint.ResumeFile(paths.RESUME / "reference.safetensors", run_key)
-    with precision.deterministic(cfg.deterministic):
+    with precision.deterministic(cfg.deterministic):  # training and inference alike
         result = training.train(model, source, None, cfg, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save, label="freeze FP32")
         replicate = _replicate(params, init, source, device, run_key) if cfg.noise_replicate else None
-
-    ordinary = prepared.select(torch.tensor([i for i, k in enumerate(prepared.kinds) if k == "ordinary"]))
-    fixed = prepared
-    if params.task.kind == "classification" and cfg.boundary_cases:
-        def score(x):
-            return task.primary(training.infer(model, x, FP32, device, cfg.eval_mode))
-
-        fixed = prepared + cases.boundary_cases(score, ordinary, cfg.boundary_cases, cfg.boundary_epsilon, prepared.y, method=cfg.boundary_method)
-    try:
-        manifest = reference.write(
-            params=params, inputs=inputs, run_key=run_key, env=devices.describe(device), init=init, trained=result.state,
-            records=result.records, real_updates=result.real_updates, fixed=fixed,
-            outputs=training.infer_chunks(model, fixed.x, FP32, device, cfg.eval_mode),
-            fp64=training.fp64_chunks(model, fixed.x, cfg.eval_mode), replicate=replicate, policy=FP32.as_dict(),
-        )
-    except reference.NonFinite as bad:
-        resume.clear()  # nothing of a refused reference is kept
-        raise UserError(
-            f"the FP32 reference is not finite on {len(bad.args[0])} case(s) ({', '.join(bad.args[0][:5])}); an incorrect FP32 run is no "
-            f"baseline: fix the model, data or prepare.edge_scales, then rerun"
-        ) from None
+        fixed = _with_boundary(params, prepared, model, device)
+        try:
+            manifest = reference.write(
+                params=params, inputs=inputs, run_key=run_key, env=devices.describe(device), init=init, trained=result.state,
+                records=result.records, real_updates=result.real_updates, fixed=fixed,
+                outputs=training.infer_chunks(model, fixed.x, FP32, device, cfg.eval_mode),
+                fp64=training.fp64_chunks(model, fixed.x, cfg.eval_mode), replicate=replicate, policy=FP32.as_dict(),
+            )
+        except reference.NonFinite as bad:
+            resume.clear()  # nothing of a refused reference is kept
+            raise UserError(
+                f"the FP32 reference is not finite on {len(bad.args[0])} case(s) ({', '.join(bad.args[0][:5])}); an incorrect FP32 run "
+                f"is no baseline: fix the model, data or prepare.edge_scales, then rerun"
+            ) from None
     resume.clear()
     noise = f"; FP32 replicate final loss {replicate[-1].loss:.4f}" if replicate else ""
     print(f"freeze: reference trained {len(result.records)} steps, final loss {result.records[-1].loss:.4f}{noise}; {manifest['cases']['total']} cases")
+
+
+def _with_boundary(params, prepared: cases.Cases, model, device) -> cases.Cases:
+    """The prepared cases plus boundary cases from the trained reference (classification only)."""
+    cfg = params.reference
+    if params.task.kind != "classification" or not cfg.boundary_cases:
+        return prepared
+    ordinary = prepared.select(torch.tensor([i for i, k in enumerate(prepared.kinds) if k == "ordinary"]))
+
+    def score(x):
+        return task.primary(training.infer(model, x, FP32, device, cfg.eval_mode))
+
+    return prepared + cases.boundary_cases(score, ordinary, cfg.boundary_cases, cfg.boundary_epsilon, prepared.y, method=cfg.boundary_method)
 
 
 def _replicate(params, init, source, device, run_key) -> list:

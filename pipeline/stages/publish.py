@@ -172,7 +172,8 @@ def _child(d: str, v: dict, review_: review.Verdict, loosened: list[str], ref_st
         metrics=_columns(v),
         steps=_curves(ref_steps, steps, rule),
         artifacts=artifacts,
-        tables={"cases.json": read_json(cases, f"compare@{d}")} if cases.is_file() else {},
+        # flipped cases first: the table opens on them, not after pages of unchanged cases
+        tables={"cases.json": sorted(read_json(cases, f"compare@{d}"), key=lambda r: not r.get("flipped"))} if cases.is_file() else {},
         note=review.markdown([review_]) + "\n" + _fp64_note(v["stats"]),
     )
 
