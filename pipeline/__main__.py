@@ -16,6 +16,7 @@ import importlib
 import os
 import sys
 
+from pipeline import distributed
 from pipeline.config import DTYPES, load_params
 from pipeline.errors import UserError
 
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(params.reference, "deterministic", False):
             # cuBLAS reads it when it starts: before torch, to be sure (precision.deterministic sets it too).
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        status = distributed.relaunch(args.stage, params, sys.argv[1:] if argv is None else list(argv))
+        if status is not None:  # distributed.nproc_per_node > 1: the stage ran on N ranks under torchrun
+            return status
         module = importlib.import_module(f"pipeline.stages.{args.stage}")
         if "torch" in sys.modules:  # the stage computes: fix torch's own counts before it starts
             from pipeline import devices

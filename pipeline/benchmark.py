@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline import checkpoint, devices, paths, precision, task, training
+from pipeline import checkpoint, devices, distributed, paths, precision, task, training
 from pipeline.numerics import quantile
 from pipeline.config import Params, load_params
 from pipeline.errors import UserError
@@ -167,7 +167,7 @@ def load_workload(params: Params, device: torch.device, dtype: str | None = None
     first_update = training.update_batches(len(source), params.reference, params.seed)[0]
     micro = []
     for idx in first_update:
-        x, y = source.batch(idx)
+        x, y = source.batch(distributed.current().shard(idx))  # under torchrun: this rank's slice
         micro.append((task.to_device(x, device), y.to(device)))
     model = task.build_model(params.task, params.seed)
     checkpoint.restore(checkpoint.load(paths.REF_INIT), model, rng=False)
@@ -197,6 +197,7 @@ class TrainingStep:
         self.max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
         self.updates = 0
         self.optimizer.register_step_post_hook(self._count)
+        self.net = distributed.current().wrap(work.model, work.device)  # DDP under torchrun: all-reduce is timed
 
     def _count(self, *_: object) -> None:
         self.updates += 1
@@ -204,7 +205,7 @@ class TrainingStep:
     def __call__(self) -> None:
         w = self.work
         training.amp_step(
-            w.model, w.micro_batches, self.loss_fn, self.optimizer, self.scaler, self.policy, w.device,
+            self.net, w.micro_batches, self.loss_fn, self.optimizer, self.scaler, self.policy, w.device,
             self.max_norm, self.trainable, read_back=False,
         )
 
@@ -562,6 +563,7 @@ def _child(argv: list[str] | None = None) -> int:
     try:
         params = load_params(args.params)
         device = devices.resolve(params.device)
+        distributed.shard_only()  # a probe of rank 0 under torchrun: its slice of the batch, in this process alone
         chosen = {v.name: v for v in variants(args.dtype, tuple(params.trial.fp32_modules), devices.describe(device))[0]}
         if args.variant not in chosen:
             raise UserError(f"--variant {args.variant} is not measured on this device; use one of {sorted(chosen)}")

@@ -15,13 +15,14 @@ import ctypes
 import ctypes.util
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 import torch
 
 from pipeline import numerics
 from pipeline.config import AcceptanceConfig, CompareConfig
+from pipeline.outputs import OutputsReader
 from pipeline.task import primary
 
 
@@ -42,7 +43,7 @@ class InMemory:
         self.names = sorted(tensors)
         self.rows = next(iter(tensors.values())).shape[0] if tensors else 0
 
-    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+    def read(self, name: str, start: int, stop: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
         return self.tensors[name][start:stop]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -150,6 +151,7 @@ def compare_streams(
     state = _State(names, main, kind, per_token, kinds, targets, has_target.bool(), gaps, arbiter, decisions, quality, row_gap, first_values)
     for start in range(0, n, step):  # one chunk of every source in memory at a time
         _chunk(state, ref, trial, trained, fp64, start, min(start + step, n))
+        state.release()
         _give_back_freed_memory()
 
     values = {name: gaps[name].result() for name in names}
@@ -201,6 +203,30 @@ class _State:
     row_gap: torch.Tensor
     first_values: dict
     merges: int = 0
+    buffers: dict = field(default_factory=dict)
+
+    mapped: list = field(default_factory=list)
+
+    def read(self, source: Source, side: str, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of ``name`` from ``source``. An ``OutputsReader`` maps them (no copy; ``release``
+        drops them from memory once used) or, where it cannot map, reads into one buffer per side and name,
+        allocated at the first (largest) chunk and reused for every other."""
+        if not isinstance(source, OutputsReader):
+            return source.read(name, start, stop)
+        view = source.view(name, start, stop)
+        if view is not None:
+            self.mapped.append((source, name, start, stop))
+            return view
+        out = source.read(name, start, stop, self.buffers.get((side, name)))
+        if (side, name) not in self.buffers:
+            self.buffers[(side, name)] = out
+        return out
+
+    def release(self) -> None:
+        """Drop the chunk's mapped pages from resident memory."""
+        for source, name, start, stop in self.mapped:
+            source.release(name, start, stop)
+        self.mapped.clear()
 
     def quantile_merged(self) -> bool:
         """Whether a quantile buffer merged since the last call (its freed memory is worth giving back)."""
@@ -211,9 +237,9 @@ class _State:
 
 def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source | None, start: int, stop: int) -> None:
     """Rows start:stop of every source read once, their statistics computed by slices (small temporaries)."""
-    chunk = {name: (ref.read(name, start, stop), trial.read(name, start, stop)) for name in st.names}
-    chunk_fp64 = {name: fp64.read(name, start, stop) for name in st.names} if fp64 is not None else None
-    trained_main = trained.read(st.main, start, stop)
+    chunk = {name: (st.read(ref, "reference", name, start, stop), st.read(trial, "trial", name, start, stop)) for name in st.names}
+    chunk_fp64 = {name: st.read(fp64, "fp64", name, start, stop) for name in st.names} if fp64 is not None else None
+    trained_main = st.read(trained, "trained", st.main, start, stop)
     for name in st.names:
         r_all, t_all = chunk[name]
         main = name == st.main
@@ -221,7 +247,11 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             r, t = r_all[a - start : b - start], t_all[a - start : b - start]
             if p is not None:
                 r, t = r[:, p:q], t[:, p:q]
-            gap = torch.cat([st.gaps[name].update(r[x - a : y - a], t[x - a : y - a], k) for x, y, k in _runs(st.kinds, a, b)])
+            runs = _runs(st.kinds, a, b)
+            if len(runs) == 1:
+                gap = st.gaps[name].update(r, t, runs[0][2])
+            else:
+                gap = torch.cat([st.gaps[name].update(r[x - a : y - a], t[x - a : y - a], k) for x, y, k in runs])
             if gap.numel():
                 worst = torch.nan_to_num(gap.reshape(b - a, -1).amax(1).double(), nan=math.inf)
                 st.row_gap[a:b] = torch.maximum(st.row_gap[a:b], worst)
@@ -238,9 +268,12 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             trained_slice = trained_main[a - start : b - start]
             trained_slice = trained_slice[:, p:q] if p is not None else trained_slice
             with_target = st.has_target[a:b]
+            every, some = bool(with_target.all()), bool(with_target.any())
             for side, out in (("reference", r), ("trial", t), ("trained", trained_slice)):
-                if bool(with_target.any()):
-                    known = labels.get(side)
+                known = labels.get(side)
+                if every:  # no copy of the slice
+                    st.quality[side].update(out, y, known)
+                elif some:
                     st.quality[side].update(out[with_target], y[with_target], known[with_target] if known is not None else None)
                 if st.kind != "classification":
                     st.first_values[side].append(out.reshape(out.shape[0], -1)[:, :1].double().reshape(-1))

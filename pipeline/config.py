@@ -368,6 +368,19 @@ class BenchConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """Data parallelism of freeze and trial@DTYPE (README "Beyond one GPU"; method in pipeline/distributed.py)."""
+
+    nproc_per_node: int = 1
+    """Ranks on this machine. 1: one process, as always. N > 1: the stage re-runs itself under
+    ``torchrun --standalone --nproc_per_node N`` with DistributedDataParallel (gloo on CPU, NCCL/RCCL on GPUs,
+    one GPU per rank); reference.batch_size stays the global batch and must be divisible by N."""
+
+    def check(self, key: str) -> None:
+        _positive(self.nproc_per_node, f"{key}.nproc_per_node")
+
+
+@dataclass(frozen=True)
 class TrackingConfig:
     experiment: str = "amp-validation"
     """MLflow experiment name."""
@@ -416,6 +429,7 @@ class Params:
     bench: BenchConfig = field(default_factory=BenchConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def check(self, key: str = "") -> None:
         _non_negative(self.seed, "seed")

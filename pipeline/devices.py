@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pipeline import distributed
 from pipeline.errors import UserError
 
 # Below these NVIDIA compute capabilities the hardware lacks the arithmetic: bfloat16 arrived with Ampere
@@ -78,7 +79,8 @@ def describe(device: torch.device) -> dict[str, Any]:
     architecture (``arch``), and on the CPU the vector instruction set torch dispatches to (``AVX512``).
     ``threads`` / ``interop_threads`` are torch's intra-op and inter-op thread counts and ``blas`` the CPU
     BLAS torch was built with: CPU float sums are split by thread and blocked by the BLAS, so two machines'
-    CPU bytes can only be compared when these match.
+    CPU bytes can only be compared when these match. Under torchrun with N > 1 ranks, ``world_size`` and
+    ``process_group_backend`` (gloo, nccl) too.
     """
     info: dict[str, Any] = {
         "backend": backend(device),
@@ -98,6 +100,7 @@ def describe(device: torch.device) -> dict[str, Any]:
         arch = getattr(props, "gcnArchName", "")
         if info["backend"] == "rocm" and arch:
             info["arch"] = arch
+    info.update(distributed.current().describe())  # world_size, process_group_backend: only with N > 1 ranks
     return info
 
 

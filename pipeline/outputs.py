@@ -20,8 +20,10 @@ Metadata holds ``ids`` (one string per row) as a JSON string, as ``artifacts.wri
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -29,6 +31,9 @@ import torch
 
 from pipeline.artifacts import from_jsonable, sha256_file, to_jsonable
 from pipeline.errors import UserError
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+"""Fault a mapped range in with one call (Linux >= 5.14; older kernels refuse it and pages fault on use)."""
 
 _DTYPES = {
     torch.float64: "F64",
@@ -195,19 +200,27 @@ class OutputsReader:
         if len(row_counts) > 1 or (self.ids is not None and row_counts and row_counts != {len(self.ids)}):
             raise UserError(f"{self.path} holds tensors of different row counts or ids that do not match them; rebuild it with {hint}")
         self.rows: int = row_counts.pop() if row_counts else len(self.ids or [])
+        self._mapped: mmap.mmap | None = None
+        self._unmappable = False
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[name]
 
-    def read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Rows ``start:stop`` of output ``name`` (a new CPU tensor of the stored dtype)."""
+    def read(self, name: str, start: int = 0, stop: int | None = None, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of output ``name``: a new CPU tensor of the stored dtype, or a view of the front
+        of ``buffer`` (contiguous, that dtype, large enough; reused chunk after chunk, so that no new memory
+        is touched per chunk: a fresh chunk costs a page fault every 4 KiB)."""
         stop = self.rows if stop is None else min(stop, self.rows)
         start = min(max(start, 0), stop)
         shape = self._shapes[name]
         row_elems = int(torch.Size(shape[1:]).numel())
         dtype = self._dtypes[name]
         item = torch.empty(0, dtype=dtype).element_size()
-        out = torch.empty((stop - start, *shape[1:]), dtype=dtype)
+        count = (stop - start) * row_elems
+        if buffer is not None and buffer.dtype == dtype and buffer.is_contiguous() and buffer.numel() >= count:
+            out = buffer.reshape(-1)[:count].view(stop - start, *shape[1:])
+        else:
+            out = torch.empty((stop - start, *shape[1:]), dtype=dtype)
         nbytes = (stop - start) * row_elems * item
         if nbytes:
             view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
@@ -220,6 +233,59 @@ class OutputsReader:
                         raise UserError(f"{self.path} is truncated; rebuild it with `dvc repro --force`")
                     got += n
         return out
+
+    def view(self, name: str, start: int, stop: int) -> torch.Tensor | None:
+        """Rows ``start:stop`` of output ``name`` as a view of the file mapped in memory: no copy, the pages
+        read in ahead with one ``madvise``; None where the file cannot be mapped (then ``read``).
+
+        Never write into it. Mapped pages count in the process's resident memory until ``release`` drops
+        them: call it once the rows are used, so that memory stays one chunk, not the file.
+        """
+        stop = min(stop, self.rows)
+        start = min(max(start, 0), stop)
+        mapped = self._mapping()
+        if mapped is None:
+            return None
+        shape, dtype = self._shapes[name], self._dtypes[name]
+        row_elems = int(torch.Size(shape[1:]).numel())
+        item = torch.empty(0, dtype=dtype).element_size()
+        count, offset = (stop - start) * row_elems, self._offsets[name] + start * row_elems * item
+        if count == 0:
+            return torch.empty((0, *shape[1:]), dtype=dtype)
+        self._advise(_MADV_POPULATE_READ, offset, count * item)
+        with warnings.catch_warnings():  # a private (copy-on-write) mapping is writable, so none is expected
+            warnings.simplefilter("ignore")
+            flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=offset)
+        return flat.view(stop - start, *shape[1:])
+
+    def release(self, name: str, start: int, stop: int) -> None:
+        """Drop the mapped pages of rows ``start:stop`` of ``name`` from resident memory (``view``)."""
+        if self._mapped is None:
+            return
+        shape = self._shapes[name]
+        nbytes = int(torch.Size(shape[1:]).numel()) * torch.empty(0, dtype=self._dtypes[name]).element_size()
+        self._advise(mmap.MADV_DONTNEED, self._offsets[name] + start * nbytes, (stop - start) * nbytes)
+
+    def _mapping(self):
+        if self._mapped is None and not self._unmappable:
+            try:
+                if not hasattr(mmap, "MADV_DONTNEED"):
+                    raise OSError("no madvise: the pages could not be released")
+                with open(self.path, "rb") as handle:
+                    self._mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError):
+                self._unmappable = True
+        return self._mapped
+
+    def _advise(self, advice: int, offset: int, nbytes: int) -> None:
+        """madvise on the whole pages covering [offset, offset + nbytes); advice the kernel lacks is skipped."""
+        first = offset - offset % mmap.PAGESIZE
+        end = min(offset + nbytes, len(self._mapped))
+        if end > first:
+            try:
+                self._mapped.madvise(advice, first, end - first)
+            except (OSError, ValueError):
+                pass
 
     def chunks(self, size: int) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
         """(start, stop, {name: rows start:stop}) for consecutive slices of ``size`` rows."""

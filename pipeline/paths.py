@@ -28,6 +28,14 @@ def trial(dtype: str) -> Path:
     return DATA / "trial" / dtype
 
 
+# The files of one trial folder (``trial(dtype) / NAME``; pipeline/trial.py writes and reads them).
+TRIAL_OUTPUTS = "outputs.safetensors"
+TRIAL_TRAINED_OUTPUTS = "trained_outputs.safetensors"
+TRIAL_CHECKPOINT = "checkpoint.safetensors"
+TRIAL_TRAJECTORY = "trajectory.json"
+TRIAL_MANIFEST = "manifest.json"
+
+
 def compare(dtype: str) -> Path:
     return DATA / "compare" / dtype
 

@@ -8,6 +8,7 @@ reference frozen under another rule or from other data, and any file whose sha25
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,10 +26,15 @@ from pipeline.errors import UserError
 class Reference:
     manifest: dict
     cases: cases.Cases
-    outputs: dict[str, torch.Tensor]
     trajectory: list[dict]
     replicate: list[dict] | None = None
     """Per-step records of the FP32 noise replicate (``reference.noise_replicate``), or None."""
+
+    @functools.cached_property
+    def outputs(self) -> dict[str, torch.Tensor]:
+        """The reference outputs whole (sha256 verified), read on first access only: diagnosis and replay use
+        it; compare reads through ``outputs_reader`` and never holds them whole."""
+        return read_tensors(paths.REF_OUTPUTS, self.manifest["files"][str(paths.REF_OUTPUTS)], "freeze")[0]
 
     def checkpoint(self, name: str = "checkpoint") -> checkpoint.Checkpoint:
         path = paths.REF_CHECKPOINT if name == "checkpoint" else paths.REF_INIT
@@ -42,7 +48,12 @@ class Reference:
 
     def outputs_reader(self) -> output_store.OutputsReader:
         """The outputs read in slices of rows (bounded memory)."""
-        return output_store.OutputsReader(paths.REF_OUTPUTS, self.manifest["files"][str(paths.REF_OUTPUTS)])
+        return output_store.OutputsReader(paths.REF_OUTPUTS, self.manifest["files"][str(paths.REF_OUTPUTS)], "freeze")
+
+    def fp64_reader(self) -> output_store.OutputsReader | None:
+        """The FP64 arbiter's outputs read in slices of rows, or None when the reference has none."""
+        sha = self.manifest["files"].get(str(paths.REF_OUTPUTS_FP64))
+        return output_store.OutputsReader(paths.REF_OUTPUTS_FP64, sha, "freeze") if sha else None
 
     def train_data(self, params: Params) -> task.TrainSource:
         """The training data the reference was trained on (tensors, or the verified Dataset)."""
@@ -153,9 +164,8 @@ def load(params: Params) -> Reference:
         if sha256_file(key) != files[key]:
             raise UserError(f"{key} differs from the data the reference was frozen on; run `dvc repro` to re-freeze")
     fixed = cases.load(paths.REF_CASES, files[str(paths.REF_CASES)], "freeze")
-    outputs = read_tensors(paths.REF_OUTPUTS, files[str(paths.REF_OUTPUTS)], "freeze")[0]
     trajectory = _verified_json(paths.REF_TRAJECTORY, files)["steps"]
     replicate = None
     if str(paths.REF_REPLICATE_TRAJECTORY) in files:
         replicate = _verified_json(paths.REF_REPLICATE_TRAJECTORY, files)["steps"]
-    return Reference(manifest=manifest, cases=fixed, outputs=outputs, trajectory=trajectory, replicate=replicate)
+    return Reference(manifest=manifest, cases=fixed, trajectory=trajectory, replicate=replicate)

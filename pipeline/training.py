@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from pipeline import checkpoint, precision, task
+from pipeline import checkpoint, distributed, precision, task
 from pipeline.config import ReferenceConfig, TaskConfig
 from pipeline.errors import UserError
 from pipeline.precision import Policy
@@ -335,8 +335,13 @@ def train(
     Dataset's, ``train_y`` None). ``loss_kind`` is the task (or a loss name). The caller has already put
     the model in its initial state (weights and RNG). With ``resume``, the loop continues from a saved
     state and ends exactly as if it had never stopped.
+
+    Under torchrun with N > 1 ranks (``pipeline.distributed``), each rank trains on its slice of every
+    micro-batch through DistributedDataParallel, records the loss averaged over the ranks, and only rank 0
+    saves resume states.
     """
     precision.strict_fp32()
+    world = distributed.current()
     source = as_source(train_x, train_y)
     model.to(device).train()
     loss_fn = make_loss(loss_kind)
@@ -355,14 +360,18 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
     kill_after = int(os.environ.get("PIPELINE_KILL_AFTER_STEP", "0")) - _KILL_OFFSET[0]
+    kill_rank = int(os.environ.get("PIPELINE_KILL_RANK", str(world.rank)))
+    if not world.writes:
+        save_resume = None
     progress = Progress(label, cfg.train_steps, start)
     with precision.fp32_regions(model, policy, device):
+        net = world.wrap(model, device)  # the model itself in one process
         for step in range(start, cfg.train_steps):
             micro = []
             for idx in order[step]:
-                x, y = source.batch(idx)
+                x, y = source.batch(world.shard(idx))
                 micro.append((to_device(x, device), y.to(device)))
-            out = amp_step(model, micro, loss_fn, optimizer, scaler, policy, device, max_norm, params)
+            out = amp_step(net, micro, loss_fn, optimizer, scaler, policy, device, max_norm, params)
             if not out.skipped:
                 real_updates += 1
                 if scheduler is not None:
@@ -370,7 +379,7 @@ def train(
             records.append(
                 StepRecord(
                     step=step,
-                    loss=float(out.loss.item()),
+                    loss=float(world.mean(out.loss).item()),
                     grad_norm=float(out.grad_norm.item()),
                     scale=out.scale,
                     skipped=out.skipped,
@@ -382,7 +391,7 @@ def train(
             every = cfg.checkpoint_every
             if save_resume is not None and every and (step + 1) % every == 0 and step + 1 < cfg.train_steps:
                 save_resume(_snapshot(model, optimizer, scaler, scheduler, records, real_updates, step + 1, policy))
-            if kill_after == step + 1:
+            if kill_after == step + 1 and kill_rank == world.rank:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the kill-and-resume tests
     state = _snapshot(model, optimizer, scaler, scheduler, records, real_updates, cfg.train_steps, policy)
     _KILL_OFFSET[0] += cfg.train_steps
@@ -391,7 +400,8 @@ def train(
 
 _KILL_OFFSET = [0]
 """Fault injection: PIPELINE_KILL_AFTER_STEP=K kills the process after step K of its trainings counted one
-after the other (freeze: the reference's steps 1..S, then the FP32 replicate's S+1..2S)."""
+after the other (freeze: the reference's steps 1..S, then the FP32 replicate's S+1..2S); under torchrun,
+PIPELINE_KILL_RANK=R kills rank R only (default: every rank)."""
 
 
 def _snapshot(model, optimizer, scaler, scheduler, records, real_updates, step, policy) -> checkpoint.Checkpoint:

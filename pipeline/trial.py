@@ -20,11 +20,9 @@ from pipeline import checkpoint, outputs as output_store, paths
 from pipeline.artifacts import read_json, sha256_file, write_json
 from pipeline.errors import UserError
 
-OUTPUTS = "outputs.safetensors"
-TRAINED_OUTPUTS = "trained_outputs.safetensors"
-CHECKPOINT = "checkpoint.safetensors"
-TRAJECTORY = "trajectory.json"
-MANIFEST = "manifest.json"
+# The file names live in pipeline/paths.py with every other output path.
+OUTPUTS, TRAINED_OUTPUTS = paths.TRIAL_OUTPUTS, paths.TRIAL_TRAINED_OUTPUTS
+CHECKPOINT, TRAJECTORY, MANIFEST = paths.TRIAL_CHECKPOINT, paths.TRIAL_TRAJECTORY, paths.TRIAL_MANIFEST
 
 
 class Writer:

@@ -313,3 +313,44 @@ def test_labels_of_agrees_with_decisions():
     s[5, 2] = math.nan
     for rule in ("lowest_index", "tie_is_flip"):
         assert torch.equal(numerics.labels_of(s, rule), numerics.decisions(s, rule)[0])
+
+
+def test_histogram_quantile_bound_zeros_negatives_and_chunking():
+    """Past MAX_EXACT the p99 comes from a float32 bit-pattern histogram: within SKETCH_ALPHA of the exact
+    nearest rank, never above the exact max, the same for any chunking; zeros, tiny and negative values."""
+    g = torch.Generator().manual_seed(11)
+    v = torch.cat([torch.rand(50_000, generator=g).pow(4) * 1e3, torch.zeros(3_000), torch.full((500,), 1e-45), -torch.rand(100, generator=g)])
+    v = v[torch.randperm(v.numel(), generator=g)]
+    for q in (0.5, 0.9, 0.99, 0.999, 1.0):
+        exact = numerics.quantile(v, q)
+        answers = set()
+        for size in (997, 8192, v.numel()):
+            sketch = numerics.StreamQuantile(q, v.numel(), max_exact=0)
+            for part in v.split(size):
+                sketch.update(part.double())  # float64 in: rounded to float32, far below the bound
+            assert not sketch.exact
+            answers.add(sketch.result())
+        assert len(answers) == 1
+        got = answers.pop()
+        assert got <= float(v.max()) and abs(got - exact) <= numerics.SKETCH_ALPHA * abs(exact) + numerics.HIST_FLOOR
+    only_negative = numerics.StreamQuantile(0.99, 100, max_exact=0)
+    only_negative.update(-torch.arange(1.0, 101.0))
+    assert only_negative.result() == numerics.quantile(-torch.arange(1.0, 101.0), 0.99) == -2.0  # kept exactly
+    top = numerics.StreamQuantile(1.0, 1000, max_exact=0)
+    top.update(torch.full((1000,), 0.3))
+    assert top.result() <= float(torch.tensor(0.3)) and top.result() == pytest.approx(0.3, rel=numerics.SKETCH_ALPHA)
+
+
+def test_failing_count_at_the_threshold_is_the_exact_test():
+    """Elements within float32 rounding of atol + rtol |r|: counted as the float64 test counts them."""
+    g = torch.Generator().manual_seed(12)
+    r = torch.randn(300_000, generator=g) * 10
+    atol, rtol = 0.05, 0.02
+    bound = atol + rtol * r.double().abs()
+    t = (r.double() + bound * (1 + torch.randn(r.shape, generator=g, dtype=torch.float64) * 1e-7) * torch.sign(torch.randn(r.shape, generator=g, dtype=torch.float64))).float()
+    expected = int(((t.double() - r.double()).abs() > atol + rtol * r.double().abs()).sum())
+    assert 0 < expected < r.numel()
+    acc = numerics.GapStats(atol, rtol, r.numel())
+    for a, b in zip(r.split(1 << 14), t.split(1 << 14)):
+        acc.update(a, b)
+    assert acc.result()["failing"] == expected

@@ -94,3 +94,17 @@ def test_reader_refuses_damaged_or_missing_files(tmp_path):
     p.write_bytes(b"\x80\x04pickle-renamed")
     with pytest.raises(UserError, match="not a valid safetensors"):
         outputs.OutputsReader(p)
+
+
+def test_mapped_view_equals_read_and_release_keeps_it_readable(tmp_path):
+    data = _data(40)
+    sha = outputs.write_outputs(tmp_path / "o.safetensors", _chunks(data, 7), [f"c{i}" for i in range(40)])
+    reader = outputs.OutputsReader(tmp_path / "o.safetensors", sha)
+    for name in data:
+        view = reader.view(name, 5, 33)
+        assert view is not None and torch.equal(view, reader.read(name, 5, 33)) and torch.equal(view, data[name][5:33])
+        reader.release(name, 5, 33)
+        assert torch.equal(view, data[name][5:33])  # dropped pages are read back from the file
+        buffer = torch.empty(40 * data[name][0].numel(), dtype=data[name].dtype)
+        assert torch.equal(reader.read(name, 0, 40, buffer), data[name]) and torch.equal(reader.read(name, 30, 40, buffer), data[name][30:])
+    assert reader.view("logits", 3, 3).shape == (0, 3, 5)

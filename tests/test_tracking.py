@@ -12,6 +12,7 @@ import html
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -443,3 +444,18 @@ def test_dvc_exp_run_temp_publishes_to_the_workspace_database(reproduced, tmp_pa
     shown = json.loads(dvc(repo, "exp", "show", "--json").stdout)
     names = [e.get("name") for c in shown for e in (c.get("experiments") or [])]
     assert "bf16-only" in names
+
+
+def test_the_printed_link_opens_the_verdict_in_model_training_mode_in_a_browser(story, tmp_path):
+    """Headless Chromium on the parent-run link publish prints: MLflow 3 in model-training mode, the run named
+    by its decisions, and the description's first lines giving every dtype's verdict."""
+    from test_browser import FLAGS, chromium
+
+    link = next(w for w in story["first"][0].stdout.strip().splitlines()[-2].split() if w.startswith(story["uri"]))
+    dom = subprocess.run([chromium(), *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=20000", "--dump-dom", link],
+                         capture_output=True, text=True, timeout=180, check=True).stdout
+    text = html.unescape(re.sub(r"<[^>]+>", " ", dom))
+    assert "Model training" in text
+    for d in dtypes_of(story["repo"]):
+        decision = read(story["repo"], f"data/decision/{d}/decision.json")["decision"].upper()
+        assert f"{d}: {decision}" in re.sub(r"\s+", " ", text), d

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from pipeline import benchmark, decision, devices, paths, precision
+from pipeline import benchmark, decision, devices, distributed, paths, precision
 from pipeline.artifacts import write_json
 from pipeline.config import load_params
 
@@ -18,16 +18,17 @@ from pipeline.config import load_params
 def main(dtype: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
     out = paths.benchmark(dtype)
+    device = distributed.init(devices.resolve(params.device))  # one process: unchanged; under torchrun: this rank's
+    world = distributed.current()
     if not decision.read(dtype).accepted:
         result = {"benchmarked": False, "dtype": dtype, "reason": f"{dtype} was rolled back; only accepted variants are benchmarked"}
     else:
-        device = devices.resolve(params.device)
         precision.strict_fp32()
         devices.check_dtype_supported(device, precision.parse_dtype(dtype))
         env = devices.describe(device)
         chosen, tf32_note = benchmark.variants(dtype, tuple(params.trial.fp32_modules), env)
         size = benchmark.sizes(params.bench, device)
-        probe_names = [v.name for v in chosen if v.name != "tf32"]  # TF32 stores what FP32 stores: not probed again
+        probe_names = [v.name for v in chosen if v.name != "tf32" and world.writes]  # TF32 stores what FP32 stores; rank 0 probes
         with (
             benchmark.MemoryProbes(params_path, dtype, probe_names, parallel=device.type == "cpu") as probes,
             contextlib.ExitStack() as stack,
@@ -40,7 +41,11 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
             memory = probes.collect()  # before timing: nothing else may run while the clock does
             load = os.getloadavg()[0] if device.type == "cpu" else None
             rounds = benchmark.interleaved(steps, size.warmup, size.repeats, size.steps, device)
+        if not world.writes:
+            return  # rank 0 alone records and writes
         result = benchmark.record(dtype, env, works[-1], size, tf32_note, memory, rounds, load)
+    if not world.writes:
+        return
     write_json(out / "benchmark.json", result)
     write_json(paths.benchmark_metrics(dtype), benchmark.short_metrics(result))
     print(benchmark.summary_line(result))

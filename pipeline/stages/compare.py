@@ -6,17 +6,15 @@ the reference, the trial and the FP64 arbiter, whatever the fixed set's size.
 
 from __future__ import annotations
 
-from pipeline import compare_stats, comparison, paths, reference, trial
+from pipeline import compare_stats, comparison, reference, trial
 from pipeline.config import load_params
-from pipeline.outputs import OutputsReader
 
 
 def main(dtype: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
     ref = reference.load(params)
     run = trial.load(dtype, ref.manifest)
-    fp64_sha = ref.manifest["files"].get(str(paths.REF_OUTPUTS_FP64))
-    fp64 = OutputsReader(paths.REF_OUTPUTS_FP64, fp64_sha, "freeze") if fp64_sha else None
+    fp64 = ref.fp64_reader()
     stats, table = comparison.compare_streams(
         params.task.kind, params.acceptance, list(ref.cases.ids), ref.cases.y, ref.cases.has_target,
         ref.outputs_reader(), run.reader("outputs"), run.reader("trained_outputs"),

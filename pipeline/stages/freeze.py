@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import torch
 
-from pipeline import cases, checkpoint, devices, paths, precision, reference, task, training
+from pipeline import cases, checkpoint, devices, distributed, paths, precision, reference, task, training
 from pipeline.artifacts import sha256_file
 from pipeline.config import load_params
 from pipeline.errors import UserError
@@ -20,7 +20,8 @@ FP32 = Policy()
 def main(params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
     cfg = params.reference
-    device = devices.resolve(params.device)
+    device = distributed.init(devices.resolve(params.device))  # one process: unchanged; under torchrun: this rank's
+    world = distributed.current()
     prepared = cases.load(paths.PREPARED_CASES)
     inputs = {str(p): sha256_file(p) for p in (paths.PREPARED_CASES, paths.PREPARED_TRAIN)}
     source = task.load_train(params.task, paths.PREPARED_TRAIN, inputs[str(paths.PREPARED_TRAIN)])
@@ -29,10 +30,12 @@ def main(params_path: str = "params.yaml") -> None:
     training.probe(model, source, params.task, device)
     checkpoint.restore(init, model)  # the probe must not move the RNG the training starts from
     run_key = _run_key(params, inputs)
-    resume = checkpoint.ResumeFile(paths.RESUME / "reference.safetensors", run_key)
+    resume = checkpoint.ResumeFile(paths.RESUME / "reference.safetensors", world.key(run_key), device)
     with precision.deterministic(cfg.deterministic):  # training and inference alike
         result = training.train(model, source, None, cfg, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save, label="freeze FP32")
         replicate = _replicate(params, init, source, device, run_key) if cfg.noise_replicate else None
+        if not world.writes:
+            return  # rank 0 alone infers and writes
         fixed = _with_boundary(params, prepared, model, device)
         try:
             manifest = reference.write(
@@ -70,9 +73,10 @@ def _replicate(params, init, source, device, run_key) -> list:
     model = task.build_model(params.task, params.seed)
     checkpoint.restore(init, model)
     training.perturb_one_ulp(model, params.seed + 1)
-    resume = checkpoint.ResumeFile(paths.RESUME / "replicate.safetensors", run_key)
+    resume = checkpoint.ResumeFile(paths.RESUME / "replicate.safetensors", distributed.current().key(run_key), device)
     result = training.train(model, source, None, params.reference, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save, label="freeze FP32 replicate")
-    resume.clear()
+    if distributed.current().writes:
+        resume.clear()
     return result.records
 
 

@@ -7,7 +7,7 @@ import hashlib
 import json
 from typing import Iterator
 
-from pipeline import checkpoint, devices, paths, precision, reference, task, training
+from pipeline import checkpoint, devices, distributed, paths, precision, reference, task, training
 from pipeline import trial as artifact
 from pipeline.config import load_params
 from pipeline.errors import UserError
@@ -18,7 +18,8 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
     if dtype not in params.trial.dtypes:
         raise UserError(f"--dtype {dtype} is not in trial.dtypes {params.trial.dtypes}; add it there or pick one of them")
-    device = devices.resolve(params.device)
+    device = distributed.init(devices.resolve(params.device))  # one process: unchanged; under torchrun: this rank's
+    world = distributed.current()
     devices.check_dtype_supported(device, precision.parse_dtype(dtype))
     ref = reference.load(params)
     policy = Policy(dtype=dtype, fp32_modules=tuple(params.trial.fp32_modules))
@@ -31,12 +32,14 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     trained = task.build_model(params.task, params.seed)
     checkpoint.restore(ref.checkpoint(), trained, rng=False)
     key = hashlib.sha256(json.dumps({"ref": ref.manifest["run_key"], "policy": policy.as_dict()}, sort_keys=True).encode()).hexdigest()
-    resume = checkpoint.ResumeFile(paths.RESUME / f"trial-{dtype}.safetensors", key)
+    resume = checkpoint.ResumeFile(paths.RESUME / f"trial-{dtype}.safetensors", world.key(key), device)
     with artifact.Writer(dtype, ref.cases.ids) as writer, _missing_kernels(dtype, device), precision.deterministic(params.reference.deterministic):
         run = training.run_trial(
             trained, initial, ref.train_data(params), None, ref.cases.x, params.reference, params.task, policy, device,
-            params.seed, resume=resume.load(), save_resume=resume.save, label=f"trial {dtype}", sink=writer.sink,
+            params.seed, resume=resume.load(), save_resume=resume.save, label=f"trial {dtype}", sink=writer.sink if world.writes else distributed.discard,
         )
+    if not world.writes:
+        return  # rank 0 alone infers and writes
     result = run.training
     writer.finish(result, policy, ref.manifest, devices.describe(device))
     resume.clear()

@@ -1,0 +1,99 @@
+"""pipeline/distributed.py without starting ranks: launch checks, the batch split, torchrun failure lines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from pipeline import __main__ as cli
+from pipeline import distributed
+from pipeline.config import load_params
+from pipeline.errors import UserError
+
+
+def params_file(tmp_path, **sections):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(sections))
+    return str(path)
+
+
+def test_one_process_is_the_default_and_changes_nothing(tmp_path):
+    params = load_params(params_file(tmp_path))
+    assert params.distributed.nproc_per_node == 1
+    assert distributed.relaunch("freeze", params, ["freeze"]) is None
+    world = distributed.World()
+    idx = torch.arange(8)
+    model = torch.nn.Linear(2, 2)
+    assert world.shard(idx) is idx and world.wrap(model, torch.device("cpu")) is model
+    assert world.key("k") == "k" and world.describe() == {}
+    loss = torch.tensor(1.5)
+    assert world.mean(loss) is loss
+
+
+def test_a_zero_nproc_is_refused(tmp_path):
+    with pytest.raises(UserError, match="distributed.nproc_per_node is 0"):
+        load_params(params_file(tmp_path, distributed={"nproc_per_node": 0}))
+
+
+def test_each_rank_takes_a_contiguous_slice_of_every_micro_batch():
+    idx = torch.tensor([7, 3, 9, 1, 4, 0])
+    shards = [distributed.World(rank=r, size=3).shard(idx).tolist() for r in range(3)]
+    assert shards == [[7, 3], [9, 1], [4, 0]]
+    assert distributed.World(rank=1, size=2).key("k") == "k/world2"
+    with pytest.raises(UserError, match="does not split over distributed.nproc_per_node 4"):
+        distributed.World(rank=0, size=4).shard(idx)
+
+
+def test_a_batch_size_the_ranks_do_not_divide_is_one_line_exit_2(tmp_path, capsys):
+    path = params_file(tmp_path, distributed={"nproc_per_node": 2}, reference={"batch_size": 31})
+    assert cli.main(["freeze", "--params", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "distributed.nproc_per_node 2 does not divide reference.batch_size 31" in err
+
+
+def test_more_ranks_than_visible_gpus_is_one_line(tmp_path, monkeypatch, capsys):
+    from pipeline import devices
+
+    monkeypatch.setattr(devices, "resolve", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    path = params_file(tmp_path, device="cuda", distributed={"nproc_per_node": 2}, reference={"batch_size": 32})
+    assert cli.main(["trial", "--dtype", "float16", "--params", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "distributed.nproc_per_node is 2 but 1 GPU(s) are visible" in err
+
+
+def test_stages_that_do_not_train_stay_single_process(tmp_path, monkeypatch):
+    params = load_params(params_file(tmp_path, distributed={"nproc_per_node": 2}))
+    for stage in ("prepare", "compare", "decide", "report", "publish"):
+        assert distributed.relaunch(stage, params, [stage]) is None
+    monkeypatch.setenv("LOCAL_RANK", "1")  # already one of torchrun's ranks: never launch again
+    assert distributed.relaunch("freeze", params, ["freeze"]) is None
+
+
+TORCHRUN_REPORT = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+pipeline FAILED
+------------------------------------------------------
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 6195)  (SIGTERM)
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 6196)  (SIGKILL)
+======================================================
+"""
+
+
+def test_failure_lines_name_the_rank_that_died_or_its_own_error():
+    line = distributed.failure_line(TORCHRUN_REPORT, 2, "freeze")
+    assert "rank 1 of 2 died (killed by SIGKILL)" in line and "\n" not in line
+    own = "[rank0]: noise\nerror: --dtype float8 is not in trial.dtypes; add it\n" + TORCHRUN_REPORT
+    assert distributed.failure_line(own, 2, "trial") == "--dtype float8 is not in trial.dtypes; add it"
+    assert "torchrun failed (boom)" in distributed.failure_line("boom\n", 2, "freeze")
