@@ -9,10 +9,13 @@ over its vocabulary at every position: the outputs of freeze and trial need not 
   their offset. Tensors are laid out by decreasing item size, then name (as safetensors does, so every
   tensor stays aligned), the header is JSON with sorted keys: equal content gives equal bytes.
 - ``OutputsReader(path, expected_sha256)`` verifies the file's sha256 first (streamed, 1 MiB at a
-  time), validates the header with ``safetensors.safe_open``, then reads a slice of rows with one
-  positioned read into a fresh tensor (no memory map: pages of a mapped file stay in the process's
-  resident memory once touched, so a mapped reader of a large file would grow with the file, not
-  the chunk). Files written by ``artifacts.write_tensors`` read the same way.
+  time), validates the header with ``safetensors.safe_open``, then gives a slice of rows two ways:
+  ``read`` (one positioned read into a fresh tensor, or into a caller's buffer reused chunk after chunk)
+  and ``view`` (the file mapped copy-on-write, the slice's pages faulted in with one ``madvise``, no copy
+  at all), which compare uses. Pages of a mapped file stay in the process's resident memory once
+  touched, so a mapped reader would grow with the file: ``release`` drops a used slice's pages
+  (``MADV_DONTNEED``), and memory stays one chunk. Files written by ``artifacts.write_tensors`` read the
+  same way.
 
 Metadata holds ``ids`` (one string per row) as a JSON string, as ``artifacts.write_tensors`` writes it.
 """

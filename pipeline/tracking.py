@@ -420,7 +420,38 @@ def _store_lock(uri: str):
 
     db = Path(uri[len("sqlite:///") :]).resolve()
     name = f"amp-mlflow-{hashlib.sha256(str(db).encode()).hexdigest()[:16]}.lock"
-    return filelock.FileLock(str(Path(tempfile.gettempdir()) / name), timeout=_LOCK_TIMEOUT_S)
+    lock = filelock.FileLock(str(Path(tempfile.gettempdir()) / name), timeout=_LOCK_TIMEOUT_S)
+
+    @contextmanager
+    def held() -> Iterator[None]:
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            raise UserError(
+                f"another publish to {db} has held its lock ({lock.lock_file}) for {_LOCK_TIMEOUT_S / 60:.0f} min; wait for "
+                f"it to end (or end it), then rerun `python -m pipeline publish`"
+            ) from None
+        try:
+            yield
+        finally:
+            lock.release()
+
+    return _Reusable(held)
+
+
+class _Reusable:
+    """A context manager that can be entered again (and nested): each ``with`` makes a fresh one."""
+
+    def __init__(self, factory) -> None:
+        self.factory, self.stack = factory, []
+
+    def __enter__(self) -> None:
+        cm = self.factory()
+        cm.__enter__()
+        self.stack.append(cm)
+
+    def __exit__(self, *exc) -> None:
+        self.stack.pop().__exit__(*exc)
 
 
 def _check_store(uri: str) -> None:

@@ -97,3 +97,16 @@ def test_failure_lines_name_the_rank_that_died_or_its_own_error():
     own = "[rank0]: noise\nerror: --dtype float8 is not in trial.dtypes; add it\n" + TORCHRUN_REPORT
     assert distributed.failure_line(own, 2, "trial") == "--dtype float8 is not in trial.dtypes; add it"
     assert "torchrun failed (boom)" in distributed.failure_line("boom\n", 2, "freeze")
+
+
+def test_gpu_workflow_pulls_the_shared_reference_before_the_pipeline_when_a_remote_is_configured():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    steps = yaml.safe_load((root / ".github/workflows/gpu.yml").read_text())["jobs"]["pipeline"]["steps"]
+    names = [s.get("name", "") for s in steps]
+    pull = next(i for i, n in enumerate(names) if "Pull the shared frozen reference" in n)
+    assert pull < next(i for i, n in enumerate(names) if n.startswith("dvc repro"))
+    assert "vars.DVC_REMOTE_URL != ''" in steps[pull]["if"]
+    assert "sh scripts/pull_reference.sh" in steps[pull]["run"]
+    assert (root / "scripts/pull_reference.sh").is_file()

@@ -129,3 +129,30 @@ def test_mlflow_keys():
     assert tracking.mlflow_key("values.logits[0].max_abs") == "values.logits_0_.max_abs"
     assert len(tracking.mlflow_key("x" * 400)) == 250
     assert tracking.flatten({"a": {"b": 1, "c": {}}, "d": [1]}) == {"a.b": 1, "a.c": {}, "d": [1]}
+
+
+def test_a_sqlite_store_lock_held_too_long_is_one_line(tmp_path, monkeypatch):
+    """Publishers of one sqlite database take turns (its creation and migration are not safe to run twice at
+    once); one that waited past the limit says who holds the lock instead of a traceback."""
+    import sys
+
+    monkeypatch.setattr(tracking, "_LOCK_TIMEOUT_S", 0.5)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, filelock; from pipeline import tracking\n"
+         f"lock = tracking._store_lock({uri!r})\nlock.__enter__(); print('held', flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        with pytest.raises(UserError, match=r"another publish to .*mlflow\.db has held its lock"):
+            with tracking._store_lock(uri):
+                pass
+        assert time.monotonic() - start < 5
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = tracking._store_lock(uri)
+    with lock, lock:  # free again, and re-entrant (a Publisher enters its lock in __init__ and publish)
+        pass
