@@ -276,11 +276,12 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             with_target = st.has_target[a:b]
             every, some = bool(with_target.all()), bool(with_target.any())
             for side, out in (("reference", r), ("trial", t), ("trained", trained_slice)):
-                known = labels.get(side)
+                known, lse = labels.get(side), labels.get(f"lse_{side}")
                 if every:  # no copy of the slice
-                    st.quality[side].update(out, y, known)
+                    st.quality[side].update(out, y, known, lse)
                 elif some:
-                    st.quality[side].update(out[with_target], y[with_target], known[with_target] if known is not None else None)
+                    st.quality[side].update(out[with_target], y[with_target], known[with_target] if known is not None else None,
+                                            lse[with_target] if lse is not None else None)
                 if st.kind != "classification":
                     st.first_values[side].append(out.reshape(out.shape[0], -1)[:, :1].double().reshape(-1))
             if st.quantile_merged():

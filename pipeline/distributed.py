@@ -173,8 +173,8 @@ class World:
         return run_key if self.size == 1 else f"{run_key}/world{self.size}"
 
     def describe(self) -> dict[str, Any]:
-        """What the manifests record (nothing for one process: its manifests stay as they were)."""
-        return {} if self.size == 1 else {"world_size": self.size, "process_group_backend": self.backend}
+        """What the manifests record (nothing for a plain process: its manifests stay as they were)."""
+        return {} if self.backend is None else {"world_size": self.size, "process_group_backend": self.backend}
 
 
 _WORLD = [World()]
@@ -185,10 +185,11 @@ def current() -> World:
 
 
 def init(device):
-    """Join torchrun's process group when this process is one of N > 1 ranks; return the rank's device
-    (``cuda:LOCAL_RANK`` on GPUs). One process: the device as given, nothing started."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size <= 1:
+    """Join torchrun's process group when this process is one of its ranks; return the rank's device
+    (``cuda:LOCAL_RANK`` on GPUs). A plain process: the device as given, nothing started. Under torchrun
+    with one rank (``torchrun --nproc_per_node 1 -m pipeline ...`` by hand, to check that NCCL starts) the
+    group is made and recorded, but nothing is wrapped or split."""
+    if not in_torchrun():
         return device
     import atexit
 

@@ -439,13 +439,24 @@ def margins(top, kind: str, lse: torch.Tensor | None, scores: torch.Tensor | Non
 
 
 def kl_per_position(ref_scores: torch.Tensor, trial_scores: torch.Tensor, diff: torch.Tensor | None = None) -> torch.Tensor:
-    """KL(softmax(ref) || softmax(trial)) over the last dim, per row / position, in float64.
+    """KL(softmax(ref) || softmax(trial)) over the last dim, per row / position, in float64 (see ``kl_and_lse``)."""
+    return kl_and_lse(ref_scores, trial_scores, diff)[0]
+
+
+def kl_and_lse(ref_scores: torch.Tensor, trial_scores: torch.Tensor, diff: torch.Tensor | None = None,
+               ref_argmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """KL(softmax(ref) || softmax(trial)) over the last dim, per row / position, in float64, and, when
+    ``ref_argmax`` (index of each row's maximum) is given, both log-sum-exps at no extra pass over the scores.
 
     Cancellation-free for small divergences: with d = trial - ref and p = softmax(ref),
     KL = log(sum p e^d) - sum p d = C - (A - log1p(A)), where C = sum p (expm1(d) - d) is a sum of
     non-negative terms (~p d^2 / 2) and A = sum p expm1(d): no two large numbers are subtracted (the
     textbook difference of two log-sum-exps of size ~log C loses everything below 1e-6 in float32).
     Non-finite trials give inf.
+
+    Log-sum-exps: lse(ref) = ref_max - log(p_max) (p_max >= 1/C: its log is accurate) and
+    lse(trial) = lse(ref) + log1p(A), since sum p e^d = sum e^(trial - lse(ref)); rows far apart (where KL
+    is taken directly) take their own ``logsumexp``. Float64, accurate to float32 rounding of the scores.
     """
     r = ref_scores.detach()
     t = trial_scores.detach()
@@ -453,7 +464,8 @@ def kl_per_position(ref_scores: torch.Tensor, trial_scores: torch.Tensor, diff: 
         r, t = r.float(), t.float()
     t = t.to(r.dtype)
     if r.numel() == 0:
-        return torch.zeros(r.shape[:-1], dtype=torch.float64)
+        empty = torch.zeros(r.shape[:-1], dtype=torch.float64)
+        return empty, (empty.clone() if ref_argmax is not None else None), (empty.clone() if ref_argmax is not None else None)
     d = torch.sub(t, r) if diff is None else diff
     p = torch.softmax(r, dim=-1)
     e = torch.expm1(d)
@@ -461,13 +473,20 @@ def kl_per_position(ref_scores: torch.Tensor, trial_scores: torch.Tensor, diff: 
     e.sub_(d)
     pos = e.mul_(p).sum(-1).double()
     kl = pos - (a - torch.log1p(a))
+    lse_ref = lse_trial = None
+    if ref_argmax is not None:
+        index = ref_argmax.unsqueeze(-1)
+        lse_ref = r.gather(-1, index).squeeze(-1).double() - torch.log(p.gather(-1, index).squeeze(-1).double())
+        lse_trial = lse_ref + torch.log1p(a)
     large = ~torch.isfinite(kl) | (a > 1.0)  # far apart: the direct form has no cancellation to fear
     if bool(large.any()):
         lse_r = torch.logsumexp(r[large].double(), dim=-1)
         lse_t = torch.logsumexp(t[large].double(), dim=-1)
         direct = lse_t - lse_r - (a[large] - pos[large])
         kl[large] = torch.where(torch.isfinite(direct), direct, torch.full_like(direct, math.inf))
-    return kl.clamp_(min=0.0)
+        if lse_trial is not None:
+            lse_trial[large] = lse_t
+    return kl.clamp_(min=0.0), lse_ref, lse_trial
 
 
 class DecisionStats:
@@ -562,7 +581,7 @@ class DecisionStats:
                 self.flip_list.append(self._record(row + i, None, bool(near[i]), int(r_lab[i]), int(t_lab[i]),
                                                    float(r_margin[i]), float(t_margin[j]), ref[i], trial[i]))
             return {"reference": r_lab, "trial": t_lab}
-        kl = kl_per_position(ref, trial, diff)
+        kl, lse_r, lse_t = kl_and_lse(ref, trial, diff, ref_argmax=r_top[1][..., 0])
         kl_v = kl[valid]
         self.tokens += kl_v.numel()
         self.kl_sum += float(kl_v.sum())
@@ -592,7 +611,7 @@ class DecisionStats:
                                float(t_margin[i, j]), ref[i, j], trial[i, j])
             rec["kl"] = float(kl[i, j])
             self.flip_list.append(rec)
-        return {"reference": r_lab, "trial": t_lab}
+        return {"reference": r_lab, "trial": t_lab, "lse_reference": lse_r, "lse_trial": lse_t}
 
     def _record(self, case: int, position, near, rc, tc, rm, tm, r_scores, t_scores) -> dict:
         rec = {"id": self.ids[case], "kind": self.kinds[case], "boundary": bool(self.constructed[case]), "near_boundary": near,
@@ -706,8 +725,9 @@ class QualityStats:
         self.per_token = False
         self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def update(self, outputs: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor | None = None) -> None:
-        """``outputs`` and ``targets`` of the cases WITH a target only; ``labels``: their decisions, when known."""
+    def update(self, outputs: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
+        """``outputs`` and ``targets`` of the cases WITH a target only; ``labels``: their decisions, ``lse``: the
+        log-sum-exp of each position's scores (per token), when known."""
         if outputs.shape[0] == 0:
             return
         if self.user is not None:  # per token, as tokens [M, C] and [M] (slices of a sequence may differ in length)
@@ -732,9 +752,12 @@ class QualityStats:
             self.n += int(valid.sum())
             if self.per_token:
                 sf = s if s.dtype in (torch.float32, torch.float64) else s.float()
-                # max-shifted, accurate in float32; log_softmax is one fused pass (logsumexp takes two)
-                picked = torch.log_softmax(sf, dim=-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-                self.nll -= float(torch.where(valid, picked, torch.zeros_like(picked)).sum(dtype=torch.float64))
+                index = y.clamp(min=0).unsqueeze(-1)
+                if lse is not None:  # known (``kl_and_lse``): only the target's score is read
+                    nll = lse.double() - sf.gather(-1, index).squeeze(-1).double()
+                else:  # max-shifted, accurate in float32; log_softmax is one fused pass (logsumexp takes two)
+                    nll = -torch.log_softmax(sf, dim=-1).gather(-1, index).squeeze(-1).double()
+                self.nll += float(torch.where(valid, nll, torch.zeros_like(nll)).sum(dtype=torch.float64))
         else:
             p = outputs.detach().double().reshape(-1)
             y = targets.detach().double().reshape(-1)

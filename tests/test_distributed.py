@@ -19,7 +19,9 @@ from conftest import dvc, env_for, make_project, run
 
 pytestmark = pytest.mark.integration
 
-TWO = {"distributed": {"nproc_per_node": 2}}
+# As small as a 2-rank run goes: 8 steps with a resume state every 4 (kills at 6 resume from 4).
+TWO = {"distributed": {"nproc_per_node": 2}, "prepare": {"ordinary_cases": 32},
+       "reference": {"train_steps": 8, "checkpoint_every": 4, "boundary_cases": 1}, "diagnose": {"search_budget": 0}}
 REFERENCE = ("init.safetensors", "checkpoint.safetensors", "cases.safetensors", "outputs.safetensors", "trajectory.json", "manifest.json")
 TRIAL = ("outputs.safetensors", "trained_outputs.safetensors", "checkpoint.safetensors", "trajectory.json", "manifest.json")
 
@@ -57,7 +59,7 @@ def test_a_rank_killed_mid_run_is_one_line_and_the_rerun_is_byte_identical(two_r
     expected = digests(repo / folder, names)
     shutil.rmtree(repo / folder)  # as DVC does before running a stage
     env = env_for(repo)
-    env.update(PIPELINE_KILL_AFTER_STEP="6", PIPELINE_KILL_RANK=str(rank))  # TINY: 12 steps, a resume state every 4
+    env.update(PIPELINE_KILL_AFTER_STEP="6", PIPELINE_KILL_RANK=str(rank))
     killed = run([sys.executable, "-m", "pipeline", *stage], repo, check=False, env=env)
     assert killed.returncode == 2
     line = killed.stderr.strip()

@@ -354,3 +354,26 @@ def test_failing_count_at_the_threshold_is_the_exact_test():
     for a, b in zip(r.split(1 << 14), t.split(1 << 14)):
         acc.update(a, b)
     assert acc.result()["failing"] == expected
+
+
+def test_log_sum_exps_from_the_kl_pieces_match_float64():
+    """Per token, the perplexity of reference and trial uses the log-sum-exps ``kl_and_lse`` derives (no extra
+    pass): equal to float64's, near and far apart (a shuffled trial row takes the direct logsumexp)."""
+    g = torch.Generator().manual_seed(13)
+    ref = torch.randn(6, 9, 500, generator=g) * 4
+    trial = ref.to(torch.bfloat16).float()
+    trial[2, 3] = trial[2, 3][torch.randperm(500, generator=g)]  # far apart
+    kl, lse_r, lse_t = numerics.kl_and_lse(ref, trial, ref_argmax=ref.argmax(-1))
+    assert torch.allclose(lse_r, torch.logsumexp(ref.double(), -1), rtol=0, atol=1e-5)
+    assert torch.allclose(lse_t, torch.logsumexp(trial.double(), -1), rtol=0, atol=1e-5)
+    assert torch.equal(kl, numerics.kl_per_position(ref, trial))
+    y = torch.randint(0, 500, (6, 9), generator=g)
+    y[0, :4] = numerics.IGNORE_INDEX
+    for side, scores, lse in (("reference", ref, lse_r), ("trial", trial, lse_t)):
+        fast, plain = numerics.QualityStats("accuracy", "lowest_index"), numerics.QualityStats("accuracy", "lowest_index")
+        fast.update(scores, y, lse=lse)
+        plain.update(scores, y)
+        valid = y != numerics.IGNORE_INDEX
+        nll = (torch.logsumexp(scores.double(), -1) - scores.double().gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1))[valid]
+        assert fast.perplexity() == pytest.approx(math.exp(float(nll.mean())), rel=1e-6), side
+        assert plain.perplexity() == pytest.approx(fast.perplexity(), rel=1e-6), side

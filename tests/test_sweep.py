@@ -41,9 +41,8 @@ def test_a_queued_sweep_freezes_the_reference_once_per_distinct_reference(tmp_pa
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "reference"], repo)
     env = env_for(repo)
-    sweep = {
-        "f16": ["-S", "trial.dtypes=[float16]"],  # another dtype: same reference
-        "keep0": ["-S", 'trial.fp32_modules=["0"]'],  # an fp32_modules candidate: same reference
+    sweep = {  # two workers, two experiments: each dimension of a sweep, at the cost of one
+        "f16keep0": ["-S", "trial.dtypes=[float16]", "-S", 'trial.fp32_modules=["0"]'],  # same reference
         "seed1": ["-S", "seed=1"],  # another seed: another reference, frozen in that experiment
     }
     for name, args in sweep.items():
@@ -53,7 +52,8 @@ def test_a_queued_sweep_freezes_the_reference_once_per_distinct_reference(tmp_pa
     logs = {n: run([str(BIN / "dvc"), "queue", "logs", n], repo, env=env, check=False).stdout for n in sweep}
     assert "Failed" not in status and status.count("Success") >= len(sweep), (status, {n: log[-3000:] for n, log in logs.items()})
     assert set(sweep) <= experiment_names(repo)
-    assert RAN_FREEZE not in logs["f16"] and RAN_FREEZE not in logs["keep0"], logs["f16"][-3000:]
+    assert RAN_FREEZE not in logs["f16keep0"], logs["f16keep0"][-3000:]
+    assert "Running stage 'trial@float16'" in logs["f16keep0"]
     assert RAN_FREEZE in logs["seed1"]
     published = {r.data.tags.get("dvc_experiment") for r in parents(repo / "mlflow.db")}
     assert set(sweep) <= published, published
