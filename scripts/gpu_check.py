@@ -330,8 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dtypes", help="comma-separated trial.dtypes override, e.g. float16")
     parser.add_argument("--keep", action="store_true", help="keep the temporary project copies (their paths are printed)")
+    parser.add_argument(
+        "--require-gpu", action="store_true", help="stop with one line (exit 2) unless torch sees a CUDA or ROCm GPU"
+    )
     args = parser.parse_args(argv)
 
+    if args.require_gpu and detect_size() != "gpu":
+        print("gpu_check: --require-gpu, but torch.cuda.is_available() is False: run it inside the GPU image with the GPU "
+              "passed through (docker run --gpus all, or ROCm's --device=/dev/kfd --device=/dev/dri)", file=sys.stderr)
+        return 2
     size = detect_size() if args.size == "auto" else args.size
     use_dvc = not args.no_dvc and shutil.which("dvc") is not None and importlib.util.find_spec("dvc") is not None
     dtypes = args.dtypes.split(",") if args.dtypes else None

@@ -19,9 +19,9 @@ from conftest import dvc, env_for, make_project, run
 
 pytestmark = pytest.mark.integration
 
-# As small as a 2-rank run goes: 8 steps with a resume state every 4 (kills at 6 resume from 4).
-TWO = {"distributed": {"nproc_per_node": 2}, "prepare": {"ordinary_cases": 32},
-       "reference": {"train_steps": 8, "checkpoint_every": 4, "boundary_cases": 1}, "diagnose": {"search_budget": 0}}
+# TINY (12 steps, a resume state every 4: kills at 6 resume from 4; float16 accepted, bfloat16 rolled back)
+# on 2 ranks, without the diagnosis's re-runs.
+TWO = {"distributed": {"nproc_per_node": 2}, "diagnose": {"search_budget": 0}}
 REFERENCE = ("init.safetensors", "checkpoint.safetensors", "cases.safetensors", "outputs.safetensors", "trajectory.json", "manifest.json")
 TRIAL = ("outputs.safetensors", "trained_outputs.safetensors", "checkpoint.safetensors", "trajectory.json", "manifest.json")
 
@@ -47,6 +47,16 @@ def test_dvc_repro_with_two_ranks_reaches_a_decision_in_both_dtypes(two_ranks):
     ref = json.loads((two_ranks / "data/reference/manifest.json").read_text())
     assert ref["env"]["world_size"] == 2 and ref["env"]["process_group_backend"] == "gloo"
     assert not any((two_ranks / "data/resume").glob("*"))  # rank 0 cleared every resume state
+
+
+def test_the_benchmark_times_two_ranks_and_rank_0_writes_it(two_ranks, tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(two_ranks, repo, symlinks=True)
+    accepted = [d for d in ("float16", "bfloat16") if json.loads((repo / f"data/metrics/{d}.json").read_text())["decision"] == 1]
+    assert accepted, "TINY's tolerance accepts float16 (README: the same rule on 2 ranks)"
+    run([sys.executable, "-m", "pipeline", "benchmark", "--dtype", accepted[0]], repo)
+    record = json.loads((repo / f"data/benchmark/{accepted[0]}/benchmark.json").read_text())
+    assert record["benchmarked"] and record["env"]["world_size"] == 2 and record["env"]["process_group_backend"] == "gloo"
 
 
 @pytest.mark.parametrize(("stage", "folder", "names", "rank"), [

@@ -12,12 +12,11 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from pipeline import checkpoint, comparison, devices, paths, reference, task, training, verdict
+from pipeline import checkpoint, comparison, devices, reference, task, training, verdict
 from pipeline import trial as trial_artifact
 from pipeline.config import Params
 from pipeline.diagnosis.precision_map import finite, trace
 from pipeline.diagnosis.triage import first_nonfinite_step
-from pipeline.outputs import OutputsReader
 from pipeline.precision import Policy
 
 FP32 = Policy()
@@ -204,15 +203,7 @@ def rerun(ctx: Context, policy: Policy) -> Run:
         label=f"diagnose re-run {ctx.dtype}",
     )
     steps = [asdict(r) for r in run.training.records]
-    # As the compare stage calls it (same metric, chunking, FP64 arbiter and noise replicate): the same verdict.
-    fp64_sha = ref.manifest["files"].get(str(paths.REF_OUTPUTS_FP64))
-    stats, _ = comparison.compare_streams(
-        params.task.kind, params.acceptance, list(ref.cases.ids), ref.cases.y, ref.cases.has_target,
-        comparison.InMemory(ref.outputs), comparison.InMemory(run.outputs), comparison.InMemory(run.trained_outputs),
-        ref.trajectory, steps, run.training.final_scale,
-        OutputsReader(paths.REF_OUTPUTS_FP64, fp64_sha, "freeze") if fp64_sha else None, policy.uses_scaler,
-        metric=comparison.Metric.for_task(params.task, params.task.kind), cfg=params.compare, replicate_steps=ref.replicate,
-    )
+    stats = _compare(ctx, run.outputs, run.trained_outputs, steps, run.training.final_scale, policy.uses_scaler, ref.fp64_reader())
     ctx.work["trial_reruns"] += 1
     return Run(policy, run.outputs, steps, stats, verdict.decide(stats, params.acceptance))
 
@@ -220,9 +211,19 @@ def rerun(ctx: Context, policy: Policy) -> Run:
 def reference_fails_itself(ctx: Context) -> list[str]:
     """Reasons the rule rejects the FP32 reference compared with itself: no precision policy can fix those."""
     ref = ctx.ref
-    params = ctx.params
-    stats = comparison.compare(
-        params.task.kind, params.acceptance, ref.cases, ref.outputs, ref.outputs, ref.outputs, ref.trajectory, ref.trajectory, math.inf,
-        metric=comparison.Metric.for_task(params.task, params.task.kind), cfg=params.compare,
+    stats = _compare(ctx, ref.outputs, ref.outputs, ref.trajectory, math.inf, True, None)
+    return verdict.decide(stats, ctx.params.acceptance)["reasons"]
+
+
+def _compare(ctx: Context, outputs: dict, trained: dict, steps: list[dict], final_scale: float, scaler: bool, fp64) -> dict:
+    """Statistics as the compare stage computes them (metric, chunking, token mask, FP64 arbiter, noise
+    replicate), so that a re-run's verdict is the stage's verdict."""
+    params, ref = ctx.params, ctx.ref
+    stats, _ = comparison.compare_streams(
+        params.task.kind, params.acceptance, list(ref.cases.ids), ref.cases.y, ref.cases.has_target,
+        comparison.InMemory(ref.outputs), comparison.InMemory(outputs), comparison.InMemory(trained),
+        ref.trajectory, steps, final_scale, fp64, scaler,
+        metric=comparison.Metric.for_task(params.task, params.task.kind), cfg=params.compare, replicate_steps=ref.replicate,
+        token_mask=comparison.token_mask_of(ref.cases.x),
     )
-    return verdict.decide(stats, params.acceptance)["reasons"]
+    return stats

@@ -45,7 +45,7 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
             return  # rank 0 alone records and writes
         result = benchmark.record(dtype, env, works[-1], size, tf32_note, memory, rounds, load)
     if not world.writes:
-        return
+        return  # (a rolled-back variant: rank 0 writes the note)
     write_json(out / "benchmark.json", result)
     write_json(paths.benchmark_metrics(dtype), benchmark.short_metrics(result))
     print(benchmark.summary_line(result))
