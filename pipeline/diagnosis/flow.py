@@ -9,7 +9,7 @@ from pipeline.config import Params
 from pipeline.diagnosis import wording
 from pipeline.diagnosis.precision_map import gradient_underflow, precision_map
 from pipeline.diagnosis.replay import Context, Run, load, locate, reference_fails_itself
-from pipeline.diagnosis.search import search
+from pipeline.diagnosis.search import Outcome, search
 from pipeline.diagnosis.triage import triage
 from pipeline.task import to_device
 
@@ -32,7 +32,7 @@ def run(params: Params, dtype: str, stats: dict, trajectory: dict, decision: dic
         probe_found, notes = wording.probe_findings(report["precision_map"], report["underflow"], trial_run.policy, ctx.device)
         report["notes"] += notes
     findings: list[str] = []
-    outcome = None
+    outcome = Outcome()  # nothing searched: no fix, no re-run, no suggestion
     if report["needed"]:
         own = reference_fails_itself(ctx)
         report["reference_fails_rule"] = own
@@ -44,17 +44,16 @@ def run(params: Params, dtype: str, stats: dict, trajectory: dict, decision: dic
         outcome = search(ctx, trial_run, located, reference_fails=bool(own))
         findings += outcome.findings
     file = str(paths.diagnose(dtype) / "suggested_params.yaml")
-    chosen = outcome.chosen if outcome else None
+    chosen = outcome.chosen
     report.update(
-        local_fix=outcome.local_fix if outcome else [],
-        reruns=outcome.reruns if outcome else [],
-        ranking=outcome.ranking if outcome else [],
+        local_fix=outcome.local_fix,
+        reruns=outcome.reruns,
+        ranking=outcome.ranking,
         suggestion=None
         if chosen is None
         else {"fp32_modules": list(chosen.fp32_modules), "rule_passes": True if outcome.suggestion is not None else None, "file": file},
     )
-    if outcome:
-        findings += wording.suggestion_lines(outcome, file, dtype)
+    findings += wording.suggestion_lines(outcome, file, dtype)
     if report.get("first_nonfinite"):  # the located cases say it better than the recorded counts
         report["notes"] += report["findings"]
         report["findings"] = []
