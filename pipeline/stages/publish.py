@@ -50,6 +50,15 @@ def main(params_path: str = "params.yaml") -> None:
         "files": {str(p): sha256_file(p) for p in _mirrored(dtypes)},
     }, sort_keys=True).encode()).hexdigest()
 
+    uri = tracking.tracking_uri()
+    already = tracking.published_parent(uri, params.tracking.experiment, key)
+    if already is not None:  # the common no-op of `dvc repro`: answered without importing MLflow
+        variants = {d: _variant(d) for d in dtypes}
+        verdicts = [review.verdict(d, v["decision"], v["stats"], v["diagnosis"], v["benchmark"], []) for d, v in variants.items()]
+        print(f"publish: already published, nothing added; parent run {already.run_link}")
+        print(f"publish: {review.one_line(verdicts)}; review: {already.link}")
+        return
+
     common = {"git_commit": commit, "mlflow.source.git.commit": commit, "rule_sha256": manifest["rule_sha256"], "reference_run_key": manifest["run_key"]}
     if tracking.dvc_experiment_name():
         common["dvc_experiment"] = tracking.dvc_experiment_name()
