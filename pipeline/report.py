@@ -67,9 +67,19 @@ def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
             (f"'{name}': fraction outside tolerance", metric(f"values.{name}.failing_fraction")),
             (f"'{name}': non-finite where FP32 is finite", metric(f"values.{name}.nonfinite_trial_only")),
         ]
+    if any("distribution.kl_mean" in v["metrics"] for v in variants):  # per-token outputs (language models)
+        table += [
+            ("distribution: KL(reference || AMP) per token, mean (nats)", metric("distribution.kl_mean")),
+            ("distribution: KL per token, p99 (nats)", metric("distribution.kl_p99")),
+            ("distribution: KL per token, max (nats)", metric("distribution.kl_max")),
+            ("distribution: same top-1 token as the reference", metric("distribution.top1_agreement")),
+            ("distribution: top-k overlap", metric("distribution.top_k_overlap")),
+        ]
     table += [
         ("training: max loss gap", metric("training.max_loss_gap")),
         ("training: steps outside loss band", metric("training.band_violations")),
+        ("training: FP32 noise floor, max gap of the one-ulp replicate", metric("training.noise.max_replicate_gap")),
+        ("training: AMP gap / noise floor, worst step", metric("training.noise.worst_ratio")),
         ("training: GradScaler", lambda v: "on" if v["metrics"].get("training.scaler_enabled") else "off (no GradScaler)"),
         ("training: skipped fraction", metric("training.skipped_fraction")),
         ("training: real updates", metric("training.real_updates")),
