@@ -489,7 +489,7 @@ def short_metrics(result: dict) -> dict:
         return {}
     speedup, memory = result.get("speedup"), result.get("memory_ratio")
     return {
-        "speedup_median": speedup["median"] if speedup else None,
+        "speedup": speedup["median"] if speedup else None,
         "memory_ratio": memory["median"] if memory else None,
     }
 

@@ -53,7 +53,7 @@ def benchmark(dtype: str) -> Path:
 
 
 def benchmark_metrics(dtype: str) -> Path:
-    """The benchmark's two DVC metrics (speedup_median, memory_ratio); details in benchmark(dtype)/benchmark.json."""
+    """The benchmark's two DVC metrics (speedup: the median FP32/AMP time ratio, memory_ratio); details in benchmark(dtype)/benchmark.json."""
     return benchmark(dtype) / "metrics.json"
 
 

@@ -133,7 +133,7 @@ def test_every_round_skipped_gives_no_speedup_and_says_why() -> None:
     memory = {n: {"peak": [2.0] * 3, "baseline": [1.0] * 3, "skipped": [0] * 3, "method": "m"} for n in ("fp32", "amp")}
     result = benchmark.record("float16", CPU, amp.work, size, "n/a", memory, rounds, None)
     assert "speedup" not in result and "raise bench.warmup" in result["no_speedup_because"]
-    assert benchmark.short_metrics(result) == {"speedup_median": None, "memory_ratio": 1.0}
+    assert benchmark.short_metrics(result) == {"speedup": None, "memory_ratio": 1.0}
     assert "raise bench.warmup" in benchmark.summary_line(result)
 
 
@@ -238,7 +238,7 @@ def test_benchmark_stage_measures_an_accepted_variant(frozen: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     result = json.loads((frozen / "data/benchmark/float16/benchmark.json").read_text())
     metrics = json.loads((frozen / "data/benchmark/float16/metrics.json").read_text())
-    assert metrics == {"speedup_median": result["speedup"]["median"], "memory_ratio": result["memory_ratio"]["median"]}
+    assert metrics == {"speedup": result["speedup"]["median"], "memory_ratio": result["memory_ratio"]["median"]}
     assert result["workload"]["initial_grad_scaler"]["scale"] > 0
     params = yaml.safe_load((frozen / "params.yaml").read_text())
     assert result["benchmarked"] and result["env"]["backend"] == "cpu" and result["env"]["capability"]
