@@ -490,7 +490,7 @@ def short_metrics(result: dict) -> dict:
     speedup, memory = result.get("speedup"), result.get("memory_ratio")
     return {
         "speedup": speedup["median"] if speedup else None,
-        "memory_ratio": memory["median"] if memory else None,
+        "mem_ratio": memory["median"] if memory else None,
     }
 
 

@@ -72,7 +72,7 @@ def summary_metrics(d: Decision, stats: Stats) -> dict:
         "reasons": len(d.reasons),
         "flips": stats.real_flips,
         "near_flips": stats.near_boundary_flips,
-        "max_abs_gap": stats.max_abs_gap,
+        "max_gap": stats.max_abs_gap,
         "quality_trial": stats.quality_trial,
         "quality_trained": stats.quality_trained,
         "loss_gap": stats.max_loss_gap,

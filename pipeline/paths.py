@@ -53,8 +53,8 @@ def benchmark(dtype: str) -> Path:
 
 
 def benchmark_metrics(dtype: str) -> Path:
-    """The benchmark's two DVC metrics (speedup: the median FP32/AMP time ratio, memory_ratio); details in benchmark(dtype)/benchmark.json."""
-    return benchmark(dtype) / "metrics.json"
+    """The benchmark's two DVC metrics (speedup: the median FP32/AMP time ratio, mem_ratio: peak process memory AMP/FP32); details in benchmark(dtype)/benchmark.json."""
+    return METRICS / f"bench-{dtype}.json"
 
 
 def compare_metrics(dtype: str) -> Path:

@@ -133,7 +133,7 @@ def test_every_round_skipped_gives_no_speedup_and_says_why() -> None:
     memory = {n: {"peak": [2.0] * 3, "baseline": [1.0] * 3, "skipped": [0] * 3, "method": "m"} for n in ("fp32", "amp")}
     result = benchmark.record("float16", CPU, amp.work, size, "n/a", memory, rounds, None)
     assert "speedup" not in result and "raise bench.warmup" in result["no_speedup_because"]
-    assert benchmark.short_metrics(result) == {"speedup": None, "memory_ratio": 1.0}
+    assert benchmark.short_metrics(result) == {"speedup": None, "mem_ratio": 1.0}
     assert "raise bench.warmup" in benchmark.summary_line(result)
 
 
@@ -237,8 +237,8 @@ def test_benchmark_stage_measures_an_accepted_variant(frozen: Path) -> None:
     proc = stage(frozen, "benchmark", "--dtype", "float16")
     assert proc.returncode == 0, proc.stderr
     result = json.loads((frozen / "data/benchmark/float16/benchmark.json").read_text())
-    metrics = json.loads((frozen / "data/benchmark/float16/metrics.json").read_text())
-    assert metrics == {"speedup": result["speedup"]["median"], "memory_ratio": result["memory_ratio"]["median"]}
+    metrics = json.loads((frozen / "data/metrics/bench-float16.json").read_text())
+    assert metrics == {"speedup": result["speedup"]["median"], "mem_ratio": result["memory_ratio"]["median"]}
     assert result["workload"]["initial_grad_scaler"]["scale"] > 0
     params = yaml.safe_load((frozen / "params.yaml").read_text())
     assert result["benchmarked"] and result["env"]["backend"] == "cpu" and result["env"]["capability"]
@@ -265,7 +265,7 @@ def test_benchmark_stage_skips_a_rolled_back_variant(frozen: Path) -> None:
         "dtype": "bfloat16",
         "reason": "bfloat16 was rolled back; only accepted variants are benchmarked",
     }
-    assert json.loads((frozen / "data/benchmark/bfloat16/metrics.json").read_text()) == {}
+    assert json.loads((frozen / "data/metrics/bench-bfloat16.json").read_text()) == {}
 
 
 @pytest.mark.gpu

@@ -47,7 +47,7 @@ def test_short_metrics_are_eight_plain_numbers(tmp_path: Path, monkeypatch: pyte
         "reasons": 1,
         "flips": 3,  # every real flip, near the boundary or not
         "near_flips": 2,
-        "max_abs_gap": 0.25,
+        "max_gap": 0.25,
         "quality_trial": 0.94,
         "quality_trained": 0.93,
         "loss_gap": 0.0125,

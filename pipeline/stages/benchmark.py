@@ -2,7 +2,7 @@
 
 pipeline/benchmark.py holds the method; this stage picks the variants, measures each one's memory in its
 own process, times them all interleaved in this process, and writes the record (``benchmark.json``) and
-its two DVC metrics (``metrics.json``: speedup (median), memory_ratio).
+its two DVC metrics (``data/metrics/bench-DTYPE.json``: speedup (median), mem_ratio).
 """
 
 from __future__ import annotations
