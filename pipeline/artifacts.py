@@ -7,23 +7,30 @@ keys and full-precision floats so that reruns on the same machine give identical
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Iterator
 
 from pipeline.errors import UserError
 
 
-def write_bytes(path: str | Path, data: bytes) -> None:
-    """Atomically replace ``path`` with ``data``, with the mode a plain ``open(path, "wb")`` would give.
+@contextlib.contextmanager
+def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
+    """A binary handle whose content replaces ``path`` atomically when the block ends without error.
 
-    ``mkstemp`` creates its file ``-rw-------``; a DVC cache or workspace shared by a team, or written in
-    a container under another uid, must stay readable by the others, so the file gets 0666 minus the
-    process umask (0644 under the usual 022) before it takes ``path``'s place.
+    The bytes go to a temporary file in the same folder, then fsync, rename, and an fsync of the folder:
+    a killed stage leaves the old file or none, never half a file. The file gets the mode a plain
+    ``open(path, "wb")`` would give: ``mkstemp`` creates it ``-rw-------``, while a DVC cache or workspace
+    shared by a team, or written in a container under another uid, must stay readable by the others, so
+    it gets 0666 minus the process umask (0644 under the usual 022) before it takes ``path``'s place.
+
+    Raises:
+        UserError: the folder cannot be created or written.
     """
     path = Path(path)
     try:
@@ -34,7 +41,7 @@ def write_bytes(path: str | Path, data: bytes) -> None:
     try:
         os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            yield handle
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -46,6 +53,12 @@ def write_bytes(path: str | Path, data: bytes) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Atomically replace ``path`` with ``data`` (see ``atomic_file``)."""
+    with atomic_file(path) as handle:
+        handle.write(data)
 
 
 def current_umask() -> int:

@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 
-from pipeline.artifacts import from_jsonable, sha256_file, to_jsonable
+from pipeline.artifacts import atomic_file, from_jsonable, sha256_file, to_jsonable
 from pipeline.errors import UserError
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
@@ -79,37 +77,23 @@ def write_outputs(path: str | Path, chunks: Iterable[dict[str, torch.Tensor]], i
     header = json.dumps(header_obj, sort_keys=True, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
     base = 8 + len(header)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(len(header).to_bytes(8, "little") + header)
-            handle.truncate(base + offset)
-            row = 0
-            chunk: dict[str, torch.Tensor] | None = first
-            while chunk is not None:
-                rows = _check_chunk(chunk, layout, path)
-                if row + rows > n_rows:
-                    raise ValueError(f"{path}: the chunks hold more rows than the {n_rows} ids")
-                for name, (_, _, row_bytes) in layout.items():
-                    if rows:
-                        handle.seek(base + header_obj[name]["data_offsets"][0] + row * row_bytes)
-                        handle.write(_raw(chunk[name]))
-                row += rows
-                chunk = next(iterator, None)
-            if row != n_rows:
-                raise ValueError(f"{path}: the chunks hold {row} rows for {n_rows} ids; give one row per id")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    with atomic_file(path) as handle:
+        handle.write(len(header).to_bytes(8, "little") + header)
+        handle.truncate(base + offset)
+        row = 0
+        chunk: dict[str, torch.Tensor] | None = first
+        while chunk is not None:
+            rows = _check_chunk(chunk, layout, path)
+            if row + rows > n_rows:
+                raise ValueError(f"{path}: the chunks hold more rows than the {n_rows} ids")
+            for name, (_, _, row_bytes) in layout.items():
+                if rows:
+                    handle.seek(base + header_obj[name]["data_offsets"][0] + row * row_bytes)
+                    handle.write(_raw(chunk[name]))
+            row += rows
+            chunk = next(iterator, None)
+        if row != n_rows:
+            raise ValueError(f"{path}: the chunks hold {row} rows for {n_rows} ids; give one row per id")
     return sha256_file(path)
 
 

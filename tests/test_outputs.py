@@ -1,6 +1,8 @@
 """The chunked output store: real safetensors files, written in chunks and read by slices."""
 
 import hashlib
+import os
+import stat
 
 import pytest
 import torch
@@ -108,3 +110,15 @@ def test_mapped_view_equals_read_and_release_keeps_it_readable(tmp_path):
         buffer = torch.empty(40 * data[name][0].numel(), dtype=data[name].dtype)
         assert torch.equal(reader.read(name, 0, 40, buffer), data[name]) and torch.equal(reader.read(name, 30, 40, buffer), data[name][30:])
     assert reader.view("logits", 3, 3).shape == (0, 3, 5)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_streamed_outputs_get_the_mode_a_plain_open_gives(tmp_path, umask):
+    """The reference's and trials' outputs are streamed, not written by write_bytes: same mode rule."""
+    old = os.umask(umask)
+    try:
+        outputs.write_outputs(tmp_path / "o.safetensors", [{"output": torch.zeros(2, 3)}], ["a", "b"])
+        (tmp_path / "plain").write_bytes(b"")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "o.safetensors").stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o666 & ~umask
