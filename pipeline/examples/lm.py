@@ -21,9 +21,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from pipeline.errors import UserError
+from pipeline.examples.transformer import Block
 
 IGNORE_INDEX = -100
 PAD = 0
@@ -84,26 +84,6 @@ def load_data(
     }
 
 
-class CausalBlock(torch.nn.Module):
-    """Pre-norm decoder block: causal self-attention then MLP, each on a residual branch."""
-
-    def __init__(self, d_model: int, heads: int, mlp_ratio: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = torch.nn.LayerNorm(d_model)
-        self.qkv = torch.nn.Linear(d_model, 3 * d_model)
-        self.proj = torch.nn.Linear(d_model, d_model)
-        self.norm2 = torch.nn.LayerNorm(d_model)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(d_model, mlp_ratio * d_model), torch.nn.GELU(), torch.nn.Linear(mlp_ratio * d_model, d_model))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        b, t, d = h.shape
-        q, k, v = self.qkv(self.norm1(h)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = h + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        return h + self.mlp(self.norm2(h))
-
-
 class CausalLM(torch.nn.Module):
     """Token embedding, learned positions, causal blocks, final norm, LM head: logits [N, T, vocab]."""
 
@@ -111,7 +91,7 @@ class CausalLM(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, d_model)
         self.pos = torch.nn.Parameter(torch.randn(seq_len, d_model) / math.sqrt(d_model))
-        self.blocks = torch.nn.ModuleList(CausalBlock(d_model, heads, mlp_ratio) for _ in range(layers))
+        self.blocks = torch.nn.ModuleList(Block(d_model, heads, mlp_ratio, causal=True) for _ in range(layers))
         self.norm = torch.nn.LayerNorm(d_model)
         self.head = torch.nn.Linear(d_model, vocab)
 

@@ -69,11 +69,12 @@ def load_data(
 
 
 class Block(torch.nn.Module):
-    """Pre-norm encoder block: self-attention then MLP, each on a residual branch."""
+    """Pre-norm transformer block: self-attention then MLP, each on a residual branch; ``causal`` makes it a
+    decoder block (each position attends to itself and earlier ones), as the language-model example uses."""
 
-    def __init__(self, d_model: int, heads: int, mlp_ratio: int) -> None:
+    def __init__(self, d_model: int, heads: int, mlp_ratio: int, causal: bool = False) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.causal = heads, causal
         self.norm1 = torch.nn.LayerNorm(d_model)
         self.qkv = torch.nn.Linear(d_model, 3 * d_model)
         self.proj = torch.nn.Linear(d_model, d_model)
@@ -88,7 +89,7 @@ class Block(torch.nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         # scaled_dot_product_attention picks a fused kernel (flash / memory-efficient) where the device has one.
-        attn = F.scaled_dot_product_attention(q, k, v)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.norm2(x))
 
