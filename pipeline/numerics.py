@@ -480,9 +480,12 @@ def kl_and_lse(ref_scores: torch.Tensor, trial_scores: torch.Tensor, diff: torch
         lse_trial = lse_ref + torch.log1p(a)
     large = ~torch.isfinite(kl) | (a > 1.0)  # far apart: the direct form has no cancellation to fear
     if bool(large.any()):
-        lse_r = torch.logsumexp(r[large].double(), dim=-1)
-        lse_t = torch.logsumexp(t[large].double(), dim=-1)
-        direct = lse_t - lse_r - (a[large] - pos[large])
+        rl, tl, pl = r[large].double(), t[large].double(), p[large].double()
+        lse_r = torch.logsumexp(rl, dim=-1)
+        lse_t = torch.logsumexp(tl, dim=-1)
+        # Over the support of p only: a class the reference rules out (-inf logit, a masked vocabulary)
+        # adds nothing, where the pieces above would give 0 * inf = NaN for identical outputs.
+        direct = lse_t - lse_r - torch.where(pl > 0, pl * (tl - rl), torch.zeros_like(pl)).sum(-1)
         kl[large] = torch.where(torch.isfinite(direct), direct, torch.full_like(direct, math.inf))
         if lse_trial is not None:
             lse_trial[large] = lse_t

@@ -66,6 +66,7 @@ _ENV_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+    "MLFLOW_DISABLE_TELEMETRY": "true",  # MLflow 3 reports usage to its vendor unless told not to: publish talks only to the store
 }
 
 
@@ -178,9 +179,28 @@ def published_parent(uri: str, experiment: str, key: str) -> Published | None:
             con.close()
     except sqlite3.Error:
         return None
-    if len(rows) != 1 or rows[0][2] != "FINISHED":
+    if len(rows) != 1 or rows[0][2] != "FINISHED" or _flags_loosened_rule(path, key):
         return None
     return Published(rows[0][1], 0, uri, str(rows[0][0]))
+
+
+def _flags_loosened_rule(db: Path, key: str) -> bool:
+    """Whether a run of the tree of ``key`` is tagged ``rule_loosened``: publish then says so again (MLflow path)."""
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=1.0)
+        try:
+            row = con.execute(
+                "SELECT COUNT(*) FROM tags t JOIN tags m ON m.run_uuid = t.run_uuid "
+                "WHERE t.key = 'rule_loosened' AND t.value = 'true' AND m.key IN (?, ?) AND m.value = ?",
+                (KEY_TAG, MEMBER_TAG, key),
+            ).fetchone()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return True
+    return bool(row and row[0])
 
 
 def check_reachable(uri: str, timeout: float = _HEALTH_TIMEOUT_S) -> None:
@@ -294,7 +314,11 @@ class Publisher:
                     self._fill(child, spec, heartbeat=parent_id)
                     self.client.set_terminated(child, "FINISHED")
                 self.client.set_terminated(parent_id, "FINISHED")
-                return Published(parent_id, 1 + len(children), self.uri, self.experiment_id, self._dedupe(key, parent_id))
+                # Should another tree of this key have finished too (clocks further apart than settle_s), the
+                # first claim stays published whoever finishes last, as the already-published branch above says.
+                keep = next((r.info.run_id for r in self._parents(key) if r.info.status == "FINISHED"), parent_id)
+                created = 1 + len(children) if keep == parent_id else 0
+                return Published(keep, created, self.uri, self.experiment_id, self._dedupe(key, keep))
 
     def earlier_rollbacks(self, reference_run_key: str, dtype: str) -> list[dict]:
         """Rules under which this reference was rolled back for ``dtype`` in runs published before.

@@ -98,6 +98,10 @@ def cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     out = _wide(out)
     if out.ndim == 3:
         out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+    if not bool((y != IGNORE_INDEX).any()):
+        # Every target ignored (an all-padding micro-batch): the mean would be 0/0 = NaN and look like a
+        # diverged step; such a batch adds nothing, as its sum says (0, with zero gradients).
+        return F.cross_entropy(out, y.long(), ignore_index=IGNORE_INDEX, reduction="sum")
     return F.cross_entropy(out, y.long(), ignore_index=IGNORE_INDEX)
 
 
@@ -118,7 +122,7 @@ def loss_function(kind: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Ten
     user = resolve(kind, "task.loss")
 
     def custom(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        value = user(out, y)
+        value = user(_wide(out), y)  # the user's loss sees float32 too: targets never meet the autocast dtype
         if not torch.is_tensor(value) or value.numel() != 1:
             raise UserError(f"task.loss {kind} returned {type(value).__name__}; return a scalar tensor")
         return _wide(value.reshape(()))

@@ -83,6 +83,9 @@ def decide(stats: dict, rule: AcceptanceConfig, findings: list[str] | None = Non
         ("after training", "reference", "trained"),
     ):
         ref_q, trial_q = stats["quality"][key_ref], stats["quality"][key_trial]
+        if not math.isfinite(ref_q):  # no ordinary case or token carries a target: nothing to measure on
+            checks.append(f"quality {label}: the fixed set has no target to measure it on; not applied")
+            continue
         if not math.isfinite(trial_q):
             reasons.append(f"quality {label}: not finite")
             continue

@@ -377,3 +377,13 @@ def test_log_sum_exps_from_the_kl_pieces_match_float64():
         nll = (torch.logsumexp(scores.double(), -1) - scores.double().gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1))[valid]
         assert fast.perplexity() == pytest.approx(math.exp(float(nll.mean())), rel=1e-6), side
         assert plain.perplexity() == pytest.approx(fast.perplexity(), rel=1e-6), side
+
+
+def test_kl_ignores_classes_the_reference_rules_out():
+    """A masked vocabulary (-inf logits in the reference): identical outputs have KL 0, not inf."""
+    ref = torch.tensor([[0.0, 1.0, -math.inf], [2.0, -math.inf, 0.5]])
+    assert numerics.kl_and_lse(ref, ref.clone())[0].tolist() == [0.0, 0.0]
+    near = numerics.kl_and_lse(ref, torch.tensor([[0.0, 1.0, -30.0], [2.0, -40.0, 0.5]]))[0]
+    assert bool((near >= 0).all()) and float(near.max()) < 1e-12
+    # a class the reference gives mass to and the trial rules out: infinitely far, as KL says
+    assert numerics.kl_and_lse(ref, torch.tensor([[0.0, -math.inf, 3.0], [2.0, 0.0, 0.5]]))[0][0] == math.inf

@@ -358,3 +358,27 @@ def test_missing_inputs_and_non_finite_targets_are_one_line(tmp_path, monkeypatc
         task.load_data(TaskConfig(data="gaps:no_eval"))
     with pytest.raises(UserError, match="train_y holds NaN or inf"):
         task.load_data(TaskConfig(kind="regression", loss="mse", data="gaps:nan_target"))
+
+
+def test_a_micro_batch_whose_targets_are_all_ignored_adds_zero_not_nan():
+    scores = torch.randn(2, 3, 5, requires_grad=True)
+    loss = training.cross_entropy(scores, torch.full((2, 3), -100))
+    loss.backward()
+    assert float(loss) == 0.0 and bool((scores.grad == 0).all())
+    some = torch.tensor([[1, -100, 2], [-100, -100, 4]])
+    assert torch.equal(training.cross_entropy(scores, some), torch.nn.functional.cross_entropy(scores.reshape(-1, 5), some.reshape(-1)))
+
+
+def test_a_custom_loss_sees_float32_not_the_autocast_dtype():
+    training_loss = training.loss_function(f"{__name__}:_record_dtype")
+    _RECORD[:] = []
+    training_loss(torch.zeros(2, 3, dtype=torch.float16), torch.zeros(2, 3))
+    assert _RECORD == [torch.float32]
+
+
+_RECORD: list = []
+
+
+def _record_dtype(out, y):
+    _RECORD.append(out.dtype)
+    return (out - y).pow(2).mean()

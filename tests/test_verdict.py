@@ -150,3 +150,14 @@ def test_quality_drop_follows_the_metric_direction():
     stats["quality"]["trial"] = 10.5
     d = verdict.decide(stats, AcceptanceConfig())
     assert d["decision"] == "rollback" and any("drop 0.5" in r for r in d["reasons"])
+
+
+def test_no_target_in_the_fixed_set_is_not_a_quality_failure():
+    stats = healthy_stats()
+    for key in ("reference", "trial", "trained"):
+        stats["quality"][key] = float("nan")
+    result = verdict.decide(stats, AcceptanceConfig())
+    assert result["decision"] == "accept", result["reasons"]
+    assert any("no target to measure it on" in c for c in result["checks"])
+    stats["quality"]["reference"] = 0.9  # a reference that has a quality and a trial that lost it: a failure
+    assert verdict.decide(stats, AcceptanceConfig())["decision"] == "rollback"
