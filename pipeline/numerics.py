@@ -32,6 +32,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from pipeline.errors import UserError
+
 IGNORE_INDEX = -100
 """Per-token targets equal to this are ignored (Hugging Face's convention)."""
 
@@ -775,7 +777,10 @@ class QualityStats:
         if self.user is not None:
             if not self._kept:
                 return math.nan
-            return float(self.user(torch.cat([o for o, _ in self._kept]), torch.cat([t for _, t in self._kept])))
+            value = self.user(torch.cat([o for o, _ in self._kept]), torch.cat([t for _, t in self._kept]))
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) or (torch.is_tensor(value) and value.numel() == 1)):
+                raise UserError(f"task.metric returned {type(value).__name__} {getattr(value, 'shape', '')}; return one number")
+            return float(value)
         if self.n == 0:
             return math.nan
         if self.metric in ("accuracy", "top_k"):

@@ -325,7 +325,8 @@ def load_data(cfg: TaskConfig) -> TaskData:
         train = TensorSource(*_split_targets(raw, "train", cfg))
     eval_x, eval_y = _split_targets(raw, "eval", cfg)
     n_eval = rows(eval_x)
-    ids = raw.get("eval_ids") or [f"sample-{i:05d}" for i in range(n_eval)]
+    ids = raw.get("eval_ids")
+    ids = [f"sample-{i:05d}" for i in range(n_eval)] if ids is None else list(ids.tolist() if torch.is_tensor(ids) else ids)
     if len(ids) != n_eval or len(set(ids)) != n_eval:
         raise UserError(f"task.data {cfg.data}: eval_ids must be {n_eval} distinct strings, one per eval sample")
     edge_x, edge_ids = raw.get("edge_x"), [str(i) for i in raw.get("edge_ids") or []]
