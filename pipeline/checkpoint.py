@@ -1,7 +1,7 @@
 """Checkpoint I/O: one safetensors file holds a whole training state; nothing is ever unpickled.
 
 Tensors: model weights and buffers (``model/NAME``), optimizer state (``optim/IDX/KEY``), RNG states
-(``rng/cpu``, ``rng/cuda/I``). Metadata (JSON strings): the GradScaler ``state_dict`` under
+(``rng/cpu``, ``rng/cuda``: the current GPU). Metadata (JSON strings): the GradScaler ``state_dict`` under
 ``grad_scaler``, optimizer param_groups and scalar state, scheduler state, step and real-update
 counters, the precision policy, the training record so far, and the format version. Loading checks
 the expected sha256 before opening the file.
@@ -109,29 +109,26 @@ def restore(
 
 
 def rng_state() -> dict[str, torch.Tensor]:
-    """The CPU generator's state (``rng/cpu``) and, where a GPU is visible, every GPU's (``rng/cuda/I``).
+    """The CPU generator's state (``rng/cpu``) and, where a GPU is visible, the current GPU's (``rng/cuda``).
 
     Taken whenever CUDA (or ROCm) is available, initialised or not: a state captured before the first GPU
-    op (the reference's ``init``) must still carry the GPU streams a model's forward will draw from.
+    op (the reference's ``init``) must still carry the GPU stream a model's forward will draw from. One GPU
+    state, the current device's (a torchrun rank's own, ``cuda:LOCAL_RANK``), so that the bytes of a
+    checkpoint do not depend on how many GPUs the machine has; every rank seeds and draws the same stream.
     """
     out = {"rng/cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            out[f"rng/cuda/{i}"] = state.to("cpu", copy=True).contiguous()
+        out["rng/cuda"] = torch.cuda.get_rng_state().to("cpu", copy=True).contiguous()
     return out
 
 
 def set_rng_state(tensors: dict[str, torch.Tensor]) -> None:
-    """Put back what ``rng_state`` took: the CPU state, and each GPU's where that GPU is visible.
-
-    A checkpoint from a machine with more GPUs sets the ones this machine has; one with no GPU state (saved on
-    a CPU machine) leaves the GPU generators as they are.
-    """
+    """Put back what ``rng_state`` took: the CPU state, and the GPU state into the current GPU, where one is
+    visible. A checkpoint with no GPU state (saved on a CPU machine) leaves the GPU generator as it is."""
     torch.set_rng_state(tensors["rng/cpu"])
-    cuda = sorted((int(k.rsplit("/", 1)[1]), v) for k, v in tensors.items() if k.startswith("rng/cuda/"))
-    if cuda and torch.cuda.is_available():
-        for i, state in cuda[: torch.cuda.device_count()]:
-            torch.cuda.set_rng_state(state, i)
+    state = tensors.get("rng/cuda")
+    if state is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state)
 
 
 def environment_key(device: torch.device) -> dict[str, str]:
