@@ -746,6 +746,12 @@ class QualityStats:
             self.per_token = s.ndim == 3
             y = targets.long()
             valid = y != IGNORE_INDEX
+            if bool(((y < 0) & valid).any() or (y >= s.shape[-1]).any()):
+                bad = y[valid & ((y < 0) | (y >= s.shape[-1]))]
+                raise UserError(
+                    f"task.data: an eval target is {int(bad[0])} but the model scores {s.shape[-1]} classes; give targets in "
+                    f"0..{s.shape[-1] - 1} (or -100 to ignore a position), then `dvc repro`"
+                )
             if self.metric == "accuracy":
                 if labels is None:
                     labels = labels_of(s, self.tie_rule)

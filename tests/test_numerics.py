@@ -387,3 +387,13 @@ def test_kl_ignores_classes_the_reference_rules_out():
     assert bool((near >= 0).all()) and float(near.max()) < 1e-12
     # a class the reference gives mass to and the trial rules out: infinitely far, as KL says
     assert numerics.kl_and_lse(ref, torch.tensor([[0.0, -math.inf, 3.0], [2.0, 0.0, 0.5]]))[0][0] == math.inf
+
+
+def test_an_eval_target_outside_the_classes_is_one_line_not_an_index_error():
+    from pipeline.errors import UserError
+
+    stats = numerics.QualityStats("accuracy", "lowest_index")
+    scores = torch.randn(2, 3, 5)
+    with pytest.raises(UserError, match="eval target is 7 but the model scores 5 classes"):
+        stats.update(scores, torch.tensor([[1, -100, 7], [0, 2, 4]]))
+    stats.update(scores, torch.tensor([[1, -100, 4], [0, 2, 4]]))  # -100 is ignored, not out of range
