@@ -175,23 +175,8 @@ def published_parent(uri: str, experiment: str, key: str) -> Published | None:
                 "WHERE t.key = ? AND t.value = ? AND r.lifecycle_stage = 'active' AND e.name = ? AND e.lifecycle_stage = 'active'",
                 (KEY_TAG, key, experiment),
             ).fetchall()
-        finally:
-            con.close()
-    except sqlite3.Error:
-        return None
-    if len(rows) != 1 or rows[0][2] != "FINISHED" or _flags_loosened_rule(path, key):
-        return None
-    return Published(rows[0][1], 0, uri, str(rows[0][0]))
-
-
-def _flags_loosened_rule(db: Path, key: str) -> bool:
-    """Whether a run of the tree of ``key`` is tagged ``rule_loosened``: publish then says so again (MLflow path)."""
-    import sqlite3
-
-    try:
-        con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=1.0)
-        try:
-            row = con.execute(
+            # A tree tagged rule_loosened goes the MLflow way, so that publish says so again.
+            (loosened,) = con.execute(
                 "SELECT COUNT(*) FROM tags t JOIN tags m ON m.run_uuid = t.run_uuid "
                 "WHERE t.key = 'rule_loosened' AND t.value = 'true' AND m.key IN (?, ?) AND m.value = ?",
                 (KEY_TAG, MEMBER_TAG, key),
@@ -199,8 +184,10 @@ def _flags_loosened_rule(db: Path, key: str) -> bool:
         finally:
             con.close()
     except sqlite3.Error:
-        return True
-    return bool(row and row[0])
+        return None
+    if len(rows) != 1 or rows[0][2] != "FINISHED" or loosened:
+        return None
+    return Published(rows[0][1], 0, uri, str(rows[0][0]))
 
 
 def check_reachable(uri: str, timeout: float = _HEALTH_TIMEOUT_S) -> None:

@@ -20,10 +20,6 @@ from pipeline import checkpoint, outputs as output_store, paths
 from pipeline.artifacts import read_json, sha256_file, write_json
 from pipeline.errors import UserError
 
-# The file names live in pipeline/paths.py with every other output path.
-OUTPUTS, TRAINED_OUTPUTS = paths.TRIAL_OUTPUTS, paths.TRIAL_TRAINED_OUTPUTS
-CHECKPOINT, TRAJECTORY, MANIFEST = paths.TRIAL_CHECKPOINT, paths.TRIAL_TRAJECTORY, paths.TRIAL_MANIFEST
-
 
 class Writer:
     """Streams a trial's outputs as they are computed, then writes its state, trajectory and manifest.
@@ -58,12 +54,12 @@ class Writer:
         for file, path in sorted(self.pending.items()):
             os.replace(path, self.folder / file)
         self.pending.clear()
-        self.files[CHECKPOINT] = checkpoint.save(self.folder / CHECKPOINT, result.state)
+        self.files[paths.TRIAL_CHECKPOINT] = checkpoint.save(self.folder / paths.TRIAL_CHECKPOINT, result.state)
         write_json(
-            self.folder / TRAJECTORY,
+            self.folder / paths.TRIAL_TRAJECTORY,
             {"steps": [asdict(r) for r in result.records], "final_scale": result.final_scale, "scaler_enabled": policy.uses_scaler},
         )
-        self.files[TRAJECTORY] = sha256_file(self.folder / TRAJECTORY)
+        self.files[paths.TRIAL_TRAJECTORY] = sha256_file(self.folder / paths.TRIAL_TRAJECTORY)
         manifest = {
             "files": dict(sorted(self.files.items())),
             "policy": policy.as_dict(),
@@ -73,7 +69,7 @@ class Writer:
             "env_differs_from_reference": sorted(k for k in env if env[k] != reference_manifest["env"].get(k)),
             "real_updates": result.real_updates,
         }
-        write_json(self.folder / MANIFEST, manifest)
+        write_json(self.folder / paths.TRIAL_MANIFEST, manifest)
         return manifest
 
 
@@ -108,7 +104,7 @@ class Trial:
         return self.reader("trained_outputs").read_all()
 
     def checkpoint(self) -> checkpoint.Checkpoint:
-        return checkpoint.load(self.folder / CHECKPOINT, self.manifest["files"][CHECKPOINT])
+        return checkpoint.load(self.folder / paths.TRIAL_CHECKPOINT, self.manifest["files"][paths.TRIAL_CHECKPOINT])
 
 
 def load(dtype: str, reference_manifest: dict | None = None) -> Trial:
@@ -118,11 +114,11 @@ def load(dtype: str, reference_manifest: dict | None = None) -> Trial:
         UserError: missing or damaged files, or a trial of another reference than ``reference_manifest``.
     """
     folder = paths.trial(dtype)
-    manifest = read_json(folder / MANIFEST, f"trial@{dtype}")
+    manifest = read_json(folder / paths.TRIAL_MANIFEST, f"trial@{dtype}")
     if reference_manifest is not None and manifest.get("reference_run_key") != reference_manifest.get("run_key"):
         raise UserError(f"{folder} was made from another reference than data/reference; run `dvc repro trial@{dtype}`")
-    sha = manifest["files"].get(TRAJECTORY)
-    if sha is not None and (folder / TRAJECTORY).is_file() and sha256_file(folder / TRAJECTORY) != sha:
-        raise UserError(f"{folder / TRAJECTORY} differs from its manifest (damaged or edited); run `dvc repro --force trial@{dtype}`")
-    trajectory = read_json(folder / TRAJECTORY, f"trial@{dtype}")
+    sha = manifest["files"].get(paths.TRIAL_TRAJECTORY)
+    if sha is not None and (folder / paths.TRIAL_TRAJECTORY).is_file() and sha256_file(folder / paths.TRIAL_TRAJECTORY) != sha:
+        raise UserError(f"{folder / paths.TRIAL_TRAJECTORY} differs from its manifest (damaged or edited); run `dvc repro --force trial@{dtype}`")
+    trajectory = read_json(folder / paths.TRIAL_TRAJECTORY, f"trial@{dtype}")
     return Trial(dtype=dtype, folder=folder, manifest=manifest, trajectory=trajectory)
