@@ -22,11 +22,13 @@ The method, and why:
 - Baselines: ``fp32`` is strict FP32 (TF32 off for matmul and cuDNN), so the speedup is AMP's alone.
   Where the GPU has TF32 (NVIDIA capability 8.0+), ``tf32`` is timed beside it: it is what FP32 code gets
   there when TF32 is enabled, and AMP should be compared with it too.
-- Memory: each variant runs in its own fresh process (``python -m pipeline.benchmark``), so one variant's
-  cached blocks never count for the other. GPU: ``torch.cuda.max_memory_allocated`` after
-  ``reset_peak_memory_stats``. CPU: the process's peak resident memory (VmHWM), reset through
-  ``/proc/self/clear_refs`` before each round, with large blocks mmapped so freed memory leaves the process
-  (probes run single-threaded: a step's tensors do not depend on the thread count).
+- Memory, before anything is timed. GPU: each variant in its own fresh process (``python -m
+  pipeline.benchmark``), one after the other, so one variant's cached blocks never count for the other;
+  ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. CPU: in the stage's own process, one
+  variant after the other, each freed before the next starts (torch's CPU allocator caches nothing, and
+  ``malloc_trim`` gives freed heap pages back before each round); the process's peak resident memory (VmHWM),
+  reset through ``/proc/self/clear_refs`` before each round. A fresh process per variant would cost a torch
+  start-up each, for the same figures.
 - Figures: median and interquartile range over rounds (nearest-rank quantiles, ``numerics.quantile``); speedup (fp32 / amp time) and memory ratio (amp /
   fp32 peak) from per-round pairs, with their own median and IQR.
 """
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import math
 import os
@@ -54,10 +57,8 @@ from pipeline.config import Params, load_params
 from pipeline.errors import UserError
 from pipeline.precision import Policy
 
-# Environment of a memory probe. Large buffers (activations, gradients) go through mmap and return to the OS
-# when freed, so the resident size follows live memory instead of glibc's heap high-water mark (read by
-# glibc at process start). One thread: a step's tensors do not depend on the thread count, and probes
-# running side by side then take one core each instead of fighting over all of them.
+# Environment of a memory probe (a GPU variant's own process). Large host buffers go through mmap and return
+# to the OS when freed (read by glibc at process start). One thread: a step's tensors do not depend on it.
 _PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
 
 
@@ -336,22 +337,42 @@ def peak_memory(step: Callable[[], None], warmup: int, repeats: int, steps: int,
     return {"peak": peaks, "baseline": baselines, "skipped": skipped, "method": "peak resident set (VmHWM) reset via /proc/self/clear_refs"}
 
 
-class MemoryProbes:
-    """``python -m pipeline.benchmark`` once per variant, each in a fresh process: start them, then collect.
+def memory_by_variant(params_path: str, params: Params, dtype: str, chosen: list[Variant], device: torch.device) -> dict[str, dict]:
+    """Each variant's ``peak_memory`` figures (TF32 stores what FP32 stores: not measured), before any timing.
 
-    On the CPU they run side by side: peak resident memory is per process, and CPU contention does not
-    change it; the caller may load its own models meanwhile, but must ``collect`` before timing anything.
-    On a GPU they run one after the other, so two large models never compete for the device's memory.
+    GPU: a fresh process per variant (``MemoryProbes``). CPU: here, one variant after the other, each freed
+    before the next is built; under torchrun every rank measures, so that DDP's collectives pair up.
+    """
+    chosen = [v for v in chosen if v.name != "tf32"]
+    if device.type == "cuda":
+        if not distributed.current().writes:
+            return {}  # rank 0 probes, in processes of its own
+        with MemoryProbes(params_path, dtype, [v.name for v in chosen]) as probes:
+            return probes.collect()
+    size, out = sizes(params.bench, device), {}
+    for v in chosen:
+        work = load_workload(params, device, dtype if v.policy.amp else None)
+        step = make_step(work, v.policy)
+        with precision.fp32_regions(work.model, v.policy, device), precision.tf32(v.tf32):
+            out[v.name] = peak_memory(step, size.warmup, size.repeats, size.steps, device)
+        del work, step
+        gc.collect()
+    return out
+
+
+class MemoryProbes:
+    """``python -m pipeline.benchmark`` once per variant, each in a fresh process, one after the other (so two
+    large models never compete for the device's memory), run by ``collect``.
     """
 
-    def __init__(self, params_path: str, dtype: str, names: list[str], parallel: bool, cwd: str | Path = ".") -> None:
+    def __init__(self, params_path: str, dtype: str, names: list[str], cwd: str | Path = ".") -> None:
         self.env = dict(os.environ, **_PROBE_ENV)
-        self.cwd, self.parallel = cwd, parallel
+        self.cwd = cwd
         self.cmds = {
             n: [sys.executable, "-m", "pipeline.benchmark", "--params", params_path, "--dtype", dtype, "--variant", n]
             for n in names
         }
-        self.running = {n: self._start(n) for n in names} if parallel else {}
+        self.running: dict[str, subprocess.Popen] = {}
 
     def _start(self, name: str) -> subprocess.Popen:
         return subprocess.Popen(
@@ -367,7 +388,7 @@ class MemoryProbes:
         """
         out = {}
         for name, cmd in self.cmds.items():
-            proc = self.running[name] if self.parallel else self._start(name)
+            proc = self.running[name] = self._start(name)
             stdout, stderr = proc.communicate()
             if proc.returncode == 2:
                 raise UserError(stderr.strip().splitlines()[-1].removeprefix("error: "))
@@ -453,7 +474,9 @@ def record(
             "order": "interleaved, rotating each round",
             "fp32": "strict: TF32 off for matmul and cuDNN",
             "tf32": tf32_note,
-            "memory": next(iter(memory.values()))["method"] + "; one fresh process per variant",
+            "memory": next(iter(memory.values()))["method"] + (
+                "; one fresh process per variant" if device.type == "cuda" else "; in this process, one variant after the other"
+            ),
             "skipped_updates": "rounds with an update the GradScaler skipped are dropped for every variant",
             "cpu_threads": torch.get_num_threads(),
             # Other processes on the CPU slow multi-threaded steps unevenly: read wide IQRs in that light.

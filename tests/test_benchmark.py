@@ -212,9 +212,9 @@ def decide(repo: Path, dtype: str, decision: str) -> None:
 
 
 def test_peak_memory_in_its_own_process_is_positive(frozen: Path) -> None:
-    """One probe here (the stage test below runs both side by side): a fresh process, per-round peaks."""
+    """A GPU variant's probe, run here on the CPU: a fresh process, per-round peaks."""
     repeats = yaml.safe_load((frozen / "params.yaml").read_text())["bench"]["repeats"]
-    with benchmark.MemoryProbes("params.yaml", "bfloat16", ["amp"], parallel=False, cwd=frozen) as probes:
+    with benchmark.MemoryProbes("params.yaml", "bfloat16", ["amp"], cwd=frozen) as probes:
         memory = probes.collect()["amp"]
     assert len(memory["peak"]) == repeats
     assert all(p > 0 and p >= b > 0 for p, b in zip(memory["peak"], memory["baseline"]))

@@ -12,15 +12,16 @@ access, never materialised), as a larger-than-memory training set would be.
 from __future__ import annotations
 
 import torch
-from sklearn.datasets import load_digits
+
+from pipeline.examples.digits import digits_table
 
 SHIFTS = ((0, 0), (1, 0), (-1, 0), (0, 1), (0, -1))
 
 
 def _digits(eval_fraction: float, split_seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    bunch = load_digits()
-    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(bunch.target, dtype=torch.long)
+    pixels, labels = digits_table()
+    x = torch.tensor(pixels.reshape(-1, 8, 8), dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(labels, dtype=torch.long)
     perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(split_seed))
     n_eval = int(round(eval_fraction * x.shape[0]))
     return perm[n_eval:], perm[:n_eval], x, y

@@ -1,8 +1,8 @@
 """Stage benchmark@DTYPE: time per training step and peak memory, strict FP32 (and TF32) vs AMP, accepted variants only.
 
-pipeline/benchmark.py holds the method; this stage picks the variants, measures each one's memory in its
-own process, times them all interleaved in this process, and writes the record (``benchmark.json``) and
-its two DVC metrics (``data/metrics/bench-DTYPE.json``: speedup (median), mem_ratio).
+pipeline/benchmark.py holds the method; this stage picks the variants, measures each one's memory (in its
+own process on a GPU), then times them all interleaved in this process, and writes the record
+(``benchmark.json``) and its two DVC metrics (``data/metrics/bench-DTYPE.json``: speedup (median), mem_ratio).
 """
 
 from __future__ import annotations
@@ -28,17 +28,13 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
         env = devices.describe(device)
         chosen, tf32_note = benchmark.variants(dtype, tuple(params.trial.fp32_modules), env)
         size = benchmark.sizes(params.bench, device)
-        probe_names = [v.name for v in chosen if v.name != "tf32" and world.writes]  # TF32 stores what FP32 stores; rank 0 probes
-        with (
-            benchmark.MemoryProbes(params_path, dtype, probe_names, parallel=device.type == "cpu") as probes,
-            contextlib.ExitStack() as stack,
-        ):
+        memory = benchmark.memory_by_variant(params_path, params, dtype, chosen, device)  # before any timing
+        with contextlib.ExitStack() as stack:
             steps, works = {}, []
             for v in chosen:  # each variant its own model, optimizer and scaler
                 works.append(benchmark.load_workload(params, device, dtype if v.policy.amp else None))
                 stack.enter_context(precision.fp32_regions(works[-1].model, v.policy, device))
                 steps[v.name] = (benchmark.make_step(works[-1], v.policy), v.tf32)
-            memory = probes.collect()  # before timing: nothing else may run while the clock does
             load = os.getloadavg()[0] if device.type == "cpu" else None
             rounds = benchmark.interleaved(steps, size.warmup, size.repeats, size.steps, device)
         if not world.writes:
