@@ -154,11 +154,11 @@ class deterministic:
         if self.enabled:
             if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
                 os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
-            torch.use_deterministic_algorithms(True, warn_only=warn_only)
+            _use_deterministic(True, warn_only)
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
         else:
-            torch.use_deterministic_algorithms(False)
+            _use_deterministic(False, False)
             torch.backends.cudnn.deterministic = False
 
     def __enter__(self) -> deterministic:
@@ -180,13 +180,20 @@ class deterministic:
                 elif op not in ops:
                     ops.append(op)
         mode, warn_only, cudnn_det, cudnn_bench = self._saved
-        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        _use_deterministic(mode, warn_only)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_det, cudnn_bench
         op = nondeterministic_op(exc) if isinstance(exc, RuntimeError) else None
         if op is not None and op not in ops:
             ops.append(op)
         if ops and (exc is None or op is not None):
             raise UserError(nondeterministic_message(ops)) from None
+
+
+def _use_deterministic(mode: bool, warn_only: bool) -> None:
+    """``torch.use_deterministic_algorithms``, only when it changes something: since torch 2.6 each call imports
+    Inductor's config (a second of start-up, in every stage that trains)."""
+    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (mode, mode and warn_only):
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
 
 
 def autocast(policy: Policy, device: torch.device) -> contextlib.AbstractContextManager:
