@@ -38,7 +38,6 @@ def main(params_path: str = "params.yaml") -> None:
     started = time.monotonic()
     params = load_params(params_path)
     dtypes = params.trial.dtypes
-    _check_fresh(params_path, dtypes)
     manifest = read_json(paths.REF_MANIFEST, "freeze")
     flat = tracking.flatten(asdict(params))
     commit = tracking.git_commit()
@@ -58,6 +57,8 @@ def main(params_path: str = "params.yaml") -> None:
         print(f"publish: already published, nothing added; parent run {already.run_link}")
         print(f"publish: {review.one_line(verdicts)}; review: {already.link}")
         return
+    # Not before the lookup: a key that matches holds these very params, checked when they were published.
+    _check_fresh(params_path, dtypes)
 
     common = {"git_commit": commit, "mlflow.source.git.commit": commit, "rule_sha256": manifest["rule_sha256"], "reference_run_key": manifest["run_key"]}
     if tracking.dvc_experiment_name():
