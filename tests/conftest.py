@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -137,9 +138,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def reproduced(tmp_path_factory) -> Path:
-    """One tiny project after a full `dvc repro` (read-only for tests: copy it before changing anything)."""
-    repo = make_project(tmp_path_factory.mktemp("reproduced") / "repo")
-    dvc(repo, "repro")
+    """One tiny project after a full `dvc repro` (read-only for tests: copy it before changing anything).
+
+    Built once per session: under pytest-xdist (`make test`) the first worker that needs it builds it in the
+    folder the workers share, and any other worker that needs it meanwhile waits for it.
+    """
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-USER/pytest-N: this session's, shared by its workers
+    repo, done = root / "reproduced" / "repo", root / "reproduced.done"
+    with open(root / "reproduced.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(repo.parent, ignore_errors=True)  # what a worker that failed midway left
+            make_project(repo)
+            dvc(repo, "repro")
+            done.touch()
     return repo
 
 
