@@ -25,9 +25,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import yaml
+
 from pipeline import paths, report, review, tracking, verdict
 from pipeline.artifacts import read_json, sha256_file
-from pipeline.config import load_params
+from pipeline.config import ParamsLoader, load_params
 from pipeline.errors import UserError
 from pipeline.tracking import RunSpec
 
@@ -285,7 +287,7 @@ def _check_fresh(params_path: str, dtypes: list[str]) -> None:
     """Refuse to label results with params they were not produced with (params.yaml edited after `dvc repro`).
 
     Compares the params each mirrored stage recorded in dvc.lock with params.yaml now. Both files are
-    read with the YAML 1.2 reader DVC writes the lock with, so numbers compare alike.
+    read as the stages read params.yaml (``config.ParamsLoader``: YAML 1.2 numbers, as DVC writes them).
 
     Raises:
         UserError: a param differs: the outputs are stale.
@@ -293,11 +295,8 @@ def _check_fresh(params_path: str, dtypes: list[str]) -> None:
     lock = Path("dvc.lock")
     if Path(params_path).name != "params.yaml" or not lock.is_file():
         return
-    from ruamel.yaml import YAML
-
-    yaml = YAML(typ="safe", pure=True)
-    current = yaml.load(Path(params_path).read_text()) or {}
-    stages = (yaml.load(lock.read_text()) or {}).get("stages", {})
+    current = yaml.load(Path(params_path).read_text(), Loader=ParamsLoader) or {}  # noqa: S506 - a safe loader
+    stages = (yaml.load(lock.read_text(), Loader=ParamsLoader) or {}).get("stages", {})  # noqa: S506
     mirrored = {"prepare", "freeze", "report"} | {f"{s}@{d}" for s in PER_DTYPE for d in dtypes}
     for name in sorted(mirrored & set(stages)):
         for key, recorded in ((stages[name].get("params") or {}).get("params.yaml") or {}).items():
