@@ -52,9 +52,9 @@ from pathlib import Path
 import torch
 
 from pipeline import checkpoint, devices, distributed, paths, precision, task, training
-from pipeline.numerics import quantile
 from pipeline.config import Params, load_params
 from pipeline.errors import UserError
+from pipeline.numerics import quantile
 from pipeline.precision import Policy
 
 # Environment of a memory probe (a GPU variant's own process). Large host buffers go through mmap and return

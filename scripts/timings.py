@@ -30,7 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 FULL_REPRO_GOAL = 15.0  # import-torch units
 NOOP_GOAL_S = 2.0

@@ -295,8 +295,8 @@ def _check_fresh(params_path: str, dtypes: list[str]) -> None:
     lock = Path("dvc.lock")
     if Path(params_path).name != "params.yaml" or not lock.is_file():
         return
-    current = yaml.load(Path(params_path).read_text(), Loader=ParamsLoader) or {}  # noqa: S506 - a safe loader
-    stages = (yaml.load(lock.read_text(), Loader=ParamsLoader) or {}).get("stages", {})  # noqa: S506
+    current = yaml.load(Path(params_path).read_text(), Loader=ParamsLoader) or {}
+    stages = (yaml.load(lock.read_text(), Loader=ParamsLoader) or {}).get("stages", {})
     mirrored = {"prepare", "freeze", "report"} | {f"{s}@{d}" for s in PER_DTYPE for d in dtypes}
     for name in sorted(mirrored & set(stages)):
         for key, recorded in ((stages[name].get("params") or {}).get("params.yaml") or {}).items():
