@@ -23,8 +23,9 @@ takes the group down (torchrun stops the others), nothing is written, and the pa
 exits 2; rerunning resumes from rank 0's last saved state (``reference.checkpoint_every``).
 
 benchmark@DTYPE on N ranks times one global update (every rank its slice, DDP's all-reduce included) on
-rank 0's clock; its memory probes run rank 0's slice of the batch in one process of their own (no process
-group, so no DDP gradient buckets: ``shard_only``).
+rank 0's clock. On a GPU its memory probes run rank 0's slice of the batch in one process of their own (no
+process group, so no DDP gradient buckets: ``shard_only``); on the CPU every rank measures in its own
+process, DDP included, and rank 0 records its figures.
 """
 
 from __future__ import annotations
