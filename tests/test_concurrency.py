@@ -30,6 +30,20 @@ def experiment_names(repo: Path) -> set[str]:
     return {e.get("name") for c in shown for e in (c.get("experiments") or []) if e.get("name")}
 
 
+def wait_for_queue(repo: Path, env: dict, limit: float = 900) -> str:
+    """Poll `dvc queue status` until nothing is queued or running; stop the queue's workers in any case."""
+    deadline = time.monotonic() + limit
+    try:
+        while True:
+            status = run([str(BIN / "dvc"), "queue", "status"], repo, env=env).stdout
+            if not any(word in status for word in ("Queued", "Running")):
+                return status
+            assert time.monotonic() < deadline, status
+            time.sleep(3)
+    finally:
+        run([str(BIN / "dvc"), "queue", "stop"], repo, env=env, check=False)
+
+
 def test_parallel_queue_with_a_new_database_keeps_both_experiments(tmp_path):
     """`dvc queue start --jobs 2` with no mlflow.db yet: both experiments reach publish at about the same time
     and both create the database; before the store lock, one of them died in MLflow's migrations and was lost."""
@@ -42,16 +56,7 @@ def test_parallel_queue_with_a_new_database_keeps_both_experiments(tmp_path):
     for name, seed in (("q1", 1), ("q2", 2)):  # same work, so both publish at the same moment
         run([str(BIN / "dvc"), "exp", "run", "--queue", "-n", name, "-S", f"seed={seed}"], repo, env=env)
     run([str(BIN / "dvc"), "queue", "start", "--jobs", "2"], repo, env=env)
-    deadline = time.monotonic() + 900
-    try:
-        while True:
-            status = run([str(BIN / "dvc"), "queue", "status"], repo, env=env).stdout
-            if not any(word in status for word in ("Queued", "Running")):
-                break
-            assert time.monotonic() < deadline, status
-            time.sleep(3)
-    finally:
-        run([str(BIN / "dvc"), "queue", "stop"], repo, env=env, check=False)
+    status = wait_for_queue(repo, env)
     logs = {n: run([str(BIN / "dvc"), "queue", "logs", n], repo, env=env, check=False).stdout for n in ("q1", "q2")}
     assert "Success" in status and "Failed" not in status, (status, {n: log[-3000:] for n, log in logs.items()})
     assert {"q1", "q2"} <= experiment_names(repo)

@@ -7,12 +7,10 @@ between two clones through a local-directory remote. Tiny params: the point is w
 from __future__ import annotations
 
 import json
-import time
-from pathlib import Path
 
 import pytest
 from conftest import BIN, ROOT, dvc, env_for, make_project, run
-from test_concurrency import experiment_names, parents
+from test_concurrency import experiment_names, parents, wait_for_queue
 
 pytestmark = pytest.mark.integration
 
@@ -20,19 +18,6 @@ SMALL = {"bench": {"repeats": 1, "steps": 1, "warmup": 0}, "prepare": {"ordinary
          "reference": {"train_steps": 4, "checkpoint_every": 0, "boundary_cases": 1}, "diagnose": {"search_budget": 0},
          "trial": {"dtypes": ["bfloat16"]}}
 RAN_FREEZE = "Running stage 'freeze'"
-
-
-def wait_for_queue(repo: Path, env: dict, limit: float = 900) -> str:
-    deadline = time.monotonic() + limit
-    try:
-        while True:
-            status = run([str(BIN / "dvc"), "queue", "status"], repo, env=env).stdout
-            if not any(word in status for word in ("Queued", "Running")):
-                return status
-            assert time.monotonic() < deadline, status
-            time.sleep(3)
-    finally:
-        run([str(BIN / "dvc"), "queue", "stop"], repo, env=env, check=False)
 
 
 def test_a_queued_sweep_freezes_the_reference_once_per_distinct_reference(tmp_path):
