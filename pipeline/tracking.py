@@ -465,38 +465,28 @@ def _store_lock(uri: str):
 
     db = Path(uri[len("sqlite:///") :]).resolve()
     name = f"amp-mlflow-{hashlib.sha256(str(db).encode()).hexdigest()[:16]}.lock"
-    lock = filelock.FileLock(str(Path(tempfile.gettempdir()) / name), timeout=_LOCK_TIMEOUT_S)
-
-    @contextmanager
-    def held() -> Iterator[None]:
-        try:
-            lock.acquire()
-        except filelock.Timeout:
-            raise UserError(
-                f"another publish to {db} has held its lock ({lock.lock_file}) for {_LOCK_TIMEOUT_S / 60:.0f} min; wait for "
-                f"it to end (or end it), then rerun `python -m pipeline publish`"
-            ) from None
-        try:
-            yield
-        finally:
-            lock.release()
-
-    return _Reusable(held)
+    return _StoreLock(filelock.FileLock(str(Path(tempfile.gettempdir()) / name), timeout=_LOCK_TIMEOUT_S), db)
 
 
-class _Reusable:
-    """A context manager that can be entered again (and nested): each ``with`` makes a fresh one."""
+class _StoreLock:
+    """filelock's lock (re-entrant: a Publisher enters it in __init__ and in publish), a timeout in one line."""
 
-    def __init__(self, factory) -> None:
-        self.factory, self.stack = factory, []
+    def __init__(self, lock, db: Path) -> None:
+        self.lock, self.db = lock, db
 
     def __enter__(self) -> None:
-        cm = self.factory()
-        cm.__enter__()
-        self.stack.append(cm)
+        import filelock
 
-    def __exit__(self, *exc) -> None:
-        self.stack.pop().__exit__(*exc)
+        try:
+            self.lock.acquire()
+        except filelock.Timeout:
+            raise UserError(
+                f"another publish to {self.db} has held its lock ({self.lock.lock_file}) for {_LOCK_TIMEOUT_S / 60:.0f} min; "
+                f"wait for it to end (or end it), then rerun `python -m pipeline publish`"
+            ) from None
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
 
 
 def _check_store(uri: str) -> None:
