@@ -23,6 +23,7 @@ Metadata holds ``ids`` (one string per row) as a JSON string, as ``artifacts.wri
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import warnings
 from pathlib import Path
@@ -199,10 +200,8 @@ class OutputsReader:
         is touched per chunk: a fresh chunk costs a page fault every 4 KiB)."""
         stop = self.rows if stop is None else min(stop, self.rows)
         start = min(max(start, 0), stop)
-        shape = self._shapes[name]
-        row_elems = int(torch.Size(shape[1:]).numel())
-        dtype = self._dtypes[name]
-        item = torch.empty(0, dtype=dtype).element_size()
+        shape, dtype = self._shapes[name], self._dtypes[name]
+        row_elems, item = self._row(name)
         count = (stop - start) * row_elems
         if buffer is not None and buffer.dtype == dtype and buffer.is_contiguous() and buffer.numel() >= count:
             out = buffer.reshape(-1)[:count].view(stop - start, *shape[1:])
@@ -234,8 +233,7 @@ class OutputsReader:
         if mapped is None:
             return None
         shape, dtype = self._shapes[name], self._dtypes[name]
-        row_elems = int(torch.Size(shape[1:]).numel())
-        item = torch.empty(0, dtype=dtype).element_size()
+        row_elems, item = self._row(name)
         count, offset = (stop - start) * row_elems, self._offsets[name] + start * row_elems * item
         if count == 0:
             return torch.empty((0, *shape[1:]), dtype=dtype)
@@ -249,8 +247,8 @@ class OutputsReader:
         """Drop the mapped pages of rows ``start:stop`` of ``name`` from resident memory (``view``)."""
         if self._mapped is None:
             return
-        shape = self._shapes[name]
-        nbytes = int(torch.Size(shape[1:]).numel()) * torch.empty(0, dtype=self._dtypes[name]).element_size()
+        row_elems, item = self._row(name)
+        nbytes = row_elems * item
         self._advise(mmap.MADV_DONTNEED, self._offsets[name] + start * nbytes, (stop - start) * nbytes)
 
     def _mapping(self):
@@ -288,9 +286,8 @@ class OutputsReader:
 
     def row_bytes(self) -> int:
         """Bytes of one row of every output together (to size chunks by memory)."""
-        total = 0
-        for name in self.names:
-            t = self.read(name, 0, min(1, self.rows))
-            per = t.element_size() * int(torch.Size(self._shapes[name][1:]).numel())
-            total += per
-        return total
+        return sum(math.prod(self._row(name)) for name in self.names)
+
+    def _row(self, name: str) -> tuple[int, int]:
+        """Elements in one row of output ``name``, and bytes per element."""
+        return int(torch.Size(self._shapes[name][1:]).numel()), torch.empty(0, dtype=self._dtypes[name]).element_size()
