@@ -38,5 +38,10 @@ test-gpu: $(VENV)/.installed
 timings: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" $(PY) scripts/timings.py
 
+# examples/NAME.params.yaml = params.yaml + examples/overrides/NAME.yaml (run after editing either; tests/test_examples.py checks).
+.PHONY: examples
+examples: $(VENV)/.installed
+	$(PY) scripts/make_examples.py
+
 clean-venv:
 	rm -rf $(VENV)
