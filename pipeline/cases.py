@@ -1,7 +1,8 @@
 """The fixed input set: ordinary samples, edge cases and decision-boundary cases, each with a stable id.
 
-Ids say which kind a case is: ``ordinary/<data id>``, ``edge/<what>`` and ``boundary/<a>~<b>`` (built
-by bisection) or ``boundary/<data id>`` (a real sample selected for its small reference margin).
+Ids say which kind a case is: ``ordinary/<data id>``, ``edge/<what>``, ``boundary/<a>~<b>`` (constructed
+by bisection between two real inputs) or ``selected/<data id>`` (a REAL sample selected for its small
+reference margin: judged as a real sample, its flips are never excused as those of a constructed case).
 Only ordinary cases carry a target; quality is measured on them, decisions are compared on all.
 
 Inputs are kept as the data function gives them (a tensor or a dict of tensors, any dtype): scaled and
@@ -178,7 +179,7 @@ def _select(scores: torch.Tensor, ordinary: Cases, count: int, like_y: torch.Ten
     idx = torch.tensor(order, dtype=torch.long)
     n = len(order)
     return Cases(
-        ids=[f"boundary/{ordinary.ids[i].split('/', 1)[1]}" for i in order],
+        ids=[f"selected/{ordinary.ids[i].split('/', 1)[1]}" for i in order],
         x=ordinary.x[idx],
         y=torch.zeros((n,) + tuple(like_y.shape[1:]), dtype=like_y.dtype),
         has_target=torch.zeros(n, dtype=torch.bool),

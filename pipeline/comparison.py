@@ -123,6 +123,7 @@ def compare_streams(
     cfg: CompareConfig | None = None,
     replicate_steps: list[dict] | None = None,
     token_mask: torch.Tensor | None = None,
+    aligned_steps: list[dict] | None = None,
 ) -> tuple[dict, list[dict]]:
     """Statistics and per-case table of one trial; each source read once, one chunk of rows at a time.
 
@@ -143,6 +144,7 @@ def compare_streams(
     per_row = max(sum(math.prod(s[1:]) for s in shapes.values()), 1)
     step = max(1, cfg.chunk_elements // per_row)
     gaps = {name: numerics.GapStats(rule.tolerance(name).atol, rule.tolerance(name).rtol, math.prod(shapes[name])) for name in names}
+    heads = decided_heads(kind, rule, shapes, main, tuple(targets.shape))
     arbiter = {name: numerics.ArbiterStats() for name in names} if fp64 is not None else None
     main_shape = shapes[main]
     per_token = kind == "classification" and len(main_shape) == 3
@@ -151,22 +153,31 @@ def compare_streams(
         tokens = main_shape[0] * (main_shape[1] if per_token else 1)
         decisions = numerics.DecisionStats(ids, kinds, rule.tie_rule, rule.boundary_margin, rule.boundary_margin_kind, tokens,
                                            top_k=metric.top_k, max_listed=cfg.max_listed_flips)
+    head_stats = {name: numerics.DecisionStats(ids, kinds, rule.tie_rule, rule.boundary_margin, rule.boundary_margin_kind,
+                                               math.prod(shapes[name][:-1]), top_k=metric.top_k, max_listed=cfg.max_listed_flips)
+                  for name in heads if name != main}
     quality = {side: numerics.QualityStats(metric.name, rule.tie_rule, metric.top_k, metric.function) for side in ("reference", "trial", "trained")}
     row_gap = torch.zeros(n, dtype=torch.float64)
     first_values: dict[str, list[torch.Tensor]] = {"reference": [], "trial": [], "trained": []}
-    state = _State(names, main, kind, per_token, kinds, targets, has_target.bool(), gaps, arbiter, decisions, quality, row_gap, first_values)
+    state = _State(names, main, kind, per_token, kinds, targets, has_target.bool(), gaps, arbiter, decisions, quality, row_gap, first_values,
+                   heads=head_stats, nonfinite={side: torch.zeros(n, dtype=torch.bool) for side in ("trial", "trained")},
+                   nonfinite_elements={side: dict.fromkeys(names, 0) for side in ("trial", "trained")})
     for start in range(0, n, step):  # one chunk of every source in memory at a time
         _chunk(state, ref, trial, trained, fp64, start, min(start + step, n))
         state.release()
         _give_back_freed_memory()
 
     values = {name: gaps[name].result() for name in names}
+    for name, rows in state.failing_rows.items():
+        values[name]["failing_ids"] = [ids[i] for i in torch.nonzero(rows).flatten().tolist()[:1000]]
     stats: dict = {
         "values": values,
         "arbiter": {name: a.result() for name, a in arbiter.items()} if arbiter is not None else None,
         "outputs": {"cases": n, "primary": main, "per_token": per_token, "shapes": {k: list(v) for k, v in shapes.items()}, "chunk_rows": step},
     }
     regression = None
+    stats["nonfinite"] = {side: nonfinite_summary(ids, kinds, state.nonfinite[side], state.nonfinite_elements[side]) for side in ("trial", "trained")}
+    stats["heads"] = {name: h.result() for name, h in sorted(head_stats.items())}
     if decisions is not None:
         stats["flips"] = decisions.result()
         stats["distribution"] = decisions.distribution()
@@ -181,11 +192,13 @@ def compare_streams(
         "metric": metric.name if not per_token or metric.name != "accuracy" else "token_accuracy",
         "higher_is_better": metric.higher_is_better,
         **{side: q.result() for side, q in quality.items()},
+        "counts": {side: list(q.counts()) for side, q in quality.items() if q.counts() is not None},
+        "paired": {side: {"lost": v[0], "gained": v[1]} for side, v in state.paired.items()},
     }
     if per_token and quality["reference"].perplexity() is not None:
         stats["quality"]["perplexity"] = {side: q.perplexity() for side, q in quality.items()}
     stats["regression"] = regression
-    stats["training"] = training_stats(rule, ref_steps, trial_steps, final_scale, scaler_enabled, replicate_steps)
+    stats["training"] = training_stats(rule, ref_steps, trial_steps, final_scale, scaler_enabled, replicate_steps, aligned_steps)
     table = case_table_rows(ids, kinds, stats, row_gap,
                             decisions.per_case() if decisions is not None else None,
                             {side: torch.cat(v) for side, v in first_values.items() if v} if decisions is None else None,
@@ -208,6 +221,15 @@ class _State:
     quality: dict
     row_gap: torch.Tensor
     first_values: dict
+    heads: dict = field(default_factory=dict)
+    """DecisionStats of every decided output other than the primary (``decided_heads``)."""
+    nonfinite: dict = field(default_factory=dict)
+    """Per side (trial, trained): rows with a non-finite element in any output."""
+    nonfinite_elements: dict = field(default_factory=dict)
+    failing_rows: dict = field(default_factory=dict)
+    """Per output: rows with an element outside tolerance (set only where some element failed)."""
+    paired: dict = field(default_factory=dict)
+    """Per side (trial, trained): [lost, gained] targets versus the reference, case by case (accuracy, top_k)."""
     merges: int = 0
     buffers: dict = field(default_factory=dict)
 
@@ -245,7 +267,14 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
     """Rows start:stop of every source read once, their statistics computed by slices (small temporaries)."""
     chunk = {name: (st.read(ref, "reference", name, start, stop), st.read(trial, "trial", name, start, stop)) for name in st.names}
     chunk_fp64 = {name: st.read(fp64, "fp64", name, start, stop) for name in st.names} if fp64 is not None else None
-    trained_main = st.read(trained, "trained", st.main, start, stop)
+    chunk_trained = {name: st.read(trained, "trained", name, start, stop) for name in st.names}
+    trained_main = chunk_trained[st.main]
+    for side, outs in (("trial", {name: chunk[name][1] for name in st.names}), ("trained", chunk_trained)):
+        for name, out in outs.items():  # every output of both AMP models: a non-finite row is named, whatever the head
+            bad = ~torch.isfinite(out.reshape(out.shape[0], -1)).all(1) if out.numel() else torch.zeros(out.shape[0], dtype=torch.bool)
+            if bool(bad.any()):
+                st.nonfinite[side][start:stop] |= bad
+                st.nonfinite_elements[side][name] += int((~torch.isfinite(out)).sum())
     for name in st.names:
         r_all, t_all = chunk[name]
         main = name == st.main
@@ -254,10 +283,13 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             if p is not None:
                 r, t = r[:, p:q], t[:, p:q]
             runs = _runs(st.kinds, a, b)
+            before = st.gaps[name].failing_so_far()
             if len(runs) == 1:
                 gap = st.gaps[name].update(r, t, runs[0][2])
             else:
                 gap = torch.cat([st.gaps[name].update(r[x - a : y - a], t[x - a : y - a], k) for x, y, k in runs])
+            if st.gaps[name].failing_so_far() > before:  # rare: which rows failed, for the rollback's cases
+                st.failing_rows.setdefault(name, torch.zeros(len(st.kinds), dtype=torch.bool))[a:b] |= _failing_rows(st.gaps[name], r, t)
             if gap.numel():
                 worst = torch.nan_to_num(gap.reshape(b - a, -1).amax(1).double(), nan=math.inf)
                 st.row_gap[a:b] = torch.maximum(st.row_gap[a:b], worst)
@@ -265,6 +297,8 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             if chunk_fp64 is not None:
                 f = chunk_fp64[name][a - start : b - start]
                 st.arbiter[name].update(r, t, f[:, p:q] if p is not None else f)
+            if name in st.heads and p is None:
+                st.heads[name].update(a, r, t)
             if not main:
                 continue
             y = st.targets[a:b] if not st.per_token else st.targets[a:b, p:q]
@@ -277,15 +311,59 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             every, some = bool(with_target.all()), bool(with_target.any())
             for side, out in (("reference", r), ("trial", t), ("trained", trained_slice)):
                 known, lse = labels.get(side), labels.get(f"lse_{side}")
+                st.quality[side].last_hits = None
                 if every:  # no copy of the slice
                     st.quality[side].update(out, y, known, lse)
                 elif some:
                     st.quality[side].update(out[with_target], y[with_target], known[with_target] if known is not None else None,
                                             lse[with_target] if lse is not None else None)
+                hits, ref_hits = st.quality[side].last_hits, st.quality["reference"].last_hits
+                if side != "reference" and hits is not None and ref_hits is not None:
+                    pair = st.paired.setdefault(side, [0, 0])
+                    pair[0] += int((ref_hits & ~hits).sum())
+                    pair[1] += int((~ref_hits & hits).sum())
                 if st.kind != "classification":
                     st.first_values[side].append(out.reshape(out.shape[0], -1)[:, :1].double().reshape(-1))
             if st.quantile_merged():
                 _give_back_freed_memory()
+
+
+def _failing_rows(gap: numerics.GapStats, ref: torch.Tensor, trial: torch.Tensor) -> torch.Tensor:
+    """Rows of one slice with an element outside tolerance, by the exact (float64) test of ``GapStats``."""
+    r, t = ref.detach().double().reshape(ref.shape[0], -1), trial.detach().double().reshape(trial.shape[0], -1)
+    both_nan = torch.isnan(r) & torch.isnan(t)
+    same_inf = torch.isinf(r) & (r == t)
+    bad = ((t - r).abs() - gap.rtol * r.abs() > gap.atol) | (torch.isfinite(r) & ~torch.isfinite(t))
+    bad = bad | (~torch.isfinite(r) & ~(both_nan | same_inf))
+    return bad.any(1)
+
+
+def decided_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str, target_shape: tuple[int, ...]) -> list[str]:
+    """Outputs whose decisions (argmax, ties, flips) the rule judges: the primary of a classification task, and
+    every other output shaped like class scores [N, C >= 2] unless the rule's entry for it says
+    ``decisions: false``; ``decisions: true`` also takes per-token scores [N, T, C] of another head."""
+    if kind != "classification":
+        return []
+    out = []
+    for name, shape in sorted(shapes.items()):
+        wanted = rule.tolerance(name).decisions
+        if name == main:
+            out.append(name)
+        elif wanted is None and len(shape) == 2 and shape[1] >= 2:
+            out.append(name)
+        elif wanted and len(shape) in (2, 3) and shape[-1] >= 2:
+            out.append(name)
+    return out
+
+
+def nonfinite_summary(ids: Sequence[str], kinds: Sequence[str], rows: torch.Tensor, elements: dict[str, int], listed: int = 1000) -> dict:
+    """Rows with a non-finite output (any head), by kind, with their ids (the first ``listed``)."""
+    where = torch.nonzero(rows).flatten().tolist()
+    by_kind: dict[str, int] = {}
+    for i in where:
+        by_kind[kinds[i]] = by_kind.get(kinds[i], 0) + 1
+    return {"rows": len(where), "per_kind": dict(sorted(by_kind.items())), "ids": [ids[i] for i in where[:listed]],
+            "elements": {k: v for k, v in sorted(elements.items()) if v}}
 
 
 def _give_back_freed_memory() -> None:
@@ -335,8 +413,12 @@ def _shape(source: Source, name: str) -> tuple[int, ...]:
 
 
 def training_stats(rule: AcceptanceConfig, ref_steps: list[dict], trial_steps: list[dict], final_scale: float,
-                   scaler_enabled: bool, replicate_steps: list[dict] | None = None) -> dict:
-    ref_loss = [s["loss"] for s in ref_steps]
+                   scaler_enabled: bool, replicate_steps: list[dict] | None = None, aligned_steps: list[dict] | None = None) -> dict:
+    """The trial's trajectory against the reference's; against ``aligned_steps`` instead when given (FP32 with the
+    trial's GradScaler skips skipped too: ``training.aligned_fp32``), so that designed skips are not judged as
+    precision. The reference's own losses must be finite at every step too."""
+    base = aligned_steps if aligned_steps is not None else ref_steps
+    ref_loss = [s["loss"] for s in base]
     trial_loss = [s["loss"] for s in trial_steps]
     replicate = [s["loss"] for s in replicate_steps] if replicate_steps is not None else None
     training = numerics.trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol, replicate, rule.loss_noise_multiple, rule.loss_noise_atol)
@@ -346,9 +428,12 @@ def training_stats(rule: AcceptanceConfig, ref_steps: list[dict], trial_steps: l
             [s["scale"] for s in trial_steps] + [final_scale],
             [not math.isfinite(v) for v in trial_loss],
             rule.stall_window,
+            [bool(s.get("nonfinite_grad", False)) for s in trial_steps],
         )
     )
     training["scaler_enabled"] = scaler_enabled
+    training["aligned_on_skips"] = aligned_steps is not None
+    training["first_nonfinite_reference_step"] = next((i for i, s in enumerate(ref_steps) if not math.isfinite(s["loss"])), -1)
     return training
 
 

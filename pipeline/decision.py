@@ -35,6 +35,12 @@ class Decision:
     """The trial's precision policy (dtype, fp32_modules)."""
     env: dict
     """Where the trial ran (backend, device, torch version)."""
+    inference: Literal["accept", "rollback"] = "accept"
+    """The trained reference run under the policy: values, decisions on every decided head, distribution, quality."""
+    training: Literal["accept", "rollback"] = "accept"
+    """Training under the policy: the trajectory, the updates, and the trained model's outputs and quality."""
+    cases: dict = field(default_factory=dict)
+    """On rollback: the ids of the cases (and ``steps``, the training steps) behind each failed criterion."""
     notes: list[str] = field(default_factory=list)
     rollback_package: str | None = None
     """Folder of the rollback package, on rollback."""
@@ -45,7 +51,7 @@ class Decision:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        for key in ("notes", "rollback_package"):  # absent rather than empty: the file says only what happened
+        for key in ("notes", "rollback_package", "cases"):  # absent rather than empty: the file says only what happened
             if not out[key]:
                 del out[key]
         return out

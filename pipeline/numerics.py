@@ -177,6 +177,19 @@ class StreamQuantile:
         lo, hi = _from_bits(key << HIST_SHIFT), _from_bits((key + 1) << HIST_SHIFT)
         return min(0.5 * (lo + hi), self._max)
 
+    def upper(self) -> float:
+        """A value never below the exact nearest-rank quantile: ``result`` when exact, else the upper edge of
+        the histogram bucket holding it (clamped to the exact maximum). Gates read this one."""
+        if self.exact or self.n == 0:
+            return self.result()
+        estimate = self.result()
+        if estimate <= 0.0:
+            return HIST_FLOOR if self._max > 0 else 0.0
+        if not math.isfinite(estimate):
+            return estimate
+        key = struct.unpack("<i", struct.pack("<f", estimate))[0] >> HIST_SHIFT
+        return min(_from_bits((key + 1) << HIST_SHIFT), self._max)
+
 
 def _from_bits(bits: int) -> float:
     """The float32 whose bit pattern is ``bits``."""
@@ -267,6 +280,8 @@ class GapStats:
                 worst = float(exact.max())
                 failing += int((exact > self.atol).sum(dtype=torch.int64))
                 del exact
+            else:  # float32's worst may read low by its rounding: the reported need stays on the passing side
+                worst += 2.0**-21 * (mx + self.atol)
             self.need_atol = max(self.need_atol, worst, 0.0)
             g["max_abs"] = max(g["max_abs"], mx)
             self.sum_abs += total
@@ -294,6 +309,9 @@ class GapStats:
         g["failing"] += failing
         return full_gap.reshape(ref.shape)
 
+    def failing_so_far(self) -> int:
+        return sum(g["failing"] for g in self.groups.values())
+
     def result(self) -> dict:
         n = sum(g["elements"] for g in self.groups.values())
         failing = sum(g["failing"] for g in self.groups.values())
@@ -313,10 +331,20 @@ class GapStats:
             "p99_exact": self.p_abs.exact,
             "atol": self.atol,
             "rtol": self.rtol,
-            "min_passing_atol": self.need_atol,
-            "min_passing_rtol": self.need_rtol,
+            "min_passing_atol": round_up(self.need_atol),
+            "min_passing_rtol": round_up(self.need_rtol),
             "per_kind": {k: dict(v) for k, v in sorted(self.groups.items())},
         }
+
+
+def round_up(x: float, digits: int = 4) -> float:
+    """``x`` rounded UP to ``digits`` significant decimal digits: the smallest passing tolerance a reviewer
+    copies from the report must pass the exact test, not fail it by one rounding (as rounding to nearest would)."""
+    if not math.isfinite(x) or x <= 0.0:
+        return x
+    step = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
+    up = math.ceil(x / step) * step
+    return up if up >= x else up + step
 
 
 def _sum(v: torch.Tensor) -> float:
@@ -418,6 +446,16 @@ def _top(scores: torch.Tensor, k: int, tie_rule: str, need_lse: bool = False):
         labels[bad] = -2
     lse = torch.logsumexp(s, dim=-1) if need_lse else None
     return labels, (values, indices), lse
+
+
+def _ties_differ(ref: torch.Tensor, trial: torch.Tensor, r_lab: torch.Tensor, t_lab: torch.Tensor) -> torch.Tensor:
+    """Under ``tie_is_flip`` both sides tied (label -1): a flip unless they tie among the same classes."""
+    both = (r_lab == -1) & (t_lab == -1)
+    out = torch.zeros_like(both)
+    if bool(both.any()):
+        r, t = ref.detach()[both].float(), trial.detach()[both].float()
+        out[both] = ((r == r.amax(-1, keepdim=True)) != (t == t.amax(-1, keepdim=True))).any(-1)
+    return out
 
 
 def margins(top, kind: str, lse: torch.Tensor | None, scores: torch.Tensor | None = None) -> torch.Tensor:
@@ -562,7 +600,7 @@ class DecisionStats:
         else:
             valid = torch.ones(n, dtype=torch.bool)
             constructed_pos = constructed
-        flipped = (r_lab != t_lab) & valid
+        flipped = ((r_lab != t_lab) | _ties_differ(ref, trial, r_lab, t_lab)) & valid
         near = (r_margin < self.boundary_margin) & valid & ~constructed_pos  # NaN margins are never "near"
         c = self.counts
         c["cases"] += int(valid.sum())
@@ -592,7 +630,7 @@ class DecisionStats:
         self.kl_sum += float(kl_v.sum())
         self.kl_max = max(self.kl_max, float(kl_v.max()) if kl_v.numel() else 0.0)
         self.kl_q.update(kl_v)
-        self.top1_agree += int(((r_lab == t_lab) & valid).sum())
+        self.top1_agree += int((~flipped & valid).sum())
         ov = (r_top[1][..., :, None] == t_top[1][..., None, :]).any(-1).sum(-1).double() / k
         self.overlap_sum += float(ov[valid].sum())
         if kl.shape[1]:
@@ -663,6 +701,8 @@ class DecisionStats:
             "tokens": n,
             "kl_mean": self.kl_sum / n if n else 0.0,
             "kl_p99": self.kl_q.result(),
+            "kl_p99_upper": self.kl_q.upper(),  # never below the exact value: what a gate reads
+            "kl_p99_exact": self.kl_q.exact,
             "kl_max": self.kl_max,
             "top1_agreement": self.top1_agree / n if n else 1.0,
             "top_k": self.top_k,
@@ -725,9 +765,13 @@ class QualityStats:
     def __init__(self, metric: str, tie_rule: str, top_k: int = 5, user: Callable | None = None) -> None:
         self.metric, self.tie_rule, self.top_k, self.user = metric, tie_rule, top_k, user
         self.n = 0
+        self.hits = 0
+        """Targets hit (accuracy, top_k): quality criteria compare these counts, not rounded fractions."""
         self.total = 0.0
         self.nll = 0.0
         self.per_token = False
+        self.last_hits: torch.Tensor | None = None
+        """Hit mask of the last ``update`` (accuracy, top_k): for the paired counts of two sides."""
         self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
@@ -759,7 +803,10 @@ class QualityStats:
             else:
                 idx = s.float().topk(min(self.top_k, s.shape[-1]), dim=-1).indices
                 hit = (idx == y.unsqueeze(-1)).any(-1)
+            hit = hit & torch.isfinite(s).all(-1)  # a row with any non-finite score is a miss, whatever the metric
+            self.last_hits = hit & valid
             self.total += float((hit & valid).sum())
+            self.hits += int((hit & valid).sum())
             self.n += int(valid.sum())
             if self.per_token:
                 sf = s if s.dtype in (torch.float32, torch.float64) else s.float()
@@ -794,6 +841,12 @@ class QualityStats:
         if self.metric == "neg_rmse":
             return -math.sqrt(self.total / self.n)
         return -self.total / self.n
+
+    def counts(self) -> tuple[int, int] | None:
+        """(hits, targets) of ``accuracy`` / ``top_k``; None for other metrics."""
+        if self.user is not None or self.metric not in ("accuracy", "top_k"):
+            return None
+        return self.hits, self.n
 
     def perplexity(self) -> float | None:
         """exp(mean NLL per target token), for per-token classification scored by accuracy or top_k."""
@@ -858,7 +911,8 @@ def trajectory_gap(
         raise ValueError(f"trajectories differ in length: {len(ref_loss)} vs {len(trial_loss)}")
     r = torch.tensor([float(v) for v in ref_loss], dtype=torch.float64)
     t = torch.tensor([float(v) for v in trial_loss], dtype=torch.float64)
-    gap = torch.where(torch.isfinite(t), (t - r).abs(), torch.full_like(t, math.inf))
+    # A non-finite loss on EITHER side is outside any band: a NaN reference step must not pass by comparison.
+    gap = torch.where(torch.isfinite(t) & torch.isfinite(r), (t - r).abs(), torch.full_like(t, math.inf))
     bad = gap - (atol + rtol * r.abs()) > 0
     violations = int(bad.sum())
     first = int(torch.nonzero(bad).flatten()[0]) if violations else -1
@@ -900,17 +954,24 @@ def trajectory_gap(
     return out
 
 
-def update_health(skipped: Sequence[bool], scales: Sequence[float], nonfinite_loss: Sequence[bool], window: int) -> dict:
-    """Skipped fraction, whether real updates stopped in the last ``window`` steps, final scale."""
+def update_health(skipped: Sequence[bool], scales: Sequence[float], nonfinite_loss: Sequence[bool], window: int,
+                  nonfinite_grad: Sequence[bool] | None = None) -> dict:
+    """Skipped fraction, whether real updates stopped in the last ``window`` steps, final scale, and the steps
+    whose gradient norm was not finite WITHOUT a GradScaler to skip them (bfloat16, FP32): not applied, listed."""
     n = len(skipped)
+    window = min(window, n)  # a run shorter than the window stalls when none of its steps made a real update
     tail = list(skipped[-window:]) if n else []
     first_nonfinite = next((i for i, bad in enumerate(nonfinite_loss) if bad), -1)
+    bad_grads = [i for i, bad in enumerate(nonfinite_grad or []) if bad]
     return {
+        "nonfinite_grad_steps": bad_grads,
         "skipped_steps": int(sum(skipped)),
         "skipped_fraction": sum(skipped) / n if n else 0.0,
         "real_updates": n - int(sum(skipped)),
-        "stalled": bool(n >= window and all(tail)),
+        "stalled": bool(n and all(tail)),
+        "stall_window": window,
         "final_scale": scales[-1] if scales else 1.0,
         "min_scale": min(scales) if scales else 1.0,
         "first_nonfinite_loss_step": first_nonfinite,
     }
+

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from pipeline.compare_stats import Stats
 
 
-def write_package(folder: Path, params: Params, ref_manifest: dict, stats: Stats, dtype: str) -> None:
+def write_package(folder: Path, params: Params, ref_manifest: dict, stats: Stats, dtype: str, cases: dict | None = None) -> None:
     snippet = {
         "seed": params.seed,
         "task": asdict(params.task),
@@ -40,6 +40,7 @@ def write_package(folder: Path, params: Params, ref_manifest: dict, stats: Stats
     flips = stats.flips["flip_list"]
     per_kind = {name: {k: g for k, g in gap["per_kind"].items() if g["failing"] or g["nonfinite_trial_only"]} for name, gap in stats.values.items()}
     write_json(folder / "cases.json", {
+        "motivating": cases or {},  # per failed criterion, the ids of its cases (and the training steps)
         "flips": [f for f in flips if not f["boundary"]],
         "boundary_flips": [f for f in flips if f["boundary"]],
         "value_failures_by_kind": per_kind,

@@ -54,6 +54,8 @@ class StepRecord:
     skipped: bool
     real_updates: int
     lr: float
+    nonfinite_grad: bool = False
+    """The gradient norm was not finite without a GradScaler to skip it (bfloat16, FP32): the update was not applied."""
 
 
 def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[torch.Tensor]:
@@ -220,6 +222,8 @@ class StepOutcome:
     """The GradScaler's scale this update ran with (1.0 without a scaler, or when not read back)."""
     skipped: bool
     """The scaler skipped the optimizer step (inf/NaN gradients); always False when not read back."""
+    nonfinite_grad: bool = False
+    """No GradScaler and a non-finite gradient norm: the update was not applied (``skipped`` too)."""
 
 
 def amp_step(
@@ -233,6 +237,7 @@ def amp_step(
     max_norm: float = math.inf,
     params: list[torch.nn.Parameter] | None = None,
     read_back: bool = True,
+    apply: bool = True,
 ) -> StepOutcome:
     """ONE optimizer update, the recipe's: the training loop, the benchmark and the diagnosis all use it.
 
@@ -242,6 +247,10 @@ def amp_step(
     gradient is clipped to ``max_norm`` and the scaler steps and updates. With ``read_back=False`` nothing
     is read back to the host (the benchmark's timed loop): ``scale`` is 1.0 and ``skipped`` False.
     The caller owns ``scheduler.step()`` (on real updates only, ``not outcome.skipped``).
+
+    Without a GradScaler (bfloat16, FP32) a non-finite gradient norm is never applied: the guide's guard,
+    which the scaler provides for float16. ``apply=False`` skips the update as a scaler skip would (the FP32
+    run aligned on a trial's skipped updates).
     """
     params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
     optimizer.zero_grad(set_to_none=True)
@@ -255,10 +264,17 @@ def amp_step(
         total = loss.detach() if total is None else total + loss.detach()
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
+    mean = total if n == 1 else total / n
+    if not apply:
+        optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(loss=mean, grad_norm=grad_norm, scale=float(scale), skipped=True)
+    if read_back and not scaler.is_enabled() and not bool(torch.isfinite(grad_norm)):
+        optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(loss=mean, grad_norm=grad_norm, scale=float(scale), skipped=True, nonfinite_grad=True)
     scaler.step(optimizer)
     scaler.update()
     skipped = bool(read_back and scaler.is_enabled() and scaler.get_scale() < scale)
-    return StepOutcome(loss=total if n == 1 else total / n, grad_norm=grad_norm, scale=float(scale), skipped=skipped)
+    return StepOutcome(loss=mean, grad_norm=grad_norm, scale=float(scale), skipped=skipped)
 
 
 @dataclass
@@ -281,6 +297,8 @@ class TrialResult:
     """The training repeated from the reference's initial state, under the policy."""
     trained_outputs: dict[str, torch.Tensor] | None
     """Outputs on the fixed set of the model trained under the policy (None when streamed to a sink)."""
+    aligned: list[StepRecord] | None = None
+    """FP32 from the same start with the trial's skipped updates skipped too (``aligned_fp32``), when it skipped any."""
 
 
 def run_trial(
@@ -317,7 +335,27 @@ def run_trial(
     first = outputs("outputs", trained)
     model = make_initial()
     result = train(model, train_x, train_y, cfg, loss_kind, policy, device, seed, resume=resume, save_resume=save_resume, label=label)
-    return TrialResult(first, result, outputs("trained_outputs", model))
+    trained_outputs = outputs("trained_outputs", model)
+    aligned = aligned_fp32(make_initial, train_x, train_y, cfg, loss_kind, device, seed, result.records, label)
+    return TrialResult(first, result, trained_outputs, aligned)
+
+
+def aligned_fp32(make_initial, train_x, train_y, cfg: ReferenceConfig, loss_kind, device, seed: int, records: list[StepRecord],
+                 label: str) -> list[StepRecord] | None:
+    """FP32 trained from the reference's start with the GradScaler's skipped updates skipped too, or None when
+    the trial skipped none.
+
+    Why: a skip the scaler makes by design (an overflow, the scale backs off) leaves the trial one update
+    behind FP32 for the rest of the run; its per-step loss then differs from the reference's by what one
+    update changes, not by precision. Against this run the band measures precision alone, so a healthy
+    float16 run with a few skips passes, while a real divergence still fails. Skips due to a non-finite
+    gradient without a scaler (``nonfinite_grad``) are failures in themselves and are not aligned."""
+    skips = frozenset(r.step for r in records if r.skipped and not r.nonfinite_grad)
+    if not skips:
+        return None
+    model = make_initial()
+    return train(model, train_x, train_y, cfg, loss_kind, Policy(), device, seed, label=f"{label} FP32 aligned on skips",
+                 skip_steps=skips).records
 
 
 def train(
@@ -332,6 +370,7 @@ def train(
     resume: checkpoint.Checkpoint | None = None,
     save_resume: Callable[[checkpoint.Checkpoint], None] | None = None,
     label: str = "train",
+    skip_steps: frozenset[int] = frozenset(),
 ) -> TrainResult:
     """Train ``model`` in place for ``cfg.train_steps`` optimizer updates under ``policy``.
 
@@ -343,6 +382,8 @@ def train(
     Under torchrun with N > 1 ranks (``pipeline.distributed``), each rank trains on its slice of every
     micro-batch through DistributedDataParallel, records the loss averaged over the ranks, and only rank 0
     saves resume states.
+
+    ``skip_steps``: steps whose update is not applied, as a GradScaler skip (the FP32 run aligned on a trial).
     """
     precision.strict_fp32()
     world = distributed.current()
@@ -375,7 +416,7 @@ def train(
             for idx in order[step]:
                 x, y = source.batch(world.shard(idx))
                 micro.append((to_device(x, device), y.to(device)))
-            out = amp_step(net, micro, loss_fn, optimizer, scaler, policy, device, max_norm, params)
+            out = amp_step(net, micro, loss_fn, optimizer, scaler, policy, device, max_norm, params, apply=step not in skip_steps)
             if not out.skipped:
                 real_updates += 1
                 if scheduler is not None:
@@ -389,6 +430,7 @@ def train(
                     skipped=out.skipped,
                     real_updates=real_updates,
                     lr=float(optimizer.param_groups[0]["lr"]),
+                    nonfinite_grad=out.nonfinite_grad,
                 )
             )
             progress.tick(step + 1, records[-1].loss, out.scale, sum(r.skipped for r in records))

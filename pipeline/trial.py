@@ -49,7 +49,7 @@ class Writer:
         self.pending[file] = self.folder / f".{file}.pending"
         self.files[file] = output_store.write_outputs(self.pending[file], chunks, self.ids)
 
-    def finish(self, result, policy, reference_manifest: dict, env: dict) -> dict:
+    def finish(self, result, policy, reference_manifest: dict, env: dict, aligned: list | None = None) -> dict:
         """Move the outputs into place, write the training state, the trajectory and (last) the manifest."""
         for file, path in sorted(self.pending.items()):
             os.replace(path, self.folder / file)
@@ -57,7 +57,8 @@ class Writer:
         self.files[paths.TRIAL_CHECKPOINT] = checkpoint.save(self.folder / paths.TRIAL_CHECKPOINT, result.state)
         write_json(
             self.folder / paths.TRIAL_TRAJECTORY,
-            {"steps": [asdict(r) for r in result.records], "final_scale": result.final_scale, "scaler_enabled": policy.uses_scaler},
+            {"steps": [asdict(r) for r in result.records], "final_scale": result.final_scale, "scaler_enabled": policy.uses_scaler,
+             **({"aligned_fp32": [asdict(r) for r in aligned]} if aligned is not None else {})},
         )
         self.files[paths.TRIAL_TRAJECTORY] = sha256_file(self.folder / paths.TRIAL_TRAJECTORY)
         manifest = {
@@ -87,6 +88,11 @@ class Trial:
     @property
     def final_scale(self) -> float:
         return self.trajectory["final_scale"]
+
+    @property
+    def aligned_steps(self) -> list[dict] | None:
+        """FP32 with this trial's GradScaler skips skipped too (``training.aligned_fp32``), or None without skips."""
+        return self.trajectory.get("aligned_fp32")
 
     @property
     def scaler_enabled(self) -> bool:

@@ -21,168 +21,254 @@ from __future__ import annotations
 
 import math
 
+from pipeline import bounds
 from pipeline.config import AcceptanceConfig
 
 
+def _ids(ids: list[str], cap: int = 400) -> str:
+    text = ", ".join(ids)
+    return text if len(text) <= cap else text[:cap] + f"… ({len(ids)} listed)"
+
+
+def _flip_ids(flip_list: list[dict], which) -> list[str]:
+    return [f["id"] + (f"@{f['position']}" if "position" in f else "") for f in flip_list if which(f)]
+
+
+class _Judge:
+    """Collects each criterion's outcome, in the part (inference or training) it belongs to."""
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+        self.checks: list[str] = []
+        self.failed = {"inference": False, "training": False}
+        self.cases: dict[str, list] = {}
+
+    def check(self, part: str, ok: bool, passed: str, failed: str, cases: tuple[str, list] | None = None) -> None:
+        if ok:
+            self.checks.append(passed)
+            return
+        self.reasons.append(failed)
+        self.failed[part] = True
+        if cases is not None and cases[1]:
+            self.cases.setdefault(cases[0], []).extend(x for x in cases[1] if x not in self.cases.get(cases[0], []))
+
+
 def decide(stats: dict, rule: AcceptanceConfig, findings: list[str] | None = None) -> dict:
-    """Apply ``rule`` to ``stats``; ``findings`` (diagnosis) are attached to the reasons on rollback."""
-    reasons: list[str] = []
-    checks: list[str] = []
+    """Apply ``rule`` to ``stats``; ``findings`` (diagnosis) are attached to the reasons on rollback.
 
-    def check(ok: bool, passed: str, failed: str) -> None:
-        (checks if ok else reasons).append(passed if ok else failed)
+    Two decisions, then the overall one: ``inference`` (the trained reference run under the policy) and
+    ``training`` (the model trained under the policy, its trajectory and its outputs). ``cases`` names the
+    cases (and ``steps`` the training steps) that motivated a rollback."""
+    j = _Judge()
+    _inference(stats, rule, j)
+    _training(stats, rule, j)
+    if j.reasons and findings:
+        j.reasons.extend(f"diagnosis: {f}" for f in findings)
+    parts = {part: "rollback" if bad else "accept" for part, bad in j.failed.items()}
+    return {"decision": "rollback" if j.reasons else "accept", "reasons": j.reasons, "checks": j.checks, **parts, "cases": j.cases}
 
+
+def _inference(stats: dict, rule: AcceptanceConfig, j: _Judge) -> None:
+    nonfinite = (stats.get("nonfinite") or {}).get("trial")
     for name, gap in sorted(stats["values"].items()):
-        nonfinite = gap["nonfinite_trial_only"]
-        check(
-            nonfinite == 0,
-            f"outputs '{name}': all finite",
-            f"outputs '{name}': {nonfinite} non-finite element(s) where the reference is finite",
-        )
-        check(
+        count = gap["nonfinite_trial_only"]
+        ids = [i for i in (nonfinite or {}).get("ids", [])] if count else []
+        j.check("inference", count == 0, f"outputs '{name}': all finite",
+                f"outputs '{name}': {count} non-finite element(s) where the reference is finite" + (f": {_ids(ids)}" if ids else ""),
+                ("nonfinite_trial", ids))
+        j.check(
+            "inference",
             gap["failing_fraction"] <= rule.max_failing_fraction,
             f"values '{name}': {gap['failing']} of {gap['elements']} elements outside atol={gap['atol']} rtol={gap['rtol']} "
             f"(allowed fraction {rule.max_failing_fraction})",
             f"values '{name}': {gap['failing']} of {gap['elements']} elements outside atol={gap['atol']} rtol={gap['rtol']}, "
             f"fraction {gap['failing_fraction']:.4g} > allowed {rule.max_failing_fraction} "
-            f"(max abs error {gap['max_abs']:.4g}; would have needed atol >= {gap['min_passing_atol']:.4g})",
+            f"(max abs error {gap['max_abs']:.4g}; would have needed atol >= {gap['min_passing_atol']:.4g})"
+            + (f": {_ids(gap['failing_ids'])}" if gap.get("failing_ids") else ""),
+            ("values", gap.get("failing_ids", [])),
         )
-    flips = stats["flips"]
+    _decisions(stats["flips"], rule, j, "decisions")
+    for name, head in sorted((stats.get("heads") or {}).items()):
+        _decisions(head, rule, j, f"decisions '{name}'")
+    _distribution(stats.get("distribution"), rule, j)
+    _quality(stats["quality"], rule, j, "inference", "trial")
+
+
+def _decisions(flips: dict, rule: AcceptanceConfig, j: _Judge, label: str) -> None:
+    """Flips of real cases (ordinary, edge, selected: what the application acts on) and of constructed ones."""
     unit = "token" if flips.get("unit") == "token" else "case"
-    listed_real = ", ".join(f["id"] + (f"@{f['position']}" if "position" in f else "") for f in flips["flip_list"] if not f["boundary"])[:400]
-    check(
-        flips["flips"] <= rule.max_flips,
-        f"decisions: {flips['flips']} flip(s) among real {unit}s away from the boundary (allowed {rule.max_flips})",
-        f"decisions: {flips['flips']} flip(s) among real {unit}s away from the boundary > allowed {rule.max_flips}: {listed_real}",
-    )
-    near, near_cases = flips.get("near_boundary_flips", 0), flips.get("near_boundary_cases", 0)
-    near_ids = ", ".join(f["id"] + (f"@{f['position']}" if "position" in f else "") for f in flips["flip_list"] if f.get("near_boundary"))[:400]
+    listed = flips.get("flip_list", [])
+    far_ids = _flip_ids(listed, lambda f: not f["boundary"] and not f.get("near_boundary"))
+    near_ids = _flip_ids(listed, lambda f: not f["boundary"] and f.get("near_boundary"))
+    far, near = int(flips["flips"]), int(flips.get("near_boundary_flips", 0))
     margin = f"{flips.get('margin_kind', 'logit')} margin < {rule.boundary_margin:g}"
-    if rule.max_near_boundary_flips is None:
-        # Not limited, but never silent: the count and the ids are in the checks.
-        checks.append(f"decisions: {near} flip(s) among {near_cases} real {unit}s near the boundary ({margin}; not limited)"
-                      + (f": {near_ids}" if near else ""))
+    key = "flips" if label == "decisions" else f"flips {label.split(' ', 1)[1]}"
+    if rule.max_flip_rate is not None:
+        real = int(flips.get("cases", 0)) - int(flips.get("boundary_cases", 0))
+        k = far + near
+        upper = bounds.binomial_upper(k, real, rule.confidence)
+        needed = bounds.cases_needed(rule.max_flip_rate, rule.confidence)
+        words = (f"{label}: {k} of {real} real {unit}s changed; the {rule.confidence:g}-confidence upper bound of the rate is "
+                 f"{upper:.4g} (Clopper–Pearson)")
+        j.check("inference", upper <= rule.max_flip_rate,
+                f"{words} <= allowed {rule.max_flip_rate:g} (the rule tolerates a rate, not a count)" + (f": {_ids(far_ids + near_ids)}" if k else ""),
+                f"{words} > allowed {rule.max_flip_rate:g}" + (f": {_ids(far_ids + near_ids)}" if k else "")
+                + (f"; the set has {real} real {unit}s and this bound needs at least {needed} to pass even with no change" if real < needed else ""),
+                (key, far_ids + near_ids))
     else:
-        check(
-            near <= rule.max_near_boundary_flips,
-            f"decisions: {near} flip(s) among {near_cases} real {unit}s near the boundary ({margin}; allowed {rule.max_near_boundary_flips})"
-            + (f": {near_ids}" if near else ""),
-            f"decisions: {near} flip(s) among {near_cases} real {unit}s near the boundary ({margin}) > allowed "
-            f"{rule.max_near_boundary_flips}: {near_ids}",
-        )
-    check(
-        flips["boundary_flip_fraction"] <= rule.max_boundary_flip_fraction,
-        f"decisions: {flips['boundary_flips']} of {flips['boundary_cases']} boundary cases flipped "
-        f"(allowed fraction {rule.max_boundary_flip_fraction})",
-        f"decisions: {flips['boundary_flips']} of {flips['boundary_cases']} boundary cases flipped, "
-        f"fraction {flips['boundary_flip_fraction']:.3g} > allowed {rule.max_boundary_flip_fraction}",
-    )
-    _distribution(stats.get("distribution"), rule, check, reasons)
-    for label, key_ref, key_trial in (
-        ("inference", "reference", "trial"),
-        ("after training", "reference", "trained"),
-    ):
-        ref_q, trial_q = stats["quality"][key_ref], stats["quality"][key_trial]
-        if not math.isfinite(ref_q):  # no ordinary case or token carries a target: nothing to measure on
-            checks.append(f"quality {label}: the fixed set has no target to measure it on; not applied")
-            continue
-        if not math.isfinite(trial_q):
-            reasons.append(f"quality {label}: not finite")
-            continue
-        drop = ref_q - trial_q if stats["quality"].get("higher_is_better", True) else trial_q - ref_q
-        check(
-            drop <= rule.max_quality_drop,
-            f"quality {label}: {trial_q:.4f} vs reference {ref_q:.4f} (drop {drop:.4f} <= {rule.max_quality_drop})",
-            f"quality {label}: {trial_q:.4f} vs reference {ref_q:.4f}, drop {drop:.4f} > allowed {rule.max_quality_drop}",
-        )
-        if rule.min_quality is not None and stats["quality"].get("higher_is_better", True):
-            check(
-                trial_q >= rule.min_quality,
-                f"quality {label}: {trial_q:.4f} >= minimum {rule.min_quality}",
-                f"quality {label}: {trial_q:.4f} below minimum {rule.min_quality}",
-            )
-        elif rule.min_quality is not None:  # a smaller-is-better metric: the bound is its worst acceptable value
-            check(
-                trial_q <= rule.min_quality,
-                f"quality {label}: {trial_q:.4f} <= worst acceptable {rule.min_quality}",
-                f"quality {label}: {trial_q:.4f} worse than the worst acceptable {rule.min_quality}",
-            )
+        j.check("inference", far <= rule.max_flips,
+                f"{label}: {far} flip(s) among real {unit}s away from the boundary (allowed {rule.max_flips})" + (f": {_ids(far_ids)}" if far else ""),
+                f"{label}: {far} flip(s) among real {unit}s away from the boundary > allowed {rule.max_flips}: {_ids(far_ids)}",
+                (key, far_ids))
+        near_cases = flips.get("near_boundary_cases", 0)
+        if rule.max_near_boundary_flips is None:  # the user's explicit choice, said in words; never silent
+            j.checks.append(f"{label}: {near} flip(s) among {near_cases} real {unit}s near the boundary ({margin}), not limited: the rule "
+                            f"sets max_near_boundary_flips: null" + (f": {_ids(near_ids)}" if near else ""))
+        else:
+            j.check("inference", near <= rule.max_near_boundary_flips,
+                    f"{label}: {near} flip(s) among {near_cases} real {unit}s near the boundary ({margin}; allowed {rule.max_near_boundary_flips})"
+                    + (f": {_ids(near_ids)}" if near else ""),
+                    f"{label}: {near} flip(s) among {near_cases} real {unit}s near the boundary ({margin}) > allowed "
+                    f"{rule.max_near_boundary_flips}: {_ids(near_ids)}",
+                    (key, near_ids))
+    built_ids = _flip_ids(listed, lambda f: f["boundary"])
+    j.check("inference", flips["boundary_flip_fraction"] <= rule.max_boundary_flip_fraction,
+            f"{label}: {flips['boundary_flips']} of {flips['boundary_cases']} constructed boundary cases flipped "
+            f"(allowed fraction {rule.max_boundary_flip_fraction})",
+            f"{label}: {flips['boundary_flips']} of {flips['boundary_cases']} constructed boundary cases flipped, "
+            f"fraction {flips['boundary_flip_fraction']:.3g} > allowed {rule.max_boundary_flip_fraction}: {_ids(built_ids)}",
+            ("boundary_flips", built_ids))
+
+
+def _quality(quality: dict, rule: AcceptanceConfig, j: _Judge, part: str, side: str) -> None:
+    """Quality of ``side`` against the reference on the same cases: counts where the metric has them."""
+    label = "inference" if side == "trial" else "after training"
+    ref_q, q = quality["reference"], quality[side]
+    judged = rule.max_quality_drop is not None or rule.min_quality is not None
+    if not math.isfinite(ref_q):  # no ordinary case or token carries a target
+        if not judged:
+            j.checks.append(f"quality {label}: not judged: the rule sets max_quality_drop: null and min_quality: null")
+            return
+        j.check(part, False, "", f"quality {label}: no case of the fixed set carries a target (or every target is ignored), so the "
+                                 f"rule's quality criteria cannot be applied; give eval targets, or set acceptance.max_quality_drop: null "
+                                 f"and min_quality: null to judge without quality")
+        return
+    if not math.isfinite(q):
+        j.check(part, False, "", f"quality {label}: not finite")
+        return
+    higher = quality.get("higher_is_better", True)
+    counts = quality.get("counts") or {}
+    if rule.max_quality_drop is not None:
+        if side in counts and "reference" in counts:
+            (hits_r, n), (hits, _) = counts["reference"], counts[side]
+            lost = hits_r - hits
+            allowed = rule.max_quality_drop * n
+            paired = (quality.get("paired") or {}).get(side)
+            if rule.max_flip_rate is not None and paired is not None:
+                upper = bounds.paired_drop_upper(paired["lost"], paired["gained"], n, rule.confidence)
+                words = (f"quality {label}: {hits}/{n} vs reference {hits_r}/{n} ({paired['lost']} lost, {paired['gained']} gained, paired); "
+                         f"{rule.confidence:g}-confidence upper bound of the drop {upper:.4g}")
+                j.check(part, upper <= rule.max_quality_drop, f"{words} <= {rule.max_quality_drop:g}", f"{words} > allowed {rule.max_quality_drop:g}")
+            else:
+                words = f"quality {label}: {hits}/{n} vs reference {hits_r}/{n}, {lost} case(s) fewer"
+                j.check(part, lost <= allowed + 1e-9 * max(1.0, allowed),
+                        f"{words} <= allowed {rule.max_quality_drop:g} x {n} = {allowed:g}",
+                        f"{words} > allowed {rule.max_quality_drop:g} x {n} = {allowed:g}")
+        else:
+            drop = ref_q - q if higher else q - ref_q
+            j.check(part, drop <= rule.max_quality_drop,
+                    f"quality {label}: {q:.4g} vs reference {ref_q:.4g} (drop {drop:.4g} <= {rule.max_quality_drop})",
+                    f"quality {label}: {q:.4g} vs reference {ref_q:.4g}, drop {drop:.4g} > allowed {rule.max_quality_drop}")
+    if rule.min_quality is not None and higher:
+        j.check(part, q >= rule.min_quality, f"quality {label}: {q:.4f} >= minimum {rule.min_quality}",
+                f"quality {label}: {q:.4f} below minimum {rule.min_quality}")
+    elif rule.min_quality is not None:  # a smaller-is-better metric: the bound is its worst acceptable value
+        j.check(part, q <= rule.min_quality, f"quality {label}: {q:.4f} <= worst acceptable {rule.min_quality}",
+                f"quality {label}: {q:.4f} worse than the worst acceptable {rule.min_quality}")
+
+
+def _training(stats: dict, rule: AcceptanceConfig, j: _Judge) -> None:
     train = stats["training"]
-    check(
-        train["first_nonfinite_loss_step"] < 0,
-        "training: every loss finite",
-        f"training: loss not finite from step {train['first_nonfinite_loss_step']}",
-    )
-    check(
-        train["band_violations"] == 0,
-        f"training: loss within band at every step (max gap {train['max_loss_gap']:.4g} at step {train['max_loss_gap_step']})",
-        f"training: loss outside band (atol={rule.loss_atol}, rtol={rule.loss_rtol}) at {train['band_violations']} of "
-        f"{train['steps']} steps, first at step {train['first_violation_step']}",
-    )
-    _noise_floor(train.get("noise"), rule, check, reasons)
-    check(
-        train["skipped_fraction"] <= rule.max_skipped_fraction,
-        f"training: {train['skipped_steps']} skipped update(s) of {train['steps']} (allowed fraction {rule.max_skipped_fraction})",
-        f"training: {train['skipped_steps']} of {train['steps']} updates skipped, fraction "
-        f"{train['skipped_fraction']:.3g} > allowed {rule.max_skipped_fraction}",
-    )
-    check(
-        not train["stalled"],
-        f"training: real updates still advancing in the last {rule.stall_window} steps",
-        f"training: updates stopped advancing: no real update in the last {rule.stall_window} steps",
-    )
+    trained_bad = (stats.get("nonfinite") or {}).get("trained") or {}
+    rows = int(trained_bad.get("rows", 0))
+    kinds = ", ".join(f"{v} {k}" for k, v in trained_bad.get("per_kind", {}).items())
+    j.check("training", rows == 0, "outputs of the AMP-trained model: all finite",
+            f"outputs of the AMP-trained model: {rows} case(s) with a non-finite output ({kinds}): {_ids(trained_bad.get('ids', []))}",
+            ("nonfinite_trained", trained_bad.get("ids", [])))
+    _quality(stats["quality"], rule, j, "training", "trained")
+    ref_bad = train.get("first_nonfinite_reference_step", -1)
+    j.check("training", ref_bad < 0, "training: every reference loss finite",
+            f"training: the FP32 reference's loss is not finite from step {ref_bad}; an incorrect FP32 run is no baseline: re-freeze",
+            ("steps", [ref_bad]))
+    j.check("training", train["first_nonfinite_loss_step"] < 0, "training: every loss finite",
+            f"training: loss not finite from step {train['first_nonfinite_loss_step']}", ("steps", [train["first_nonfinite_loss_step"]]))
+    bad_grads = train.get("nonfinite_grad_steps", [])
+    j.check("training", not bad_grads, "training: every gradient norm finite (or skipped by the GradScaler)",
+            f"training: non-finite gradient norm at step(s) {', '.join(map(str, bad_grads[:20]))} with no GradScaler to skip it "
+            f"(the update was not applied)", ("steps", bad_grads))
+    against = "FP32 aligned on the trial's skipped updates" if train.get("aligned_on_skips") else "the FP32 reference"
+    j.check("training", train["band_violations"] == 0,
+            f"training: loss within band of {against} at every step (max gap {train['max_loss_gap']:.4g} at step {train['max_loss_gap_step']})",
+            f"training: loss outside band of {against} (atol={rule.loss_atol}, rtol={rule.loss_rtol}) at {train['band_violations']} of "
+            f"{train['steps']} steps, first at step {train['first_violation_step']}", ("steps", [train["first_violation_step"]]))
+    _noise_floor(train.get("noise"), rule, j)
+    j.check("training", train["skipped_fraction"] <= rule.max_skipped_fraction,
+            f"training: {train['skipped_steps']} skipped update(s) of {train['steps']} (allowed fraction {rule.max_skipped_fraction})",
+            f"training: {train['skipped_steps']} of {train['steps']} updates skipped, fraction "
+            f"{train['skipped_fraction']:.3g} > allowed {rule.max_skipped_fraction}")
+    window = train.get("stall_window", rule.stall_window)
+    j.check("training", not train["stalled"], f"training: real updates still advancing in the last {window} steps",
+            f"training: updates stopped advancing: no real update in the last {window} steps")
     if train.get("scaler_enabled", True):  # without a GradScaler (bfloat16) there is no scale to fall
-        check(
-            train["final_scale"] >= rule.min_scale,
-            f"training: final loss scale {train['final_scale']:g} >= {rule.min_scale:g}",
-            f"training: updates stopped advancing: loss scale fell to {train['final_scale']:g} < {rule.min_scale:g}",
-        )
-    if reasons and findings:
-        reasons.extend(f"diagnosis: {f}" for f in findings)
-    return {"decision": "rollback" if reasons else "accept", "reasons": reasons, "checks": checks}
+        j.check("training", train["final_scale"] >= rule.min_scale, f"training: final loss scale {train['final_scale']:g} >= {rule.min_scale:g}",
+                f"training: updates stopped advancing: loss scale fell to {train['final_scale']:g} < {rule.min_scale:g}")
 
 
-def _distribution(dist: dict | None, rule: AcceptanceConfig, check, reasons: list[str]) -> None:
+def _distribution(dist: dict | None, rule: AcceptanceConfig, j: _Judge) -> None:
     """KL and top-1 agreement of per-token outputs, each applied when the rule sets it."""
     wanted = [rule.max_kl_mean, rule.max_kl_p99, rule.min_top1_agreement]
     if all(w is None for w in wanted):
         return
     if dist is None:
-        reasons.append("distribution: the rule sets max_kl_mean / max_kl_p99 / min_top1_agreement but the outputs are not "
-                       "per-token scores [N, T, C]; remove those criteria or compare per-token outputs")
+        j.check("inference", False, "", "distribution: the rule sets max_kl_mean / max_kl_p99 / min_top1_agreement but the outputs are "
+                                         "not per-token scores [N, T, C]; remove those criteria or compare per-token outputs")
         return
-    for key, limit, label in (("kl_mean", rule.max_kl_mean, "mean"), ("kl_p99", rule.max_kl_p99, "p99")):
+    if not dist["tokens"]:
+        j.check("inference", False, "", "distribution: no valid token to measure KL or top-1 agreement on (every target is -100 or "
+                                         "masked); give eval targets, or remove max_kl_mean / max_kl_p99 / min_top1_agreement")
+        return
+    p99 = dist.get("kl_p99_upper", dist["kl_p99"])  # the conservative edge when the quantile was streamed
+    exact = "" if dist.get("kl_p99_exact", True) else " (upper edge of a streamed estimate)"
+    for value, limit, label, more in ((dist["kl_mean"], rule.max_kl_mean, "mean", ""), (p99, rule.max_kl_p99, "p99", exact)):
         if limit is not None:
-            value = dist[key]
-            check(
-                value <= limit,
-                f"distribution: KL(reference || trial) {label} {value:.4g} nats over {dist['tokens']} tokens <= {limit:g}",
-                f"distribution: KL(reference || trial) {label} {value:.4g} nats > allowed {limit:g} (max {dist['kl_max']:.4g})",
+            j.check(
+                "inference", value <= limit,
+                f"distribution: KL(reference || trial) {label} {value:.4g} nats{more} over {dist['tokens']} tokens <= {limit:g}",
+                f"distribution: KL(reference || trial) {label} {value:.4g} nats{more} > allowed {limit:g} (max {dist['kl_max']:.4g})",
             )
     if rule.min_top1_agreement is not None:
         value = dist["top1_agreement"]
-        check(
-            value >= rule.min_top1_agreement,
-            f"distribution: top-1 agreement {value:.6f} >= {rule.min_top1_agreement:g}",
-            f"distribution: top-1 agreement {value:.6f} below minimum {rule.min_top1_agreement:g}",
-        )
+        j.check("inference", value >= rule.min_top1_agreement,
+                f"distribution: top-1 agreement {value:.6f} >= {rule.min_top1_agreement:g}",
+                f"distribution: top-1 agreement {value:.6f} below minimum {rule.min_top1_agreement:g}")
 
 
-def _noise_floor(noise: dict | None, rule: AcceptanceConfig, check, reasons: list[str]) -> None:
+def _noise_floor(noise: dict | None, rule: AcceptanceConfig, j: _Judge) -> None:
     """AMP's per-step loss gap bounded by a multiple of FP32's own noise (the replicate's gap), when set."""
     if rule.loss_noise_multiple is None and rule.loss_noise_atol is None:
         return
     if noise is None:
-        reasons.append("training: the rule bounds the loss gap by the noise floor (loss_noise_multiple / loss_noise_atol) but "
-                       "the reference has no replicate trajectory; set reference.noise_replicate: true and re-freeze")
+        j.check("training", False, "", "training: the rule bounds the loss gap by the noise floor (loss_noise_multiple / loss_noise_atol) "
+                                       "but the reference has no replicate trajectory; set reference.noise_replicate: true and re-freeze")
         return
     band = f"{rule.loss_noise_multiple or 0:g} x replicate gap + {rule.loss_noise_atol or 0:g}"
-    check(
-        noise["violations"] == 0,
+    j.check(
+        "training", noise["violations"] == 0,
         f"training: loss gap within the noise floor ({band}) at every step (mean AMP gap {noise['mean_amp_gap']:.4g}, "
         f"mean FP32 replicate gap {noise['mean_replicate_gap']:.4g})",
         f"training: loss gap above the noise floor ({band}) at {noise['violations']} step(s), first at step "
         f"{noise['first_violation_step']} (mean AMP gap {noise['mean_amp_gap']:.4g} vs FP32 replicate {noise['mean_replicate_gap']:.4g})",
+        ("steps", [noise["first_violation_step"]]),
     )
 
 
@@ -194,6 +280,8 @@ _LOOSER_WHEN = {
     "boundary_margin": +1,  # more real cases count as near the boundary, whose flips may be limited less
     "max_flips": +1,
     "max_near_boundary_flips": +1,
+    "max_flip_rate": +1,
+    "confidence": -1,
     "max_boundary_flip_fraction": +1,
     "max_kl_mean": +1,
     "max_kl_p99": +1,
@@ -226,6 +314,8 @@ def loosened(old: dict, new: dict) -> list[str]:
         for key in ("atol", "rtol"):
             if key in o and key in n and n[key] > o[key]:
                 out.append(f"outputs.{name}.{key} {o[key]:g} -> {n[key]:g}")
+        if o.get("decisions") is not False and n.get("decisions") is False:
+            out.append(f"outputs.{name}.decisions {o.get('decisions')} -> false")
     for key, sign in _LOOSER_WHEN.items():
         a, b = old.get(key), new.get(key)
         if a is None and b is None:

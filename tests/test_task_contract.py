@@ -291,7 +291,7 @@ def test_cases_for_token_ids_select_boundary_samples_and_keep_user_edges():
     ordinary = fixed.select(torch.arange(10))
     scores = torch.tensor([[float(i % 5), 2.0] for i in range(10)])
     boundary = cases.boundary_cases(lambda x: scores[: task.rows(x)], ordinary, 2, 1e-3, fixed.y)
-    assert boundary.ids == ["boundary/s2", "boundary/s7"]  # margin 0 (2 vs 2), earliest first
+    assert boundary.ids == ["selected/s2", "selected/s7"]  # real samples, their own kind; margin 0 (2 vs 2), earliest first
     with pytest.raises(UserError, match="boundary_method is bisect"):
         cases.boundary_cases(lambda x: scores[: task.rows(x)], ordinary, 2, 1e-3, fixed.y, method="bisect")
 

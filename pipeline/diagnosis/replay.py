@@ -203,7 +203,8 @@ def rerun(ctx: Context, policy: Policy) -> Run:
         label=f"diagnose re-run {ctx.dtype}",
     )
     steps = [asdict(r) for r in run.training.records]
-    stats = _compare(ctx, run.outputs, run.trained_outputs, steps, run.training.final_scale, policy.uses_scaler, ref.fp64_reader())
+    aligned = [asdict(r) for r in run.aligned] if run.aligned is not None else None
+    stats = _compare(ctx, run.outputs, run.trained_outputs, steps, run.training.final_scale, policy.uses_scaler, ref.fp64_reader(), aligned)
     ctx.work["trial_reruns"] += 1
     return Run(policy, run.outputs, steps, stats, verdict.decide(stats, params.acceptance))
 
@@ -215,7 +216,8 @@ def reference_fails_itself(ctx: Context) -> list[str]:
     return verdict.decide(stats, ctx.params.acceptance)["reasons"]
 
 
-def _compare(ctx: Context, outputs: dict, trained: dict, steps: list[dict], final_scale: float, scaler: bool, fp64) -> dict:
+def _compare(ctx: Context, outputs: dict, trained: dict, steps: list[dict], final_scale: float, scaler: bool, fp64,
+             aligned: list[dict] | None = None) -> dict:
     """Statistics as the compare stage computes them (metric, chunking, token mask, FP64 arbiter, noise
     replicate), so that a re-run's verdict is the stage's verdict."""
     params, ref = ctx.params, ctx.ref
@@ -224,6 +226,6 @@ def _compare(ctx: Context, outputs: dict, trained: dict, steps: list[dict], fina
         comparison.InMemory(ref.outputs), comparison.InMemory(outputs), comparison.InMemory(trained),
         ref.trajectory, steps, final_scale, fp64, scaler,
         metric=comparison.Metric.for_task(params.task, params.task.kind), cfg=params.compare, replicate_steps=ref.replicate,
-        token_mask=comparison.token_mask_of(ref.cases.x),
+        token_mask=comparison.token_mask_of(ref.cases.x), aligned_steps=aligned,
     )
     return stats

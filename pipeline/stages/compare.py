@@ -20,7 +20,7 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
         ref.outputs_reader(), run.reader("outputs"), run.reader("trained_outputs"),
         ref.trajectory, run.steps, run.final_scale, fp64, run.scaler_enabled,
         metric=comparison.Metric.for_task(params.task, params.task.kind), cfg=params.compare, replicate_steps=ref.replicate,
-        token_mask=comparison.token_mask_of(ref.cases.x),
+        token_mask=comparison.token_mask_of(ref.cases.x), aligned_steps=run.aligned_steps,
     )
     stats["env_differs_from_reference"] = run.manifest["env_differs_from_reference"]
     compare_stats.write(dtype, stats, table)

@@ -33,6 +33,9 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
         decision=verdict_["decision"],
         reasons=verdict_["reasons"],
         checks=verdict_["checks"],
+        inference=verdict_["inference"],
+        training=verdict_["training"],
+        cases=verdict_["cases"],
         rule=dataclasses.asdict(params.acceptance),
         rule_sha256=rule_sha,
         policy=trial_manifest["policy"],
@@ -43,7 +46,7 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
         result.notes.append(f"the trial ran with a different {', '.join(differs)} than the reference: {manifest['env']} vs {trial_manifest['env']}")
     if not result.accepted:
         result.rollback_package = str(paths.decision(dtype) / "rollback")
-        rollback.write_package(paths.decision(dtype) / "rollback", params, manifest, stats, dtype)
+        rollback.write_package(paths.decision(dtype) / "rollback", params, manifest, stats, dtype, result.cases)
     decision.write(result)
     decision.write_metrics(result, stats)
     print(review.text(review.verdict(dtype, result.as_dict(), stats.raw, diagnosis)))  # the verdict block, as everywhere

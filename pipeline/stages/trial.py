@@ -41,7 +41,7 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     if not world.writes:
         return  # rank 0 alone infers and writes
     result = run.training
-    writer.finish(result, policy, ref.manifest, devices.describe(device))
+    writer.finish(result, policy, ref.manifest, devices.describe(device), run.aligned)
     resume.clear()
     skipped = sum(r.skipped for r in result.records)
     print(f"trial {dtype}: {len(result.records)} steps, {result.real_updates} real updates, {skipped} skipped; final loss {result.records[-1].loss:.4f}")
