@@ -78,8 +78,9 @@ def header(text: str) -> list[str]:
     return lines
 
 
-def generate(name: str, root: Path = ROOT) -> str:
+def generate(name: str, root: Path | None = None) -> str:
     """The text of examples/NAME.params.yaml: params.yaml (as it is now) with examples/overrides/NAME.yaml merged in."""
+    root = root or ROOT
     yaml = _yaml()
     params = yaml.load((root / "params.yaml").read_text())
     text = (root / OVERRIDES / f"{name}.yaml").read_text()
@@ -94,27 +95,28 @@ def generate(name: str, root: Path = ROOT) -> str:
     return "\n".join([*header(text), notice, body])
 
 
-def names(root: Path = ROOT) -> list[str]:
-    return sorted(p.stem for p in (root / OVERRIDES).glob("*.yaml"))
+def names(root: Path | None = None) -> list[str]:
+    return sorted(p.stem for p in ((root or ROOT) / OVERRIDES).glob("*.yaml"))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, root: Path | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if any example differs from its generated text")
     args = parser.parse_args(argv)
-    stale = []
-    for name in names():
-        path = ROOT / "examples" / f"{name}.params.yaml"
-        text = generate(name)
+    root = root or ROOT
+    known, stale = names(root), []
+    for name in known:
+        path = root / "examples" / f"{name}.params.yaml"
+        text = generate(name, root)
         if path.exists() and path.read_text() == text:
             continue
         if args.check:
-            stale.append(path.relative_to(ROOT))
+            stale.append(path.relative_to(root))
         else:
             path.write_text(text)
-            print(f"wrote {path.relative_to(ROOT)}")
+            print(f"wrote {path.relative_to(root)}")
     orphans = sorted(
-        p.relative_to(ROOT) for p in (ROOT / "examples").glob("*.params.yaml") if p.name.removesuffix(".params.yaml") not in names()
+        p.relative_to(root) for p in (root / "examples").glob("*.params.yaml") if p.name.removesuffix(".params.yaml") not in known
     )
     for orphan in orphans:
         print(f"error: {orphan} has no {OVERRIDES}/{orphan.name.removesuffix('.params.yaml')}.yaml to generate it from", file=sys.stderr)

@@ -1,0 +1,121 @@
+"""Issue 26: every examples/*.params.yaml works as the README says, copied verbatim over params.yaml, then `dvc repro`.
+
+Each example is generated (scripts/make_examples.py, `make examples`): params.yaml deep-merged with
+examples/overrides/NAME.yaml. The unit tests here fail when a file differs from what would be generated (a section
+added to params.yaml and not yet in the examples) or lacks a params section that dvc.yaml declares; the
+integration test copies each file, unmerged, into a reproduced repository and runs `dvc repro --dry` (the check
+that said "Parameters 'threads, distributed' are missing"). tests/test_readme_commands.py runs one example to the end.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import sys
+
+import pytest
+import yaml
+from conftest import ROOT, run
+
+_spec = importlib.util.spec_from_file_location("make_examples", ROOT / "scripts" / "make_examples.py")
+make_examples = importlib.util.module_from_spec(_spec)
+sys.modules["make_examples"] = make_examples
+_spec.loader.exec_module(make_examples)
+
+EXAMPLES = make_examples.names()
+
+
+def declared_params() -> set[str]:
+    """Every params key (dotted) a stage of dvc.yaml declares; DVC refuses a params.yaml that lacks one."""
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    keys = set()
+    for stage in stages.values():
+        for p in stage.get("params", []):
+            key = p if isinstance(p, str) else next(iter(p))
+            if not key.endswith(".yaml"):
+                keys.add(key)
+    return keys
+
+
+def has(params: dict, dotted: str) -> bool:
+    node = params
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def test_the_examples_are_the_six_the_readme_knows():
+    assert EXAMPLES == ["bert", "convnet", "diabetes", "lm", "stress_overflow", "stress_underflow"]
+    shipped = sorted(p.name.removesuffix(".params.yaml") for p in (ROOT / "examples").glob("*.params.yaml"))
+    assert shipped == EXAMPLES, "every examples/NAME.params.yaml is generated from examples/overrides/NAME.yaml"
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_each_example_is_params_yaml_plus_its_overrides(name):
+    """Fails when params.yaml (or the overrides) changed and the examples were not regenerated: `make examples`."""
+    shipped = (ROOT / "examples" / f"{name}.params.yaml").read_text()
+    assert shipped == make_examples.generate(name), (
+        f"examples/{name}.params.yaml differs from params.yaml + examples/overrides/{name}.yaml: run `make examples`"
+    )
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_each_example_holds_every_param_dvc_yaml_declares(name):
+    params = yaml.safe_load((ROOT / "examples" / f"{name}.params.yaml").read_text())
+    missing = sorted(k for k in declared_params() if not has(params, k))
+    assert not missing, f"examples/{name}.params.yaml lacks {missing}: dvc repro would refuse it"
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_each_example_says_how_to_run_it(name):
+    text = (ROOT / "examples" / f"{name}.params.yaml").read_text()
+    assert f"cp examples/{name}.params.yaml params.yaml && dvc repro" in text.split("\nseed:")[0]
+
+
+def test_overrides_win_keep_their_comments_and_every_other_knob_is_params_yaml():
+    base = yaml.safe_load((ROOT / "params.yaml").read_text())
+    diabetes = yaml.safe_load((ROOT / "examples/diabetes.params.yaml").read_text())
+    assert diabetes["task"]["kind"] == "regression" and diabetes["acceptance"]["outputs"]["*"]["atol"] == 0.02
+    assert diabetes["compare"] == base["compare"] and diabetes["distributed"] == base["distributed"]
+    text = (ROOT / "examples/diabetes.params.yaml").read_text()
+    assert '"*": {atol: 0.02, rtol: 0.02}   # in standard deviations of the target' in text
+    assert "# Every knob of the pipeline." in text  # params.yaml's own comments come along
+
+
+def test_a_key_or_section_added_to_params_yaml_reaches_every_example(tmp_path):
+    """What happens when someone adds an acceptance key or a new section: regenerated, every example has it."""
+    shutil.copytree(ROOT / "examples" / "overrides", tmp_path / "examples" / "overrides")
+    text = (ROOT / "params.yaml").read_text()
+    text = text.replace("\nacceptance:\n", "\nacceptance:\n  brand_new_knob: 7               # a new rule key\n", 1)
+    (tmp_path / "params.yaml").write_text(text + "\nnew_section:        # added later\n  knob: true\n")
+    assert make_examples.main(["--check"], root=tmp_path) == 1  # nothing generated yet: every file is stale
+    assert make_examples.main([], root=tmp_path) == 0
+    assert make_examples.main(["--check"], root=tmp_path) == 0
+    for name in EXAMPLES:
+        written = (tmp_path / "examples" / f"{name}.params.yaml").read_text()
+        params = yaml.safe_load(written)
+        assert params["acceptance"]["brand_new_knob"] == 7 and params["new_section"] == {"knob": True}, name
+        assert "brand_new_knob: 7               # a new rule key" in written
+    lm = yaml.safe_load((tmp_path / "examples/lm.params.yaml").read_text())
+    assert lm["acceptance"]["max_kl_mean"] == 0.01  # the override still wins
+
+
+@pytest.mark.integration
+def test_each_example_copied_verbatim_passes_dvc_repro_dry(reproduced, tmp_path):
+    """As a user does it: the example's own command (`cp examples/NAME.params.yaml params.yaml && dvc repro`), in a
+    repository that has run before. `--dry` runs nothing but checks every stage's params (about 2 s each)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(reproduced, repo, symlinks=True)
+    shutil.copytree(ROOT / "examples", repo / "examples")
+    failed = {}
+    for name in EXAMPLES:
+        header = (ROOT / "examples" / f"{name}.params.yaml").read_text().split("\nseed:")[0]
+        command = re.search(rf"cp examples/{name}\.params\.yaml params\.yaml && dvc repro", header).group(0)
+        proc = run(["bash", "-c", f"{command} --dry"], repo, check=False)
+        assert (repo / "params.yaml").read_bytes() == (ROOT / "examples" / f"{name}.params.yaml").read_bytes()
+        if proc.returncode != 0 or "Running stage 'publish'" not in proc.stdout:
+            failed[name] = (proc.stderr or proc.stdout)[-1500:]
+    assert not failed, failed
