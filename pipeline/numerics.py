@@ -913,7 +913,7 @@ def trajectory_gap(
     t = torch.tensor([float(v) for v in trial_loss], dtype=torch.float64)
     # A non-finite loss on EITHER side is outside any band: a NaN reference step must not pass by comparison.
     gap = torch.where(torch.isfinite(t) & torch.isfinite(r), (t - r).abs(), torch.full_like(t, math.inf))
-    bad = gap - (atol + rtol * r.abs()) > 0
+    bad = ~(gap - (atol + rtol * r.abs()) <= 0)  # NaN (a non-finite reference step) is outside the band too
     violations = int(bad.sum())
     first = int(torch.nonzero(bad).flatten()[0]) if violations else -1
     worst_step = int(gap.argmax()) if gap.numel() else -1

@@ -64,7 +64,7 @@ class NonFinite(Exception):
     """Raised by ``write`` when the reference's outputs are not finite on some cases (ids in ``args[0]``)."""
 
 
-def _checked(chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], bad: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+def _checked(chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], bad: list[str], scan=None) -> Iterator[dict[str, torch.Tensor]]:
     row = 0
     for chunk in chunks:
         n = next(iter(chunk.values())).shape[0]
@@ -72,6 +72,8 @@ def _checked(chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], bad: lis
         for v in chunk.values():
             finite &= torch.isfinite(v.reshape(n, -1)).all(dim=1)
         bad.extend(ids[row + i] for i in torch.nonzero(~finite).flatten().tolist())
+        if scan is not None and not bad:
+            scan.update(row, chunk)
         row += n
         yield chunk
 
@@ -91,19 +93,27 @@ def write(
     fp64: Iterable[dict[str, torch.Tensor]] | None,
     replicate: list | None,
     policy: dict,
+    scan=None,
 ) -> dict:
-    """Write the reference (manifest last) and return the manifest.
+    """Write the reference (manifest last) and return the manifest. ``scan`` (``vetting.Scan``) sees the
+    outputs as they stream and vets the rule against them before anything replaces the previous reference.
 
     Raises:
         NonFinite: the FP32 outputs are not finite on some case; nothing is left in ``data/reference``.
+        UserError: ``scan`` finds that the rule cannot judge this reference (``verdict.vet_rule``: an output name the model lacks, a
+            tolerance as large as the output, a reference below the rule's quality, a non-finite step);
+            nothing is left either.
     """
     bad: list[str] = []
     files = dict(inputs)
     pending = {path: path.with_name(f".{path.name}.pending") for path in (paths.REF_OUTPUTS, paths.REF_OUTPUTS_FP64)}
     try:  # outputs stream to pending files: a refused reference leaves the previous one untouched
-        files[str(paths.REF_OUTPUTS)] = output_store.write_outputs(pending[paths.REF_OUTPUTS], _checked(outputs, fixed.ids, bad), fixed.ids)
+        files[str(paths.REF_OUTPUTS)] = output_store.write_outputs(pending[paths.REF_OUTPUTS], _checked(outputs, fixed.ids, bad, scan), fixed.ids)
         if bad:
             raise NonFinite(sorted(set(bad)))
+        problem = scan.problem([asdict(r) for r in records]) if scan is not None else None
+        if problem:
+            raise UserError(problem)
         if fp64 is not None:
             files[str(paths.REF_OUTPUTS_FP64)] = output_store.write_outputs(pending[paths.REF_OUTPUTS_FP64], fp64, fixed.ids)
     except BaseException:

@@ -87,14 +87,14 @@ def _inference(stats: dict, rule: AcceptanceConfig, j: _Judge) -> None:
             + (f": {_ids(gap['failing_ids'])}" if gap.get("failing_ids") else ""),
             ("values", gap.get("failing_ids", [])),
         )
-    _decisions(stats["flips"], rule, j, "decisions")
+    _decisions(stats["flips"], rule, j, "decisions", "flips")
     for name, head in sorted((stats.get("heads") or {}).items()):
-        _decisions(head, rule, j, f"decisions '{name}'")
+        _decisions(head, rule, j, f"decisions '{name}'", f"flips {name}")
     _distribution(stats.get("distribution"), rule, j)
     _quality(stats["quality"], rule, j, "inference", "trial")
 
 
-def _decisions(flips: dict, rule: AcceptanceConfig, j: _Judge, label: str) -> None:
+def _decisions(flips: dict, rule: AcceptanceConfig, j: _Judge, label: str, key: str) -> None:
     """Flips of real cases (ordinary, edge, selected: what the application acts on) and of constructed ones."""
     unit = "token" if flips.get("unit") == "token" else "case"
     listed = flips.get("flip_list", [])
@@ -102,7 +102,6 @@ def _decisions(flips: dict, rule: AcceptanceConfig, j: _Judge, label: str) -> No
     near_ids = _flip_ids(listed, lambda f: not f["boundary"] and f.get("near_boundary"))
     far, near = int(flips["flips"]), int(flips.get("near_boundary_flips", 0))
     margin = f"{flips.get('margin_kind', 'logit')} margin < {rule.boundary_margin:g}"
-    key = "flips" if label == "decisions" else f"flips {label.split(' ', 1)[1]}"
     if rule.max_flip_rate is not None:
         real = int(flips.get("cases", 0)) - int(flips.get("boundary_cases", 0))
         k = far + near
@@ -137,7 +136,7 @@ def _decisions(flips: dict, rule: AcceptanceConfig, j: _Judge, label: str) -> No
             f"(allowed fraction {rule.max_boundary_flip_fraction})",
             f"{label}: {flips['boundary_flips']} of {flips['boundary_cases']} constructed boundary cases flipped, "
             f"fraction {flips['boundary_flip_fraction']:.3g} > allowed {rule.max_boundary_flip_fraction}: {_ids(built_ids)}",
-            ("boundary_flips", built_ids))
+            ("boundary_flips" if key == "flips" else f"boundary_{key}", built_ids))
 
 
 def _quality(quality: dict, rule: AcceptanceConfig, j: _Judge, part: str, side: str) -> None:
@@ -270,6 +269,51 @@ def _noise_floor(noise: dict | None, rule: AcceptanceConfig, j: _Judge) -> None:
         f"{noise['first_violation_step']} (mean AMP gap {noise['mean_amp_gap']:.4g} vs FP32 replicate {noise['mean_replicate_gap']:.4g})",
         ("steps", [noise["first_violation_step"]]),
     )
+
+
+def vet_rule(rule: AcceptanceConfig, kind: str, shapes: dict[str, tuple], rms: dict[str, float], ref_quality: float, metric: str,
+             higher_is_better: bool, ref_steps: list[dict]) -> str | None:
+    """The first reason the rule cannot judge trials of this FP32 reference, as one line, or None.
+
+    Run at freeze, before any trial: a rule whose criteria cannot fail (a tolerance as large as the output it
+    bounds, a quality drop as large as the reference's own error, a loss band wider than the loss) would
+    accept noise; a name the model does not output would silently fall under ``*``; a reference that is
+    itself non-finite or below the rule's quality is no baseline (the guide: « Sorties finies et qualité
+    attendue »)."""
+    names = sorted(shapes)
+    unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
+    if unknown:
+        return (f"params.yaml: acceptance.outputs names {', '.join(map(repr, unknown))}, which the model does not output; its outputs "
+                f"are {', '.join(map(repr, names))}: fix the name")
+    for name in names:
+        if name not in rule.outputs and "*" not in rule.outputs:
+            return (f"params.yaml: acceptance.outputs has no entry for output '{name}' and no '*'; add '{name}': {{atol: ..., rtol: ...}} "
+                    f"in the output's own units")
+        key = name if name in rule.outputs else "*"
+        atol, scale = rule.outputs[key].atol, rms.get(name, 0.0)
+        if scale > 0 and atol >= scale:
+            return (f"params.yaml: acceptance.outputs.{key}.atol {atol:g} is not below the scale of output '{name}' (RMS {scale:.3g} in the "
+                    f"FP32 reference), so a trial off by the output's whole size would pass; give '{name}': {{atol: ..., rtol: ...}} in its "
+                    f"own units, for example atol {0.01 * scale:.2g} (1% of its RMS)")
+    for step in ref_steps:
+        if not math.isfinite(step["loss"]) or not math.isfinite(step["grad_norm"]):
+            what = "loss" if not math.isfinite(step["loss"]) else "gradient norm"
+            return (f"the FP32 reference's {what} is not finite at step {step['step']}: an incorrect FP32 run is no baseline; fix the model, "
+                    f"the data or the recipe (reference.lr, reference.grad_clip), then rerun")
+    if math.isfinite(ref_quality):
+        if rule.min_quality is not None and (ref_quality < rule.min_quality if higher_is_better else ref_quality > rule.min_quality):
+            return (f"the FP32 reference's quality ({metric} {ref_quality:.4g}) does not meet acceptance.min_quality {rule.min_quality:g}, so "
+                    f"every trial would roll back: fix the reference (training, data) before any trial, or set the minimum it can meet")
+        if metric in ("neg_rmse", "neg_mae") and rule.max_quality_drop is not None and 0 < abs(ref_quality) <= rule.max_quality_drop:
+            return (f"params.yaml: acceptance.max_quality_drop {rule.max_quality_drop:g} is not below the reference's own error "
+                    f"({metric[4:].upper()} {abs(ref_quality):.3g}), so a trial twice as wrong would pass; give it in the target's units, "
+                    f"for example {0.1 * abs(ref_quality):.2g}")
+    losses = [abs(s["loss"]) for s in ref_steps]
+    mean_loss = sum(losses) / len(losses) if losses else 0.0
+    if mean_loss > 0 and rule.loss_atol >= mean_loss:
+        return (f"params.yaml: acceptance.loss_atol {rule.loss_atol:g} is not below the reference's mean training loss ({mean_loss:.3g}), "
+                f"so the training band cannot fail; give it in the loss's units, for example {0.05 * mean_loss:.2g}")
+    return None
 
 
 # Direction in which each numeric criterion of the rule gets looser: +1 when a larger value lets more

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import torch
 
-from pipeline import cases, checkpoint, devices, distributed, paths, precision, reference, task, training
+from pipeline import cases, checkpoint, devices, distributed, paths, precision, reference, task, training, vetting
 from pipeline.artifacts import sha256_file
 from pipeline.config import load_params
 from pipeline.errors import UserError
@@ -43,6 +43,7 @@ def main(params_path: str = "params.yaml") -> None:
                 records=result.records, real_updates=result.real_updates, fixed=fixed,
                 outputs=training.infer_chunks(model, fixed.x, FP32, device, cfg.eval_mode),
                 fp64=training.fp64_chunks(model, fixed.x, cfg.eval_mode), replicate=replicate, policy=FP32.as_dict(),
+                scan=vetting.Scan(params, fixed),
             )
         except reference.NonFinite as bad:
             resume.clear()  # nothing of a refused reference is kept

@@ -1,0 +1,52 @@
+"""The acceptance rule vetted against the FP32 reference at freeze, before any trial.
+
+freeze hands a ``Scan`` to ``reference.write``: it sees the outputs as they stream to disk (names, shapes,
+RMS per output, the reference's quality with compare's metric) and, with the trajectory, asks
+``verdict.vet_rule`` whether the rule can judge trials of this reference at all. A refusal is one line and
+leaves the previous reference in place. Only freeze imports this module (trial and compare do not pay for it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pipeline import cases, comparison, numerics, task, verdict
+from pipeline.config import Params
+
+
+class Scan:
+    """What the rule is vetted against at freeze, gathered while the outputs stream to disk: each output's
+    name, shape and RMS, and the reference's quality on the fixed set (the metric compare uses)."""
+
+    def __init__(self, params: Params, fixed: cases.Cases) -> None:
+        self.rule, self.kind = params.acceptance, params.task.kind
+        self.metric = comparison.Metric.for_task(params.task, params.task.kind)
+        self.quality = numerics.QualityStats(self.metric.name, params.acceptance.tie_rule, self.metric.top_k, self.metric.function)
+        self.targets, self.has_target = fixed.y, fixed.has_target.bool()
+        mask = comparison.token_mask_of(fixed.x)
+        if mask is not None and tuple(mask.shape) == tuple(self.targets.shape) and self.targets.ndim == 2:
+            self.targets = self.targets.masked_fill(~mask.bool(), numerics.IGNORE_INDEX)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.squares: dict[str, float] = {}
+        self.count: dict[str, int] = {}
+
+    def update(self, row: int, chunk: dict[str, torch.Tensor]) -> None:
+        for name, v in chunk.items():
+            self.shapes[name] = tuple(v.shape[1:])
+            self.squares[name] = self.squares.get(name, 0.0) + float(v.detach().double().square().sum())
+            self.count[name] = self.count.get(name, 0) + v.numel()
+        out = task.primary(chunk)
+        n = out.shape[0]
+        keep = self.has_target[row : row + n]
+        if bool(keep.any()):
+            self.quality.update(out[keep], self.targets[row : row + n][keep])
+
+    def rms(self) -> dict[str, float]:
+        return {name: math.sqrt(self.squares[name] / self.count[name]) if self.count[name] else 0.0 for name in self.squares}
+
+    def problem(self, ref_steps: list[dict]) -> str | None:
+        """The first reason the rule cannot judge this reference (``verdict.vet_rule``), or None."""
+        return verdict.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
+                                self.metric.higher_is_better, ref_steps)

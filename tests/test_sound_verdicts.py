@@ -1,0 +1,314 @@
+"""Sound verdicts: adversarial cases whose right answer follows from the guide, on real models under real autocast.
+
+Each test builds the case with real torch modules (and Hugging Face classes where named), runs the project's own
+compare and rule on it, and asserts the verdict the guide asks for: no false accept (a changed decision, an untested
+head, a non-finite output of the AMP-trained model, a vacuous tolerance) and no false rollback (a GradScaler skip made
+by design).
+"""
+
+import dataclasses
+import math
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from pipeline import bounds, comparison, numerics, training, verdict
+from pipeline.config import AcceptanceConfig, ReferenceConfig, Tolerance
+from pipeline.precision import Policy
+
+RULE = AcceptanceConfig(min_quality=None)
+FLAT = [{"step": i, "loss": 1.0, "skipped": False, "scale": 1.0, "grad_norm": 1.0} for i in range(12)]
+
+
+def _autocast(model, x, dtype):
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        out = model(x)
+    out = out if isinstance(out, dict) else {"output": out}
+    return {k: v.float() for k, v in out.items()}
+
+
+def _fp32(model, x):
+    with torch.no_grad():
+        out = model(x)
+    return out if isinstance(out, dict) else {"output": out}
+
+
+def _judge(ids, y, has_target, ref, trial, trained=None, rule=RULE, steps=FLAT, trial_steps=None, aligned=None, scaler=False):
+    stats, _ = comparison.compare_streams(
+        "classification" if y.dtype == torch.long else "regression", rule, ids, y, has_target, comparison.InMemory(ref),
+        comparison.InMemory(trial), comparison.InMemory(trained if trained is not None else trial), steps, trial_steps or steps,
+        2.0**16 if scaler else 1.0, scaler_enabled=scaler, aligned_steps=aligned,
+    )
+    return stats, verdict.decide(stats, rule)
+
+
+def _low_confidence(n=400, classes=4, seed=0):
+    """A real classifier whose every top-2 margin is below 0.05 logit: its scores are squeezed toward a tie."""
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, classes))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+        # Every class row is one common row plus a small difference: large logits, tiny top-2 margins.
+        common = torch.randn(1, 32, generator=g)
+        model[2].weight.copy_(common + 0.002 * torch.randn(classes, 32, generator=g))
+        model[2].bias.zero_()
+    x = torch.randn(n, 16, generator=g)
+    ids = [f"ordinary/s{i}" for i in range(n)]
+    ref = _fp32(model, x)
+    y = ref["output"].argmax(1)
+    return model, x, ids, y, torch.ones(n, dtype=torch.bool), ref
+
+
+def test_low_confidence_classifier_flips_are_named_and_fail_the_default_rule():
+    model, x, ids, y, has_target, ref = _low_confidence()
+    trial = _autocast(model, x, torch.bfloat16)
+    flipped = int((trial["output"].argmax(1) != ref["output"].argmax(1)).sum())
+    margins = ref["output"].topk(2, dim=1).values
+    assert bool(((margins[:, 0] - margins[:, 1]) < 0.05).all()) and flipped >= 10  # the case: every sample near the boundary
+    stats, d = _judge(ids, y, has_target, ref, trial, rule=dataclasses.replace(RULE, max_quality_drop=1.0))
+    assert d["decision"] == "rollback" and d["inference"] == "rollback"
+    assert len(d["cases"]["flips"]) == flipped  # every flipped real case is named, none excused as "near the boundary"
+    reason = next(r for r in d["reasons"] if "near the boundary" in r)
+    assert d["cases"]["flips"][0] in reason
+    # The user who tolerates flips says so in the rule, and the verdict says it in words.
+    loose = dataclasses.replace(RULE, max_quality_drop=1.0, max_near_boundary_flips=None, outputs={"*": Tolerance(atol=10.0, rtol=0.1)})
+    _, d = _judge(ids, y, has_target, ref, trial, rule=loose)
+    assert d["decision"] == "accept" and any("not limited: the rule sets max_near_boundary_flips: null" in c for c in d["checks"])
+
+
+def test_flip_rate_bound_needs_enough_cases_and_does_not_roll_back_a_large_set_on_noise():
+    rule = dataclasses.replace(RULE, max_flip_rate=0.01, confidence=0.95)
+    assert bounds.cases_needed(0.01, 0.95) == 299
+    n, k = 100, 0
+    assert bounds.binomial_upper(k, n, 0.95) > 0.01  # 100 cases cannot give a confident accept, even with no flip
+    flips = {"cases": n, "boundary_cases": 0, "flips": 0, "near_boundary_flips": 0, "boundary_flips": 0, "boundary_flip_fraction": 0.0,
+             "flip_list": []}
+    j = verdict._Judge()
+    verdict._decisions(flips, rule, j, "decisions", "flips")
+    assert j.failed["inference"] and "needs at least 299" in j.reasons[0]
+    big = dict(flips, cases=50_000, flips=250, flip_list=[{"id": f"ordinary/{i}", "boundary": False} for i in range(250)])
+    j = verdict._Judge()
+    verdict._decisions(big, rule, j, "decisions", "flips")  # 0.5 % observed, upper bound 0.56 % < 1 %
+    assert not j.failed["inference"], j.reasons
+    # Exactness: the bound is the Clopper–Pearson one (checked against the beta quantile, scipy's).
+    scipy_stats = pytest.importorskip("scipy.stats")
+    assert bounds.binomial_upper(250, 50_000, 0.95) == pytest.approx(scipy_stats.beta.ppf(0.95, 251, 50_000 - 250), rel=1e-9)
+
+
+def test_a_second_classification_head_is_decided_too():
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(1)
+            self.body = torch.nn.Linear(16, 32)
+            self.main = torch.nn.Linear(32, 3)
+            self.aux = torch.nn.Linear(32, 5)
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g))
+                self.main.weight.mul_(3.0)
+                # A low-margin second head (one common row plus small differences): bf16 flips it.
+                self.aux.weight.copy_(torch.randn(1, 32, generator=g) + 0.002 * torch.randn(5, 32, generator=g))
+                self.aux.bias.zero_()
+
+        def forward(self, x):
+            h = torch.tanh(self.body(x))
+            return {"logits": self.main(h), "aux": self.aux(h)}
+
+    model = TwoHeads()
+    x = torch.randn(300, 16, generator=torch.Generator().manual_seed(2))
+    ids = [f"ordinary/s{i}" for i in range(300)]
+    ref = _fp32(model, x)
+    y = ref["logits"].argmax(1)
+    trial = _autocast(model, x, torch.bfloat16)
+    assert bool((trial["logits"].argmax(1) == y).all()) and int((trial["aux"].argmax(1) != ref["aux"].argmax(1)).sum()) > 5
+    rule = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.5, rtol=0.02)}, max_near_boundary_flips=None)
+    stats, d = _judge(ids, y, torch.ones(300, dtype=torch.bool), ref, trial, rule=dataclasses.replace(rule, max_near_boundary_flips=0))
+    assert "aux" in stats["heads"] and d["decision"] == "rollback"
+    assert any(r.startswith("decisions 'aux'") for r in d["reasons"]) and d["cases"]["flips aux"]
+    # Saying in the rule that aux is not a decision (an embedding, say) is explicit, hashed, and listed as loosened.
+    values_only = dataclasses.replace(rule, outputs={"*": Tolerance(atol=0.5, rtol=0.02), "aux": Tolerance(atol=0.5, rtol=0.02, decisions=False)})
+    stats, d = _judge(ids, y, torch.ones(300, dtype=torch.bool), ref, trial, rule=values_only)
+    assert "aux" not in stats["heads"] and d["decision"] == "accept", d["reasons"]
+    assert "outputs.aux.decisions None -> false" in verdict.loosened(dataclasses.asdict(rule), dataclasses.asdict(values_only))
+
+
+def test_non_finite_outputs_of_the_amp_trained_model_roll_back_with_their_ids():
+    """The AMP-trained model overflows float16 on the edge cases (scaled x1000) only: its ordinary quality is intact."""
+    g = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+    x = torch.cat([torch.rand(40, 8, generator=g), torch.rand(11, 8, generator=g) * 1000.0])
+    ids = [f"ordinary/s{i}" for i in range(40)] + [f"edge/s{i}x1000" for i in range(11)]
+    has_target = torch.tensor([True] * 40 + [False] * 11)
+    ref = _fp32(model, x)
+    y = ref["output"].argmax(1)
+    trained_model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+    trained_model.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        # What AMP training drifted to (a power of two: the same numbers on ordinary inputs), past 65504 at x1000.
+        trained_model[0].weight.mul_(1024.0)
+        trained_model[0].bias.mul_(1024.0)
+        trained_model[2].weight.div_(1024.0)
+    trained = _autocast(trained_model, x, torch.float16)
+    bad = ~torch.isfinite(trained["output"]).all(1)
+    assert int(bad[40:].sum()) == 11 and int(bad[:40].sum()) == 0 and bool((trained["output"][:40].argmax(1) == y[:40]).all())
+    trial = _autocast(model, x, torch.float16)
+    stats, d = _judge(ids, y, has_target, ref, trial, trained=trained, rule=dataclasses.replace(RULE, outputs={"*": Tolerance(atol=1.0, rtol=0.02)}))
+    assert stats["nonfinite"]["trained"]["rows"] == 11 and stats["nonfinite"]["trained"]["per_kind"] == {"edge": 11}
+    assert d["decision"] == "rollback" and d["training"] == "rollback" and d["inference"] == "accept"
+    assert d["cases"]["nonfinite_trained"] == ids[40:]
+    assert any("AMP-trained model" in r and "edge/s0x1000" in r for r in d["reasons"])
+
+
+def test_a_non_finite_row_is_a_miss_in_every_metric():
+    scores = torch.tensor([[5.0, 1.0, 0.0], [float("nan"), 9.0, 0.0], [0.0, float("inf"), 1.0]])
+    y = torch.tensor([0, 1, 1])
+    for metric in ("accuracy", "top_k"):
+        q = numerics.QualityStats(metric, "lowest_index", top_k=2)
+        q.update(scores, y)
+        assert q.counts() == (1, 3), metric  # before: top_k counted the NaN row's target among its "best" scores
+
+
+def test_tie_is_flip_two_different_ties_are_a_flip():
+    ref = torch.tensor([[1.0, 1.0, 0.0], [2.0, 2.0, 0.0]])
+    trial = torch.tensor([[0.0, 1.0, 1.0], [2.0, 2.0, 0.0]])  # row 0: tied among other classes; row 1: the same tie
+    f = numerics.classification_flips(["ordinary/a", "ordinary/b"], ["ordinary", "ordinary"], ref, trial, "tie_is_flip", 0.0)
+    assert f["flips"] == 1 and f["flip_list"][0]["id"] == "ordinary/a"
+
+
+def test_one_miss_in_a_hundred_is_within_a_one_percent_drop():
+    q = {"metric": "accuracy", "higher_is_better": True, "reference": 1.0, "trial": 0.99, "trained": 1.0,
+         "counts": {"reference": [100, 100], "trial": [99, 100], "trained": [100, 100]}}
+    j = verdict._Judge()
+    verdict._quality(q, AcceptanceConfig(max_quality_drop=0.01), j, "inference", "trial")
+    assert not j.failed["inference"], j.reasons  # before: "drop 0.0100 > 0.01" on rounded fractions
+    q["counts"]["trial"] = [98, 100]
+    j = verdict._Judge()
+    verdict._quality(q, AcceptanceConfig(max_quality_drop=0.01), j, "inference", "trial")
+    assert j.failed["inference"] and "2 case(s) fewer" in j.reasons[0]
+
+
+def test_streamed_p99_gate_reads_the_upper_edge():
+    torch.manual_seed(0)
+    values = torch.rand(200_000, dtype=torch.float64) ** 3
+    q = numerics.StreamQuantile(0.99, values.numel(), max_exact=100)  # forced to the histogram
+    q.update(values)
+    exact = numerics.quantile(values, 0.99)
+    assert not q.exact and q.upper() >= exact and q.upper() <= exact * (1 + 2**-9)
+
+
+def test_tiny_scale_regression_refuses_logit_tolerances_and_unknown_names():
+    model = torch.nn.Linear(4, 1)
+    with torch.no_grad():
+        model.weight.mul_(1e-7)
+        model.bias.mul_(1e-7)
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    ref = _fp32(model, x)
+    rms = {"output": float(ref["output"].square().mean().sqrt())}
+    shapes = {"output": (1,)}
+    steps = [{"step": 0, "loss": 1e-14, "grad_norm": 1e-7}]
+    shipped = AcceptanceConfig()  # logit defaults: atol 0.05 on outputs of 1e-7
+    line = verdict.vet_rule(shipped, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps)
+    assert "atol 0.05 is not below the scale of output 'output'" in line
+    # float16 predictions of it are noise: relative error about 100 %, yet inside atol 0.05.
+    trial = _autocast(model, x, torch.float16)
+    assert float(((trial["output"] - ref["output"]).abs() / ref["output"].abs()).median()) > 0.1
+    typo = dataclasses.replace(shipped, outputs={"*": Tolerance(atol=1e-10, rtol=0.02), "ouptut": Tolerance(atol=1e-10)})
+    assert "'ouptut', which the model does not output; its outputs are 'output'" in verdict.vet_rule(typo, "regression", shapes, rms, -1e-8,
+                                                                                                        "neg_rmse", True, steps)
+    named = dataclasses.replace(shipped, outputs={"output": Tolerance(atol=1e-10)})
+    two = {"output": (1,), "aux": (1,)}
+    assert "no entry for output 'aux' and no '*'" in verdict.vet_rule(named, "regression", two, dict(rms, aux=1e-7), -1e-8, "neg_rmse", True, steps)
+    scaled = dataclasses.replace(shipped, outputs={"*": Tolerance(atol=1e-10, rtol=0.02)}, min_quality=None)
+    assert "max_quality_drop 0.01 is not below the reference's own error" in verdict.vet_rule(scaled, "regression", shapes, rms, -1e-8,
+                                                                                               "neg_rmse", True, steps)
+    fixed = dataclasses.replace(scaled, max_quality_drop=1e-9, loss_atol=1e-16)
+    assert verdict.vet_rule(fixed, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps) is None
+
+
+def test_reference_that_is_not_a_baseline_is_refused_at_freeze():
+    rule = AcceptanceConfig(min_quality=0.9)
+    shapes, rms = {"output": (10,)}, {"output": 3.0}
+    ok = [{"step": 0, "loss": 2.3, "grad_norm": 1.0}]
+    assert "does not meet acceptance.min_quality 0.9" in verdict.vet_rule(rule, "classification", shapes, rms, 0.5, "accuracy", True, ok)
+    nan = [{"step": 0, "loss": 2.3, "grad_norm": 1.0}, {"step": 1, "loss": float("nan"), "grad_norm": 1.0}]
+    assert "loss is not finite at step 1" in verdict.vet_rule(rule, "classification", shapes, rms, 0.95, "accuracy", True, nan)
+    assert verdict.vet_rule(rule, "classification", shapes, rms, 0.95, "accuracy", True, ok) is None
+
+
+def test_vacuous_passes_become_named_reasons():
+    stats = {"tokens": 0, "kl_mean": 0.0, "kl_p99": 0.0, "kl_max": 0.0, "top1_agreement": 1.0}
+    j = verdict._Judge()
+    verdict._distribution(stats, AcceptanceConfig(max_kl_mean=0.01), j)
+    assert j.failed["inference"] and "no valid token" in j.reasons[0]
+    gap = numerics.trajectory_gap([1.0, float("nan")], [1.0, 1.0], 0.05, 0.1)
+    assert gap["band_violations"] == 1  # a NaN reference step is outside any band
+    health = numerics.update_health([True, True, True], [1.0, 1.0, 1.0, 1.0], [False] * 3, window=10)
+    assert health["stalled"] and health["stall_window"] == 3  # a run shorter than the window can still stall
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+class Sqrt(torch.nn.Module):
+    """Finite loss, non-finite gradient: sqrt's derivative at 0 is infinite."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2, bias=False)
+
+    def forward(self, x):
+        return torch.sqrt(self.lin(x)) - 1.0
+
+
+def test_bfloat16_never_applies_a_non_finite_gradient():
+    model = Sqrt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.zeros(4, 4)  # lin(x) = 0: sqrt'(0) = inf
+    y = torch.tensor([0, 1, 0, 1])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = Policy(dtype="bfloat16")
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    out = training.amp_step(model, [(x, y)], training.make_loss("cross_entropy"), optimizer, scaler, policy, torch.device("cpu"))
+    assert math.isfinite(float(out.loss)) and not math.isfinite(float(out.grad_norm))
+    assert out.skipped and out.nonfinite_grad
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # before: the weights went NaN
+    steps = [{"step": 0, "loss": 1.0, "skipped": True, "scale": 1.0, "nonfinite_grad": True}] + FLAT[1:]
+    stats = comparison.training_stats(RULE, FLAT, steps, 1.0, False)
+    j = verdict._Judge()
+    verdict._training({"training": stats, "quality": {"reference": math.nan, "trial": math.nan, "trained": math.nan}},
+                      dataclasses.replace(RULE, max_quality_drop=None), j)
+    assert j.failed["training"] and any("non-finite gradient norm at step(s) 0" in r for r in j.reasons)
+
+
+def test_designed_gradscaler_skips_do_not_roll_back_but_a_divergence_does():
+    """float16 with an initial scale that overflows at the first steps: the scaler skips and backs off, as designed.
+
+    Against the FP32 reference the trial runs behind by the skipped updates and the per-step band fails;
+    against FP32 aligned on the same skips it passes. A real divergence (10x the learning rate) still fails."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=g) * 4.0  # large enough inputs that 65536 once scales a gradient past float16's range
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    cfg = ReferenceConfig(train_steps=30, batch_size=32, lr=0.5, momentum=0.0, checkpoint_every=0, grad_clip=None)
+    device = torch.device("cpu")
+
+    def run(policy, cfg=cfg, skip=frozenset()):
+        return training.train(_net(), x, y, cfg, "cross_entropy", policy, device, 0, skip_steps=skip, label="t").records
+
+    ref = [asdict(r) for r in run(Policy())]
+    trial_records = run(Policy(dtype="float16"))
+    skipped = [r.step for r in trial_records if r.skipped]
+    assert 1 <= len(skipped) <= 3, skipped  # 65536 overflows float16's gradients once; the scale backs off
+    trial = [asdict(r) for r in trial_records]
+    aligned = [asdict(r) for r in training.aligned_fp32(_net, x, y, cfg, "cross_entropy", device, 0, trial_records, "t")]
+    rule = dataclasses.replace(RULE, loss_atol=0.05, loss_rtol=0.0)
+    naive = comparison.training_stats(rule, ref, trial, 1024.0, True)
+    fair = comparison.training_stats(rule, ref, trial, 1024.0, True, aligned_steps=aligned)
+    assert naive["band_violations"] > 0 and fair["band_violations"] == 0, (naive["max_loss_gap"], fair["max_loss_gap"])
+    harmful = [asdict(r) for r in run(Policy(dtype="float16"), dataclasses.replace(cfg, lr=5.0))]
+    bad = comparison.training_stats(rule, ref, harmful, 1024.0, True, aligned_steps=aligned)
+    assert bad["band_violations"] > 0
