@@ -68,7 +68,9 @@ def verdict(
     else:
         failed = [r for r in decision.get("reasons", []) if not str(r).startswith(("warning", "diagnosis:"))]
         what = f"{len(failed)} criteria failed" if len(failed) != 1 else "1 criterion failed"
-        sentence = f"{dtype}: ROLLBACK: {what}; keep FP32 for {dtype} (the reference state is restorable exactly)"
+        parts = {p: decision.get(p) for p in ("inference", "training") if decision.get(p)}
+        split = f" (inference {parts['inference'].upper()}, training {parts['training'].upper()})" if len(parts) == 2 else ""
+        sentence = f"{dtype}: ROLLBACK: {what}{split}; keep FP32 for {dtype} (the reference state is restorable exactly)"
     out = Verdict(dtype=dtype, decision=str(decision.get("decision", "?")), sentence=sentence)
     # decide lists the failed criteria, then the diagnosis' findings (prefixed "diagnosis:"); older decisions
     # did not carry the findings: take them from the diagnosis then.
