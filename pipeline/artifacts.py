@@ -33,6 +33,7 @@ def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
         UserError: the folder cannot be created or written.
     """
     path = Path(path)
+    check_inside_repository(path.parent)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -53,6 +54,34 @@ def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def check_inside_repository(folder: str | Path) -> None:
+    """Refuse to write or delete under ``folder`` when it, or a folder between it and the repository root
+    (the working directory the stages run in), is a symlink, or when it resolves outside the repository.
+
+    Only relative paths are checked: they are the stages' outputs (``pipeline.paths``); an absolute path
+    is a caller's own choice (a temporary folder, a test).
+
+    Raises:
+        UserError: the folder is, or lies under, a symlink, or resolves outside the repository.
+    """
+    folder = Path(folder)
+    if folder.is_absolute():
+        return
+    root = Path.cwd().resolve()
+    step = Path()
+    for part in folder.parts:
+        step = step / part
+        if part == "..":
+            break
+        if step.is_symlink():
+            raise UserError(
+                f"{step} is a symlink (to {os.readlink(step)}); a stage never writes or deletes through one: replace it "
+                f"with a real folder inside the repository (`rm {step}`), then rerun"
+            )
+    if not folder.resolve().is_relative_to(root):
+        raise UserError(f"{folder} resolves to {folder.resolve()}, outside the repository {root}; keep the outputs inside it, then rerun")
 
 
 def write_bytes(path: str | Path, data: bytes) -> None:
@@ -157,14 +186,8 @@ def read_tensors(path: str | Path, expected_sha256: str | None = None, produced_
     Raises:
         UserError: missing file, hash mismatch, or not a valid safetensors file (nothing is executed).
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
-    path = Path(path)
     hint = f"`dvc repro {produced_by}`" if produced_by else "`dvc repro --force`"
-    if not path.is_file():
-        raise UserError(f"{path} not found; run {hint} to produce it")
-    raw = path.read_bytes()
+    raw = _read_raw(Path(path), hint)
     if expected_sha256 is not None:
         actual = hashlib.sha256(raw).hexdigest()
         if actual != expected_sha256:
@@ -172,6 +195,30 @@ def read_tensors(path: str | Path, expected_sha256: str | None = None, produced_
                 f"{path} has sha256 {actual[:12]}… but its manifest expects {expected_sha256[:12]}…; it was damaged "
                 f"or replaced: restore it with `dvc checkout` or rebuild it with {hint}"
             )
+    return _parse_tensors(Path(path), raw, hint)
+
+
+def read_tensors_hashed(path: str | Path) -> tuple[dict, dict, str]:
+    """The tensors, the metadata and the sha256 of a safetensors file, from one read of it.
+
+    Raises:
+        UserError: missing file, or not a valid safetensors file (nothing is executed).
+    """
+    raw = _read_raw(Path(path), "`dvc repro --force`")
+    tensors, meta = _parse_tensors(Path(path), raw, "`dvc repro --force`")
+    return tensors, meta, hashlib.sha256(raw).hexdigest()
+
+
+def _read_raw(path: Path, hint: str) -> bytes:
+    if not path.is_file():
+        raise UserError(f"{path} not found; run {hint} to produce it")
+    return path.read_bytes()
+
+
+def _parse_tensors(path: Path, raw: bytes, hint: str) -> tuple[dict, dict]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
     try:
         tensors = load(raw)
         header_len = int.from_bytes(raw[:8], "little")

@@ -9,12 +9,17 @@ the expected sha256 before opening the file.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from pipeline.artifacts import read_tensors, write_tensors
+
+from pipeline.artifacts import check_inside_repository, read_tensors, read_tensors_hashed, sha256_file, write_bytes, write_tensors
 from pipeline.errors import UserError
 
 FORMAT_VERSION = "1"
@@ -108,6 +113,17 @@ def restore(
         set_rng_state(ckpt.tensors)
 
 
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of named tensors (name, dtype, shape and bytes, in name order): the initial weights' hash."""
+    digest = hashlib.sha256()
+    for name, t in sorted(tensors.items()):
+        t = t.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def rng_state() -> dict[str, torch.Tensor]:
     """The CPU generator's state (``rng/cpu``) and, where a GPU is visible, the current GPU's (``rng/cuda``).
 
@@ -139,11 +155,110 @@ def environment_key(device: torch.device) -> dict[str, str]:
     return {"backend": env["backend"], "device_name": env["device_name"], "torch": env["torch"]}
 
 
+SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def scaler_problem(state: Any) -> str | None:
+    """What is wrong with a saved GradScaler ``state_dict`` (None: nothing). ``{}`` is a disabled scaler's.
+
+    Every key present, every value a finite number, and the values torch itself would accept: scale > 0,
+    growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1, growth tracker >= 0.
+    """
+    if not isinstance(state, dict):
+        return f"grad_scaler is {type(state).__name__}, not a dict"
+    if not state:
+        return None
+    missing = [k for k in SCALER_KEYS if k not in state]
+    if missing:
+        return f"grad_scaler lacks {', '.join(missing)}"
+    for key in SCALER_KEYS:
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"grad_scaler {key} is {value!r}, not a finite number"
+    if state["scale"] <= 0:
+        return f"grad_scaler scale is {state['scale']!r}, not > 0"
+    if not state["growth_factor"] > 1 or not 0 < state["backoff_factor"] < 1:
+        return f"grad_scaler growth_factor {state['growth_factor']!r} / backoff_factor {state['backoff_factor']!r} out of range"
+    if state["growth_interval"] < 1 or state["_growth_tracker"] < 0:
+        return f"grad_scaler growth_interval {state['growth_interval']!r} / _growth_tracker {state['_growth_tracker']!r} out of range"
+    return None
+
+
+def _counters_problem(meta: dict[str, Any]) -> str | None:
+    """The loop's counters of a resume state, where present: a step count, one record per step, real updates
+    <= steps."""
+    step = meta.get("step")
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        return f"step is {step!r}"
+    records, updates = meta.get("records"), meta.get("real_updates")
+    if records is not None and (not isinstance(records, list) or len(records) != step or not all(isinstance(r, dict) for r in records)):
+        return f"records do not match step {step}"
+    if updates is not None and (isinstance(updates, bool) or not isinstance(updates, int) or not 0 <= updates <= step):
+        return f"real_updates is {updates!r} after {step} steps"
+    return None
+
+
+def _installed_roots() -> tuple[Path, ...]:
+    import site
+    import sysconfig
+
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, *sysconfig.get_paths().values()}
+    try:
+        roots.update(site.getsitepackages())
+    except AttributeError:  # some virtualenvs' site module
+        pass
+    return tuple(Path(r).resolve() for r in roots if r)
+
+
+def code_digest() -> dict[str, str]:
+    """sha256 of the code a training run executes, by module name: every ``.py`` file of the ``pipeline``
+    package, and every module imported so far that is not part of the Python installation (the task's own
+    modules: the model, the data function, a custom loss or optimizer, wherever they live). Module names,
+    not paths: a copy of the project in another folder keeps its key."""
+    import pipeline
+
+    package = Path(pipeline.__file__).resolve().parent
+    files = {f"pipeline/{p.relative_to(package).as_posix()}": p for p in package.rglob("*.py")}
+    roots = _installed_roots()
+    for name, module in list(sys.modules.items()):
+        origin = getattr(module, "__file__", None)
+        if not origin or not origin.endswith(".py"):
+            continue
+        path = Path(origin).resolve()
+        if path.is_relative_to(package) or any(path.is_relative_to(r) for r in roots) or not path.is_file():
+            continue
+        files[name] = path
+    return {name: sha256_file(path) for name, path in sorted(files.items())}
+
+
+def resume_context(key: str, device: torch.device) -> dict[str, Any]:
+    """Everything that changes the bytes of a training run besides its inputs (which ``key`` covers): the
+    code (``code_digest``), torch's intra- and inter-op thread counts, the world size."""
+    from pipeline import distributed
+
+    return {
+        "run": key,
+        "code": hashlib.sha256(json.dumps(code_digest(), sort_keys=True).encode()).hexdigest(),
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "world_size": distributed.current().size,
+    }
+
+
 class ResumeFile:
     """A resumable training state kept beside (not inside) a stage's outputs, since DVC deletes those
-    before a stage runs. ``key`` names the run (inputs and policy): a state saved by another run is ignored.
+    before a stage runs. ``key`` names the run (inputs, initial weights and policy); the state is also
+    keyed on the code, the thread counts and the world size (``resume_context``): a state saved by another
+    run is ignored, with one line saying what differs, and the run restarts from step 0.
 
-    The environment (backend, device name, torch version: ``environment_key``) is part of the key: a state
+    Integrity: ``save`` writes the file's sha256 to a sidecar (``NAME.sha256``), and ``load`` verifies it
+    before anything is read, then checks the GradScaler state and the loop's counters. A damaged state (a
+    flipped bit, an edited scale, a missing sidecar, a NaN or negative scale, a missing key) is reported in
+    one line and costs a restart from step 0, never a wrong result.
+
+    The environment (backend, device name, torch version: ``environment_key``) is checked apart: a state
     saved by the same run on another device or torch is refused with one line, never resumed, since the
     result would be one artifact trained on two machines. ``device`` is the run's device; without it, the
     GPU when one is visible, else the CPU.
@@ -152,8 +267,12 @@ class ResumeFile:
     def __init__(self, path: str | Path, key: str, device: torch.device | str | None = None) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.path, self.key = Path(path), key
-        self.env = environment_key(torch.device(device))
+        device = torch.device(device)
+        self.path = Path(path)
+        self.sidecar = self.path.with_name(self.path.name + ".sha256")
+        self.context = resume_context(key, device)
+        self.key = hashlib.sha256(json.dumps(self.context, sort_keys=True).encode()).hexdigest()
+        self.env = environment_key(device)
 
     def load(self) -> Checkpoint | None:
         """The saved state of this run, None when there is none (or it is damaged, or another run's).
@@ -164,12 +283,14 @@ class ResumeFile:
         if not self.path.is_file():
             return None
         try:
-            ckpt = load(self.path)
+            tensors, meta, actual = read_tensors_hashed(self.path)  # parsed, never executed; not used before its hash is checked
         except UserError:
-            return None  # a damaged resume state costs a restart, never a wrong result
-        if ckpt.meta.get("run_key") != self.key:
-            return None
-        saved = ckpt.meta.get("run_env")
+            return self._restart("is not a readable safetensors file (truncated?)")
+        if meta.pop("format_version", None) != FORMAT_VERSION:
+            return self._restart(f"has another checkpoint format than {FORMAT_VERSION!r}")
+        if meta.get("run_key") != self.key:
+            return self._restart(f"was saved by another run ({self._what_differs(meta.get('resume_context'))} differ)", damaged=False)
+        saved = meta.get("run_env")
         if saved != self.env:
             was = ", ".join(f"{k} {v}" for k, v in (saved or {}).items()) or "an unrecorded environment"
             now = ", ".join(f"{k} {v}" for k, v in self.env.items())
@@ -177,12 +298,50 @@ class ResumeFile:
                 f"{self.path} holds this run's interrupted state from {was}, not {now}; resume it there, "
                 f"or delete {self.path} to restart from step 0 here"
             )
-        return ckpt
+        expected = self._expected_sha256()
+        if expected is None:
+            return self._restart(f"has no valid sha256 record ({self.sidecar.name} missing or unreadable)")
+        if actual != expected:
+            return self._restart(f"does not match its sha256 in {self.sidecar.name} (damaged or edited: {actual[:12]}… != {expected[:12]}…)")
+        problem = scaler_problem(meta.get("grad_scaler", {})) or _counters_problem(meta)
+        if problem:
+            return self._restart(f"is inconsistent ({problem})")
+        return Checkpoint(tensors=tensors, meta=meta)
 
     def save(self, ckpt: Checkpoint) -> None:
         ckpt.meta["run_key"] = self.key
+        ckpt.meta["resume_context"] = self.context
         ckpt.meta["run_env"] = self.env
-        save(self.path, ckpt)
+        digest = save(self.path, ckpt)
+        write_bytes(self.sidecar, f"{digest}  {self.path.name}\n".encode())
 
     def clear(self) -> None:
+        check_inside_repository(self.path.parent)  # never delete through a symlinked data/resume
         self.path.unlink(missing_ok=True)
+        self.sidecar.unlink(missing_ok=True)
+
+    def _expected_sha256(self) -> str | None:
+        try:
+            digest = self.sidecar.read_text().split()[0]
+        except (OSError, UnicodeDecodeError, IndexError):
+            return None
+        return digest if len(digest) == 64 and all(c in "0123456789abcdef" for c in digest) else None
+
+    def _what_differs(self, saved: Any) -> str:
+        if not isinstance(saved, dict):
+            return "its key"
+        names = {"run": "inputs, params or initial weights", "code": "code", "threads": "threads", "interop_threads": "interop threads",
+                 "world_size": "world size"}
+        diff = [
+            f"{names.get(k, k)} {saved.get(k)} -> {v}" if k in ("threads", "interop_threads", "world_size") else names.get(k, k)
+            for k, v in self.context.items() if saved.get(k) != v
+        ]
+        return ", ".join(diff) or "its key"
+
+    def _restart(self, why: str, damaged: bool = True) -> None:
+        """One line (rank 0), and None: the run starts from step 0 (the next save replaces the file)."""
+        from pipeline import distributed
+
+        if distributed.current().writes:
+            what = f"{self.path}: resume state {why}" if damaged else f"{self.path} {why}"
+            print(f"warning: {what}; ignored, training restarts from step 0", file=sys.stderr, flush=True)

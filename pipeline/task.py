@@ -287,6 +287,34 @@ def resolve(entry: str, key: str) -> Callable[..., Any]:
     return func
 
 
+def entry_points(cfg: TaskConfig, optimizer: str = "") -> list[str]:
+    """The ``module:function`` entries params names: model, data, and a custom loss, metric or optimizer."""
+    names = [cfg.model, cfg.data, cfg.loss, cfg.metric, optimizer]
+    return sorted({n for n in names if ":" in n})
+
+
+def source_digest(entries: Iterable[str]) -> dict[str, str]:
+    """sha256 of the source file of each entry's module (the code that builds the model and the data),
+    by module name. A module without a source file (built in, compiled) is recorded as "no source file".
+
+    Raises:
+        UserError: a module does not import.
+    """
+    out: dict[str, str] = {}
+    for entry in entries:
+        module_name = entry.partition(":")[0]
+        resolve(entry, "task")  # one line for a module that does not import
+        origin = getattr(importlib.import_module(module_name), "__file__", None)
+        if not origin:
+            out[module_name] = "no source file"
+            continue
+        digest = hashlib.sha256()
+        with open(origin, "rb") as handle:
+            digest.update(handle.read())
+        out[module_name] = digest.hexdigest()
+    return out
+
+
 def _split_targets(raw: dict, split: str, cfg: TaskConfig) -> tuple[Inputs, torch.Tensor]:
     """``{split}_x`` and ``{split}_y``; without ``{split}_y``, the target is taken from the dict input under label_key."""
     x = check_inputs(raw.get(f"{split}_x"), f"{split}_x", cfg.data)

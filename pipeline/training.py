@@ -405,6 +405,7 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
     kill_after = int(os.environ.get("PIPELINE_KILL_AFTER_STEP", "0")) - _KILL_OFFSET[0]
+    stop_after = int(os.environ.get("PIPELINE_STOP_AFTER_STEP", "0")) - _KILL_OFFSET[0]
     kill_rank = int(os.environ.get("PIPELINE_KILL_RANK", str(world.rank)))
     if not world.writes:
         save_resume = None
@@ -439,6 +440,8 @@ def train(
                 save_resume(_snapshot(model, optimizer, scaler, scheduler, records, real_updates, step + 1, policy))
             if kill_after == step + 1 and kill_rank == world.rank:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the kill-and-resume tests
+            if stop_after == step + 1 and kill_rank == world.rank:
+                os.kill(os.getpid(), signal.SIGSTOP)  # frozen here; the test SIGKILLs the stage process from outside
     state = _snapshot(model, optimizer, scaler, scheduler, records, real_updates, cfg.train_steps, policy)
     _KILL_OFFSET[0] += cfg.train_steps
     return TrainResult(records=records, real_updates=real_updates, state=state)
@@ -447,7 +450,8 @@ def train(
 _KILL_OFFSET = [0]
 """Fault injection: PIPELINE_KILL_AFTER_STEP=K kills the process after step K of its trainings counted one
 after the other (freeze: the reference's steps 1..S, then the FP32 replicate's S+1..2S); under torchrun,
-PIPELINE_KILL_RANK=R kills rank R only (default: every rank)."""
+PIPELINE_KILL_RANK=R kills rank R only (default: every rank). PIPELINE_STOP_AFTER_STEP=K stops the process
+(SIGSTOP) there instead, so that a test can SIGKILL the stage process from outside at a known step."""
 
 
 def _snapshot(model, optimizer, scaler, scheduler, records, real_updates, step, policy) -> checkpoint.Checkpoint:

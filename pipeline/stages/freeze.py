@@ -29,7 +29,7 @@ def main(params_path: str = "params.yaml") -> None:
     init = checkpoint.capture(model)
     training.probe(model, source, params.task, device)
     checkpoint.restore(init, model)  # the probe must not move the RNG the training starts from
-    run_key = _run_key(params, inputs)
+    run_key = _run_key(params, inputs, init)
     resume = checkpoint.ResumeFile(paths.RESUME / "reference.safetensors", world.key(run_key), device)
     with precision.deterministic(cfg.deterministic):  # training and inference alike
         result = training.train(model, source, None, cfg, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save, label="freeze FP32")
@@ -70,17 +70,23 @@ def _with_boundary(params, prepared: cases.Cases, model, device) -> cases.Cases:
 
 
 def _replicate(params, init, source, device, run_key) -> list:
-    """The FP32 noise replicate: the reference's start (weights and RNG) with every weight moved one ulp."""
+    """The FP32 noise replicate: the reference's start (weights and RNG), another data order (``training.neighbours_swapped``)."""
     model = task.build_model(params.task, params.seed)
     checkpoint.restore(init, model)
-    training.perturb_one_ulp(model, params.seed + 1)
+    order = training.neighbours_swapped(training.update_batches(len(source), params.reference, params.seed))
     resume = checkpoint.ResumeFile(paths.RESUME / "replicate.safetensors", distributed.current().key(run_key), device)
-    result = training.train(model, source, None, params.reference, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save, label="freeze FP32 replicate")
+    result = training.train(model, source, None, params.reference, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save,
+                            label="freeze FP32 replicate", batches=order)
     if distributed.current().writes:
         resume.clear()
     return result.records
 
 
-def _run_key(params, inputs: dict[str, str]) -> str:
-    blob = json.dumps({"seed": params.seed, "task": asdict(params.task), "reference": asdict(params.reference), "inputs": inputs}, sort_keys=True)
+def _run_key(params, inputs: dict[str, str], init) -> str:
+    """The reference's identity: params, prepared inputs, the initial weights (a pretrained directory's too)
+    and the source of the task's own modules. The resume state adds the pipeline's code, the thread counts
+    and the world size (``checkpoint.ResumeFile``)."""
+    code = task.source_digest(task.entry_points(params.task, params.reference.optimizer))
+    blob = json.dumps({"seed": params.seed, "task": asdict(params.task), "reference": asdict(params.reference), "inputs": inputs,
+                       "init": checkpoint.tensors_digest(init.tensors), "code": code}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import paths, plots
-from pipeline.artifacts import read_json, sha256_file, write_bytes, write_json
-from pipeline.config import load_params
+from pipeline.artifacts import check_inside_repository, read_json, sha256_file, write_bytes, write_json
+from pipeline.config import DTYPES, load_params
 from pipeline.errors import UserError
 
 
@@ -58,8 +58,8 @@ def main(params_path: str = "params.yaml") -> None:
         for family, curve in plots.curve_rows(ref_steps, steps, d, band, noise).items():
             write_json(paths.report_curve(family, d), curve)
             written.add(paths.report_curve(family, d))
-    for folder in (paths.REPORT / "plots", paths.REPORT_CURVES):  # the stage's two outputs (DVC's .gitignore sits beside)
-        _prune(folder, written)
+    for folder, owned in ((paths.REPORT / "plots", _own_plot), (paths.REPORT_CURVES, _own_curve)):  # the stage's two outputs
+        _prune(folder, written, owned)
     print(f"report: {len(written)} figure and curve file(s) under {paths.REPORT} for {', '.join(params.trial.dtypes)}")
 
 
@@ -113,10 +113,35 @@ def _read(path: Path, rows: np.ndarray | None) -> dict[str, np.ndarray]:
         return out
 
 
-def _prune(folder: Path, keep: set[Path]) -> None:
-    """Remove what an earlier run left for dtypes no longer configured (the folder belongs to this stage)."""
+def _prune(folder: Path, keep: set[Path], owned) -> None:
+    """Remove what an earlier run of this stage left for dtypes no longer configured: only files the stage
+    writes (``owned(relative_path)``), never anything else found there, and never through a symlink.
+
+    Raises:
+        UserError: the folder is a symlink, lies under one, or resolves outside the repository.
+    """
+    check_inside_repository(folder)
+    if not folder.is_dir():
+        return
     for path in sorted(folder.rglob("*"), reverse=True):
-        if path.is_file() and path not in keep:
+        if path.is_symlink():
+            continue
+        if path.is_file() and path not in keep and owned(path.relative_to(folder)):
             path.unlink()
-        elif path.is_dir() and not any(path.iterdir()):
+        elif path.is_dir() and path.parent == folder and path.name in _OWNED_DIRS and not any(path.iterdir()):
             path.rmdir()
+
+
+_FIGURES = ("loss", "scale", "envelope", "errors")
+_OWNED_DIRS = {*DTYPES, "loss", "scale"}
+"""The folders the stage makes: one per dtype under plots/, one per curve family (``plots.curve_rows``) under curves/."""
+
+
+def _own_plot(rel: Path) -> bool:
+    """``DTYPE/FIGURE.png``: a figure of this stage."""
+    return len(rel.parts) == 2 and rel.parts[0] in DTYPES and rel.suffix == ".png" and rel.stem in _FIGURES
+
+
+def _own_curve(rel: Path) -> bool:
+    """``FAMILY/DTYPE.json``: a curve of this stage."""
+    return len(rel.parts) == 2 and rel.parts[0] in _OWNED_DIRS and rel.suffix == ".json" and rel.stem in DTYPES
