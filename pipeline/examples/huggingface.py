@@ -17,7 +17,9 @@ The model is called as Hugging Face models are, ``model(**batch)`` with ``input_
                  num_attention_heads: 2, intermediate_size: 64, max_position_embeddings: 64, num_labels: 4}
 
 ``pretrained: /path/to/dir`` loads weights saved by ``save_pretrained`` instead (``config`` then overrides
-nothing; the directory's config is used). Nothing is ever fetched from the network.
+nothing; the directory's config is used). Nothing is ever fetched from the network, only safetensors weights
+are read (``use_safetensors=True``: a pickled ``pytorch_model.bin`` is refused, never unpickled) and no code
+from the directory runs (``trust_remote_code=False``).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def build_model(
     if cls is None or not hasattr(cls, "from_pretrained"):
         raise UserError(f"task.options.architecture {architecture!r} is not a transformers model class; e.g. BertForSequenceClassification")
     if pretrained:
-        return cls.from_pretrained(pretrained, local_files_only=True)
+        return _from_pretrained(cls, pretrained)
     if not config or "model_type" not in config:
         raise UserError("task.options.config needs model_type (e.g. bert) and the sizes, or give task.options.pretrained: a local directory")
     options = dict(config)
@@ -69,6 +71,35 @@ def build_model(
     except ValueError as exc:
         raise UserError(f"task.options.config: {str(exc).splitlines()[0][:200]}; use a model_type transformers knows") from None
     return cls(hf_config)
+
+
+SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "tf_model.h5", "flax_model.msgpack")
+
+
+def _from_pretrained(cls, pretrained: str) -> torch.nn.Module:
+    """``cls.from_pretrained`` on a local directory: safetensors weights only, no remote code, offline.
+
+    Raises:
+        UserError: not a directory, no safetensors weights in it (only a pickle), or transformers refuses it.
+    """
+    from pathlib import Path
+
+    folder = Path(pretrained)
+    if not folder.is_dir():
+        raise UserError(f"task.options.pretrained {pretrained!r} is not a directory; give a folder written by save_pretrained")
+    if not any((folder / name).is_file() for name in SAFE_WEIGHTS):
+        found = [name for name in PICKLED_WEIGHTS if (folder / name).is_file()]
+        what = f"only {', '.join(found)} (pickled weights, never loaded here)" if found else "no model.safetensors"
+        raise UserError(
+            f"task.options.pretrained {pretrained}: {what}; re-save the model with "
+            f"model.save_pretrained({str(folder)!r}, safe_serialization=True), then rerun"
+        )
+    try:
+        return cls.from_pretrained(folder, local_files_only=True, use_safetensors=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"task.options.pretrained {pretrained}: transformers cannot load it ({first}); re-save it with save_pretrained") from None
 
 
 def load_token_data(
