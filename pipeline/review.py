@@ -20,7 +20,7 @@ from __future__ import annotations
 import html as _html
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 MAX_FLIPS = 10
@@ -126,7 +126,7 @@ def _flips(stats: Mapping[str, Any], rule: Mapping[str, Any]) -> list[str]:
     order = sorted(listed, key=lambda f: (f.get("kind") == "boundary", not near(f), str(f.get("id")), f.get("position", -1)))
     lines = []
     for f in order[:MAX_FLIPS]:
-        where = f"{f['id']}@{f['position']}" if "position" in f else str(f["id"])
+        where = f"{safe_id(f['id'])}@{f['position']}" if "position" in f else safe_id(f["id"])
         if "reference_class" in f:
             text = (
                 f"{where}: class {f['reference_class']} -> {f['trial_class']}, reference margin "
@@ -185,7 +185,9 @@ def _g(value: Any) -> str:
 
 
 def text(v: Verdict) -> str:
-    """Plain text for a terminal: the sentence, then indented details."""
+    """Plain text for a terminal: the sentence, then indented details (every piece printable: an id with a
+    newline or an ANSI escape cannot forge a line or reach the terminal)."""
+    v = replace(v, **{k: _printable_all(getattr(v, k)) for k in ("sentence", "reasons", "flips", "training", "warnings")})
     lines = [v.sentence]
     lines += [f"  ! {w}" for w in v.warnings]
     lines += [f"  - {r}" for r in v.reasons]
@@ -264,7 +266,7 @@ def one_line(verdicts: Sequence[Verdict]) -> str:
         failed = v.sentence.split(": ROLLBACK: ", 1)[-1].split(";", 1)[0]
         return f" ({failed}; next: {v.commands[0].split('#')[0].strip()})" if v.commands else f" ({failed})"
 
-    return "; ".join(f"{v.dtype} {v.decision.upper()}{detail(v)}" for v in verdicts)
+    return printable("; ".join(f"{v.dtype} {v.decision.upper()}{detail(v)}" for v in verdicts))
 
 
 def run_name(verdicts: Sequence[Verdict], suffix: str = "") -> str:
@@ -280,5 +282,29 @@ def _count(flips: Sequence[str]) -> str:
     return str(len(flips) - 1 + int(more[0].split()[2]))
 
 
+MAX_ID = 120
+"""Characters of a case id shown in a verdict; the whole id is in compare's cases.json."""
+
+
+def printable(s: str) -> str:
+    """``s`` with every non-printable character escaped as Python writes it (``\\n``, ``\\x1b``, ``\\u202e``)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(s))
+
+
+def safe_id(value: Any) -> str:
+    """A case id as a verdict shows it: printable, at most ``MAX_ID`` characters."""
+    s = printable(value)
+    return s if len(s) <= MAX_ID else f"{s[:MAX_ID]}…(+{len(s) - MAX_ID} chars)"
+
+
+def _printable_all(value: Any) -> Any:
+    return [printable(x) for x in value] if isinstance(value, list) else printable(value)
+
+
+_MD_ESCAPES = {"\\": "\\\\", "|": "\\|", "*": "\\*", "_": "\\_", "[": "\\[", "]": "\\]", "`": "\\`", "<": "&lt;"}
+
+
 def _md(s: str) -> str:
-    return s.replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")
+    """Text as Markdown shows it literally (MLflow descriptions): table pipes, emphasis, link brackets, code
+    spans and raw HTML (``<``) escaped, every non-printable character written out."""
+    return "".join(_MD_ESCAPES.get(c, c) for c in printable(s))
