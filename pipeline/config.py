@@ -182,8 +182,9 @@ class ReferenceConfig:
     boundary_epsilon: float = 1.0e-3
     """Bisection stops when the reference's top-2 margin is below this."""
     noise_replicate: bool = True
-    """Also train an FP32 replicate from the initial weights moved by one ulp (seeded): FP32's own
-    trajectory noise, against which the rule measures AMP's gap. Costs one more FP32 training in freeze."""
+    """Also train an FP32 replicate under a harmless change of the data order (the first samples of each pair
+    of consecutive updates swapped): FP32's own run-to-run variation, against which the rule measures AMP's
+    loss curve (acceptance.loss_noise_multiple). Costs one more FP32 training in freeze."""
     deterministic: bool = False
     """Ask PyTorch for deterministic kernels in freeze and trial (slower on GPU; CPU results already are)."""
 
@@ -298,12 +299,13 @@ class AcceptanceConfig:
     """Training: updates stopped advancing if none of the last this many steps made a real update."""
     min_scale: float = 1.0
     """Training: updates stopped advancing if the final GradScaler scale is below this."""
-    loss_noise_multiple: float | None = None
-    """Training, noise floor: per step |loss_amp - loss_fp32| <= loss_noise_multiple * |loss_replicate -
-    loss_fp32| + loss_noise_atol, where the replicate is FP32 again from one-ulp-perturbed weights (needs
-    reference.noise_replicate); null (with loss_noise_atol null): not applied."""
+    loss_noise_multiple: float | None = 3.0
+    """Training, noise floor: AMP's loss curve against FP32's, bounded by FP32's own run-to-run variation: the
+    mean and the largest per-step |loss_amp - loss_fp32| each at most loss_noise_multiple times those of the
+    FP32 replicate (FP32 again, another data order: ``training.neighbours_swapped``) plus loss_noise_atol.
+    Needs reference.noise_replicate; null (with loss_noise_atol null): not applied."""
     loss_noise_atol: float | None = None
-    """Training, noise floor: absolute part of that band (steps where FP32's own noise is 0)."""
+    """Training, noise floor: absolute part of that band."""
 
     def check(self, key: str) -> None:
         if not self.outputs:
@@ -464,6 +466,13 @@ class Params:
             if dataclasses.is_dataclass(value):
                 value.check(f.name)
         _check_min_quality(self)
+        noise_rule = self.acceptance.loss_noise_multiple is not None or self.acceptance.loss_noise_atol is not None
+        if noise_rule and not self.reference.noise_replicate:
+            raise UserError(
+                "params.yaml: acceptance.loss_noise_multiple bounds the training gap by FP32's own run-to-run variation, which "
+                "reference.noise_replicate: false does not measure; set noise_replicate: true, or loss_noise_multiple: null "
+                "and loss_noise_atol: null to judge training by the fixed band alone"
+            )
 
 
 def _check_min_quality(params: "Params") -> None:

@@ -131,7 +131,7 @@ def write(
     write_json(paths.REF_TRAJECTORY, {"steps": [asdict(r) for r in records]})
     files[str(paths.REF_TRAJECTORY)] = sha256_file(paths.REF_TRAJECTORY)
     if replicate is not None:
-        write_json(paths.REF_REPLICATE_TRAJECTORY, {"steps": [asdict(r) for r in replicate], "perturbation": "one ulp per weight, seeded"})
+        write_json(paths.REF_REPLICATE_TRAJECTORY, {"steps": [asdict(r) for r in replicate], "perturbation": "data order: first samples of consecutive updates swapped"})
         files[str(paths.REF_REPLICATE_TRAJECTORY)] = sha256_file(paths.REF_REPLICATE_TRAJECTORY)
     manifest = {
         "files": files,

@@ -41,6 +41,7 @@ def project(folder: Path, scale: int, chunk_elements: int) -> dict:
     params["prepare"]["ordinary_cases"] = n
     params["task"]["options"]["n_eval"] = n
     params["reference"].update({"train_steps": 10, "checkpoint_every": 10, "noise_replicate": False})
+    params["acceptance"].update({"loss_noise_multiple": None, "loss_noise_atol": None})
     params["compare"]["chunk_elements"] = chunk_elements
     params["threads"] = 1
     folder.mkdir(parents=True, exist_ok=True)

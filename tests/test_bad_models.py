@@ -99,7 +99,8 @@ def project(dest: Path, source: str, override: dict) -> Path:
     (dest / "usermod.py").write_text(textwrap.dedent(source))
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     base = {"task": {"model": "usermod:build_model", "data": "usermod:load_data"}, "prepare": {"ordinary_cases": 8},
-            "reference": {"train_steps": 2, "batch_size": 8, "checkpoint_every": 1, "noise_replicate": False}}
+            "reference": {"train_steps": 2, "batch_size": 8, "checkpoint_every": 1, "noise_replicate": False},
+            "acceptance": {"loss_noise_multiple": None, "loss_noise_atol": None}}
     (dest / "params.yaml").write_text(yaml.safe_dump(merge(merge(params, base), override), sort_keys=False))
     return dest
 

@@ -18,7 +18,9 @@ def healthy_stats():
         "quality": {"metric": "accuracy", "reference": 0.95, "trial": 0.95, "trained": 0.945},
         "training": {"first_nonfinite_loss_step": -1, "band_violations": 0, "max_loss_gap": 0.01, "max_loss_gap_step": 3,
                      "steps": 60, "first_violation_step": -1, "skipped_steps": 2, "skipped_fraction": 2 / 60, "stalled": False,
-                     "final_scale": 32768.0},
+                     "final_scale": 32768.0,
+                     "noise": {"violations": 0, "first_violation_step": -1, "mean_amp_gap": 0.004, "mean_replicate_gap": 0.008,
+                               "max_amp_gap": 0.01, "max_replicate_gap": 0.03}},
     }
 
 
@@ -136,10 +138,11 @@ def test_distribution_criteria():
 
 def test_noise_floor_criterion():
     stats = healthy_stats()
-    stats["training"]["noise"] = {"violations": 2, "first_violation_step": 5, "mean_amp_gap": 0.02, "mean_replicate_gap": 0.001}
-    assert verdict.decide(stats, RULE)["decision"] == "accept"
+    stats["training"]["noise"] = {"violations": 2, "over": ["mean", "max"], "first_violation_step": 5, "mean_amp_gap": 0.02,
+                                  "mean_replicate_gap": 0.001, "max_amp_gap": 0.05, "max_replicate_gap": 0.004}
+    assert verdict.decide(stats, dataclasses.replace(RULE, loss_noise_multiple=None))["decision"] == "accept"
     d = verdict.decide(stats, dataclasses.replace(RULE, loss_noise_multiple=3.0, loss_noise_atol=0.0))
-    assert d["decision"] == "rollback" and any("noise floor" in r and "step 5" in r for r in d["reasons"])
+    assert d["decision"] == "rollback" and any("noise floor" in r and "step 5" in r and "mean and max" in r for r in d["reasons"])
     del stats["training"]["noise"]
     d = verdict.decide(stats, dataclasses.replace(RULE, loss_noise_multiple=3.0))
     assert any("replicate" in r for r in d["reasons"])

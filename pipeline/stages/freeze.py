@@ -70,12 +70,13 @@ def _with_boundary(params, prepared: cases.Cases, model, device) -> cases.Cases:
 
 
 def _replicate(params, init, source, device, run_key) -> list:
-    """The FP32 noise replicate: the reference's start (weights and RNG) with every weight moved one ulp."""
+    """The FP32 noise replicate: the reference's start (weights and RNG), another data order (``training.neighbours_swapped``)."""
     model = task.build_model(params.task, params.seed)
     checkpoint.restore(init, model)
-    training.perturb_one_ulp(model, params.seed + 1)
+    order = training.neighbours_swapped(training.update_batches(len(source), params.reference, params.seed))
     resume = checkpoint.ResumeFile(paths.RESUME / "replicate.safetensors", distributed.current().key(run_key), device)
-    result = training.train(model, source, None, params.reference, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save, label="freeze FP32 replicate")
+    result = training.train(model, source, None, params.reference, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save,
+                            label="freeze FP32 replicate", batches=order)
     if distributed.current().writes:
         resume.clear()
     return result.records
