@@ -265,7 +265,7 @@ class Publisher:
         with self._lock, _failures(self.uri):
             import mlflow
 
-            self.client = mlflow.MlflowClient(tracking_uri=self.uri)
+            self.client = mlflow.MlflowClient(tracking_uri=_engine_uri(self.uri))
             self.experiment_id = self._experiment(experiment)
 
     def publish(self, key: str, parent: RunSpec, children: list[RunSpec]) -> Published:
@@ -550,15 +550,46 @@ def _check_writable(folder: Path, db: Path | None, uri: str, example: str) -> No
         ) from None
 
 
+SQLITE_BUSY_S = 30
+"""How long a sqlite store locked by another process (a transaction of another writer, an `mlflow ui`
+migrating it) is waited for before publish gives up; sqlite's own default is 5 s."""
+
+
+def _engine_uri(uri: str) -> str:
+    """The URI MLflow's engine gets: a sqlite store waits ``SQLITE_BUSY_S`` for a lock (``?timeout=``), unless
+    the URI already says how long."""
+    if uri.startswith("sqlite:///") and "?" not in uri:
+        return f"{uri}?timeout={SQLITE_BUSY_S}"
+    return uri
+
+
+def _locked_line(uri: str) -> str:
+    db = uri[len("sqlite:///") :].split("?")[0] if uri.startswith("sqlite:///") else uri
+    return (
+        f"MLflow store {db} is locked by another process (sqlite: database is locked, waited {SQLITE_BUSY_S} s); the DVC "
+        f"outputs are intact: let that process finish (`fuser {db}` names it), then rerun `python -m pipeline publish`"
+    )
+
+
 @contextmanager
 def _failures(uri: str) -> Iterator[None]:
     """Turn a tracking store that fails midway into one line; bugs keep their traceback."""
     import requests
     from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import OperationalError
 
     try:
         yield
+    except OperationalError as exc:
+        if "database is locked" in str(exc):
+            raise UserError(_locked_line(uri)) from None
+        first = (str(exc.orig) if exc.orig is not None else str(exc)).strip().splitlines()[0][:300]
+        raise UserError(
+            f"the MLflow store {uri} failed ({first}); the DVC outputs are intact: check the database, then rerun `python -m pipeline publish`"
+        ) from None
     except (MlflowException, requests.exceptions.RequestException, OSError) as exc:
+        if "database is locked" in str(exc):
+            raise UserError(_locked_line(uri)) from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         if "must be in the 'active' state" in str(exc):
             raise UserError(
