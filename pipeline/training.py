@@ -12,6 +12,7 @@ targets are never rounded to the autocast dtype.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -390,6 +391,7 @@ def train(
     label: str = "train",
     skip_steps: frozenset[int] = frozenset(),
     batches: list[list[torch.Tensor]] | None = None,
+    stop: int | None = None,
 ) -> TrainResult:
     """Train ``model`` in place for ``cfg.train_steps`` optimizer updates under ``policy``.
 
@@ -404,7 +406,9 @@ def train(
 
     ``skip_steps``: steps whose update is not applied, as a GradScaler skip (the FP32 run aligned on a trial).
     ``batches``: another order of the micro-batch indices than the seeded one (the FP32 noise replicate).
+    ``stop``: end after this many steps of the SAME run (the diagnosis replay): schedules keep their span.
     """
+    end = cfg.train_steps if stop is None else min(stop, cfg.train_steps)
     precision.strict_fp32()
     world = distributed.current()
     source = as_source(train_x, train_y)
@@ -429,13 +433,16 @@ def train(
     kill_rank = int(os.environ.get("PIPELINE_KILL_RANK", str(world.rank)))
     if not world.writes:
         save_resume = None
-    progress = Progress(label, cfg.train_steps, start)
+    progress = Progress(label, end, start)
     with precision.fp32_regions(model, policy, device):
         net = world.wrap(model, device)  # the model itself in one process
-        for step in range(start, cfg.train_steps):
+        for step in range(start, end):
             micro = []
             for idx in order[step]:
-                x, y = source.batch(world.shard(idx))
+                try:
+                    x, y = source.batch(world.shard(idx))
+                except UserError as exc:  # a bad item of a Dataset: say which training step met it
+                    raise UserError(f"training step {step + 1}: {exc}") from None
                 micro.append((to_device(x, device), y.to(device)))
             out = amp_step(net, micro, loss_fn, optimizer, scaler, policy, device, max_norm, params, apply=step not in skip_steps)
             if not out.skipped:
@@ -456,14 +463,14 @@ def train(
             )
             progress.tick(step + 1, records[-1].loss, out.scale, sum(r.skipped for r in records))
             every = cfg.checkpoint_every
-            if save_resume is not None and every and (step + 1) % every == 0 and step + 1 < cfg.train_steps:
+            if save_resume is not None and every and (step + 1) % every == 0 and step + 1 < end:
                 save_resume(_snapshot(model, optimizer, scaler, scheduler, records, real_updates, step + 1, policy))
             if kill_after == step + 1 and kill_rank == world.rank:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection for the kill-and-resume tests
             if stop_after == step + 1 and kill_rank == world.rank:
                 os.kill(os.getpid(), signal.SIGSTOP)  # frozen here; the test SIGKILLs the stage process from outside
-    state = _snapshot(model, optimizer, scaler, scheduler, records, real_updates, cfg.train_steps, policy)
-    _KILL_OFFSET[0] += cfg.train_steps
+    state = _snapshot(model, optimizer, scaler, scheduler, records, real_updates, end, policy)
+    _KILL_OFFSET[0] += end
     return TrainResult(records=records, real_updates=real_updates, state=state)
 
 
@@ -525,11 +532,29 @@ def infer_chunks(
     precision.strict_fp32()
     model.to(device)
     model.train(not eval_mode)
-    with precision.fp32_regions(model, policy, device):
+    with precision.fp32_regions(model, policy, device), inference_rng(eval_mode, device):
         for _, _, part in iter_rows(x, batch_size):
             with precision.autocast(policy, device):
                 out = named_outputs(call(model, to_device(part, device)))
             yield {name: value.detach().float().cpu() for name, value in out.items()}
+
+
+INFERENCE_SEED = 0
+"""The random state every inference pass in train mode starts from (``reference.eval_mode: false``)."""
+
+
+@contextlib.contextmanager
+def inference_rng(eval_mode: bool, device: torch.device) -> Iterator[None]:
+    """In train mode (dropout on), every inference pass (reference, trial, trained trial, FP64 arbiter) draws
+    from the same state, ``INFERENCE_SEED``, so that FP32 against FP32 is identical and a gap is precision's;
+    the global RNG is restored afterwards, so inference never moves what training draws next."""
+    if eval_mode:
+        yield
+        return
+    cuda = [torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(INFERENCE_SEED)
+        yield
 
 
 def infer(
@@ -581,21 +606,19 @@ def fp64_chunks(model: torch.nn.Module, x: Inputs, eval_mode: bool, batch_size: 
     try:
         arbiter = copy.deepcopy(model).to("cpu").double()
         arbiter.train(not eval_mode)
-        chunks = (
-            {k: v.double().contiguous() for k, v in named_outputs(call(arbiter, map_floating(part, torch.Tensor.double))).items()}
-            for _, _, part in iter_rows(x, batch_size)
-        )
-        with torch.no_grad():
-            first = next(chunks)
+        with torch.no_grad(), inference_rng(eval_mode, torch.device("cpu")):
+            first_part = next(iter(iter_rows(x, batch_size)), None)
+            if first_part is not None:
+                named_outputs(call(arbiter, map_floating(first_part[2], torch.Tensor.double)))  # does it run in float64 at all?
     except (RuntimeError, TypeError, NotImplementedError, UserError):
         return None
 
-    def rest() -> Iterator[dict[str, torch.Tensor]]:
-        yield first
-        with torch.no_grad():
-            yield from chunks
+    def chunks() -> Iterator[dict[str, torch.Tensor]]:
+        with torch.no_grad(), inference_rng(eval_mode, torch.device("cpu")):
+            for _, _, part in iter_rows(x, batch_size):
+                yield {k: v.double().contiguous() for k, v in named_outputs(call(arbiter, map_floating(part, torch.Tensor.double))).items()}
 
-    return rest()
+    return chunks()
 
 
 class Progress:

@@ -315,3 +315,42 @@ def test_designed_gradscaler_skips_do_not_roll_back_but_a_divergence_does():
     harmful = [asdict(r) for r in run(Policy(dtype="float16"), dataclasses.replace(cfg, lr=5.0))]
     bad = comparison.training_stats(rule, ref, harmful, 1024.0, True, aligned_steps=aligned)
     assert bad["band_violations"] > 0
+
+
+def test_dropout_inference_draws_from_one_recorded_state():
+    """reference.eval_mode: false: FP32 against FP32 must be identical, whatever the RNG did in between."""
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 4))
+    x = torch.randn(300, 8)
+    first = training.infer(model, x, Policy(), torch.device("cpu"), eval_mode=False)
+    torch.rand(1000)  # freeze and trial reach inference from unrelated RNG states
+    again = training.infer(model, x, Policy(), torch.device("cpu"), eval_mode=False)
+    assert torch.equal(first["output"], again["output"])  # before: about half the elements differed
+    fp64 = training.fp64_chunks(model, x, eval_mode=False)
+    assert fp64 is not None and next(iter(fp64))["output"].shape == (256, 4)
+
+
+def test_inference_leaves_the_training_rng_where_it_was():
+    torch.manual_seed(8)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 4))
+    x = torch.randn(50, 8)
+    torch.manual_seed(9)
+    training.infer(model, x, Policy(), torch.device("cpu"), eval_mode=False)
+    drawn = torch.rand(5)
+    torch.manual_seed(9)
+    assert torch.equal(drawn, torch.rand(5))
+
+
+def test_diagnosis_replay_keeps_the_schedule_of_the_run():
+    """A replay stopped at step k runs the original schedule (cosine over train_steps), not one rebuilt over k steps."""
+    from pipeline.config import LrSchedule
+
+    torch.manual_seed(10)
+    x = torch.randn(128, 8)
+    y = torch.randint(0, 3, (128,))
+    cfg = ReferenceConfig(train_steps=20, batch_size=16, lr=1.0, momentum=0.0, checkpoint_every=0,
+                          lr_schedule=LrSchedule(kind="cosine", warmup=0))
+    full = training.train(_net(), x, y, cfg, "cross_entropy", Policy(), torch.device("cpu"), 0, label="t").records
+    part = training.train(_net(), x, y, cfg, "cross_entropy", Policy(), torch.device("cpu"), 0, label="t", stop=10).records
+    assert len(part) == 10 and [r.lr for r in part] == [r.lr for r in full[:10]]
+    assert [r.loss for r in part] == [r.loss for r in full[:10]]

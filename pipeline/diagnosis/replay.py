@@ -155,9 +155,9 @@ def training_case(ctx: Context, run: Run, step: int) -> Case:
     reference's initial state (weights and RNG) under the run's policy, in the fixed batch order. With
     gradient accumulation the traced pass is the update's first micro-batch."""
     model = ctx.model("init")
-    cfg = replace(ctx.params.reference, train_steps=step, checkpoint_every=0)
+    cfg = replace(ctx.params.reference, checkpoint_every=0)  # the run's own schedule (its span is train_steps), stopped at step
     result = training.train(
-        model, ctx.train, None, cfg, ctx.params.task, run.policy, ctx.device, ctx.params.seed, label=f"diagnose replay {ctx.dtype}"
+        model, ctx.train, None, cfg, ctx.params.task, run.policy, ctx.device, ctx.params.seed, label=f"diagnose replay {ctx.dtype}", stop=step
     )
     ctx.work["replayed_steps"] += step
     replayed = [r.loss for r in result.records]
