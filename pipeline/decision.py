@@ -69,12 +69,14 @@ def read(dtype: str) -> Decision:
 
 
 def summary_metrics(d: Decision, stats: Stats) -> dict:
-    """The few numbers `dvc metrics diff` shows per dtype (eight keys, plain numbers, short names so that
-    `dvc metrics show` fits 160 columns): the verdict (1 accept, 0 rollback), how many reasons, flips of real
-    cases and those near the boundary, the largest value gap, quality of the trial (inference, after
-    training) and the largest training-loss gap."""
+    """What `dvc metrics show` and `dvc metrics diff` print per dtype (short names, so that it fits 160
+    columns): the verdict and its two parts in words (DVC prints a string metric as it is: ``accept``,
+    ``rollback``), how many reasons, flips of real cases and those near the boundary, the largest value gap,
+    quality of the trial (inference, after training) and the largest training-loss gap."""
     return {
-        "decision": int(d.accepted),
+        "decision": d.decision,
+        "inference": d.inference,
+        "training": d.training,
         "reasons": len(d.reasons),
         "flips": stats.real_flips,
         "near_flips": stats.near_boundary_flips,

@@ -52,6 +52,8 @@ def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
     outputs = sorted({k.split(".")[1] for v in variants for k in v["metrics"] if k.startswith("values.") and k.count(".") == 2})
     table: list[tuple[str, Callable[[Mapping], str]]] = [
         ("decision", lambda v: v["decision"]["decision"].upper()),
+        ("inference under AMP", lambda v: str(v["decision"].get("inference", "-")).upper()),
+        ("training under AMP", lambda v: str(v["decision"].get("training", "-")).upper()),
         ("reasons", lambda v: str(len(v["decision"]["reasons"]))),
         ("quality: reference", metric("quality.reference")),
         ("quality: AMP inference", metric("quality.trial")),

@@ -27,8 +27,10 @@ LEGACY_PREFIX = "decision-"
 
 
 def accepted(metrics: dict) -> bool:
-    """Whether a decision metrics file says accept (new ``decision`` key, or the older ``accepted``)."""
-    return bool(metrics.get("decision", metrics.get("accepted")))
+    """Whether a decision metrics file says accept: ``decision: accept`` (this version), ``decision: 1`` (earlier
+    ones) or the older ``accepted``."""
+    value = metrics.get("decision", metrics.get("accepted"))
+    return value == "accept" if isinstance(value, str) else bool(value)
 
 
 def regressions(base: dict[str, dict], run: dict[str, dict]) -> tuple[list[str], list[str]]:

@@ -196,6 +196,11 @@ def test_compare_decisions_against_a_git_ref(tmp_path: Path) -> None:
     (metrics / "float16.json").write_text('{"decision": 0, "reasons": 2}')
     proc = subprocess.run(script, cwd=tmp_path, capture_output=True, text=True, check=False)
     assert proc.returncode == 1 and "float16: accepted on the base branch, rolled back" in proc.stderr
+    (metrics / "float16.json").write_text('{"decision": "rollback", "reasons": 2}')  # this version writes the word
+    proc = subprocess.run(script, cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert proc.returncode == 1 and "rolled back" in proc.stderr
+    (metrics / "float16.json").write_text('{"decision": "accept", "reasons": 0}')
+    assert subprocess.run(script, cwd=tmp_path, capture_output=True, check=False).returncode == 0
 
 
 def test_compare_decisions_fails_when_another_backend_ran(tmp_path: Path) -> None:

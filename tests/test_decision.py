@@ -37,13 +37,15 @@ def test_written_and_read_back_typed(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert decision.read("bfloat16") == accepted
 
 
-def test_short_metrics_are_eight_plain_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_short_metrics_say_the_verdicts_in_words_then_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    d = made("rollback")
+    d = made("rollback", inference="rollback")
     decision.write_metrics(d, Stats(STATS))
     written = json.loads((tmp_path / "data/metrics/bfloat16.json").read_text())
     assert written == {
-        "decision": 0,
+        "decision": "rollback",
+        "inference": "rollback",
+        "training": "accept",
         "reasons": 1,
         "flips": 3,  # every real flip, near the boundary or not
         "near_flips": 2,

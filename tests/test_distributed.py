@@ -41,7 +41,7 @@ def two_ranks(tmp_path_factory) -> Path:
 def test_dvc_repro_with_two_ranks_reaches_a_decision_in_both_dtypes(two_ranks):
     for dtype in ("float16", "bfloat16"):
         metrics = json.loads((two_ranks / f"data/metrics/{dtype}.json").read_text())
-        assert metrics["decision"] in (0, 1)
+        assert metrics["decision"] in ("accept", "rollback")
         manifest = json.loads((two_ranks / f"data/trial/{dtype}/manifest.json").read_text())
         assert manifest["env"]["world_size"] == 2 and manifest["env"]["process_group_backend"] == "gloo"
     ref = json.loads((two_ranks / "data/reference/manifest.json").read_text())
@@ -52,7 +52,7 @@ def test_dvc_repro_with_two_ranks_reaches_a_decision_in_both_dtypes(two_ranks):
 def test_the_benchmark_times_two_ranks_and_rank_0_writes_it(two_ranks, tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(two_ranks, repo, symlinks=True)
-    accepted = [d for d in ("float16", "bfloat16") if json.loads((repo / f"data/metrics/{d}.json").read_text())["decision"] == 1]
+    accepted = [d for d in ("float16", "bfloat16") if json.loads((repo / f"data/metrics/{d}.json").read_text())["decision"] == "accept"]
     assert accepted, "TINY's tolerance accepts float16 (README: the same rule on 2 ranks)"
     run([sys.executable, "-m", "pipeline", "benchmark", "--dtype", accepted[0]], repo)
     record = json.loads((repo / f"data/benchmark/{accepted[0]}/benchmark.json").read_text())

@@ -161,6 +161,7 @@ def _child(d: str, v: dict, review_: review.Verdict, loosened: list[str], ref_st
     rule = decision.get("rule") or {}
     tags = {
         **common, **_env_tags(v["manifest"]["env"]), "stage": "variant", "dtype": d, "decision": decision["decision"],
+        **{f"decision.{part}": decision[part] for part in ("inference", "training") if part in decision},
         "reasons_count": str(len(decision["reasons"])), "benchmarked": str(bool(bench.get("benchmarked"))).lower(),
         "gradscaler": "on" if (v["stats"].get("training") or {}).get("scaler_enabled") else "off (no GradScaler)",
         # the rule itself, so that a later accept under a looser rule is flagged by publish
