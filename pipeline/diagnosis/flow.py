@@ -9,7 +9,7 @@ from pipeline.config import Params
 from pipeline.diagnosis import wording
 from pipeline.diagnosis.precision_map import gradient_underflow, precision_map
 from pipeline.diagnosis.replay import Context, Run, load, locate, reference_fails_itself
-from pipeline.diagnosis.search import Outcome, search
+from pipeline.diagnosis.search import Outcome, reduced_modules, search, unflip
 from pipeline.diagnosis.triage import triage
 from pipeline.task import to_device
 
@@ -43,6 +43,11 @@ def run(params: Params, dtype: str, stats: dict, trajectory: dict, decision: dic
         findings += [wording.describe(loc, dtype) for loc in located]
         outcome = search(ctx, trial_run, located, reference_fails=bool(own))
         findings += outcome.findings
+        flips = (stats.get("flips") or {}).get("flip_list") or []
+        if any(not f.get("boundary") for f in flips):  # each flipped real case: which module's FP32 replay un-flips it
+            order = [r["module"] for r in outcome.ranking] or reduced_modules(ctx, trial_run.policy)
+            report["unflipped_by"] = unflip(ctx, trial_run, flips, order)
+            findings += wording.unflip_lines(report["unflipped_by"], ctx.params.diagnose.search_budget)
     file = str(paths.diagnose(dtype) / "suggested_params.yaml")
     chosen = outcome.chosen
     report.update(

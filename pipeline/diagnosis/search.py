@@ -101,6 +101,43 @@ def fix_nonfinite(ctx: Context, located: list[Located], policy: Policy) -> tuple
     return policy, all(finite(t) for t in traces), steps
 
 
+def reduced_modules(ctx: Context, policy: Policy) -> list[str]:
+    """Modules that run reduced-precision matmul work themselves under ``policy`` (on up to 256 fixed-set cases)."""
+    model = ctx.model("trained")
+    model.train(not ctx.params.reference.eval_mode)
+    scope = ModuleScope(model)
+    recorder = Recorder(scope, watch_nonfinite=False)
+    sample = task.take(ctx.ref.cases.x, torch.arange(min(256, len(ctx.ref.cases.ids))))
+    with torch.no_grad(), scope, recorder:
+        forward_backward(model, task.to_device(sample, ctx.device), None, None, policy, ctx.device, scope)
+    return [n for n, m in recorder.matmul_by_module().items() if n and m["reduced_count"] and n not in policy.fp32_modules]
+
+
+def unflip(ctx: Context, run: Run, flips: list[dict], order: list[str]) -> list[dict]:
+    """For each flipped REAL case (per case, not per token), the first module whose FP32 replay alone gives the
+    reference's class back: the trained reference re-run on those cases with that one module outside autocast.
+    Modules are tried in ``order`` (the ranking, else every module doing reduced-precision matmuls), at most
+    ``diagnose.search_budget`` of them: inference passes over the flipped cases only, cheap beside a re-run."""
+    real = [f for f in flips if not f.get("boundary") and "position" not in f]
+    if not real:
+        return []
+    index = {cid: i for i, cid in enumerate(ctx.ref.cases.ids)}
+    rows = torch.tensor([index[f["id"]] for f in real])
+    x = task.take(ctx.ref.cases.x, rows)
+    want = torch.tensor([int(f["reference_class"]) for f in real])
+    model = ctx.model("trained")
+    found: dict[str, str] = {}
+    for name in order[: max(ctx.params.diagnose.search_budget, 1)]:
+        out = training.infer(model, x, with_modules(run.policy, [name]), ctx.device, ctx.params.reference.eval_mode)
+        labels = numerics.labels_of(task.primary(out), ctx.params.acceptance.tie_rule)
+        for f, ok in zip(real, (labels == want).tolist()):
+            if ok and f["id"] not in found:
+                found[f["id"]] = name
+        if len(found) == len(real):
+            break
+    return [{"id": f["id"], "module": found.get(f["id"])} for f in real]
+
+
 def rank_modules(ctx: Context, policy: Policy) -> list[dict]:
     """Modules that run reduced-precision matmul work themselves, ranked by what each one alone does to
     the outputs on the fixed set: it stays under autocast, every other candidate runs in FP32, and the
@@ -108,12 +145,7 @@ def rank_modules(ctx: Context, policy: Policy) -> list[dict]:
     model = ctx.model("trained")
     model.train(not ctx.params.reference.eval_mode)
     cases_x = ctx.ref.cases.x
-    scope = ModuleScope(model)
-    recorder = Recorder(scope, watch_nonfinite=False)
-    sample = task.take(cases_x, torch.arange(min(256, len(ctx.ref.cases.ids))))
-    with torch.no_grad(), scope, recorder:
-        forward_backward(model, task.to_device(sample, ctx.device), None, None, policy, ctx.device, scope)
-    names = [n for n, m in recorder.matmul_by_module().items() if n and m["reduced_count"] and n not in policy.fp32_modules]
+    names = reduced_modules(ctx, policy)
     ranked = []
     for name in names:
         others = [o for o in names if o != name and not name.startswith(o + ".") and not o.startswith(name + ".")]

@@ -166,3 +166,18 @@ def snippet(report: dict, dtype: str) -> str:
         f"# or try it as an experiment: dvc exp run -S 'trial.fp32_modules={modules}'\n"
         f"trial:\n  fp32_modules: {modules}\n"
     )
+
+
+def unflip_lines(unflipped: list[dict], budget: int) -> list[str]:
+    """One line for the flipped real cases: the module whose FP32 replay gives each its reference class back."""
+    if not unflipped:
+        return []
+    named = [f"{u['id']} by '{u['module']}'" for u in unflipped if u["module"]]
+    missing = [u["id"] for u in unflipped if not u["module"]]
+    parts = []
+    if named:
+        parts.append("flipped real case(s) given their reference class back by one module in FP32: " + ", ".join(named[:20]))
+    if missing:
+        parts.append(f"{len(missing)} flipped real case(s) un-flipped by no single module within diagnose.search_budget {budget}: "
+                     + ", ".join(missing[:10]))
+    return parts
