@@ -163,14 +163,37 @@ class TensorSource:
 class DatasetSource:
     """A map-style Dataset: item ``i`` is ``(x, y)``, or a dict of tensors holding the target under ``label_key``."""
 
-    def __init__(self, dataset: Any, label_key: str, entry: str = "") -> None:
-        self.dataset, self.label_key, self.entry = dataset, label_key, entry
+    def __init__(self, dataset: Any, label_key: str, entry: str = "", kind: str | None = None) -> None:
+        self.dataset, self.label_key, self.entry, self.kind = dataset, label_key, entry, kind
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def item(self, i: int) -> tuple[Inputs, torch.Tensor]:
-        item = self.dataset[int(i)]
+        """Item ``i`` as (inputs, target), checked: finite floating values, and class targets that are integers.
+
+        Raises:
+            UserError: the Dataset raised on it (named with the exception), or the item is malformed.
+        """
+        try:
+            item = self.dataset[int(i)]
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's __getitem__: its failure is theirs to fix, named, without a traceback
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise UserError(
+                f"task.data {self.entry}: the training Dataset raised {type(exc).__name__} on item {int(i)}"
+                + (f" ({first})" if first else "") + "; fix its __getitem__ for that index, then rerun"
+            ) from None
+        x, y = self._split(item, int(i))
+        for key, t in tensors_of(x).items():
+            if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+                where = f"input {key!r}" if key else "its input"
+                raise UserError(f"task.data {self.entry}: training item {int(i)} holds NaN or inf in {where}; clean that item of the Dataset")
+        check_targets(y, self.kind, f"task.data {self.entry}: training item {int(i)}")
+        return x, y
+
+    def _split(self, item: Any, i: int) -> tuple[Inputs, torch.Tensor]:
         if isinstance(item, (tuple, list)) and len(item) == 2:
             x, y = item
         elif isinstance(item, Mapping):
@@ -331,9 +354,30 @@ def _split_targets(raw: dict, split: str, cfg: TaskConfig) -> tuple[Inputs, torc
         raise UserError(f"task.data {cfg.data}: {split}_y is {type(y).__name__}; return the targets as a tensor")
     if y.ndim == 0 or y.shape[0] != rows(x):
         raise UserError(f"task.data {cfg.data}: {split}_x and {split}_y have different lengths; give one target per sample")
-    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+    if (y.is_floating_point() or y.is_complex()) and not bool(torch.isfinite(y).all()):
         raise UserError(f"task.data {cfg.data}: {split}_y holds NaN or inf; clean the data before freezing a reference")
+    check_targets(y, cfg.kind, f"task.data {cfg.data}: {split}_y")
     return x, y
+
+
+def check_targets(y: torch.Tensor, kind: str | None, where: str) -> None:
+    """Targets the loss can take as they are: never complex; for classification, whole class numbers (a float
+    target 2.7 would be truncated to class 2 by ``.long()``, silently).
+
+    Raises:
+        UserError: naming ``where``, what is wrong and the fix.
+    """
+    if y.is_complex():
+        raise UserError(f"{where} is {str(y.dtype).replace('torch.', '')}: targets cannot be complex; give real targets (class numbers or values)")
+    if kind != "classification" or not y.is_floating_point():
+        return
+    whole = y == torch.round(y)
+    if not bool(whole.all()):
+        bad = float(y[~whole].reshape(-1)[0])
+        raise UserError(
+            f"{where}: class targets must be whole numbers, found {bad:g} ({str(y.dtype).replace('torch.', '')}); give class "
+            f"indices (e.g. y.round().long() if they are classes, or set task.kind: regression)"
+        )
 
 
 def load_data(cfg: TaskConfig) -> TaskData:
@@ -346,7 +390,7 @@ def load_data(cfg: TaskConfig) -> TaskData:
     if not isinstance(raw, dict):
         raise UserError(f"task.data {cfg.data} returned {type(raw).__name__}; return a dict with train_x, train_y, eval_x, eval_y")
     if _is_dataset(raw.get("train_x")):
-        train: TrainSource = DatasetSource(raw["train_x"], cfg.label_key, cfg.data)
+        train: TrainSource = DatasetSource(raw["train_x"], cfg.label_key, cfg.data, cfg.kind)
         if len(train) == 0:
             raise UserError(f"task.data {cfg.data}: the training Dataset is empty; give it at least one item")
     else:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import stage
 
 pytestmark = pytest.mark.integration
@@ -86,6 +85,35 @@ from pipeline.examples.digits import load_data
 def build_model(**_):
     # RReLU samples its slopes in training; on the CPU that kernel exists for float32 only.
     return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.RReLU(), torch.nn.Linear(32, 10))
+"""
+
+
+DATASET = """
+import torch
+class Items(torch.utils.data.Dataset):
+    def __init__(self, raise_at=None, nan_at=None):
+        self.raise_at, self.nan_at = raise_at, nan_at
+    def __len__(self):
+        return 40
+    def __getitem__(self, i):
+        x = torch.rand(4, generator=torch.Generator().manual_seed(i))
+        if i == self.raise_at:
+            1 / 0            # a bug in the user's __getitem__
+        if i == self.nan_at:
+            x[1] = float("nan")
+        return x, torch.tensor(i % 3)
+def _data(train):
+    x = torch.rand(16, 4); y = torch.randint(0, 3, (16,))
+    return {"train_x": train, "eval_x": x, "eval_y": y}
+def load_data(**_):
+    return _data(Items(raise_at=20))  # an item prepare's fingerprint reads (0, n/2, n-1)
+def load_nan_item(**_):
+    return _data(Items(nan_at=7))     # an item prepare does not read: met in training
+def load_float_targets(**_):
+    x = torch.rand(40, 4); y = torch.rand(40) * 3   # class targets 0.0..3.0 that .long() would truncate
+    return {"train_x": x, "train_y": y, "eval_x": x[:8], "eval_y": y[:8]}
+def build_model(**_):
+    return torch.nn.Linear(4, 3)
 """
 
 
@@ -178,6 +206,9 @@ CASES = [
     ("empty fixed set", both(user_module(EMPTY_EVAL), params_case("task.data", "badmods.m:load_data")), ["prepare"], ["eval_x is empty"]),
     ("reference with NaN", both(user_module(NAN_REFERENCE), params_case("task.model", "badmods.m:build_model"), params_case("task.data", "badmods.m:load_data"), lambda r: (stage(r, "prepare"), None)[1]), ["freeze"], ["reference is not finite", "edge/zeros"]),
     ("op without a float16 kernel", both(user_module(NO_HALF_KERNEL), params_case("task.model", "badmods.m:build_model"), lambda r: (stage(r, "freeze"), None)[1]), ["trial", "--dtype", "float16"], ["no float16 kernel", "fp32_modules"]),
+    ("Dataset item raises", both(user_module(DATASET), params_case("task.data", "badmods.m:load_data")), ["prepare"], ["raised ZeroDivisionError on item 20", "__getitem__"]),
+    ("float class targets", both(user_module(DATASET), params_case("task.data", "badmods.m:load_float_targets")), ["prepare"], ["train_y", "whole numbers", "task.kind: regression"]),
+    ("NaN in one training item", both(user_module(DATASET), params_case("task.data", "badmods.m:load_nan_item"), params_case("task.model", "badmods.m:build_model"), lambda r: (stage(r, "prepare"), None)[1]), ["freeze"], ["training item 7", "NaN or inf", "step"]),
     ("missing output file", lambda r: (r / "data/reference/manifest.json").unlink(), ["trial", "--dtype", "float16"], ["manifest.json not found", "dvc repro freeze"]),
     ("missing params file", None, ["prepare", "--params", "nope.yaml"], ["nope.yaml not found"]),
     ("truncated checkpoint", truncate("data/reference/checkpoint.safetensors"), ["trial", "--dtype", "float16"], ["sha256", "dvc checkout"]),

@@ -107,3 +107,53 @@ def test_html_and_markdown_links_in_an_id_do_not_reach_the_mlflow_description_ra
     assert "<script" not in md and "<img" not in md and not re.search(r"(?<!\\)\]\(javascript:", md)  # no link
     assert "&lt;script>" in md and "\\[click\\](javascript:alert(3))" in md
     assert "<script" not in review.html([_verdict([SCRIPT])])  # report.html escapes, as before
+
+
+# --- item 10: the user's data function fails: the item and the exception are named ---------------------------
+
+
+class _Items(torch.utils.data.Dataset):
+    def __init__(self, bad: int, how: str) -> None:
+        self.bad, self.how = bad, how
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i):
+        x = torch.ones(3)
+        if i == self.bad and self.how == "raise":
+            raise KeyError("column 'pixels' missing")
+        if i == self.bad and self.how == "nan":
+            x[0] = float("nan")
+        y = {"complex": torch.tensor(1 + 2j), "float": torch.tensor(1.5)}.get(self.how if i == self.bad else "", torch.tensor(1))
+        return x, y
+
+
+@pytest.mark.parametrize(("how", "words"), [
+    ("raise", ["raised KeyError on item 5", "column 'pixels' missing", "__getitem__"]),
+    ("nan", ["training item 5 holds NaN or inf"]),
+    ("complex", ["training item 5", "cannot be complex"]),
+    ("float", ["training item 5", "whole numbers, found 1.5"]),
+])
+def test_a_bad_dataset_item_is_named_in_one_line_with_its_training_step(how, words):
+    from pipeline import training
+    from pipeline.config import ReferenceConfig
+    from pipeline.precision import Policy
+
+    source = task.DatasetSource(_Items(5, how), "labels", "mymod:load", "classification")
+    cfg = ReferenceConfig(train_steps=4, batch_size=4, checkpoint_every=0)
+    order = training.update_batches(len(source), cfg, 0)
+    step = next(s for s, batches in enumerate(order) if 5 in batches[0].tolist()) + 1
+    with pytest.raises(UserError) as err:
+        training.train(torch.nn.Linear(3, 3), source, None, cfg, "cross_entropy", Policy(), torch.device("cpu"), 0)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"training step {step}: task.data mymod:load: ") and all(w in line for w in words), line
+
+
+def test_class_targets_that_are_not_whole_numbers_or_complex_are_refused():
+    with pytest.raises(UserError, match=r"train_y: class targets must be whole numbers, found 0\.5"):
+        task.check_targets(torch.tensor([1.0, 0.5]), "classification", "train_y")
+    with pytest.raises(UserError, match="cannot be complex"):
+        task.check_targets(torch.tensor([1 + 0j]), "regression", "train_y")
+    task.check_targets(torch.tensor([1.0, 2.0]), "classification", "train_y")  # whole floats are exact classes
+    task.check_targets(torch.tensor([0.5]), "regression", "train_y")
