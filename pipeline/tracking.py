@@ -24,6 +24,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -225,13 +226,17 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def mlflow_key(name: str) -> str:
-    """A param or metric name MLflow accepts: alphanumerics and ``_-. :/`` only, at most 250 characters.
+    """A param, metric or tag name MLflow accepts: alphanumerics and ``_-. :/`` only, no path segment that is
+    empty, ``.`` or ``..`` (MLflow refuses a name that resolves to another as a path), at most 250 characters.
 
     The params.yaml wildcard ``*`` (tolerances of every output not listed) reads ``default``; any other
     character MLflow refuses becomes ``_``. A name too long keeps its start and a hash of the rest.
     """
     parts = ["default" if p == "*" else re.sub(r"[^\w\-. :/]", "_", p) for p in name.split(".")]
     key = ".".join(parts).lstrip("/") or "_"
+    # MLflow also treats a name as a path that must not resolve to another ("a/../b", "a//b", "./a", "a/"):
+    # a segment that is empty, "." or ".." becomes "_" or "__".
+    key = "/".join("__" if seg == ".." else "_" if seg in ("", ".") else seg for seg in key.split("/"))
     if len(key) > _KEY_LENGTH:
         key = key[: _KEY_LENGTH - 9] + "_" + hashlib.sha256(name.encode()).hexdigest()[:8]
     return key
@@ -272,6 +277,7 @@ class Publisher:
         """Create ``parent`` (tagged with ``key``) and ``children`` under it, unless ``key`` is published."""
         with self._lock, _failures(self.uri):
             deadline = time.monotonic() + self.wait_s
+            waiting = False
             while True:
                 parents = self._parents(key)
                 done = [r for r in parents if r.info.status == "FINISHED"]
@@ -279,11 +285,18 @@ class Publisher:
                     return Published(done[0].info.run_id, 0, self.uri, self.experiment_id, self._dedupe(key, done[0].info.run_id))
                 live = []
                 for run in parents:
-                    if self._stale(run):
-                        self._discard(run.info.run_id)  # an interrupted publish: redone in full below
+                    if run.info.status in ("FAILED", "KILLED") or self._stale(run):
+                        self._discard(run.info.run_id)  # a failed or interrupted publish: redone in full below
                     else:
                         live.append(run)
                 if live:
+                    if not waiting:
+                        waiting = True
+                        age = time.time() - _heartbeat(live[0]) / 1000
+                        print(
+                            f"publish: another publish of these results is running (run {live[0].info.run_id}, heartbeat {age:.0f} s "
+                            f"ago); waiting up to {self.wait_s:.0f} s for it to end", file=sys.stderr, flush=True,
+                        )
                     if time.monotonic() > deadline:
                         age = time.time() - _heartbeat(live[0]) / 1000
                         raise UserError(
@@ -295,12 +308,18 @@ class Publisher:
                 parent_id = self._claim(parent, key)
                 if parent_id is None:
                     continue  # an earlier claim won: wait for it
-                self._fill(parent_id, parent)
-                for spec in children:
-                    child = self._start(spec, {"mlflow.parentRunId": parent_id, MEMBER_TAG: key})
-                    self._fill(child, spec, heartbeat=parent_id)
-                    self.client.set_terminated(child, "FINISHED")
-                self.client.set_terminated(parent_id, "FINISHED")
+                created = [parent_id]
+                try:
+                    self._fill(parent_id, parent)
+                    for spec in children:
+                        child = self._start(spec, {"mlflow.parentRunId": parent_id, MEMBER_TAG: key})
+                        created.append(child)
+                        self._fill(child, spec, heartbeat=parent_id)
+                        self.client.set_terminated(child, "FINISHED")
+                    self.client.set_terminated(parent_id, "FINISHED")
+                except BaseException:
+                    self._mark_failed(created)  # the next publish redoes it at once, without waiting for a lease
+                    raise
                 # Should another tree of this key have finished too (clocks further apart than settle_s), the
                 # first claim stays published whoever finishes last, as the already-published branch above says.
                 keep = next((r.info.run_id for r in self._parents(key) if r.info.status == "FINISHED"), parent_id)
@@ -410,6 +429,14 @@ class Publisher:
         self.client.delete_run(run_id)
         return 1 + len(children)
 
+    def _mark_failed(self, run_ids: list[str]) -> None:
+        """Best effort: a store that is failing may refuse this too (then the lease expires as for a kill)."""
+        for run_id in reversed(run_ids):
+            try:
+                self.client.set_terminated(run_id, "FAILED")
+            except Exception:  # noqa: BLE001 - the original failure is the one to report
+                return
+
     def _beat(self, run_id: str) -> None:
         self.client.set_tag(run_id, HEARTBEAT_TAG, str(int(time.time() * 1000)))
 
@@ -417,7 +444,7 @@ class Publisher:
         tags = {**spec.tags, **link, "mlflow.runName": spec.name, HEARTBEAT_TAG: str(int(time.time() * 1000))}
         if spec.note:
             tags["mlflow.note.content"] = spec.note
-        tags = {k: str(v)[:_TAG_LENGTH] for k, v in tags.items()}
+        tags = {k: str(v)[:_TAG_LENGTH] for k, v in zip(_mlflow_keys(list(tags)), tags.values())}
         return self.client.create_run(self.experiment_id, tags=tags, run_name=spec.name).info.run_id
 
     def _fill(self, run_id: str, spec: RunSpec, heartbeat: str | None = None) -> None:
@@ -591,6 +618,12 @@ def _failures(uri: str) -> Iterator[None]:
         if "database is locked" in str(exc):
             raise UserError(_locked_line(uri)) from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        if getattr(exc, "error_code", None) == "INVALID_PARAMETER_VALUE":
+            raise UserError(
+                f"MLflow at {uri} refused a name or value of these results ({first}); the DVC outputs are intact and the "
+                f"runs of this attempt are marked FAILED: rename what it names (an output, a case id, a params key), then "
+                f"rerun `python -m pipeline publish`"
+            ) from None
         if "must be in the 'active' state" in str(exc):
             raise UserError(
                 f"publishing to {uri} stopped: another publish of the same results took this one for interrupted (no "

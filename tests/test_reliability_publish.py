@@ -61,3 +61,62 @@ def test_a_short_lock_is_waited_out(tmp_path, monkeypatch):
     finally:
         holder.wait()
     assert publisher.experiment_id and time.monotonic() - start >= 2  # it waited for the lock, then went on
+
+
+# --- item 6: names MLflow would refuse; a failed publish leaves FAILED runs, redone at once -----------------
+
+NASTY = ["we.ird/../key", "outputs./../x.atol", "a//b", "./a", "a/", "..", "/../etc/passwd", "cases.ordinary/../../x", "*", "ok.name"]
+
+
+def test_every_sanitised_name_is_one_mlflow_accepts():
+    from mlflow.utils.validation import _validate_metric_name, _validate_param_name, _validate_tag_name
+
+    keys = tracking._mlflow_keys(NASTY)
+    assert len(set(keys)) == len(NASTY)
+    for key in keys:
+        _validate_param_name(key)
+        _validate_metric_name(key)
+        _validate_tag_name(key)
+    assert tracking.mlflow_key("ok.name") == "ok.name" and tracking.mlflow_key("we.ird/../key") == "we.ird/__/key"
+
+
+def _spec(name: str, **kw) -> tracking.RunSpec:
+    return tracking.RunSpec(name=name, tags={"stage": "pipeline", **kw.pop("tags", {})}, **kw)
+
+
+def test_names_from_the_users_data_publish(tmp_path):
+    db = _db(tmp_path)
+    publisher = tracking.Publisher("amp-validation", f"sqlite:///{db}")
+    names = {n: i for i, n in enumerate(NASTY)}
+    done = publisher.publish("k-names", _spec("parent", params=names, metrics=names, tags={f"decision_tag.{n}": "x" for n in NASTY}),
+                             [_spec("child", metrics={"values./../out.max_abs": 0.5})])
+    assert done.created == 2
+    run = publisher.client.get_run(done.run_id)
+    assert run.data.params["we.ird/__/key"] == "0" and run.data.metrics["we.ird/__/key"] == 0.0
+
+
+def test_a_failed_publish_marks_its_runs_failed_and_the_next_one_does_not_wait(tmp_path, capsys):
+    db = _db(tmp_path)
+    publisher = tracking.Publisher("amp-validation", f"sqlite:///{db}", wait_s=5)
+    broken = _spec("child", artifacts=[(tmp_path / "gone.json", "")])  # vanished between the check and the upload
+    with pytest.raises(UserError) as err:
+        publisher.publish("k-fail", _spec("parent"), [_spec("first child"), broken])
+    assert "\n" not in str(err.value)
+    runs = publisher.client.search_runs([publisher.experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FAILED", "FAILED", "FAILED"]  # nothing left RUNNING
+    start = time.monotonic()
+    again = publisher.publish("k-fail", _spec("parent"), [_spec("first child")])
+    assert again.created == 2 and time.monotonic() - start < 5  # no lease to wait for
+    live = publisher.client.search_runs([publisher.experiment_id])
+    assert sorted(r.info.status for r in live) == ["FINISHED", "FINISHED"]
+    assert "waiting" not in capsys.readouterr().err
+
+
+def test_waiting_for_a_live_publisher_is_said_in_one_line(tmp_path, capsys):
+    db = _db(tmp_path)
+    publisher = tracking.Publisher("amp-validation", f"sqlite:///{db}", wait_s=1.5)
+    publisher._start(_spec("someone else's parent"), {tracking.KEY_TAG: "k-live"})  # RUNNING, fresh heartbeat
+    with pytest.raises(UserError, match="is still running"):
+        publisher.publish("k-live", _spec("parent"), [])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("publish: another publish of these results is running") and "waiting up to 2 s" in err[0]
