@@ -5,14 +5,16 @@ by its text), not copied here: a README edit that breaks a command breaks its te
 disappears or is renamed fails with the line it looked for. Commands run through bash with the virtual
 environment first on PATH, as after `. .venv/bin/activate`.
 
-- quick start: `make run` in a fresh copy of the working tree (the shipped params.yaml, dvc.lock and committed
-  outputs), then the `mlflow ui` line;
-- an example copied as the Diagnostics section says, through a full `dvc repro` (the one example run to the
-  end: stress_underflow, the cheapest), its diagnosis against the lines the README quotes;
-- the DVC views (`### With DVC`) and the sweep block (`### Sweeps on DVC's queue`);
-- `python -m pipeline restore --dtype DTYPE` after a rollback;
-- `python scripts/timings.py --venv .venv` (and `make timings`): checked for its arguments; the real run (three
-  full runs of the default pipeline, minutes) only with AMP_README_TIMINGS=1.
+- the quick start's `make run` in a fresh copy of the working tree (no .git; dvc.lock and the committed outputs
+  included), on an example copied as the Diagnostics section says (stress_underflow, the cheapest): one full
+  run is both the quick start and the one example run to the end, its diagnosis checked against the lines the
+  README quotes; then the `mlflow ui` line, and the Diagnostics line itself (again, and `--dry` for stress_overflow);
+- the DVC views (`### With DVC`) and the sweep block (`### Sweeps on DVC's queue`, on tests/test_sweep.py's params);
+- `python -m pipeline restore --dtype DTYPE` after a rollback (in a copy of the session's `reproduced`);
+- `python scripts/timings.py --venv .venv` and `make timings`: checked for the target and the arguments; the real
+  run (three full runs of the default pipeline, minutes) only with AMP_README_TIMINGS=1.
+
+tests/test_examples.py runs every example copied verbatim through `dvc repro --dry`.
 
 Not run: `make test` (this suite), the Docker, GPU, S3 remote and team-server commands (no engine, GPU or
 network here).
@@ -27,6 +29,7 @@ import re
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -35,7 +38,7 @@ from pathlib import Path
 
 import pytest
 from conftest import BIN, ROOT, TINY, blank_mlflow_db, env_for, make_project, run
-from test_concurrency import experiment_names, parents, wait_for_queue
+from test_concurrency import experiment_names, wait_for_queue
 from test_sweep import SMALL
 
 pytestmark = pytest.mark.integration
@@ -99,15 +102,26 @@ def _timings():
     return module
 
 
+def stress_line() -> tuple[str, str]:
+    """The Diagnostics section's command and the alternative its comment names: (command, "stress_underflow")."""
+    (line,) = block("cp examples/stress_overflow.params.yaml")
+    command, _, alternative = line.partition("#")
+    return command.strip(), alternative.strip().removeprefix("or").strip()
+
+
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
-    """The quick start: a fresh copy of the project (as a clone has it: no .git, dvc.lock and committed outputs
-    included), then `make run`. Read-only for tests: copy it before changing anything."""
+    """A fresh copy of the project as a clone has it (no .git; dvc.lock and the committed outputs included), the
+    stress_underflow example copied over params.yaml as the Diagnostics section says, then the quick start's
+    `make run`: one full pipeline run serves both (a second one, on the defaults, would cost another minute; the
+    defaults run in the session's `reproduced`). Read-only for tests: copy it before changing anything."""
     assert block("make run") == ["make run"]
+    command, alternative = stress_line()
     repo = tmp_path_factory.mktemp("readme") / "clone"
     _timings().copy_worktree(repo)  # the working tree's tracked and untracked, not ignored, files
     (repo / ".venv").symlink_to(BIN.parent)  # the environment `make run` would have installed, already there
     shutil.copy2(blank_mlflow_db(), repo / "mlflow.db")  # an empty local database (creating one takes ~10 s)
+    sh(repo, command.replace("stress_overflow", alternative).split(" && ")[0])  # cp examples/stress_underflow...
     # -o: the install step counts as done, so nothing is ever (re)installed into the test's own environment.
     made = sh(repo, "make -o .venv/.installed run")
     (repo.parent / "make-run.log").write_text(made.stdout + made.stderr)
@@ -122,7 +136,29 @@ def test_quick_start_make_run_runs_the_pipeline_and_publishes(clone):
     for dtype in ("float16", "bfloat16"):
         assert json.loads((clone / f"data/decision/{dtype}/decision.json").read_text())["decision"] in ("accept", "rollback")
     assert run(["git", "log", "--format=%s"], clone).stdout.split("\n")[0] == "initial import"
-    assert len(parents(clone / "mlflow.db")) == 1  # in the repository's own database: no MLFLOW_TRACKING_URI set
+    with sqlite3.connect(clone / "mlflow.db") as db:  # the repository's own database: no MLFLOW_TRACKING_URI was set
+        (parents,) = db.execute("SELECT count(*) FROM runs WHERE run_uuid NOT IN "
+                                "(SELECT run_uuid FROM tags WHERE key = 'mlflow.parentRunId')").fetchone()
+    assert parents == 1
+
+
+def test_stress_example_copied_as_written_runs_end_to_end_and_says_what_the_readme_quotes(clone, tmp_path):
+    """The one example run to the end, verbatim: stress_underflow (60 s here, stress_overflow 95 s)."""
+    command, alternative = stress_line()
+    assert command == "cp examples/stress_overflow.params.yaml params.yaml && dvc repro" and alternative == "stress_underflow"
+    assert (clone / "params.yaml").read_bytes() == (ROOT / "examples/stress_underflow.params.yaml").read_bytes()
+    fp16 = json.loads((clone / "data/decision/float16/decision.json").read_text())
+    assert fp16["decision"] == "accept", fp16["reasons"]  # README: "The trial uses the GradScaler and is accepted"
+    quoted = next(b for b in blocks() if b[0].startswith("gradient underflow in float16"))
+    expected = " ".join(part.strip() for part in quoted)
+    notes = json.loads((clone / "data/diagnose/float16/diagnosis.json").read_text())["notes"]
+    assert any(expected in note for note in notes), (expected, notes)
+
+    repo = copy(clone, tmp_path / "repo")
+    again = sh(repo, command.replace("stress_overflow", alternative))  # as written: up to date, publish adds nothing
+    assert "Running stage 'freeze'" not in again.stdout and "already published" in again.stdout + again.stderr
+    dry = sh(repo, f"{command} --dry")  # the line itself (stress_overflow), checked without running: every param there
+    assert "Running stage 'publish'" in dry.stdout
 
 
 def free_port() -> int:
@@ -155,26 +191,8 @@ def test_quick_start_mlflow_ui_serves_the_published_experiment(clone, tmp_path):
         server.wait(timeout=30)
 
 
-def test_stress_example_copied_as_written_runs_through_dvc_repro_and_says_what_the_readme_quotes(clone, tmp_path):
-    (line,) = block("cp examples/stress_overflow.params.yaml")
-    command, _, alternative = line.partition("#")
-    command, alternative = command.strip(), alternative.replace("or", "", 1).strip()
-    assert command == "cp examples/stress_overflow.params.yaml params.yaml && dvc repro" and alternative == "stress_underflow"
-    repo = copy(clone, tmp_path / "repo")
-    dry = sh(repo, f"{command} --dry")  # the command as written, checked without running: every param there
-    assert "Running stage 'publish'" in dry.stdout
-    # The one example run to the end: the README's alternative (60 s here, against 95 s for stress_overflow).
-    sh(repo, command.replace("stress_overflow", alternative))
-    assert (repo / "params.yaml").read_bytes() == (ROOT / "examples/stress_underflow.params.yaml").read_bytes()
-    fp16 = json.loads((repo / "data/decision/float16/decision.json").read_text())
-    assert fp16["decision"] == "accept", fp16["reasons"]  # README: "The trial uses the GradScaler and is accepted"
-    quoted = next(b for b in blocks() if b[0].startswith("gradient underflow in float16"))
-    expected = " ".join(part.strip() for part in quoted)
-    notes = json.loads((repo / "data/diagnose/float16/diagnosis.json").read_text())["notes"]
-    assert any(expected in note for note in notes), (expected, notes)
-
-
 def test_dvc_views_run_as_written(clone, tmp_path):
+    """`### With DVC`, line by line, in a copy of the fresh clone (its metrics and curves committed, as in a real one)."""
     commands = block("dvc metrics show")
     assert inline(r"dvc exp run -S trial\.dtypes='\[bfloat16\]'") in commands  # "What dvc repro does" says the same
     repo = copy(clone, tmp_path / "repo")
@@ -234,6 +252,10 @@ def test_timings_command_is_the_makefile_target_and_parses():
 
 
 @pytest.mark.skipif(not os.environ.get("AMP_README_TIMINGS"), reason="three full runs of the default pipeline (minutes): AMP_README_TIMINGS=1")
-def test_timings_command_runs_as_written(clone):
-    done = sh(clone, inline(r"python scripts/timings\.py[^`]*"), timeout=1800)
+def test_timings_command_runs_as_written():
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
+    env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
+    command = inline(r"python scripts/timings\.py[^`]*")  # it copies the working tree and runs there
+    done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "dvc repro --force (every stage)" in done.stdout and "dvc repro with nothing to do" in done.stdout
