@@ -260,6 +260,7 @@ class Publisher:
     """
 
     def __init__(self, experiment: str, uri: str | None = None, lease_s: float = LEASE_S, wait_s: float = WAIT_S) -> None:
+        timeout_exported = "MLFLOW_HTTP_REQUEST_TIMEOUT" in os.environ
         for name, value in _ENV_DEFAULTS.items():
             os.environ.setdefault(name, value)
         self.uri = uri or tracking_uri()
@@ -271,7 +272,10 @@ class Publisher:
             import mlflow
 
             self.client = mlflow.MlflowClient(tracking_uri=_engine_uri(self.uri))
-            self.experiment_id = self._experiment(experiment)
+            if self.uri.startswith(("http://", "https://")) and not timeout_exported:
+                self.experiment_id = _first_call(self.uri, lambda: self._experiment(experiment))
+            else:
+                self.experiment_id = self._experiment(experiment)
 
     def publish(self, key: str, parent: RunSpec, children: list[RunSpec]) -> Published:
         """Create ``parent`` (tagged with ``key``) and ``children`` under it, unless ``key`` is published."""
@@ -472,6 +476,50 @@ class Publisher:
         for name, rows in spec.tables.items():
             self.client.log_table(run_id, data=_columns(rows), artifact_file=name)
         self._beat(beat)
+
+
+FIRST_CALL_TIMEOUT_S = _HEALTH_TIMEOUT_S
+FIRST_CALL_ATTEMPTS = 3
+
+
+def _first_call(uri: str, call):
+    """The first API call to a server, short as the /health probe is: ``FIRST_CALL_ATTEMPTS`` attempts of
+    ``FIRST_CALL_TIMEOUT_S`` seconds each, one line per retry. A server that answers /health but hangs on its
+    API (a stuck worker, a proxy in front of a dead backend) stops publish in seconds, not minutes of silence.
+    The calls after it keep MLflow's longer timeout (artifacts take time).
+
+    Raises:
+        UserError: the API did not answer in any attempt.
+    """
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")}
+    os.environ.update(MLFLOW_HTTP_REQUEST_TIMEOUT=f"{FIRST_CALL_TIMEOUT_S:g}", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
+    try:
+        for attempt in range(1, FIRST_CALL_ATTEMPTS + 1):
+            try:
+                return call()
+            except (MlflowException, requests.exceptions.RequestException) as exc:
+                text = str(exc).lower()
+                if not isinstance(exc, requests.exceptions.Timeout) and "timed out" not in text and "timeout" not in text:
+                    raise
+            if attempt < FIRST_CALL_ATTEMPTS:
+                print(
+                    f"publish: MLflow server {uri} answers /health but its API did not answer within {FIRST_CALL_TIMEOUT_S:g} s "
+                    f"(attempt {attempt} of {FIRST_CALL_ATTEMPTS}); retrying", file=sys.stderr, flush=True,
+                )
+        raise UserError(
+            f"MLflow tracking server {uri} answers /health but its API did not answer in {FIRST_CALL_ATTEMPTS} attempts of "
+            f"{FIRST_CALL_TIMEOUT_S:g} s; the DVC outputs are intact: restart the server (or its database), then rerun "
+            f"`python -m pipeline publish`"
+        )
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _heartbeat(run) -> float:

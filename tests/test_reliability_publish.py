@@ -3,6 +3,7 @@ that another process holds locked, names MLflow refuses, a publish that fails mi
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -120,3 +121,52 @@ def test_waiting_for_a_live_publisher_is_said_in_one_line(tmp_path, capsys):
         publisher.publish("k-live", _spec("parent"), [])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("publish: another publish of these results is running") and "waiting up to 2 s" in err[0]
+
+
+# --- item 8: a server that answers /health but hangs on its API ---------------------------------------------
+
+
+@pytest.fixture
+def hanging_server():
+    """A real HTTP server on 127.0.0.1: /health answers 200 at once, every API call hangs (a stuck backend)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self):
+            if self.path.rstrip("/") == "/health":
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"OK")
+                return
+            release.wait(60)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    release.set()
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_server_that_hangs_on_its_api_stops_publish_in_seconds_with_a_line_per_retry(hanging_server, monkeypatch, capsys):
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    monkeypatch.setattr(tracking, "FIRST_CALL_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(tracking, "FIRST_CALL_ATTEMPTS", 2)
+    start = time.monotonic()
+    with pytest.raises(UserError) as err:
+        tracking.Publisher("amp-validation", hanging_server)
+    took = time.monotonic() - start
+    assert "answers /health but its API did not answer in 2 attempts of 1 s" in str(err.value) and "\n" not in str(err.value)
+    assert took < 15, took
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "(attempt 1 of 2); retrying" in lines[0], lines
+    assert os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT") == "30"  # the later calls keep MLflow's longer timeout
