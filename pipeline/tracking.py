@@ -364,12 +364,42 @@ class Publisher:
                 if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
                 found = self.client.get_experiment_by_name(name)
+        if self.uri.startswith("sqlite:///"):
+            found = self._own_artifacts(found)
         if found.lifecycle_stage == "deleted":
             raise UserError(
                 f"MLflow experiment {name!r} at {self.uri} is deleted; restore it (`mlflow experiments restore "
                 f"--experiment-id {found.experiment_id}`) or set tracking.experiment in params.yaml to another name"
             )
         return found.experiment_id
+
+    def _own_artifacts(self, found):
+        """A project copied with its database (``cp -a``) keeps an experiment whose artifact location is the
+        ORIGINAL project's ``mlartifacts`` (stored as an absolute path): this copy would publish into the
+        other project. When the database lives in this repository and its experiment points at the
+        ``mlartifacts`` of another folder, it is moved to this repository's own (runs published before keep
+        theirs), with one line."""
+        import sqlite3
+        from urllib.parse import unquote, urlparse
+
+        db = Path(self.uri[len("sqlite:///") :].split("?")[0]).resolve()
+        root = repository_root().resolve()
+        location = found.artifact_location or ""
+        if db.parent != root or not location.startswith("file:"):
+            return found
+        current = Path(unquote(urlparse(location).path))
+        own = root / "mlartifacts"
+        if current.name != "mlartifacts" or current == own:
+            return found
+        con = sqlite3.connect(db, timeout=SQLITE_BUSY_S)
+        try:
+            with con:
+                con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (own.as_uri(), found.experiment_id))
+        finally:
+            con.close()
+        print(f"publish: {db} was copied from another project: experiment {found.name!r} now stores its artifacts in {own}, "
+              f"not {current}", file=sys.stderr, flush=True)
+        return self.client.get_experiment(found.experiment_id)
 
     def _search(self, query: str) -> list:
         runs, token = [], None

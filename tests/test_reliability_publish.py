@@ -170,3 +170,46 @@ def test_a_server_that_hangs_on_its_api_stops_publish_in_seconds_with_a_line_per
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and "(attempt 1 of 2); retrying" in lines[0], lines
     assert os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT") == "30"  # the later calls keep MLflow's longer timeout
+
+
+# --- item 11: a copied project publishes into its own artifacts; stale files of another dtype ---------------
+
+
+def test_a_project_copied_with_cp_a_publishes_into_its_own_mlartifacts(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    original.mkdir()
+    _db(original)
+    monkeypatch.chdir(original)
+    tracking.Publisher("amp-validation")  # creates the experiment, artifacts in original/mlartifacts
+    shutil.copytree(original, copy, symlinks=True)  # what `cp -a` does
+    monkeypatch.chdir(copy)
+    (copy / "note.txt").write_text("from the copy")
+    publisher = tracking.Publisher("amp-validation")
+    assert publisher.client.get_experiment(publisher.experiment_id).artifact_location == (copy / "mlartifacts").as_uri()
+    published = publisher.publish("k-copy", _spec("parent", artifacts=[(copy / "note.txt", "")]), [])
+    assert [p.name for p in (copy / "mlartifacts").rglob("note.txt")] == ["note.txt"]
+    assert not (original / "mlartifacts").exists() or not list((original / "mlartifacts").rglob("note.txt"))
+    assert published.created == 1
+    assert "was copied from another project" in capsys.readouterr().err
+
+
+def test_the_publish_key_ignores_files_of_dtypes_no_longer_configured(tmp_path, monkeypatch):
+    from pipeline.stages import publish
+
+    monkeypatch.chdir(tmp_path)
+    for rel in ("data/reference/manifest.json", "data/report/plots/float16/loss.png", "data/report/curves/loss/float16.json",
+                "data/metrics/float16.json", "data/metrics/bench-float16.json",
+                *(f"data/{stage}/float16/x.json" for stage in ("trial", "compare", "diagnose", "decision", "benchmark"))):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel)
+    manifest = {"run_key": "r", "rule_sha256": "s"}
+    before = publish._key(manifest, "c", {}, ["float16"])
+    # What a `dvc exp apply` of an earlier experiment with both dtypes leaves behind:
+    for rel in ("data/report/plots/bfloat16/loss.png", "data/report/curves/loss/bfloat16.json", "data/metrics/bfloat16.json",
+                "data/metrics/bench-bfloat16.json"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("stale")
+    assert publish._key(manifest, "c", {}, ["float16"]) == before
+    (tmp_path / "data/metrics/float16.json").write_text("changed")
+    assert publish._key(manifest, "c", {}, ["float16"]) != before  # a file of a configured dtype still counts

@@ -29,7 +29,7 @@ import yaml
 
 from pipeline import paths, report, review, tracking, verdict
 from pipeline.artifacts import read_json, sha256_file
-from pipeline.config import ParamsLoader, load_params
+from pipeline.config import DTYPES, ParamsLoader, load_params
 from pipeline.errors import UserError
 from pipeline.tracking import RunSpec
 
@@ -43,13 +43,7 @@ def main(params_path: str = "params.yaml") -> None:
     manifest = read_json(paths.REF_MANIFEST, "freeze")
     flat = tracking.flatten(asdict(params))
     commit = tracking.git_commit()
-    key = hashlib.sha256(json.dumps({
-        "reference": manifest["run_key"],
-        "rule": manifest["rule_sha256"],
-        "commit": commit,
-        "params": flat,
-        "files": {str(p): sha256_file(p) for p in _mirrored(dtypes)},
-    }, sort_keys=True).encode()).hexdigest()
+    key = _key(manifest, commit, flat, dtypes)
 
     uri = tracking.tracking_uri()
     already = tracking.published_parent(uri, params.tracking.experiment, key)
@@ -81,6 +75,18 @@ def main(params_path: str = "params.yaml") -> None:
     done = f"{result.created} run(s) created in {time.monotonic() - started:.1f} s" if result.created else "already published, nothing added"
     print(f"publish: {done}; parent run {result.run_link}")
     print(f"publish: {review.one_line(verdicts)}; review: {result.link}")
+
+
+def _key(manifest: dict, commit: str, flat: dict, dtypes: list[str]) -> str:
+    """The execution's key: the reference, the rule, the commit, the params and the bytes of every mirrored
+    file of the configured dtypes (a stale file of another dtype, left after `dvc exp apply`, is no part of it)."""
+    return hashlib.sha256(json.dumps({
+        "reference": manifest["run_key"],
+        "rule": manifest["rule_sha256"],
+        "commit": commit,
+        "params": flat,
+        "files": {str(p): sha256_file(p) for p in _mirrored(dtypes)},
+    }, sort_keys=True).encode()).hexdigest()
 
 
 def _loosened(publisher: tracking.Publisher, run_key: str, v: dict) -> list[str]:
@@ -132,8 +138,16 @@ def _mirrored(dtypes: list[str]) -> list[Path]:
     for folder in folders:
         if not folder.is_dir():
             raise UserError(f"{folder} not found; run `dvc repro` first, then publish")
-        files += [p for p in folder.rglob("*") if p.is_file()]
+        files += [p for p in folder.rglob("*") if p.is_file() and not _of_another_dtype(p, dtypes)]
     return sorted(set(files))
+
+
+def _of_another_dtype(path: Path, dtypes: list[str]) -> bool:
+    """A report figure or curve, or a metrics file, of a dtype that is not configured now (what an earlier
+    configuration left: `data/report/plots/DTYPE/`, `data/report/curves/FAMILY/DTYPE.json`,
+    `data/metrics/DTYPE.json`, `data/metrics/bench-DTYPE.json`)."""
+    others = set(DTYPES) - set(dtypes)
+    return bool(others & set(path.parts[:-1])) or path.stem in others | {f"bench-{d}" for d in others}
 
 
 def _variant(d: str) -> dict:
