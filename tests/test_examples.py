@@ -119,3 +119,40 @@ def test_each_example_copied_verbatim_passes_dvc_repro_dry(reproduced, tmp_path)
         if proc.returncode != 0 or "Running stage 'publish'" not in proc.stdout:
             failed[name] = (proc.stderr or proc.stdout)[-1500:]
     assert not failed, failed
+
+
+def readme_example_blocks() -> list[tuple[str, dict]]:
+    """Each ```yaml block of the README introduced by a mention of `examples/NAME.params.yaml` (since the block before)."""
+    text = (ROOT / "README.md").read_text()
+    found, since = [], 0
+    for match in re.finditer(r"```yaml\n(.*?)```", text, re.DOTALL):
+        names = re.findall(r"`examples/(\w+)\.params\.yaml`", text[since : match.start()])
+        if names:
+            found.append((names[-1], yaml.safe_load(match.group(1))))
+        since = match.end()
+    return found
+
+
+def subset_mismatches(shown: dict, actual: dict, path: str = "") -> list[str]:
+    out = []
+    for key, value in shown.items():
+        where = f"{path}{key}"
+        if key not in actual:
+            out.append(f"{where} is not in the file")
+        elif isinstance(value, dict) and isinstance(actual[key], dict):
+            out.extend(subset_mismatches(value, actual[key], where + "."))
+        elif value != actual[key]:
+            out.append(f"{where}: README {value!r}, file {actual[key]!r}")
+    return out
+
+
+def test_the_readme_example_sections_match_the_files():
+    """The README's bert and convnet snippets show a part of their file: every value shown is the file's."""
+    shown = readme_example_blocks()
+    assert sorted(name for name, _ in shown) == ["bert", "convnet"]
+    for name, snippet in shown:
+        actual = yaml.safe_load((ROOT / "examples" / f"{name}.params.yaml").read_text())
+        assert not subset_mismatches(snippet, actual), (name, subset_mismatches(snippet, actual))
+    readme = (ROOT / "README.md").read_text()
+    for name in set(re.findall(r"examples/(\w+)\.params\.yaml", readme)) - {"NAME"}:
+        assert name in EXAMPLES, f"README.md names examples/{name}.params.yaml, which does not exist"
