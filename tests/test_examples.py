@@ -110,14 +110,21 @@ def test_each_example_copied_verbatim_passes_dvc_repro_dry(reproduced, tmp_path)
     repo = tmp_path / "repo"
     shutil.copytree(reproduced, repo, symlinks=True)
     shutil.copytree(ROOT / "examples", repo / "examples")
-    failed = {}
+    commands = {}  # each example's own line, and every such line of the README (an indented block's, comment dropped)
     for name in EXAMPLES:
         header = (ROOT / "examples" / f"{name}.params.yaml").read_text().split("\nseed:")[0]
-        command = re.search(rf"cp examples/{name}\.params\.yaml params\.yaml && dvc repro", header).group(0)
+        commands[re.search(rf"cp examples/{name}\.params\.yaml params\.yaml && dvc repro", header).group(0)] = name
+    readme = re.findall(r"(?m)^    (cp examples/\S+.*?)\s*(?:#.*)?$", (ROOT / "README.md").read_text())
+    assert len(readme) >= 2, "README.md's `cp examples/... params.yaml && dvc repro` lines"
+    for line in readme:
+        commands.setdefault(line, re.search(r"examples/(\w+)\.params", line).group(1))
+    failed = {}
+    for command, name in commands.items():
         proc = run(["bash", "-c", f"{command} --dry"], repo, check=False)
-        assert (repo / "params.yaml").read_bytes() == (ROOT / "examples" / f"{name}.params.yaml").read_bytes()
         if proc.returncode != 0 or "Running stage 'publish'" not in proc.stdout:
-            failed[name] = (proc.stderr or proc.stdout)[-1500:]
+            failed[command] = (proc.stderr or proc.stdout)[-1500:]
+        elif (repo / "params.yaml").read_bytes() != (ROOT / "examples" / f"{name}.params.yaml").read_bytes():
+            failed[command] = "params.yaml is not the example's file, byte for byte"
     assert not failed, failed
 
 
