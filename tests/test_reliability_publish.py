@@ -38,6 +38,7 @@ def _hold(db: Path, seconds: float) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.integration  # starts a process or a server
 def test_a_locked_sqlite_store_is_one_line(tmp_path, monkeypatch):
     db = _db(tmp_path)
     monkeypatch.setattr(tracking, "SQLITE_BUSY_S", 1)
@@ -52,6 +53,7 @@ def test_a_locked_sqlite_store_is_one_line(tmp_path, monkeypatch):
     assert "\n" not in line and f"MLflow store {db} is locked by another process" in line and "rerun `python -m pipeline publish`" in line
 
 
+@pytest.mark.integration  # starts a process or a server
 def test_a_short_lock_is_waited_out(tmp_path, monkeypatch):
     db = _db(tmp_path)
     monkeypatch.setattr(tracking, "SQLITE_BUSY_S", 30)
@@ -157,6 +159,7 @@ def hanging_server():
     server.server_close()
 
 
+@pytest.mark.integration  # starts a process or a server
 def test_a_server_that_hangs_on_its_api_stops_publish_in_seconds_with_a_line_per_retry(hanging_server, monkeypatch, capsys):
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
     monkeypatch.setattr(tracking, "FIRST_CALL_TIMEOUT_S", 1.0)
