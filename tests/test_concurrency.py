@@ -49,7 +49,7 @@ def test_parallel_queue_with_a_new_database_keeps_both_experiments(tmp_path):
     and both create the database; before the store lock, one of them died in MLflow's migrations and was lost."""
     smaller = {"bench": {"repeats": 1, "steps": 1, "warmup": 0}, "prepare": {"ordinary_cases": 32},
                "reference": {"train_steps": 4, "checkpoint_every": 0, "boundary_cases": 1}, "diagnose": {"search_budget": 0},
-               "trial": {"dtypes": ["bfloat16"]}}
+               "trial": {"dtypes": ["bfloat16"]}, "acceptance": {"min_quality": 0.1}}  # 4 steps: accuracy ~0.2
     repo = make_project(tmp_path / "repo", smaller)  # the race is at publish: the rest as small as it goes
     (repo / "mlflow.db").unlink()  # a repository that never published: the queue creates the database
     env = env_for(repo)

@@ -201,7 +201,8 @@ def test_decide_depends_on_its_deps_alone_not_on_a_tracking_server(reproduced, t
     assert after == before
     assert {f"data/metrics/{d}.json" for d in ("float16", "bfloat16")} <= after.keys()
     short = json.loads((copy / "data/metrics/float16.json").read_text())
-    assert set(short) == {"decision", "reasons", "flips", "near_flips", "max_gap", "quality_trial", "quality_trained", "loss_gap"}
+    assert set(short) == {"decision", "inference", "training", "reasons", "flips", "near_flips", "max_gap", "quality_trial", "quality_trained",
+                          "loss_gap"}
 
 
 def dead_port() -> int:

@@ -9,39 +9,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import BIN, ROOT, dvc, env_for, make_project, run
-from test_concurrency import experiment_names, parents, wait_for_queue
+from conftest import ROOT, dvc, make_project, run
 
 pytestmark = pytest.mark.integration
 
 SMALL = {"bench": {"repeats": 1, "steps": 1, "warmup": 0}, "prepare": {"ordinary_cases": 32},
          "reference": {"train_steps": 4, "checkpoint_every": 0, "boundary_cases": 1}, "diagnose": {"search_budget": 0},
-         "trial": {"dtypes": ["bfloat16"]}}
+         "trial": {"dtypes": ["bfloat16"]},
+         "acceptance": {"min_quality": 0.1}}  # 4 steps train a reference to accuracy ~0.19: freeze refuses a minimum it cannot meet
+# The queued sweep itself is tests/test_readme_commands.py::test_sweep_block_runs_as_written (the README's block, as written).
 RAN_FREEZE = "Running stage 'freeze'"
-
-
-def test_a_queued_sweep_freezes_the_reference_once_per_distinct_reference(tmp_path):
-    repo = make_project(tmp_path / "repo", SMALL)
-    dvc(repo, "repro", "freeze")  # the baseline's reference, committed: experiments start from it
-    run(["git", "add", "-A"], repo)
-    run(["git", "commit", "-qm", "reference"], repo)
-    env = env_for(repo)
-    sweep = {  # two workers, two experiments: each dimension of a sweep, at the cost of one
-        "f16keep0": ["-S", "trial.dtypes=[float16]", "-S", 'trial.fp32_modules=["0"]'],  # same reference
-        "seed1": ["-S", "seed=1"],  # another seed: another reference, frozen in that experiment
-    }
-    for name, args in sweep.items():
-        run([str(BIN / "dvc"), "exp", "run", "--queue", "-n", name, *args], repo, env=env)
-    run([str(BIN / "dvc"), "queue", "start", "--jobs", "2"], repo, env=env)
-    status = wait_for_queue(repo, env)
-    logs = {n: run([str(BIN / "dvc"), "queue", "logs", n], repo, env=env, check=False).stdout for n in sweep}
-    assert "Failed" not in status and status.count("Success") >= len(sweep), (status, {n: log[-3000:] for n, log in logs.items()})
-    assert set(sweep) <= experiment_names(repo)
-    assert RAN_FREEZE not in logs["f16keep0"], logs["f16keep0"][-3000:]
-    assert "Running stage 'trial@float16'" in logs["f16keep0"]
-    assert RAN_FREEZE in logs["seed1"]
-    published = {r.data.tags.get("dvc_experiment") for r in parents(repo / "mlflow.db")}
-    assert set(sweep) <= published, published
 
 
 def test_a_second_clone_pulls_the_reference_and_runs_only_the_trials(tmp_path):
