@@ -83,6 +83,8 @@ def verdict(
     out.gain = gain
     if not accepted:
         out.commands = _commands(dtype, diagnosis)
+    for note in decision.get("notes", []):  # e.g. the trial ran with other threads than the reference: said beside the verdict
+        out.warnings.append(str(note))
     if loosened:
         out.warnings.append(
             f"the rule was loosened since this reference was rolled back for {dtype}: {'; '.join(loosened)}"

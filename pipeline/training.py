@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import math
 import os
 import signal
@@ -57,6 +58,9 @@ class StepRecord:
     lr: float
     nonfinite_grad: bool = False
     """The gradient norm was not finite without a GradScaler to skip it (bfloat16, FP32): the update was not applied."""
+    batch_sha256: str = ""
+    """sha256 of the bytes of every micro-batch this step read (inputs and targets, as read): the trial and every
+    resume compare it with the reference's, so a non-deterministic Dataset cannot pass unseen."""
 
 
 def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[torch.Tensor]:
@@ -79,6 +83,26 @@ def update_batches(n: int, cfg: ReferenceConfig, seed: int) -> list[list[torch.T
     k = cfg.grad_accumulation
     flat = batch_order(n, cfg.batch_size, cfg.train_steps * k, seed)
     return [flat[i * k : (i + 1) * k] for i in range(cfg.train_steps)]
+
+
+def batch_digest(micro: list[tuple[Any, torch.Tensor]]) -> str:
+    """sha256 of one update's micro-batches as read from the source (host tensors, before any device copy)."""
+    h = hashlib.sha256()
+    for x, y in micro:
+        for name, t in sorted(task.tensors_of(x).items()) + [("_targets", y)]:
+            t = t.detach().cpu().contiguous()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}|".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _check_batch(step: int, digest: str, expected: str, what: str) -> None:
+    if expected and digest != expected:
+        raise UserError(
+            f"training step {step + 1}: the batch read differs from {what} (sha256 {digest[:12]}… vs {expected[:12]}…): the "
+            f"Dataset or task.data is not deterministic; make __getitem__ a function of its index (seed any augmentation "
+            f"from it), then `dvc repro --force`"
+        )
 
 
 def neighbours_swapped(order: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
@@ -335,6 +359,7 @@ def run_trial(
     save_resume: Callable[[checkpoint.Checkpoint], None] | None = None,
     label: str = "trial",
     sink: Callable[[str, Iterator[dict[str, torch.Tensor]]], None] | None = None,
+    expect_batches: list[str] | None = None,
 ) -> TrialResult:
     """A trial, the one definition trial@DTYPE and the diagnosis's re-runs share.
 
@@ -353,7 +378,8 @@ def run_trial(
 
     first = outputs("outputs", trained)
     model = make_initial()
-    result = train(model, train_x, train_y, cfg, loss_kind, policy, device, seed, resume=resume, save_resume=save_resume, label=label)
+    result = train(model, train_x, train_y, cfg, loss_kind, policy, device, seed, resume=resume, save_resume=save_resume, label=label,
+                   expect_batches=expect_batches)
     trained_outputs = outputs("trained_outputs", model)
     aligned = aligned_fp32(make_initial, train_x, train_y, cfg, loss_kind, device, seed, result.records, label)
     return TrialResult(first, result, trained_outputs, aligned)
@@ -392,6 +418,7 @@ def train(
     skip_steps: frozenset[int] = frozenset(),
     batches: list[list[torch.Tensor]] | None = None,
     stop: int | None = None,
+    expect_batches: list[str] | None = None,
 ) -> TrainResult:
     """Train ``model`` in place for ``cfg.train_steps`` optimizer updates under ``policy``.
 
@@ -407,6 +434,8 @@ def train(
     ``skip_steps``: steps whose update is not applied, as a GradScaler skip (the FP32 run aligned on a trial).
     ``batches``: another order of the micro-batch indices than the seeded one (the FP32 noise replicate).
     ``stop``: end after this many steps of the SAME run (the diagnosis replay): schedules keep their span.
+    ``expect_batches``: the reference's per-step ``batch_sha256``; a step that reads other bytes stops the run
+    with one line (checked on rank 0, whose shard the reference recorded).
     """
     end = cfg.train_steps if stop is None else min(stop, cfg.train_steps)
     precision.strict_fp32()
@@ -426,6 +455,9 @@ def train(
         records = [StepRecord(**r) for r in resume.meta["records"]]
         real_updates = resume.meta["real_updates"]
         start = resume.meta["step"]
+        if records and start and world.rank == 0:  # the data read after a resume is the data read before it
+            again = [source.batch(world.shard(idx)) for idx in order[start - 1]]
+            _check_batch(start - 1, batch_digest(again), records[-1].batch_sha256, "the one recorded before the resume")
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
     kill_after = int(os.environ.get("PIPELINE_KILL_AFTER_STEP", "0")) - _KILL_OFFSET[0]
@@ -443,7 +475,11 @@ def train(
                     x, y = source.batch(world.shard(idx))
                 except UserError as exc:  # a bad item of a Dataset: say which training step met it
                     raise UserError(f"training step {step + 1}: {exc}") from None
-                micro.append((to_device(x, device), y.to(device)))
+                micro.append((x, y))
+            digest = batch_digest(micro)
+            if expect_batches is not None and world.rank == 0 and step < len(expect_batches):
+                _check_batch(step, digest, expect_batches[step], "the reference's")
+            micro = [(to_device(x, device), y.to(device)) for x, y in micro]
             out = amp_step(net, micro, loss_fn, optimizer, scaler, policy, device, max_norm, params, apply=step not in skip_steps)
             if not out.skipped:
                 real_updates += 1
@@ -459,6 +495,7 @@ def train(
                     real_updates=real_updates,
                     lr=float(optimizer.param_groups[0]["lr"]),
                     nonfinite_grad=out.nonfinite_grad,
+                    batch_sha256=digest,
                 )
             )
             progress.tick(step + 1, records[-1].loss, out.scale, sum(r.skipped for r in records))

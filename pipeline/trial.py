@@ -67,11 +67,20 @@ class Writer:
             "reference_run_key": reference_manifest["run_key"],
             "rule_sha256": reference_manifest["rule_sha256"],
             "env": env,
-            "env_differs_from_reference": sorted(k for k in env if env[k] != reference_manifest["env"].get(k)),
+            "env_differs_from_reference": _env_differs(env, reference_manifest["env"]),
             "real_updates": result.real_updates,
         }
         write_json(self.folder / paths.TRIAL_MANIFEST, manifest)
         return manifest
+
+
+ENV_DEFAULTS = {"world_size": 1, "process_group_backend": None}
+"""What an env that does not name these keys means (one process): a one-rank trial of a two-rank reference differs."""
+
+
+def _env_differs(env: dict, ref_env: dict) -> list[str]:
+    """Keys of the environment (either side's) whose values differ between the trial and the reference."""
+    return sorted(k for k in set(env) | set(ref_env) if env.get(k, ENV_DEFAULTS.get(k)) != ref_env.get(k, ENV_DEFAULTS.get(k)))
 
 
 @dataclass
