@@ -35,6 +35,12 @@ test-fast: $(VENV)/.installed
 test-gpu: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" $(PY) -m pytest -q -ra -m gpu tests
 
+# Python (ruff), the Dockerfiles (hadolint) and the workflows (actionlint): every linter comes from requirements-dev.lock.
+lint: $(VENV)/.installed
+	$(BIN)/ruff check pipeline tests scripts
+	$(BIN)/hadolint Dockerfile.cuda Dockerfile.rocm
+	$(BIN)/actionlint
+
 timings: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" $(PY) scripts/timings.py
 

@@ -31,7 +31,6 @@ from pipeline import benchmark, devices, precision  # noqa: E402
 from pipeline.config import Params, build  # noqa: E402
 from pipeline.examples import transformer  # noqa: E402
 from pipeline.numerics import quantile  # noqa: E402
-from pipeline.precision import Policy  # noqa: E402
 
 
 def workload(size: str, device: torch.device) -> tuple[Params, torch.nn.Module, torch.Tensor, torch.Tensor]:

@@ -67,7 +67,8 @@ def test_memory_summary_peak_working_and_ratios() -> None:
 
 
 def test_tf32_baseline_only_where_the_gpu_has_tf32() -> None:
-    names = lambda env: [v.name for v in benchmark.variants("bfloat16", (), env)[0]]
+    def names(env):
+        return [v.name for v in benchmark.variants("bfloat16", (), env)[0]]
     assert names(A100) == ["fp32", "tf32", "amp"]
     assert names(CPU) == names(T4) == names(MI300) == ["fp32", "amp"]
     chosen, note = benchmark.variants("float16", ("head",), T4)

@@ -6,7 +6,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 from conftest import ROOT, blank_mlflow_db
 
 MAKE_RUNS = """
