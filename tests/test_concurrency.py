@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, dvc, env_for, make_project, run
+from conftest import BIN, dvc, run
 
 pytestmark = pytest.mark.integration
 
@@ -44,24 +44,7 @@ def wait_for_queue(repo: Path, env: dict, limit: float = 900) -> str:
         run([str(BIN / "dvc"), "queue", "stop"], repo, env=env, check=False)
 
 
-def test_parallel_queue_with_a_new_database_keeps_both_experiments(tmp_path):
-    """`dvc queue start --jobs 2` with no mlflow.db yet: both experiments reach publish at about the same time
-    and both create the database; before the store lock, one of them died in MLflow's migrations and was lost."""
-    smaller = {"bench": {"repeats": 1, "steps": 1, "warmup": 0}, "prepare": {"ordinary_cases": 32},
-               "reference": {"train_steps": 4, "checkpoint_every": 0, "boundary_cases": 1}, "diagnose": {"search_budget": 0},
-               "trial": {"dtypes": ["bfloat16"]}, "acceptance": {"min_quality": 0.1}}  # 4 steps: accuracy ~0.2
-    repo = make_project(tmp_path / "repo", smaller)  # the race is at publish: the rest as small as it goes
-    (repo / "mlflow.db").unlink()  # a repository that never published: the queue creates the database
-    env = env_for(repo)
-    for name, seed in (("q1", 1), ("q2", 2)):  # same work, so both publish at the same moment
-        run([str(BIN / "dvc"), "exp", "run", "--queue", "-n", name, "-S", f"seed={seed}"], repo, env=env)
-    run([str(BIN / "dvc"), "queue", "start", "--jobs", "2"], repo, env=env)
-    status = wait_for_queue(repo, env)
-    logs = {n: run([str(BIN / "dvc"), "queue", "logs", n], repo, env=env, check=False).stdout for n in ("q1", "q2")}
-    assert "Success" in status and "Failed" not in status, (status, {n: log[-3000:] for n, log in logs.items()})
-    assert {"q1", "q2"} <= experiment_names(repo)
-    published = {r.data.tags.get("dvc_experiment") for r in parents(repo / "mlflow.db")}
-    assert published == {"q1", "q2"}, published
+# The queue's race on a new database: tests/test_readme_commands.py::test_sweep_block_runs_as_written (two workers, no mlflow.db).
 
 
 def test_a_fresh_clone_publishes_what_it_reproduces_and_a_rerun_adds_nothing(reproduced, tmp_path):
