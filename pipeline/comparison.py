@@ -144,7 +144,7 @@ def compare_streams(
     per_row = max(sum(math.prod(s[1:]) for s in shapes.values()), 1)
     step = max(1, cfg.chunk_elements // per_row)
     gaps = {name: numerics.GapStats(rule.tolerance(name).atol, rule.tolerance(name).rtol, math.prod(shapes[name])) for name in names}
-    heads = decided_heads(kind, rule, shapes, main, tuple(targets.shape))
+    heads = decided_heads(kind, rule, shapes, main)
     arbiter = {name: numerics.ArbiterStats() for name in names} if fp64 is not None else None
     main_shape = shapes[main]
     per_token = kind == "classification" and len(main_shape) == 3
@@ -338,7 +338,7 @@ def _failing_rows(gap: numerics.GapStats, ref: torch.Tensor, trial: torch.Tensor
     return bad.any(1)
 
 
-def decided_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str, target_shape: tuple[int, ...]) -> list[str]:
+def decided_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
     """Outputs whose decisions (argmax, ties, flips) the rule judges: the primary of a classification task, and
     every other output shaped like class scores [N, C >= 2] unless the rule's entry for it says
     ``decisions: false``; ``decisions: true`` also takes per-token scores [N, T, C] of another head."""

@@ -50,7 +50,9 @@ class _Judge:
         self.reasons.append(failed)
         self.failed[part] = True
         if cases is not None and cases[1]:
-            self.cases.setdefault(cases[0], []).extend(x for x in cases[1] if x not in self.cases.get(cases[0], []))
+            kept = self.cases.setdefault(cases[0], [])
+            seen = set(kept)
+            kept.extend(x for x in dict.fromkeys(cases[1]) if x not in seen)  # in order, once each
 
 
 def decide(stats: dict, rule: AcceptanceConfig, findings: list[str] | None = None) -> dict:
