@@ -80,8 +80,8 @@ def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
     table += [
         ("training: max loss gap", metric("training.max_loss_gap")),
         ("training: steps outside loss band", metric("training.band_violations")),
-        ("training: FP32 noise floor, max gap of the one-ulp replicate", metric("training.noise.max_replicate_gap")),
-        ("training: AMP gap / noise floor, worst step", metric("training.noise.worst_ratio")),
+        ("training: FP32 noise floor, largest gap of the replicate (another data order)", metric("training.noise.max_replicate_gap")),
+        ("training: AMP mean gap / replicate mean gap", metric("training.noise.mean_ratio")),
         ("training: GradScaler", lambda v: "on" if v["metrics"].get("training.scaler_enabled") else "off (no GradScaler)"),
         ("training: skipped fraction", metric("training.skipped_fraction")),
         ("training: real updates", metric("training.real_updates")),

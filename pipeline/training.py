@@ -533,25 +533,6 @@ def _snapshot(model, optimizer, scaler, scheduler, records, real_updates, step, 
     )
 
 
-@torch.no_grad()
-def perturb_one_ulp(model: torch.nn.Module, seed: int) -> None:
-    """Move every floating parameter element by one ulp, up or down by a seeded coin (``seed``).
-
-    Why this perturbation for the FP32 noise replicate: one ulp is the smallest change FP32 can
-    represent, the size of the rounding differences any change of arithmetic (a reordered sum, another
-    kernel, another thread count) makes; the replicate then differs from the reference by nothing a
-    user could call a different model, and how far its trajectory drifts is FP32's own noise under this
-    recipe. Seeded and independent of the global RNG, so the replicate is reproducible bit for bit.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    for _, p in sorted(model.named_parameters()):
-        if not p.is_floating_point():
-            continue
-        up = torch.rand(p.shape, generator=gen) < 0.5
-        direction = torch.where(up, torch.tensor(math.inf), torch.tensor(-math.inf)).to(p.dtype).to(p.device)
-        p.copy_(torch.nextafter(p, direction))
-
-
 # --- inference -------------------------------------------------------------------------------------------
 
 

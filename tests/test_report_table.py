@@ -13,16 +13,16 @@ def test_language_model_rows_show_kl_and_top1_and_the_noise_floor():
     stats = {
         "quality": {"reference": 0.65, "trial": 0.648, "trained": 0.647},
         "distribution": {"kl_mean": 5.9e-7, "kl_p99": 4.1e-6, "kl_max": 2.2e-5, "top1_agreement": 0.9975, "top_k_overlap": 0.99},
-        "training": {"max_loss_gap": 0.002, "noise": {"max_replicate_gap": 1.2e-7, "worst_ratio": 741.0}},
+        "training": {"max_loss_gap": 0.002, "noise": {"max_replicate_gap": 0.042, "mean_ratio": 0.41}},
     }
     table = dict(report.rows([_variant("float16", report.flat(stats))]))
     assert table["distribution: KL(reference || AMP) per token, mean (nats)"] == ["5.9e-07"]
     assert table["distribution: same top-1 token as the reference"] == ["0.9975"]
-    assert table["training: FP32 noise floor, max gap of the one-ulp replicate"] == ["1.2e-07"]
-    assert table["training: AMP gap / noise floor, worst step"] == ["741"]
+    assert table["training: FP32 noise floor, largest gap of the replicate (another data order)"] == ["0.042"]
+    assert table["training: AMP mean gap / replicate mean gap"] == ["0.41"]
 
 
 def test_per_sample_classifier_has_no_distribution_rows():
     table = dict(report.rows([_variant("bfloat16", report.flat({"quality": {"reference": 0.9}, "training": {}}))]))
     assert not any(label.startswith("distribution:") for label in table)
-    assert table["training: FP32 noise floor, max gap of the one-ulp replicate"] == ["-"]
+    assert table["training: FP32 noise floor, largest gap of the replicate (another data order)"] == ["-"]

@@ -251,19 +251,15 @@ def test_a_dataset_trains_exactly_as_the_same_tensors():
     assert source.fingerprint() != task.DatasetSource(Items(x + 1, y), "labels").fingerprint()
 
 
-def test_one_ulp_replicate_perturbation():
-    torch.manual_seed(0)
-    model = torch.nn.Linear(16, 16)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    training.perturb_one_ulp(model, seed=1)
-    for k, v in model.state_dict().items():
-        up = torch.nextafter(before[k], torch.tensor(math.inf))
-        down = torch.nextafter(before[k], torch.tensor(-math.inf))
-        assert bool(((v == up) | (v == down)).all()) and not torch.equal(v, before[k])
-    again = torch.nn.Linear(16, 16)
-    again.load_state_dict(before)
-    training.perturb_one_ulp(again, seed=1)
-    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+def test_the_noise_replicate_order_swaps_one_sample_per_pair_of_updates():
+    order = training.update_batches(64, ReferenceConfig(train_steps=5, batch_size=8, grad_accumulation=1), seed=0)
+    swapped = training.neighbours_swapped(order)
+    for s in range(5):
+        a, b = order[s][0], swapped[s][0]
+        assert torch.equal(a[1:], b[1:])  # the rest of every micro-batch as it was
+    assert swapped[0][0][0] == order[1][0][0] and swapped[1][0][0] == order[0][0][0]
+    assert torch.equal(swapped[4][0], order[4][0])  # an odd last update keeps its batch
+    assert sorted(torch.cat([b[0] for b in swapped]).tolist()) == sorted(torch.cat([b[0] for b in order]).tolist())
 
 
 def test_progress_line_names_step_loss_scale_skipped_and_eta():
