@@ -90,6 +90,13 @@ def token_mask_of(x) -> torch.Tensor | None:
     return None
 
 
+def masked_targets(targets: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """Per-token targets with the padding positions of ``token_mask`` (``token_mask_of``) ignored (-100)."""
+    if token_mask is not None and tuple(token_mask.shape) == tuple(targets.shape) and targets.ndim == 2:
+        return targets.masked_fill(~token_mask.bool(), numerics.IGNORE_INDEX)
+    return targets
+
+
 def kinds_of(ids: Sequence[str]) -> list[str]:
     """Kind of every case id (``ordinary/...`` -> ``ordinary``), computed once."""
     return [i.split("/", 1)[0] for i in ids]
@@ -134,8 +141,7 @@ def compare_streams(
     metric = metric or Metric("accuracy" if kind == "classification" else "neg_rmse")
     kinds = kinds_of(ids)
     n = len(ids)
-    if token_mask is not None and tuple(token_mask.shape) == tuple(targets.shape) and targets.ndim == 2:
-        targets = targets.masked_fill(~token_mask.bool(), numerics.IGNORE_INDEX)
+    targets = masked_targets(targets, token_mask)
     if ref.rows != n or trial.rows != n or trained.rows != n:
         raise ValueError(f"outputs hold {ref.rows}/{trial.rows}/{trained.rows} rows (reference/trial/trained) for {n} cases")
     names = sorted(ref.names)
@@ -269,12 +275,8 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
     chunk_fp64 = {name: st.read(fp64, "fp64", name, start, stop) for name in st.names} if fp64 is not None else None
     chunk_trained = {name: st.read(trained, "trained", name, start, stop) for name in st.names}
     trained_main = chunk_trained[st.main]
-    for side, outs in (("trial", {name: chunk[name][1] for name in st.names}), ("trained", chunk_trained)):
-        for name, out in outs.items():  # every output of both AMP models: a non-finite row is named, whatever the head
-            bad = ~torch.isfinite(out.reshape(out.shape[0], -1)).all(1) if out.numel() else torch.zeros(out.shape[0], dtype=torch.bool)
-            if bool(bad.any()):
-                st.nonfinite[side][start:stop] |= bad
-                st.nonfinite_elements[side][name] += int((~torch.isfinite(out)).sum())
+    for name, out in chunk_trained.items():  # every output of the AMP-trained model (the trial's: below, from its gaps)
+        _note_nonfinite(st, "trained", name, start, out)
     for name in st.names:
         r_all, t_all = chunk[name]
         main = name == st.main
@@ -283,13 +285,15 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             if p is not None:
                 r, t = r[:, p:q], t[:, p:q]
             runs = _runs(st.kinds, a, b)
-            before = st.gaps[name].failing_so_far()
+            before, nonfinite_before = st.gaps[name].failing_so_far(), st.gaps[name].nonfinite_so_far()
             if len(runs) == 1:
                 gap = st.gaps[name].update(r, t, runs[0][2])
             else:
                 gap = torch.cat([st.gaps[name].update(r[x - a : y - a], t[x - a : y - a], k) for x, y, k in runs])
+            if st.gaps[name].nonfinite_so_far() > nonfinite_before:  # rare: which rows, for the rollback's cases
+                _note_nonfinite(st, "trial", name, a, t)
             if st.gaps[name].failing_so_far() > before:  # rare: which rows failed, for the rollback's cases
-                st.failing_rows.setdefault(name, torch.zeros(len(st.kinds), dtype=torch.bool))[a:b] |= _failing_rows(st.gaps[name], r, t)
+                st.failing_rows.setdefault(name, torch.zeros(len(st.kinds), dtype=torch.bool))[a:b] |= st.gaps[name].failing_rows(r, t)
             if gap.numel():
                 worst = torch.nan_to_num(gap.reshape(b - a, -1).amax(1).double(), nan=math.inf)
                 st.row_gap[a:b] = torch.maximum(st.row_gap[a:b], worst)
@@ -309,33 +313,24 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             trained_slice = trained_slice[:, p:q] if p is not None else trained_slice
             with_target = st.has_target[a:b]
             every, some = bool(with_target.all()), bool(with_target.any())
+            hits: dict[str, torch.Tensor | None] = {}
             for side, out in (("reference", r), ("trial", t), ("trained", trained_slice)):
                 known, lse = labels.get(side), labels.get(f"lse_{side}")
-                st.quality[side].last_hits = None
+                hits[side] = None
                 if every:  # no copy of the slice
-                    st.quality[side].update(out, y, known, lse)
+                    hits[side] = st.quality[side].update(out, y, known, lse)
                 elif some:
-                    st.quality[side].update(out[with_target], y[with_target], known[with_target] if known is not None else None,
-                                            lse[with_target] if lse is not None else None)
-                hits, ref_hits = st.quality[side].last_hits, st.quality["reference"].last_hits
-                if side != "reference" and hits is not None and ref_hits is not None:
+                    hits[side] = st.quality[side].update(out[with_target], y[with_target], known[with_target] if known is not None else None,
+                                                         lse[with_target] if lse is not None else None)
+                ref_hits = hits["reference"]
+                if side != "reference" and hits[side] is not None and ref_hits is not None:
                     pair = st.paired.setdefault(side, [0, 0])
-                    pair[0] += int((ref_hits & ~hits).sum())
-                    pair[1] += int((~ref_hits & hits).sum())
+                    pair[0] += int((ref_hits & ~hits[side]).sum())
+                    pair[1] += int((~ref_hits & hits[side]).sum())
                 if st.kind != "classification":
                     st.first_values[side].append(out.reshape(out.shape[0], -1)[:, :1].double().reshape(-1))
             if st.quantile_merged():
                 _give_back_freed_memory()
-
-
-def _failing_rows(gap: numerics.GapStats, ref: torch.Tensor, trial: torch.Tensor) -> torch.Tensor:
-    """Rows of one slice with an element outside tolerance, by the exact (float64) test of ``GapStats``."""
-    r, t = ref.detach().double().reshape(ref.shape[0], -1), trial.detach().double().reshape(trial.shape[0], -1)
-    both_nan = torch.isnan(r) & torch.isnan(t)
-    same_inf = torch.isinf(r) & (r == t)
-    bad = ((t - r).abs() - gap.rtol * r.abs() > gap.atol) | (torch.isfinite(r) & ~torch.isfinite(t))
-    bad = bad | (~torch.isfinite(r) & ~(both_nan | same_inf))
-    return bad.any(1)
 
 
 def decided_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
@@ -364,6 +359,15 @@ def nonfinite_summary(ids: Sequence[str], kinds: Sequence[str], rows: torch.Tens
         by_kind[kinds[i]] = by_kind.get(kinds[i], 0) + 1
     return {"rows": len(where), "per_kind": dict(sorted(by_kind.items())), "ids": [ids[i] for i in where[:listed]],
             "elements": {k: v for k, v in sorted(elements.items()) if v}}
+
+
+def _note_nonfinite(st: _State, side: str, name: str, row: int, out: torch.Tensor) -> None:
+    """Rows (from ``row``) of ``out`` with a non-finite element, into the side's tally, whatever the head."""
+    if not out.numel() or bool(torch.isfinite(out).all()):
+        return
+    bad = ~torch.isfinite(out.reshape(out.shape[0], -1)).all(1)
+    st.nonfinite[side][row : row + out.shape[0]] |= bad
+    st.nonfinite_elements[side][name] += int((~torch.isfinite(out)).sum())
 
 
 def _give_back_freed_memory() -> None:

@@ -309,8 +309,20 @@ class GapStats:
         g["failing"] += failing
         return full_gap.reshape(ref.shape)
 
+    def failing_rows(self, ref: torch.Tensor, trial: torch.Tensor) -> torch.Tensor:
+        """Rows with an element that fails (as ``update`` counts it, in float64): for naming the cases."""
+        r, t = ref.detach().double().reshape(ref.shape[0], -1), trial.detach().double().reshape(trial.shape[0], -1)
+        same_nonfinite = (torch.isnan(r) & torch.isnan(t)) | (torch.isinf(r) & (r == t))
+        outside = (t - r).abs() - self.rtol * r.abs() > self.atol
+        bad = outside | (torch.isfinite(r) & ~torch.isfinite(t)) | (~torch.isfinite(r) & ~same_nonfinite)
+        return bad.any(1)
+
     def failing_so_far(self) -> int:
         return sum(g["failing"] for g in self.groups.values())
+
+    def nonfinite_so_far(self) -> int:
+        """Non-finite trial elements so far (the reference's are refused at freeze)."""
+        return sum(g["nonfinite_trial_only"] for g in self.groups.values()) + self.nonfinite_reference
 
     def result(self) -> dict:
         n = sum(g["elements"] for g in self.groups.values())
@@ -765,26 +777,24 @@ class QualityStats:
     def __init__(self, metric: str, tie_rule: str, top_k: int = 5, user: Callable | None = None) -> None:
         self.metric, self.tie_rule, self.top_k, self.user = metric, tie_rule, top_k, user
         self.n = 0
-        self.hits = 0
-        """Targets hit (accuracy, top_k): quality criteria compare these counts, not rounded fractions."""
         self.total = 0.0
         self.nll = 0.0
         self.per_token = False
-        self.last_hits: torch.Tensor | None = None
-        """Hit mask of the last ``update`` (accuracy, top_k): for the paired counts of two sides."""
         self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def update(self, outputs: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
+    def update(self, outputs: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor | None = None,
+               lse: torch.Tensor | None = None) -> torch.Tensor | None:
         """``outputs`` and ``targets`` of the cases WITH a target only; ``labels``: their decisions, ``lse``: the
-        log-sum-exp of each position's scores (per token), when known."""
+        log-sum-exp of each position's scores (per token), when known. Returns the hit mask (accuracy, top_k:
+        what the paired counts of two sides are taken from), else None."""
         if outputs.shape[0] == 0:
-            return
+            return None
         if self.user is not None:  # per token, as tokens [M, C] and [M] (slices of a sequence may differ in length)
             o, y = outputs.detach(), targets.detach()
             if o.ndim == 3:
                 o, y = o.reshape(-1, o.shape[-1]), y.reshape(-1)
             self._kept.append((o.clone(), y.clone()))
-            return
+            return None
         if self.metric in ("accuracy", "top_k"):
             s = outputs.detach()
             self.per_token = s.ndim == 3
@@ -803,10 +813,8 @@ class QualityStats:
             else:
                 idx = s.float().topk(min(self.top_k, s.shape[-1]), dim=-1).indices
                 hit = (idx == y.unsqueeze(-1)).any(-1)
-            hit = hit & torch.isfinite(s).all(-1)  # a row with any non-finite score is a miss, whatever the metric
-            self.last_hits = hit & valid
-            self.total += float((hit & valid).sum())
-            self.hits += int((hit & valid).sum())
+            hit = hit & torch.isfinite(s).all(-1) & valid  # a row with any non-finite score is a miss, whatever the metric
+            self.total += float(hit.sum())
             self.n += int(valid.sum())
             if self.per_token:
                 sf = s if s.dtype in (torch.float32, torch.float64) else s.float()
@@ -816,6 +824,7 @@ class QualityStats:
                 else:  # max-shifted, accurate in float32; log_softmax is one fused pass (logsumexp takes two)
                     nll = -torch.log_softmax(sf, dim=-1).gather(-1, index).squeeze(-1).double()
                 self.nll += float(torch.where(valid, nll, torch.zeros_like(nll)).sum(dtype=torch.float64))
+            return hit
         else:
             p = outputs.detach().double().reshape(-1)
             y = targets.detach().double().reshape(-1)
@@ -825,6 +834,7 @@ class QualityStats:
             err = p - y
             self.total += float(err.pow(2).sum() if self.metric == "neg_rmse" else err.abs().sum())
             self.n += err.numel()
+        return None
 
     def result(self) -> float:
         if self.user is not None:
@@ -843,10 +853,11 @@ class QualityStats:
         return -self.total / self.n
 
     def counts(self) -> tuple[int, int] | None:
-        """(hits, targets) of ``accuracy`` / ``top_k``; None for other metrics."""
+        """(hits, targets) of ``accuracy`` / ``top_k`` (the quality criteria compare counts, not rounded fractions);
+        None for other metrics."""
         if self.user is not None or self.metric not in ("accuracy", "top_k"):
             return None
-        return self.hits, self.n
+        return int(self.total), self.n
 
     def perplexity(self) -> float | None:
         """exp(mean NLL per target token), for per-token classification scored by accuracy or top_k."""

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Union
 
 import torch
 
-from pipeline.artifacts import read_tensors, write_tensors
+from pipeline.artifacts import read_tensors, sha256_file, write_tensors
 from pipeline.config import TaskConfig
 from pipeline.errors import UserError
 
@@ -331,10 +331,7 @@ def source_digest(entries: Iterable[str]) -> dict[str, str]:
         if not origin:
             out[module_name] = "no source file"
             continue
-        digest = hashlib.sha256()
-        with open(origin, "rb") as handle:
-            digest.update(handle.read())
-        out[module_name] = digest.hexdigest()
+        out[module_name] = sha256_file(origin)
     return out
 
 

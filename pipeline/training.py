@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import math
 import os
 import signal
@@ -87,13 +86,11 @@ def update_batches(n: int, cfg: ReferenceConfig, seed: int) -> list[list[torch.T
 
 def batch_digest(micro: list[tuple[Any, torch.Tensor]]) -> str:
     """sha256 of one update's micro-batches as read from the source (host tensors, before any device copy)."""
-    h = hashlib.sha256()
-    for x, y in micro:
-        for name, t in sorted(task.tensors_of(x).items()) + [("_targets", y)]:
-            t = t.detach().cpu().contiguous()
-            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}|".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+    named = {}
+    for i, (x, y) in enumerate(micro):
+        named.update({f"{i}/{name}": t for name, t in task.tensors_of(x).items()})
+        named[f"{i}/targets"] = y
+    return checkpoint.tensors_digest(named)
 
 
 def _check_batch(step: int, digest: str, expected: str, what: str) -> None:

@@ -74,7 +74,7 @@ def _inference(stats: dict, rule: AcceptanceConfig, j: _Judge) -> None:
     nonfinite = (stats.get("nonfinite") or {}).get("trial")
     for name, gap in sorted(stats["values"].items()):
         count = gap["nonfinite_trial_only"]
-        ids = [i for i in (nonfinite or {}).get("ids", [])] if count else []
+        ids = (nonfinite or {}).get("ids", []) if count else []
         j.check("inference", count == 0, f"outputs '{name}': all finite",
                 f"outputs '{name}': {count} non-finite element(s) where the reference is finite" + (f": {_ids(ids)}" if ids else ""),
                 ("nonfinite_trial", ids))

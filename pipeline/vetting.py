@@ -24,10 +24,8 @@ class Scan:
         self.rule, self.kind = params.acceptance, params.task.kind
         self.metric = comparison.Metric.for_task(params.task, params.task.kind)
         self.quality = numerics.QualityStats(self.metric.name, params.acceptance.tie_rule, self.metric.top_k, self.metric.function)
-        self.targets, self.has_target = fixed.y, fixed.has_target.bool()
-        mask = comparison.token_mask_of(fixed.x)
-        if mask is not None and tuple(mask.shape) == tuple(self.targets.shape) and self.targets.ndim == 2:
-            self.targets = self.targets.masked_fill(~mask.bool(), numerics.IGNORE_INDEX)
+        self.targets = comparison.masked_targets(fixed.y, comparison.token_mask_of(fixed.x))
+        self.has_target = fixed.has_target.bool()
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.squares: dict[str, float] = {}
         self.count: dict[str, int] = {}
