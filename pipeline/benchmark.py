@@ -54,7 +54,7 @@ import torch
 from pipeline import checkpoint, devices, distributed, paths, precision, task, training
 from pipeline.config import Params, load_params
 from pipeline.errors import UserError
-from pipeline.numerics import quantile
+from pipeline.compare.numerics import quantile
 from pipeline.precision import Policy
 
 # Environment of a memory probe (a GPU variant's own process). Large host buffers go through mmap and return
@@ -162,7 +162,7 @@ def load_workload(params: Params, device: torch.device, dtype: str | None = None
     Raises:
         UserError: prepare, freeze or trial@DTYPE has not run.
     """
-    from pipeline import trial as trial_artifact
+    from pipeline.artifacts import trial as trial_artifact
 
     source = task.load_train(params.task, paths.PREPARED_TRAIN)
     first_update = training.update_batches(len(source), params.reference, params.seed)[0]

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from pipeline import task
-from pipeline.artifacts import read_tensors, write_tensors
+from pipeline.files import read_tensors, write_tensors
 from pipeline.config import PrepareConfig
 from pipeline.errors import UserError
 from pipeline.task import Inputs, TaskData

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pipeline.artifacts import check_inside_repository, read_tensors, read_tensors_hashed, sha256_file, write_bytes, write_tensors
+from pipeline.files import check_inside_repository, read_tensors, read_tensors_hashed, sha256_file, write_bytes, write_tensors
 from pipeline.errors import UserError
 
 FORMAT_VERSION = "1"

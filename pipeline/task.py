@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Union
 
 import torch
 
-from pipeline.artifacts import read_tensors, sha256_file, write_tensors
+from pipeline.files import read_tensors, sha256_file, write_tensors
 from pipeline.config import TaskConfig
 from pipeline.errors import UserError
 

@@ -2,7 +2,7 @@
 
 freeze hands a ``Scan`` to ``reference.write``: it sees the outputs as they stream to disk (names, shapes,
 RMS per output, the reference's quality with compare's metric) and, with the trajectory, asks
-``verdict.vet_rule`` whether the rule can judge trials of this reference at all. A refusal is one line and
+``rule.vet_rule`` whether the rule can judge trials of this reference at all. A refusal is one line and
 leaves the previous reference in place. Only freeze imports this module (trial and compare do not pay for it).
 """
 
@@ -12,7 +12,13 @@ import math
 
 import torch
 
-from pipeline import cases, comparison, numerics, task, verdict
+from pipeline import cases, task
+
+from pipeline import rule
+
+from pipeline.compare import numerics
+
+from pipeline.compare import streams
 from pipeline.config import Params
 
 
@@ -22,9 +28,9 @@ class Scan:
 
     def __init__(self, params: Params, fixed: cases.Cases) -> None:
         self.rule, self.kind = params.acceptance, params.task.kind
-        self.metric = comparison.Metric.for_task(params.task, params.task.kind)
+        self.metric = streams.Metric.for_task(params.task, params.task.kind)
         self.quality = numerics.QualityStats(self.metric.name, params.acceptance.tie_rule, self.metric.top_k, self.metric.function)
-        self.targets = comparison.masked_targets(fixed.y, comparison.token_mask_of(fixed.x))
+        self.targets = streams.masked_targets(fixed.y, streams.token_mask_of(fixed.x))
         self.has_target = fixed.has_target.bool()
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.squares: dict[str, float] = {}
@@ -45,6 +51,6 @@ class Scan:
         return {name: math.sqrt(self.squares[name] / self.count[name]) if self.count[name] else 0.0 for name in self.squares}
 
     def problem(self, ref_steps: list[dict]) -> str | None:
-        """The first reason the rule cannot judge this reference (``verdict.vet_rule``), or None."""
-        return verdict.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
+        """The first reason the rule cannot judge this reference (``rule.vet_rule``), or None."""
+        return rule.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
                                 self.metric.higher_is_better, ref_steps)

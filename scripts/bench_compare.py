@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_compare.py [--scale 1.0] [--threads 1] [--chunk-elements 4000000] [--repeats 3] [--keep DIR]
 
 Two cases, written once to a temporary folder with ``outputs.write_outputs`` (the format freeze and
-trial write), then compared by ``comparison.compare_streams`` in a fresh process each:
+trial write), then compared by ``streams.compare_streams`` in a fresh process each:
 - classification: 50,000 cases x 1,000 classes (5e7 elements), trial = reference rounded to float16;
 - per token: 60 sequences x 250 tokens x 4,000-token vocabulary (6e7 elements), trial rounded to bfloat16.
 
@@ -52,7 +52,7 @@ def make(case: str, folder: Path, scale: float) -> dict:
     """Write reference, trial and trained outputs of one case, chunk by chunk; return its description."""
     import torch
 
-    from pipeline import outputs
+    from pipeline.artifacts import outputs
 
     spec = CASES[case]
     rows = max(2, int(spec["rows"] * scale))
@@ -89,17 +89,17 @@ def measure_compare(case: str, folder: Path, chunk_elements: int, threads: int) 
     torch.set_num_threads(threads)
     from safetensors.torch import load_file
 
-    from pipeline import comparison
+    from pipeline.compare import streams
     from pipeline.config import AcceptanceConfig, CompareConfig
-    from pipeline.outputs import OutputsReader
+    from pipeline.artifacts.outputs import OutputsReader
 
     # The interpreter: Python, torch and the pipeline imported, and every kernel compare uses run once on a
     # tiny input (their one-time allocations are the interpreter's, not the chunk's).
     tiny = {"logits": torch.randn((4, 3, 8) if case == "per_token" else (4, 8))}
     tiny_y = torch.zeros((4, 3) if case == "per_token" else (4,), dtype=torch.long)
     w = [{"loss": 1.0, "skipped": False, "scale": 1.0}]
-    comparison.compare_streams("classification", AcceptanceConfig(), [f"ordinary/{i}" for i in range(4)], tiny_y, torch.ones(4, dtype=torch.bool),
-                               comparison.InMemory(tiny), comparison.InMemory(tiny), comparison.InMemory(tiny), w, w, 1.0)
+    streams.compare_streams("classification", AcceptanceConfig(), [f"ordinary/{i}" for i in range(4)], tiny_y, torch.ones(4, dtype=torch.bool),
+                               streams.InMemory(tiny), streams.InMemory(tiny), streams.InMemory(tiny), w, w, 1.0)
     base = _current_rss_mb()
     t = load_file(str(folder / f"{case}-targets.safetensors"))
     ref = OutputsReader(folder / f"{case}-reference.safetensors")
@@ -107,7 +107,7 @@ def measure_compare(case: str, folder: Path, chunk_elements: int, threads: int) 
     trained = OutputsReader(folder / f"{case}-trained.safetensors")
     steps = [{"loss": 1.0, "skipped": False, "scale": 1.0}]
     start = time.perf_counter()
-    stats, table = comparison.compare_streams(
+    stats, table = streams.compare_streams(
         "classification", AcceptanceConfig(), ref.ids, t["y"], t["has_target"], ref, trial, trained, steps, steps, 1.0,
         cfg=CompareConfig(chunk_elements=chunk_elements),
     )

@@ -30,7 +30,7 @@ from gpu_check import TRANSFORMER_OPTIONS, TRANSFORMER_REFERENCE  # noqa: E402
 from pipeline import benchmark, devices, precision  # noqa: E402
 from pipeline.config import Params, build  # noqa: E402
 from pipeline.examples import transformer  # noqa: E402
-from pipeline.numerics import quantile  # noqa: E402
+from pipeline.compare.numerics import quantile  # noqa: E402
 
 
 def workload(size: str, device: torch.device) -> tuple[Params, torch.nn.Module, torch.Tensor, torch.Tensor]:

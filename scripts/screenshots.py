@@ -40,16 +40,17 @@ def shoot(url: str, out: Path, size: str, wait_ms: int) -> None:
 
 def report_html(repo: Path) -> str:
     sys.path.insert(0, str(repo))
-    from pipeline import paths, report
-    from pipeline.artifacts import read_json
+    from pipeline import paths
+    from pipeline.present import page
+    from pipeline.files import read_json
     from pipeline.config import load_params
     from pipeline.stages import publish
 
     dtypes = load_params().trial.dtypes
     manifest = read_json(paths.REF_MANIFEST)
     reference = {k: manifest[k] for k in ("rule_sha256", "run_key", "env", "cases")}
-    images = {d: {n: paths.report_plot(d, n).read_bytes() for n, _ in report.PLOTS} for d in dtypes}
-    return report.html(reference, [publish._variant(d) for d in dtypes], images)
+    images = {d: {n: paths.report_plot(d, n).read_bytes() for n, _ in page.PLOTS} for d in dtypes}
+    return page.html(reference, [publish._variant(d) for d in dtypes], images)
 
 
 def main() -> None:
@@ -59,9 +60,9 @@ def main() -> None:
     repo, out = Path.cwd(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="amp-shots-") as tmp:
-        page = Path(tmp) / "report.html"
-        page.write_text(report_html(repo))
-        shoot(page.as_uri(), out / "report.png", "1280,1700", 3000)
+        doc = Path(tmp) / "report.html"
+        doc.write_text(report_html(repo))
+        shoot(doc.as_uri(), out / "report.png", "1280,1700", 3000)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

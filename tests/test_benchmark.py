@@ -15,7 +15,9 @@ import torch
 import yaml
 from conftest import ROOT, env_for, make_project, run
 
-from pipeline import benchmark, checkpoint, devices, numerics, precision
+from pipeline import benchmark, checkpoint, devices, precision
+
+from pipeline.compare import numerics
 from pipeline.config import BenchConfig, Params
 from pipeline.precision import Policy
 from pipeline.benchmark import quantile, ratio_spread, spread

@@ -59,7 +59,7 @@ def build_report(repo: Path) -> str:
     code = (
         "import json, sys\n"
         "from pipeline import paths, report\n"
-        "from pipeline.artifacts import read_json\n"
+        "from pipeline.files import read_json\n"
         "from pipeline.config import load_params\n"
         "from pipeline.stages import publish\n"
         "dtypes = load_params().trial.dtypes\n"

@@ -1,4 +1,4 @@
-"""The decision artifact (pipeline/decision.py): typed, written and read by one module, short metrics."""
+"""The decision artifact (pipeline/artifacts/decision.py): typed, written and read by one module, short metrics."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import decision, paths
-from pipeline.compare_stats import Stats
+from pipeline import paths
+
+from pipeline.artifacts import decision
+from pipeline.artifacts.comparison import Stats
 
 STATS = {
     "values": {"logits": {"max_abs": 0.004}, "aux": {"max_abs": 0.25}},

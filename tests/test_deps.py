@@ -20,8 +20,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "pipeline"
-# Package markers with no code (a docstring and a version string): not worth a dep in every stage.
-EMPTY_INITS = ("pipeline/__init__.py", "pipeline/stages/__init__.py")
+# Package markers with no code (a docstring, a version string): not worth a dep in every stage.
+EMPTY_INITS = tuple(
+    p.relative_to(ROOT).as_posix()
+    for p in sorted(PACKAGE.rglob("__init__.py"))
+    if all(isinstance(n, (ast.Expr, ast.Assign)) for n in ast.parse(p.read_text()).body)
+)
 # task.py imports the model and data functions by name ("module:function"), out of the AST's sight: every
 # stage that imports it depends on the built-in examples (users add their own model's module likewise).
 DYNAMIC = {"pipeline/task.py": "pipeline/examples"}

@@ -14,7 +14,9 @@ import torch
 import yaml
 from conftest import ROOT, TINY, dvc, make_project, merge, stage
 
-from pipeline import precision, training, verdict
+from pipeline import precision, training
+
+from pipeline import rule
 from pipeline.config import load_params
 from pipeline.diagnosis import precision_map, replay, wording
 from pipeline.errors import UserError
@@ -213,7 +215,7 @@ def test_training_replay_is_the_exact_step_of_the_trial(reproduced, monkeypatch)
     params = load_params("params.yaml")
     stats = json.loads(Path("data/compare/float16/stats.json").read_text())
     trajectory = json.loads(Path("data/trial/float16/trajectory.json").read_text())
-    ctx, run, _ = replay.load(params, "float16", stats, verdict.decide(stats, params.acceptance))
+    ctx, run, _ = replay.load(params, "float16", stats, rule.decide(stats, params.acceptance))
     case = replay.training_case(ctx, run, step=5)
     assert case.replay_matches_trial and ctx.work["replayed_steps"] == 5
     watched = case.trace(ctx, run.policy)

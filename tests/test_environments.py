@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import artifacts, tracking
+from pipeline import tracking
+
+from pipeline import files
 from pipeline.config import load_params
 from pipeline.errors import UserError
 
@@ -24,11 +26,11 @@ from pipeline.errors import UserError
 def test_outputs_get_the_mode_a_plain_open_would(tmp_path, mask, mode):
     old = os.umask(mask)
     try:
-        artifacts.write_bytes(tmp_path / "atomic.bin", b"x")
-        artifacts.write_json(tmp_path / "atomic.json", {"a": 1})
+        files.write_bytes(tmp_path / "atomic.bin", b"x")
+        files.write_json(tmp_path / "atomic.json", {"a": 1})
         with open(tmp_path / "plain.bin", "wb") as handle:
             handle.write(b"x")
-        assert artifacts.current_umask() == mask
+        assert files.current_umask() == mask
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "plain.bin").stat().st_mode) == mode

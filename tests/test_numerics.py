@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pipeline import numerics
+from pipeline.compare import numerics
 
 
 def test_value_gaps_counts_elements_outside_atol_plus_rtol():

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline import outputs
-from pipeline.artifacts import write_tensors
+from pipeline.artifacts import outputs
+from pipeline.files import write_tensors
 from pipeline.errors import UserError
 
 

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 from conftest import ROOT, dvc, stage, write_params
 
-from pipeline import plots, report
+from pipeline.present import plots
+
+from pipeline.present import page
 
 DTYPES = ("float16", "bfloat16")
 
@@ -69,10 +71,10 @@ def variants() -> list[dict]:
     slow = {**bench, "speedup": {"median": 0.32, "q1": 0.3, "q3": 0.34}}
     diagnosis = {"findings": ["first non-finite loss at step 3"], "suggestion": {"fp32_modules": ["head", "0"], "rule_passes": True}}
     return [
-        {"dtype": "float16", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": report.flat(stats), "diagnosis": {"findings": []}, "benchmark": slow},
-        {"dtype": "bfloat16", "env": {"backend": "cpu"}, "decision": rollback, "stats": stats, "metrics": report.flat(stats), "diagnosis": diagnosis,
+        {"dtype": "float16", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": page.flat(stats), "diagnosis": {"findings": []}, "benchmark": slow},
+        {"dtype": "bfloat16", "env": {"backend": "cpu"}, "decision": rollback, "stats": stats, "metrics": page.flat(stats), "diagnosis": diagnosis,
          "benchmark": {"benchmarked": False, "reason": "bfloat16 was rolled back"}},
-        {"dtype": "float16-fast", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": report.flat(stats), "diagnosis": {"findings": []}, "benchmark": bench},
+        {"dtype": "float16-fast", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": page.flat(stats), "diagnosis": {"findings": []}, "benchmark": bench},
     ]
 
 
@@ -114,9 +116,9 @@ def test_curve_rows_are_long_records_titled_and_coloured_per_dtype_and_series():
 
 def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
     images = {d: {k.split("/")[1]: v for k, v in figures.items() if k.startswith(d)} for d in DTYPES}
-    page = report.html(REFERENCE, variants(), images)
-    assert page.index('<section id="verdict">') < page.index('<table class="summary">') < page.index("<footer>") < page.index(REFERENCE["rule_sha256"])
-    verdict = html.unescape(re.sub(r"<[^>]+>", "", page[page.index('<section id="verdict">'):page.index("</section>")]))  # what a reader sees
+    doc = page.html(REFERENCE, variants(), images)
+    assert doc.index('<section id="verdict">') < doc.index('<table class="summary">') < doc.index("<footer>") < doc.index(REFERENCE["rule_sha256"])
+    verdict = html.unescape(re.sub(r"<[^>]+>", "", doc[doc.index('<section id="verdict">'):doc.index("</section>")]))  # what a reader sees
     assert "float16: ACCEPT: the rule passed, x0.32 (3.1 times slower) on this CPU" in verdict and "keep FP32 here" in verdict
     assert "float16-fast: ACCEPT: the rule passed, x1.50 faster on this CPU, working memory x0.50: switch to AMP here" in verdict
     assert "bfloat16: ROLLBACK: 1 criterion failed; keep FP32 for bfloat16" in verdict
@@ -126,7 +128,7 @@ def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
     assert "python -m pipeline restore --dtype bfloat16" in verdict
     assert "dvc exp run -S 'trial.fp32_modules=[head,0]' -S 'trial.dtypes=[bfloat16]'" in verdict
     assert "no GradScaler" in verdict
-    md = report.markdown(REFERENCE, variants())
+    md = page.markdown(REFERENCE, variants())
     assert md.index("## Verdict") < md.index("## Key figures") < md.index(REFERENCE["rule_sha256"])
     assert md.splitlines()[:3] == [
         "**float16: ACCEPT** - the rule passed, x0.32 (3.1 times slower) on this CPU, working memory x0.50: keep FP32 here unless memory is what you lack  ",
@@ -174,14 +176,14 @@ def test_dvc_metrics_are_short_and_plots_render_offline_titled_per_dtype(reprodu
     print(f"\n`dvc metrics show` is {max(len(line) for line in table.splitlines())} columns wide:\n{table}")
     out = tmp_path / "plots"
     dvc(repo, "plots", "show", "-o", str(out))
-    page = (out / "index.html").read_text()
-    assert not re.search(r"<script[^>]+src=", page), "a script would load from the network: blank when offline"
-    assert page.count("vegaEmbed(") >= 4 and "Training loss per step and AMP" in page
+    doc = (out / "index.html").read_text()
+    assert not re.search(r"<script[^>]+src=", doc), "a script would load from the network: blank when offline"
+    assert doc.count("vegaEmbed(") >= 4 and "Training loss per step and AMP" in doc
     for family in ("loss", "scale"):
         for d in DTYPES:
-            assert f'id = "data_report_curves_{family}_{d}_json"' in page, (family, d)
+            assert f'id = "data_report_curves_{family}_{d}_json"' in doc, (family, d)
     for series in ("FP32 reference", "AMP float16", "band allowed by the rule", "no GradScaler: scale fixed at 1"):  # coloured per series
-        assert re.search(rf'"series":\s*"{re.escape(series)}"', page), series
+        assert re.search(rf'"series":\s*"{re.escape(series)}"', doc), series
 
 
 @pytest.mark.integration

@@ -87,7 +87,7 @@ def test_hugging_face_bert_on_token_ids_with_adamw_cosine_warmup_and_accumulatio
 
 def test_conv_net_with_batchnorm_on_images_trained_from_a_dataset_that_is_not_a_tensor(dataset_project):
     assert set(decisions(dataset_project).values()) <= {"accept", "rollback"}
-    prepared = run([sys.executable, "-c", "from pipeline.artifacts import read_tensors; "
+    prepared = run([sys.executable, "-c", "from pipeline.files import read_tensors; "
                     "t, m = read_tensors('data/prepared/train.safetensors'); print(sorted(t), m['dataset']['length'])"], dataset_project).stdout
     assert prepared.split() == ["['length']", str(5 * 1348)]  # 5 shifted views of 1348 digits, never materialised
     manifest = json.loads((dataset_project / "data/reference/manifest.json").read_text())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import run, write_params
 
-from pipeline.artifacts import check_inside_repository, write_bytes
+from pipeline.files import check_inside_repository, write_bytes
 from pipeline.errors import UserError
 
 

@@ -25,7 +25,7 @@ import torch
 from conftest import env_for, run, write_params
 
 from pipeline import checkpoint, training
-from pipeline.artifacts import write_tensors
+from pipeline.files import write_tensors
 from pipeline.config import ReferenceConfig
 from pipeline.precision import Policy
 

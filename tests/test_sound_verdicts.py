@@ -13,7 +13,15 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from pipeline import bounds, comparison, numerics, training, verdict
+from pipeline import training
+
+from pipeline import rule
+
+from pipeline.compare import numerics
+
+from pipeline.compare import bounds
+
+from pipeline.compare import streams
 from pipeline.config import AcceptanceConfig, ReferenceConfig, Tolerance
 from pipeline.precision import Policy
 
@@ -34,13 +42,13 @@ def _fp32(model, x):
     return out if isinstance(out, dict) else {"output": out}
 
 
-def _judge(ids, y, has_target, ref, trial, trained=None, rule=RULE, steps=FLAT, trial_steps=None, aligned=None, scaler=False):
-    stats, _ = comparison.compare_streams(
-        "classification" if y.dtype == torch.long else "regression", rule, ids, y, has_target, comparison.InMemory(ref),
-        comparison.InMemory(trial), comparison.InMemory(trained if trained is not None else trial), steps, trial_steps or steps,
+def _judge(ids, y, has_target, ref, trial, trained=None, cfg=RULE, steps=FLAT, trial_steps=None, aligned=None, scaler=False):
+    stats, _ = streams.compare_streams(
+        "classification" if y.dtype == torch.long else "regression", cfg, ids, y, has_target, streams.InMemory(ref),
+        streams.InMemory(trial), streams.InMemory(trained if trained is not None else trial), steps, trial_steps or steps,
         2.0**16 if scaler else 1.0, scaler_enabled=scaler, aligned_steps=aligned,
     )
-    return stats, verdict.decide(stats, rule)
+    return stats, rule.decide(stats, cfg)
 
 
 def _low_confidence(n=400, classes=4, seed=0):
@@ -67,30 +75,30 @@ def test_low_confidence_classifier_flips_are_named_and_fail_the_default_rule():
     flipped = int((trial["output"].argmax(1) != ref["output"].argmax(1)).sum())
     margins = ref["output"].topk(2, dim=1).values
     assert bool(((margins[:, 0] - margins[:, 1]) < 0.05).all()) and flipped >= 10  # the case: every sample near the boundary
-    stats, d = _judge(ids, y, has_target, ref, trial, rule=dataclasses.replace(RULE, max_quality_drop=1.0))
+    stats, d = _judge(ids, y, has_target, ref, trial, cfg=dataclasses.replace(RULE, max_quality_drop=1.0))
     assert d["decision"] == "rollback" and d["inference"] == "rollback"
     assert len(d["cases"]["flips"]) == flipped  # every flipped real case is named, none excused as "near the boundary"
     reason = next(r for r in d["reasons"] if "near the boundary" in r)
     assert d["cases"]["flips"][0] in reason
     # The user who tolerates flips says so in the rule, and the verdict says it in words.
     loose = dataclasses.replace(RULE, max_quality_drop=1.0, max_near_boundary_flips=None, outputs={"*": Tolerance(atol=10.0, rtol=0.1)})
-    _, d = _judge(ids, y, has_target, ref, trial, rule=loose)
+    _, d = _judge(ids, y, has_target, ref, trial, cfg=loose)
     assert d["decision"] == "accept" and any("not limited: the rule sets max_near_boundary_flips: null" in c for c in d["checks"])
 
 
 def test_flip_rate_bound_needs_enough_cases_and_does_not_roll_back_a_large_set_on_noise():
-    rule = dataclasses.replace(RULE, max_flip_rate=0.01, confidence=0.95)
+    cfg = dataclasses.replace(RULE, max_flip_rate=0.01, confidence=0.95)
     assert bounds.cases_needed(0.01, 0.95) == 299
     n, k = 100, 0
     assert bounds.binomial_upper(k, n, 0.95) > 0.01  # 100 cases cannot give a confident accept, even with no flip
     flips = {"cases": n, "boundary_cases": 0, "flips": 0, "near_boundary_flips": 0, "boundary_flips": 0, "boundary_flip_fraction": 0.0,
              "flip_list": []}
-    j = verdict._Judge()
-    verdict._decisions(flips, rule, j, "decisions", "flips")
+    j = rule._Judge()
+    rule._decisions(flips, cfg, j, "decisions", "flips")
     assert j.failed["inference"] and "needs at least 299" in j.reasons[0]
     big = dict(flips, cases=50_000, flips=250, flip_list=[{"id": f"ordinary/{i}", "boundary": False} for i in range(250)])
-    j = verdict._Judge()
-    verdict._decisions(big, rule, j, "decisions", "flips")  # 0.5 % observed, upper bound 0.56 % < 1 %
+    j = rule._Judge()
+    rule._decisions(big, cfg, j, "decisions", "flips")  # 0.5 % observed, upper bound 0.56 % < 1 %
     assert not j.failed["inference"], j.reasons
     # Exactness: the bound is the Clopper–Pearson one (checked against the beta quantile, scipy's).
     scipy_stats = pytest.importorskip("scipy.stats")
@@ -124,15 +132,15 @@ def test_a_second_classification_head_is_decided_too():
     y = ref["logits"].argmax(1)
     trial = _autocast(model, x, torch.bfloat16)
     assert bool((trial["logits"].argmax(1) == y).all()) and int((trial["aux"].argmax(1) != ref["aux"].argmax(1)).sum()) > 5
-    rule = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.5, rtol=0.02)}, max_near_boundary_flips=None)
-    stats, d = _judge(ids, y, torch.ones(300, dtype=torch.bool), ref, trial, rule=dataclasses.replace(rule, max_near_boundary_flips=0))
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.5, rtol=0.02)}, max_near_boundary_flips=None)
+    stats, d = _judge(ids, y, torch.ones(300, dtype=torch.bool), ref, trial, cfg=dataclasses.replace(cfg, max_near_boundary_flips=0))
     assert "aux" in stats["heads"] and d["decision"] == "rollback"
     assert any(r.startswith("decisions 'aux'") for r in d["reasons"]) and d["cases"]["flips aux"]
     # Saying in the rule that aux is not a decision (an embedding, say) is explicit, hashed, and listed as loosened.
-    values_only = dataclasses.replace(rule, outputs={"*": Tolerance(atol=0.5, rtol=0.02), "aux": Tolerance(atol=0.5, rtol=0.02, decisions=False)})
-    stats, d = _judge(ids, y, torch.ones(300, dtype=torch.bool), ref, trial, rule=values_only)
+    values_only = dataclasses.replace(cfg, outputs={"*": Tolerance(atol=0.5, rtol=0.02), "aux": Tolerance(atol=0.5, rtol=0.02, decisions=False)})
+    stats, d = _judge(ids, y, torch.ones(300, dtype=torch.bool), ref, trial, cfg=values_only)
     assert "aux" not in stats["heads"] and d["decision"] == "accept", d["reasons"]
-    assert "outputs.aux.decisions None -> false" in verdict.loosened(dataclasses.asdict(rule), dataclasses.asdict(values_only))
+    assert "outputs.aux.decisions None -> false" in rule.loosened(dataclasses.asdict(cfg), dataclasses.asdict(values_only))
 
 
 def test_non_finite_outputs_of_the_amp_trained_model_roll_back_with_their_ids():
@@ -156,7 +164,7 @@ def test_non_finite_outputs_of_the_amp_trained_model_roll_back_with_their_ids():
     bad = ~torch.isfinite(trained["output"]).all(1)
     assert int(bad[40:].sum()) == 11 and int(bad[:40].sum()) == 0 and bool((trained["output"][:40].argmax(1) == y[:40]).all())
     trial = _autocast(model, x, torch.float16)
-    stats, d = _judge(ids, y, has_target, ref, trial, trained=trained, rule=dataclasses.replace(RULE, outputs={"*": Tolerance(atol=1.0, rtol=0.02)}))
+    stats, d = _judge(ids, y, has_target, ref, trial, trained=trained, cfg=dataclasses.replace(RULE, outputs={"*": Tolerance(atol=1.0, rtol=0.02)}))
     assert stats["nonfinite"]["trained"]["rows"] == 11 and stats["nonfinite"]["trained"]["per_kind"] == {"edge": 11}
     assert d["decision"] == "rollback" and d["training"] == "rollback" and d["inference"] == "accept"
     assert d["cases"]["nonfinite_trained"] == ids[40:]
@@ -182,12 +190,12 @@ def test_tie_is_flip_two_different_ties_are_a_flip():
 def test_one_miss_in_a_hundred_is_within_a_one_percent_drop():
     q = {"metric": "accuracy", "higher_is_better": True, "reference": 1.0, "trial": 0.99, "trained": 1.0,
          "counts": {"reference": [100, 100], "trial": [99, 100], "trained": [100, 100]}}
-    j = verdict._Judge()
-    verdict._quality(q, AcceptanceConfig(max_quality_drop=0.01), j, "inference", "trial")
+    j = rule._Judge()
+    rule._quality(q, AcceptanceConfig(max_quality_drop=0.01), j, "inference", "trial")
     assert not j.failed["inference"], j.reasons  # before: "drop 0.0100 > 0.01" on rounded fractions
     q["counts"]["trial"] = [98, 100]
-    j = verdict._Judge()
-    verdict._quality(q, AcceptanceConfig(max_quality_drop=0.01), j, "inference", "trial")
+    j = rule._Judge()
+    rule._quality(q, AcceptanceConfig(max_quality_drop=0.01), j, "inference", "trial")
     assert j.failed["inference"] and "2 case(s) fewer" in j.reasons[0]
 
 
@@ -212,38 +220,38 @@ def test_tiny_scale_regression_refuses_logit_tolerances_and_unknown_names():
     shapes = {"output": (1,)}
     steps = [{"step": 0, "loss": 1e-14, "grad_norm": 1e-7}]
     shipped = AcceptanceConfig()  # logit defaults: atol 0.05 on outputs of 1e-7
-    line = verdict.vet_rule(shipped, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps)
+    line = rule.vet_rule(shipped, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps)
     assert "atol 0.05 is not below the scale of output 'output'" in line
     # float16 predictions of it are noise: relative error about 100 %, yet inside atol 0.05.
     trial = _autocast(model, x, torch.float16)
     assert float(((trial["output"] - ref["output"]).abs() / ref["output"].abs()).median()) > 0.1
     typo = dataclasses.replace(shipped, outputs={"*": Tolerance(atol=1e-10, rtol=0.02), "ouptut": Tolerance(atol=1e-10)})
-    assert "'ouptut', which the model does not output; its outputs are 'output'" in verdict.vet_rule(typo, "regression", shapes, rms, -1e-8,
+    assert "'ouptut', which the model does not output; its outputs are 'output'" in rule.vet_rule(typo, "regression", shapes, rms, -1e-8,
                                                                                                         "neg_rmse", True, steps)
     named = dataclasses.replace(shipped, outputs={"output": Tolerance(atol=1e-10)})
     two = {"output": (1,), "aux": (1,)}
-    assert "no entry for output 'aux' and no '*'" in verdict.vet_rule(named, "regression", two, dict(rms, aux=1e-7), -1e-8, "neg_rmse", True, steps)
+    assert "no entry for output 'aux' and no '*'" in rule.vet_rule(named, "regression", two, dict(rms, aux=1e-7), -1e-8, "neg_rmse", True, steps)
     scaled = dataclasses.replace(shipped, outputs={"*": Tolerance(atol=1e-10, rtol=0.02)}, min_quality=None)
-    assert "max_quality_drop 0.01 is not below the reference's own error" in verdict.vet_rule(scaled, "regression", shapes, rms, -1e-8,
+    assert "max_quality_drop 0.01 is not below the reference's own error" in rule.vet_rule(scaled, "regression", shapes, rms, -1e-8,
                                                                                                "neg_rmse", True, steps)
     fixed = dataclasses.replace(scaled, max_quality_drop=1e-9, loss_atol=1e-16)
-    assert verdict.vet_rule(fixed, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps) is None
+    assert rule.vet_rule(fixed, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps) is None
 
 
 def test_reference_that_is_not_a_baseline_is_refused_at_freeze():
-    rule = AcceptanceConfig(min_quality=0.9)
+    cfg = AcceptanceConfig(min_quality=0.9)
     shapes, rms = {"output": (10,)}, {"output": 3.0}
     ok = [{"step": 0, "loss": 2.3, "grad_norm": 1.0}]
-    assert "does not meet acceptance.min_quality 0.9" in verdict.vet_rule(rule, "classification", shapes, rms, 0.5, "accuracy", True, ok)
+    assert "does not meet acceptance.min_quality 0.9" in rule.vet_rule(cfg, "classification", shapes, rms, 0.5, "accuracy", True, ok)
     nan = [{"step": 0, "loss": 2.3, "grad_norm": 1.0}, {"step": 1, "loss": float("nan"), "grad_norm": 1.0}]
-    assert "loss is not finite at step 1" in verdict.vet_rule(rule, "classification", shapes, rms, 0.95, "accuracy", True, nan)
-    assert verdict.vet_rule(rule, "classification", shapes, rms, 0.95, "accuracy", True, ok) is None
+    assert "loss is not finite at step 1" in rule.vet_rule(cfg, "classification", shapes, rms, 0.95, "accuracy", True, nan)
+    assert rule.vet_rule(cfg, "classification", shapes, rms, 0.95, "accuracy", True, ok) is None
 
 
 def test_vacuous_passes_become_named_reasons():
     stats = {"tokens": 0, "kl_mean": 0.0, "kl_p99": 0.0, "kl_max": 0.0, "top1_agreement": 1.0}
-    j = verdict._Judge()
-    verdict._distribution(stats, AcceptanceConfig(max_kl_mean=0.01), j)
+    j = rule._Judge()
+    rule._distribution(stats, AcceptanceConfig(max_kl_mean=0.01), j)
     assert j.failed["inference"] and "no valid token" in j.reasons[0]
     gap = numerics.trajectory_gap([1.0, float("nan")], [1.0, 1.0], 0.05, 0.1)
     assert gap["band_violations"] == 1  # a NaN reference step is outside any band
@@ -281,9 +289,9 @@ def test_bfloat16_never_applies_a_non_finite_gradient():
     assert out.skipped and out.nonfinite_grad
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # before: the weights went NaN
     steps = [{"step": 0, "loss": 1.0, "skipped": True, "scale": 1.0, "nonfinite_grad": True}] + FLAT[1:]
-    stats = comparison.training_stats(RULE, FLAT, steps, 1.0, False)
-    j = verdict._Judge()
-    verdict._training({"training": stats, "quality": {"reference": math.nan, "trial": math.nan, "trained": math.nan}},
+    stats = streams.training_stats(RULE, FLAT, steps, 1.0, False)
+    j = rule._Judge()
+    rule._training({"training": stats, "quality": {"reference": math.nan, "trial": math.nan, "trained": math.nan}},
                       dataclasses.replace(RULE, max_quality_drop=None), j)
     assert j.failed["training"] and any("non-finite gradient norm at step(s) 0" in r for r in j.reasons)
 
@@ -308,12 +316,12 @@ def test_designed_gradscaler_skips_do_not_roll_back_but_a_divergence_does():
     assert 1 <= len(skipped) <= 3, skipped  # 65536 overflows float16's gradients once; the scale backs off
     trial = [asdict(r) for r in trial_records]
     aligned = [asdict(r) for r in training.aligned_fp32(_net, x, y, cfg, "cross_entropy", device, 0, trial_records, "t")]
-    rule = dataclasses.replace(RULE, loss_atol=0.05, loss_rtol=0.0)
-    naive = comparison.training_stats(rule, ref, trial, 1024.0, True)
-    fair = comparison.training_stats(rule, ref, trial, 1024.0, True, aligned_steps=aligned)
+    acc = dataclasses.replace(RULE, loss_atol=0.05, loss_rtol=0.0)
+    naive = streams.training_stats(acc, ref, trial, 1024.0, True)
+    fair = streams.training_stats(acc, ref, trial, 1024.0, True, aligned_steps=aligned)
     assert naive["band_violations"] > 0 and fair["band_violations"] == 0, (naive["max_loss_gap"], fair["max_loss_gap"])
     harmful = [asdict(r) for r in run(Policy(dtype="float16"), dataclasses.replace(cfg, lr=5.0))]
-    bad = comparison.training_stats(rule, ref, harmful, 1024.0, True, aligned_steps=aligned)
+    bad = streams.training_stats(acc, ref, harmful, 1024.0, True, aligned_steps=aligned)
     assert bad["band_violations"] > 0
 
 

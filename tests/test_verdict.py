@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from pipeline import verdict
+from pipeline import rule
 from pipeline.config import AcceptanceConfig, Tolerance
 
 
@@ -28,7 +28,7 @@ RULE = AcceptanceConfig(min_quality=0.9)
 
 
 def test_healthy_trial_is_accepted_with_checks_listed():
-    d = verdict.decide(healthy_stats(), RULE)
+    d = rule.decide(healthy_stats(), RULE)
     assert d["decision"] == "accept" and d["reasons"] == []
     assert len(d["checks"]) >= 10
 
@@ -54,7 +54,7 @@ def test_each_criterion_alone_rolls_back(path, value, word):
     for p in path[:-1]:
         node = node[p]
     node[path[-1]] = value
-    d = verdict.decide(stats, RULE, findings=["culprit: layer 2"])
+    d = rule.decide(stats, RULE, findings=["culprit: layer 2"])
     assert d["decision"] == "rollback"
     assert any(word in r for r in d["reasons"]), d["reasons"]
     assert "diagnosis: culprit: layer 2" in d["reasons"]
@@ -63,8 +63,8 @@ def test_each_criterion_alone_rolls_back(path, value, word):
 def test_boundary_flip_limit_is_separate():
     stats = healthy_stats()
     strict = dataclasses.replace(RULE, max_boundary_flip_fraction=0.2)
-    assert verdict.decide(stats, strict)["decision"] == "rollback"
-    assert verdict.decide(stats, RULE)["decision"] == "accept"
+    assert rule.decide(stats, strict)["decision"] == "rollback"
+    assert rule.decide(stats, RULE)["decision"] == "accept"
 
 
 def rule_dict(**kw):
@@ -74,49 +74,49 @@ def rule_dict(**kw):
 def test_loosened_lists_every_widened_criterion():
     old = rule_dict()
     new = rule_dict(outputs={"*": Tolerance(atol=0.1, rtol=0.02)}, max_flips=2, min_quality=0.8, max_quality_drop=0.0)
-    diff = verdict.loosened(old, new)
+    diff = rule.loosened(old, new)
     assert "outputs.*.atol 0.05 -> 0.1" in diff
     assert "max_flips 0 -> 2" in diff and "min_quality 0.9 -> 0.8" in diff
     assert not any("max_quality_drop" in d for d in diff)  # tightened, not loosened
-    assert verdict.loosened(old, old) == []
-    assert verdict.loosened(new, old) != []  # and the other way round only the tightened one shows
-    assert verdict.loosened(rule_dict(tie_rule="tie_is_flip"), rule_dict()) == ["tie_rule tie_is_flip -> lowest_index"]
+    assert rule.loosened(old, old) == []
+    assert rule.loosened(new, old) != []  # and the other way round only the tightened one shows
+    assert rule.loosened(rule_dict(tie_rule="tie_is_flip"), rule_dict()) == ["tie_rule tie_is_flip -> lowest_index"]
 
 
 def test_accept_under_a_looser_rule_than_an_earlier_rollback_is_flagged():
     strict = rule_dict()
     loose = rule_dict(outputs={"*": Tolerance(atol=0.5, rtol=0.02)})
-    accepted = verdict.decide(healthy_stats(), RULE)
-    flagged = verdict.flag_loosened_rule(copy.deepcopy(accepted), loose, [{"rule": strict, "rule_sha256": "a" * 64}])
+    accepted = rule.decide(healthy_stats(), RULE)
+    flagged = rule.flag_loosened_rule(copy.deepcopy(accepted), loose, [{"rule": strict, "rule_sha256": "a" * 64}])
     assert flagged["decision"] == "accept"
     assert flagged["tags"]["rule_loosened"] == "true"
     assert any("looser" in r and "outputs.*.atol" in r for r in flagged["reasons"])
-    same = verdict.flag_loosened_rule(copy.deepcopy(accepted), strict, [{"rule": strict, "rule_sha256": "a" * 64}])
+    same = rule.flag_loosened_rule(copy.deepcopy(accepted), strict, [{"rule": strict, "rule_sha256": "a" * 64}])
     assert same["reasons"] == [] and "tags" not in same
 
 
 def test_every_numeric_criterion_has_a_direction():
     """A new criterion in AcceptanceConfig must say which way is looser, or loosening it would go unflagged."""
     fields = {f.name for f in dataclasses.fields(AcceptanceConfig)}
-    assert set(verdict._LOOSER_WHEN) | set(verdict._COMPARED_APART) == fields
-    assert not set(verdict._LOOSER_WHEN) & set(verdict._COMPARED_APART)
-    for name in verdict._LOOSER_WHEN:  # each loosening step is seen, from a set value
+    assert set(rule._LOOSER_WHEN) | set(rule._COMPARED_APART) == fields
+    assert not set(rule._LOOSER_WHEN) & set(rule._COMPARED_APART)
+    for name in rule._LOOSER_WHEN:  # each loosening step is seen, from a set value
         base = {"outputs": {}, name: 0.5}
-        looser = {"outputs": {}, name: 0.5 + verdict._LOOSER_WHEN[name]}
-        assert verdict.loosened(base, looser) == [f"{name} 0.5 -> {0.5 + verdict._LOOSER_WHEN[name]:g}"]
-        assert verdict.loosened(base, {"outputs": {}, name: None}) == [f"{name} removed (was 0.5)"]
-        assert verdict.loosened(looser, base) == []
+        looser = {"outputs": {}, name: 0.5 + rule._LOOSER_WHEN[name]}
+        assert rule.loosened(base, looser) == [f"{name} 0.5 -> {0.5 + rule._LOOSER_WHEN[name]:g}"]
+        assert rule.loosened(base, {"outputs": {}, name: None}) == [f"{name} removed (was 0.5)"]
+        assert rule.loosened(looser, base) == []
 
 
 def test_real_flips_near_the_boundary_fail_by_default_and_an_explicit_null_is_said_in_words():
     stats = healthy_stats()
     stats["flips"].update({"near_boundary_flips": 1, "near_boundary_cases": 3, "margin_kind": "probability",
                            "flip_list": [{"id": "ordinary/digits-1274", "boundary": False, "near_boundary": True}]})
-    d = verdict.decide(stats, RULE)  # the shipped rule: every flip of a real sample counts against it
+    d = rule.decide(stats, RULE)  # the shipped rule: every flip of a real sample counts against it
     assert d["decision"] == "rollback" and d["inference"] == "rollback" and d["training"] == "accept"
     assert any("ordinary/digits-1274" in r and "near the boundary" in r for r in d["reasons"])
     assert d["cases"]["flips"] == ["ordinary/digits-1274"]
-    d = verdict.decide(stats, dataclasses.replace(RULE, max_near_boundary_flips=None))
+    d = rule.decide(stats, dataclasses.replace(RULE, max_near_boundary_flips=None))
     assert d["decision"] == "accept"
     assert any("ordinary/digits-1274" in c and "not limited: the rule sets max_near_boundary_flips: null" in c for c in d["checks"])
 
@@ -124,15 +124,15 @@ def test_real_flips_near_the_boundary_fail_by_default_and_an_explicit_null_is_sa
 def test_distribution_criteria():
     stats = healthy_stats()
     stats["distribution"] = {"tokens": 1000, "kl_mean": 1e-3, "kl_p99": 2e-2, "kl_max": 0.3, "top1_agreement": 0.995, "top_k_overlap": 0.98}
-    assert verdict.decide(stats, RULE)["decision"] == "accept"  # null criteria: not applied
+    assert rule.decide(stats, RULE)["decision"] == "accept"  # null criteria: not applied
     ok = dataclasses.replace(RULE, max_kl_mean=1e-2, max_kl_p99=0.05, min_top1_agreement=0.99)
-    assert verdict.decide(stats, ok)["decision"] == "accept"
+    assert rule.decide(stats, ok)["decision"] == "accept"
     for strict, word in ((dict(max_kl_mean=1e-4), "KL(reference || trial) mean"), (dict(max_kl_p99=1e-2), "p99"),
                          (dict(min_top1_agreement=0.999), "top-1 agreement")):
-        d = verdict.decide(stats, dataclasses.replace(RULE, **strict))
+        d = rule.decide(stats, dataclasses.replace(RULE, **strict))
         assert d["decision"] == "rollback" and any(word in r for r in d["reasons"]), d["reasons"]
     del stats["distribution"]
-    d = verdict.decide(stats, ok)
+    d = rule.decide(stats, ok)
     assert d["decision"] == "rollback" and any("per-token" in r for r in d["reasons"])
 
 
@@ -140,20 +140,20 @@ def test_noise_floor_criterion():
     stats = healthy_stats()
     stats["training"]["noise"] = {"violations": 2, "over": ["mean", "max"], "first_violation_step": 5, "mean_amp_gap": 0.02,
                                   "mean_replicate_gap": 0.001, "max_amp_gap": 0.05, "max_replicate_gap": 0.004}
-    assert verdict.decide(stats, dataclasses.replace(RULE, loss_noise_multiple=None))["decision"] == "accept"
-    d = verdict.decide(stats, dataclasses.replace(RULE, loss_noise_multiple=3.0, loss_noise_atol=0.0))
+    assert rule.decide(stats, dataclasses.replace(RULE, loss_noise_multiple=None))["decision"] == "accept"
+    d = rule.decide(stats, dataclasses.replace(RULE, loss_noise_multiple=3.0, loss_noise_atol=0.0))
     assert d["decision"] == "rollback" and any("noise floor" in r and "step 5" in r and "mean and max" in r for r in d["reasons"])
     del stats["training"]["noise"]
-    d = verdict.decide(stats, dataclasses.replace(RULE, loss_noise_multiple=3.0))
+    d = rule.decide(stats, dataclasses.replace(RULE, loss_noise_multiple=3.0))
     assert any("replicate" in r for r in d["reasons"])
 
 
 def test_quality_drop_follows_the_metric_direction():
     stats = healthy_stats()
     stats["quality"] = {"metric": "perplexity", "higher_is_better": False, "reference": 10.0, "trial": 10.005, "trained": 10.0}
-    assert verdict.decide(stats, AcceptanceConfig())["decision"] == "accept"
+    assert rule.decide(stats, AcceptanceConfig())["decision"] == "accept"
     stats["quality"]["trial"] = 10.5
-    d = verdict.decide(stats, AcceptanceConfig())
+    d = rule.decide(stats, AcceptanceConfig())
     assert d["decision"] == "rollback" and any("drop 0.5" in r for r in d["reasons"])
 
 
@@ -161,10 +161,10 @@ def test_no_target_in_the_fixed_set_is_a_named_reason_unless_the_rule_drops_qual
     stats = healthy_stats()
     for key in ("reference", "trial", "trained"):
         stats["quality"][key] = float("nan")
-    result = verdict.decide(stats, AcceptanceConfig())
+    result = rule.decide(stats, AcceptanceConfig())
     assert result["decision"] == "rollback" and any("no case of the fixed set carries a target" in r for r in result["reasons"])
-    result = verdict.decide(stats, AcceptanceConfig(max_quality_drop=None, min_quality=None))
+    result = rule.decide(stats, AcceptanceConfig(max_quality_drop=None, min_quality=None))
     assert result["decision"] == "accept", result["reasons"]
     assert any("not judged" in c for c in result["checks"])
     stats["quality"]["reference"] = 0.9  # a reference that has a quality and a trial that lost it: a failure
-    assert verdict.decide(stats, AcceptanceConfig())["decision"] == "rollback"
+    assert rule.decide(stats, AcceptanceConfig())["decision"] == "rollback"

@@ -12,8 +12,14 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from pipeline import checkpoint, comparison, devices, reference, task, training, verdict
-from pipeline import trial as trial_artifact
+from pipeline import checkpoint, devices, task, training
+
+from pipeline import rule
+
+from pipeline.artifacts import reference
+
+from pipeline.compare import streams
+from pipeline.artifacts import trial as trial_artifact
 from pipeline.config import Params
 from pipeline.diagnosis.precision_map import finite, trace
 from pipeline.diagnosis.triage import first_nonfinite_step
@@ -206,26 +212,26 @@ def rerun(ctx: Context, policy: Policy) -> Run:
     aligned = [asdict(r) for r in run.aligned] if run.aligned is not None else None
     stats = _compare(ctx, run.outputs, run.trained_outputs, steps, run.training.final_scale, policy.uses_scaler, ref.fp64_reader(), aligned)
     ctx.work["trial_reruns"] += 1
-    return Run(policy, run.outputs, steps, stats, verdict.decide(stats, params.acceptance))
+    return Run(policy, run.outputs, steps, stats, rule.decide(stats, params.acceptance))
 
 
 def reference_fails_itself(ctx: Context) -> list[str]:
     """Reasons the rule rejects the FP32 reference compared with itself: no precision policy can fix those."""
     ref = ctx.ref
     stats = _compare(ctx, ref.outputs, ref.outputs, ref.trajectory, math.inf, True, None)
-    return verdict.decide(stats, ctx.params.acceptance)["reasons"]
+    return rule.decide(stats, ctx.params.acceptance)["reasons"]
 
 
 def _compare(ctx: Context, outputs: dict, trained: dict, steps: list[dict], final_scale: float, scaler: bool, fp64,
              aligned: list[dict] | None = None) -> dict:
     """Statistics as the compare stage computes them (metric, chunking, token mask, FP64 arbiter, noise
-    replicate), so that a re-run's verdict is the stage's verdict."""
+    replicate), so that a re-run's verdict is the stage's rule."""
     params, ref = ctx.params, ctx.ref
-    stats, _ = comparison.compare_streams(
+    stats, _ = streams.compare_streams(
         params.task.kind, params.acceptance, list(ref.cases.ids), ref.cases.y, ref.cases.has_target,
-        comparison.InMemory(ref.outputs), comparison.InMemory(outputs), comparison.InMemory(trained),
+        streams.InMemory(ref.outputs), streams.InMemory(outputs), streams.InMemory(trained),
         ref.trajectory, steps, final_scale, fp64, scaler,
-        metric=comparison.Metric.for_task(params.task, params.task.kind), cfg=params.compare, replicate_steps=ref.replicate,
-        token_mask=comparison.token_mask_of(ref.cases.x), aligned_steps=aligned,
+        metric=streams.Metric.for_task(params.task, params.task.kind), cfg=params.compare, replicate_steps=ref.replicate,
+        token_mask=streams.token_mask_of(ref.cases.x), aligned_steps=aligned,
     )
     return stats

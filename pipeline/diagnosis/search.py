@@ -17,7 +17,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from pipeline import numerics, task, training
+from pipeline import task, training
+
+from pipeline.compare import numerics
 from pipeline.diagnosis.precision_map import ModuleScope, Recorder, culprit, finite, forward_backward
 from pipeline.diagnosis.replay import Context, Located, Run, locate, rerun
 from pipeline.precision import Policy

@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import os
 
-from pipeline import benchmark, decision, devices, distributed, paths, precision
-from pipeline.artifacts import write_json
+from pipeline import benchmark, devices, distributed, paths, precision
+
+from pipeline.artifacts import decision
+from pipeline.files import write_json
 from pipeline.config import load_params
 
 

@@ -8,15 +8,25 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline import compare_stats, decision, paths, review, rollback, verdict
-from pipeline.artifacts import read_json
+from pipeline import paths
+
+from pipeline.present import verdict
+
+from pipeline import rule
+
+from pipeline.artifacts import rollback
+
+from pipeline.artifacts import decision
+
+from pipeline.artifacts import comparison
+from pipeline.files import read_json
 from pipeline.config import load_params
 from pipeline.errors import UserError
 
 
 def main(dtype: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
-    # The manifests as JSON: pipeline.reference and pipeline.trial import torch, which this stage never needs.
+    # The manifests as JSON: pipeline.artifacts.reference and pipeline.artifacts.trial import torch, which this stage never needs.
     manifest = read_json(paths.REF_MANIFEST, "freeze")
     rule_sha = params.acceptance.sha256()
     if manifest.get("rule_sha256") != rule_sha:  # reference.load's words: one message wherever it is caught
@@ -24,10 +34,10 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
             f"the acceptance rule in params.yaml (sha256 {rule_sha[:12]}…) differs from the one frozen with the reference "
             f"({str(manifest.get('rule_sha256'))[:12]}…); the rule is fixed before the trial: run `dvc repro` to re-freeze under the new rule"
         )
-    stats = compare_stats.read(dtype)
+    stats = comparison.read(dtype)
     diagnosis = read_json(paths.diagnose(dtype) / "diagnosis.json", f"diagnose@{dtype}")
     trial_manifest = read_json(paths.trial(dtype) / "manifest.json", f"trial@{dtype}")
-    verdict_ = verdict.decide(stats.raw, params.acceptance, diagnosis["findings"])
+    verdict_ = rule.decide(stats.raw, params.acceptance, diagnosis["findings"])
     result = decision.Decision(
         dtype=dtype,
         decision=verdict_["decision"],
@@ -49,4 +59,4 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
         rollback.write_package(paths.decision(dtype) / "rollback", params, manifest, stats, dtype, result.cases)
     decision.write(result)
     decision.write_metrics(result, stats)
-    print(review.text(review.verdict(dtype, result.as_dict(), stats.raw, diagnosis)))  # the verdict block, as everywhere
+    print(verdict.text(verdict.verdict(dtype, result.as_dict(), stats.raw, diagnosis)))  # the verdict block, as everywhere

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import time
 
-from pipeline import compare_stats, paths, verdict
-from pipeline.artifacts import read_json, write_bytes, write_json
+from pipeline import paths
+
+from pipeline import rule
+
+from pipeline.artifacts import comparison
+from pipeline.files import read_json, write_bytes, write_json
 from pipeline.config import load_params
 
 NOTHING_TO_DO = {
@@ -25,9 +29,9 @@ NOTHING_TO_DO = {
 def main(dtype: str, params_path: str = "params.yaml") -> None:
     start = time.perf_counter()
     params = load_params(params_path)
-    stats = compare_stats.read(dtype).raw
-    trajectory = read_json(paths.trial(dtype) / "trajectory.json", f"trial@{dtype}")  # as JSON: pipeline.trial imports torch
-    decision = verdict.decide(stats, params.acceptance)  # once; the diagnosis is handed it
+    stats = comparison.read(dtype).raw
+    trajectory = read_json(paths.trial(dtype) / "trajectory.json", f"trial@{dtype}")  # as JSON: pipeline.artifacts.trial imports torch
+    decision = rule.decide(stats, params.acceptance)  # once; the diagnosis is handed it
     out = paths.diagnose(dtype)
     report = NOTHING_TO_DO
     if decision["reasons"] or params.diagnose.probe == "always":

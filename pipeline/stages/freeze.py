@@ -8,8 +8,10 @@ from dataclasses import asdict
 
 import torch
 
-from pipeline import cases, checkpoint, devices, distributed, paths, precision, reference, task, training, vetting
-from pipeline.artifacts import sha256_file
+from pipeline import cases, checkpoint, devices, distributed, paths, precision, task, training, vetting
+
+from pipeline.artifacts import reference
+from pipeline.files import sha256_file
 from pipeline.config import load_params
 from pipeline.errors import UserError
 from pipeline.precision import Policy

@@ -27,8 +27,14 @@ from pathlib import Path
 
 import yaml
 
-from pipeline import paths, report, review, tracking, verdict
-from pipeline.artifacts import read_json, sha256_file
+from pipeline import paths, tracking
+
+from pipeline.present import page
+
+from pipeline.present import verdict
+
+from pipeline import rule
+from pipeline.files import read_json, sha256_file
 from pipeline.config import DTYPES, ParamsLoader, load_params
 from pipeline.errors import UserError
 from pipeline.tracking import RunSpec
@@ -49,9 +55,9 @@ def main(params_path: str = "params.yaml") -> None:
     already = tracking.published_parent(uri, params.tracking.experiment, key)
     if already is not None:  # the common no-op of `dvc repro`: answered without importing MLflow
         variants = {d: _variant(d) for d in dtypes}
-        verdicts = [review.verdict(d, v["decision"], v["stats"], v["diagnosis"], v["benchmark"], []) for d, v in variants.items()]
+        verdicts = [verdict.verdict(d, v["decision"], v["stats"], v["diagnosis"], v["benchmark"], []) for d, v in variants.items()]
         print(f"publish: already published, nothing added; parent run {already.run_link}")
-        print(f"publish: {review.one_line(verdicts)}; review: {already.link}")
+        print(f"publish: {verdict.one_line(verdicts)}; review: {already.link}")
         return
     # Not before the lookup: a key that matches holds these very params, checked when they were published.
     _check_fresh(params_path, dtypes)
@@ -62,7 +68,7 @@ def main(params_path: str = "params.yaml") -> None:
     variants = {d: _variant(d) for d in dtypes}
     publisher = tracking.Publisher(params.tracking.experiment)
     loosened = {d: _loosened(publisher, manifest["run_key"], v) for d, v in variants.items()}
-    verdicts = [review.verdict(d, v["decision"], v["stats"], v["diagnosis"], v["benchmark"], loosened[d]) for d, v in variants.items()]
+    verdicts = [verdict.verdict(d, v["decision"], v["stats"], v["diagnosis"], v["benchmark"], loosened[d]) for d, v in variants.items()]
     ref_steps = read_json(paths.REF_TRAJECTORY, "freeze")["steps"]
     parent = _parent(manifest, variants, verdicts, ref_steps, common, flat, params_path)
     children = [_child(d, variants[d], v, loosened[d], ref_steps, common, flat) for d, v in zip(variants, verdicts)]
@@ -74,7 +80,7 @@ def main(params_path: str = "params.yaml") -> None:
         print(f"publish: removed {result.removed} duplicate or orphaned run(s) left by concurrent or interrupted publishes")
     done = f"{result.created} run(s) created in {time.monotonic() - started:.1f} s" if result.created else "already published, nothing added"
     print(f"publish: {done}; parent run {result.run_link}")
-    print(f"publish: {review.one_line(verdicts)}; review: {result.link}")
+    print(f"publish: {verdict.one_line(verdicts)}; review: {result.link}")
 
 
 def _key(manifest: dict, commit: str, flat: dict, dtypes: list[str]) -> str:
@@ -96,18 +102,18 @@ def _loosened(publisher: tracking.Publisher, run_key: str, v: dict) -> list[str]
         return []
     out: list[str] = []
     for earlier in publisher.earlier_rollbacks(run_key, v["dtype"]):
-        out += [f"{d} (rolled back under rule {earlier['rule_sha256'][:12]})" for d in verdict.loosened(earlier["rule"], decision["rule"])]
+        out += [f"{d} (rolled back under rule {earlier['rule_sha256'][:12]})" for d in rule.loosened(earlier["rule"], decision["rule"])]
     return out
 
 
-def _parent(manifest: dict, variants: dict[str, dict], verdicts: list[review.Verdict], ref_steps: list[dict], common: dict, flat: dict, params_path: str) -> RunSpec:
+def _parent(manifest: dict, variants: dict[str, dict], verdicts: list[verdict.Verdict], ref_steps: list[dict], common: dict, flat: dict, params_path: str) -> RunSpec:
     """The pipeline execution: the verdict block first (description, report.html), the reference, params."""
     reference = {k: manifest[k] for k in ("rule_sha256", "run_key", "env", "cases") if k in manifest}
-    images = {d: {name: paths.report_plot(d, name).read_bytes() for name, _ in report.PLOTS if paths.report_plot(d, name).is_file()} for d in variants}
-    summary = report.markdown(reference, list(variants.values()), verdicts)
+    images = {d: {name: paths.report_plot(d, name).read_bytes() for name, _ in page.PLOTS if paths.report_plot(d, name).is_file()} for d in variants}
+    summary = page.markdown(reference, list(variants.values()), verdicts)
     suffix = " ".join(filter(None, [common.get("dvc_experiment"), common["git_commit"][:8]]))
     return RunSpec(
-        name=review.run_name(verdicts, suffix),
+        name=verdict.run_name(verdicts, suffix),
         tags={**common, **_env_tags(manifest["env"]), "stage": "pipeline", "dtypes": ",".join(variants),
               **{f"decision.{d}": v["decision"]["decision"] for d, v in variants.items()},
               **{f"reasons_count.{d}": str(len(v["decision"]["reasons"])) for d, v in variants.items()}},
@@ -118,7 +124,7 @@ def _parent(manifest: dict, variants: dict[str, dict], verdicts: list[review.Ver
         artifacts=[(p, "") for p in (Path(params_path), Path("dvc.lock")) if p.is_file()]
         + [(paths.REF_MANIFEST, "reference"), (paths.REF_TRAJECTORY, "reference")],
         # The report quotes benchmark timings: built here, not as a DVC output (those rerun byte for byte).
-        texts={"report.html": report.html(reference, list(variants.values()), images, verdicts), "summary.md": summary},
+        texts={"report.html": page.html(reference, list(variants.values()), images, verdicts), "summary.md": summary},
         note=summary,
     )
 
@@ -161,29 +167,29 @@ def _variant(d: str) -> dict:
         "manifest": manifest,
         "trajectory": read_json(paths.trial(d) / "trajectory.json", f"trial@{d}"),
         "stats": stats,
-        "metrics": report.flat(stats),
+        "metrics": page.flat(stats),
         "diagnosis": read_json(paths.diagnose(d) / "diagnosis.json", f"diagnose@{d}"),
         "decision": read_json(paths.decision(d) / "decision.json", f"decide@{d}"),
         "benchmark": read_json(bench_file, f"benchmark@{d}") if bench_file.is_file() else {"benchmarked": False, "reason": "benchmark.json not found"},
     }
 
 
-def _child(d: str, v: dict, review_: review.Verdict, loosened: list[str], ref_steps: list[dict], common: dict, flat: dict) -> RunSpec:
+def _child(d: str, v: dict, review_: verdict.Verdict, loosened: list[str], ref_steps: list[dict], common: dict, flat: dict) -> RunSpec:
     """One dtype: decision and key figures as columns, curves, figures, table, suggestion, rollback package."""
     decision, bench = v["decision"], v["benchmark"]
     steps = v["trajectory"]["steps"]
-    rule = decision.get("rule") or {}
+    rule_ = decision.get("rule") or {}
     tags = {
         **common, **_env_tags(v["manifest"]["env"]), "stage": "variant", "dtype": d, "decision": decision["decision"],
         **{f"decision.{part}": decision[part] for part in ("inference", "training") if part in decision},
         "reasons_count": str(len(decision["reasons"])), "benchmarked": str(bool(bench.get("benchmarked"))).lower(),
         "gradscaler": "on" if (v["stats"].get("training") or {}).get("scaler_enabled") else "off (no GradScaler)",
         # the rule itself, so that a later accept under a looser rule is flagged by publish
-        **({"rule_json": json.dumps(rule, sort_keys=True)} if rule else {}),
+        **({"rule_json": json.dumps(rule_, sort_keys=True)} if rule_ else {}),
         **({"rule_loosened": "true"} if loosened else {}),
         **{f"decision_tag.{k}": x for k, x in decision.get("tags", {}).items()},
     }
-    artifacts = [(paths.report_plot(d, name), "plots") for name, _ in report.PLOTS if paths.report_plot(d, name).is_file()]
+    artifacts = [(paths.report_plot(d, name), "plots") for name, _ in page.PLOTS if paths.report_plot(d, name).is_file()]
     artifacts.append((paths.decision(d) / "decision.json", ""))
     suggested = paths.diagnose(d) / "suggested_params.yaml"
     if suggested.is_file():
@@ -197,11 +203,11 @@ def _child(d: str, v: dict, review_: review.Verdict, loosened: list[str], ref_st
         tags=tags,
         params=flat,
         metrics=_columns(v),
-        steps=_curves(ref_steps, steps, rule),
+        steps=_curves(ref_steps, steps, rule_),
         artifacts=artifacts,
         # flipped cases first: the table opens on them, not after pages of unchanged cases
         tables={"cases.json": sorted(read_json(cases, f"compare@{d}"), key=lambda r: not r.get("flipped"))} if cases.is_file() else {},
-        note=review.markdown([review_]) + "\n" + _fp64_note(v["stats"]),
+        note=verdict.markdown([review_]) + "\n" + _fp64_note(v["stats"]),
     )
 
 
@@ -253,10 +259,10 @@ def _columns(v: dict) -> dict:
     return {k: x for k, x in out.items() if x is not None}
 
 
-def _curves(ref_steps: list[dict], steps: list[dict], rule: dict) -> dict[str, list[tuple[int, float]]]:
+def _curves(ref_steps: list[dict], steps: list[dict], rule_: dict) -> dict[str, list[tuple[int, float]]]:
     """Per-step histories: both losses, the AMP gap and the band the rule allows around FP32's loss."""
     ref = {int(s["step"]): s["loss"] for s in ref_steps}
-    atol, rtol = rule.get("loss_atol", 0.0), rule.get("loss_rtol", 0.0)
+    atol, rtol = rule_.get("loss_atol", 0.0), rule_.get("loss_rtol", 0.0)
     shared = [s for s in steps if int(s["step"]) in ref]
     out = {
         "loss_fp32": _series(ref_steps, "loss"),
@@ -282,8 +288,8 @@ def _fp64_note(stats: dict) -> str:
     for name, a in (stats.get("arbiter") or {}).items():
         lines.append(
             f"- FP64 check, output '{name}': against an FP64 re-run of the same inputs, AMP's RMS error is "
-            f"{report.number(a.get('amp_rmse_vs_fp64'))} and FP32's own is {report.number(a.get('fp32_rmse_vs_fp64'))}: "
-            f"AMP's error is x{report.number(a.get('amp_over_fp32'))} FP32's rounding error. Large by nature "
+            f"{page.number(a.get('amp_rmse_vs_fp64'))} and FP32's own is {page.number(a.get('fp32_rmse_vs_fp64'))}: "
+            f"AMP's error is x{page.number(a.get('amp_over_fp32'))} FP32's rounding error. Large by nature "
             f"(float16 keeps 10 mantissa bits, bfloat16 7, float32 23); the tolerances decide, not this ratio."
         )
     return "\n".join(lines)

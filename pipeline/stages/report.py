@@ -12,8 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import paths, plots
-from pipeline.artifacts import check_inside_repository, read_json, sha256_file, write_bytes, write_json
+from pipeline import paths
+
+from pipeline.present import plots
+from pipeline.files import check_inside_repository, read_json, sha256_file, write_bytes, write_json
 from pipeline.config import DTYPES, load_params
 from pipeline.errors import UserError
 

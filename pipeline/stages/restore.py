@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import checkpoint, paths, rollback, task
+from pipeline import checkpoint, paths, task
+
+from pipeline.artifacts import rollback
 from pipeline.config import load_params
 
 

@@ -7,8 +7,10 @@ import hashlib
 import json
 from typing import Iterator
 
-from pipeline import checkpoint, devices, distributed, paths, precision, reference, task, training
-from pipeline import trial as artifact
+from pipeline import checkpoint, devices, distributed, paths, precision, task, training
+
+from pipeline.artifacts import reference
+from pipeline.artifacts import trial as artifact
 from pipeline.config import load_params
 from pipeline.errors import UserError
 from pipeline.precision import Policy

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 import yaml
 
 from pipeline import paths
-from pipeline.artifacts import read_json, sha256_file, write_bytes, write_json
+from pipeline.files import read_json, sha256_file, write_bytes, write_json
 from pipeline.config import Params
 from pipeline.errors import UserError
 
 if TYPE_CHECKING:
-    from pipeline.compare_stats import Stats
+    from pipeline.artifacts.comparison import Stats
 
 
 def write_package(folder: Path, params: Params, ref_manifest: dict, stats: Stats, dtype: str, cases: dict | None = None) -> None:

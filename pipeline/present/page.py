@@ -3,7 +3,7 @@
 Pure: the loaded stage outputs in, text out. ``html`` is the self-contained page (the report stage's
 PNGs embedded as base64) that publish uploads to the pipeline's MLflow run; ``markdown`` is the same
 summary without images, which MLflow shows as that run's description. Both open with the verdict block
-(``pipeline.review``): a reviewer reads the decision, its reasons, the flipped cases, the gain and the
+(``pipeline.present.verdict``): a reviewer reads the decision, its reasons, the flipped cases, the gain and the
 next commands before any table; hashes and environment go to a footer. No timestamps, no absolute
 paths: the same inputs give the same bytes. It quotes benchmark timings, which is why it is not a DVC
 output (those must be byte-identical on a rerun).
@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pipeline import review
+from pipeline.present import verdict
 
 # Plot files of one variant, in the order the report shows them, with their captions.
 PLOTS = (
@@ -99,20 +99,20 @@ def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
     return [(label, [cell(v) for v in variants]) for label, cell in table]
 
 
-def verdicts_of(variants: Sequence[Mapping[str, Any]]) -> list[review.Verdict]:
+def verdicts_of(variants: Sequence[Mapping[str, Any]]) -> list[verdict.Verdict]:
     """The verdict of every variant from its outputs (publish passes its own, with the loosened-rule flag)."""
     return [
-        review.verdict(v["dtype"], v["decision"], v.get("stats"), v.get("diagnosis"), v.get("benchmark"))
+        verdict.verdict(v["dtype"], v["decision"], v.get("stats"), v.get("diagnosis"), v.get("benchmark"))
         for v in variants
     ]
 
 
-def markdown(reference: Mapping[str, Any], variants: Sequence[Mapping[str, Any]], verdicts: Sequence[review.Verdict] | None = None) -> str:
+def markdown(reference: Mapping[str, Any], variants: Sequence[Mapping[str, Any]], verdicts: Sequence[verdict.Verdict] | None = None) -> str:
     """The summary as Markdown (MLflow run description, pull-request comments): verdict, table, footer."""
     verdicts = verdicts_of(variants) if verdicts is None else verdicts
     dtypes = [v["dtype"] for v in variants]
     # The headline first: MLflow shows a description's first lines only, until "Show more".
-    out = [review.headline(verdicts), "# AMP validation", "", review.markdown(verdicts), "## Key figures", ""]
+    out = [verdict.headline(verdicts), "# AMP validation", "", verdict.markdown(verdicts), "## Key figures", ""]
     out += ["| | " + " | ".join(dtypes) + " |", "|---|" + "---|" * len(dtypes)]
     out += [f"| {_cell(label)} | " + " | ".join(_cell(c) for c in cells) + " |" for label, cells in rows(variants)]
     out += ["", "---", "", f"Reference: {_env(reference['env'])}; {_cases(reference.get('cases', {}))}.  ",
@@ -124,7 +124,7 @@ def html(
     reference: Mapping[str, Any],
     variants: Sequence[Mapping[str, Any]],
     images: Mapping[str, Mapping[str, bytes]],
-    verdicts: Sequence[review.Verdict] | None = None,
+    verdicts: Sequence[verdict.Verdict] | None = None,
 ) -> str:
     """The self-contained HTML report; ``images[dtype][plot]`` are PNG bytes (see ``PLOTS``)."""
     e = _html.escape
@@ -140,7 +140,7 @@ def html(
         '<html lang="en"><head><meta charset="utf-8"><title>AMP validation report</title>',
         f"<style>{_CSS}</style></head><body>",
         "<h1>AMP validation report</h1>",
-        review.html(verdicts),
+        verdict.html(verdicts),
         "<h2>Key figures, variants side by side</h2>",
         f'<table class="summary"><tr><th></th>{head}</tr>',
         *body,
@@ -233,7 +233,7 @@ def _speedup(v: Mapping) -> str:
     if "median" not in s:
         return "-"
     spread = f" ({s['q1']:.2f}-{s['q3']:.2f})" if "q1" in s and "q3" in s else ""
-    word = " faster" if s["median"] >= review.FASTER else " slower" if s["median"] <= review.SLOWER else ""
+    word = " faster" if s["median"] >= verdict.FASTER else " slower" if s["median"] <= verdict.SLOWER else ""
     return f"x{s['median']:.2f}{spread}{word}"
 
 

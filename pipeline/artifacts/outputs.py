@@ -31,7 +31,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from pipeline.artifacts import atomic_file, from_jsonable, sha256_file, to_jsonable
+from pipeline.files import atomic_file, from_jsonable, sha256_file, to_jsonable
 from pipeline.errors import UserError
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)

@@ -3,7 +3,7 @@
 Files: the trained reference's outputs under the policy (``outputs.safetensors``), the outputs of the
 model trained under the policy (``trained_outputs.safetensors``), its final training state
 (``checkpoint.safetensors``), the per-step trajectory (``trajectory.json``) and the manifest, written
-last, with every file's sha256. Outputs are streamed to disk chunk by chunk (``pipeline.outputs``).
+last, with every file's sha256. Outputs are streamed to disk chunk by chunk (``pipeline.artifacts.outputs``).
 compare, diagnose and report read a trial through ``load`` only.
 """
 
@@ -16,8 +16,10 @@ from typing import Iterable
 
 import torch
 
-from pipeline import checkpoint, outputs as output_store, paths
-from pipeline.artifacts import read_json, sha256_file, write_json
+from pipeline import checkpoint, paths
+
+from pipeline.artifacts import outputs as output_store
+from pipeline.files import read_json, sha256_file, write_json
 from pipeline.errors import UserError
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline import paths
-from pipeline.artifacts import read_json, write_json
+from pipeline.files import read_json, write_json
 
 STATS = "stats.json"
 TABLE = "cases.json"

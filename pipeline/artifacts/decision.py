@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from pipeline import paths
-from pipeline.artifacts import read_json, write_json
+from pipeline.files import read_json, write_json
 
 if TYPE_CHECKING:
-    from pipeline.compare_stats import Stats
+    from pipeline.artifacts.comparison import Stats
 
 FILE = "decision.json"
 

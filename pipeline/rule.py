@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import math
 
-from pipeline import bounds, review
+from pipeline.present import verdict
+
+from pipeline.compare import bounds
 from pipeline.config import AcceptanceConfig
 
 
 def _ids(ids: list[str], cap: int = 400) -> str:
-    text = ", ".join(review.safe_id(i) for i in ids)  # printable, each capped: an id never forges a line
+    text = ", ".join(verdict.safe_id(i) for i in ids)  # printable, each capped: an id never forges a line
     return text if len(text) <= cap else text[:cap] + f"… ({len(ids)} listed)"
 
 

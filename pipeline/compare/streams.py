@@ -26,9 +26,9 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from pipeline import numerics
+from pipeline.compare import numerics
 from pipeline.config import AcceptanceConfig, CompareConfig
-from pipeline.outputs import OutputsReader
+from pipeline.artifacts.outputs import OutputsReader
 from pipeline.task import primary
 
 
@@ -507,7 +507,7 @@ def case_table(kind: str, rule: AcceptanceConfig, fixed, ref_out: dict[str, torc
 
 
 def summary(stats: dict) -> dict:
-    """Flat numbers for `dvc metrics show` and MLflow (``compare_stats.summary``)."""
-    from pipeline import compare_stats
+    """Flat numbers for `dvc metrics show` and MLflow (``comparison.summary``)."""
+    from pipeline.artifacts import comparison
 
-    return compare_stats.summary(stats)
+    return comparison.summary(stats)

@@ -16,8 +16,10 @@ from typing import Iterable, Iterator
 
 import torch
 
-from pipeline import cases, checkpoint, outputs as output_store, paths, task
-from pipeline.artifacts import read_json, read_tensors, sha256_file, write_json
+from pipeline import cases, checkpoint, paths, task
+
+from pipeline.artifacts import outputs as output_store
+from pipeline.files import read_json, read_tensors, sha256_file, write_json
 from pipeline.config import Params
 from pipeline.errors import UserError
 

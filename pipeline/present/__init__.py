@@ -1,0 +1,1 @@
+"""Pure renderers: the verdict in words, the report page, the figures."""
