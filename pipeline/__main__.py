@@ -7,6 +7,9 @@ Params are validated before torch is imported (a typo costs no torch start-up), 
 applied then too: OMP_NUM_THREADS and MKL_NUM_THREADS (read once, when the libraries start) and, once the
 stage has imported torch, torch's own intra-op and inter-op counts. The param wins over the environment,
 because only the param is a DVC dependency: the thread count changes CPU bytes.
+
+This module knows no device and starts no ranks: the stages that train call pipeline/launch.py themselves,
+so that a stage which never touches a device (prepare, decide, report, publish) depends on none of that code.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import importlib
 import os
 import sys
 
-from pipeline import distributed
 from pipeline.config import DTYPES, load_params
 from pipeline.errors import UserError
 
@@ -40,24 +42,13 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(params.reference, "deterministic", False):
             # cuBLAS reads it when it starts: before torch, to be sure (precision.deterministic sets it too).
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        status = distributed.relaunch(args.stage, params, sys.argv[1:] if argv is None else list(argv))
-        if status is not None:  # distributed.nproc_per_node > 1: the stage ran on N ranks under torchrun
-            return status
         module = importlib.import_module(f"pipeline.stages.{args.stage}")
         if "torch" in sys.modules:  # the stage computes: fix torch's own counts before it starts
-            from pipeline import devices
-
-            devices.apply_threads(params.threads)
+            set_torch_threads(params.threads)
         kwargs = {"dtype": args.dtype} if args.stage in PER_DTYPE else {}
         module.main(params_path=args.params, **kwargs)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:
-        line = _nondeterministic(exc)
-        if line is None:
-            raise
-        print(f"error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; outputs are written atomically, rerun the stage to finish", file=sys.stderr)
@@ -75,14 +66,24 @@ def set_thread_env(threads: int | None, environ: dict) -> None:
             environ[name] = str(threads)
 
 
-def _nondeterministic(exc: RuntimeError) -> str | None:
-    """The one line for torch's "no deterministic implementation" error (reference.deterministic), else None."""
-    if "torch" not in sys.modules:
-        return None
-    from pipeline import precision
+def set_torch_threads(threads: int | None) -> None:
+    """Set torch's intra-op and inter-op thread counts (params ``threads``; None leaves torch's defaults).
 
-    op = precision.nondeterministic_op(exc)
-    return precision.nondeterministic_message([op]) if op else None
+    The environment (``set_thread_env``) gives the libraries that count when they start; this sets it in
+    torch itself, which also holds when torch was imported before (a test calling ``main``). The inter-op
+    count (recorded in every manifest) can only be set before inter-op work starts: once it has, it is left
+    as it is (it does not change any result).
+    """
+    if threads is None:
+        return
+    import torch  # already imported by the stage: this costs nothing
+
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(threads)
+    except RuntimeError:  # already started (or already set): inter-op threads only run independent ops
+        pass
 
 
 if __name__ == "__main__":

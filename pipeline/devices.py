@@ -104,23 +104,6 @@ def describe(device: torch.device) -> dict[str, Any]:
     return info
 
 
-def apply_threads(threads: int | None) -> None:
-    """Set torch's intra-op and inter-op thread counts (params ``threads``; None leaves torch's defaults).
-
-    ``python -m pipeline`` also sets OMP_NUM_THREADS and MKL_NUM_THREADS before torch is imported, so that
-    the libraries start with that count; this sets it in torch itself. The inter-op count can only be set
-    before inter-op work starts: once it has, it is left as it is (it does not change any result).
-    """
-    if threads is None:
-        return
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-    try:
-        torch.set_num_interop_threads(threads)
-    except RuntimeError:  # already started (or already set): inter-op threads only run independent ops
-        pass
-
-
 def cpu_blas() -> str:
     """The CPU BLAS torch was built with and its version, e.g. ``mkl 2024.2`` or ``openblas``."""
     config = torch.__config__.show()

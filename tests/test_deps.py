@@ -153,3 +153,39 @@ def test_readme_layout_names_every_module_of_the_package() -> None:
     folders = {f"pipeline/{p.name}/" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     missing = sorted(n for n in names if n not in words and f"pipeline/{n}" not in words) + sorted(f for f in folders if f not in words)
     assert not missing, f"README.md's Layout section does not mention {missing}: add a line for each"
+
+
+DEVICE_CODE = {"pipeline/devices.py", "pipeline/distributed.py", "pipeline/precision.py"}
+
+
+@pytest.mark.parametrize("name", ["prepare", "decide", "report", "publish"])
+def test_stages_that_touch_no_device_do_not_depend_on_device_code(name: str) -> None:
+    """A ROCm hint in devices.py, a rank change in distributed.py or an autocast change in precision.py must
+    not re-run a stage that never runs on a device: none of the three is in its import closure."""
+    reached = sorted(DEVICE_CODE & stage_code(name))
+    assert not reached, f"stage {name} imports {reached}; cut the import that pulls it in (pipeline/__main__.py knows no device)"
+
+
+def test_only_the_stages_that_train_reach_the_torchrun_launcher() -> None:
+    reach = sorted(name for name in stages() if "pipeline/launch.py" in stage_code(name))
+    assert reach == ["benchmark", "freeze", "trial"], reach
+
+
+def test_the_import_graph_of_the_package_has_no_circle() -> None:
+    """Each module depends on the ones below it only: a circle (devices <-> distributed was one) makes every
+    module on it a dep of every stage that reaches any of them."""
+    graph = {p: imported_modules(p) for p in PACKAGE.rglob("*.py")}
+    done: set[Path] = set()
+
+    def visit(path: Path, trail: list[Path]) -> None:
+        if path in trail:
+            circle = [p.relative_to(ROOT).as_posix() for p in trail[trail.index(path) :] + [path]]
+            raise AssertionError(f"import circle: {' -> '.join(circle)}")
+        if path in done:
+            return
+        for child in graph.get(path, ()):
+            visit(child, trail + [path])
+        done.add(path)
+
+    for path in sorted(graph):
+        visit(path, [])

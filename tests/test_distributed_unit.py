@@ -1,4 +1,4 @@
-"""pipeline/distributed.py without starting ranks: launch checks, the batch split, torchrun failure lines."""
+"""pipeline/distributed.py and pipeline/launch.py without starting ranks: launch checks, the batch split, torchrun failure lines."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import yaml
 
 from pipeline import __main__ as cli
-from pipeline import distributed
+from pipeline import distributed, launch
 from pipeline.config import load_params
 from pipeline.errors import UserError
 
@@ -21,7 +21,7 @@ def params_file(tmp_path, **sections):
 def test_one_process_is_the_default_and_changes_nothing(tmp_path):
     params = load_params(params_file(tmp_path))
     assert params.distributed.nproc_per_node == 1
-    assert distributed.relaunch("freeze", params, ["freeze"]) is None
+    assert not launch.relaunched("freeze", params, "params.yaml")
     world = distributed.World()
     idx = torch.arange(8)
     model = torch.nn.Linear(2, 2)
@@ -65,12 +65,11 @@ def test_more_ranks_than_visible_gpus_is_one_line(tmp_path, monkeypatch, capsys)
     assert "distributed.nproc_per_node is 2 but 1 GPU(s) are visible" in err
 
 
-def test_stages_that_do_not_train_stay_single_process(tmp_path, monkeypatch):
+def test_a_rank_never_launches_again(tmp_path, monkeypatch):
+    """Only the stages that train call the launcher (tests/test_deps.py derives that); inside a rank it is a no-op."""
     params = load_params(params_file(tmp_path, distributed={"nproc_per_node": 2}))
-    for stage in ("prepare", "compare", "decide", "report", "publish"):
-        assert distributed.relaunch(stage, params, [stage]) is None
-    monkeypatch.setenv("LOCAL_RANK", "1")  # already one of torchrun's ranks: never launch again
-    assert distributed.relaunch("freeze", params, ["freeze"]) is None
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert not launch.relaunched("freeze", params, "params.yaml")
 
 
 TORCHRUN_REPORT = """\
@@ -92,11 +91,11 @@ Root Cause (first observed failure):
 
 
 def test_failure_lines_name_the_rank_that_died_or_its_own_error():
-    line = distributed.failure_line(TORCHRUN_REPORT, 2, "freeze")
+    line = launch.failure_line(TORCHRUN_REPORT, 2, "freeze")
     assert "rank 1 of 2 died (killed by SIGKILL)" in line and "\n" not in line
     own = "[rank0]: noise\nerror: --dtype float8 is not in trial.dtypes; add it\n" + TORCHRUN_REPORT
-    assert distributed.failure_line(own, 2, "trial") == "--dtype float8 is not in trial.dtypes; add it"
-    assert "torchrun failed (boom)" in distributed.failure_line("boom\n", 2, "freeze")
+    assert launch.failure_line(own, 2, "trial") == "--dtype float8 is not in trial.dtypes; add it"
+    assert "torchrun failed (boom)" in launch.failure_line("boom\n", 2, "freeze")
 
 
 def test_gpu_workflow_pulls_the_shared_reference_before_the_pipeline_when_a_remote_is_configured():

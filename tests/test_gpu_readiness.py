@@ -106,16 +106,6 @@ def test_deterministic_reports_the_ops_without_a_deterministic_kernel_in_one_lin
         torch.backends.cudnn.deterministic = False
 
 
-def test_deterministic_stage_error_is_one_line(tmp_path: Path) -> None:
-    """``python -m pipeline`` turns torch's error for a plain ``deterministic(True)`` call into one line, exit 2."""
-    from pipeline import __main__ as entry
-
-    exc = RuntimeError("put_ does not have a deterministic implementation, but you set 'torch.use_deterministic_algorithms(True)'. ...")
-    line = entry._nondeterministic(exc)
-    assert line is not None and "\n" not in line and "put_" in line
-    assert entry._nondeterministic(RuntimeError("shape mismatch")) is None
-
-
 # --- FP32 regions ----------------------------------------------------------------------------------------------
 
 
