@@ -14,11 +14,11 @@ import torch
 import yaml
 from conftest import ROOT, TINY, dvc, make_project, merge, stage
 
-from pipeline import precision, training
+from pipeline import precision, recipe
 
 from pipeline import rule
 from pipeline.config import load_params
-from pipeline.diagnosis import precision_map, replay, wording
+from pipeline.diagnosis import precision_map, replay, trace, wording
 from pipeline.errors import UserError
 from pipeline.examples import stress
 from pipeline.precision import Policy
@@ -80,7 +80,7 @@ def test_underflow_example_gradients_vanish_without_scaling_and_survive_with_it(
     torch.manual_seed(0)
     model = stress.build_underflow_model(**options)
     x, y = data["train_x"][:64], data["train_y"][:64]
-    loss = training.loss_function("mse")
+    loss = recipe.loss_function("mse")
 
     fp16 = precision_map.gradient_underflow(model, x, y, loss, Policy(dtype="float16"), CPU, scale=65536.0)
     rows = {r["parameter"]: r for r in fp16["parameters"]}
@@ -167,7 +167,7 @@ def test_every_pass_of_the_diagnosis_starts_in_strict_fp32():
         for probe in (
             lambda: precision_map.precision_map(model, x, y, cross_entropy, Policy(dtype="bfloat16"), CPU),
             lambda: precision_map.gradient_underflow(model, x, y, cross_entropy, Policy(dtype="bfloat16"), CPU, 65536.0),
-            lambda: precision_map.trace(model, x, y, cross_entropy, Policy(), CPU),
+            lambda: trace.trace(model, x, y, cross_entropy, Policy(), CPU),
         ):
             precision.set_tf32(True)
             assert precision.tf32_state() != strict
@@ -188,7 +188,7 @@ def test_fp32_side_of_a_gpu_trace_is_not_tf32():
     saved = precision.tf32_state()
     try:
         precision.set_tf32(True)
-        traced = precision_map.trace(model, x, None, None, Policy(), gpu)
+        traced = trace.trace(model, x, None, None, Policy(), gpu)
         with torch.no_grad():
             out = model(x)  # right after the trace: the switch it set is still in force
             exact = (x.double() @ model[0].weight.double().T)
@@ -221,7 +221,7 @@ def test_training_replay_is_the_exact_step_of_the_trial(reproduced, monkeypatch)
     watched = case.trace(ctx, run.policy)
     assert watched["loss"] == trajectory["steps"][5]["loss"]  # bit for bit, hooks and dispatch mode included
     assert watched["scale"] == trajectory["steps"][5]["scale"]
-    assert precision_map.finite(watched) and watched["first"] is None
+    assert trace.finite(watched) and watched["first"] is None
 
 
 @pytest.mark.integration

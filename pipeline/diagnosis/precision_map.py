@@ -9,8 +9,8 @@ On top of that one recorder:
   share of matmul-like work that ran in reduced precision;
 - missing kernels: an op without a kernel for the reduced dtype on this device is recorded with its
   name and re-run in float32 so the pass goes on (a finding, not a crash);
-- the first non-finite producer: the first op whose output is not finite while its inputs are
-  (``trace``: one watched pass, with each module's largest output magnitude and non-finite gradients).
+- the first non-finite producer: the recorder notes the first op whose output is not finite while its
+  inputs are (read by ``pipeline.diagnosis.trace``).
 
 Used by the diagnosis only: these hooks never run in the trial's or the benchmark's code. Every pass
 (``forward_backward``) starts with ``precision.strict_fp32()``: the FP32 side of each comparison is exact
@@ -20,7 +20,6 @@ FP32, never TF32 (on by default for cuDNN on Ampere and newer).
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from pipeline import checkpoint, precision
 from pipeline.precision import Policy
-from pipeline.task import Inputs, call, named_outputs, primary, rows, tensors_of, to_device
+from pipeline.task import Inputs, call, named_outputs, primary, rows
 
 try:  # FLOP formulas of the ops PyTorch's own FlopCounterMode knows (mm, addmm, bmm, conv, attention)
     from torch.utils.flop_counter import flop_registry as _FLOPS
@@ -276,7 +275,7 @@ def summarize(recorder: Recorder) -> dict:
 
 
 Loss = Callable[..., torch.Tensor]
-"""``loss(output, target)``, or the task's ``training.Loss`` (which may be the model's own ``.loss``)."""
+"""``loss(output, target)``, or the task's ``recipe.Loss`` (which may be the model's own ``.loss``)."""
 
 
 def _forward_and_loss(model: torch.nn.Module, x: Inputs, y: torch.Tensor | None, loss_fn: Loss | None, phase: Callable[[str], None]):
@@ -420,60 +419,3 @@ def gradient_underflow(model, x, y, loss_fn, policy: Policy, device: torch.devic
             "fraction_scaled": totals["vanished_scaled"] / max(totals["elements"], 1),
         },
     }
-
-
-def trace(model, x, y, loss_fn, policy: Policy, device: torch.device, scale: float = 1.0) -> dict:
-    """One watched pass: per-module output magnitudes, the first op that made a non-finite value from
-    finite inputs (with its module), and which parameter gradients are non-finite after unscaling."""
-    modules: dict[str, dict] = {}
-
-    def on_output(name: str, module: torch.nn.Module, tensors: list[torch.Tensor]) -> None:
-        if not tensors:
-            return
-        m = modules.setdefault(name, {"type": type(module).__name__, "dtype": "", "max_abs": 0.0, "finite": True})
-        m["dtype"] = ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors}))
-        m["max_abs"] = max(m["max_abs"], max(max_abs(t) for t in tensors))
-        m["finite"] = m["finite"] and all(bool(torch.isfinite(t).all()) for t in tensors)
-
-    model.zero_grad(set_to_none=True)
-    scope = ModuleScope(model, on_output=on_output)
-    recorder = Recorder(scope)
-    x = to_device(x, device)
-    with scope, recorder:
-        outputs, loss = forward_backward(model, x, y.to(device) if y is not None else None, loss_fn, policy, device, scope, scale)
-    bad_grads = [n for n, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad / scale).all())]
-    model.zero_grad(set_to_none=True)
-    first = recorder.first_nonfinite
-    x_finite = all(bool(torch.isfinite(t).all()) for t in tensors_of(x).values() if t.is_floating_point())
-    where = None if first is None else {"forward": "module", "loss": "loss", "backward": "gradient"}[first["phase"]]
-    if not x_finite:
-        where, first = "input", None
-    return {
-        "policy": policy.as_dict(),
-        "scale": scale,
-        "input_finite": x_finite,
-        "outputs_finite": all(bool(torch.isfinite(v).all()) for v in outputs.values()),
-        "loss": float(loss.detach()) if loss is not None else None,
-        "gradients_finite": None if loss is None else not bad_grads,
-        "nonfinite_gradients": bad_grads,
-        "first": None if where is None else {"where": where, **(first or {})},
-        "modules": dict(sorted(modules.items())),
-        "missing_kernels": recorder.missing,
-    }
-
-
-def finite(t: dict) -> bool:
-    return (
-        t["input_finite"]
-        and t["outputs_finite"]
-        and (t["loss"] is None or math.isfinite(t["loss"]))
-        and t["gradients_finite"] is not False
-    )
-
-
-def culprit(t: dict) -> str | None:
-    """The module to run outside autocast: the one whose forward (or backward) made the first non-finite value."""
-    first = t["first"]
-    if first is None or first["where"] not in ("module", "gradient") or not first["module"]:
-        return None
-    return first["module"]

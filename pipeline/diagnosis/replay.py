@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from pipeline import checkpoint, devices, task, training
+from pipeline import checkpoint, devices, recipe, task, training
 
 from pipeline import rule
 
@@ -21,7 +21,7 @@ from pipeline.artifacts import reference
 from pipeline.compare import streams
 from pipeline.artifacts import trial as trial_artifact
 from pipeline.config import Params
-from pipeline.diagnosis.precision_map import finite, trace
+from pipeline.diagnosis.trace import finite, trace
 from pipeline.diagnosis.triage import first_nonfinite_step
 from pipeline.precision import Policy
 
@@ -68,8 +68,8 @@ class Context:
             checkpoint.restore(self.ref.checkpoint(), model, rng=False)
         return model.to(self.device)
 
-    def loss(self) -> training.Loss:
-        return training.make_loss(self.params.task)
+    def loss(self) -> recipe.Loss:
+        return recipe.make_loss(self.params.task)
 
     def first_batch_of_update(self, step: int) -> tuple[task.Inputs, torch.Tensor]:
         """The first micro-batch of optimizer update ``step``, in the fixed order reference and trials share."""
@@ -136,8 +136,8 @@ def load(params: Params, dtype: str, stats: dict, decision: dict) -> tuple[Conte
     ref = reference.load(params)
     ctx = Context(params, dtype, devices.resolve(params.device), ref, ref.train_data(params))
     trial = trial_artifact.load(dtype, ref.manifest)
-    policy = Policy(dtype=dtype, fp32_modules=tuple(trial.manifest["policy"]["fp32_modules"]))  # what ran, not what params say now
-    return ctx, Run(policy, trial.outputs(), trial.steps, stats, decision), trial
+    policy = Policy(dtype=dtype, fp32_modules=tuple(trial.manifest.policy["fp32_modules"]))  # what ran, not what params say now
+    return ctx, Run(policy, trial.outputs(), trial.trajectory.steps, stats, decision), trial
 
 
 def inference_case(ctx: Context, run: Run) -> Case | None:
@@ -163,7 +163,7 @@ def training_case(ctx: Context, run: Run, step: int) -> Case:
     model = ctx.model("init")
     cfg = replace(ctx.params.reference, checkpoint_every=0)  # the run's own schedule (its span is train_steps), stopped at step
     result = training.train(
-        model, ctx.train, None, cfg, ctx.params.task, run.policy, ctx.device, ctx.params.seed, label=f"diagnose replay {ctx.dtype}", stop=step
+        model, ctx.train, cfg, ctx.params.task, run.policy, ctx.device, ctx.params.seed, label=f"diagnose replay {ctx.dtype}", stop=step
     )
     ctx.work["replayed_steps"] += step
     replayed = [r.loss for r in result.records]
@@ -199,7 +199,6 @@ def rerun(ctx: Context, policy: Policy) -> Run:
         ctx.model("trained"),
         lambda: ctx.model("init"),
         ctx.train,
-        None,
         ref.cases.x,
         params.reference,
         params.task,
@@ -227,11 +226,9 @@ def _compare(ctx: Context, outputs: dict, trained: dict, steps: list[dict], fina
     """Statistics as the compare stage computes them (metric, chunking, token mask, FP64 arbiter, noise
     replicate), so that a re-run's verdict is the stage's rule."""
     params, ref = ctx.params, ctx.ref
-    stats, _ = streams.compare_streams(
-        params.task.kind, params.acceptance, list(ref.cases.ids), ref.cases.y, ref.cases.has_target,
-        streams.InMemory(ref.outputs), streams.InMemory(outputs), streams.InMemory(trained),
-        ref.trajectory, steps, final_scale, fp64, scaler,
-        metric=streams.Metric.for_task(params.task, params.task.kind), cfg=params.compare, replicate_steps=ref.replicate,
-        token_mask=streams.token_mask_of(ref.cases.x), aligned_steps=aligned,
-    )
+    sources = streams.Sources(ref.cases.ids, ref.cases.y, ref.cases.has_target, streams.InMemory(ref.outputs), streams.InMemory(outputs),
+                              streams.InMemory(trained), fp64, streams.token_mask_of(ref.cases.x))
+    runs = streams.Trajectories(ref.trajectory, steps, final_scale, scaler, ref.replicate, aligned)
+    stats, _ = streams.compare_streams(params.task.kind, params.acceptance, sources, runs,
+                                       metric=streams.Metric.for_task(params.task), cfg=params.compare)
     return stats

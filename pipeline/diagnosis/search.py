@@ -17,10 +17,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from pipeline import task, training
+from pipeline import inference, task
 
-from pipeline.compare import numerics
-from pipeline.diagnosis.precision_map import ModuleScope, Recorder, culprit, finite, forward_backward
+from pipeline.compare.decisions import labels_of
+from pipeline.compare.gaps import value_gaps
+from pipeline.diagnosis.precision_map import ModuleScope, Recorder, forward_backward
+from pipeline.diagnosis.trace import culprit, finite
 from pipeline.diagnosis.replay import Context, Located, Run, locate, rerun
 from pipeline.precision import Policy
 
@@ -130,8 +132,8 @@ def unflip(ctx: Context, run: Run, flips: list[dict], order: list[str]) -> list[
     model = ctx.model("trained")
     found: dict[str, str] = {}
     for name in order[: max(ctx.params.diagnose.search_budget, 1)]:
-        out = training.infer(model, x, with_modules(run.policy, [name]), ctx.device, ctx.params.reference.eval_mode)
-        labels = numerics.labels_of(task.primary(out), ctx.params.acceptance.tie_rule)
+        out = inference.infer(model, x, with_modules(run.policy, [name]), ctx.device, ctx.params.reference.eval_mode)
+        labels = labels_of(task.primary(out), ctx.params.acceptance.tie_rule)
         for f, ok in zip(real, (labels == want).tolist()):
             if ok and f["id"] not in found:
                 found[f["id"]] = name
@@ -151,9 +153,9 @@ def rank_modules(ctx: Context, policy: Policy) -> list[dict]:
     ranked = []
     for name in names:
         others = [o for o in names if o != name and not name.startswith(o + ".") and not o.startswith(name + ".")]
-        out = training.infer(model, cases_x, with_modules(policy, others), ctx.device, ctx.params.reference.eval_mode)
+        out = inference.infer(model, cases_x, with_modules(policy, others), ctx.device, ctx.params.reference.eval_mode)
         tolerance = ctx.params.acceptance.tolerance
-        gaps = [numerics.value_gaps(ctx.ref.outputs[k], out[k], tolerance(k).atol, tolerance(k).rtol) for k in sorted(ctx.ref.outputs)]
+        gaps = [value_gaps(ctx.ref.outputs[k], out[k], tolerance(k).atol, tolerance(k).rtol) for k in sorted(ctx.ref.outputs)]
         ranked.append(
             {
                 "module": name,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.diagnosis.precision_map import finite
+from pipeline.diagnosis.trace import finite
 from pipeline.diagnosis.replay import Located
 from pipeline.diagnosis.search import Outcome
 from pipeline.precision import Policy
