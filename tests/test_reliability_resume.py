@@ -2,7 +2,7 @@
 
 The unit tests damage real resume files (real safetensors written by ``ResumeFile.save`` from a real
 model's state) and check that ``ResumeFile.load`` refuses them in one line. The integration tests stop a
-real stage process at a known step (``PIPELINE_STOP_AFTER_STEP``: the process freezes itself with SIGSTOP),
+real stage process at a known step (``faults.after_step(..., stop=True)``: the process freezes itself with SIGSTOP),
 SIGKILL it from outside, change something between the runs, and check that the rerun is byte-identical to
 an uninterrupted run of the new configuration.
 """
@@ -22,12 +22,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import faults
 from conftest import env_for, run, write_params
 
 from pipeline import checkpoint, training
+from pipeline.config import ReferenceConfig, TaskConfig
 from pipeline.files import write_tensors
-from pipeline.config import ReferenceConfig
 from pipeline.precision import Policy
+from pipeline.task import TensorSource
 
 FILES = ("outputs.safetensors", "trained_outputs.safetensors", "checkpoint.safetensors", "trajectory.json", "manifest.json")
 
@@ -42,7 +44,7 @@ def _state(tmp_path: Path, dtype: str = "float16") -> tuple[checkpoint.ResumeFil
     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
     cfg = ReferenceConfig(train_steps=3, batch_size=8, checkpoint_every=2)
     saved: list[checkpoint.Checkpoint] = []
-    training.train(model, x, y, cfg, "cross_entropy", Policy(dtype=dtype), torch.device("cpu"), 0, save_resume=saved.append)
+    training.train(model, TensorSource(x, y), cfg, TaskConfig(), Policy(dtype=dtype), torch.device("cpu"), 0, save_resume=saved.append)
     resume = checkpoint.ResumeFile(tmp_path / "trial.safetensors", "run-key", "cpu")
     resume.save(saved[0])
     return resume, saved[0]
@@ -173,7 +175,7 @@ def digests(folder: Path) -> dict[str, str]:
 
 def kill_at(args: list[str], repo: Path, step: int, env: dict | None = None) -> None:
     """Run a stage until it stops itself after ``step`` (SIGSTOP), then SIGKILL it: a real kill, from outside."""
-    env = dict(env or env_for(repo), PIPELINE_STOP_AFTER_STEP=str(step))
+    env = faults.after_step(env or env_for(repo), step, stop=True)
     proc = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     stat = Path(f"/proc/{proc.pid}/stat")
     deadline = time.monotonic() + 300

@@ -8,6 +8,7 @@ import signal
 
 import pytest
 
+import faults
 from conftest import env_for, run
 
 import sys
@@ -31,8 +32,7 @@ def test_killed_trial_resumes_to_identical_outputs(reproduced, tmp_path, kill_af
     expected = digests(trial)
     shutil.rmtree(trial)  # as DVC does before running a stage
 
-    env = env_for(repo)
-    env["PIPELINE_KILL_AFTER_STEP"] = str(kill_after)
+    env = faults.after_step(env_for(repo), kill_after)
     killed = run([sys.executable, "-m", "pipeline", "trial", "--dtype", "float16"], repo, check=False, env=env)
     assert killed.returncode == -signal.SIGKILL
     assert not (trial / "checkpoint.safetensors").exists()  # nothing half-written
@@ -50,8 +50,7 @@ def test_a_resume_state_from_another_run_is_ignored(reproduced, tmp_path):
     shutil.copytree(reproduced, repo, symlinks=True)
     trial = repo / "data/trial/float16"
     expected = digests(trial)
-    env = env_for(repo)
-    env["PIPELINE_KILL_AFTER_STEP"] = "6"
+    env = faults.after_step(env_for(repo), 6)
     run([sys.executable, "-m", "pipeline", "trial", "--dtype", "bfloat16"], repo, check=False, env=env)
     # A bfloat16 state renamed to look like the float16 one: its run key differs, so it is not used.
     shutil.copy(repo / "data/resume/trial-bfloat16.safetensors", repo / "data/resume/trial-float16.safetensors")

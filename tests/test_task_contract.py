@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline import cases, config, task, training
+from pipeline import cases, config, recipe, task, training
 from pipeline.config import LrSchedule, PrepareConfig, ReferenceConfig, TaskConfig
 from pipeline.errors import UserError
 from pipeline.precision import Policy
@@ -73,7 +73,7 @@ def test_per_token_scores_pass_check_outputs_with_ignored_targets():
     task.check_outputs({"logits": scores}, "classification", 2, targets, "m:f")
     with pytest.raises(UserError, match="range over"):
         task.check_outputs({"logits": scores}, "classification", 2, targets + 7 * (targets >= 0), "m:f")
-    loss = training.cross_entropy(scores, targets)
+    loss = recipe.cross_entropy(scores, targets)
     keep = targets != -100
     expected = torch.nn.functional.cross_entropy(scores[keep], targets[keep])
     assert torch.allclose(loss, expected)
@@ -103,11 +103,12 @@ def test_targets_are_never_rounded_to_the_autocast_dtype(target):
     out = Constant(300.25)(x).detach().half()
     assert float(torch.tensor(target).half()) != target  # what the old code trained against
     expected = (float(torch.tensor(target)) - 300.25) ** 2  # the float32 target
-    loss = training.mse(out, y)
+    loss = recipe.mse(out, y)
     assert loss.dtype == torch.float32
     assert math.isfinite(float(loss)) and float(loss) == pytest.approx(expected, rel=1e-5)
     torch.manual_seed(0)
-    result = training.train(Constant(300.25), x, y, cfg(train_steps=1, batch_size=4), "mse", Policy(dtype="float16"), CPU, seed=0)
+    regression = TaskConfig(kind="regression", loss="mse")
+    result = training.train(Constant(300.25), task.TensorSource(x, y), cfg(train_steps=1, batch_size=4), regression, Policy(dtype="float16"), CPU, seed=0)
     assert result.records[0].loss == pytest.approx(expected, rel=1e-5)
 
 
@@ -128,6 +129,9 @@ def data(n=64, seed=0):
     return torch.randn(n, 8, generator=g) * 0.01, torch.randint(0, 4, (n,), generator=g)
 
 
+TASK = TaskConfig()  # classification, cross_entropy
+
+
 def test_accumulation_unscales_once_per_update_and_matches_the_mean_gradient(monkeypatch):
     calls = []
     original = torch.amp.GradScaler.unscale_
@@ -138,7 +142,7 @@ def test_accumulation_unscales_once_per_update_and_matches_the_mean_gradient(mon
     model = torch.nn.Linear(8, 4)
     manual = torch.nn.Linear(8, 4)
     manual.load_state_dict(model.state_dict())
-    result = training.train(model, x, y, c, "cross_entropy", Policy(dtype="float16"), CPU, seed=0)
+    result = training.train(model, task.TensorSource(x, y), c, TASK, Policy(dtype="float16"), CPU, seed=0)
     assert len(calls) == 3 and len(result.records) == 3
     for micro in training.update_batches(64, c, seed=0):
         manual.zero_grad()
@@ -155,16 +159,16 @@ def test_warmup_and_cosine_follow_real_updates_under_forced_skips():
     x, y = data()
     c = cfg(train_steps=16, lr_schedule=LrSchedule(kind="cosine", warmup=3))
     torch.manual_seed(0)
-    result = training.train(Loud(), x, y, c, "cross_entropy", Policy(dtype="float16"), CPU, seed=0)
+    result = training.train(Loud(), task.TensorSource(x, y), c, TASK, Policy(dtype="float16"), CPU, seed=0)
     assert sum(r.skipped for r in result.records) >= 3
     for r in result.records:
-        assert r.lr == pytest.approx(0.01 * training.lr_factor(c, r.real_updates))
-    assert training.lr_factor(c, 0) == 0 and training.lr_factor(c, 3) == 1.0 and training.lr_factor(c, 16) == pytest.approx(0.0)
-    assert training.lr_factor(dataclasses.replace(c, lr_schedule=LrSchedule(kind="linear", warmup=0)), 8) == pytest.approx(0.5)
+        assert r.lr == pytest.approx(0.01 * recipe.lr_factor(c, r.real_updates))
+    assert recipe.lr_factor(c, 0) == 0 and recipe.lr_factor(c, 3) == 1.0 and recipe.lr_factor(c, 16) == pytest.approx(0.0)
+    assert recipe.lr_factor(dataclasses.replace(c, lr_schedule=LrSchedule(kind="linear", warmup=0)), 8) == pytest.approx(0.5)
 
 
 def test_adamw_with_weight_decay_and_betas():
-    opt = training.make_optimizer(torch.nn.Linear(2, 2), cfg(optimizer="adamw", weight_decay=0.01, betas=[0.8, 0.99]))
+    opt = recipe.make_optimizer(torch.nn.Linear(2, 2), cfg(optimizer="adamw", weight_decay=0.01, betas=[0.8, 0.99]))
     assert isinstance(opt, torch.optim.AdamW)
     assert opt.param_groups[0]["weight_decay"] == 0.01 and opt.param_groups[0]["betas"] == (0.8, 0.99)
 
@@ -178,9 +182,9 @@ def an_optimizer(params):
 
 
 def test_optimizer_factory(monkeypatch):
-    assert training.make_optimizer(torch.nn.Linear(2, 2), cfg(optimizer=f"{__name__}:an_optimizer")).param_groups[0]["lr"] == 0.5
+    assert recipe.make_optimizer(torch.nn.Linear(2, 2), cfg(optimizer=f"{__name__}:an_optimizer")).param_groups[0]["lr"] == 0.5
     with pytest.raises(UserError, match="returned list; return a torch.optim.Optimizer"):
-        training.make_optimizer(torch.nn.Linear(2, 2), cfg(optimizer=f"{__name__}:not_an_optimizer"))
+        recipe.make_optimizer(torch.nn.Linear(2, 2), cfg(optimizer=f"{__name__}:not_an_optimizer"))
 
 
 class OwnLoss(torch.nn.Module):
@@ -199,12 +203,12 @@ class OwnLoss(torch.nn.Module):
 def test_loss_model_uses_the_models_own_loss():
     x, y = data()
     torch.manual_seed(0)
-    own = training.train(OwnLoss(), x, y, cfg(), TaskConfig(loss="model"), Policy(), CPU, seed=0)
+    own = training.train(OwnLoss(), task.TensorSource(x, y), cfg(), TaskConfig(loss="model"), Policy(), CPU, seed=0)
     torch.manual_seed(0)
-    ours = training.train(OwnLoss(), x, y, cfg(), TaskConfig(loss="cross_entropy"), Policy(), CPU, seed=0)
+    ours = training.train(OwnLoss(), task.TensorSource(x, y), cfg(), TaskConfig(loss="cross_entropy"), Policy(), CPU, seed=0)
     assert [r.loss for r in own.records] == [r.loss for r in ours.records]
     with pytest.raises(UserError, match="no scalar .loss"):
-        training.make_loss(TaskConfig(loss="model"))(NoLoss(), x[:2], y[:2])
+        recipe.make_loss(TaskConfig(loss="model"))(NoLoss(), x[:2], y[:2])
 
 
 class NoLoss(torch.nn.Module):
@@ -242,10 +246,10 @@ def test_a_dataset_trains_exactly_as_the_same_tensors():
     x, y = data()
     c = cfg(train_steps=6, grad_accumulation=2)
     torch.manual_seed(0)
-    from_tensors = training.train(DictModel(), task.Batch({"x": x}), y, c, "cross_entropy", Policy(dtype="bfloat16"), CPU, seed=3)
+    from_tensors = training.train(DictModel(), task.TensorSource(task.Batch({"x": x}), y), c, TASK, Policy(dtype="bfloat16"), CPU, seed=3)
     torch.manual_seed(0)
     source = task.DatasetSource(Items(x, y), "labels")
-    from_dataset = training.train(DictModel(), source, None, c, "cross_entropy", Policy(dtype="bfloat16"), CPU, seed=3)
+    from_dataset = training.train(DictModel(), source, c, TASK, Policy(dtype="bfloat16"), CPU, seed=3)
     assert [repr(r) for r in from_dataset.records] == [repr(r) for r in from_tensors.records]
     assert source.fingerprint() == task.DatasetSource(Items(x, y), "labels").fingerprint()
     assert source.fingerprint() != task.DatasetSource(Items(x + 1, y), "labels").fingerprint()
@@ -358,15 +362,15 @@ def test_missing_inputs_and_non_finite_targets_are_one_line(tmp_path, monkeypatc
 
 def test_a_micro_batch_whose_targets_are_all_ignored_adds_zero_not_nan():
     scores = torch.randn(2, 3, 5, requires_grad=True)
-    loss = training.cross_entropy(scores, torch.full((2, 3), -100))
+    loss = recipe.cross_entropy(scores, torch.full((2, 3), -100))
     loss.backward()
     assert float(loss) == 0.0 and bool((scores.grad == 0).all())
     some = torch.tensor([[1, -100, 2], [-100, -100, 4]])
-    assert torch.equal(training.cross_entropy(scores, some), torch.nn.functional.cross_entropy(scores.reshape(-1, 5), some.reshape(-1)))
+    assert torch.equal(recipe.cross_entropy(scores, some), torch.nn.functional.cross_entropy(scores.reshape(-1, 5), some.reshape(-1)))
 
 
 def test_a_custom_loss_sees_float32_not_the_autocast_dtype():
-    training_loss = training.loss_function(f"{__name__}:_record_dtype")
+    training_loss = recipe.loss_function(f"{__name__}:_record_dtype")
     _RECORD[:] = []
     training_loss(torch.zeros(2, 3, dtype=torch.float16), torch.zeros(2, 3))
     assert _RECORD == [torch.float32]

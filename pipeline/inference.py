@@ -1,0 +1,94 @@
+"""Inference on the fixed set: the outputs under a precision policy, chunk by chunk, and the FP64 arbiter's.
+
+The reference, every trial and the diagnosis's searches read outputs through these functions only, so a
+gap between two runs is the precision policy's and nothing else's: the same batches of rows, the same
+train/eval mode, and (dropout on) the same random state for every pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Iterator
+
+import torch
+
+from pipeline import precision
+from pipeline.errors import UserError
+from pipeline.precision import Policy
+from pipeline.task import Inputs, call, iter_rows, map_floating, named_outputs, to_device
+
+INFERENCE_SEED = 0
+"""The random state every inference pass in train mode starts from (``reference.eval_mode: false``)."""
+
+
+@contextlib.contextmanager
+def inference_rng(eval_mode: bool, device: torch.device) -> Iterator[None]:
+    """In train mode (dropout on), every inference pass (reference, trial, trained trial, FP64 arbiter) draws
+    from the same state, ``INFERENCE_SEED``, so that FP32 against FP32 is identical and a gap is precision's;
+    the global RNG is restored afterwards, so inference never moves what training draws next."""
+    if eval_mode:
+        yield
+        return
+    cuda = [torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(INFERENCE_SEED)
+        yield
+
+
+@torch.no_grad()
+def infer_chunks(
+    model: torch.nn.Module,
+    x: Inputs,
+    policy: Policy,
+    device: torch.device,
+    eval_mode: bool,
+    batch_size: int = 256,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Outputs of ``model`` on ``x`` under ``policy``, one dict of float32 CPU tensors per batch of rows
+    (exact for fp16/bf16 values)."""
+    precision.strict_fp32()
+    model.to(device)
+    model.train(not eval_mode)
+    with precision.fp32_regions(model, policy, device), inference_rng(eval_mode, device):
+        for _, _, part in iter_rows(x, batch_size):
+            with precision.autocast(policy, device):
+                out = named_outputs(call(model, to_device(part, device)))
+            yield {name: value.detach().float().cpu() for name, value in out.items()}
+
+
+def infer(
+    model: torch.nn.Module,
+    x: Inputs,
+    policy: Policy,
+    device: torch.device,
+    eval_mode: bool,
+    batch_size: int = 256,
+) -> dict[str, torch.Tensor]:
+    """All of ``infer_chunks`` concatenated (small sets)."""
+    chunks: dict[str, list[torch.Tensor]] = {}
+    for out in infer_chunks(model, x, policy, device, eval_mode, batch_size):
+        for name, value in out.items():
+            chunks.setdefault(name, []).append(value)
+    return {name: torch.cat(parts) for name, parts in chunks.items()}
+
+
+def fp64_chunks(model: torch.nn.Module, x: Inputs, eval_mode: bool, batch_size: int = 256) -> Iterator[dict[str, torch.Tensor]] | None:
+    """The FP64 arbiter's outputs on CPU, chunk by chunk (floating inputs in float64, ids as they are);
+    None when the model does not run in float64."""
+    try:
+        arbiter = copy.deepcopy(model).to("cpu").double()
+        arbiter.train(not eval_mode)
+        with torch.no_grad(), inference_rng(eval_mode, torch.device("cpu")):
+            first_part = next(iter(iter_rows(x, batch_size)), None)
+            if first_part is not None:
+                named_outputs(call(arbiter, map_floating(first_part[2], torch.Tensor.double)))  # does it run in float64 at all?
+    except (RuntimeError, TypeError, NotImplementedError, UserError):
+        return None
+
+    def chunks() -> Iterator[dict[str, torch.Tensor]]:
+        with torch.no_grad(), inference_rng(eval_mode, torch.device("cpu")):
+            for _, _, part in iter_rows(x, batch_size):
+                yield {k: v.double().contiguous() for k, v in named_outputs(call(arbiter, map_floating(part, torch.Tensor.double))).items()}
+
+    return chunks()
