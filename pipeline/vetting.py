@@ -16,9 +16,8 @@ from pipeline import cases, task
 
 from pipeline import rule
 
-from pipeline.compare import numerics
-
 from pipeline.compare import streams
+from pipeline.compare.quality import QualityStats
 from pipeline.config import Params
 
 
@@ -28,8 +27,8 @@ class Scan:
 
     def __init__(self, params: Params, fixed: cases.Cases) -> None:
         self.rule, self.kind = params.acceptance, params.task.kind
-        self.metric = streams.Metric.for_task(params.task, params.task.kind)
-        self.quality = numerics.QualityStats(self.metric.name, params.acceptance.tie_rule, self.metric.top_k, self.metric.function)
+        self.metric = streams.Metric.for_task(params.task)
+        self.quality = QualityStats(self.metric.name, params.acceptance.tie_rule, self.metric.top_k, self.metric.function)
         self.targets = streams.masked_targets(fixed.y, streams.token_mask_of(fixed.x))
         self.has_target = fixed.has_target.bool()
         self.shapes: dict[str, tuple[int, ...]] = {}

@@ -97,20 +97,19 @@ def measure_compare(case: str, folder: Path, chunk_elements: int, threads: int) 
     # tiny input (their one-time allocations are the interpreter's, not the chunk's).
     tiny = {"logits": torch.randn((4, 3, 8) if case == "per_token" else (4, 8))}
     tiny_y = torch.zeros((4, 3) if case == "per_token" else (4,), dtype=torch.long)
-    w = [{"loss": 1.0, "skipped": False, "scale": 1.0}]
-    streams.compare_streams("classification", AcceptanceConfig(), [f"ordinary/{i}" for i in range(4)], tiny_y, torch.ones(4, dtype=torch.bool),
-                               streams.InMemory(tiny), streams.InMemory(tiny), streams.InMemory(tiny), w, w, 1.0)
+    steps = [{"loss": 1.0, "skipped": False, "scale": 1.0}]
+    runs = streams.Trajectories(steps, steps, 1.0)
+    warm = streams.Sources([f"ordinary/{i}" for i in range(4)], tiny_y, torch.ones(4, dtype=torch.bool), streams.InMemory(tiny),
+                           streams.InMemory(tiny), streams.InMemory(tiny))
+    streams.compare_streams("classification", AcceptanceConfig(), warm, runs)
     base = _current_rss_mb()
     t = load_file(str(folder / f"{case}-targets.safetensors"))
     ref = OutputsReader(folder / f"{case}-reference.safetensors")
     trial = OutputsReader(folder / f"{case}-trial.safetensors")
     trained = OutputsReader(folder / f"{case}-trained.safetensors")
-    steps = [{"loss": 1.0, "skipped": False, "scale": 1.0}]
     start = time.perf_counter()
-    stats, table = streams.compare_streams(
-        "classification", AcceptanceConfig(), ref.ids, t["y"], t["has_target"], ref, trial, trained, steps, steps, 1.0,
-        cfg=CompareConfig(chunk_elements=chunk_elements),
-    )
+    stats, table = streams.compare_streams("classification", AcceptanceConfig(), streams.Sources(ref.ids, t["y"], t["has_target"], ref, trial, trained),
+                                           runs, cfg=CompareConfig(chunk_elements=chunk_elements))
     seconds = time.perf_counter() - start
     n = stats["values"]["logits"]["elements"]
     return {

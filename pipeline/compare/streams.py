@@ -2,16 +2,16 @@
 
 Reference, trial, trained-trial and FP64 outputs are read one chunk of rows at a time (``Source``:
 an ``outputs.OutputsReader`` on a file, or ``InMemory`` on tensors already loaded); the accumulators of
-``numerics`` keep the statistics, so memory is one chunk of each source plus a few numbers per case,
+``gaps``, ``decisions`` and ``quality`` keep the statistics, so memory is one chunk of each source plus a few numbers per case,
 whatever the fixed set's size. Kinds (ordinary, edge, boundary) are computed once from the ids.
 
 Speed (``scripts/bench_compare.py``): a file's chunk is mapped, not copied, and its pages released once
 used; statistics run on slices of ``SLICE_ELEMENTS`` (cache-sized temporaries), the failing count in
 float32 (float64 only near the threshold), p99s from a bit-pattern histogram past 6.5e6 elements
-(``numerics.StreamQuantile``), no copy of a slice whose cases all have a target, KL's dot products as a
+(``quantiles.StreamQuantile``), no copy of a slice whose cases all have a target, KL's dot products as a
 product and a sum (not ``bmm``), NLL from ``log_softmax`` (one fused pass).
 
-Out: the statistics (what decide reads; see ``compare_stats`` for the artifact) and the per-case table,
+Out: the statistics (what decide reads; ``artifacts.comparison`` writes them) and the per-case table,
 which keeps every flipped case and the ``table_rows`` worst others (counts stay exact in the stats).
 """
 
@@ -26,10 +26,13 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from pipeline.compare import numerics
-from pipeline.config import AcceptanceConfig, CompareConfig
+from pipeline.compare.decisions import DecisionStats, regression_flips
+from pipeline.compare.gaps import ArbiterStats, GapStats
+from pipeline.compare.quality import QualityStats, regression_errors
+from pipeline.compare.trajectory import trajectory_gap, update_health
+from pipeline.config import METRICS, AcceptanceConfig, CompareConfig, TaskConfig
 from pipeline.artifacts.outputs import OutputsReader
-from pipeline.task import primary
+from pipeline.task import IGNORE_INDEX, primary, resolve
 
 
 class Source(Protocol):
@@ -37,6 +40,8 @@ class Source(Protocol):
 
     names: list[str]
     rows: int
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
 
     def read(self, name: str, start: int, stop: int) -> torch.Tensor: ...
 
@@ -49,7 +54,7 @@ class InMemory:
         self.names = sorted(tensors)
         self.rows = next(iter(tensors.values())).shape[0] if tensors else 0
 
-    def read(self, name: str, start: int, stop: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self.tensors[name][start:stop]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -66,16 +71,11 @@ class Metric:
     function: Callable | None = None
 
     @classmethod
-    def for_task(cls, task, kind: str) -> "Metric":
-        """From ``task`` (a TaskConfig; fields read with defaults so older configs still work)."""
-        name = getattr(task, "metric_name", None) or ("accuracy" if kind == "classification" else "neg_rmse")
-        higher = getattr(task, "higher_is_better", True)
-        function = None
-        if name not in numerics.BUILTIN_METRICS:
-            from pipeline.task import resolve
-
-            function = resolve(name, "task.metric")
-        return cls(name=name, higher_is_better=higher, top_k=getattr(task, "top_k", 5), function=function)
+    def for_task(cls, task: TaskConfig) -> "Metric":
+        """The metric ``task`` names (``auto`` resolved by its kind); a user metric's function imported."""
+        name = task.metric_name
+        function = None if name in METRICS else resolve(name, "task.metric")
+        return cls(name=name, higher_is_better=task.higher_is_better, top_k=task.top_k, function=function)
 
 
 def _primary_name(names: Sequence[str]) -> str:
@@ -93,7 +93,7 @@ def token_mask_of(x) -> torch.Tensor | None:
 def masked_targets(targets: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
     """Per-token targets with the padding positions of ``token_mask`` (``token_mask_of``) ignored (-100)."""
     if token_mask is not None and tuple(token_mask.shape) == tuple(targets.shape) and targets.ndim == 2:
-        return targets.masked_fill(~token_mask.bool(), numerics.IGNORE_INDEX)
+        return targets.masked_fill(~token_mask.bool(), IGNORE_INDEX)
     return targets
 
 
@@ -112,57 +112,77 @@ def _runs(kinds: list[str], start: int, stop: int) -> list[tuple[int, int, str]]
     return runs
 
 
-def compare_streams(
-    kind: str,
-    rule: AcceptanceConfig,
-    ids: list[str],
-    targets: torch.Tensor,
-    has_target: torch.Tensor,
-    ref: Source,
-    trial: Source,
-    trained: Source,
-    ref_steps: list[dict],
-    trial_steps: list[dict],
-    final_scale: float,
-    fp64: Source | None = None,
-    scaler_enabled: bool = True,
-    metric: Metric | None = None,
-    cfg: CompareConfig | None = None,
-    replicate_steps: list[dict] | None = None,
-    token_mask: torch.Tensor | None = None,
-    aligned_steps: list[dict] | None = None,
-) -> tuple[dict, list[dict]]:
+@dataclass(frozen=True)
+class Sources:
+    """What one comparison reads case by case: the fixed set's ids and targets, and each side's outputs."""
+
+    ids: Sequence[str]
+    targets: torch.Tensor
+    """Per case [N, ...], per token [N, T] (-100: ignored); ``has_target`` says which rows hold one."""
+    has_target: torch.Tensor
+    reference: Source
+    trial: Source
+    trained: Source
+    """The outputs of the model the trial trained (the training side of the verdict)."""
+    fp64: Source | None = None
+    """The FP64 arbiter's outputs, when the reference recorded them."""
+    token_mask: torch.Tensor | None = None
+    """The batch's ``attention_mask`` [N, T] (``token_mask_of``): positions where it is 0 are ignored."""
+
+    def __post_init__(self) -> None:
+        n, rows = len(self.ids), (self.reference.rows, self.trial.rows, self.trained.rows)
+        if any(r != n for r in rows):
+            raise ValueError(f"outputs hold {rows[0]}/{rows[1]}/{rows[2]} rows (reference/trial/trained) for {n} cases")
+
+
+@dataclass(frozen=True)
+class Trajectories:
+    """The training side: per-step records (``loss``, ``skipped``, ``scale``...) of the runs compared."""
+
+    reference: list[dict]
+    trial: list[dict]
+    final_scale: float
+    """The trial's loss scale after its last step."""
+    scaler_enabled: bool = True
+    replicate: list[dict] | None = None
+    """FP32 again on another data order: FP32's own run-to-run variation, the noise floor."""
+    aligned: list[dict] | None = None
+    """FP32 with the trial's GradScaler skips skipped too (``training.aligned_fp32``): the trial is held against
+    it instead of ``reference``, so that designed skips are not judged as precision."""
+
+
+def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, trajectories: Trajectories, *,
+                    metric: Metric | None = None, cfg: CompareConfig | None = None) -> tuple[dict, list[dict]]:
     """Statistics and per-case table of one trial; each source read once, one chunk of rows at a time.
 
-    Per-token outputs ignore positions whose target is -100 and, when ``token_mask`` [N, T] is given (the
-    batch's ``attention_mask``), positions where it is 0.
+    Per-token outputs ignore positions whose target is -100 and, when ``sources.token_mask`` is given,
+    positions where it is 0.
     """
     cfg = cfg or CompareConfig()
     metric = metric or Metric("accuracy" if kind == "classification" else "neg_rmse")
+    ids, ref, trial, trained, fp64 = list(sources.ids), sources.reference, sources.trial, sources.trained, sources.fp64
     kinds = kinds_of(ids)
     n = len(ids)
-    targets = masked_targets(targets, token_mask)
-    if ref.rows != n or trial.rows != n or trained.rows != n:
-        raise ValueError(f"outputs hold {ref.rows}/{trial.rows}/{trained.rows} rows (reference/trial/trained) for {n} cases")
+    targets, has_target = masked_targets(sources.targets, sources.token_mask), sources.has_target
     names = sorted(ref.names)
     main = _primary_name(names)
-    shapes = {name: tuple(_shape(ref, name)) for name in names}
+    shapes = {name: tuple(ref.shape(name)) for name in names}
     per_row = max(sum(math.prod(s[1:]) for s in shapes.values()), 1)
     step = max(1, cfg.chunk_elements // per_row)
-    gaps = {name: numerics.GapStats(rule.tolerance(name).atol, rule.tolerance(name).rtol, math.prod(shapes[name])) for name in names}
+    gaps = {name: GapStats(rule.tolerance(name).atol, rule.tolerance(name).rtol, math.prod(shapes[name])) for name in names}
     heads = decided_heads(kind, rule, shapes, main)
-    arbiter = {name: numerics.ArbiterStats() for name in names} if fp64 is not None else None
+    arbiter = {name: ArbiterStats() for name in names} if fp64 is not None else None
     main_shape = shapes[main]
     per_token = kind == "classification" and len(main_shape) == 3
     decisions = None
     if kind == "classification":
         tokens = main_shape[0] * (main_shape[1] if per_token else 1)
-        decisions = numerics.DecisionStats(ids, kinds, rule.tie_rule, rule.boundary_margin, rule.boundary_margin_kind, tokens,
+        decisions = DecisionStats(ids, kinds, rule.tie_rule, rule.boundary_margin, rule.boundary_margin_kind, tokens,
                                            top_k=metric.top_k, max_listed=cfg.max_listed_flips)
-    head_stats = {name: numerics.DecisionStats(ids, kinds, rule.tie_rule, rule.boundary_margin, rule.boundary_margin_kind,
+    head_stats = {name: DecisionStats(ids, kinds, rule.tie_rule, rule.boundary_margin, rule.boundary_margin_kind,
                                                math.prod(shapes[name][:-1]), top_k=metric.top_k, max_listed=cfg.max_listed_flips)
                   for name in heads if name != main}
-    quality = {side: numerics.QualityStats(metric.name, rule.tie_rule, metric.top_k, metric.function) for side in ("reference", "trial", "trained")}
+    quality = {side: QualityStats(metric.name, rule.tie_rule, metric.top_k, metric.function) for side in ("reference", "trial", "trained")}
     row_gap = torch.zeros(n, dtype=torch.float64)
     first_values: dict[str, list[torch.Tensor]] = {"reference": [], "trial": [], "trained": []}
     state = _State(names, main, kind, per_token, kinds, targets, has_target.bool(), gaps, arbiter, decisions, quality, row_gap, first_values,
@@ -189,11 +209,11 @@ def compare_streams(
         stats["distribution"] = decisions.distribution()
     else:
         firsts = {side: torch.cat(v) if v else torch.zeros(0, dtype=torch.float64) for side, v in first_values.items()}
-        stats["flips"] = numerics.regression_flips(ids, kinds, firsts["reference"][:, None], firsts["trial"][:, None], rule.threshold)
+        stats["flips"] = regression_flips(ids, kinds, firsts["reference"][:, None], firsts["trial"][:, None], rule.threshold)
         stats["distribution"] = None
         idx = torch.nonzero(has_target).flatten()
         y = targets[idx]
-        regression = {side: numerics.regression_errors(firsts[side][idx][:, None], y) for side in ("reference", "trial", "trained")}
+        regression = {side: regression_errors(firsts[side][idx][:, None], y) for side in ("reference", "trial", "trained")}
     stats["quality"] = {
         "metric": metric.name if not per_token or metric.name != "accuracy" else "token_accuracy",
         "higher_is_better": metric.higher_is_better,
@@ -204,7 +224,7 @@ def compare_streams(
     if per_token and quality["reference"].perplexity() is not None:
         stats["quality"]["perplexity"] = {side: q.perplexity() for side, q in quality.items()}
     stats["regression"] = regression
-    stats["training"] = training_stats(rule, ref_steps, trial_steps, final_scale, scaler_enabled, replicate_steps, aligned_steps)
+    stats["training"] = training_stats(rule, trajectories)
     table = case_table_rows(ids, kinds, stats, row_gap,
                             decisions.per_case() if decisions is not None else None,
                             {side: torch.cat(v) for side, v in first_values.items() if v} if decisions is None else None,
@@ -223,7 +243,7 @@ class _State:
     has_target: torch.Tensor
     gaps: dict
     arbiter: dict | None
-    decisions: numerics.DecisionStats | None
+    decisions: DecisionStats | None
     quality: dict
     row_gap: torch.Tensor
     first_values: dict
@@ -409,35 +429,26 @@ def _slices(shape: tuple[int, ...], start: int, by_position: bool):
         yield start + i, start + min(i + height, rows), None, None
 
 
-def _shape(source: Source, name: str) -> tuple[int, ...]:
-    shape = getattr(source, "shape", None)
-    if callable(shape):
-        return tuple(shape(name))
-    return (source.rows, *source.read(name, 0, 1).shape[1:])
-
-
-def training_stats(rule: AcceptanceConfig, ref_steps: list[dict], trial_steps: list[dict], final_scale: float,
-                   scaler_enabled: bool, replicate_steps: list[dict] | None = None, aligned_steps: list[dict] | None = None) -> dict:
-    """The trial's trajectory against the reference's; against ``aligned_steps`` instead when given (FP32 with the
-    trial's GradScaler skips skipped too: ``training.aligned_fp32``), so that designed skips are not judged as
-    precision. The reference's own losses must be finite at every step too."""
-    base = aligned_steps if aligned_steps is not None else ref_steps
+def training_stats(rule: AcceptanceConfig, runs: Trajectories) -> dict:
+    """The trial's trajectory against the reference's; against ``runs.aligned`` instead when given, so that
+    designed skips are not judged as precision. The reference's own losses must be finite at every step too."""
+    base = runs.aligned if runs.aligned is not None else runs.reference
     ref_loss = [s["loss"] for s in base]
-    trial_loss = [s["loss"] for s in trial_steps]
-    replicate = [s["loss"] for s in replicate_steps] if replicate_steps is not None else None
-    training = numerics.trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol, replicate, rule.loss_noise_multiple, rule.loss_noise_atol)
+    trial_loss = [s["loss"] for s in runs.trial]
+    replicate = [s["loss"] for s in runs.replicate] if runs.replicate is not None else None
+    training = trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol, replicate, rule.loss_noise_multiple, rule.loss_noise_atol)
     training.update(
-        numerics.update_health(
-            [s["skipped"] for s in trial_steps],
-            [s["scale"] for s in trial_steps] + [final_scale],
+        update_health(
+            [s["skipped"] for s in runs.trial],
+            [s["scale"] for s in runs.trial] + [runs.final_scale],
             [not math.isfinite(v) for v in trial_loss],
             rule.stall_window,
-            [bool(s.get("nonfinite_grad", False)) for s in trial_steps],
+            [bool(s.get("nonfinite_grad", False)) for s in runs.trial],
         )
     )
-    training["scaler_enabled"] = scaler_enabled
-    training["aligned_on_skips"] = aligned_steps is not None
-    training["first_nonfinite_reference_step"] = next((i for i, s in enumerate(ref_steps) if not math.isfinite(s["loss"])), -1)
+    training["scaler_enabled"] = runs.scaler_enabled
+    training["aligned_on_skips"] = runs.aligned is not None
+    training["first_nonfinite_reference_step"] = next((i for i, s in enumerate(runs.reference) if not math.isfinite(s["loss"])), -1)
     return training
 
 
@@ -470,44 +481,3 @@ def case_table_rows(ids: list[str], kinds: list[str], stats: dict, row_gap: torc
             row.update({"reference": float(firsts["reference"][i]), "trial": float(firsts["trial"][i])})
         rows.append(row)
     return rows
-
-
-def compare(
-    kind: str,
-    rule: AcceptanceConfig,
-    fixed,
-    ref_out: dict[str, torch.Tensor],
-    trial_out: dict[str, torch.Tensor],
-    trained_out: dict[str, torch.Tensor],
-    ref_steps: list[dict],
-    trial_steps: list[dict],
-    final_scale: float,
-    fp64_out: dict[str, torch.Tensor] | None = None,
-    scaler_enabled: bool = True,
-    metric: Metric | None = None,
-    cfg: CompareConfig | None = None,
-    replicate_steps: list[dict] | None = None,
-) -> dict:
-    """``compare_streams`` on outputs already in memory (``fixed``: the Cases); the statistics only."""
-    stats, _ = compare_streams(
-        kind, rule, list(fixed.ids), fixed.y, fixed.has_target, InMemory(ref_out), InMemory(trial_out), InMemory(trained_out),
-        ref_steps, trial_steps, final_scale, InMemory(fp64_out) if fp64_out is not None else None, scaler_enabled, metric, cfg, replicate_steps,
-    )
-    return stats
-
-
-def case_table(kind: str, rule: AcceptanceConfig, fixed, ref_out: dict[str, torch.Tensor], trial_out: dict[str, torch.Tensor],
-               worst: int = 10**9) -> list[dict]:
-    """The per-case table of outputs in memory (every case by default): see ``case_table_rows``."""
-    _, table = compare_streams(
-        kind, rule, list(fixed.ids), fixed.y, fixed.has_target, InMemory(ref_out), InMemory(trial_out), InMemory(trial_out), [], [], 1.0,
-        cfg=CompareConfig(table_rows=worst),
-    )
-    return table
-
-
-def summary(stats: dict) -> dict:
-    """Flat numbers for `dvc metrics show` and MLflow (``comparison.summary``)."""
-    from pipeline.artifacts import comparison
-
-    return comparison.summary(stats)

@@ -1,4 +1,4 @@
-"""compare by chunks: the same statistics whatever the chunking, one chunk read at a time, a bounded table."""
+"""compare_streams by chunks: the same statistics whatever the chunking, one chunk read at a time, a bounded table."""
 
 import math
 
@@ -10,9 +10,15 @@ from pipeline.artifacts import outputs
 from pipeline.artifacts import comparison
 
 from pipeline.compare import streams
-from pipeline.config import AcceptanceConfig, CompareConfig
+from pipeline.config import AcceptanceConfig, CompareConfig, TaskConfig
 
 STEPS = [{"loss": 1.0 / (i + 1), "skipped": False, "scale": 2.0**16} for i in range(4)]
+RUNS = streams.Trajectories(STEPS, STEPS, 2.0**16)
+
+
+def _sources(ids, y, has, ref, trial, token_mask=None):
+    """In-memory sources; the AMP-trained model's outputs are the trial's."""
+    return streams.Sources(ids, y, has, streams.InMemory(ref), streams.InMemory(trial), streams.InMemory(trial), token_mask=token_mask)
 
 
 def _set(n=600, c=10, seed=0, per_token=False):
@@ -45,8 +51,8 @@ def test_statistics_do_not_depend_on_the_chunking(per_token):
     rule = AcceptanceConfig(boundary_margin=0.05, boundary_margin_kind="probability")
     out = {}
     for chunk in (10**9, 700, 61):
-        stats, table = streams.compare_streams("classification", rule, ids, y, has, streams.InMemory(ref), streams.InMemory(trial),
-                                                  streams.InMemory(trial), STEPS, STEPS, 2.0**16, cfg=CompareConfig(chunk_elements=chunk, table_rows=7))
+        stats, table = streams.compare_streams("classification", rule, _sources(ids, y, has, ref, trial), RUNS,
+                                               cfg=CompareConfig(chunk_elements=chunk, table_rows=7))
         out[chunk] = (stats, table)
     (a, ta), (b, tb), (c, tc) = out.values()
     for s in (b, c):
@@ -63,9 +69,8 @@ def test_statistics_do_not_depend_on_the_chunking(per_token):
 
 def test_table_keeps_every_flip_and_the_worst_others():
     ids, y, has, ref, trial = _set()
-    stats, table = streams.compare_streams("classification", AcceptanceConfig(), ids, y, has, streams.InMemory(ref),
-                                              streams.InMemory(trial), streams.InMemory(trial), STEPS, STEPS, 2.0**16,
-                                              cfg=CompareConfig(table_rows=5))
+    stats, table = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial), RUNS,
+                                           cfg=CompareConfig(table_rows=5))
     flipped = {f["id"] for f in stats["flips"]["flip_list"]}
     assert flipped and flipped <= {r["id"] for r in table}
     assert len(table) == len(flipped) + 5
@@ -87,14 +92,12 @@ def test_a_fixed_set_100_times_the_default_is_read_one_chunk_at_a_time(tmp_path)
         paths[name] = outputs.write_outputs(tmp_path / f"{name}.safetensors", ({"logits": data["logits"][s : s + 4000]} for s in range(0, 27_000, 4000)), ids)
     chunk = 20_000  # elements: 2,000 cases of 10 scores
     ref_src = Counting(outputs.OutputsReader(tmp_path / "ref.safetensors", paths["ref"]))
-    stats, table = streams.compare_streams("classification", AcceptanceConfig(), ids, y, has, ref_src,
-                                              outputs.OutputsReader(tmp_path / "trial.safetensors", paths["trial"]),
-                                              outputs.OutputsReader(tmp_path / "trial.safetensors", paths["trial"]),
-                                              STEPS, STEPS, 2.0**16, cfg=CompareConfig(chunk_elements=chunk, table_rows=20))
+    trial_src = outputs.OutputsReader(tmp_path / "trial.safetensors", paths["trial"])
+    stats, table = streams.compare_streams("classification", AcceptanceConfig(), streams.Sources(ids, y, has, ref_src, trial_src, trial_src), RUNS,
+                                           cfg=CompareConfig(chunk_elements=chunk, table_rows=20))
     assert ref_src.most == chunk // 10
     assert stats["values"]["logits"]["elements"] == 270_000 and stats["outputs"]["chunk_rows"] == 2000
-    whole = streams.compare_streams("classification", AcceptanceConfig(), ids, y, has, streams.InMemory(ref), streams.InMemory(trial),
-                                       streams.InMemory(trial), STEPS, STEPS, 2.0**16)[0]
+    whole = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial), RUNS)[0]
     assert stats["flips"] == whole["flips"] and stats["values"]["logits"]["p99_abs"] == whole["values"]["logits"]["p99_abs"]
 
 
@@ -106,9 +109,8 @@ def test_regression_and_typed_stats(tmp_path, monkeypatch):
     y = ref["output"].clone()
     has = torch.tensor([True] * 50 + [False])
     rule = AcceptanceConfig(threshold=0.0)
-    stats, table = streams.compare_streams("regression", rule, ids, y, has, streams.InMemory(ref), streams.InMemory(trial),
-                                              streams.InMemory(trial), STEPS, STEPS, 1.0, replicate_steps=STEPS,
-                                              metric=streams.Metric("neg_mae"))
+    runs = streams.Trajectories(STEPS, STEPS, 1.0, replicate=STEPS)
+    stats, table = streams.compare_streams("regression", rule, _sources(ids, y, has, ref, trial), runs, metric=streams.Metric("neg_mae"))
     assert stats["quality"]["trial"] == pytest.approx(-0.01, rel=1e-5) and stats["quality"]["metric"] == "neg_mae"
     crossing = ((ref["output"] < 0) & (ref["output"] + 0.01 >= 0)).sum()
     assert stats["flips"]["flips"] == int(crossing)
@@ -116,9 +118,9 @@ def test_regression_and_typed_stats(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     comparison.write("float16", stats, table)
     s = comparison.read("float16")
-    assert s.quality_trial == stats["quality"]["trial"] and s.real_flips == int(crossing) and s.kl_mean is None
+    assert s.quality.trial == stats["quality"]["trial"] and s.flips.real_flips == int(crossing) and s.distribution is None
     assert s.max_abs_gap == pytest.approx(0.01, rel=1e-4) and comparison.read_table("float16") == table
-    assert not math.isnan(s.max_loss_gap)
+    assert not math.isnan(s.training.max_loss_gap)
 
 
 def test_user_metric_sees_the_target_rows_once_and_sets_the_direction():
@@ -130,8 +132,8 @@ def test_user_metric_sees_the_target_rows_once_and_sets_the_direction():
         return float((out.argmax(-1) != target).double().mean())
 
     metric = streams.Metric("mypkg.metrics:error_rate", higher_is_better=False, function=error_rate)
-    stats, _ = streams.compare_streams("classification", AcceptanceConfig(), ids, y, has, streams.InMemory(ref), streams.InMemory(trial),
-                                          streams.InMemory(trial), STEPS, STEPS, 2.0**16, metric=metric, cfg=CompareConfig(chunk_elements=300))
+    stats, _ = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial), RUNS, metric=metric,
+                                       cfg=CompareConfig(chunk_elements=300))
     assert calls == [170, 170, 170]  # reference, trial, trained: every ordinary case at once, whatever the chunking
     assert stats["quality"]["reference"] == 0.0 and stats["quality"]["higher_is_better"] is False
 
@@ -142,11 +144,19 @@ def test_attention_mask_excludes_padding_positions():
     trial["logits"][:, 2, :] += torch.randn(60, 10) * 5  # position 2: noise that flips tokens
     mask = torch.ones(60, 6, dtype=torch.long)
     mask[:, 2] = 0  # ... but it is padding
-    args = ("classification", AcceptanceConfig(), ids, y, has, streams.InMemory(ref), streams.InMemory(trial), streams.InMemory(trial),
-            STEPS, STEPS, 2.0**16)
-    with_mask, _ = streams.compare_streams(*args, token_mask=mask)
-    without, _ = streams.compare_streams(*args)
+    with_mask, _ = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial, token_mask=mask), RUNS)
+    without, _ = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial), RUNS)
     assert with_mask["distribution"]["tokens"] == without["distribution"]["tokens"] - 60 + int((y[:, 2] == -100).sum())
     assert with_mask["flips"]["real_flips"] < without["flips"]["real_flips"]
     assert all(f["position"] != 2 for f in with_mask["flips"]["flip_list"])
     assert streams.token_mask_of({"input_ids": torch.zeros(2, 3), "attention_mask": mask[:2, :3]}) is not None
+
+
+def test_sources_refuse_outputs_of_another_set_and_metric_follows_the_task():
+    ids, y, has, ref, trial = _set(n=20)
+    with pytest.raises(ValueError, match="outputs hold 20/19/20 rows"):
+        streams.Sources(ids, y, has, streams.InMemory(ref), streams.InMemory({"logits": trial["logits"][:19]}), streams.InMemory(trial))
+    auto = streams.Metric.for_task(TaskConfig(kind="regression"))
+    assert (auto.name, auto.higher_is_better, auto.function) == ("neg_rmse", True, None)
+    user = streams.Metric.for_task(TaskConfig(metric="math:fsum", metric_direction="lower"))
+    assert user.function is math.fsum and not user.higher_is_better

@@ -1,0 +1,330 @@
+"""Decisions of reference and trial compared: labels, ties, top-2 margins, flips, and KL per token.
+
+Tie rule: ``lowest_index`` takes the lowest class index among the maxima; ``tie_is_flip`` marks a tie with
+-1, which never equals a reference class. A row with NaN decides -2 (no decision), margin NaN.
+``DecisionStats`` is fed one chunk of rows (per token: one slice of positions) at a time and keeps a few
+numbers per case; ``regression_flips`` compares the first output of each case with a threshold.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from pipeline.compare.quantiles import StreamQuantile
+from pipeline.task import IGNORE_INDEX
+
+MARGIN_KINDS = ("logit", "probability", "relative")
+
+
+def labels_of(scores: torch.Tensor, tie_rule: str) -> torch.Tensor:
+    """The class of each row (per position), by the tie rule: the labels ``_top`` gives, without the margins, in one
+    pass for ``lowest_index`` (``max`` gives the first maximal index)."""
+    s = scores.detach()
+    if s.dtype not in (torch.float32, torch.float64):
+        s = s.float()
+    if s.numel() == 0:
+        return torch.zeros(s.shape[:-1], dtype=torch.long)
+    values, labels = s.max(dim=-1)
+    if tie_rule == "tie_is_flip":
+        labels = torch.where((s == values.unsqueeze(-1)).sum(-1) > 1, torch.full_like(labels, -1), labels)
+    return torch.where(torch.isnan(values), torch.full_like(labels, -2), labels)
+
+
+def _top(scores: torch.Tensor, k: int, tie_rule: str, need_lse: bool = False):
+    """(labels, topk values and indices, log-sum-exp or None) over the last dim, one pass over the scores."""
+    s = scores.detach()
+    if s.ndim < 2 or s.shape[-1] < 2:
+        raise ValueError(f"classification needs scores of shape [N, C>=2] or [N, T, C>=2], got {tuple(s.shape)}")
+    if s.dtype not in (torch.float32, torch.float64):
+        s = s.float()
+    if s.numel() == 0:
+        empty = torch.zeros(s.shape[:-1], dtype=torch.long)
+        return empty, (torch.zeros(*s.shape[:-1], k, dtype=s.dtype), torch.zeros(*s.shape[:-1], k, dtype=torch.long)), (torch.zeros(s.shape[:-1], dtype=s.dtype) if need_lse else None)
+    values, indices = s.topk(min(k, s.shape[-1]), dim=-1)  # NaN sorts above every number
+    labels = indices[..., 0].clone()
+    tied = values[..., 0] == values[..., 1]
+    if bool(tied.any()):
+        if tie_rule == "tie_is_flip":
+            labels[tied] = -1
+        else:  # the lowest index among the maxima (topk's order among equal values is unspecified)
+            labels[tied] = s[tied].argmax(dim=-1)
+    bad = torch.isnan(values[..., 0])
+    if bool(bad.any()):
+        labels[bad] = -2
+    lse = torch.logsumexp(s, dim=-1) if need_lse else None
+    return labels, (values, indices), lse
+
+
+def _ties_differ(ref: torch.Tensor, trial: torch.Tensor, r_lab: torch.Tensor, t_lab: torch.Tensor) -> torch.Tensor:
+    """Under ``tie_is_flip`` both sides tied (label -1): a flip unless they tie among the same classes."""
+    both = (r_lab == -1) & (t_lab == -1)
+    out = torch.zeros_like(both)
+    if bool(both.any()):
+        r, t = ref.detach()[both].float(), trial.detach()[both].float()
+        out[both] = ((r == r.amax(-1, keepdim=True)) != (t == t.amax(-1, keepdim=True))).any(-1)
+    return out
+
+
+def margins(top, kind: str, lse: torch.Tensor | None, scores: torch.Tensor | None = None) -> torch.Tensor:
+    """Top-2 margin of each decision, in float64, in the unit ``kind`` names:
+
+    - ``logit``: z1 - z2, in the scores' own unit (depends on their scale);
+    - ``probability``: p1 - p2 of the softmax, in [0, 1] (needs the log-sum-exp ``lse``);
+    - ``relative``: (z1 - z2) / std(z) over the classes, in units of the row's own spread.
+    """
+    values = top[0].double()
+    gap = values[..., 0] - values[..., 1]
+    if kind == "logit":
+        return gap
+    if kind == "probability":
+        lse = lse.double()
+        return torch.exp(values[..., 0] - lse) - torch.exp(values[..., 1] - lse)
+    if kind == "relative":
+        spread = scores.detach().double().std(dim=-1) if scores.shape[-1] > 1 else torch.ones_like(gap)
+        return torch.where(spread > 0, gap / spread, torch.zeros_like(gap))
+    raise ValueError(f"unknown margin kind {kind!r}; use one of {MARGIN_KINDS}")
+
+
+def kl_and_lse(ref_scores: torch.Tensor, trial_scores: torch.Tensor, diff: torch.Tensor | None = None,
+               ref_argmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """KL(softmax(ref) || softmax(trial)) over the last dim, per row / position, in float64, and, when
+    ``ref_argmax`` (index of each row's maximum) is given, both log-sum-exps at no extra pass over the scores.
+
+    Cancellation-free for small divergences: with d = trial - ref and p = softmax(ref),
+    KL = log(sum p e^d) - sum p d = C - (A - log1p(A)), where C = sum p (expm1(d) - d) is a sum of
+    non-negative terms (~p d^2 / 2) and A = sum p expm1(d): no two large numbers are subtracted (the
+    textbook difference of two log-sum-exps of size ~log C loses everything below 1e-6 in float32).
+    Non-finite trials give inf.
+
+    Log-sum-exps: lse(ref) = ref_max - log(p_max) (p_max >= 1/C: its log is accurate) and
+    lse(trial) = lse(ref) + log1p(A), since sum p e^d = sum e^(trial - lse(ref)); rows far apart (where KL
+    is taken directly) take their own ``logsumexp``. Float64, accurate to float32 rounding of the scores.
+    """
+    r = ref_scores.detach()
+    t = trial_scores.detach()
+    if r.dtype not in (torch.float32, torch.float64):
+        r, t = r.float(), t.float()
+    t = t.to(r.dtype)
+    if r.numel() == 0:
+        empty = torch.zeros(r.shape[:-1], dtype=torch.float64)
+        return empty, (empty.clone() if ref_argmax is not None else None), (empty.clone() if ref_argmax is not None else None)
+    d = torch.sub(t, r) if diff is None else diff
+    p = torch.softmax(r, dim=-1)
+    e = torch.expm1(d)
+    a = torch.mul(p, e).sum(-1).double()  # a product and a sum: 6x faster than bmm of [n, 1, C] x [n, C, 1] on a CPU
+    e.sub_(d)
+    pos = e.mul_(p).sum(-1).double()
+    kl = pos - (a - torch.log1p(a))
+    lse_ref = lse_trial = None
+    if ref_argmax is not None:
+        index = ref_argmax.unsqueeze(-1)
+        lse_ref = r.gather(-1, index).squeeze(-1).double() - torch.log(p.gather(-1, index).squeeze(-1).double())
+        lse_trial = lse_ref + torch.log1p(a)
+    large = ~torch.isfinite(kl) | (a > 1.0)  # far apart: the direct form has no cancellation to fear
+    if bool(large.any()):
+        rl, tl, pl = r[large].double(), t[large].double(), p[large].double()
+        lse_r = torch.logsumexp(rl, dim=-1)
+        lse_t = torch.logsumexp(tl, dim=-1)
+        # Over the support of p only: a class the reference rules out (-inf logit, a masked vocabulary)
+        # adds nothing, where the pieces above would give 0 * inf = NaN for identical outputs.
+        direct = lse_t - lse_r - torch.where(pl > 0, pl * (tl - rl), torch.zeros_like(pl)).sum(-1)
+        kl[large] = torch.where(torch.isfinite(direct), direct, torch.full_like(direct, math.inf))
+        if lse_trial is not None:
+            lse_trial[large] = lse_t
+    return kl.clamp_(min=0.0), lse_ref, lse_trial
+
+
+class DecisionStats:
+    """Decisions of reference and trial compared, per case ([N, C]) or per token ([N, T, C]), slice by slice.
+
+    Flips are counted in three exact groups:
+    - ``boundary_flips`` among the constructed boundary cases (kind ``boundary``), limited as a fraction;
+    - ``near_boundary_flips`` among REAL cases (ordinary, edge) whose reference margin, in the unit
+      ``margin_kind``, is below ``boundary_margin``: limited apart, never silently allowed;
+    - ``flips`` among real cases farther from the boundary.
+    Per-token outputs also give the distribution agreement: KL(reference || trial) per token (mean,
+    p99, max), top-1 agreement and top-k overlap. Tokens whose target is -100 are ignored.
+    ``flip_list`` holds every flipped case (per token: at most ``max_listed`` tokens, the count stays exact).
+    Per-case summaries (``per_case``) are kept for every case: a few numbers each.
+    """
+
+    def __init__(self, ids: Sequence[str], kinds: Sequence[str], tie_rule: str, boundary_margin: float, margin_kind: str,
+                 capacity_tokens: int, top_k: int = 5, max_listed: int = 10_000) -> None:
+        self.ids, self.kinds = ids, kinds
+        self.tie_rule, self.boundary_margin, self.margin_kind = tie_rule, boundary_margin, margin_kind
+        self.top_k, self.max_listed = top_k, max_listed
+        self.counts = {"cases": 0, "boundary_cases": 0, "near_boundary_cases": 0, "flips": 0, "near_boundary_flips": 0, "boundary_flips": 0}
+        self.flip_list: list[dict] = []
+        self.listed_dropped = 0
+        self.per_token = False
+        self.tokens = 0
+        self.top1_agree = 0
+        self.overlap_sum = 0.0
+        self.kl_sum = 0.0
+        self.kl_max = 0.0
+        self.kl_q = StreamQuantile(0.99, max(capacity_tokens, 1))
+        self.constructed = torch.tensor([k == "boundary" for k in kinds], dtype=torch.bool)
+        n = len(ids)
+        self._case = {
+            "flips": torch.zeros(n, dtype=torch.int64),
+            "margin": torch.full((n,), math.inf, dtype=torch.float64),
+            "reference_class": torch.full((n,), -3, dtype=torch.int64),
+            "trial_class": torch.full((n,), -3, dtype=torch.int64),
+            "kl_sum": torch.zeros(n, dtype=torch.float64),
+            "tokens": torch.zeros(n, dtype=torch.int64),
+            "kl_max": torch.zeros(n, dtype=torch.float64),
+            "worst_token": torch.zeros(n, dtype=torch.int64),
+        }
+
+    def update(self, row: int, ref: torch.Tensor, trial: torch.Tensor, targets: torch.Tensor | None = None,
+               position: int = 0, diff: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Cases ``row:row + len(ref)`` (positions ``position:position + T'`` for [n, T', C] scores).
+
+        Returns the decisions of both sides ({"reference": labels, "trial": labels}) for reuse."""
+        n = ref.shape[0]
+        per_token = ref.ndim == 3
+        self.per_token = per_token
+        need_lse = self.margin_kind == "probability"
+        k = min(max(self.top_k, 2), ref.shape[-1]) if per_token else 2
+        r_lab, r_top, r_lse = _top(ref, k, self.tie_rule, need_lse)
+        r_margin = margins(r_top, self.margin_kind, r_lse, ref)
+        if per_token:  # top-k overlap needs the trial's k best
+            t_lab, t_top, t_lse = _top(trial, k, self.tie_rule, need_lse)
+            t_margin = margins(t_top, self.margin_kind, t_lse, trial)
+        else:  # the trial's margin is only reported for flipped cases: computed for them alone, below
+            t_lab = labels_of(trial, self.tie_rule)
+            t_margin = None
+        rows = slice(row, row + n)
+        constructed = self.constructed[rows]
+        if per_token:
+            valid = (targets != IGNORE_INDEX) if targets is not None else torch.ones(r_lab.shape, dtype=torch.bool)
+            constructed_pos = constructed[:, None].expand_as(r_lab)
+        else:
+            valid = torch.ones(n, dtype=torch.bool)
+            constructed_pos = constructed
+        flipped = ((r_lab != t_lab) | _ties_differ(ref, trial, r_lab, t_lab)) & valid
+        near = (r_margin < self.boundary_margin) & valid & ~constructed_pos  # NaN margins are never "near"
+        c = self.counts
+        c["cases"] += int(valid.sum())
+        c["boundary_cases"] += int((constructed_pos & valid).sum())
+        c["near_boundary_cases"] += int(near.sum())
+        c["boundary_flips"] += int((flipped & constructed_pos).sum())
+        c["near_boundary_flips"] += int((flipped & near).sum())
+        c["flips"] += int((flipped & ~constructed_pos & ~near).sum())
+        case = self._case
+        if not per_token:
+            case["flips"][rows] = flipped.long()
+            case["margin"][rows] = r_margin
+            case["reference_class"][rows] = r_lab
+            case["trial_class"][rows] = t_lab
+            where = torch.nonzero(flipped).flatten()
+            if where.numel():
+                t_sub = trial[where]
+                _, top_sub, lse_sub = _top(t_sub, 2, self.tie_rule, need_lse)
+                t_margin = margins(top_sub, self.margin_kind, lse_sub, t_sub)
+            for j, i in enumerate(where.tolist()):
+                self.flip_list.append(self._record(row + i, None, bool(near[i]), int(r_lab[i]), int(t_lab[i]),
+                                                   float(r_margin[i]), float(t_margin[j]), ref[i], trial[i]))
+            return {"reference": r_lab, "trial": t_lab}
+        kl, lse_r, lse_t = kl_and_lse(ref, trial, diff, ref_argmax=r_top[1][..., 0])
+        kl_v = kl[valid]
+        self.tokens += kl_v.numel()
+        self.kl_sum += float(kl_v.sum())
+        self.kl_max = max(self.kl_max, float(kl_v.max()) if kl_v.numel() else 0.0)
+        self.kl_q.update(kl_v)
+        self.top1_agree += int((~flipped & valid).sum())
+        ov = (r_top[1][..., :, None] == t_top[1][..., None, :]).any(-1).sum(-1).double() / k
+        self.overlap_sum += float(ov[valid].sum())
+        if kl.shape[1]:
+            kl_masked = torch.where(valid, kl, torch.zeros_like(kl))
+            case["flips"][rows] += flipped.sum(1)
+            case["kl_sum"][rows] += kl_masked.sum(1)
+            case["tokens"][rows] += valid.sum(1)
+            block_max, block_arg = kl_masked.max(1)
+            better = block_max > case["kl_max"][rows]
+            case["worst_token"][rows] = torch.where(better, block_arg + position, case["worst_token"][rows])
+            case["kl_max"][rows] = torch.maximum(block_max, case["kl_max"][rows])
+            m = torch.where(valid, r_margin, torch.full_like(r_margin, math.inf)).min(1).values
+            case["margin"][rows] = torch.minimum(case["margin"][rows], m)
+        where = torch.nonzero(flipped)
+        room = self.max_listed - len(self.flip_list)
+        if where.shape[0] > room:
+            self.listed_dropped += where.shape[0] - max(room, 0)
+            where = where[: max(room, 0)]
+        for i, j in where.tolist():
+            rec = self._record(row + i, position + j, bool(near[i, j]), int(r_lab[i, j]), int(t_lab[i, j]), float(r_margin[i, j]),
+                               float(t_margin[i, j]), ref[i, j], trial[i, j])
+            rec["kl"] = float(kl[i, j])
+            self.flip_list.append(rec)
+        return {"reference": r_lab, "trial": t_lab, "lse_reference": lse_r, "lse_trial": lse_t}
+
+    def _record(self, case: int, position, near, rc, tc, rm, tm, r_scores, t_scores) -> dict:
+        rec = {"id": self.ids[case], "kind": self.kinds[case], "boundary": bool(self.constructed[case]), "near_boundary": near,
+               "reference_class": rc, "trial_class": tc, "reference_margin": rm, "trial_margin": tm, "margin_kind": self.margin_kind}
+        if position is not None:
+            rec["position"] = position
+        if r_scores.numel() <= 16:
+            rec["reference_scores"] = r_scores.double().tolist()
+            rec["trial_scores"] = t_scores.double().tolist()
+        else:  # a vocabulary: the top 5 of each side
+            for side, s in (("reference", r_scores), ("trial", t_scores)):
+                v, i = s.float().topk(5)
+                rec[f"{side}_top"] = [[a, b] for a, b in zip(i.tolist(), v.double().tolist())]
+        return rec
+
+    def per_case(self) -> dict[str, torch.Tensor]:
+        """Per case, in case order: flips (per token: flipped tokens), the reference margin (per token: the
+        smallest), reference and trial class (per case) or KL mean, KL max and the worst token (per token)."""
+        c = self._case
+        if not self.per_token:
+            return {k: c[k] for k in ("flips", "margin", "reference_class", "trial_class")}
+        return {"flips": c["flips"], "margin": c["margin"], "kl_mean": c["kl_sum"] / c["tokens"].clamp(min=1),
+                "kl_max": c["kl_max"], "worst_token": c["worst_token"]}
+
+    def result(self) -> dict:
+        c = dict(self.counts)
+        return {
+            **c,
+            "unit": "token" if self.per_token else "case",
+            "margin_kind": self.margin_kind,
+            "boundary_margin": self.boundary_margin,
+            "boundary_flip_fraction": c["boundary_flips"] / c["boundary_cases"] if c["boundary_cases"] else 0.0,
+            "real_flips": c["flips"] + c["near_boundary_flips"],
+            "flip_list": self.flip_list,
+            "flip_list_dropped": self.listed_dropped,
+        }
+
+    def distribution(self) -> dict | None:
+        """Distribution agreement of per-token outputs (None for per-case classification)."""
+        if not self.per_token:
+            return None
+        n = self.tokens
+        return {
+            "tokens": n,
+            "kl_mean": self.kl_sum / n if n else 0.0,
+            "kl_p99": self.kl_q.result(),
+            "kl_p99_upper": self.kl_q.upper(),  # never below the exact value: what a gate reads
+            "kl_p99_exact": self.kl_q.exact,
+            "kl_max": self.kl_max,
+            "top1_agreement": self.top1_agree / n if n else 1.0,
+            "top_k": self.top_k,
+            "top_k_overlap": self.overlap_sum / n if n else 1.0,
+        }
+
+
+def regression_flips(
+    ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, trial: torch.Tensor, threshold: float | None
+) -> dict:
+    """Cases whose first output crosses the decision threshold between reference and trial."""
+    flips = []
+    if threshold is not None and ref.shape[0]:
+        r = ref.detach().double().reshape(ref.shape[0], -1)[:, 0]
+        t = trial.detach().double().reshape(trial.shape[0], -1)[:, 0]
+        crossed = (r >= threshold) != (t >= threshold)
+        for i in torch.nonzero(crossed).flatten().tolist():
+            flips.append({"id": ids[i], "kind": kinds[i], "boundary": False, "near_boundary": False, "reference": float(r[i]), "trial": float(t[i])})
+    return {"cases": len(ids), "boundary_cases": 0, "near_boundary_cases": 0, "flips": len(flips), "near_boundary_flips": 0, "boundary_flips": 0,
+            "boundary_flip_fraction": 0.0, "real_flips": len(flips), "unit": "case", "flip_list": flips, "flip_list_dropped": 0}

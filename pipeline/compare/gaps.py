@@ -1,0 +1,222 @@
+"""Element-wise gaps of a trial's outputs against the reference's, and both against the FP64 arbiter.
+
+Streaming: ``GapStats`` and ``ArbiterStats`` are fed one chunk of rows at a time; memory does not grow with
+the number of elements. ``value_gaps`` is ``GapStats`` fed once (the diagnosis ranks modules with it).
+
+Precision: element-wise arithmetic runs in the outputs' own dtype (float32, or float64 for the FP64
+arbiter; float16/bfloat16 are widened to float32); a slice's sum is taken in that dtype (pairwise,
+relative error ~1e-6 in float32: for the reported means only) and slices are accumulated in float64;
+counts and maxima are exact. An element fails where |t - r| > atol + rtol |r|: the test runs in float32,
+whose rounding errs by at most 3 * 2**-24 * |t - r| at the threshold, and any slice whose worst element
+comes within 2**-21 (|t - r| + atol) of failing is counted again in float64 (so counts are those of the
+exact test; exact equality, atol = rtol = 0, is exact in float32 already: the float32 difference of two
+float32 numbers is 0 only when they are equal). The common, passing slice never leaves float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pipeline.compare.quantiles import StreamQuantile
+
+
+def _widen(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.dtype not in (torch.float32, torch.float64):
+        t = t.float()
+    return t.reshape(-1)
+
+
+class GapStats:
+    """Element-wise gap of a trial output against the reference, accumulated chunk by chunk.
+
+    An element fails where |trial - ref| > atol + rtol * |ref|, or where the trial is non-finite and
+    the reference is not (NaN in both counts as agreement, and is reported). Reported: max, mean and p99
+    of absolute and relative error over finite pairs, and the smallest atol (at the given rtol) and rtol
+    (at the given atol) that would have passed: reported, never applied. ``group`` (the case kind)
+    gives the ``per_kind`` counts.
+    """
+
+    PER_KIND = ("elements", "failing", "max_abs", "max_rel", "nonfinite_trial_only")
+
+    def __init__(self, atol: float, rtol: float, capacity: int) -> None:
+        self.atol, self.rtol = float(atol), float(rtol)
+        self.p_abs = StreamQuantile(0.99, capacity)
+        self.p_rel = StreamQuantile(0.99, capacity)
+        self.groups: dict[str, dict] = {}
+        self.sum_abs = 0.0
+        self.n_abs = 0
+        self.sum_rel = 0.0
+        self.n_rel = 0
+        self.need_atol = 0.0
+        self.need_rtol = 0.0
+        self.nonfinite_reference = 0
+        self.nonfinite_both = 0
+
+    def update(self, ref: torch.Tensor, trial: torch.Tensor, group: str = "all") -> torch.Tensor:
+        """Add one chunk; return the absolute gap per element (shape of ``ref``, NaN/inf where non-finite)."""
+        if ref.shape != trial.shape:
+            raise ValueError(f"shape mismatch: reference {tuple(ref.shape)} vs trial {tuple(trial.shape)}")
+        r, t = _widen(ref), _widen(trial)
+        if r.dtype != t.dtype:
+            r, t = r.double(), t.double()
+        g = self.groups.setdefault(group, {"elements": 0, "failing": 0, "max_abs": 0.0, "max_rel": 0.0, "nonfinite_trial_only": 0})
+        g["elements"] += r.numel()
+        if r.numel() == 0:
+            return torch.zeros(ref.shape, dtype=r.dtype)
+        gap = torch.sub(t, r).abs_()
+        full_gap = gap
+        total = _sum(gap)
+        failing = 0
+        both = None
+        if not math.isfinite(total):  # some element of either side is not finite: the slow path, rarely taken
+            fr, ft = torch.isfinite(r), torch.isfinite(t)
+            both = fr & ft
+            trial_only = int((fr & ~ft).sum())
+            ref_bad = int((~fr).sum())
+            same = int((~fr & ~ft & ((r == t) | (torch.isnan(r) & torch.isnan(t)))).sum())
+            self.nonfinite_reference += ref_bad
+            self.nonfinite_both += same
+            g["nonfinite_trial_only"] += trial_only
+            failing += trial_only + (ref_bad - same)
+            if trial_only:
+                self.need_atol = self.need_rtol = math.inf
+            gap, r = gap[both], r[both]
+            total = _sum(gap)
+        if gap.numel():
+            mag = r.abs()
+            mx = float(gap.max())
+            excess = torch.sub(gap, mag, alpha=self.rtol)  # gap - rtol |r|: fails where > atol
+            worst = float(excess.max())
+            del excess
+            # The float32 test errs by at most 3 * 2**-24 * gap on an element at the threshold (gap ~ atol +
+            # rtol |r|): only a slice whose worst comes that close to atol is counted, again, in float64
+            # (the common, passing slice skips it; exact equality, atol = rtol = 0, is exact either way).
+            if worst > self.atol - 2.0**-21 * (mx + self.atol):
+                if r.dtype == torch.float64:
+                    exact = torch.sub(gap, mag, alpha=self.rtol)
+                else:  # float32 inputs: their float64 difference is exact (unless 29 binades apart), |r| too
+                    exact = torch.sub((t if both is None else t[both]).double(), r.double()).abs_().sub_(mag.double(), alpha=self.rtol)
+                worst = float(exact.max())
+                failing += int((exact > self.atol).sum(dtype=torch.int64))
+                del exact
+            else:  # float32's worst may read low by its rounding: the reported need stays on the passing side
+                worst += 2.0**-21 * (mx + self.atol)
+            self.need_atol = max(self.need_atol, worst, 0.0)
+            g["max_abs"] = max(g["max_abs"], mx)
+            self.sum_abs += total
+            self.n_abs += gap.numel()
+            self.p_abs.update(gap, finite=True, vmax=mx, nonneg=True)
+            rel = gap / mag
+            rmax = float(rel.max())
+            gap_nz, mag_nz = gap, mag
+            if not math.isfinite(rmax):  # a zero reference (0/0, x/0) has no relative error; it passes through atol alone
+                nz = mag > 0
+                if bool((gap[~nz] > self.atol).any()):
+                    self.need_rtol = math.inf
+                if not bool(nz.all()):
+                    rel, gap_nz, mag_nz = rel[nz], gap[nz], mag[nz]
+                    rmax = float(rel.max()) if rel.numel() else 0.0
+            if rel.numel():
+                g["max_rel"] = max(g["max_rel"], rmax)
+                self.sum_rel += _sum(rel) if rmax * rel.numel() < 1e30 else float(rel.sum(dtype=torch.float64))
+                self.n_rel += rel.numel()
+                self.p_rel.update(rel, finite=True, vmax=rmax, nonneg=True)
+                if self.atol == 0.0:
+                    self.need_rtol = max(self.need_rtol, rmax)
+                elif mx > self.atol:
+                    self.need_rtol = max(self.need_rtol, float(torch.sub(gap_nz, self.atol).div_(mag_nz).max()))
+        g["failing"] += failing
+        return full_gap.reshape(ref.shape)
+
+    def failing_rows(self, ref: torch.Tensor, trial: torch.Tensor) -> torch.Tensor:
+        """Rows with an element that fails (as ``update`` counts it, in float64): for naming the cases."""
+        r, t = ref.detach().double().reshape(ref.shape[0], -1), trial.detach().double().reshape(trial.shape[0], -1)
+        same_nonfinite = (torch.isnan(r) & torch.isnan(t)) | (torch.isinf(r) & (r == t))
+        outside = (t - r).abs() - self.rtol * r.abs() > self.atol
+        bad = outside | (torch.isfinite(r) & ~torch.isfinite(t)) | (~torch.isfinite(r) & ~same_nonfinite)
+        return bad.any(1)
+
+    def failing_so_far(self) -> int:
+        return sum(g["failing"] for g in self.groups.values())
+
+    def nonfinite_so_far(self) -> int:
+        """Non-finite trial elements so far (the reference's are refused at freeze)."""
+        return sum(g["nonfinite_trial_only"] for g in self.groups.values()) + self.nonfinite_reference
+
+    def result(self) -> dict:
+        n = sum(g["elements"] for g in self.groups.values())
+        failing = sum(g["failing"] for g in self.groups.values())
+        return {
+            "elements": n,
+            "failing": failing,
+            "failing_fraction": failing / n if n else 0.0,
+            "nonfinite_trial_only": sum(g["nonfinite_trial_only"] for g in self.groups.values()),
+            "nonfinite_reference": self.nonfinite_reference,
+            "nonfinite_both": self.nonfinite_both,
+            "max_abs": max((g["max_abs"] for g in self.groups.values()), default=0.0),
+            "mean_abs": self.sum_abs / self.n_abs if self.n_abs else 0.0,
+            "p99_abs": self.p_abs.result(),
+            "max_rel": max((g["max_rel"] for g in self.groups.values()), default=0.0),
+            "mean_rel": self.sum_rel / self.n_rel if self.n_rel else 0.0,
+            "p99_rel": self.p_rel.result(),
+            "p99_exact": self.p_abs.exact,
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "min_passing_atol": round_up(self.need_atol),
+            "min_passing_rtol": round_up(self.need_rtol),
+            "per_kind": {k: dict(v) for k, v in sorted(self.groups.items())},
+        }
+
+
+def round_up(x: float, digits: int = 4) -> float:
+    """``x`` rounded UP to ``digits`` significant decimal digits: the smallest passing tolerance a reviewer
+    copies from the report must pass the exact test, not fail it by one rounding (as rounding to nearest would)."""
+    if not math.isfinite(x) or x <= 0.0:
+        return x
+    step = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
+    up = math.ceil(x / step) * step
+    return up if up >= x else up + step
+
+
+def _sum(v: torch.Tensor) -> float:
+    """Sum of one slice in its own dtype (pairwise: relative error ~1e-6 in float32), to be accumulated
+    across slices in a Python float (float64)."""
+    return float(v.sum())
+
+
+def value_gaps(ref: torch.Tensor, trial: torch.Tensor, atol: float, rtol: float) -> dict:
+    """``GapStats`` over one pair of tensors (see there); no ``per_kind``."""
+    acc = GapStats(atol, rtol, ref.numel())
+    acc.update(ref, trial)
+    out = acc.result()
+    del out["per_kind"]
+    return out
+
+
+class ArbiterStats:
+    """Dynamo-style check: how far AMP is from FP64, compared with how far FP32 is from FP64 (RMSE)."""
+
+    def __init__(self) -> None:
+        self.n, self.ref_sq, self.amp_sq = 0, 0.0, 0.0
+
+    def update(self, ref: torch.Tensor, trial: torch.Tensor, fp64: torch.Tensor) -> None:
+        a = fp64.detach().double().reshape(-1)
+        self.n += a.numel()
+        if a.numel():
+            d = ref.detach().reshape(-1).double() - a
+            self.ref_sq += float(torch.dot(d, d))
+            d = trial.detach().reshape(-1).double() - a
+            self.amp_sq += float(torch.dot(d, d))
+
+    def result(self) -> dict:
+        ref_rmse = math.sqrt(self.ref_sq / self.n) if self.n else 0.0
+        amp_rmse = math.sqrt(self.amp_sq / self.n) if self.n else 0.0
+        return {
+            "fp32_rmse_vs_fp64": ref_rmse,
+            "amp_rmse_vs_fp64": amp_rmse,
+            "amp_over_fp32": amp_rmse / ref_rmse if ref_rmse > 0 else (math.inf if amp_rmse > 0 else 1.0),
+        }
+

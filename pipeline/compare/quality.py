@@ -1,0 +1,138 @@
+"""Quality of one set of outputs on the cases with a target: the metric, accumulated chunk by chunk.
+
+Built-in metrics (``config.METRICS``) are streamed; a user metric (``module:function``) sees every target row
+at once. Regression also gets its error profile (``regression_errors``: MAE, RMSE, the extremes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from pipeline.compare.decisions import labels_of
+from pipeline.errors import UserError
+from pipeline.task import IGNORE_INDEX
+
+
+class QualityStats:
+    """Quality of one set of outputs on the cases with a target, accumulated chunk by chunk.
+
+    ``metric``: ``accuracy`` (per token: token accuracy over targets != -100), ``top_k`` (target among
+    the k best scores), ``neg_rmse``, ``neg_mae`` (regression, over every output value). Per-token
+    classification also gives the perplexity exp(mean token NLL) (a language model's). A user metric
+    (``module:function``) is not streamed: ``QualityStats`` then keeps the target rows and calls it once
+    (per-token scores as tokens: ``f(scores [M, C], targets [M])``, -100 targets included).
+    """
+
+    def __init__(self, metric: str, tie_rule: str, top_k: int = 5, user: Callable | None = None) -> None:
+        self.metric, self.tie_rule, self.top_k, self.user = metric, tie_rule, top_k, user
+        self.n = 0
+        self.total = 0.0
+        self.nll = 0.0
+        self.per_token = False
+        self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def update(self, outputs: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor | None = None,
+               lse: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``outputs`` and ``targets`` of the cases WITH a target only; ``labels``: their decisions, ``lse``: the
+        log-sum-exp of each position's scores (per token), when known. Returns the hit mask (accuracy, top_k:
+        what the paired counts of two sides are taken from), else None."""
+        if outputs.shape[0] == 0:
+            return None
+        if self.user is not None:  # per token, as tokens [M, C] and [M] (slices of a sequence may differ in length)
+            o, y = outputs.detach(), targets.detach()
+            if o.ndim == 3:
+                o, y = o.reshape(-1, o.shape[-1]), y.reshape(-1)
+            self._kept.append((o.clone(), y.clone()))
+            return None
+        if self.metric in ("accuracy", "top_k"):
+            s = outputs.detach()
+            self.per_token = s.ndim == 3
+            y = targets.long()
+            valid = y != IGNORE_INDEX
+            if bool(((y < 0) & valid).any() or (y >= s.shape[-1]).any()):
+                bad = y[valid & ((y < 0) | (y >= s.shape[-1]))]
+                raise UserError(
+                    f"task.data: an eval target is {int(bad[0])} but the model scores {s.shape[-1]} classes; give targets in "
+                    f"0..{s.shape[-1] - 1} (or -100 to ignore a position), then `dvc repro`"
+                )
+            if self.metric == "accuracy":
+                if labels is None:
+                    labels = labels_of(s, self.tie_rule)
+                hit = labels == y
+            else:
+                idx = s.float().topk(min(self.top_k, s.shape[-1]), dim=-1).indices
+                hit = (idx == y.unsqueeze(-1)).any(-1)
+            hit = hit & torch.isfinite(s).all(-1) & valid  # a row with any non-finite score is a miss, whatever the metric
+            self.total += float(hit.sum())
+            self.n += int(valid.sum())
+            if self.per_token:
+                sf = s if s.dtype in (torch.float32, torch.float64) else s.float()
+                index = y.clamp(min=0).unsqueeze(-1)
+                if lse is not None:  # known (``kl_and_lse``): only the target's score is read
+                    nll = lse.double() - sf.gather(-1, index).squeeze(-1).double()
+                else:  # max-shifted, accurate in float32; log_softmax is one fused pass (logsumexp takes two)
+                    nll = -torch.log_softmax(sf, dim=-1).gather(-1, index).squeeze(-1).double()
+                self.nll += float(torch.where(valid, nll, torch.zeros_like(nll)).sum(dtype=torch.float64))
+            return hit
+        else:
+            p = outputs.detach().double().reshape(-1)
+            y = targets.detach().double().reshape(-1)
+            if p.numel() != y.numel():
+                p = outputs.detach().double().reshape(outputs.shape[0], -1)[:, 0]
+                y = targets.detach().double().reshape(targets.shape[0], -1)[:, 0]
+            err = p - y
+            self.total += float(err.pow(2).sum() if self.metric == "neg_rmse" else err.abs().sum())
+            self.n += err.numel()
+        return None
+
+    def result(self) -> float:
+        if self.user is not None:
+            if not self._kept:
+                return math.nan
+            value = self.user(torch.cat([o for o, _ in self._kept]), torch.cat([t for _, t in self._kept]))
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) or (torch.is_tensor(value) and value.numel() == 1)):
+                raise UserError(f"task.metric returned {type(value).__name__} {getattr(value, 'shape', '')}; return one number")
+            return float(value)
+        if self.n == 0:
+            return math.nan
+        if self.metric in ("accuracy", "top_k"):
+            return self.total / self.n
+        if self.metric == "neg_rmse":
+            return -math.sqrt(self.total / self.n)
+        return -self.total / self.n
+
+    def counts(self) -> tuple[int, int] | None:
+        """(hits, targets) of ``accuracy`` / ``top_k`` (the quality criteria compare counts, not rounded fractions);
+        None for other metrics."""
+        if self.user is not None or self.metric not in ("accuracy", "top_k"):
+            return None
+        return int(self.total), self.n
+
+    def perplexity(self) -> float | None:
+        """exp(mean NLL per target token), for per-token classification scored by accuracy or top_k."""
+        if not self.per_token or self.n == 0:
+            return None
+        return math.exp(self.nll / self.n) if self.nll / self.n < 700 else math.inf
+
+
+def regression_errors(pred: torch.Tensor, targets: torch.Tensor, extreme_quantile: float = 0.1) -> dict:
+    """MAE, RMSE, max error, and the error on the most extreme targets (top and bottom quantile)."""
+    p = pred.detach().double().reshape(pred.shape[0], -1)[:, 0]
+    y = targets.detach().double().reshape(targets.shape[0], -1)[:, 0]
+    if y.numel() == 0:
+        return {"mae": math.nan, "rmse": math.nan, "max_error": math.nan, "extreme_low_mae": math.nan, "extreme_high_mae": math.nan}
+    err = (p - y).abs()
+    k = max(1, int(math.ceil(extreme_quantile * y.numel())))
+    order = y.argsort(stable=True)
+    return {
+        "mae": float(err.mean()),
+        "rmse": float(err.pow(2).mean().sqrt()),
+        "max_error": float(err.max()),
+        "extreme_low_mae": float(err[order[:k]].mean()),
+        "extreme_high_mae": float(err[order[-k:]].mean()),
+        "output_min": float(p.min()),
+        "output_max": float(p.max()),
+    }

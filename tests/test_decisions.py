@@ -1,0 +1,191 @@
+"""Decisions compared on hand-built scores: ties, margins, flips near and at the boundary, per-token KL, NaN."""
+
+import math
+
+import pytest
+import torch
+
+from pipeline.compare.decisions import DecisionStats, kl_and_lse, labels_of, regression_flips
+from pipeline.compare.gaps import value_gaps
+from pipeline.compare.quality import QualityStats
+from pipeline.task import IGNORE_INDEX
+
+
+def _decide(ids, kinds, ref, trial, tie_rule="lowest_index", boundary_margin=0.0, margin_kind="logit", targets=None) -> DecisionStats:
+    """``DecisionStats`` fed the whole pair at once (compare feeds it slice by slice: the same counts)."""
+    stats = DecisionStats(ids, kinds, tie_rule, boundary_margin, margin_kind, capacity_tokens=ref[..., 0].numel())
+    stats.update(0, ref, trial, targets)
+    return stats
+
+
+def _ordinary(n):
+    return [f"ordinary/{i}" for i in range(n)], ["ordinary"] * n
+
+
+def test_worked_example_from_the_guide_tiny_gap_flips_the_decision():
+    """Scores 1.0000 and 1.0003: FP16 cannot tell them apart (spacing near 1 is 2**-10), the tie
+    goes to the lowest index, and the decision flips although the value gap is 3e-4."""
+    ref = torch.tensor([[1.0000, 1.0003]])
+    trial = ref.half().float()  # allowed: rounds two scores to FP16, the guide's worked example
+    assert trial[0, 0] == trial[0, 1]  # real FP16 rounding, not a hand-made tie
+    gap = value_gaps(ref, trial, atol=1e-3, rtol=0.0)
+    assert gap["failing"] == 0  # within a 1e-3 tolerance...
+    flips = _decide(["ordinary/x"], ["ordinary"], ref, trial).result()
+    assert flips["flips"] == 1  # ...yet the action changes
+    assert flips["flip_list"][0]["reference_class"] == 1 and flips["flip_list"][0]["trial_class"] == 0
+    # With a boundary margin above the reference margin (3e-4) the same flip of a REAL sample is a
+    # near-boundary flip: counted apart from constructed boundary cases, never silently allowed.
+    flips = _decide(["ordinary/x"], ["ordinary"], ref, trial, boundary_margin=1e-3).result()
+    assert flips["flips"] == 0 and flips["near_boundary_flips"] == 1 and flips["boundary_flips"] == 0
+    assert flips["flip_list"][0]["near_boundary"] and not flips["flip_list"][0]["boundary"]
+
+
+def test_tie_rules():
+    scores = torch.tensor([[2.0, 2.0, 1.0], [0.0, 3.0, 3.0], [1.0, 0.0, 0.0]])
+    lowest = _decide(*_ordinary(3), scores, scores)
+    assert lowest.per_case()["reference_class"].tolist() == [0, 1, 0]
+    assert lowest.per_case()["margin"].tolist() == [0.0, 0.0, 1.0]
+    tie = _decide(*_ordinary(3), scores, scores, "tie_is_flip")
+    assert tie.per_case()["reference_class"].tolist() == [-1, -1, 0]
+    assert tie.result()["flips"] == 0  # the same ties on both sides
+
+
+def test_tie_is_flip_counts_a_new_tie_as_a_flip_even_when_lowest_index_would_agree():
+    ref = torch.tensor([[2.0, 1.9]])
+    trial = torch.tensor([[2.0, 2.0]])
+    assert _decide(["a"], ["ordinary"], ref, trial, "lowest_index").result()["flips"] == 0
+    assert _decide(["a"], ["ordinary"], ref, trial, "tie_is_flip").result()["flips"] == 1
+
+
+def test_nan_scores_never_match_a_decision():
+    ref = torch.tensor([[1.0, 0.0]])
+    trial = torch.tensor([[math.nan, 0.0]])
+    flips = _decide(["a"], ["edge"], ref, trial).result()
+    assert flips["flips"] == 1 and flips["flip_list"][0]["trial_class"] == -2
+
+
+def test_boundary_flips_are_counted_apart():
+    ref = torch.tensor([[1.0, 0.99], [5.0, 0.0], [0.0, 0.02]])
+    trial = torch.tensor([[0.98, 0.99], [0.0, 5.0], [0.0, 0.02]])
+    f = _decide(["b", "o", "c"], ["boundary", "ordinary", "ordinary"], ref, trial, boundary_margin=0.05).result()
+    assert f["boundary_cases"] == 1  # the constructed one
+    assert f["near_boundary_cases"] == 1  # the real sample of margin 0.02
+    assert f["boundary_flips"] == 1 and f["flips"] == 1 and f["near_boundary_flips"] == 0
+    assert f["boundary_flip_fraction"] == 1.0
+
+
+def test_real_sample_near_boundary_is_never_unreported():
+    """The digits case: a real sample with a small margin flips; it is counted, not hidden among boundary cases."""
+    ref = torch.tensor([[0.0, 5.0, 4.963], [1.0, 0.0, 0.0], [0.50, 0.49, 0.0]])
+    trial = torch.tensor([[0.0, 4.96, 4.963], [1.0, 0.0, 0.0], [0.49, 0.50, 0.0]])
+    f = _decide(["ordinary/digits-1274", "ordinary/b", "boundary/x~y"], ["ordinary", "ordinary", "boundary"], ref, trial,
+                boundary_margin=0.05).result()
+    assert f["near_boundary_flips"] == 1 and f["boundary_flips"] == 1 and f["flips"] == 0 and f["real_flips"] == 1
+    assert [r["id"] for r in f["flip_list"] if not r["boundary"]] == ["ordinary/digits-1274"]
+
+
+def test_regression_flips_across_threshold():
+    ref = torch.tensor([[0.9], [1.1], [2.0]])
+    trial = torch.tensor([[1.0], [1.1], [1.9]])
+    f = regression_flips(["a", "b", "c"], ["ordinary"] * 3, ref, trial, threshold=1.0)
+    assert f["flips"] == 1 and f["flip_list"][0]["id"] == "a"
+    assert regression_flips(["a"], ["ordinary"], ref[:1], trial[:1], None)["flips"] == 0
+
+
+def test_margins_in_probability_mean_the_same_at_every_scale():
+    base = torch.tensor([[2.0, 1.9, 0.0]])
+
+    def margin(scores, kind):
+        return float(_decide(["a"], ["ordinary"], scores, scores, margin_kind=kind).per_case()["margin"][0])
+
+    for scale in (1.0, 100.0):
+        assert margin(base * scale, "logit") == pytest.approx(0.1 * scale)
+    assert margin(torch.tensor([[0.02, 0.0]]), "probability") == pytest.approx(math.tanh(0.01), rel=1e-6)  # p1 - p2 of two logits 0.02 apart
+    assert margin(base * 100, "relative") == pytest.approx(margin(base, "relative"))
+
+
+def test_labels_of_agrees_with_the_decisions_compared():
+    g = torch.Generator().manual_seed(9)
+    s = torch.randint(0, 3, (200, 4), generator=g).float()  # many ties
+    s[5, 2] = math.nan
+    for rule in ("lowest_index", "tie_is_flip"):
+        assert torch.equal(labels_of(s, rule), _decide(*_ordinary(200), s, s, rule).per_case()["reference_class"])
+
+
+def test_per_token_flips_kl_and_agreement():
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(4, 6, 50, generator=g) * 3
+    trial = ref + torch.randn(4, 6, 50, generator=g) * 1e-3
+    # one token flips hard: the trial's best class moves
+    j = int(ref[1, 2].argmax())
+    trial[1, 2, j] -= 20
+    targets = ref.argmax(-1)
+    targets[0, :2] = IGNORE_INDEX
+    stats = _decide(*_ordinary(4), ref, trial, targets=targets)
+    f, d = stats.result(), stats.distribution()
+    assert f["unit"] == "token" and f["cases"] == 22
+    assert f["flips"] == 1 and f["flip_list"][0]["position"] == 2 and f["flip_list"][0]["id"] == "ordinary/1"
+    # reference KL computed in float64 the textbook way
+    lp_r = torch.log_softmax(ref.double(), -1)
+    lp_t = torch.log_softmax(trial.double(), -1)
+    kl = (lp_r.exp() * (lp_r - lp_t)).sum(-1)
+    valid = targets != IGNORE_INDEX
+    assert d["kl_mean"] == pytest.approx(float(kl[valid].mean()), rel=1e-4)
+    assert d["kl_max"] == pytest.approx(float(kl[valid].max()), rel=1e-4)
+    assert d["top1_agreement"] == pytest.approx(21 / 22)
+    assert 0.0 < d["top_k_overlap"] <= 1.0
+
+
+def test_per_token_nonfinite_trial_is_infinite_kl_and_a_flip():
+    ref = torch.tensor([[[2.0, 0.0, -1.0], [0.0, 1.0, 0.0]]])
+    trial = ref.clone()
+    trial[0, 1, 0] = math.nan
+    stats = _decide(["ordinary/a"], ["ordinary"], ref, trial, targets=torch.tensor([[0, 1]]))
+    f = stats.result()
+    assert f["flips"] == 1 and f["flip_list"][0]["position"] == 1 and f["flip_list"][0]["trial_class"] == -2
+    assert stats.distribution()["kl_max"] == math.inf and stats.distribution()["top1_agreement"] == 0.5
+
+
+def test_kl_is_accurate_for_tiny_divergences():
+    g = torch.Generator().manual_seed(4)
+    ref = torch.randn(64, 32000, generator=g) * 4 + 10  # logits far from 0: naive lse differences cancel
+    trial = (ref.half().float())  # real FP16 rounding of the logits
+    kl = kl_and_lse(ref, trial)[0]
+    lp_r = torch.log_softmax(ref.double(), -1)
+    lp_t = torch.log_softmax(trial.double(), -1)
+    truth = (lp_r.exp() * (lp_r - lp_t)).sum(-1)
+    assert torch.allclose(kl, truth, rtol=1e-3, atol=1e-12)
+    assert float(kl_and_lse(ref, ref)[0].max()) == 0.0
+
+
+def test_log_sum_exps_from_the_kl_pieces_match_float64():
+    """Per token, the perplexity of reference and trial uses the log-sum-exps ``kl_and_lse`` derives (no extra
+    pass): equal to float64's, near and far apart (a shuffled trial row takes the direct logsumexp)."""
+    g = torch.Generator().manual_seed(13)
+    ref = torch.randn(6, 9, 500, generator=g) * 4
+    trial = ref.to(torch.bfloat16).float()
+    trial[2, 3] = trial[2, 3][torch.randperm(500, generator=g)]  # far apart
+    kl, lse_r, lse_t = kl_and_lse(ref, trial, ref_argmax=ref.argmax(-1))
+    assert torch.allclose(lse_r, torch.logsumexp(ref.double(), -1), rtol=0, atol=1e-5)
+    assert torch.allclose(lse_t, torch.logsumexp(trial.double(), -1), rtol=0, atol=1e-5)
+    assert torch.equal(kl, kl_and_lse(ref, trial)[0])
+    y = torch.randint(0, 500, (6, 9), generator=g)
+    y[0, :4] = IGNORE_INDEX
+    for side, scores, lse in (("reference", ref, lse_r), ("trial", trial, lse_t)):
+        fast, plain = QualityStats("accuracy", "lowest_index"), QualityStats("accuracy", "lowest_index")
+        fast.update(scores, y, lse=lse)
+        plain.update(scores, y)
+        valid = y != IGNORE_INDEX
+        nll = (torch.logsumexp(scores.double(), -1) - scores.double().gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1))[valid]
+        assert fast.perplexity() == pytest.approx(math.exp(float(nll.mean())), rel=1e-6), side
+        assert plain.perplexity() == pytest.approx(fast.perplexity(), rel=1e-6), side
+
+
+def test_kl_ignores_classes_the_reference_rules_out():
+    """A masked vocabulary (-inf logits in the reference): identical outputs have KL 0, not inf."""
+    ref = torch.tensor([[0.0, 1.0, -math.inf], [2.0, -math.inf, 0.5]])
+    assert kl_and_lse(ref, ref.clone())[0].tolist() == [0.0, 0.0]
+    near = kl_and_lse(ref, torch.tensor([[0.0, 1.0, -30.0], [2.0, -40.0, 0.5]]))[0]
+    assert bool((near >= 0).all()) and float(near.max()) < 1e-12
+    # a class the reference gives mass to and the trial rules out: infinitely far, as KL says
+    assert kl_and_lse(ref, torch.tensor([[0.0, -math.inf, 3.0], [2.0, 0.0, 0.5]]))[0][0] == math.inf
