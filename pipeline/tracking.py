@@ -9,6 +9,8 @@ Publishing is all or nothing, idempotent, and safe under concurrency (see ``Publ
 created RUNNING with a heartbeat and set FINISHED only after its last child is complete, so a FINISHED
 parent with the key means "already published"; a RUNNING one with a fresh heartbeat is a live publish,
 waited for; one with an old heartbeat is what an interrupted publish left, deleted and redone once.
+A sqlite store's published trees are also recorded by the project itself (``published``), so that the no-op
+publish of every ``dvc repro`` answers without importing MLflow, and without reading MLflow's tables.
 
 The tracking URI is ``MLFLOW_TRACKING_URI`` or, by default, ``sqlite:///<repository root>/mlflow.db``
 with an absolute path, so that ``dvc exp run --temp`` writes to the same database as the workspace. An
@@ -23,7 +25,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import UserError
+from pipeline.files import write_bytes
+from pipeline.provenance import repository_root
 
 KEY_TAG = "amp.key"
 """Tag of a parent run: which execution it mirrors (the caller's key)."""
@@ -121,74 +124,58 @@ class Published:
         return f"{base}/{page}"
 
 
-def repository_root(start: Path | None = None) -> Path:
-    """The user's repository, also from inside a ``dvc exp run --temp`` copy (under .dvc/tmp/exps)."""
-    here = (start or Path.cwd()).resolve()
-    parts = here.parts
-    if ".dvc" in parts:
-        i = parts.index(".dvc")
-        if parts[i + 1 : i + 3] == ("tmp", "exps"):
-            return Path(*parts[:i])
-    return here
-
-
 def tracking_uri() -> str:
     """``MLFLOW_TRACKING_URI``, else the repository's sqlite database by absolute path."""
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repository_root() / 'mlflow.db'}"
 
 
-def git_commit() -> str:
-    """The commit checked out here ("unknown" outside git or before the first commit)."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+RECORD_NAME = ".mlflow-published.json"
+"""The project's own record of what it published to a sqlite store, in the database's folder (see ``published``)."""
 
 
-def dvc_experiment_name() -> str | None:
-    """Name of the DVC experiment being run, when there is one (``dvc exp run`` sets DVC_EXP_NAME)."""
-    return os.environ.get("DVC_EXP_NAME") or None
+def published(uri: str, experiment: str, key: str) -> Published | None:
+    """The finished parent of ``key`` as this project recorded it, read without importing MLflow.
 
-
-def published_parent(uri: str, experiment: str, key: str) -> Published | None:
-    """The finished parent of ``key`` in a local sqlite store, read with the standard ``sqlite3`` module.
-
-    ``publish`` runs at every ``dvc repro`` (it is ``always_changed``); when the default database already
-    holds this execution, this answers in milliseconds instead of the seconds that importing MLflow takes.
-    It answers only when the case is plain: exactly one parent of ``key``, FINISHED, in the live experiment
-    ``experiment``. Anything else (another backend, a publish in progress, duplicates to clean up, a schema
-    it does not know) returns None, and the caller asks MLflow itself.
+    ``publish`` runs at every ``dvc repro`` (it is ``always_changed``); when the default database already holds
+    this execution, this answers in milliseconds instead of the seconds that importing MLflow takes. The
+    record (``RECORD_NAME``, beside the database, so that it lives and travels with it and stays out of DVC's
+    outputs) is written by ``Publisher.publish`` with a stamp of the database file: the sqlite file change
+    counter (sqlite's documented file header, not MLflow's tables), inode, size and mtime. Any write to the
+    store since (a run deleted in the UI, another publish, a restored backup) changes the stamp, and the caller
+    asks MLflow itself, which writes the record again. Only sqlite stores answer here: an HTTP server or
+    another database is always asked through MLflow, since nothing checks those without it.
     """
-    if not uri.startswith("sqlite:///"):
+    db = _sqlite_path(uri)
+    if db is None:
         return None
-    path = Path(uri[len("sqlite:///"):])
-    if not path.is_file():
-        return None
-    import sqlite3
-
     try:
-        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=1.0)
-        try:
-            rows = con.execute(
-                "SELECT e.experiment_id, r.run_uuid, r.status FROM runs r "
-                "JOIN tags t ON t.run_uuid = r.run_uuid JOIN experiments e ON e.experiment_id = r.experiment_id "
-                "WHERE t.key = ? AND t.value = ? AND r.lifecycle_stage = 'active' AND e.name = ? AND e.lifecycle_stage = 'active'",
-                (KEY_TAG, key, experiment),
-            ).fetchall()
-            # A tree tagged rule_loosened goes the MLflow way, so that publish says so again.
-            (loosened,) = con.execute(
-                "SELECT COUNT(*) FROM tags t JOIN tags m ON m.run_uuid = t.run_uuid "
-                "WHERE t.key = 'rule_loosened' AND t.value = 'true' AND m.key IN (?, ?) AND m.value = ?",
-                (KEY_TAG, MEMBER_TAG, key),
-            ).fetchone()
-        finally:
-            con.close()
-    except sqlite3.Error:
+        entry = json.loads((db.parent / RECORD_NAME).read_text())[uri]
+        if entry["stamp"] != _stamp(db):
+            return None
+        run = entry["published"][experiment][key]
+        return Published(str(run["run_id"]), 0, uri, str(run["experiment_id"]))
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    if len(rows) != 1 or rows[0][2] != "FINISHED" or loosened:
-        return None
-    return Published(rows[0][1], 0, uri, str(rows[0][0]))
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (a query such as ``?timeout=`` left out), else None."""
+    return Path(uri[len("sqlite:///") :].split("?")[0]) if uri.startswith("sqlite:///") else None
+
+
+def _stamp(db: Path) -> list[int]:
+    """What changes whenever a sqlite database is written: its file change counter (bytes 24-27 of the header,
+    incremented by every committed transaction), inode, size and mtime; a write-ahead log's size and mtime too.
+
+    Raises:
+        OSError: the database cannot be read.
+    """
+    with db.open("rb") as f:
+        counter = int.from_bytes(f.read(100)[24:28], "big")
+    st = db.stat()
+    wal = Path(f"{db}-wal")
+    log = [wal.stat().st_size, wal.stat().st_mtime_ns] if wal.is_file() else []
+    return [counter, st.st_ino, st.st_size, st.st_mtime_ns, *log]
 
 
 def check_reachable(uri: str, timeout: float = _HEALTH_TIMEOUT_S) -> None:
@@ -264,6 +251,7 @@ class Publisher:
         for name, value in _ENV_DEFAULTS.items():
             os.environ.setdefault(name, value)
         self.uri = uri or tracking_uri()
+        self.experiment = experiment
         self.lease_s, self.wait_s = lease_s, wait_s
         _check_store(self.uri)
         self._lock = _store_lock(self.uri)
@@ -277,58 +265,100 @@ class Publisher:
             else:
                 self.experiment_id = self._experiment(experiment)
 
-    def publish(self, key: str, parent: RunSpec, children: list[RunSpec]) -> Published:
-        """Create ``parent`` (tagged with ``key``) and ``children`` under it, unless ``key`` is published."""
+    def publish(self, key: str, parent: RunSpec, children: list[RunSpec], remember: bool = True) -> Published:
+        """Create ``parent`` (tagged with ``key``) and ``children`` under it, unless ``key`` is published.
+
+        The published tree is recorded for ``published`` unless ``remember`` is False (a tree whose publish
+        has something to say again each time, such as a rule loosened since a rollback).
+        """
         with self._lock, _failures(self.uri):
-            deadline = time.monotonic() + self.wait_s
-            waiting = False
-            while True:
-                parents = self._parents(key)
-                done = [r for r in parents if r.info.status == "FINISHED"]
-                if done:
-                    return Published(done[0].info.run_id, 0, self.uri, self.experiment_id, self._dedupe(key, done[0].info.run_id))
-                live = []
-                for run in parents:
-                    if run.info.status in ("FAILED", "KILLED") or self._stale(run):
-                        self._discard(run.info.run_id)  # a failed or interrupted publish: redone in full below
-                    else:
-                        live.append(run)
-                if live:
-                    if not waiting:
-                        waiting = True
-                        age = time.time() - _heartbeat(live[0]) / 1000
-                        print(
-                            f"publish: another publish of these results is running (run {live[0].info.run_id}, heartbeat {age:.0f} s "
-                            f"ago); waiting up to {self.wait_s:.0f} s for it to end", file=sys.stderr, flush=True,
-                        )
-                    if time.monotonic() > deadline:
-                        age = time.time() - _heartbeat(live[0]) / 1000
-                        raise UserError(
-                            f"another publish of these results (run {live[0].info.run_id} at {self.uri}) is still running, "
-                            f"last heartbeat {age:.0f} s ago; rerun `python -m pipeline publish` once it ends (it then adds nothing)"
-                        )
-                    time.sleep(1.0)
-                    continue
-                parent_id = self._claim(parent, key)
-                if parent_id is None:
-                    continue  # an earlier claim won: wait for it
-                created = [parent_id]
-                try:
-                    self._fill(parent_id, parent)
-                    for spec in children:
-                        child = self._start(spec, {"mlflow.parentRunId": parent_id, MEMBER_TAG: key})
-                        created.append(child)
-                        self._fill(child, spec, heartbeat=parent_id)
-                        self.client.set_terminated(child, "FINISHED")
-                    self.client.set_terminated(parent_id, "FINISHED")
-                except BaseException:
-                    self._mark_failed(created)  # the next publish redoes it at once, without waiting for a lease
-                    raise
-                # Should another tree of this key have finished too (clocks further apart than settle_s), the
-                # first claim stays published whoever finishes last, as the already-published branch above says.
-                keep = next((r.info.run_id for r in self._parents(key) if r.info.status == "FINISHED"), parent_id)
-                created = 1 + len(children) if keep == parent_id else 0
-                return Published(keep, created, self.uri, self.experiment_id, self._dedupe(key, keep))
+            done = self._publish(key, parent, children)
+            if remember:
+                self._remember(key, done)
+            return done
+
+    def _publish(self, key: str, parent: RunSpec, children: list[RunSpec]) -> Published:
+        """The tree of ``key``: the finished one found, or the one created here (under the lock)."""
+        deadline = time.monotonic() + self.wait_s
+        waiting = False
+        while True:
+            parents = self._parents(key)
+            done = [r for r in parents if r.info.status == "FINISHED"]
+            if done:
+                return Published(done[0].info.run_id, 0, self.uri, self.experiment_id, self._dedupe(key, done[0].info.run_id))
+            live = []
+            for run in parents:
+                if run.info.status in ("FAILED", "KILLED") or self._stale(run):
+                    self._discard(run.info.run_id)  # a failed or interrupted publish: redone in full below
+                else:
+                    live.append(run)
+            if live:
+                if not waiting:
+                    waiting = True
+                    age = time.time() - _heartbeat(live[0]) / 1000
+                    print(
+                        f"publish: another publish of these results is running (run {live[0].info.run_id}, heartbeat {age:.0f} s "
+                        f"ago); waiting up to {self.wait_s:.0f} s for it to end", file=sys.stderr, flush=True,
+                    )
+                if time.monotonic() > deadline:
+                    age = time.time() - _heartbeat(live[0]) / 1000
+                    raise UserError(
+                        f"another publish of these results (run {live[0].info.run_id} at {self.uri}) is still running, "
+                        f"last heartbeat {age:.0f} s ago; rerun `python -m pipeline publish` once it ends (it then adds nothing)"
+                    )
+                time.sleep(1.0)
+                continue
+            parent_id = self._claim(parent, key)
+            if parent_id is None:
+                continue  # an earlier claim won: wait for it
+            created = [parent_id]
+            try:
+                self._fill(parent_id, parent)
+                for spec in children:
+                    child = self._start(spec, {"mlflow.parentRunId": parent_id, MEMBER_TAG: key})
+                    created.append(child)
+                    self._fill(child, spec, heartbeat=parent_id)
+                    self.client.set_terminated(child, "FINISHED")
+                self.client.set_terminated(parent_id, "FINISHED")
+            except BaseException:
+                self._mark_failed(created)  # the next publish redoes it at once, without waiting for a lease
+                raise
+            # Should another tree of this key have finished too (clocks further apart than settle_s), the
+            # first claim stays published whoever finishes last, as the already-published branch above says.
+            keep = next((r.info.run_id for r in self._parents(key) if r.info.status == "FINISHED"), parent_id)
+            created = 1 + len(children) if keep == parent_id else 0
+            return Published(keep, created, self.uri, self.experiment_id, self._dedupe(key, keep))
+
+    def _remember(self, key: str, done: Published) -> None:
+        """Record ``done`` for ``published`` (sqlite stores only). The stamp is taken BEFORE the run is checked
+        through MLflow: a deletion before the stamp is seen by the check, one after it changes the stamp.
+        Best effort: an unwritable record only costs the next no-op its MLflow import."""
+        db = _sqlite_path(self.uri)
+        if db is None:
+            return
+        try:
+            stamp = _stamp(db)
+        except OSError:
+            return
+        run = self.client.get_run(done.run_id)
+        if run.info.status != "FINISHED" or run.info.lifecycle_stage != "active":
+            return
+        if self.client.get_experiment(done.experiment_id).lifecycle_stage != "active":
+            return
+        record_path = db.parent.resolve() / RECORD_NAME
+        try:
+            record = json.loads(record_path.read_text())
+        except (OSError, ValueError):
+            record = {}
+        entry = record.get(self.uri) if isinstance(record, dict) else None
+        if not isinstance(entry, dict) or entry.get("stamp") != stamp:  # the other entries are stale: dropped
+            entry = {"stamp": stamp, "published": {}}
+        entry["published"].setdefault(self.experiment, {})[key] = {"run_id": done.run_id, "experiment_id": done.experiment_id}
+        record = {**(record if isinstance(record, dict) else {}), self.uri: entry}
+        try:
+            write_bytes(record_path, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
+        except (OSError, UserError):
+            return
 
     def earlier_rollbacks(self, reference_run_key: str, dtype: str) -> list[dict]:
         """Rules under which this reference was rolled back for ``dtype`` in runs published before.

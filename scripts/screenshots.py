@@ -43,14 +43,14 @@ def report_html(repo: Path) -> str:
     from pipeline import paths
     from pipeline.present import page
     from pipeline.files import read_json
+    from pipeline.artifacts import variant
     from pipeline.config import load_params
-    from pipeline.stages import publish
 
     dtypes = load_params().trial.dtypes
     manifest = read_json(paths.REF_MANIFEST)
     reference = {k: manifest[k] for k in ("rule_sha256", "run_key", "env", "cases")}
-    images = {d: {n: paths.report_plot(d, n).read_bytes() for n, _ in page.PLOTS} for d in dtypes}
-    return page.html(reference, [publish._variant(d) for d in dtypes], images)
+    variants = [variant.load(d) for d in dtypes]
+    return page.html(reference, variants, {v["dtype"]: v["plots"] for v in variants})
 
 
 def main() -> None:

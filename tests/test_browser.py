@@ -58,16 +58,15 @@ def build_report(repo: Path) -> str:
     """report.html as publish builds it, from the stage outputs of ``repo``."""
     code = (
         "import json, sys\n"
-        "from pipeline import paths, report\n"
+        "from pipeline import paths\n"
+        "from pipeline.artifacts import variant\n"
         "from pipeline.files import read_json\n"
         "from pipeline.config import load_params\n"
-        "from pipeline.stages import publish\n"
-        "dtypes = load_params().trial.dtypes\n"
+        "from pipeline.present import page\n"
         "manifest = read_json(paths.REF_MANIFEST)\n"
         "reference = {k: manifest[k] for k in ('rule_sha256', 'run_key', 'env', 'cases')}\n"
-        "variants = [publish._variant(d) for d in dtypes]\n"
-        "images = {d: {n: paths.report_plot(d, n).read_bytes() for n, _ in report.PLOTS} for d in dtypes}\n"
-        "sys.stdout.write(report.html(reference, variants, images))\n"
+        "variants = [variant.load(d) for d in load_params().trial.dtypes]\n"
+        "sys.stdout.write(page.html(reference, variants, {v['dtype']: v['plots'] for v in variants}))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(repo)}
     return subprocess.run([os.sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, check=True).stdout

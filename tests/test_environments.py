@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import tracking
+from pipeline import provenance, tracking
 
 from pipeline import files
 from pipeline.config import load_params
@@ -119,7 +119,7 @@ def test_default_uri_is_the_repository_database_also_from_a_temp_copy(tmp_path, 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     copy = tmp_path / "repo" / ".dvc" / "tmp" / "exps" / "tmpabc123"
     copy.mkdir(parents=True)
-    assert tracking.repository_root(copy) == tmp_path / "repo"
+    assert provenance.repository_root(copy) == tmp_path / "repo"
     monkeypatch.chdir(copy)
     assert tracking.tracking_uri() == f"sqlite:///{(tmp_path / 'repo').resolve()}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")

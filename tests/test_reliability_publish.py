@@ -198,7 +198,7 @@ def test_a_project_copied_with_cp_a_publishes_into_its_own_mlartifacts(tmp_path,
 
 
 def test_the_publish_key_ignores_files_of_dtypes_no_longer_configured(tmp_path, monkeypatch):
-    from pipeline.stages import publish
+    from pipeline import provenance
 
     monkeypatch.chdir(tmp_path)
     for rel in ("data/reference/manifest.json", "data/report/plots/float16/loss.png", "data/report/curves/loss/float16.json",
@@ -206,13 +206,12 @@ def test_the_publish_key_ignores_files_of_dtypes_no_longer_configured(tmp_path, 
                 *(f"data/{stage}/float16/x.json" for stage in ("trial", "compare", "diagnose", "decision", "benchmark"))):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(rel)
-    manifest = {"run_key": "r", "rule_sha256": "s"}
-    before = publish._key(manifest, "c", {}, ["float16"])
+    before = provenance.publish_key("r", "s", "c", {}, ["float16"])
     # What a `dvc exp apply` of an earlier experiment with both dtypes leaves behind:
     for rel in ("data/report/plots/bfloat16/loss.png", "data/report/curves/loss/bfloat16.json", "data/metrics/bfloat16.json",
                 "data/metrics/bench-bfloat16.json"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("stale")
-    assert publish._key(manifest, "c", {}, ["float16"]) == before
+    assert provenance.publish_key("r", "s", "c", {}, ["float16"]) == before
     (tmp_path / "data/metrics/float16.json").write_text("changed")
-    assert publish._key(manifest, "c", {}, ["float16"]) != before  # a file of a configured dtype still counts
+    assert provenance.publish_key("r", "s", "c", {}, ["float16"]) != before  # a file of a configured dtype still counts

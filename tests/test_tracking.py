@@ -381,7 +381,7 @@ def test_a_rerun_removes_duplicates_and_orphans(server):
 
 def test_publish_flags_an_accept_under_a_rule_loosened_since_a_rollback(server):
     """The loosened-rule flag comes from the runs published before (decide no longer reads MLflow)."""
-    from pipeline.stages import publish
+    from pipeline.present import runs
 
     publisher = tracking.Publisher("loosened", uri=server)
     strict = {"outputs": {"*": {"atol": 0.001, "rtol": 0.0}}, "max_failing_fraction": 0.0}
@@ -389,10 +389,13 @@ def test_publish_flags_an_accept_under_a_rule_loosened_since_a_rollback(server):
     c = client(server)
     c.create_run(publisher.experiment_id, tags={"dtype": "bfloat16", "decision": "rollback", "reference_run_key": "R",
                                                "rule_json": json.dumps(strict), "rule_sha256": "s" * 64})
-    accept = {"dtype": "bfloat16", "decision": {"decision": "accept", "rule": loose, "reasons": []}}
-    assert publish._loosened(publisher, "R", accept) == [f"outputs.*.atol 0.001 -> 0.01 (rolled back under rule {'s' * 12})"]
-    assert publish._loosened(publisher, "other reference", accept) == []
-    assert publish._loosened(publisher, "R", {**accept, "decision": {"decision": "accept", "rule": strict, "reasons": []}}) == []
+    accept = {"decision": "accept", "rule": loose, "reasons": []}
+    earlier = publisher.earlier_rollbacks("R", "bfloat16")
+    assert runs.loosened(accept, earlier) == [f"outputs.*.atol 0.001 -> 0.01 (rolled back under rule {'s' * 12})"]
+    assert publisher.earlier_rollbacks("other reference", "bfloat16") == []
+    assert publisher.earlier_rollbacks("R", "float16") == []
+    assert runs.loosened({**accept, "rule": strict}, earlier) == []
+    assert runs.loosened({**accept, "decision": "rollback"}, earlier) == []
 
 
 def test_batches_non_finite_values_and_awkward_names_reach_the_server(server):
