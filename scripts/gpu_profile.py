@@ -4,8 +4,8 @@ falls short of the hardware's ratio (issue 12: on an H200, bf16 dense ~790 TFLOP
 
     python3 scripts/gpu_profile.py OUT [--size gpu|cpu|tiny] [--dtype bfloat16|float16] [--steps 10]
 
-The workload is scripts/gpu_check.py's transformer at ``--size`` (default: gpu when a GPU is visible), one
-batch, the benchmark's own step (``benchmark.TrainingStep``: ``training.amp_step``, nothing read back).
+The workload is gpu_check's transformer (``_project.transformer``) at ``--size`` (default: gpu when a GPU is visible), one
+batch, the benchmark's own step (``bench.workload.TrainingStep``: ``training.amp_step``, nothing read back).
 For each variant: median time per step over ``--steps`` steps after a warm-up, the FLOP rate it reaches
 (6 x parameters x tokens, plus attention), peak GPU memory of the step, and a ``torch.profiler`` table of
 the ops that took the most device time. Writes OUT/profile.json and OUT/profile.md. A memory-bound op
@@ -25,17 +25,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 import torch  # noqa: E402
-from gpu_check import TRANSFORMER_OPTIONS, TRANSFORMER_REFERENCE  # noqa: E402
+import _project  # noqa: E402
 
-from pipeline import benchmark, devices, precision  # noqa: E402
-from pipeline.config import Params, build  # noqa: E402
+from pipeline import devices, precision  # noqa: E402
+from pipeline.bench.timing import time_steps  # noqa: E402
+from pipeline.bench.variants import variants  # noqa: E402
+from pipeline.bench.workload import TrainingStep, Workload  # noqa: E402
+from pipeline.config import DTYPES, Params, build  # noqa: E402
 from pipeline.examples import transformer  # noqa: E402
-from pipeline.compare.numerics import quantile  # noqa: E402
+from pipeline.compare.quantiles import quantile  # noqa: E402
 
 
 def workload(size: str, device: torch.device) -> tuple[Params, torch.nn.Module, torch.Tensor, torch.Tensor]:
     """The transformer of gpu_check at ``size``, its recipe, and one training batch on ``device``."""
-    options, recipe = TRANSFORMER_OPTIONS[size], TRANSFORMER_REFERENCE[size]
+    example = _project.transformer(size)
+    options, recipe = example["task"]["options"], example["reference"]
     params = build(
         Params,
         {
@@ -68,7 +72,7 @@ def profile_variant(step, device: torch.device, steps: int, tf32: bool) -> dict:
     with precision.tf32(tf32):
         for _ in range(3):
             step()
-        times = [benchmark.time_steps(step, 1, device) for _ in range(steps)]
+        times = [time_steps(step, 1, device) for _ in range(steps)]
         peak = None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -125,14 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--size", choices=("gpu", "cpu", "tiny"))
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args(argv)
     device = devices.resolve("auto")
     size = args.size or ("gpu" if device.type == "cuda" else "cpu")
     env = devices.describe(device)
     params, model, x, y = workload(size, device)
-    chosen, _ = benchmark.variants(args.dtype, (), env)
+    chosen, _ = variants(args.dtype, (), env)
     result = {
         "env": env,
         "size": size,
@@ -143,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         "variants": {},
     }
     for v in chosen:
-        work = benchmark.Workload(copy.deepcopy(model).to(device).train(), [(x, y)], params, device, {})
-        result["variants"][v.name] = profile_variant(benchmark.make_step(work, v.policy), device, args.steps, v.tf32)
+        work = Workload(copy.deepcopy(model).to(device).train(), [(x, y)], params, device, {})
+        result["variants"][v.name] = profile_variant(TrainingStep(work, v.policy), device, args.steps, v.tf32)
         del work
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,0 +1,257 @@
+"""The benchmark artifact: ``data/benchmark/DTYPE/benchmark.json`` and its two DVC metrics
+(``data/metrics/bench-DTYPE.json``), one owner.
+
+benchmark@DTYPE writes it (``pipeline.bench`` measures); report and publish read it through ``read``. Torch-free,
+so that the stages that only present the figures never import torch. A rolled-back variant is not benchmarked,
+and its record says why; so does ``read`` when the stage has not run yet (decide runs before the benchmark).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from pipeline import paths
+from pipeline.errors import UserError
+from pipeline.files import read_json, write_json
+
+FILE = "benchmark.json"
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median and spread of measured values (nearest-rank quantiles: the median is a value that was measured)."""
+
+    median: float
+    q1: float
+    q3: float
+    iqr: float
+    rel_iqr: float
+    """IQR relative to the median (inf for a zero median)."""
+    min: float
+    max: float
+    n: int
+
+
+@dataclass(frozen=True)
+class MemoryProbe:
+    """One variant's peak-memory rounds, in bytes (one value per round)."""
+
+    peak: tuple[float, ...]
+    """Max allocated on a GPU, peak resident set on the CPU."""
+    baseline: tuple[float, ...]
+    """The same measure just before the round: weights, optimizer state, batch (NaN where it cannot be read)."""
+    skipped: tuple[int, ...]
+    """Updates the scaler skipped in the round (a skipped update allocates no optimizer state)."""
+    method: str
+
+    def kept_rounds(self) -> list[int]:
+        """Rounds without a skipped update: the only ones whose peak is compared."""
+        return [r for r, s in enumerate(self.skipped) if not s]
+
+
+@dataclass(frozen=True)
+class WorkloadFacts:
+    """What was trained: the trial's first update, with the trial's model, batch and policy."""
+
+    model: str
+    options: Mapping[str, Any]
+    parameters: int
+    batch_size: int
+    micro_batches: int
+    input_shape: tuple[int, ...]
+    fp32_modules: tuple[str, ...]
+    initial_grad_scaler: Mapping[str, Any] | str
+    """The GradScaler state AMP started from, or why there is none."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """How it was measured: enough to judge the figures without reading the code."""
+
+    warmup: int
+    repeats: int
+    steps_per_repeat: int
+    sizing: str
+    clock: str
+    order: str
+    fp32: str
+    tf32: str
+    memory: str
+    skipped_updates: str
+    cpu_threads: int
+    cpu_load_1min: float | None
+    """Other processes on the CPU slow multi-threaded steps unevenly: read wide IQRs in that light."""
+
+
+@dataclass(frozen=True)
+class RoundsDropped:
+    timed: tuple[int, ...]
+    """Timed rounds in which any variant skipped an update: dropped for every variant."""
+    skipped_updates: Mapping[str, tuple[int, ...]]
+    """Per variant that skipped any, its skipped updates per round."""
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Every value measured, before any summary."""
+
+    seconds_per_step: Mapping[str, tuple[float, ...]]
+    memory: Mapping[str, MemoryProbe]
+
+
+@dataclass(frozen=True)
+class MemorySummary:
+    """Peak and working memory (peak minus baseline) per variant, and the AMP / FP32 ratios of both."""
+
+    peak_memory_bytes: Mapping[str, Spread]
+    working_memory_bytes: Mapping[str, Spread]
+    memory_rounds_dropped: Mapping[str, tuple[int, ...]]
+    """Per variant, the memory rounds dropped for a skipped update (absent from the file when none)."""
+    memory_ratio: Spread | None
+    working_memory_ratio: Spread | None
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """An accepted variant's figures: time per step and memory, FP32 (and TF32) against AMP."""
+
+    benchmarked: ClassVar[bool] = True
+    dtype: str
+    env: Mapping[str, Any]
+    workload: WorkloadFacts
+    method: Method
+    rounds_dropped: RoundsDropped
+    samples: Samples
+    memory: MemorySummary
+    """Written at the top level of the file, beside the timings."""
+    seconds_per_step: Mapping[str, Spread] | None
+    """None when every timed round was dropped (then ``no_speedup_because`` says why)."""
+    speedup: Spread | None
+    """FP32 time / AMP time, per round; None with the timings."""
+    speedup_vs_tf32: Spread | None
+    """TF32 time / AMP time, where the GPU has TF32."""
+    no_speedup_because: str | None
+
+    def as_dict(self) -> dict:
+        out = {"benchmarked": True, **asdict(self)}
+        out.update(out.pop("memory"))
+        if not out["memory_rounds_dropped"]:
+            del out["memory_rounds_dropped"]
+        for key in ("memory_ratio", "working_memory_ratio", "seconds_per_step", "speedup", "speedup_vs_tf32", "no_speedup_because"):
+            if out[key] is None:  # absent rather than null: readers that find a figure can trust it
+                del out[key]
+        return out
+
+    def metrics(self) -> dict:
+        """The DVC metrics: two numbers (``benchmark.json`` holds the rest)."""
+        return {
+            "speedup": self.speedup.median if self.speedup else None,
+            "mem_ratio": self.memory.memory_ratio.median if self.memory.memory_ratio else None,
+        }
+
+    def summary_line(self) -> str:
+        s, m, dropped = self.speedup, self.memory.memory_ratio, self.rounds_dropped.timed
+        rounds = self.method.repeats - len(dropped)
+        line = f"benchmark {self.dtype}: " + (
+            f"speedup x{s.median:.2f} (IQR {s.q1:.2f}-{s.q3:.2f}, {rounds} rounds)" if s else str(self.no_speedup_because)
+        )
+        if m:
+            line += f", peak memory x{m.median:.2f} of FP32 (IQR {m.q1:.2f}-{m.q3:.2f})"
+        if dropped:
+            line += f"; {len(dropped)} round(s) dropped: the GradScaler skipped an update"
+        if self.env["backend"] == "cpu":
+            line += " [CPU: a short run, not a GPU figure]"
+        return line
+
+
+@dataclass(frozen=True)
+class NotBenchmarked:
+    """A variant with no figures, and why (rolled back, or the stage has not run)."""
+
+    benchmarked: ClassVar[bool] = False
+    dtype: str
+    reason: str
+
+    def as_dict(self) -> dict:
+        return {"benchmarked": False, **asdict(self)}
+
+    def metrics(self) -> dict:
+        return {}
+
+    def summary_line(self) -> str:
+        return f"benchmark {self.dtype}: skipped ({self.reason})"
+
+
+Record = Benchmark | NotBenchmarked
+
+
+def rolled_back(dtype: str) -> NotBenchmarked:
+    return NotBenchmarked(dtype, f"{dtype} was rolled back; only accepted variants are benchmarked")
+
+
+def write(record: Record) -> None:
+    write_json(paths.benchmark(record.dtype) / FILE, record.as_dict())
+    write_json(paths.benchmark_metrics(record.dtype), record.metrics())
+
+
+def read(dtype: str) -> Record:
+    """The record of ``dtype``; a missing file reads as not benchmarked, saying so.
+
+    Raises:
+        UserError: the file is damaged or is not a benchmark record.
+    """
+    path = paths.benchmark(dtype) / FILE
+    if not path.is_file():
+        return NotBenchmarked(dtype, f"{FILE} not found")
+    raw = read_json(path, f"benchmark@{dtype}")
+    try:
+        return from_dict(raw)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise UserError(f"{path} is not a benchmark record ({exc!r}); regenerate it with `dvc repro -f benchmark@{dtype}`") from None
+
+
+def from_dict(raw: Mapping[str, Any]) -> Record:
+    """The record ``as_dict`` wrote (KeyError or TypeError for anything else)."""
+    if not raw["benchmarked"]:
+        return NotBenchmarked(raw["dtype"], raw["reason"])
+    optional = {key: _spread(raw[key]) if key in raw else None for key in ("memory_ratio", "working_memory_ratio", "speedup", "speedup_vs_tf32")}
+    dropped, samples = raw["rounds_dropped"], raw["samples"]
+    return Benchmark(
+        dtype=raw["dtype"],
+        env=raw["env"],
+        workload=WorkloadFacts(**{**raw["workload"], "input_shape": tuple(raw["workload"]["input_shape"]),
+                                  "fp32_modules": tuple(raw["workload"]["fp32_modules"])}),
+        method=Method(**raw["method"]),
+        rounds_dropped=RoundsDropped(tuple(dropped["timed"]), _tuples(dropped["skipped_updates"])),
+        samples=Samples(_tuples(samples["seconds_per_step"]), {n: probe_from_dict(p) for n, p in samples["memory"].items()}),
+        memory=MemorySummary(
+            peak_memory_bytes=_spreads(raw["peak_memory_bytes"]),
+            working_memory_bytes=_spreads(raw["working_memory_bytes"]),
+            memory_rounds_dropped=_tuples(raw.get("memory_rounds_dropped", {})),
+            memory_ratio=optional["memory_ratio"],
+            working_memory_ratio=optional["working_memory_ratio"],
+        ),
+        seconds_per_step=_spreads(raw["seconds_per_step"]) if "seconds_per_step" in raw else None,
+        speedup=optional["speedup"],
+        speedup_vs_tf32=optional["speedup_vs_tf32"],
+        no_speedup_because=raw.get("no_speedup_because"),
+    )
+
+
+def probe_from_dict(raw: Mapping[str, Any]) -> MemoryProbe:
+    """A probe as ``asdict`` wrote it (the memory probe's process prints one so)."""
+    return MemoryProbe(tuple(raw["peak"]), tuple(raw["baseline"]), tuple(raw["skipped"]), raw["method"])
+
+
+def _spread(raw: Mapping[str, Any]) -> Spread:
+    return Spread(**raw)
+
+
+def _spreads(raw: Mapping[str, Mapping[str, Any]]) -> dict[str, Spread]:
+    return {name: _spread(s) for name, s in raw.items()}
+
+
+def _tuples(raw: Mapping[str, list]) -> dict[str, tuple]:
+    return {name: tuple(values) for name, values in raw.items()}

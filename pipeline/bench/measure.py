@@ -1,0 +1,113 @@
+"""The whole benchmark of one accepted variant: memory first, then the interleaved timings, then the record."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from pipeline import devices, distributed, precision
+from pipeline.artifacts.benchmark import Benchmark, MemoryProbe, Method, RoundsDropped, Samples, WorkloadFacts
+from pipeline.bench.memory import memory_by_variant
+from pipeline.bench.sizing import Sizes, sizes
+from pipeline.bench.stats import memory_summary, ratio_spread, spread
+from pipeline.bench.timing import Rounds, interleaved
+from pipeline.bench.variants import variants
+from pipeline.bench.workload import TrainingStep, Workload, load_workload
+from pipeline.config import Params
+from pipeline.precision import Policy
+
+
+def measure(params_path: str, params: Params, dtype: str, device: torch.device) -> Benchmark | None:
+    """Time and memory of FP32 (and TF32) against AMP ``dtype``; None on a rank other than 0 (it only
+    takes part, so that DDP's collectives pair up).
+
+    Raises:
+        UserError: the device cannot run ``dtype``, or an earlier stage has not run.
+    """
+    precision.strict_fp32()
+    devices.check_dtype_supported(device, precision.parse_dtype(dtype))
+    env = devices.describe(device)
+    chosen, tf32_note = variants(dtype, tuple(params.trial.fp32_modules), env)
+    size = sizes(params.bench, device.type)
+    memory = memory_by_variant(params_path, params, dtype, chosen, device)  # before any timing
+    with contextlib.ExitStack() as stack:
+        steps, works = {}, []
+        for v in chosen:  # each variant its own model, optimizer and scaler
+            works.append(load_workload(params, device, dtype if v.policy.amp else None))
+            stack.enter_context(precision.fp32_regions(works[-1].model, v.policy, device))
+            steps[v.name] = (TrainingStep(works[-1], v.policy), v.tf32)
+        load = os.getloadavg()[0] if device.type == "cpu" else None
+        rounds = interleaved(steps, size.warmup, size.repeats, size.steps, device)
+    if not distributed.current().writes:
+        return None
+    return record(dtype, env, works[-1], size, tf32_note, memory, rounds, load)
+
+
+def record(
+    dtype: str,
+    env: dict,
+    work: Workload,
+    size: Sizes,
+    tf32_note: str,
+    memory: dict[str, MemoryProbe],
+    rounds: Rounds,
+    cpu_load: float | None,
+) -> Benchmark:
+    """Everything measured, with the method and the workload."""
+    device = work.device
+    dropped, times = rounds.dropped(), rounds.kept_times()
+    memory_method = next(iter(memory.values())).method
+    timed = bool(times["fp32"])
+    return Benchmark(
+        dtype=dtype,
+        env=env,
+        workload=workload_facts(work, dtype),
+        method=Method(
+            warmup=size.warmup,
+            repeats=size.repeats,
+            steps_per_repeat=size.steps,
+            sizing=size.note,
+            clock="CUDA events, synchronized" if device.type == "cuda" else "time.perf_counter (monotonic)",
+            order="interleaved, rotating each round",
+            fp32="strict: TF32 off for matmul and cuDNN",
+            tf32=tf32_note,
+            memory=memory_method + (
+                "; one fresh process per variant" if device.type == "cuda" else "; in this process, one variant after the other"
+            ),
+            skipped_updates="rounds with an update the GradScaler skipped are dropped for every variant",
+            cpu_threads=torch.get_num_threads(),
+            cpu_load_1min=cpu_load,
+        ),
+        rounds_dropped=RoundsDropped(tuple(dropped), {n: tuple(s) for n, s in rounds.skipped.items() if any(s)}),
+        samples=Samples({n: tuple(t) for n, t in rounds.times.items()}, memory),
+        memory=memory_summary(memory),
+        seconds_per_step={name: spread(t) for name, t in times.items()} if timed else None,
+        speedup=ratio_spread(times["fp32"], times["amp"]) if timed else None,
+        speedup_vs_tf32=ratio_spread(times["tf32"], times["amp"]) if timed and "tf32" in times else None,
+        no_speedup_because=None if timed else (
+            f"every timed round had an update the GradScaler skipped ({len(dropped)} of {size.repeats}); the scale "
+            f"had not settled: raise bench.warmup"
+        ),
+    )
+
+
+def workload_facts(work: Workload, dtype: str) -> WorkloadFacts:
+    """The workload as recorded, with the scaler state AMP started from (or why there is none)."""
+    params = work.params
+    x0, y0 = work.micro_batches[0]
+    if not Policy(dtype=dtype).uses_scaler:
+        scaler = "none: only float16 uses a GradScaler"
+    else:
+        scaler = work.scaler_state or "fresh: no trial state found"
+    return WorkloadFacts(
+        model=params.task.model,
+        options=params.task.options,
+        parameters=work.parameters,
+        batch_size=int(y0.shape[0]),
+        micro_batches=len(work.micro_batches),
+        input_shape=tuple(x0.shape),
+        fp32_modules=tuple(params.trial.fp32_modules),
+        initial_grad_scaler=scaler,
+    )
