@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import paths, rule
+from pipeline.artifacts.reference import Manifest
+from pipeline.config import AcceptanceConfig, build
 from pipeline.present import page, verdict
 from pipeline.tracking import RunSpec
 
@@ -27,9 +29,9 @@ PARENT_COLUMNS = ("accepted", "flips", "near_boundary_flips", "boundary_flips", 
 """The children's columns the parent repeats, per dtype, so that executions compare in one table."""
 
 
-def common_tags(commit: str, manifest: Mapping[str, Any], dvc_experiment: str | None) -> dict[str, str]:
+def common_tags(commit: str, manifest: Manifest, dvc_experiment: str | None) -> dict[str, str]:
     """Tags of every run of one execution: the code version, the rule and the reference it was judged against."""
-    tags = {"git_commit": commit, "mlflow.source.git.commit": commit, "rule_sha256": manifest["rule_sha256"], "reference_run_key": manifest["run_key"]}
+    tags = {"git_commit": commit, "mlflow.source.git.commit": commit, "rule_sha256": manifest.rule_sha256, "reference_run_key": manifest.run_key}
     if dvc_experiment:
         tags["dvc_experiment"] = dvc_experiment
     return tags
@@ -54,21 +56,21 @@ def verdicts(variants: Mapping[str, Mapping[str, Any]], loosened_by_dtype: Mappi
 
 
 def parent(
-    manifest: Mapping[str, Any], variants: Mapping[str, Mapping[str, Any]], verdicts_: Sequence[verdict.Verdict],
+    manifest: Manifest, variants: Mapping[str, Mapping[str, Any]], verdicts_: Sequence[verdict.Verdict],
     ref_steps: list[dict], common: Mapping[str, str], flat: dict, params_path: str,
 ) -> RunSpec:
     """The pipeline execution: the verdict block first (description, report.html), the reference, params."""
-    reference = {k: manifest[k] for k in ("rule_sha256", "run_key", "env", "cases") if k in manifest}
+    reference = {"rule_sha256": manifest.rule_sha256, "run_key": manifest.run_key, "env": manifest.env, "cases": manifest.cases}
     images = {d: v["plots"] for d, v in variants.items()}
     summary = page.markdown(reference, list(variants.values()), verdicts_)
     suffix = " ".join(filter(None, [common.get("dvc_experiment"), common["git_commit"][:8]]))
     return RunSpec(
         name=verdict.run_name(verdicts_, suffix),
-        tags={**common, **env_tags(manifest["env"]), "stage": "pipeline", "dtypes": ",".join(variants),
+        tags={**common, **env_tags(manifest.env), "stage": "pipeline", "dtypes": ",".join(variants),
               **{f"decision.{d}": v["decision"]["decision"] for d, v in variants.items()},
               **{f"reasons_count.{d}": str(len(v["decision"]["reasons"])) for d, v in variants.items()}},
         params=flat,
-        metrics={"reference.real_updates": manifest.get("real_updates"), "reference.final_loss": ref_steps[-1]["loss"] if ref_steps else None,
+        metrics={"reference.real_updates": manifest.real_updates, "reference.final_loss": ref_steps[-1]["loss"] if ref_steps else None,
                  **{f"{d}.{k}": x for d, v in variants.items() for k, x in columns(v).items() if k in PARENT_COLUMNS}},
         steps={"loss_fp32": series(ref_steps, "loss"), "grad_norm_fp32": series(ref_steps, "grad_norm")},
         artifacts=[(p, "") for p in (Path(params_path), Path("dvc.lock")) if p.is_file()]
@@ -89,7 +91,7 @@ def child(v: Mapping[str, Any], verdict_: verdict.Verdict, loosened_: list[str],
         tags=child_tags(v, loosened_, common),
         params=flat,
         metrics=columns(v),
-        steps=curves(ref_steps, v["trajectory"]["steps"], rule_, replicate_steps),
+        steps=curves(ref_steps, v["trajectory"]["steps"], build(AcceptanceConfig, rule_, "decision.rule"), replicate_steps),
         artifacts=child_artifacts(d),
         # flipped cases first: the table opens on them, not after pages of unchanged cases
         tables={"cases.json": sorted(v["cases"], key=lambda r: not r.get("flipped"))} if v["cases"] is not None else {},
@@ -183,17 +185,16 @@ def _bench_columns(bench: Mapping[str, Any]) -> dict:
     return out
 
 
-def curves(ref_steps: list[dict], steps: list[dict], rule_: Mapping[str, Any], replicate_steps: list[dict] | None = None) -> dict[str, list[tuple[int, float]]]:
+def curves(ref_steps: list[dict], steps: list[dict], rule_: AcceptanceConfig, replicate_steps: list[dict] | None = None) -> dict[str, list[tuple[int, float]]]:
     """Per-step histories: both losses, the AMP gap, the band the rule allows around FP32's loss and, when
     the reference ran an FP32 replicate, its gap (the noise floor)."""
     ref = {int(s["step"]): s["loss"] for s in ref_steps}
-    atol, rtol = rule_.get("loss_atol", 0.0), rule_.get("loss_rtol", 0.0)
     shared = [s for s in steps if int(s["step"]) in ref]
     out = {
         "loss_fp32": series(ref_steps, "loss"),
         "loss_amp": series(steps, "loss"),
         "loss_gap_abs": [(int(s["step"]), abs(s["loss"] - ref[int(s["step"])])) for s in shared],
-        "loss_band": [(int(s["step"]), atol + rtol * abs(ref[int(s["step"])])) for s in shared],
+        "loss_band": [(int(s["step"]), rule_.loss_band(ref[int(s["step"])])) for s in shared],
         "loss_scale": series(steps, "scale"),
         "grad_norm": series(steps, "grad_norm"),
         "skipped": [(int(s["step"]), float(bool(s["skipped"]))) for s in steps],

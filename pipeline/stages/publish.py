@@ -17,10 +17,9 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from pipeline import paths, provenance, tracking
-from pipeline.artifacts import variant
+from pipeline import provenance, tracking
+from pipeline.artifacts import reference, variant
 from pipeline.config import load_params
-from pipeline.files import read_json
 from pipeline.present import runs, verdict
 
 
@@ -28,10 +27,10 @@ def main(params_path: str = "params.yaml") -> None:
     started = time.monotonic()
     params = load_params(params_path)
     dtypes = params.trial.dtypes
-    manifest = read_json(paths.REF_MANIFEST, "freeze")
+    manifest = reference.read_manifest()
     flat = tracking.flatten(asdict(params))
     commit = provenance.git_commit()
-    key = provenance.publish_key(manifest["run_key"], manifest["rule_sha256"], commit, flat, dtypes)
+    key = provenance.publish_key(manifest.run_key, manifest.rule_sha256, commit, flat, dtypes)
     variants = {d: variant.load(d) for d in dtypes}
 
     already = tracking.published(tracking.tracking_uri(), params.tracking.experiment, key)
@@ -44,10 +43,9 @@ def main(params_path: str = "params.yaml") -> None:
 
     common = runs.common_tags(commit, manifest, provenance.dvc_experiment_name())
     publisher = tracking.Publisher(params.tracking.experiment)
-    loosened = {d: runs.loosened(v["decision"], publisher.earlier_rollbacks(manifest["run_key"], d)) for d, v in variants.items()}
+    loosened = {d: runs.loosened(v["decision"], publisher.earlier_rollbacks(manifest.run_key, d)) for d, v in variants.items()}
     verdicts = runs.verdicts(variants, loosened)
-    ref_steps = read_json(paths.REF_TRAJECTORY, "freeze")["steps"]
-    replicate = read_json(paths.REF_REPLICATE_TRAJECTORY, "freeze")["steps"] if paths.REF_REPLICATE_TRAJECTORY.is_file() else None
+    ref_steps, replicate = reference.read_trajectory(manifest), reference.read_replicate(manifest)
     parent = runs.parent(manifest, variants, verdicts, ref_steps, common, flat, params_path)
     children = [runs.child(variants[v.dtype], v, loosened[v.dtype], ref_steps, replicate, common, flat) for v in verdicts]
     # A loosened rule is said at every publish: such a tree is not recorded for the no-op above.
