@@ -156,10 +156,10 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     """Statistics and per-case table of one trial; each source read once, one chunk of rows at a time.
 
     Per-token outputs ignore positions whose target is -100 and, when ``sources.token_mask`` is given,
-    positions where it is 0.
+    positions where it is 0. ``metric`` defaults to the kind's built-in one (``TaskConfig.metric_name``).
     """
     cfg = cfg or CompareConfig()
-    metric = metric or Metric("accuracy" if kind == "classification" else "neg_rmse")
+    metric = metric or Metric.for_task(TaskConfig(kind=kind))
     ids, ref, trial, trained, fp64 = list(sources.ids), sources.reference, sources.trial, sources.trained, sources.fp64
     kinds = kinds_of(ids)
     n = len(ids)
