@@ -8,8 +8,9 @@ Two runs, each in a fresh temporary copy of the project (this checkout's data/, 
 never touched):
 
 - ``default``: the pipeline on params.yaml as committed, the figures every user gets first;
-- ``transformer``: the same pipeline on the built-in transformer example, sized by ``--size`` (on a GPU:
-  ~57M parameters, 64 x 256 tokens a step, so a step is compute-bound and AMP's gain is visible).
+- ``transformer``: the same pipeline on examples/transformer.params.yaml, sized by ``--size`` (on a GPU:
+  that file as it is, ~57M parameters, 64 x 256 tokens a step, so a step is compute-bound and AMP's gain is
+  visible; ``cpu`` and ``tiny`` merge examples/sizes/transformer-SIZE.yaml into it).
 
 OUT/figures.json holds everything (per-stage wall time, decisions and reasons, benchmark figures with
 their spread, the machine) and OUT/figures.md a summary to paste into the README.
@@ -19,12 +20,12 @@ Two modes:
 - with DVC (``dvc`` importable and on PATH): ``git init``, ``dvc init`` and ``dvc repro`` in the copy,
   publish included (MLflow at ``MLFLOW_TRACKING_URI``, else an sqlite file inside the copy);
 - without DVC (a bare PyTorch image whose python3 has only torch, pyyaml, safetensors and numpy; or
-  ``--no-dvc``): the stages run one by one as ``python -m pipeline STAGE [--dtype D]``, in the package's
-  own order (``pipeline.__main__.STAGES``, per-dtype stages once per ``trial.dtypes``), ``publish``
-  skipped (MLflow is not there). dvc.yaml is not read: what it would run is what the package runs.
+  ``--no-dvc``): dvc.yaml's commands run one by one in its order, its matrix stages once per
+  ``trial.dtypes`` (``_project.plan``), ``publish`` skipped (MLflow is not there).
 
 Without scikit-learn the default example (digits, which loads scikit-learn's bundled data) cannot run,
 so the ``default`` run uses the transformer example at CPU size instead, and figures.json says so.
+``--size tiny`` also merges examples/sizes/tiny.yaml into both runs.
 ``--task transformer`` forces that substitution where scikit-learn is present (the tests use it).
 
 The whole check is meant to finish in under 8 minutes on a GPU; figures.json records the time it took.
@@ -33,7 +34,6 @@ The whole check is meant to finish in under 8 minutes on a GPU; figures.json rec
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import json
 import os
@@ -44,98 +44,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+import _project
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the package's stage order, whatever the current folder
-
-from pipeline.__main__ import PER_DTYPE, STAGES  # noqa: E402  (imports only the params loader: no torch)
-
-PROJECT_FILES = ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore")
 TIME_LIMIT_S = 8 * 60
 # Packages a bare PyTorch image may lack whose stages only present results (plots, the MLflow mirror).
 OPTIONAL = {"matplotlib", "mlflow"}
 _MISSING = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
-TRANSFORMER = "pipeline.examples.transformer"
-
-# The transformer example at three sizes. The GPU size makes every matmul large enough for tensor cores
-# (d_model 768, 64 x 256 tokens a step): strict FP32 then costs several times an AMP step.
-TRANSFORMER_OPTIONS = {
-    "gpu": {"seq_len": 256, "features": 32, "d_model": 768, "heads": 12, "layers": 8, "n_train": 2048, "n_eval": 256},
-    "cpu": {"seq_len": 32, "features": 16, "d_model": 64, "heads": 4, "layers": 2, "n_train": 2048, "n_eval": 256},
-    "tiny": {"seq_len": 16, "features": 8, "d_model": 32, "heads": 2, "layers": 1, "n_train": 256, "n_eval": 64},
-}
-# Adam learns this task within the reference's steps where the digits example's SGD settings do not. No
-# resumable checkpoints: on the GPU size each would hold ~0.7 GB of weights and Adam state.
-TRANSFORMER_REFERENCE = {
-    "gpu": {"optimizer": "adam", "lr": 1.0e-3, "batch_size": 64, "checkpoint_every": 0},
-    "cpu": {"optimizer": "adam", "lr": 1.0e-3, "batch_size": 64, "checkpoint_every": 0},
-    "tiny": {"optimizer": "adam", "lr": 3.0e-3, "batch_size": 32, "checkpoint_every": 0, "train_steps": 40},
-}
-# The rule for the transformer runs, fixed here before any trial runs: params.yaml's rule except the
-# quality floor, set for a 4-class task (chance is 0.25). Drops against the reference, flips, value
-# tolerances and the training checks stay as committed.
-TRANSFORMER_ACCEPTANCE = {"min_quality": 0.5}
-# Small enough that a whole run takes seconds on a CPU; the same stages and code paths (tests use it).
-TINY = {
-    "prepare": {"ordinary_cases": 64, "edge_samples": 2},
-    "reference": {"train_steps": 12, "batch_size": 32, "checkpoint_every": 0, "boundary_cases": 3},
-    "bench": {"warmup": 1, "repeats": 3, "steps": 2},
-}
-
-
-@dataclass
-class Stage:
-    name: str
-    args: list[str] = field(default_factory=list)
-
-
-NOT_DVC_STAGES = {"restore"}  # a command users run after a rollback, not a stage of dvc.yaml
-
-
-def plan(params: dict) -> list[Stage]:
-    """The DVC stages in the package's order, per-dtype ones once per ``trial.dtypes`` (``trial@float16`` ...)."""
-    dtypes = params.get("trial", {}).get("dtypes", [])
-    out = []
-    for name in (s for s in STAGES if s not in NOT_DVC_STAGES):
-        if name in PER_DTYPE:
-            out += [Stage(f"{name}@{d}", [name, "--dtype", d]) for d in dtypes]
-        else:
-            out.append(Stage(name, [name]))
-    return out
 
 
 # --- running a project copy ----------------------------------------------------------------------------
-
-
-def merge(base: dict, override: dict) -> dict:
-    out = dict(base)
-    for k, v in override.items():
-        out[k] = merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
-    return out
-
-
-def make_copy(dest: Path, override: dict) -> Path:
-    """The project's pipeline files in ``dest``, params.yaml with ``override`` merged in."""
-    dest.mkdir(parents=True)
-    for name in PROJECT_FILES:
-        if (ROOT / name).exists():
-            shutil.copy2(ROOT / name, dest / name)
-    shutil.copytree(ROOT / "pipeline", dest / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
-    params = yaml.safe_load((dest / "params.yaml").read_text())
-    (dest / "params.yaml").write_text(yaml.safe_dump(merge(params, override), sort_keys=False))
-    return dest
-
-
-def _env(repo: Path) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(repo), PYTHONUNBUFFERED="1")
-    env.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{repo / 'mlflow.db'}")
-    env.pop("DVC_EXP_NAME", None)
-    return env
 
 
 def run_stages(repo: Path) -> list[dict]:
@@ -146,12 +66,13 @@ def run_stages(repo: Path) -> list[dict]:
     stops the run.
     """
     records = []
-    for stage in plan(yaml.safe_load((repo / "params.yaml").read_text())):
+    env = _env(repo)
+    for stage in _project.plan(_project.params(repo), repo):
         if stage.name == "publish":
             records.append({"stage": stage.name, "status": "skipped: MLflow mirror, not run without dvc", "seconds": 0.0})
             continue
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "pipeline", *stage.args], cwd=repo, env=_env(repo), capture_output=True, text=True, check=False)
+        proc = subprocess.run(stage.argv(), cwd=repo, env=env, capture_output=True, text=True, check=False)
         record = {
             "stage": stage.name,
             "seconds": round(time.monotonic() - t0, 2),
@@ -169,37 +90,16 @@ def run_stages(repo: Path) -> list[dict]:
     return records
 
 
+def _env(repo: Path) -> dict[str, str]:
+    return _project.env_for(repo, os.environ.get("MLFLOW_TRACKING_URI"))  # the user's MLflow, where one is set
+
+
 def run_dvc(repo: Path) -> list[dict]:
     """``git init``, ``dvc init`` and ``dvc repro`` in the copy (publish included)."""
+    _project.init_repo(repo, "gpu-check")
     env = _env(repo)
-    for args in (
-        ["git", "init", "-q"],
-        [
-            "git",
-            "-c",
-            "user.name=gpu-check",
-            "-c",
-            "user.email=gpu-check@localhost",
-            "commit",
-            "-q",
-            "--allow-empty",
-            "-m",
-            "empty",
-        ],
-        ["dvc", "init", "-q"],
-        ["dvc", "config", "core.analytics", "false"],
-    ):
-        subprocess.run(args, cwd=repo, env=env, check=True, capture_output=True)
-    subprocess.run(["git", "add", "-A"], cwd=repo, env=env, check=True, capture_output=True)
-    subprocess.run(
-        ["git", "-c", "user.name=gpu-check", "-c", "user.email=gpu-check@localhost", "commit", "-qm", "copy"],
-        cwd=repo,
-        env=env,
-        check=True,
-        capture_output=True,
-    )
     t0 = time.monotonic()
-    proc = subprocess.run(["dvc", "repro"], cwd=repo, env=env, capture_output=True, text=True, check=False)
+    proc = subprocess.run(_project.dvc_cmd("repro"), cwd=repo, env=env, capture_output=True, text=True, check=False)
     record = {
         "stage": "dvc repro",
         "seconds": round(time.monotonic() - t0, 2),
@@ -234,32 +134,15 @@ def collect(repo: Path, dtypes: list[str]) -> dict:
 # --- the check ------------------------------------------------------------------------------------------
 
 
-def profiles(
-    size: str, only: str | None, force_transformer: bool, dtypes: list[str] | None
-) -> tuple[dict[str, dict], dict[str, str]]:
-    """Params overrides of each run, and notes on what was substituted and why."""
+def profiles(size: str, only: str | None, force_transformer: bool, dtypes: list[str] | None) -> tuple[dict[str, dict], dict[str, str]]:
+    """The params of each run, and notes on what was substituted and why."""
     notes: dict[str, str] = {}
-    base: dict = merge(TINY, {}) if size == "tiny" else {}
-    if dtypes:
-        base["trial"] = {"dtypes": dtypes}
-    transformer = merge(
-        base,
-        {
-            "task": {
-                "kind": "classification",
-                "model": f"{TRANSFORMER}:build_model",
-                "data": f"{TRANSFORMER}:load_data",
-                "options": TRANSFORMER_OPTIONS[size],
-                "loss": "cross_entropy",
-            },
-            "reference": TRANSFORMER_REFERENCE[size],
-            "acceptance": TRANSFORMER_ACCEPTANCE,
-        },
-    )
-    default = copy.deepcopy(base)
+    chosen = {"trial": {"dtypes": dtypes}} if dtypes else {}
+    transformer = _project.merge(_project.transformer(size), chosen)
+    default = _project.merge(_project.merge(_project.params(), _project.size("tiny") if size == "tiny" else {}), chosen)
     if force_transformer or importlib.util.find_spec("sklearn") is None:
         small = "tiny" if size == "tiny" else "cpu"
-        default = merge(transformer, {"task": {"options": TRANSFORMER_OPTIONS[small]}, "reference": TRANSFORMER_REFERENCE[small]})
+        default = _project.merge(_project.transformer(small), chosen)
         why = "--task transformer" if force_transformer else "scikit-learn is not installed (the digits example needs it)"
         notes["default"] = f"{why}: ran the transformer example at {small} size instead of params.yaml's task"
     runs = {"default": default, "transformer": transformer}
@@ -353,15 +236,15 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     ok = True
     try:
-        for name, override in runs.items():
+        for name, params in runs.items():
             print(f"gpu_check: run {name} ({figures['mode']}, size {size})", flush=True)
-            repo = make_copy(work / name, override)
+            repo = _project.copy(work / name, params)
             t0 = time.monotonic()
             stages = run_dvc(repo) if use_dvc else run_stages(repo)
-            run_dtypes = yaml.safe_load((repo / "params.yaml").read_text())["trial"]["dtypes"]
+            run_dtypes = params["trial"]["dtypes"]
             figures["runs"][name] = {
                 "note": notes.get(name, ""),
-                "params_override": override,
+                "params": params,
                 "seconds": round(time.monotonic() - t0, 2),
                 "stages": stages,
                 **collect(repo, run_dtypes),

@@ -1,4 +1,9 @@
-"""Shared fixtures: a copy of the project in a temporary git + DVC repository, run with real `dvc repro`."""
+"""Shared fixtures: a copy of the project in a temporary git + DVC repository, run with real `dvc repro`.
+
+The copy, the params merge and the runners are scripts/_project.py's (the scripts use the same harness):
+tests import them from there (``from _project import run, dvc``); this file adds the tiny size, the blank
+MLflow database and the test lanes.
+"""
 
 from __future__ import annotations
 
@@ -11,24 +16,18 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import yaml
 
 # One OpenMP thread for the test process and every stage it starts: no oversubscription on a small
 # machine, and the same thread count everywhere (CPU matmul results depend on it, bit for bit).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+import _project  # noqa: E402
 
-# Small enough that a whole `dvc repro` takes seconds on 2 CPU cores; same code paths as the defaults.
-TINY = {
-    "prepare": {"ordinary_cases": 64, "edge_samples": 2},
-    "reference": {"train_steps": 12, "batch_size": 32, "checkpoint_every": 4, "boundary_cases": 3},
-    "bench": {"warmup": 1, "repeats": 2, "steps": 2},
-    # A strict absolute tolerance between FP16's gaps (~6e-4 here) and BF16's (~5e-3, 3 fewer mantissa
-    # bits): the tiny run then exercises both verdicts, accept (FP16) and rollback (BF16).
-    "acceptance": {"outputs": {"*": {"atol": 0.002, "rtol": 0.0}}, "min_quality": 0.5},
-}
+# examples/sizes/tiny.yaml: a whole `dvc repro` in seconds on 2 CPU cores, the same code paths as the defaults.
+# A strict absolute tolerance between FP16's gaps (~6e-4 here) and BF16's (~5e-3, 3 fewer mantissa bits): the
+# tiny run then exercises both verdicts, accept (FP16) and rollback (BF16).
+TINY = _project.merge(_project.size("tiny"), {"acceptance": {"outputs": {"*": {"atol": 0.002, "rtol": 0.0}}, "min_quality": 0.5}})
 
 
 _BLANK_DB: list[Path] = []
@@ -45,63 +44,12 @@ def blank_mlflow_db() -> Path:
     return _BLANK_DB[0]
 
 
-def env_for(repo: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{repo / 'mlflow.db'}"
-    env["PYTHONPATH"] = str(repo)
-    env.pop("DVC_EXP_NAME", None)
-    return env
-
-
-def run(args: list[str], repo: Path, check: bool = True, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(args, cwd=repo, env=env or env_for(repo), capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
-    return proc
-
-
-def merge(base: dict, override: dict) -> dict:
-    out = dict(base)
-    for k, v in override.items():
-        out[k] = merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
-    return out
-
-
-def write_params(repo: Path, override: dict) -> None:
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    (repo / "params.yaml").write_text(yaml.safe_dump(merge(params, override), sort_keys=False))
-
-
 def make_project(dest: Path, override: dict | None = None) -> Path:
     """Copy the project into ``dest``, make it a git + DVC repository with tiny params, commit."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore"):
-        if (ROOT / name).exists():
-            shutil.copy2(ROOT / name, dest / name)
-    shutil.copytree(ROOT / "pipeline", dest / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
-    write_params(dest, merge(TINY, override or {}))
+    _project.copy(dest, override=_project.merge(TINY, override or {}))
     shutil.copy2(blank_mlflow_db(), dest / "mlflow.db")  # ignored by git, like a user's local database
-    run(["git", "init", "-q"], dest)
-    run(["git", "config", "user.email", "test@localhost"], dest)
-    run(["git", "config", "user.name", "test"], dest)
-    run([str(BIN / "dvc"), "init", "-q"], dest)
-    run([str(BIN / "dvc"), "config", "core.analytics", "false"], dest)
-    if (ROOT / ".dvc" / "plots").is_dir():  # the plot templates and the offline page `dvc plots show` uses
-        shutil.copytree(ROOT / ".dvc" / "plots", dest / ".dvc" / "plots")
-        run([str(BIN / "dvc"), "config", "plots.html_template", "plots/offline.html"], dest)
-    run(["git", "add", "-A"], dest)
-    run(["git", "commit", "-qm", "init"], dest)
+    _project.init_repo(dest)
     return dest
-
-
-def dvc(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return run([str(BIN / "dvc"), *args], repo, check=check)
-
-
-def stage(repo: Path, *args: str, check: bool = False) -> subprocess.CompletedProcess:
-    """Run ``python -m pipeline ARGS`` in ``repo``."""
-    return run([sys.executable, "-m", "pipeline", *args], repo, check=check)
 
 
 # --- test lanes ----------------------------------------------------------------------------------------------
@@ -152,7 +100,7 @@ def reproduced(tmp_path_factory) -> Path:
         if not done.exists():
             shutil.rmtree(repo.parent, ignore_errors=True)  # what a worker that failed midway left
             make_project(repo)
-            dvc(repo, "repro")
+            _project.dvc(repo, "repro")
             done.touch()
     return repo
 

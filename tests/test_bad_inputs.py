@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import stage
+from _project import stage
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, env_for, merge, run
+from _project import ROOT, env_for, merge, run
 
 pytestmark = pytest.mark.integration
 

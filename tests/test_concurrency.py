@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, dvc, run
+from _project import BIN, dvc, run
 
 pytestmark = pytest.mark.integration
 

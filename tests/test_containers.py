@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import BIN, ROOT
+from _project import BIN, ROOT
 
 from pipeline import devices
 

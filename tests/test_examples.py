@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT, run
+from _project import ROOT, run
 
 _spec = importlib.util.spec_from_file_location("make_examples", ROOT / "scripts" / "make_examples.py")
 make_examples = importlib.util.module_from_spec(_spec)

@@ -1,33 +1,68 @@
-"""scripts/gpu_check.py without running a pipeline: the stage plan comes from the package, and --require-gpu."""
+"""scripts/gpu_check.py and its harness scripts/_project.py without running a pipeline: the stage plan is
+dvc.yaml's, the runs' params come from examples/, a copy is the working tree, and --require-gpu."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import _project
 import pytest
 import torch
 import yaml
+from _project import ROOT
 
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_check  # noqa: E402
-
-from pipeline.__main__ import PER_DTYPE, STAGES  # noqa: E402
+import gpu_check
 
 
-def test_plan_is_the_packages_stage_order_expanded_over_the_dtypes() -> None:
-    params = {**yaml.safe_load((ROOT / "params.yaml").read_text()), "trial": {"dtypes": ["float16", "bfloat16"]}}
-    names = [s.name for s in gpu_check.plan(params)]
-    assert names[:2] == ["prepare", "freeze"] and names[-1] == "publish" and "restore" not in " ".join(names)
-    for dtype in ("float16", "bfloat16"):
-        chain = [f"{s}@{dtype}" for s in STAGES if s in PER_DTYPE and s != "restore"]
-        assert [names.index(n) for n in chain] == sorted(names.index(n) for n in chain)
-    assert next(s for s in gpu_check.plan(params) if s.name == "trial@bfloat16").args == ["trial", "--dtype", "bfloat16"]
-    # every DVC stage of dvc.yaml is in the package's order, and nothing else is
-    assert {n.split("@")[0] for n in names} == set(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
+def test_plan_is_dvc_yaml_with_its_matrix_stages_once_per_dtype() -> None:
+    params = {**_project.params(), "trial": {"dtypes": ["float16", "bfloat16"]}}
+    plan = _project.plan(params)
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    expected = [f"{n}@{d}" if "matrix" in s else n for n, s in stages.items() for d in (params["trial"]["dtypes"] if "matrix" in s else [""])]
+    assert [s.name for s in plan] == expected
+    assert expected[:3] == ["prepare", "freeze", "trial@float16"] and expected[-1] == "publish"
+    trial = next(s for s in plan if s.name == "trial@bfloat16")
+    assert trial.cmd == ("python", "-m", "pipeline", "trial", "--dtype", "bfloat16")
+    assert trial.argv()[0] == sys.executable and trial.argv()[1:] == list(trial.cmd[1:])
+
+
+def test_the_runs_are_the_example_files_at_each_size() -> None:
+    runs, notes = gpu_check.profiles("gpu", None, force_transformer=True, dtypes=["float16"])
+    assert runs["transformer"] == {**_project.example("transformer"), "trial": {**_project.example("transformer")["trial"], "dtypes": ["float16"]}}
+    assert runs["transformer"]["task"]["options"]["d_model"] == 768
+    assert runs["default"]["task"]["options"] == _project.size("transformer-cpu")["task"]["options"] and "--task transformer" in notes["default"]
+    tiny, _ = gpu_check.profiles("tiny", "transformer", force_transformer=False, dtypes=None)
+    reference = tiny["transformer"]["reference"]
+    assert reference["train_steps"] == 40 and reference["checkpoint_every"] == 0 and reference["optimizer"] == "adam"
+    assert tiny["transformer"]["prepare"]["ordinary_cases"] == _project.size("tiny")["prepare"]["ordinary_cases"]
+    assert tiny["transformer"]["acceptance"]["min_quality"] == 0.5, "the example's rule, not params.yaml's"
+
+
+def test_a_copy_holds_the_working_tree_as_git_sees_it(tmp_path: Path) -> None:
+    """Tracked and untracked files of the project's folders go, ignored ones and everything else stay."""
+    src = tmp_path / "src"
+    (src / "pipeline" / "__pycache__").mkdir(parents=True)
+    (src / "params.yaml").write_text(yaml.safe_dump({"seed": 0, "trial": {"dtypes": ["float16", "bfloat16"], "fp32_modules": []}}))
+    (src / ".gitignore").write_text("__pycache__/\n")
+    (src / "dvc.yaml").write_text("stages: {}\n")
+    (src / "pipeline" / "tracked.py").write_text("A = 1\n")
+    (src / "notes.txt").write_text("not the project's\n")
+    _project.run(["git", "init", "-q"], src)
+    _project.run(["git", "add", "-A"], src)
+    (src / "pipeline" / "untracked.py").write_text("B = 2\n")  # an edit not yet committed runs in the copy too
+    (src / "pipeline" / "__pycache__" / "tracked.cpython.pyc").write_bytes(b"ignored")
+    repo = _project.copy(tmp_path / "repo", override={"seed": 7, "trial": {"dtypes": ["float16"]}}, root=src)
+    files = sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*") if p.is_file())
+    assert files == [".gitignore", "dvc.yaml", "params.yaml", "pipeline/tracked.py", "pipeline/untracked.py"]
+    params = _project.params(repo)
+    assert params == {"seed": 7, "trial": {"dtypes": ["float16"], "fp32_modules": []}}, "a mapping merges key by key"
+    # Without git (a folder copied into a bare image): the same folders, less Python's caches.
+    shutil.rmtree(src / ".git")
+    bare = _project.copy(tmp_path / "bare", root=src)
+    assert sorted(p.relative_to(bare).as_posix() for p in bare.rglob("*") if p.is_file()) == files
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: --require-gpu lets the check run")

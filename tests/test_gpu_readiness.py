@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from _project import ROOT
 
 from pipeline import checkpoint, devices, precision
 from pipeline.__main__ import set_thread_env
@@ -292,7 +292,8 @@ def test_cpu_bytes_do_not_follow_omp_num_threads(tmp_path: Path) -> None:
     import hashlib
     import json
 
-    from conftest import env_for, make_project
+    from _project import env_for
+    from conftest import make_project
 
     repo = make_project(tmp_path / "repo")
     digests = []

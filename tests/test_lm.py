@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from conftest import dvc, make_project
+from _project import dvc
+from conftest import make_project
 
 pytestmark = pytest.mark.integration
 

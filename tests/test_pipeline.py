@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dvc, env_for, make_project, run, stage
+from _project import dvc, env_for, run, stage
+from conftest import make_project
 from pipeline import checkpoint
 
 pytestmark = pytest.mark.integration

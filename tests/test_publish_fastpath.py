@@ -8,7 +8,8 @@ import shutil
 import subprocess
 import sys
 
-from conftest import ROOT, blank_mlflow_db
+from _project import ROOT
+from conftest import blank_mlflow_db
 
 PUBLISH = """
 import sys

@@ -37,7 +37,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, TINY, blank_mlflow_db, env_for, make_project, run
+from _project import BIN, ROOT, env_for, run
+from conftest import TINY, blank_mlflow_db, make_project
 from test_concurrency import experiment_names, parents, wait_for_queue
 from test_sweep import SMALL
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run, write_params
+from _project import run, write_params
 
 from pipeline.files import check_inside_repository, write_bytes
 from pipeline.errors import UserError

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import faults
-from conftest import env_for, run, write_params
+from _project import env_for, run, write_params
 
 from pipeline import checkpoint, training
 from pipeline.config import ReferenceConfig, TaskConfig

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 import faults
-from conftest import env_for, run
+from _project import env_for, run
 
 import sys
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ROOT, dvc, make_project, run
+from _project import ROOT, dvc, run
+from conftest import make_project
 
 pytestmark = pytest.mark.integration
 

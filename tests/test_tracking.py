@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, dvc, env_for, run, write_params
+from _project import BIN, dvc, env_for, run, write_params
 
 from pipeline import tracking
 
