@@ -1,6 +1,6 @@
 """The acceptance rule applied to comparison statistics: accept, or roll back, with every reason.
 
-Pure: statistics (the dict that compare writes) and the rule in, a decision out. Every failed criterion
+Pure: typed statistics (``artifacts.comparison.Stats``) and the rule in, a ``RuleResult`` out. Every failed criterion
 is a reason; a variant is accepted only when there is none. Passing criteria are listed as checks so a
 reviewer sees what was verified, not only what failed.
 
@@ -20,20 +20,41 @@ of both sides may be too much, this is what a reduced store would have to keep):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal
 
 from pipeline.present import verdict
 
+from pipeline.artifacts.comparison import Decisions, Distribution, Noise, Quality, Stats
 from pipeline.compare import bounds
 from pipeline.config import AcceptanceConfig
 
+Part = Literal["inference", "training"]
 
-def _ids(ids: list[str], cap: int = 400) -> str:
+
+@dataclass(frozen=True)
+class RuleResult:
+    """The rule's outcome on one trial: every failed criterion (``reasons``), every passed one (``checks``),
+    the verdict of each part, and per failed criterion the ids of its cases (``steps``: training steps)."""
+
+    reasons: tuple[str, ...]
+    checks: tuple[str, ...]
+    inference: Literal["accept", "rollback"]
+    training: Literal["accept", "rollback"]
+    cases: dict[str, tuple[str | int, ...]]
+
+    @property
+    def decision(self) -> Literal["accept", "rollback"]:
+        return "rollback" if self.reasons else "accept"
+
+    @property
+    def accepted(self) -> bool:
+        return not self.reasons
+
+
+def _ids(ids, cap: int = 400) -> str:
     text = ", ".join(verdict.safe_id(i) for i in ids)  # printable, each capped: an id never forges a line
     return text if len(text) <= cap else text[:cap] + f"… ({len(ids)} listed)"
-
-
-def _flip_ids(flip_list: list[dict], which) -> list[str]:
-    return [f["id"] + (f"@{f['position']}" if "position" in f else "") for f in flip_list if which(f)]
 
 
 class _Judge:
@@ -45,7 +66,7 @@ class _Judge:
         self.failed = {"inference": False, "training": False}
         self.cases: dict[str, list] = {}
 
-    def check(self, part: str, ok: bool, passed: str, failed: str, cases: tuple[str, list] | None = None) -> None:
+    def check(self, part: Part, ok: bool, passed: str, failed: str, cases: tuple[str, list] | None = None) -> None:
         if ok:
             self.checks.append(passed)
             return
@@ -56,58 +77,59 @@ class _Judge:
             seen = set(kept)
             kept.extend(x for x in dict.fromkeys(cases[1]) if x not in seen)  # in order, once each
 
+    def result(self) -> RuleResult:
+        inference, training = ("rollback" if self.failed[part] else "accept" for part in ("inference", "training"))
+        return RuleResult(tuple(self.reasons), tuple(self.checks), inference, training, {k: tuple(v) for k, v in self.cases.items()})
 
-def decide(stats: dict, rule: AcceptanceConfig, findings: list[str] | None = None) -> dict:
-    """Apply ``rule`` to ``stats``; ``findings`` (diagnosis) are attached to the reasons on rollback.
+
+def decide(stats: Stats, acceptance: AcceptanceConfig) -> RuleResult:
+    """Apply the rule ``acceptance`` to ``stats``.
 
     Two decisions, then the overall one: ``inference`` (the trained reference run under the policy) and
-    ``training`` (the model trained under the policy, its trajectory and its outputs). ``cases`` names the
-    cases (and ``steps`` the training steps) that motivated a rollback."""
+    ``training`` (the model trained under the policy, its trajectory and its outputs). The diagnosis'
+    findings are not the rule's: decide puts them beside this result."""
     j = _Judge()
-    _inference(stats, rule, j)
-    _training(stats, rule, j)
-    if j.reasons and findings:
-        j.reasons.extend(f"diagnosis: {f}" for f in findings)
-    parts = {part: "rollback" if bad else "accept" for part, bad in j.failed.items()}
-    return {"decision": "rollback" if j.reasons else "accept", "reasons": j.reasons, "checks": j.checks, **parts, "cases": j.cases}
+    _inference(stats, acceptance, j)
+    _training(stats, acceptance, j)
+    return j.result()
 
 
-def _inference(stats: dict, rule: AcceptanceConfig, j: _Judge) -> None:
-    nonfinite = (stats.get("nonfinite") or {}).get("trial")
-    for name, gap in sorted(stats["values"].items()):
-        count = gap["nonfinite_trial_only"]
-        ids = (nonfinite or {}).get("ids", []) if count else []
+def _inference(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
+    nonfinite_ids = stats.nonfinite.trial.ids
+    for name, gap in sorted(stats.values.items()):
+        count = gap.nonfinite_trial_only
+        ids = nonfinite_ids if count else ()
         j.check("inference", count == 0, f"outputs '{name}': all finite",
                 f"outputs '{name}': {count} non-finite element(s) where the reference is finite" + (f": {_ids(ids)}" if ids else ""),
                 ("nonfinite_trial", ids))
+        failing_ids = gap.failing_ids or ()
         j.check(
             "inference",
-            gap["failing_fraction"] <= rule.max_failing_fraction,
-            f"values '{name}': {gap['failing']} of {gap['elements']} elements outside atol={gap['atol']} rtol={gap['rtol']} "
+            gap.failing_fraction <= rule.max_failing_fraction,
+            f"values '{name}': {gap.failing} of {gap.elements} elements outside atol={gap.atol} rtol={gap.rtol} "
             f"(allowed fraction {rule.max_failing_fraction})",
-            f"values '{name}': {gap['failing']} of {gap['elements']} elements outside atol={gap['atol']} rtol={gap['rtol']}, "
-            f"fraction {gap['failing_fraction']:.4g} > allowed {rule.max_failing_fraction} "
-            f"(max abs error {gap['max_abs']:.4g}; would have needed atol >= {gap['min_passing_atol']:.4g})"
-            + (f": {_ids(gap['failing_ids'])}" if gap.get("failing_ids") else ""),
-            ("values", gap.get("failing_ids", [])),
+            f"values '{name}': {gap.failing} of {gap.elements} elements outside atol={gap.atol} rtol={gap.rtol}, "
+            f"fraction {gap.failing_fraction:.4g} > allowed {rule.max_failing_fraction} "
+            f"(max abs error {gap.max_abs:.4g}; would have needed atol >= {gap.min_passing_atol:.4g})"
+            + (f": {_ids(failing_ids)}" if failing_ids else ""),
+            ("values", failing_ids),
         )
-    _decisions(stats["flips"], rule, j, "decisions", "flips")
-    for name, head in sorted((stats.get("heads") or {}).items()):
+    _decisions(stats.flips, rule, j, "decisions", "flips")
+    for name, head in sorted(stats.heads.items()):
         _decisions(head, rule, j, f"decisions '{name}'", f"flips {name}")
-    _distribution(stats.get("distribution"), rule, j)
-    _quality(stats["quality"], rule, j, "inference", "trial")
+    _distribution(stats.distribution, rule, j)
+    _quality(stats.quality, rule, j, "inference", "trial")
 
 
-def _decisions(flips: dict, rule: AcceptanceConfig, j: _Judge, label: str, key: str) -> None:
+def _decisions(flips: Decisions, rule: AcceptanceConfig, j: _Judge, label: str, key: str) -> None:
     """Flips of real cases (ordinary, edge, selected: what the application acts on) and of constructed ones."""
-    unit = "token" if flips.get("unit") == "token" else "case"
-    listed = flips.get("flip_list", [])
-    far_ids = _flip_ids(listed, lambda f: not f["boundary"] and not f.get("near_boundary"))
-    near_ids = _flip_ids(listed, lambda f: not f["boundary"] and f.get("near_boundary"))
-    far, near = int(flips["flips"]), int(flips.get("near_boundary_flips", 0))
-    margin = f"{flips.get('margin_kind', 'logit')} margin < {rule.boundary_margin:g}"
+    unit = flips.unit
+    far_ids = flips.labels(boundary=False, near=False)
+    near_ids = flips.labels(boundary=False, near=True)
+    far, near = flips.flips, flips.near_boundary_flips
+    margin = f"{flips.margin_kind or 'logit'} margin < {rule.boundary_margin:g}"
     if rule.max_flip_rate is not None:
-        real = int(flips.get("cases", 0)) - int(flips.get("boundary_cases", 0))
+        real = flips.cases - flips.boundary_cases
         k = far + near
         upper = bounds.binomial_upper(k, real, rule.confidence)
         needed = bounds.cases_needed(rule.max_flip_rate, rule.confidence)
@@ -123,7 +145,7 @@ def _decisions(flips: dict, rule: AcceptanceConfig, j: _Judge, label: str, key: 
                 f"{label}: {far} flip(s) among real {unit}s away from the boundary (allowed {rule.max_flips})" + (f": {_ids(far_ids)}" if far else ""),
                 f"{label}: {far} flip(s) among real {unit}s away from the boundary > allowed {rule.max_flips}: {_ids(far_ids)}",
                 (key, far_ids))
-        near_cases = flips.get("near_boundary_cases", 0)
+        near_cases = flips.near_boundary_cases
         if rule.max_near_boundary_flips is None:  # the user's explicit choice, said in words; never silent
             j.checks.append(f"{label}: {near} flip(s) among {near_cases} real {unit}s near the boundary ({margin}), not limited: the rule "
                             f"sets max_near_boundary_flips: null" + (f": {_ids(near_ids)}" if near else ""))
@@ -134,19 +156,19 @@ def _decisions(flips: dict, rule: AcceptanceConfig, j: _Judge, label: str, key: 
                     f"{label}: {near} flip(s) among {near_cases} real {unit}s near the boundary ({margin}) > allowed "
                     f"{rule.max_near_boundary_flips}: {_ids(near_ids)}",
                     (key, near_ids))
-    built_ids = _flip_ids(listed, lambda f: f["boundary"])
-    j.check("inference", flips["boundary_flip_fraction"] <= rule.max_boundary_flip_fraction,
-            f"{label}: {flips['boundary_flips']} of {flips['boundary_cases']} constructed boundary cases flipped "
+    built_ids = flips.labels(boundary=True)
+    j.check("inference", flips.boundary_flip_fraction <= rule.max_boundary_flip_fraction,
+            f"{label}: {flips.boundary_flips} of {flips.boundary_cases} constructed boundary cases flipped "
             f"(allowed fraction {rule.max_boundary_flip_fraction})",
-            f"{label}: {flips['boundary_flips']} of {flips['boundary_cases']} constructed boundary cases flipped, "
-            f"fraction {flips['boundary_flip_fraction']:.3g} > allowed {rule.max_boundary_flip_fraction}: {_ids(built_ids)}",
+            f"{label}: {flips.boundary_flips} of {flips.boundary_cases} constructed boundary cases flipped, "
+            f"fraction {flips.boundary_flip_fraction:.3g} > allowed {rule.max_boundary_flip_fraction}: {_ids(built_ids)}",
             ("boundary_flips" if key == "flips" else f"boundary_{key}", built_ids))
 
 
-def _quality(quality: dict, rule: AcceptanceConfig, j: _Judge, part: str, side: str) -> None:
+def _quality(quality: Quality, rule: AcceptanceConfig, j: _Judge, part: Part, side: Literal["trial", "trained"]) -> None:
     """Quality of ``side`` against the reference on the same cases: counts where the metric has them."""
     label = "inference" if side == "trial" else "after training"
-    ref_q, q = quality["reference"], quality[side]
+    ref_q, q = quality.reference, quality.of(side)
     judged = rule.max_quality_drop is not None or rule.min_quality is not None
     if not math.isfinite(ref_q):  # no ordinary case or token carries a target
         if not judged:
@@ -159,17 +181,16 @@ def _quality(quality: dict, rule: AcceptanceConfig, j: _Judge, part: str, side: 
     if not math.isfinite(q):
         j.check(part, False, "", f"quality {label}: not finite")
         return
-    higher = quality.get("higher_is_better", True)
-    counts = quality.get("counts") or {}
+    higher = quality.higher_is_better
     if rule.max_quality_drop is not None:
-        if side in counts and "reference" in counts:
-            (hits_r, n), (hits, _) = counts["reference"], counts[side]
+        if side in quality.counts and "reference" in quality.counts:
+            (hits_r, n), (hits, _) = quality.counts["reference"], quality.counts[side]
             lost = hits_r - hits
             allowed = rule.max_quality_drop * n
-            paired = (quality.get("paired") or {}).get(side)
+            paired = quality.paired.get(side)
             if rule.max_flip_rate is not None and paired is not None:
-                upper = bounds.paired_drop_upper(paired["lost"], paired["gained"], n, rule.confidence)
-                words = (f"quality {label}: {hits}/{n} vs reference {hits_r}/{n} ({paired['lost']} lost, {paired['gained']} gained, paired); "
+                upper = bounds.paired_drop_upper(paired.lost, paired.gained, n, rule.confidence)
+                words = (f"quality {label}: {hits}/{n} vs reference {hits_r}/{n} ({paired.lost} lost, {paired.gained} gained, paired); "
                          f"{rule.confidence:g}-confidence upper bound of the drop {upper:.4g}")
                 j.check(part, upper <= rule.max_quality_drop, f"{words} <= {rule.max_quality_drop:g}", f"{words} > allowed {rule.max_quality_drop:g}")
             else:
@@ -190,44 +211,43 @@ def _quality(quality: dict, rule: AcceptanceConfig, j: _Judge, part: str, side: 
                 f"quality {label}: {q:.4f} worse than the worst acceptable {rule.min_quality}")
 
 
-def _training(stats: dict, rule: AcceptanceConfig, j: _Judge) -> None:
-    train = stats["training"]
-    trained_bad = (stats.get("nonfinite") or {}).get("trained") or {}
-    rows = int(trained_bad.get("rows", 0))
-    kinds = ", ".join(f"{v} {k}" for k, v in trained_bad.get("per_kind", {}).items())
-    j.check("training", rows == 0, "outputs of the AMP-trained model: all finite",
-            f"outputs of the AMP-trained model: {rows} case(s) with a non-finite output ({kinds}): {_ids(trained_bad.get('ids', []))}",
-            ("nonfinite_trained", trained_bad.get("ids", [])))
-    _quality(stats["quality"], rule, j, "training", "trained")
-    ref_bad = train.get("first_nonfinite_reference_step", -1)
+def _training(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
+    train = stats.training
+    trained_bad = stats.nonfinite.trained
+    kinds = ", ".join(f"{v} {k}" for k, v in trained_bad.per_kind.items())
+    j.check("training", trained_bad.rows == 0, "outputs of the AMP-trained model: all finite",
+            f"outputs of the AMP-trained model: {trained_bad.rows} case(s) with a non-finite output ({kinds}): {_ids(trained_bad.ids)}",
+            ("nonfinite_trained", trained_bad.ids))
+    _quality(stats.quality, rule, j, "training", "trained")
+    ref_bad = train.first_nonfinite_reference_step
     j.check("training", ref_bad < 0, "training: every reference loss finite",
             f"training: the FP32 reference's loss is not finite from step {ref_bad}; an incorrect FP32 run is no baseline: re-freeze",
             ("steps", [ref_bad]))
-    j.check("training", train["first_nonfinite_loss_step"] < 0, "training: every loss finite",
-            f"training: loss not finite from step {train['first_nonfinite_loss_step']}", ("steps", [train["first_nonfinite_loss_step"]]))
-    bad_grads = train.get("nonfinite_grad_steps", [])
+    j.check("training", train.first_nonfinite_loss_step < 0, "training: every loss finite",
+            f"training: loss not finite from step {train.first_nonfinite_loss_step}", ("steps", [train.first_nonfinite_loss_step]))
+    bad_grads = train.nonfinite_grad_steps
     j.check("training", not bad_grads, "training: every gradient norm finite (or skipped by the GradScaler)",
             f"training: non-finite gradient norm at step(s) {', '.join(map(str, bad_grads[:20]))} with no GradScaler to skip it "
             f"(the update was not applied)", ("steps", bad_grads))
-    against = "FP32 aligned on the trial's skipped updates" if train.get("aligned_on_skips") else "the FP32 reference"
-    j.check("training", train["band_violations"] == 0,
-            f"training: loss within band of {against} at every step (max gap {train['max_loss_gap']:.4g} at step {train['max_loss_gap_step']})",
-            f"training: loss outside band of {against} (atol={rule.loss_atol}, rtol={rule.loss_rtol}) at {train['band_violations']} of "
-            f"{train['steps']} steps, first at step {train['first_violation_step']}", ("steps", [train["first_violation_step"]]))
-    _noise_floor(train.get("noise"), rule, j)
-    j.check("training", train["skipped_fraction"] <= rule.max_skipped_fraction,
-            f"training: {train['skipped_steps']} skipped update(s) of {train['steps']} (allowed fraction {rule.max_skipped_fraction})",
-            f"training: {train['skipped_steps']} of {train['steps']} updates skipped, fraction "
-            f"{train['skipped_fraction']:.3g} > allowed {rule.max_skipped_fraction}")
-    window = train.get("stall_window", rule.stall_window)
-    j.check("training", not train["stalled"], f"training: real updates still advancing in the last {window} steps",
+    against = "FP32 aligned on the trial's skipped updates" if train.aligned_on_skips else "the FP32 reference"
+    j.check("training", train.band_violations == 0,
+            f"training: loss within band of {against} at every step (max gap {train.max_loss_gap:.4g} at step {train.max_loss_gap_step})",
+            f"training: loss outside band of {against} (atol={rule.loss_atol}, rtol={rule.loss_rtol}) at {train.band_violations} of "
+            f"{train.steps} steps, first at step {train.first_violation_step}", ("steps", [train.first_violation_step]))
+    _noise_floor(train.noise, rule, j)
+    j.check("training", train.skipped_fraction <= rule.max_skipped_fraction,
+            f"training: {train.skipped_steps} skipped update(s) of {train.steps} (allowed fraction {rule.max_skipped_fraction})",
+            f"training: {train.skipped_steps} of {train.steps} updates skipped, fraction "
+            f"{train.skipped_fraction:.3g} > allowed {rule.max_skipped_fraction}")
+    window = train.stall_window
+    j.check("training", not train.stalled, f"training: real updates still advancing in the last {window} steps",
             f"training: updates stopped advancing: no real update in the last {window} steps")
-    if train.get("scaler_enabled", True):  # without a GradScaler (bfloat16) there is no scale to fall
-        j.check("training", train["final_scale"] >= rule.min_scale, f"training: final loss scale {train['final_scale']:g} >= {rule.min_scale:g}",
-                f"training: updates stopped advancing: loss scale fell to {train['final_scale']:g} < {rule.min_scale:g}")
+    if train.scaler_enabled:  # without a GradScaler (bfloat16) there is no scale to fall
+        j.check("training", train.final_scale >= rule.min_scale, f"training: final loss scale {train.final_scale:g} >= {rule.min_scale:g}",
+                f"training: updates stopped advancing: loss scale fell to {train.final_scale:g} < {rule.min_scale:g}")
 
 
-def _distribution(dist: dict | None, rule: AcceptanceConfig, j: _Judge) -> None:
+def _distribution(dist: Distribution | None, rule: AcceptanceConfig, j: _Judge) -> None:
     """KL and top-1 agreement of per-token outputs, each applied when the rule sets it."""
     wanted = [rule.max_kl_mean, rule.max_kl_p99, rule.min_top1_agreement]
     if all(w is None for w in wanted):
@@ -236,27 +256,26 @@ def _distribution(dist: dict | None, rule: AcceptanceConfig, j: _Judge) -> None:
         j.check("inference", False, "", "distribution: the rule sets max_kl_mean / max_kl_p99 / min_top1_agreement but the outputs are "
                                          "not per-token scores [N, T, C]; remove those criteria or compare per-token outputs")
         return
-    if not dist["tokens"]:
+    if not dist.tokens:
         j.check("inference", False, "", "distribution: no valid token to measure KL or top-1 agreement on (every target is -100 or "
                                          "masked); give eval targets, or remove max_kl_mean / max_kl_p99 / min_top1_agreement")
         return
-    p99 = dist.get("kl_p99_upper", dist["kl_p99"])  # the conservative edge when the quantile was streamed
-    exact = "" if dist.get("kl_p99_exact", True) else " (upper edge of a streamed estimate)"
-    for value, limit, label, more in ((dist["kl_mean"], rule.max_kl_mean, "mean", ""), (p99, rule.max_kl_p99, "p99", exact)):
+    exact = "" if dist.kl_p99_exact else " (upper edge of a streamed estimate)"
+    for value, limit, label, more in ((dist.kl_mean, rule.max_kl_mean, "mean", ""), (dist.kl_p99_upper, rule.max_kl_p99, "p99", exact)):
         if limit is not None:
             j.check(
                 "inference", value <= limit,
-                f"distribution: KL(reference || trial) {label} {value:.4g} nats{more} over {dist['tokens']} tokens <= {limit:g}",
-                f"distribution: KL(reference || trial) {label} {value:.4g} nats{more} > allowed {limit:g} (max {dist['kl_max']:.4g})",
+                f"distribution: KL(reference || trial) {label} {value:.4g} nats{more} over {dist.tokens} tokens <= {limit:g}",
+                f"distribution: KL(reference || trial) {label} {value:.4g} nats{more} > allowed {limit:g} (max {dist.kl_max:.4g})",
             )
     if rule.min_top1_agreement is not None:
-        value = dist["top1_agreement"]
+        value = dist.top1_agreement
         j.check("inference", value >= rule.min_top1_agreement,
                 f"distribution: top-1 agreement {value:.6f} >= {rule.min_top1_agreement:g}",
                 f"distribution: top-1 agreement {value:.6f} below minimum {rule.min_top1_agreement:g}")
 
 
-def _noise_floor(noise: dict | None, rule: AcceptanceConfig, j: _Judge) -> None:
+def _noise_floor(noise: Noise | None, rule: AcceptanceConfig, j: _Judge) -> None:
     """AMP's per-step loss gap bounded by a multiple of FP32's own noise (the replicate's gap), when set."""
     if rule.loss_noise_multiple is None and rule.loss_noise_atol is None:
         return
@@ -265,14 +284,14 @@ def _noise_floor(noise: dict | None, rule: AcceptanceConfig, j: _Judge) -> None:
                                        "but the reference has no replicate trajectory; set reference.noise_replicate: true and re-freeze")
         return
     band = f"{rule.loss_noise_multiple or 0:g} x FP32's own run-to-run gap + {rule.loss_noise_atol or 0:g}"
-    figures = (f"mean gap {noise['mean_amp_gap']:.3g} vs FP32 replicate {noise['mean_replicate_gap']:.3g}, largest "
-               f"{noise.get('max_amp_gap', 0.0):.3g} vs {noise['max_replicate_gap']:.3g}")
+    figures = (f"mean gap {noise.mean_amp_gap:.3g} vs FP32 replicate {noise.mean_replicate_gap:.3g}, largest "
+               f"{noise.max_amp_gap:.3g} vs {noise.max_replicate_gap:.3g}")
     j.check(
-        "training", noise["violations"] == 0,
+        "training", noise.violations == 0,
         f"training: loss curve within the noise floor ({band}): {figures}",
-        f"training: loss curve above the noise floor ({band}) on its {' and '.join(noise.get('over', ['gap']))}: {figures}; "
-        f"largest at step {noise['first_violation_step']}",
-        ("steps", [noise["first_violation_step"]]),
+        f"training: loss curve above the noise floor ({band}) on its {' and '.join(noise.over if noise.over is not None else ('gap',))}: {figures}; "
+        f"largest at step {noise.first_violation_step}",
+        ("steps", [noise.first_violation_step]),
     )
 
 
@@ -323,7 +342,7 @@ def vet_rule(rule: AcceptanceConfig, kind: str, shapes: dict[str, tuple], rms: d
 
 # Direction in which each numeric criterion of the rule gets looser: +1 when a larger value lets more
 # through. For a criterion that may be null, null means "not applied", the loosest of all.
-# tests/test_verdict.py ties this table to AcceptanceConfig: a new field cannot be forgotten here.
+# tests/test_rule.py ties this table to AcceptanceConfig: a new field cannot be forgotten here.
 _LOOSER_WHEN = {
     "max_failing_fraction": +1,
     "boundary_margin": +1,  # more real cases count as near the boundary, whose flips may be limited less
@@ -384,18 +403,3 @@ def loosened(old: dict, new: dict) -> list[str]:
         # Another unit: not comparable, so listed (a margin in logits of 0.05 may be 0.3 in probability).
         out.append(f"boundary_margin_kind {old.get('boundary_margin_kind', 'logit')} -> {new.get('boundary_margin_kind', 'logit')}")
     return out
-
-
-def flag_loosened_rule(decision: dict, rule: dict, earlier_rollbacks: list[dict]) -> dict:
-    """On an accept, say so when an earlier rollback of the same reference ran under a stricter rule."""
-    if decision["decision"] != "accept":
-        return decision
-    for earlier in earlier_rollbacks:
-        diff = loosened(earlier["rule"], rule)
-        if diff:
-            decision["reasons"].append(
-                f"warning: accepted under a rule looser than the one (sha256 {earlier['rule_sha256'][:12]}) under which this "
-                f"reference was rolled back before: {'; '.join(diff)}"
-            )
-            decision.setdefault("tags", {})["rule_loosened"] = "true"
-    return decision

@@ -13,17 +13,21 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from pipeline import training
+from pipeline import inference, recipe, training
 
 from pipeline import rule
 
-from pipeline.compare import numerics
-
+from pipeline.artifacts.comparison import Decisions, Distribution, Flip, Quality, Stats
 from pipeline.compare import bounds
 
 from pipeline.compare import streams
-from pipeline.config import AcceptanceConfig, ReferenceConfig, Tolerance
+from pipeline.compare.decisions import DecisionStats
+from pipeline.compare.quality import QualityStats
+from pipeline.compare.quantiles import StreamQuantile, quantile
+from pipeline.compare.trajectory import trajectory_gap, update_health
+from pipeline.config import AcceptanceConfig, ReferenceConfig, TaskConfig, Tolerance
 from pipeline.precision import Policy
+from pipeline.task import TensorSource
 
 RULE = AcceptanceConfig(min_quality=None, loss_noise_multiple=None)  # flat trajectories here: no replicate to measure FP32 noise on
 FLAT = [{"step": i, "loss": 1.0, "skipped": False, "scale": 1.0, "grad_norm": 1.0} for i in range(12)]
@@ -43,11 +47,10 @@ def _fp32(model, x):
 
 
 def _judge(ids, y, has_target, ref, trial, trained=None, cfg=RULE, steps=FLAT, trial_steps=None, aligned=None, scaler=False):
-    stats, _ = streams.compare_streams(
-        "classification" if y.dtype == torch.long else "regression", cfg, ids, y, has_target, streams.InMemory(ref),
-        streams.InMemory(trial), streams.InMemory(trained if trained is not None else trial), steps, trial_steps or steps,
-        2.0**16 if scaler else 1.0, scaler_enabled=scaler, aligned_steps=aligned,
-    )
+    sources = streams.Sources(ids, y, has_target, streams.InMemory(ref), streams.InMemory(trial), streams.InMemory(trained if trained is not None else trial))
+    runs = streams.Trajectories(steps, trial_steps or steps, 2.0**16 if scaler else 1.0, scaler_enabled=scaler, aligned=aligned)
+    raw, _ = streams.compare_streams("classification" if y.dtype == torch.long else "regression", cfg, sources, runs)
+    stats = Stats.from_dict(raw)
     return stats, rule.decide(stats, cfg)
 
 
@@ -76,14 +79,14 @@ def test_low_confidence_classifier_flips_are_named_and_fail_the_default_rule():
     margins = ref["output"].topk(2, dim=1).values
     assert bool(((margins[:, 0] - margins[:, 1]) < 0.05).all()) and flipped >= 10  # the case: every sample near the boundary
     stats, d = _judge(ids, y, has_target, ref, trial, cfg=dataclasses.replace(RULE, max_quality_drop=1.0))
-    assert d["decision"] == "rollback" and d["inference"] == "rollback"
-    assert len(d["cases"]["flips"]) == flipped  # every flipped real case is named, none excused as "near the boundary"
-    reason = next(r for r in d["reasons"] if "near the boundary" in r)
-    assert d["cases"]["flips"][0] in reason
+    assert d.decision == "rollback" and d.inference == "rollback"
+    assert len(d.cases["flips"]) == flipped  # every flipped real case is named, none excused as "near the boundary"
+    reason = next(r for r in d.reasons if "near the boundary" in r)
+    assert d.cases["flips"][0] in reason
     # The user who tolerates flips says so in the rule, and the verdict says it in words.
     loose = dataclasses.replace(RULE, max_quality_drop=1.0, max_near_boundary_flips=None, outputs={"*": Tolerance(atol=10.0, rtol=0.1)})
     _, d = _judge(ids, y, has_target, ref, trial, cfg=loose)
-    assert d["decision"] == "accept" and any("not limited: the rule sets max_near_boundary_flips: null" in c for c in d["checks"])
+    assert d.decision == "accept" and any("not limited: the rule sets max_near_boundary_flips: null" in c for c in d.checks)
 
 
 def test_flip_rate_bound_needs_enough_cases_and_does_not_roll_back_a_large_set_on_noise():
@@ -91,12 +94,13 @@ def test_flip_rate_bound_needs_enough_cases_and_does_not_roll_back_a_large_set_o
     assert bounds.cases_needed(0.01, 0.95) == 299
     n, k = 100, 0
     assert bounds.binomial_upper(k, n, 0.95) > 0.01  # 100 cases cannot give a confident accept, even with no flip
-    flips = {"cases": n, "boundary_cases": 0, "flips": 0, "near_boundary_flips": 0, "boundary_flips": 0, "boundary_flip_fraction": 0.0,
-             "flip_list": []}
+    flips = Decisions(cases=n, boundary_cases=0, near_boundary_cases=0, flips=0, near_boundary_flips=0, boundary_flips=0, unit="case",
+                      boundary_flip_fraction=0.0, real_flips=0, flip_list=(), flip_list_dropped=0)
     j = rule._Judge()
     rule._decisions(flips, cfg, j, "decisions", "flips")
     assert j.failed["inference"] and "needs at least 299" in j.reasons[0]
-    big = dict(flips, cases=50_000, flips=250, flip_list=[{"id": f"ordinary/{i}", "boundary": False} for i in range(250)])
+    listed = tuple(Flip(id=f"ordinary/{i}", kind="ordinary", boundary=False, near_boundary=False) for i in range(250))
+    big = dataclasses.replace(flips, cases=50_000, flips=250, real_flips=250, flip_list=listed)
     j = rule._Judge()
     rule._decisions(big, cfg, j, "decisions", "flips")  # 0.5 % observed, upper bound 0.56 % < 1 %
     assert not j.failed["inference"], j.reasons
@@ -134,12 +138,12 @@ def test_a_second_classification_head_is_decided_too():
     assert bool((trial["logits"].argmax(1) == y).all()) and int((trial["aux"].argmax(1) != ref["aux"].argmax(1)).sum()) > 5
     cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.5, rtol=0.02)}, max_near_boundary_flips=None)
     stats, d = _judge(ids, y, torch.ones(300, dtype=torch.bool), ref, trial, cfg=dataclasses.replace(cfg, max_near_boundary_flips=0))
-    assert "aux" in stats["heads"] and d["decision"] == "rollback"
-    assert any(r.startswith("decisions 'aux'") for r in d["reasons"]) and d["cases"]["flips aux"]
+    assert "aux" in stats.heads and d.decision == "rollback"
+    assert any(r.startswith("decisions 'aux'") for r in d.reasons) and d.cases["flips aux"]
     # Saying in the rule that aux is not a decision (an embedding, say) is explicit, hashed, and listed as loosened.
     values_only = dataclasses.replace(cfg, outputs={"*": Tolerance(atol=0.5, rtol=0.02), "aux": Tolerance(atol=0.5, rtol=0.02, decisions=False)})
     stats, d = _judge(ids, y, torch.ones(300, dtype=torch.bool), ref, trial, cfg=values_only)
-    assert "aux" not in stats["heads"] and d["decision"] == "accept", d["reasons"]
+    assert "aux" not in stats.heads and d.decision == "accept", d.reasons
     assert "outputs.aux.decisions None -> false" in rule.loosened(dataclasses.asdict(cfg), dataclasses.asdict(values_only))
 
 
@@ -165,17 +169,17 @@ def test_non_finite_outputs_of_the_amp_trained_model_roll_back_with_their_ids():
     assert int(bad[40:].sum()) == 11 and int(bad[:40].sum()) == 0 and bool((trained["output"][:40].argmax(1) == y[:40]).all())
     trial = _autocast(model, x, torch.float16)
     stats, d = _judge(ids, y, has_target, ref, trial, trained=trained, cfg=dataclasses.replace(RULE, outputs={"*": Tolerance(atol=1.0, rtol=0.02)}))
-    assert stats["nonfinite"]["trained"]["rows"] == 11 and stats["nonfinite"]["trained"]["per_kind"] == {"edge": 11}
-    assert d["decision"] == "rollback" and d["training"] == "rollback" and d["inference"] == "accept"
-    assert d["cases"]["nonfinite_trained"] == ids[40:]
-    assert any("AMP-trained model" in r and "edge/s0x1000" in r for r in d["reasons"])
+    assert stats.nonfinite.trained.rows == 11 and stats.nonfinite.trained.per_kind == {"edge": 11}
+    assert d.decision == "rollback" and d.training == "rollback" and d.inference == "accept"
+    assert d.cases["nonfinite_trained"] == tuple(ids[40:])
+    assert any("AMP-trained model" in r and "edge/s0x1000" in r for r in d.reasons)
 
 
 def test_a_non_finite_row_is_a_miss_in_every_metric():
     scores = torch.tensor([[5.0, 1.0, 0.0], [float("nan"), 9.0, 0.0], [0.0, float("inf"), 1.0]])
     y = torch.tensor([0, 1, 1])
     for metric in ("accuracy", "top_k"):
-        q = numerics.QualityStats(metric, "lowest_index", top_k=2)
+        q = QualityStats(metric, "lowest_index", top_k=2)
         q.update(scores, y)
         assert q.counts() == (1, 3), metric  # before: top_k counted the NaN row's target among its "best" scores
 
@@ -183,17 +187,19 @@ def test_a_non_finite_row_is_a_miss_in_every_metric():
 def test_tie_is_flip_two_different_ties_are_a_flip():
     ref = torch.tensor([[1.0, 1.0, 0.0], [2.0, 2.0, 0.0]])
     trial = torch.tensor([[0.0, 1.0, 1.0], [2.0, 2.0, 0.0]])  # row 0: tied among other classes; row 1: the same tie
-    f = numerics.classification_flips(["ordinary/a", "ordinary/b"], ["ordinary", "ordinary"], ref, trial, "tie_is_flip", 0.0)
+    d = DecisionStats(["ordinary/a", "ordinary/b"], ["ordinary", "ordinary"], "tie_is_flip", 0.0, "logit", capacity_tokens=2)
+    d.update(0, ref, trial)
+    f = d.result()
     assert f["flips"] == 1 and f["flip_list"][0]["id"] == "ordinary/a"
 
 
 def test_one_miss_in_a_hundred_is_within_a_one_percent_drop():
-    q = {"metric": "accuracy", "higher_is_better": True, "reference": 1.0, "trial": 0.99, "trained": 1.0,
-         "counts": {"reference": [100, 100], "trial": [99, 100], "trained": [100, 100]}}
+    q = Quality(metric="accuracy", higher_is_better=True, reference=1.0, trial=0.99, trained=1.0,
+                counts={"reference": (100, 100), "trial": (99, 100), "trained": (100, 100)}, paired={})
     j = rule._Judge()
     rule._quality(q, AcceptanceConfig(max_quality_drop=0.01), j, "inference", "trial")
     assert not j.failed["inference"], j.reasons  # before: "drop 0.0100 > 0.01" on rounded fractions
-    q["counts"]["trial"] = [98, 100]
+    q = dataclasses.replace(q, counts={**q.counts, "trial": (98, 100)})
     j = rule._Judge()
     rule._quality(q, AcceptanceConfig(max_quality_drop=0.01), j, "inference", "trial")
     assert j.failed["inference"] and "2 case(s) fewer" in j.reasons[0]
@@ -202,9 +208,9 @@ def test_one_miss_in_a_hundred_is_within_a_one_percent_drop():
 def test_streamed_p99_gate_reads_the_upper_edge():
     torch.manual_seed(0)
     values = torch.rand(200_000, dtype=torch.float64) ** 3
-    q = numerics.StreamQuantile(0.99, values.numel(), max_exact=100)  # forced to the histogram
+    q = StreamQuantile(0.99, values.numel(), max_exact=100)  # forced to the histogram
     q.update(values)
-    exact = numerics.quantile(values, 0.99)
+    exact = quantile(values, 0.99)
     assert not q.exact and q.upper() >= exact and q.upper() <= exact * (1 + 2**-9)
 
 
@@ -249,13 +255,14 @@ def test_reference_that_is_not_a_baseline_is_refused_at_freeze():
 
 
 def test_vacuous_passes_become_named_reasons():
-    stats = {"tokens": 0, "kl_mean": 0.0, "kl_p99": 0.0, "kl_max": 0.0, "top1_agreement": 1.0}
+    nothing = Distribution(tokens=0, kl_mean=0.0, kl_p99=0.0, kl_p99_upper=0.0, kl_p99_exact=True, kl_max=0.0, top1_agreement=1.0,
+                           top_k=5, top_k_overlap=1.0)
     j = rule._Judge()
-    rule._distribution(stats, AcceptanceConfig(max_kl_mean=0.01), j)
+    rule._distribution(nothing, AcceptanceConfig(max_kl_mean=0.01), j)
     assert j.failed["inference"] and "no valid token" in j.reasons[0]
-    gap = numerics.trajectory_gap([1.0, float("nan")], [1.0, 1.0], 0.05, 0.1)
+    gap = trajectory_gap([1.0, float("nan")], [1.0, 1.0], 0.05, 0.1)
     assert gap["band_violations"] == 1  # a NaN reference step is outside any band
-    health = numerics.update_health([True, True, True], [1.0, 1.0, 1.0, 1.0], [False] * 3, window=10)
+    health = update_health([True, True, True], [1.0, 1.0, 1.0, 1.0], [False] * 3, window=10)
     assert health["stalled"] and health["stall_window"] == 3  # a run shorter than the window can still stall
 
 
@@ -284,16 +291,15 @@ def test_bfloat16_never_applies_a_non_finite_gradient():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     policy = Policy(dtype="bfloat16")
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    out = training.amp_step(model, [(x, y)], training.make_loss("cross_entropy"), optimizer, scaler, policy, torch.device("cpu"))
+    out = training.amp_step(model, [(x, y)], recipe.make_loss(TaskConfig()), optimizer, scaler, policy, torch.device("cpu"))
     assert math.isfinite(float(out.loss)) and not math.isfinite(float(out.grad_norm))
     assert out.skipped and out.nonfinite_grad
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # before: the weights went NaN
     steps = [{"step": 0, "loss": 1.0, "skipped": True, "scale": 1.0, "nonfinite_grad": True}] + FLAT[1:]
-    stats = streams.training_stats(RULE, FLAT, steps, 1.0, False)
-    j = rule._Judge()
-    rule._training({"training": stats, "quality": {"reference": math.nan, "trial": math.nan, "trained": math.nan}},
-                      dataclasses.replace(RULE, max_quality_drop=None), j)
-    assert j.failed["training"] and any("non-finite gradient norm at step(s) 0" in r for r in j.reasons)
+    ids, scores = ["ordinary/a", "ordinary/b"], {"output": torch.tensor([[2.0, 0.0], [0.0, 2.0]])}
+    _, d = _judge(ids, torch.tensor([0, 1]), torch.ones(2, dtype=torch.bool), scores, scores, trial_steps=steps)
+    assert d.training == "rollback" and d.inference == "accept" and d.cases == {"steps": (0,)}
+    assert any("non-finite gradient norm at step(s) 0" in r for r in d.reasons), d.reasons
 
 
 def test_designed_gradscaler_skips_do_not_roll_back_but_a_divergence_does():
@@ -308,20 +314,20 @@ def test_designed_gradscaler_skips_do_not_roll_back_but_a_divergence_does():
     device = torch.device("cpu")
 
     def run(policy, cfg=cfg, skip=frozenset()):
-        return training.train(_net(), x, y, cfg, "cross_entropy", policy, device, 0, skip_steps=skip, label="t").records
+        return training.train(_net(), TensorSource(x, y), cfg, TaskConfig(), policy, device, 0, skip_steps=skip, label="t").records
 
     ref = [asdict(r) for r in run(Policy())]
     trial_records = run(Policy(dtype="float16"))
     skipped = [r.step for r in trial_records if r.skipped]
     assert 1 <= len(skipped) <= 3, skipped  # 65536 overflows float16's gradients once; the scale backs off
     trial = [asdict(r) for r in trial_records]
-    aligned = [asdict(r) for r in training.aligned_fp32(_net, x, y, cfg, "cross_entropy", device, 0, trial_records, "t")]
+    aligned = [asdict(r) for r in training.aligned_fp32(_net, TensorSource(x, y), cfg, TaskConfig(), device, 0, trial_records, "t")]
     acc = dataclasses.replace(RULE, loss_atol=0.05, loss_rtol=0.0)
-    naive = streams.training_stats(acc, ref, trial, 1024.0, True)
-    fair = streams.training_stats(acc, ref, trial, 1024.0, True, aligned_steps=aligned)
+    naive = streams.training_stats(acc, streams.Trajectories(ref, trial, 1024.0))
+    fair = streams.training_stats(acc, streams.Trajectories(ref, trial, 1024.0, aligned=aligned))
     assert naive["band_violations"] > 0 and fair["band_violations"] == 0, (naive["max_loss_gap"], fair["max_loss_gap"])
     harmful = [asdict(r) for r in run(Policy(dtype="float16"), dataclasses.replace(cfg, lr=5.0))]
-    bad = streams.training_stats(acc, ref, harmful, 1024.0, True, aligned_steps=aligned)
+    bad = streams.training_stats(acc, streams.Trajectories(ref, harmful, 1024.0, aligned=aligned))
     assert bad["band_violations"] > 0
 
 
@@ -330,11 +336,11 @@ def test_dropout_inference_draws_from_one_recorded_state():
     torch.manual_seed(6)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 4))
     x = torch.randn(300, 8)
-    first = training.infer(model, x, Policy(), torch.device("cpu"), eval_mode=False)
+    first = inference.infer(model, x, Policy(), torch.device("cpu"), eval_mode=False)
     torch.rand(1000)  # freeze and trial reach inference from unrelated RNG states
-    again = training.infer(model, x, Policy(), torch.device("cpu"), eval_mode=False)
+    again = inference.infer(model, x, Policy(), torch.device("cpu"), eval_mode=False)
     assert torch.equal(first["output"], again["output"])  # before: about half the elements differed
-    fp64 = training.fp64_chunks(model, x, eval_mode=False)
+    fp64 = inference.fp64_chunks(model, x, eval_mode=False)
     assert fp64 is not None and next(iter(fp64))["output"].shape == (256, 4)
 
 
@@ -343,7 +349,7 @@ def test_inference_leaves_the_training_rng_where_it_was():
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 4))
     x = torch.randn(50, 8)
     torch.manual_seed(9)
-    training.infer(model, x, Policy(), torch.device("cpu"), eval_mode=False)
+    inference.infer(model, x, Policy(), torch.device("cpu"), eval_mode=False)
     drawn = torch.rand(5)
     torch.manual_seed(9)
     assert torch.equal(drawn, torch.rand(5))
@@ -358,7 +364,7 @@ def test_diagnosis_replay_keeps_the_schedule_of_the_run():
     y = torch.randint(0, 3, (128,))
     cfg = ReferenceConfig(train_steps=20, batch_size=16, lr=1.0, momentum=0.0, checkpoint_every=0,
                           lr_schedule=LrSchedule(kind="cosine", warmup=0))
-    full = training.train(_net(), x, y, cfg, "cross_entropy", Policy(), torch.device("cpu"), 0, label="t").records
-    part = training.train(_net(), x, y, cfg, "cross_entropy", Policy(), torch.device("cpu"), 0, label="t", stop=10).records
+    full = training.train(_net(), TensorSource(x, y), cfg, TaskConfig(), Policy(), torch.device("cpu"), 0, label="t").records
+    part = training.train(_net(), TensorSource(x, y), cfg, TaskConfig(), Policy(), torch.device("cpu"), 0, label="t", stop=10).records
     assert len(part) == 10 and [r.lr for r in part] == [r.lr for r in full[:10]]
     assert [r.loss for r in part] == [r.loss for r in full[:10]]

@@ -1,29 +1,36 @@
-"""The compare artifact of one dtype (``data/compare/<dtype>/``): written here, read back here.
+"""The compare artifact of one dtype (``data/compare/<dtype>/``): written here, read back here, typed.
 
 Files: ``stats.json`` (every statistic: what decide applies the rule to), ``cases.json`` (the per-case
 table: every flipped case and the ``compare.table_rows`` worst others) and ``summary.json`` (flat
-numbers; not a DVC metric: decide's short metrics file is). compare writes them with ``write``; decide, diagnose, report and
-publish read them with ``read`` / ``read_table`` and the typed accessors of ``Stats``, never by key
-paths of their own. Torch-free (decide reads it without importing torch).
+numbers; not a DVC metric: decide's short metrics file is). compare writes them with ``write`` from the
+plain dict ``compare.streams.compare_streams`` returns; decide, diagnose, report and publish read them
+with ``read`` into ``Stats``: frozen sections, one per part of the comparison, read by attribute. Diagnosis
+re-runs judge the dict of a fresh comparison through ``Stats.from_dict``. ``Stats.to_dict`` gives the dict
+back, key for key (``from_dict`` refuses a key it does not know, so a new statistic cannot go unread).
+Torch-free (decide reads it without importing torch).
 
 API:
     write(dtype, stats: dict, table: list[dict]) -> None
-    read(dtype) -> Stats                 raises UserError when compare@DTYPE has not run
+    read(dtype) -> Stats                 raises UserError when compare@DTYPE has not run (or wrote another form)
     read_table(dtype) -> list[dict]
-    summary(stats: dict) -> dict         flat numbers (MLflow), also written as summary.json
-    Stats.raw                            the whole dict (what ``verdict.decide`` takes)
-    Stats.values / .flips / .quality / .training / .distribution / .arbiter / .regression   sections (dicts)
-    Stats.real_flips, .near_boundary_flips, .boundary_flips, .boundary_cases, .flip_ids(), .per_token
-    Stats.max_abs_gap, .quality_reference, .quality_trial, .quality_trained, .max_loss_gap
-    Stats.kl_mean, .kl_p99, .kl_max, .top1_agreement (None unless per-token outputs)
-    Stats.noise (per-step FP32 replicate gap beside AMP's, or None)
+    summary(stats: Stats) -> dict        flat numbers, written as summary.json
+    Stats.from_dict(d) / Stats.to_dict()
+    Stats.values[name]: ValueGap    .flips, .heads[name]: Decisions    .distribution: Distribution | None
+    Stats.quality: Quality    .training: Training (.noise: Noise | None)    .nonfinite: NonFiniteSides
+    Stats.arbiter[name]: Arbiter | None    .regression[side]: RegressionErrors | None    .outputs: OutputsInfo
+    Stats.max_abs_gap
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import types
+import typing
+from dataclasses import dataclass, fields, is_dataclass
+from typing import ClassVar, Literal
 
 from pipeline import paths
+from pipeline.errors import UserError
 from pipeline.files import read_json, write_json
 
 STATS = "stats.json"
@@ -31,144 +38,374 @@ TABLE = "cases.json"
 SUMMARY = "summary.json"
 
 
+class _Section:
+    """A frozen part of ``stats.json`` read field by field; ``ABSENT`` names the fields the file omits
+    (rather than writing null) when they do not apply, so that ``to_dict`` gives back the same keys."""
+
+    ABSENT: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        """Raises: ValueError on a key the section does not know, or a required key missing."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(d) - set(known))
+        missing = sorted(n for n in known if n not in d and n not in cls.ABSENT)
+        if unknown or missing:
+            raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}, missing key(s) {missing}")
+        hints = _hints(cls)
+        return cls(**{k: _load(hints[k], v) for k, v in d.items()})
+
+    def to_dict(self) -> dict:
+        return {f.name: _dump(v) for f in fields(self) if not ((v := getattr(self, f.name)) is None and f.name in self.ABSENT)}
+
+
+@functools.cache
+def _hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _load(hint, value):
+    """``value`` (plain JSON) as ``hint`` says: sections, tuples for lists, dicts of either; scalars as they are."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if value is None:
+        return None
+    if origin in (typing.Union, types.UnionType):
+        return _load(next(a for a in args if a is not type(None)), value)
+    if isinstance(hint, type) and is_dataclass(hint):
+        return hint.from_dict(value)
+    if origin is dict:
+        return {k: _load(args[1], v) for k, v in value.items()}
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_load(args[0], v) for v in value)
+        return tuple(_load(a, v) for a, v in zip(args, value, strict=True))
+    return value
+
+
+def _dump(value):
+    if isinstance(value, _Section):
+        return value.to_dict()
+    if isinstance(value, dict):
+        return {k: _dump(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_dump(v) for v in value]
+    return value
+
+
 @dataclass(frozen=True)
-class Stats:
-    """Typed view of compare's ``stats.json``."""
+class KindGap(_Section):
+    """The gap counts of one case kind (ordinary, edge, boundary, selected)."""
 
-    raw: dict
+    elements: int
+    failing: int
+    max_abs: float
+    max_rel: float
+    nonfinite_trial_only: int
+
+
+@dataclass(frozen=True)
+class ValueGap(_Section):
+    """One named output's element-wise gap against its tolerance (``|trial - ref| > atol + rtol * |ref|`` fails)."""
+
+    ABSENT = ("failing_ids",)
+
+    elements: int
+    failing: int
+    failing_fraction: float
+    nonfinite_trial_only: int
+    """Elements non-finite in the trial where the reference is finite."""
+    nonfinite_reference: int
+    nonfinite_both: int
+    max_abs: float
+    mean_abs: float
+    p99_abs: float
+    max_rel: float
+    mean_rel: float
+    p99_rel: float
+    p99_exact: bool
+    atol: float
+    rtol: float
+    min_passing_atol: float
+    """The smallest atol (at this rtol) that would have passed, rounded up: reported, never applied."""
+    min_passing_rtol: float
+    per_kind: dict[str, KindGap]
+    failing_ids: tuple[str, ...] | None = None
+    """Ids of the cases with a failing element (the first 1000); absent when none failed."""
+
+
+@dataclass(frozen=True)
+class Arbiter(_Section):
+    """How far AMP is from FP64, against how far FP32 is (RMSE)."""
+
+    fp32_rmse_vs_fp64: float
+    amp_rmse_vs_fp64: float
+    amp_over_fp32: float
+
+
+@dataclass(frozen=True)
+class OutputsInfo(_Section):
+    cases: int
+    primary: str
+    per_token: bool
+    shapes: dict[str, tuple[int, ...]]
+    chunk_rows: int
+
+
+@dataclass(frozen=True)
+class NonFinite(_Section):
+    """Rows with a non-finite element in any output of one side, by kind, with their ids (the first 1000)."""
+
+    rows: int
+    per_kind: dict[str, int]
+    ids: tuple[str, ...]
+    elements: dict[str, int]
+    """Non-finite elements per output (outputs with none left out)."""
+
+
+@dataclass(frozen=True)
+class NonFiniteSides(_Section):
+    trial: NonFinite
+    """The policy's inference on the trained reference."""
+    trained: NonFinite
+    """The model trained under the policy."""
+
+
+@dataclass(frozen=True)
+class Flip(_Section):
+    """One changed decision: a case (per token, ``position``) whose class (or threshold side) differs.
+
+    Classification flips carry the classes, margins and scores (the top 5 for a vocabulary); regression
+    flips the first output of each side. Fields that do not apply are absent from the file."""
+
+    ABSENT = ("reference_class", "trial_class", "reference_margin", "trial_margin", "margin_kind", "position",
+              "reference_scores", "trial_scores", "reference_top", "trial_top", "kl", "reference", "trial")
+
+    id: str
+    kind: str
+    boundary: bool
+    """A constructed boundary case (kind ``boundary``), limited apart."""
+    near_boundary: bool
+    """A real case whose reference margin is below the rule's ``boundary_margin``."""
+    reference_class: int | None = None
+    trial_class: int | None = None
+    reference_margin: float | None = None
+    trial_margin: float | None = None
+    margin_kind: str | None = None
+    position: int | None = None
+    reference_scores: tuple[float, ...] | None = None
+    trial_scores: tuple[float, ...] | None = None
+    reference_top: tuple[tuple[int, float], ...] | None = None
+    trial_top: tuple[tuple[int, float], ...] | None = None
+    kl: float | None = None
+    reference: float | None = None
+    trial: float | None = None
 
     @property
-    def values(self) -> dict[str, dict]:
-        """Per named output: elements, failing, max/mean/p99 abs and rel error, min passing atol/rtol, per_kind."""
-        return self.raw["values"]
+    def label(self) -> str:
+        """The id, per token ``id@position``."""
+        return self.id if self.position is None else f"{self.id}@{self.position}"
 
-    @property
-    def flips(self) -> dict:
-        return self.raw["flips"]
 
-    @property
-    def quality(self) -> dict:
-        """metric, higher_is_better, reference, trial, trained (and perplexity for per-token outputs)."""
-        return self.raw["quality"]
+@dataclass(frozen=True)
+class Decisions(_Section):
+    """Decisions of one head compared (per case, or per token): flips counted in three exact groups."""
 
-    @property
-    def training(self) -> dict:
-        return self.raw["training"]
+    ABSENT = ("margin_kind", "boundary_margin")
 
-    @property
-    def distribution(self) -> dict | None:
-        """Per-token outputs: tokens, kl_mean, kl_p99, kl_max, top1_agreement, top_k, top_k_overlap."""
-        return self.raw.get("distribution")
+    cases: int
+    boundary_cases: int
+    near_boundary_cases: int
+    flips: int
+    """Flips of real cases away from the boundary."""
+    near_boundary_flips: int
+    boundary_flips: int
+    unit: Literal["case", "token"]
+    boundary_flip_fraction: float
+    real_flips: int
+    """Flips of real cases, near the boundary or not."""
+    flip_list: tuple[Flip, ...]
+    flip_list_dropped: int
+    margin_kind: str | None = None
+    """Unit of the boundary margin (classification only)."""
+    boundary_margin: float | None = None
 
-    @property
-    def arbiter(self) -> dict | None:
-        return self.raw.get("arbiter")
+    def labels(self, boundary: bool, near: bool | None = None) -> list[str]:
+        """Labels of the listed flips of constructed (``boundary``) or real cases; ``near`` filters real ones."""
+        return [f.label for f in self.flip_list if f.boundary == boundary and (near is None or f.near_boundary == near)]
 
-    @property
-    def regression(self) -> dict | None:
-        return self.raw.get("regression")
 
-    @property
-    def per_token(self) -> bool:
-        return self.flips.get("unit") == "token"
+@dataclass(frozen=True)
+class Distribution(_Section):
+    """Per-token outputs: KL(reference || trial) per token and top-1 / top-k agreement."""
 
-    @property
-    def real_flips(self) -> int:
-        """Flips of real cases (ordinary, edge), near the boundary or not."""
-        return int(self.flips["flips"]) + int(self.flips.get("near_boundary_flips", 0))
+    tokens: int
+    kl_mean: float
+    kl_p99: float
+    kl_p99_upper: float
+    """Never below the exact p99 (a streamed quantile's bucket edge): what the rule gates on."""
+    kl_p99_exact: bool
+    kl_max: float
+    top1_agreement: float
+    top_k: int
+    top_k_overlap: float
 
-    @property
-    def near_boundary_flips(self) -> int:
-        return int(self.flips.get("near_boundary_flips", 0))
 
-    @property
-    def boundary_flips(self) -> int:
-        return int(self.flips["boundary_flips"])
+@dataclass(frozen=True)
+class Paired(_Section):
+    """Targets one side lost and gained against the reference, case by case."""
 
-    @property
-    def boundary_cases(self) -> int:
-        return int(self.flips["boundary_cases"])
+    lost: int
+    gained: int
 
-    def flip_ids(self, boundary: bool | None = None) -> list[str]:
-        """Ids of the listed flips (per token: ``id@position``); ``boundary`` filters constructed boundary cases."""
-        return [f["id"] + (f"@{f['position']}" if "position" in f else "") for f in self.flips["flip_list"]
-                if boundary is None or bool(f["boundary"]) == boundary]
+
+@dataclass(frozen=True)
+class Quality(_Section):
+    ABSENT = ("perplexity",)
+
+    metric: str
+    higher_is_better: bool
+    reference: float
+    trial: float
+    trained: float
+    counts: dict[str, tuple[int, int]]
+    """Per side, (hits, targets) where the metric counts (accuracy, top_k)."""
+    paired: dict[str, Paired]
+    perplexity: dict[str, float | None] | None = None
+
+    def of(self, side: Literal["reference", "trial", "trained"]) -> float:
+        return getattr(self, side)
+
+
+@dataclass(frozen=True)
+class RegressionErrors(_Section):
+    ABSENT = ("output_min", "output_max")
+
+    mae: float
+    rmse: float
+    max_error: float
+    extreme_low_mae: float
+    extreme_high_mae: float
+    output_min: float | None = None
+    output_max: float | None = None
+
+
+@dataclass(frozen=True)
+class Noise(_Section):
+    """The FP32 noise floor: the replicate's per-step gap to the reference beside AMP's, and the band on the curves."""
+
+    ABSENT = ("over",)
+
+    replicate_gap: tuple[float, ...]
+    amp_gap: tuple[float, ...]
+    max_replicate_gap: float
+    mean_replicate_gap: float
+    mean_amp_gap: float
+    max_amp_gap: float
+    multiple: float | None
+    atol: float | None
+    violations: int
+    first_violation_step: int
+    worst_ratio: float
+    mean_ratio: float
+    over: tuple[str, ...] | None = None
+    """Which curve statistics (mean, max) are over the band, when the rule sets one."""
+
+
+@dataclass(frozen=True)
+class Training(_Section):
+    """The trial's trajectory against the reference's (or FP32 aligned on its skips) and its updates' health."""
+
+    ABSENT = ("noise",)
+
+    steps: int
+    band_violations: int
+    first_violation_step: int
+    max_loss_gap: float
+    max_loss_gap_step: int
+    final_loss_reference: float
+    final_loss_trial: float
+    nonfinite_grad_steps: tuple[int, ...]
+    """Steps whose gradient norm was not finite with no GradScaler to skip them (not applied)."""
+    skipped_steps: int
+    skipped_fraction: float
+    real_updates: int
+    stalled: bool
+    stall_window: int
+    final_scale: float
+    min_scale: float
+    first_nonfinite_loss_step: int
+    scaler_enabled: bool
+    aligned_on_skips: bool
+    first_nonfinite_reference_step: int
+    noise: Noise | None = None
+
+
+@dataclass(frozen=True)
+class Stats(_Section):
+    """Compare's statistics of one trial, typed: what the rule judges and the renderers show."""
+
+    ABSENT = ("env_differs_from_reference",)
+
+    values: dict[str, ValueGap]
+    arbiter: dict[str, Arbiter] | None
+    outputs: OutputsInfo
+    nonfinite: NonFiniteSides
+    heads: dict[str, Decisions]
+    """Decided outputs other than the primary one."""
+    flips: Decisions
+    """The primary output's decisions (regression: threshold crossings)."""
+    distribution: Distribution | None
+    quality: Quality
+    regression: dict[str, RegressionErrors] | None
+    training: Training
+    env_differs_from_reference: tuple[str, ...] | None = None
+    """Set by the compare stage (the trial's manifest), not by the statistics."""
 
     @property
     def max_abs_gap(self) -> float:
-        return max((g["max_abs"] for g in self.values.values()), default=0.0)
-
-    @property
-    def quality_reference(self) -> float:
-        return self.quality["reference"]
-
-    @property
-    def quality_trial(self) -> float:
-        return self.quality["trial"]
-
-    @property
-    def quality_trained(self) -> float:
-        return self.quality["trained"]
-
-    @property
-    def max_loss_gap(self) -> float:
-        return self.training["max_loss_gap"]
-
-    @property
-    def noise(self) -> dict | None:
-        return self.training.get("noise")
-
-    def _dist(self, key: str) -> float | None:
-        return self.distribution[key] if self.distribution else None
-
-    @property
-    def kl_mean(self) -> float | None:
-        return self._dist("kl_mean")
-
-    @property
-    def kl_p99(self) -> float | None:
-        return self._dist("kl_p99")
-
-    @property
-    def kl_max(self) -> float | None:
-        return self._dist("kl_max")
-
-    @property
-    def top1_agreement(self) -> float | None:
-        return self._dist("top1_agreement")
+        return max((g.max_abs for g in self.values.values()), default=0.0)
 
 
-def summary(stats: dict) -> dict:
-    """Flat numbers for `dvc metrics show` and MLflow."""
+def summary(stats: Stats) -> dict:
+    """Flat numbers (``summary.json``): the largest gaps per output, the flips, quality, training."""
     out: dict[str, float | int] = {}
-    for name, g in stats["values"].items():
-        for key in ("max_abs", "p99_abs", "max_rel", "failing_fraction", "nonfinite_trial_only", "min_passing_atol"):
-            out[f"values.{name}.{key}"] = g[key]
-    if stats.get("arbiter"):
-        for name, a in stats["arbiter"].items():
-            out[f"arbiter.{name}.amp_over_fp32"] = a["amp_over_fp32"]
-    for key in ("flips", "near_boundary_flips", "boundary_flips", "boundary_cases"):
-        out[f"decisions.{key}"] = stats["flips"].get(key, 0)
-    for key in ("reference", "trial", "trained"):
-        out[f"quality.{key}"] = stats["quality"][key]
-    if stats.get("distribution"):
-        for key in ("kl_mean", "kl_p99", "kl_max", "top1_agreement", "top_k_overlap"):
-            out[f"distribution.{key}"] = stats["distribution"][key]
-    for key in ("max_loss_gap", "band_violations", "skipped_fraction", "real_updates", "final_scale", "final_loss_reference", "final_loss_trial"):
-        out[f"training.{key}"] = stats["training"][key]
+    for name, g in stats.values.items():
+        out |= {f"values.{name}.max_abs": g.max_abs, f"values.{name}.p99_abs": g.p99_abs, f"values.{name}.max_rel": g.max_rel,
+                f"values.{name}.failing_fraction": g.failing_fraction, f"values.{name}.nonfinite_trial_only": g.nonfinite_trial_only,
+                f"values.{name}.min_passing_atol": g.min_passing_atol}
+    for name, a in (stats.arbiter or {}).items():
+        out[f"arbiter.{name}.amp_over_fp32"] = a.amp_over_fp32
+    f = stats.flips
+    out |= {"decisions.flips": f.flips, "decisions.near_boundary_flips": f.near_boundary_flips, "decisions.boundary_flips": f.boundary_flips,
+            "decisions.boundary_cases": f.boundary_cases}
+    q = stats.quality
+    out |= {"quality.reference": q.reference, "quality.trial": q.trial, "quality.trained": q.trained}
+    if (d := stats.distribution) is not None:
+        out |= {"distribution.kl_mean": d.kl_mean, "distribution.kl_p99": d.kl_p99, "distribution.kl_max": d.kl_max,
+                "distribution.top1_agreement": d.top1_agreement, "distribution.top_k_overlap": d.top_k_overlap}
+    t = stats.training
+    out |= {"training.max_loss_gap": t.max_loss_gap, "training.band_violations": t.band_violations, "training.skipped_fraction": t.skipped_fraction,
+            "training.real_updates": t.real_updates, "training.final_scale": t.final_scale, "training.final_loss_reference": t.final_loss_reference,
+            "training.final_loss_trial": t.final_loss_trial}
     return out
 
 
 def write(dtype: str, stats: dict, table: list[dict]) -> None:
+    """``stats`` as compare produced it (read back typed first: a statistic the reader does not know is refused here)."""
+    typed = Stats.from_dict(stats)
     out = paths.compare(dtype)
     write_json(out / STATS, stats)
     write_json(out / TABLE, table)
-    write_json(out / SUMMARY, summary(stats))
+    write_json(out / SUMMARY, summary(typed))
 
 
 def read(dtype: str) -> Stats:
-    """Raises: UserError when compare@DTYPE has not run."""
-    return Stats(read_json(paths.compare(dtype) / STATS, f"compare@{dtype}"))
+    """Raises: UserError when compare@DTYPE has not run, or its stats.json is not in this version's form."""
+    path = paths.compare(dtype) / STATS
+    try:
+        return Stats.from_dict(read_json(path, f"compare@{dtype}"))
+    except ValueError as e:
+        raise UserError(f"{path} is not in the form this version reads ({e}); run `dvc repro compare@{dtype}`") from None
 
 
 def read_table(dtype: str) -> list[dict]:

@@ -1,0 +1,198 @@
+"""The rule applied to typed statistics (pipeline/rule.py): every criterion can fail on its own, and loosened rules are visible."""
+
+import copy
+import dataclasses
+import functools
+import inspect
+
+import pytest
+import torch
+
+from pipeline import rule
+from pipeline.artifacts.comparison import Stats
+from pipeline.compare import streams
+from pipeline.config import AcceptanceConfig, Tolerance
+
+RULE = AcceptanceConfig(min_quality=0.9)
+
+
+@functools.cache
+def _compared() -> dict:
+    """compare_streams on a small classifier whose trial is its reference except one constructed boundary case,
+    which flips (its reference margin is 0.001), over a 60-step run with an FP32 replicate 1 % off."""
+    g = torch.Generator().manual_seed(0)
+    ids = [f"ordinary/{i}" for i in range(40)] + [f"boundary/{i}" for i in range(4)]
+    ref = torch.randn(44, 3, generator=g) * 3
+    ref[40] = torch.tensor([1.0, 1.001, 0.0])
+    trial = ref.clone()
+    trial[40] = torch.tensor([1.001, 1.0, 0.0])
+    has_target = torch.tensor([True] * 40 + [False] * 4)
+    steps = [{"step": i, "loss": 1.0 / (i + 1), "skipped": False, "scale": 32768.0, "grad_norm": 1.0} for i in range(60)]
+    replicate = [dict(s, loss=s["loss"] * 1.01) for s in steps]
+    sources = streams.Sources(ids, ref.argmax(1), has_target, streams.InMemory({"output": ref}), streams.InMemory({"output": trial}),
+                              streams.InMemory({"output": ref}))
+    stats, _ = streams.compare_streams("classification", RULE, sources, streams.Trajectories(steps, steps, 32768.0, replicate=replicate))
+    return stats
+
+
+def healthy_stats() -> dict:
+    """A fresh copy of the statistics of a trial that passes ``RULE`` (one of 4 boundary cases flipped: allowed)."""
+    return copy.deepcopy(_compared())
+
+
+def judge(stats: dict, acceptance: AcceptanceConfig = RULE) -> rule.RuleResult:
+    return rule.decide(Stats.from_dict(stats), acceptance)
+
+
+def test_healthy_trial_is_accepted_with_checks_listed():
+    stats = healthy_stats()
+    assert stats["flips"]["boundary_flips"] == 1 and stats["flips"]["boundary_cases"] == 4 and stats["training"]["noise"]["violations"] == 0
+    d = judge(stats)
+    assert d.decision == "accept" and d.accepted and d.reasons == () and d.cases == {}
+    assert d.inference == d.training == "accept"
+    assert len(d.checks) >= 10
+
+
+def test_the_rule_takes_no_diagnosis_and_returns_a_frozen_result():
+    assert list(inspect.signature(rule.decide).parameters) == ["stats", "acceptance"]
+    d = judge(healthy_stats())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.reasons = ("forged",)
+
+
+@pytest.mark.parametrize(
+    "path,value,word,part",
+    [
+        (("values", "output", "nonfinite_trial_only"), 3, "non-finite", "inference"),
+        (("values", "output", "failing_fraction"), 0.01, "outside atol", "inference"),
+        (("flips", "flips"), 1, "flip(s) among real cases away from the boundary", "inference"),
+        (("quality", "counts", "trial"), [37, 40], "3 case(s) fewer", "inference"),
+        (("quality", "trained"), 0.85, "below minimum", "training"),
+        (("training", "first_nonfinite_loss_step"), 7, "loss not finite from step 7", "training"),
+        (("training", "band_violations"), 4, "outside band", "training"),
+        (("training", "skipped_fraction"), 0.5, "skipped", "training"),
+        (("training", "stalled"), True, "stopped advancing", "training"),
+        (("training", "final_scale"), 0.5, "loss scale fell", "training"),
+    ],
+)
+def test_each_criterion_alone_rolls_back(path, value, word, part):
+    stats = healthy_stats()
+    node = stats
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+    d = judge(stats)
+    assert d.decision == "rollback" and getattr(d, part) == "rollback"
+    assert [r for r in d.reasons if word in r] == list(d.reasons), d.reasons  # that criterion alone, and no other line
+
+
+def test_boundary_flip_limit_is_separate():
+    stats = healthy_stats()
+    strict = dataclasses.replace(RULE, max_boundary_flip_fraction=0.2)
+    d = judge(stats, strict)
+    assert d.decision == "rollback" and d.cases == {"boundary_flips": ("boundary/0",)}
+    assert judge(stats).decision == "accept"
+
+
+def rule_dict(**kw):
+    return dataclasses.asdict(dataclasses.replace(RULE, **kw))
+
+
+def test_loosened_lists_every_widened_criterion():
+    old = rule_dict()
+    new = rule_dict(outputs={"*": Tolerance(atol=0.1, rtol=0.02)}, max_flips=2, min_quality=0.8, max_quality_drop=0.0)
+    diff = rule.loosened(old, new)
+    assert "outputs.*.atol 0.05 -> 0.1" in diff
+    assert "max_flips 0 -> 2" in diff and "min_quality 0.9 -> 0.8" in diff
+    assert not any("max_quality_drop" in d for d in diff)  # tightened, not loosened
+    assert rule.loosened(old, old) == []
+    assert rule.loosened(new, old) != []  # and the other way round only the tightened one shows
+    assert rule.loosened(rule_dict(tie_rule="tie_is_flip"), rule_dict()) == ["tie_rule tie_is_flip -> lowest_index"]
+
+
+def test_a_tolerance_widened_after_a_rollback_is_listed_alone():
+    """What publish says beside an accept whose reference was rolled back under a stricter rule."""
+    strict, loose = rule_dict(), rule_dict(outputs={"*": Tolerance(atol=0.5, rtol=0.02)})
+    assert rule.loosened(strict, loose) == ["outputs.*.atol 0.05 -> 0.5"]
+    assert rule.loosened(strict, strict) == [] and rule.loosened(loose, strict) == []
+
+
+def test_every_numeric_criterion_has_a_direction():
+    """A new criterion in AcceptanceConfig must say which way is looser, or loosening it would go unflagged."""
+    fields = {f.name for f in dataclasses.fields(AcceptanceConfig)}
+    assert set(rule._LOOSER_WHEN) | set(rule._COMPARED_APART) == fields
+    assert not set(rule._LOOSER_WHEN) & set(rule._COMPARED_APART)
+    for name in rule._LOOSER_WHEN:  # each loosening step is seen, from a set value
+        base = {"outputs": {}, name: 0.5}
+        looser = {"outputs": {}, name: 0.5 + rule._LOOSER_WHEN[name]}
+        assert rule.loosened(base, looser) == [f"{name} 0.5 -> {0.5 + rule._LOOSER_WHEN[name]:g}"]
+        assert rule.loosened(base, {"outputs": {}, name: None}) == [f"{name} removed (was 0.5)"]
+        assert rule.loosened(looser, base) == []
+
+
+def test_real_flips_near_the_boundary_fail_by_default_and_an_explicit_null_is_said_in_words():
+    stats = healthy_stats()
+    stats["flips"].update({"near_boundary_flips": 1, "near_boundary_cases": 3, "margin_kind": "probability",
+                           "flip_list": [{"id": "ordinary/digits-1274", "kind": "ordinary", "boundary": False, "near_boundary": True}]})
+    d = judge(stats)  # the shipped rule: every flip of a real sample counts against it
+    assert d.decision == "rollback" and d.inference == "rollback" and d.training == "accept"
+    assert any("ordinary/digits-1274" in r and "near the boundary (probability margin" in r for r in d.reasons)
+    assert d.cases["flips"] == ("ordinary/digits-1274",)
+    d = judge(stats, dataclasses.replace(RULE, max_near_boundary_flips=None))
+    assert d.decision == "accept"
+    assert any("ordinary/digits-1274" in c and "not limited: the rule sets max_near_boundary_flips: null" in c for c in d.checks)
+
+
+def test_distribution_criteria():
+    stats = healthy_stats()
+    stats["distribution"] = {"tokens": 1000, "kl_mean": 1e-3, "kl_p99": 2e-2, "kl_p99_upper": 2e-2, "kl_p99_exact": True, "kl_max": 0.3,
+                             "top1_agreement": 0.995, "top_k": 5, "top_k_overlap": 0.98}
+    assert judge(stats).decision == "accept"  # null criteria: not applied
+    ok = dataclasses.replace(RULE, max_kl_mean=1e-2, max_kl_p99=0.05, min_top1_agreement=0.99)
+    assert judge(stats, ok).decision == "accept"
+    for strict, word in ((dict(max_kl_mean=1e-4), "KL(reference || trial) mean"), (dict(max_kl_p99=1e-2), "p99"),
+                         (dict(min_top1_agreement=0.999), "top-1 agreement")):
+        d = judge(stats, dataclasses.replace(RULE, **strict))
+        assert d.decision == "rollback" and any(word in r for r in d.reasons), d.reasons
+    stats["distribution"].update(kl_p99_upper=0.06, kl_p99_exact=False)  # a streamed p99: gated on its bucket's upper edge
+    d = judge(stats, ok)
+    assert d.decision == "rollback" and any("p99 0.06 nats (upper edge of a streamed estimate)" in r for r in d.reasons), d.reasons
+    stats["distribution"] = None
+    d = judge(stats, ok)
+    assert d.decision == "rollback" and any("per-token" in r for r in d.reasons)
+
+
+def test_noise_floor_criterion():
+    stats = healthy_stats()
+    stats["training"]["noise"].update({"violations": 2, "over": ["mean", "max"], "first_violation_step": 5, "mean_amp_gap": 0.02,
+                                       "mean_replicate_gap": 0.001, "max_amp_gap": 0.05, "max_replicate_gap": 0.004})
+    assert judge(stats, dataclasses.replace(RULE, loss_noise_multiple=None)).decision == "accept"
+    d = judge(stats, dataclasses.replace(RULE, loss_noise_multiple=3.0, loss_noise_atol=0.0))
+    assert d.decision == "rollback" and any("noise floor" in r and "step 5" in r and "mean and max" in r for r in d.reasons)
+    assert d.cases == {"steps": (5,)}
+    del stats["training"]["noise"]
+    d = judge(stats, dataclasses.replace(RULE, loss_noise_multiple=3.0))
+    assert any("replicate" in r for r in d.reasons)
+
+
+def test_quality_drop_follows_the_metric_direction():
+    stats = healthy_stats()
+    stats["quality"] = {"metric": "perplexity", "higher_is_better": False, "reference": 10.0, "trial": 10.005, "trained": 10.0,
+                        "counts": {}, "paired": {}}
+    assert judge(stats, AcceptanceConfig()).decision == "accept"
+    stats["quality"]["trial"] = 10.5
+    d = judge(stats, AcceptanceConfig())
+    assert d.decision == "rollback" and any("drop 0.5" in r for r in d.reasons)
+
+
+def test_no_target_in_the_fixed_set_is_a_named_reason_unless_the_rule_drops_quality():
+    stats = healthy_stats()
+    for key in ("reference", "trial", "trained"):
+        stats["quality"][key] = float("nan")
+    result = judge(stats, AcceptanceConfig())
+    assert result.decision == "rollback" and any("no case of the fixed set carries a target" in r for r in result.reasons)
+    result = judge(stats, AcceptanceConfig(max_quality_drop=None, min_quality=None))
+    assert result.decision == "accept", result.reasons
+    assert any("not judged" in c for c in result.checks)
+    stats["quality"]["reference"] = 0.9  # a reference that has a quality and a trial that lost it: a failure
+    assert judge(stats, AcceptanceConfig()).decision == "rollback"
