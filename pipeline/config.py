@@ -345,6 +345,11 @@ class AcceptanceConfig:
             )
         return tol
 
+    def loss_band(self, ref_loss):
+        """The training gap allowed at a step whose FP32 loss is ``ref_loss`` (a float, or a tensor of steps):
+        ``loss_atol + loss_rtol * |ref_loss|``; NaN where the reference loss is, which no gap is within."""
+        return self.loss_atol + self.loss_rtol * abs(ref_loss)
+
     def sha256(self) -> str:
         """Hash of the rule in canonical form: the same rule always gives the same hash."""
         canonical = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
@@ -371,9 +376,9 @@ class CompareConfig:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """How benchmark@DTYPE measures (the method is in pipeline/benchmark.py); the workload is the trial's.
+    """How benchmark@DTYPE measures (the method is in pipeline/bench/); the workload is the trial's.
 
-    A field left null is sized by device (``benchmark.SIZES``): short on the CPU, where the figures only show
+    A field left null is sized by device (``bench.sizing.SIZES``): short on the CPU, where the figures only show
     that the method runs, long enough on a GPU for medians and IQRs worth quoting."""
 
     warmup: int | None = None
