@@ -1,4 +1,5 @@
-"""The training loop: recipe order, real updates under forced overflows, schedule on real updates, resume."""
+"""The training loop: recipe order, accumulation, real updates under forced overflows, schedule on real updates, the data
+order, Datasets, the fault-injection hook and resume."""
 
 import dataclasses
 
@@ -8,7 +9,7 @@ import torch
 from pipeline import checkpoint, training
 from pipeline.config import LrSchedule, ReferenceConfig, TaskConfig
 from pipeline.precision import Policy
-from pipeline.task import TensorSource
+from pipeline.task import Batch, DatasetSource, TensorSource
 
 CPU = torch.device("cpu")
 TASK = TaskConfig()  # classification, cross_entropy
@@ -138,3 +139,80 @@ def test_on_step_runs_after_each_step_once_its_resume_state_is_saved_and_a_crash
     assert dict(seen)[8] == [4, 8] and dict(seen)[7] == [4]  # step 8's state is saved before the hook runs
     resumed = training.train(Loud(), source, c, TASK, policy, CPU, seed=0, resume=saved[-1])
     assert [repr(r) for r in resumed.records] == [repr(r) for r in full.records]
+
+
+def test_accumulation_unscales_once_per_update_and_matches_the_mean_gradient(monkeypatch):
+    calls = []
+    original = torch.amp.GradScaler.unscale_
+    monkeypatch.setattr(torch.amp.GradScaler, "unscale_", lambda self, opt: (calls.append(1), original(self, opt))[1])
+    source = data()
+    x, y = source.x, source.y
+    c = cfg(train_steps=3, batch_size=8, grad_accumulation=2, optimizer="sgd", momentum=0.0, grad_clip=None)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    manual = torch.nn.Linear(8, 4)
+    manual.load_state_dict(model.state_dict())
+    result = training.train(model, source, c, TASK, Policy(dtype="float16"), CPU, seed=0)
+    assert len(calls) == 3 and len(result.records) == 3
+    for micro in training.update_batches(64, c, seed=0):
+        manual.zero_grad()
+        for idx in micro:
+            (torch.nn.functional.cross_entropy(manual(x[idx]), y[idx]) / 2).backward()
+        with torch.no_grad():
+            for p in manual.parameters():
+                p -= 0.01 * p.grad
+    for a, b in zip(model.parameters(), manual.parameters()):
+        assert torch.allclose(a, b, atol=2e-3)  # float16 forward against an FP32 hand-made loop
+
+
+class Items(torch.utils.data.Dataset):
+    """A map-style Dataset over the same samples, item by item, dict items with the target under 'labels'."""
+
+    def __init__(self, x, y) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return self.x.shape[0]
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class DictModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_a_dataset_trains_exactly_as_the_same_tensors():
+    source = data()
+    x, y = source.x, source.y
+    c = cfg(train_steps=6, batch_size=8, grad_accumulation=2)
+    torch.manual_seed(0)
+    from_tensors = training.train(DictModel(), TensorSource(Batch({"x": x}), y), c, TASK, Policy(dtype="bfloat16"), CPU, seed=3)
+    torch.manual_seed(0)
+    items = DatasetSource(Items(x, y), "labels")
+    from_dataset = training.train(DictModel(), items, c, TASK, Policy(dtype="bfloat16"), CPU, seed=3)
+    assert [repr(r) for r in from_dataset.records] == [repr(r) for r in from_tensors.records]
+    assert items.fingerprint() == DatasetSource(Items(x, y), "labels").fingerprint()
+    assert items.fingerprint() != DatasetSource(Items(x + 1, y), "labels").fingerprint()
+
+
+def test_the_noise_replicate_order_swaps_one_sample_per_pair_of_updates():
+    order = training.update_batches(64, ReferenceConfig(train_steps=5, batch_size=8, grad_accumulation=1), seed=0)
+    swapped = training.neighbours_swapped(order)
+    for s in range(5):
+        a, b = order[s][0], swapped[s][0]
+        assert torch.equal(a[1:], b[1:])  # the rest of every micro-batch as it was
+    assert swapped[0][0][0] == order[1][0][0] and swapped[1][0][0] == order[0][0][0]
+    assert torch.equal(swapped[4][0], order[4][0])  # an odd last update keeps its batch
+    assert sorted(torch.cat([b[0] for b in swapped]).tolist()) == sorted(torch.cat([b[0] for b in order]).tolist())
+
+
+def test_progress_line_names_step_loss_scale_skipped_and_eta():
+    p = training.Progress("trial float16", 10)
+    line = p.line(4, 1.25, 32768.0, 2, p.t0 + 2.0)
+    assert "step 4/10" in line and "loss 1.2500" in line and "scale 32768" in line and "skipped 2" in line and "ETA 3s" in line
