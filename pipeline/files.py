@@ -127,20 +127,52 @@ def write_json(path: str | Path, value: Any) -> None:
     write_bytes(path, dumps(value).encode())
 
 
-def read_json(path: str | Path, produced_by: str = "") -> Any:
-    """Read a JSON output of an earlier stage.
+def read_json(path: str | Path, produced_by: str = "", expected_sha256: str | None = None) -> Any:
+    """Read a JSON output of an earlier stage, checked against the sha256 its manifest records when one is given.
 
     Raises:
-        UserError: the file is missing or not valid JSON.
+        UserError: the file is missing, differs from its manifest (``verify``) or is not valid JSON.
     """
     path = Path(path)
-    hint = f"; run `dvc repro {produced_by}` first" if produced_by else ""
     try:
-        return from_jsonable(json.loads(path.read_text()))
+        data = path.read_bytes()
     except FileNotFoundError:
-        raise UserError(f"{path} not found{hint}") from None
+        raise UserError(_not_found(path, produced_by)) from None
+    if expected_sha256 is not None:
+        verify(path, expected_sha256, produced_by, actual=hashlib.sha256(data).hexdigest())
+    try:
+        return from_jsonable(json.loads(data))
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserError(f"{path} is not valid JSON (damaged?){hint or '; regenerate it with dvc repro --force'}") from None
+        raise UserError(f"{path} is not valid JSON (damaged?); rebuild it with {rerun(produced_by)}") from None
+
+
+def rerun(produced_by: str) -> str:
+    """The command that rebuilds a stage's output, as error messages name it."""
+    return f"`dvc repro {produced_by}`" if produced_by else "`dvc repro --force`"
+
+
+def _not_found(path: Path, produced_by: str) -> str:
+    return f"{path} not found; run {rerun(produced_by)} first"
+
+
+def verify(path: str | Path, expected_sha256: str, produced_by: str = "", recorded_in: str = "its manifest", actual: str | None = None) -> None:
+    """Check a file against the sha256 recorded when it was written (``recorded_in``: its manifest, the rollback
+    package): the one check, with the one message, for every artifact read back. ``actual``: the sha256 of the
+    bytes the caller already read (the file is not read again).
+
+    Raises:
+        UserError: the file is missing, or its sha256 differs from the recorded one.
+    """
+    path = Path(path)
+    if actual is None:
+        if not path.is_file():
+            raise UserError(_not_found(path, produced_by))
+        actual = sha256_file(path)
+    if actual != expected_sha256:
+        raise UserError(
+            f"{path} differs from {recorded_in} (sha256 {actual[:12]}…, recorded {expected_sha256[:12]}…): it was damaged or replaced; "
+            f"restore it with `dvc checkout` or rebuild it with {rerun(produced_by)}"
+        )
 
 
 def sha256_file(path: str | Path) -> str:
@@ -186,33 +218,26 @@ def read_tensors(path: str | Path, expected_sha256: str | None = None, produced_
     Raises:
         UserError: missing file, hash mismatch, or not a valid safetensors file (nothing is executed).
     """
-    hint = f"`dvc repro {produced_by}`" if produced_by else "`dvc repro --force`"
-    raw = _read_raw(Path(path), hint)
-    if expected_sha256 is not None:
-        actual = hashlib.sha256(raw).hexdigest()
-        if actual != expected_sha256:
-            raise UserError(
-                f"{path} has sha256 {actual[:12]}… but its manifest expects {expected_sha256[:12]}…; it was damaged "
-                f"or replaced: restore it with `dvc checkout` or rebuild it with {hint}"
-            )
-    return _parse_tensors(Path(path), raw, hint)
+    tensors, meta, _ = read_tensors_hashed(path, expected_sha256, produced_by)
+    return tensors, meta
 
 
-def read_tensors_hashed(path: str | Path) -> tuple[dict, dict, str]:
-    """The tensors, the metadata and the sha256 of a safetensors file, from one read of it.
+def read_tensors_hashed(path: str | Path, expected_sha256: str | None = None, produced_by: str = "") -> tuple[dict, dict, str]:
+    """The tensors, the metadata and the sha256 of a safetensors file, from one read of it (verified when
+    ``expected_sha256`` is given).
 
     Raises:
-        UserError: missing file, or not a valid safetensors file (nothing is executed).
+        UserError: missing file, hash mismatch, or not a valid safetensors file (nothing is executed).
     """
-    raw = _read_raw(Path(path), "`dvc repro --force`")
-    tensors, meta = _parse_tensors(Path(path), raw, "`dvc repro --force`")
-    return tensors, meta, hashlib.sha256(raw).hexdigest()
-
-
-def _read_raw(path: Path, hint: str) -> bytes:
+    path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path} not found; run {hint} to produce it")
-    return path.read_bytes()
+        raise UserError(_not_found(path, produced_by))
+    raw = path.read_bytes()
+    actual = hashlib.sha256(raw).hexdigest()
+    if expected_sha256 is not None:
+        verify(path, expected_sha256, produced_by, actual=actual)
+    tensors, meta = _parse_tensors(path, raw, rerun(produced_by))
+    return tensors, meta, actual
 
 
 def _parse_tensors(path: Path, raw: bytes, hint: str) -> tuple[dict, dict]:

@@ -89,7 +89,7 @@ def test_zero_rows_and_bad_chunks(tmp_path):
 def test_reader_refuses_damaged_or_missing_files(tmp_path):
     p = tmp_path / "o.safetensors"
     sha = outputs.write_outputs(p, [{"o": torch.ones(4, 2)}], list("abcd"))
-    with pytest.raises(UserError, match="manifest expects"):
+    with pytest.raises(UserError, match="differs from its manifest .*damaged or replaced.*dvc repro freeze"):
         outputs.OutputsReader(p, "0" * 64, "freeze")
     with pytest.raises(UserError, match="not found"):
         outputs.OutputsReader(tmp_path / "none.safetensors", sha)

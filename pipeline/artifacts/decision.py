@@ -7,10 +7,11 @@ rule), so the same commit gives the same bytes on any machine and against any tr
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Literal
 
 from pipeline import paths
+from pipeline.errors import UserError
 from pipeline.files import read_json, write_json
 
 if TYPE_CHECKING:
@@ -19,14 +20,18 @@ if TYPE_CHECKING:
 FILE = "decision.json"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Decision:
-    """The rule's verdict on one trial, with what it was decided under."""
+    """The rule's verdict on one trial, with what it was decided under.
+
+    Three kinds of lines, each in its own field: ``reasons`` (the criteria that failed), ``findings`` (where
+    the diagnosis says a rollback starts and what would fix it) and ``notes`` (facts said beside the
+    verdict, such as a trial run elsewhere than the reference)."""
 
     dtype: str
     decision: Literal["accept", "rollback"]
     reasons: list[str]
-    """Every failed criterion (empty on accept), then the diagnosis' findings on rollback."""
+    """Every failed criterion (empty on accept)."""
     checks: list[str]
     """Every criterion that passed, so a reviewer sees what was verified."""
     rule: dict
@@ -41,7 +46,10 @@ class Decision:
     """Training under the policy: the trajectory, the updates, and the trained model's outputs and quality."""
     cases: dict = field(default_factory=dict)
     """On rollback: the ids of the cases (and ``steps``, the training steps) behind each failed criterion."""
+    findings: list[str] = field(default_factory=list)
+    """On rollback: the diagnosis' findings (``diagnosis.json``), in its order."""
     notes: list[str] = field(default_factory=list)
+    """Warnings said beside the verdict (an environment that differs from the reference's)."""
     rollback_package: str | None = None
     """Folder of the rollback package, on rollback."""
 
@@ -51,7 +59,7 @@ class Decision:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        for key in ("notes", "rollback_package", "cases"):  # absent rather than empty: the file says only what happened
+        for key in ("findings", "notes", "rollback_package", "cases"):  # absent rather than empty: the file says only what happened
             if not out[key]:
                 del out[key]
         return out
@@ -62,28 +70,32 @@ def write(d: Decision) -> None:
 
 
 def read(dtype: str) -> Decision:
-    """Raises: UserError when decide@DTYPE has not run."""
-    raw = read_json(paths.decision(dtype) / FILE, f"decide@{dtype}")
-    known = Decision.__dataclass_fields__
-    return Decision(**{k: v for k, v in raw.items() if k in known})
+    """Raises: UserError when decide@DTYPE has not run, or wrote another format."""
+    path = paths.decision(dtype) / FILE
+    raw = read_json(path, f"decide@{dtype}")
+    names = {f.name for f in fields(Decision)}
+    if not isinstance(raw, dict) or not set(raw) <= names:
+        raise UserError(f"{path} is not a decision of this version; rebuild it with `dvc repro --force decide@{dtype}`")
+    return Decision(**raw)
 
 
 def summary_metrics(d: Decision, stats: Stats) -> dict:
     """What `dvc metrics show` and `dvc metrics diff` print per dtype (short names, so that it fits 160
     columns): the verdict and its two parts in words (DVC prints a string metric as it is: ``accept``,
-    ``rollback``), how many reasons, flips of real cases and those near the boundary, the largest value gap,
-    quality of the trial (inference, after training) and the largest training-loss gap."""
+    ``rollback``), how many lines explain it (failed criteria and findings), flips of real cases and those
+    near the boundary, the largest value gap, quality of the trial (inference, after training) and the
+    largest training-loss gap."""
     return {
         "decision": d.decision,
         "inference": d.inference,
         "training": d.training,
-        "reasons": len(d.reasons),
-        "flips": stats.real_flips,
-        "near_flips": stats.near_boundary_flips,
+        "reasons": len(d.reasons) + len(d.findings),
+        "flips": stats.flips.real_flips,
+        "near_flips": stats.flips.near_boundary_flips,
         "max_gap": stats.max_abs_gap,
-        "quality_trial": stats.quality_trial,
-        "quality_trained": stats.quality_trained,
-        "loss_gap": stats.max_loss_gap,
+        "quality_trial": stats.quality.trial,
+        "quality_trained": stats.quality.trained,
+        "loss_gap": stats.training.max_loss_gap,
     }
 
 

@@ -14,10 +14,13 @@ over its vocabulary at every position: the outputs of freeze and trial need not 
   and ``view`` (the file mapped copy-on-write, the slice's pages faulted in with one ``madvise``, no copy
   at all), which compare uses. Pages of a mapped file stay in the process's resident memory once
   touched, so a mapped reader would grow with the file: ``release`` drops a used slice's pages
-  (``MADV_DONTNEED``), and memory stays one chunk. Files written by ``artifacts.write_tensors`` read the
+  (``MADV_DONTNEED``), and memory stays one chunk. Files written by ``files.write_tensors`` read the
   same way.
 
-Metadata holds ``ids`` (one string per row) as a JSON string, as ``artifacts.write_tensors`` writes it.
+Metadata holds ``ids`` (one string per row) as a JSON string, as ``files.write_tensors`` writes it.
+
+Torch-free at import: ``NumpyReader`` reads the same files with safetensors' numpy loader, for the report
+stage, which never imports torch; the torch paths import it inside.
 """
 
 from __future__ import annotations
@@ -27,28 +30,41 @@ import math
 import mmap
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-import torch
-
-from pipeline.files import atomic_file, from_jsonable, sha256_file, to_jsonable
 from pipeline.errors import UserError
+from pipeline.files import atomic_file, from_jsonable, rerun, sha256_file, to_jsonable, verify
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 """Fault a mapped range in with one call (Linux >= 5.14; older kernels refuse it and pages fault on use)."""
 
-_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
+_CODES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
 }
+"""torch dtype name -> safetensors dtype code, for the dtypes outputs are written in."""
+
+
+def _code(dtype: torch.dtype) -> str | None:
+    return _CODES.get(str(dtype).removeprefix("torch."))
+
+
+def _torch_dtype(code: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, next(name for name, c in _CODES.items() if c == code))
 
 
 def write_outputs(path: str | Path, chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], meta: dict[str, Any] | None = None) -> str:
@@ -73,7 +89,7 @@ def write_outputs(path: str | Path, chunks: Iterable[dict[str, torch.Tensor]], i
     offset = 0
     for name, (dtype, trailing, row_bytes) in layout.items():
         size = row_bytes * n_rows
-        header_obj[name] = {"dtype": _DTYPES[dtype], "shape": [n_rows, *trailing], "data_offsets": [offset, offset + size]}
+        header_obj[name] = {"dtype": _code(dtype), "shape": [n_rows, *trailing], "data_offsets": [offset, offset + size]}
         offset += size
     header = json.dumps(header_obj, sort_keys=True, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
@@ -100,12 +116,14 @@ def write_outputs(path: str | Path, chunks: Iterable[dict[str, torch.Tensor]], i
 
 def _layout(first: dict[str, torch.Tensor], n_rows: int) -> dict[str, tuple[torch.dtype, list[int], int]]:
     """Name -> (dtype, shape past dim 0, bytes per row), in file order: larger items first, then by name."""
+    import torch
+
     if not first:
         raise ValueError("write_outputs: the first chunk names no tensor")
     out = {}
     for name in sorted(first, key=lambda n: (-first[n].element_size(), n)):
         t = first[name]
-        if t.dtype not in _DTYPES:
+        if _code(t.dtype) is None:
             raise ValueError(f"write_outputs: output '{name}' has dtype {t.dtype}, which safetensors cannot store here")
         if t.ndim == 0:
             raise ValueError(f"write_outputs: output '{name}' is a scalar; give one row per case")
@@ -131,11 +149,10 @@ def _check_chunk(chunk: dict[str, torch.Tensor], layout: dict, path: Path) -> in
 
 def _raw(t: torch.Tensor) -> memoryview:
     """The tensor's bytes in native (little-endian) order, without a copy when it is contiguous on CPU."""
+    import torch
+
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())
-
-
-_FROM_CODE = {code: dtype for dtype, code in _DTYPES.items()}
 
 
 class OutputsReader:
@@ -152,16 +169,11 @@ class OutputsReader:
         from safetensors import SafetensorError, safe_open
 
         self.path = Path(path)
-        hint = f"`dvc repro {produced_by}`" if produced_by else "`dvc repro --force`"
+        hint = rerun(produced_by)
         if not self.path.is_file():
-            raise UserError(f"{self.path} not found; run {hint} to produce it")
+            raise UserError(f"{self.path} not found; run {hint} first")
         if expected_sha256 is not None:
-            actual = sha256_file(self.path)
-            if actual != expected_sha256:
-                raise UserError(
-                    f"{self.path} has sha256 {actual[:12]}… but its manifest expects {expected_sha256[:12]}…; it was damaged "
-                    f"or replaced: restore it with `dvc checkout` or rebuild it with {hint}"
-                )
+            verify(self.path, expected_sha256, produced_by)
         try:
             with open(self.path, "rb") as handle:
                 size = int.from_bytes(handle.read(8), "little")
@@ -176,10 +188,10 @@ class OutputsReader:
             ) from None
         self.meta = {k: from_jsonable(json.loads(v)) for k, v in (header.pop("__metadata__", None) or {}).items()}
         self._shapes = {name: tuple(entry["shape"]) for name, entry in header.items()}
-        unknown = sorted(entry["dtype"] for entry in header.values() if entry["dtype"] not in _FROM_CODE)
+        unknown = sorted(entry["dtype"] for entry in header.values() if entry["dtype"] not in _CODES.values())
         if unknown:
             raise UserError(f"{self.path} holds tensors of dtype {', '.join(unknown)}, which outputs are never written in; rebuild it with {hint}")
-        self._dtypes = {name: _FROM_CODE[entry["dtype"]] for name, entry in header.items()}
+        self._dtypes = {name: _torch_dtype(entry["dtype"]) for name, entry in header.items()}
         self._offsets = {name: 8 + size + entry["data_offsets"][0] for name, entry in header.items()}
         self.names: list[str] = sorted(self._shapes)
         ids = self.meta.get("ids")
@@ -198,6 +210,8 @@ class OutputsReader:
         """Rows ``start:stop`` of output ``name``: a new CPU tensor of the stored dtype, or a view of the front
         of ``buffer`` (contiguous, that dtype, large enough; reused chunk after chunk, so that no new memory
         is touched per chunk: a fresh chunk costs a page fault every 4 KiB)."""
+        import torch
+
         stop = self.rows if stop is None else min(stop, self.rows)
         start = min(max(start, 0), stop)
         shape, dtype = self._shapes[name], self._dtypes[name]
@@ -227,6 +241,8 @@ class OutputsReader:
         Never write into it. Mapped pages count in the process's resident memory until ``release`` drops
         them: call it once the rows are used, so that memory stays one chunk, not the file.
         """
+        import torch
+
         stop = min(stop, self.rows)
         start = min(max(start, 0), stop)
         mapped = self._mapping()
@@ -290,4 +306,40 @@ class OutputsReader:
 
     def _row(self, name: str) -> tuple[int, int]:
         """Elements in one row of output ``name``, and bytes per element."""
+        import torch
+
         return int(torch.Size(self._shapes[name][1:]).numel()), torch.empty(0, dtype=self._dtypes[name]).element_size()
+
+
+class NumpyReader:
+    """Named per-case outputs of one safetensors file as numpy arrays (safetensors' numpy loader: no torch),
+    sha256 verified once, read whole or by a set of rows.
+
+    Raises:
+        UserError: missing file, or a hash that differs from ``expected_sha256``.
+    """
+
+    def __init__(self, path: str | Path, expected_sha256: str, produced_by: str) -> None:
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        verify(self.path, expected_sha256, produced_by)
+        with safe_open(str(self.path), framework="np") as handle:
+            self.ids: list[str] = json.loads((handle.metadata() or {}).get("ids", "[]"))
+            self.elements_per_case = sum(math.prod(handle.get_slice(name).get_shape()[1:]) for name in handle.keys())
+            """Output elements in one case, summed over the named outputs."""
+
+    def read(self, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Every named output, all rows or only ``rows`` (sorted; read by runs of consecutive rows, never the whole file)."""
+        import numpy as np
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), framework="np") as handle:
+            if rows is None:
+                return {name: handle.get_tensor(name) for name in handle.keys()}
+            runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)
+            out = {}
+            for name in handle.keys():
+                view = handle.get_slice(name)
+                out[name] = np.concatenate([view[int(r[0]) : int(r[-1]) + 1] for r in runs])
+            return out

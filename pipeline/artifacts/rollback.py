@@ -14,35 +14,40 @@ from typing import TYPE_CHECKING
 import yaml
 
 from pipeline import paths
-from pipeline.files import read_json, sha256_file, write_bytes, write_json
 from pipeline.config import Params
-from pipeline.errors import UserError
+from pipeline.files import read_json, verify, write_bytes, write_json
 
 if TYPE_CHECKING:
     from pipeline.artifacts.comparison import Stats
+    from pipeline.artifacts.reference import Manifest
 
 
-def write_package(folder: Path, params: Params, ref_manifest: dict, stats: Stats, dtype: str, cases: dict | None = None) -> None:
+def folder(dtype: str) -> Path:
+    return paths.decision(dtype) / "rollback"
+
+
+def write_package(params: Params, reference: Manifest, stats: Stats, dtype: str, cases: dict | None = None) -> None:
+    out = folder(dtype)
     snippet = {
         "seed": params.seed,
         "task": asdict(params.task),
         "reference": asdict(params.reference),
         "precision": "float32  # rolled back from autocast " + dtype,
     }
-    write_bytes(folder / "reference_policy.yaml", ("# FP32 reference configuration to restore\n" + yaml.safe_dump(snippet, sort_keys=True)).encode())
+    write_bytes(out / "reference_policy.yaml", ("# FP32 reference configuration to restore\n" + yaml.safe_dump(snippet, sort_keys=True)).encode())
     keep = (paths.REF_CHECKPOINT, paths.REF_INIT, paths.PREPARED_CASES, paths.PREPARED_TRAIN, paths.REF_CASES)
-    write_json(folder / "manifest.json", {
+    write_json(out / "manifest.json", {
         "dtype": dtype,
-        "rule_sha256": ref_manifest["rule_sha256"],
-        "reference_run_key": ref_manifest["run_key"],
-        "files": {str(p): ref_manifest["files"][str(p)] for p in keep},
+        "rule_sha256": reference.rule_sha256,
+        "reference_run_key": reference.run_key,
+        "files": {str(p): reference.sha256(p) for p in keep},
     })
-    flips = stats.flips["flip_list"]
-    per_kind = {name: {k: g for k, g in gap["per_kind"].items() if g["failing"] or g["nonfinite_trial_only"]} for name, gap in stats.values.items()}
-    write_json(folder / "cases.json", {
+    flips = stats.flips.flip_list
+    per_kind = {name: {k: g.to_dict() for k, g in gap.per_kind.items() if g.failing or g.nonfinite_trial_only} for name, gap in stats.values.items()}
+    write_json(out / "cases.json", {
         "motivating": cases or {},  # per failed criterion, the ids of its cases (and the training steps)
-        "flips": [f for f in flips if not f["boundary"]],
-        "boundary_flips": [f for f in flips if f["boundary"]],
+        "flips": [f.to_dict() for f in flips if not f.boundary],
+        "boundary_flips": [f.to_dict() for f in flips if f.boundary],
         "value_failures_by_kind": per_kind,
     })
 
@@ -53,10 +58,7 @@ def verified_files(dtype: str) -> dict[str, str]:
     Raises:
         UserError: no package, or a file missing or whose hash differs from the package.
     """
-    manifest = read_json(paths.decision(dtype) / "rollback" / "manifest.json", f"decide@{dtype}")
+    manifest = read_json(folder(dtype) / "manifest.json", f"decide@{dtype}")
     for name, expected in manifest["files"].items():
-        if not Path(name).is_file():
-            raise UserError(f"{name} is missing; run `dvc checkout` to restore it from the DVC cache")
-        if sha256_file(name) != expected:
-            raise UserError(f"{name} differs from the rollback package (sha256); run `dvc checkout` to restore the frozen reference")
+        verify(name, expected, "freeze", recorded_in="the rollback package")
     return manifest["files"]

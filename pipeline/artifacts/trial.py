@@ -4,138 +4,105 @@ Files: the trained reference's outputs under the policy (``outputs.safetensors``
 model trained under the policy (``trained_outputs.safetensors``), its final training state
 (``checkpoint.safetensors``), the per-step trajectory (``trajectory.json``) and the manifest, written
 last, with every file's sha256. Outputs are streamed to disk chunk by chunk (``pipeline.artifacts.outputs``).
-compare, diagnose and report read a trial through ``load`` only.
+
+This module holds the manifest and the trajectory, typed and verified: decide, diagnose and report read
+a trial through it alone (it imports neither torch nor any module that does). The tensors are written
+and read by ``pipeline.artifacts.trial_tensors``, for trial, compare, the replays and the benchmark.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import asdict, dataclass
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING
 
-import torch
-
-from pipeline import checkpoint, paths
-
-from pipeline.artifacts import outputs as output_store
-from pipeline.files import read_json, sha256_file, write_json
+from pipeline import paths
 from pipeline.errors import UserError
+from pipeline.files import read_json
+
+if TYPE_CHECKING:
+    from pipeline.artifacts.reference import Manifest as ReferenceManifest
 
 
-class Writer:
-    """Streams a trial's outputs as they are computed, then writes its state, trajectory and manifest.
+def produced_by(dtype: str) -> str:
+    return f"trial@{dtype}"
 
-    Outputs stream to pending files beside their final names and replace them only in ``finish``: a trial
-    that fails half-way (a missing kernel, a kill) leaves the previous outputs as they were. Used as a
-    context manager, pending files are removed when the block raises.
-    """
 
-    def __init__(self, dtype: str, ids: list[str]) -> None:
-        self.folder = paths.trial(dtype)
-        self.ids = ids
-        self.files: dict[str, str] = {}
-        self.pending: dict[str, Path] = {}
+@dataclass(frozen=True)
+class TrialManifest:
+    """``data/trial/DTYPE/manifest.json``: the policy that ran, where, from which reference, every file's sha256."""
 
-    def __enter__(self) -> "Writer":
-        return self
+    files: dict[str, str]
+    """File name in the trial folder -> sha256."""
+    policy: dict
+    reference_run_key: str
+    rule_sha256: str
+    env: dict
+    env_differs_from_reference: list[str]
+    """Keys of the environment whose values differ from the reference's (``world_size``, ``threads``...)."""
+    real_updates: int
 
-    def __exit__(self, typ, exc, tb) -> None:
-        if exc is not None:
-            for path in self.pending.values():
-                path.unlink(missing_ok=True)
+    def env_notes(self, reference_env: dict) -> list[str]:
+        """Floating-point results differ across devices and execution paths: a trial run elsewhere than its
+        reference says so, beside the verdict (empty when the environments agree)."""
+        if not self.env_differs_from_reference:
+            return []
+        return [f"the trial ran with a different {', '.join(self.env_differs_from_reference)} than the reference: {reference_env} vs {self.env}"]
 
-    def sink(self, name: str, chunks: Iterable[dict[str, torch.Tensor]]) -> None:
-        """``name`` is ``outputs`` or ``trained_outputs`` (what ``training.run_trial`` streams)."""
-        file = f"{name}.safetensors"
-        self.pending[file] = self.folder / f".{file}.pending"
-        self.files[file] = output_store.write_outputs(self.pending[file], chunks, self.ids)
+    def as_dict(self) -> dict:
+        return asdict(self)
 
-    def finish(self, result, policy, reference_manifest: dict, env: dict, aligned: list | None = None) -> dict:
-        """Move the outputs into place, write the training state, the trajectory and (last) the manifest."""
-        for file, path in sorted(self.pending.items()):
-            os.replace(path, self.folder / file)
-        self.pending.clear()
-        self.files[paths.TRIAL_CHECKPOINT] = checkpoint.save(self.folder / paths.TRIAL_CHECKPOINT, result.state)
-        write_json(
-            self.folder / paths.TRIAL_TRAJECTORY,
-            {"steps": [asdict(r) for r in result.records], "final_scale": result.final_scale, "scaler_enabled": policy.uses_scaler,
-             **({"aligned_fp32": [asdict(r) for r in aligned]} if aligned is not None else {})},
-        )
-        self.files[paths.TRIAL_TRAJECTORY] = sha256_file(self.folder / paths.TRIAL_TRAJECTORY)
-        manifest = {
-            "files": dict(sorted(self.files.items())),
-            "policy": policy.as_dict(),
-            "reference_run_key": reference_manifest["run_key"],
-            "rule_sha256": reference_manifest["rule_sha256"],
-            "env": env,
-            "env_differs_from_reference": _env_differs(env, reference_manifest["env"]),
-            "real_updates": result.real_updates,
-        }
-        write_json(self.folder / paths.TRIAL_MANIFEST, manifest)
-        return manifest
+
+@dataclass(frozen=True)
+class Trajectory:
+    """``data/trial/DTYPE/trajectory.json``: what training under the policy did, step by step."""
+
+    steps: list[dict]
+    final_scale: float
+    scaler_enabled: bool
+    aligned_fp32: list[dict] | None = None
+    """FP32 with this trial's GradScaler skips skipped too (``training.aligned_fp32``), or None without skips."""
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        if self.aligned_fp32 is None:  # absent rather than null: the file says only what happened
+            del out["aligned_fp32"]
+        return out
+
+
+def _typed(cls, raw, path: Path, dtype: str):
+    """``cls`` from a JSON object holding exactly its fields (the optional ones may be absent)."""
+    names = {f.name for f in fields(cls)}
+    required = {f.name for f in fields(cls) if f.default is not None}
+    if not isinstance(raw, dict) or not required <= set(raw) <= names:
+        raise UserError(f"{path} is not a trial file of this version; rebuild it with `dvc repro --force {produced_by(dtype)}`")
+    return cls(**raw)
+
+
+def read_manifest(dtype: str) -> TrialManifest:
+    """Raises: UserError when trial@DTYPE has not run."""
+    path = paths.trial(dtype) / paths.TRIAL_MANIFEST
+    return _typed(TrialManifest, read_json(path, produced_by(dtype)), path, dtype)
+
+
+def read_trajectory(dtype: str, manifest: TrialManifest | None = None) -> Trajectory:
+    """The trial's trajectory, verified against its manifest (read when not given)."""
+    manifest = manifest or read_manifest(dtype)
+    path = paths.trial(dtype) / paths.TRIAL_TRAJECTORY
+    return _typed(Trajectory, read_json(path, produced_by(dtype), manifest.files[paths.TRIAL_TRAJECTORY]), path, dtype)
+
+
+def run_key(reference: ReferenceManifest, policy) -> str:
+    """The trial's identity: its reference and its policy (a resume state of another trial is not this one's)."""
+    return hashlib.sha256(json.dumps({"ref": reference.run_key, "policy": policy.as_dict()}, sort_keys=True).encode()).hexdigest()
 
 
 ENV_DEFAULTS = {"world_size": 1, "process_group_backend": None}
 """What an env that does not name these keys means (one process): a one-rank trial of a two-rank reference differs."""
 
 
-def _env_differs(env: dict, ref_env: dict) -> list[str]:
+def env_differs(env: dict, ref_env: dict) -> list[str]:
     """Keys of the environment (either side's) whose values differ between the trial and the reference."""
     return sorted(k for k in set(env) | set(ref_env) if env.get(k, ENV_DEFAULTS.get(k)) != ref_env.get(k, ENV_DEFAULTS.get(k)))
-
-
-@dataclass
-class Trial:
-    dtype: str
-    folder: Path
-    manifest: dict
-    trajectory: dict
-
-    @property
-    def steps(self) -> list[dict]:
-        return self.trajectory["steps"]
-
-    @property
-    def final_scale(self) -> float:
-        return self.trajectory["final_scale"]
-
-    @property
-    def aligned_steps(self) -> list[dict] | None:
-        """FP32 with this trial's GradScaler skips skipped too (``training.aligned_fp32``), or None without skips."""
-        return self.trajectory.get("aligned_fp32")
-
-    @property
-    def scaler_enabled(self) -> bool:
-        return self.trajectory.get("scaler_enabled", True)
-
-    def reader(self, name: str = "outputs") -> output_store.OutputsReader:
-        """``outputs`` or ``trained_outputs``, read by slices of rows, sha256 verified."""
-        file = f"{name}.safetensors"
-        return output_store.OutputsReader(self.folder / file, self.manifest["files"][file], f"trial@{self.dtype}")
-
-    def outputs(self) -> dict[str, torch.Tensor]:
-        return self.reader("outputs").read_all()
-
-    def trained_outputs(self) -> dict[str, torch.Tensor]:
-        return self.reader("trained_outputs").read_all()
-
-    def checkpoint(self) -> checkpoint.Checkpoint:
-        return checkpoint.load(self.folder / paths.TRIAL_CHECKPOINT, self.manifest["files"][paths.TRIAL_CHECKPOINT])
-
-
-def load(dtype: str, reference_manifest: dict | None = None) -> Trial:
-    """Read a trial's manifest and trajectory (verified); outputs are read on demand, verified too.
-
-    Raises:
-        UserError: missing or damaged files, or a trial of another reference than ``reference_manifest``.
-    """
-    folder = paths.trial(dtype)
-    manifest = read_json(folder / paths.TRIAL_MANIFEST, f"trial@{dtype}")
-    if reference_manifest is not None and manifest.get("reference_run_key") != reference_manifest.get("run_key"):
-        raise UserError(f"{folder} was made from another reference than data/reference; run `dvc repro trial@{dtype}`")
-    sha = manifest["files"].get(paths.TRIAL_TRAJECTORY)
-    if sha is not None and (folder / paths.TRIAL_TRAJECTORY).is_file() and sha256_file(folder / paths.TRIAL_TRAJECTORY) != sha:
-        raise UserError(f"{folder / paths.TRIAL_TRAJECTORY} differs from its manifest (damaged or edited); run `dvc repro --force trial@{dtype}`")
-    trajectory = read_json(folder / paths.TRIAL_TRAJECTORY, f"trial@{dtype}")
-    return Trial(dtype=dtype, folder=folder, manifest=manifest, trajectory=trajectory)

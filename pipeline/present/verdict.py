@@ -6,7 +6,8 @@ one line (publish's last line). Per dtype it says:
 
 - the decision in one sentence, with the gain in words ("accepted numerically; x0.32 slower on this
   CPU: keep FP32 here");
-- the reasons (failed criteria, then the diagnosis' findings);
+- the reasons (the failed criteria, then the diagnosis' findings: two fields of the decision, never told
+  apart by their words);
 - the flipped cases, reference -> trial class and margin, calling out real samples that the rule counted
   as boundary cases only because their reference margin is small;
 - whether training drifted (worst loss gap against its band; "no GradScaler" for bfloat16);
@@ -35,7 +36,10 @@ class Verdict:
     decision: str
     """``accept`` or ``rollback``."""
     sentence: str
+    failed: str = ""
+    """On rollback, how many criteria failed, in words ("1 criterion failed"): the sentence's core, alone for one-line summaries."""
     reasons: list[str] = field(default_factory=list)
+    """The failed criteria, then the diagnosis' findings (each said as ``diagnosis: ...``)."""
     flips: list[str] = field(default_factory=list)
     training: str = ""
     gain: str = ""
@@ -63,21 +67,17 @@ def verdict(
     accepted = decision.get("decision") == "accept"
     env = decision.get("env") or {}
     gain = _gain(benchmark, env) if accepted else ""
+    criteria = [str(r) for r in decision.get("reasons", [])]
+    failed = ""
     if accepted:
         sentence = f"{dtype}: ACCEPT: the rule passed, {gain}" if gain else f"{dtype}: ACCEPT: every criterion of the rule passed"
     else:
-        failed = [r for r in decision.get("reasons", []) if not str(r).startswith(("warning", "diagnosis:"))]
-        what = f"{len(failed)} criteria failed" if len(failed) != 1 else "1 criterion failed"
+        failed = f"{len(criteria)} criteria failed" if len(criteria) != 1 else "1 criterion failed"
         parts = {p: decision.get(p) for p in ("inference", "training") if decision.get(p)}
         split = f" (inference {parts['inference'].upper()}, training {parts['training'].upper()})" if len(parts) == 2 else ""
-        sentence = f"{dtype}: ROLLBACK: {what}{split}; keep FP32 for {dtype} (the reference state is restorable exactly)"
-    out = Verdict(dtype=dtype, decision=str(decision.get("decision", "?")), sentence=sentence)
-    # decide lists the failed criteria, then the diagnosis' findings (prefixed "diagnosis:"); older decisions
-    # did not carry the findings: take them from the diagnosis then.
-    reasons = [str(r) for r in decision.get("reasons", [])]
-    if not accepted and not any(r.startswith("diagnosis:") for r in reasons):
-        reasons += [f"diagnosis: {f}" for f in diagnosis.get("findings", [])]
-    out.reasons = reasons
+        sentence = f"{dtype}: ROLLBACK: {failed}{split}; keep FP32 for {dtype} (the reference state is restorable exactly)"
+    out = Verdict(dtype=dtype, decision=str(decision.get("decision", "?")), sentence=sentence, failed=failed)
+    out.reasons = criteria + [f"diagnosis: {f}" for f in decision.get("findings", [])]
     out.flips = _flips(stats, decision.get("rule") or {})
     out.training = _training(stats, dtype)
     out.gain = gain
@@ -265,8 +265,7 @@ def one_line(verdicts: Sequence[Verdict]) -> str:
     def detail(v: Verdict) -> str:
         if v.decision == "accept":
             return f" ({v.gain})" if v.gain else ""
-        failed = v.sentence.split(": ROLLBACK: ", 1)[-1].split(";", 1)[0]
-        return f" ({failed}; next: {v.commands[0].split('#')[0].strip()})" if v.commands else f" ({failed})"
+        return f" ({v.failed}; next: {v.commands[0].split('#')[0].strip()})" if v.commands else f" ({v.failed})"
 
     return printable("; ".join(f"{v.dtype} {v.decision.upper()}{detail(v)}" for v in verdicts))
 

@@ -6,29 +6,23 @@ the reference, the trial and the FP64 arbiter, whatever the fixed set's size.
 
 from __future__ import annotations
 
-from pipeline.artifacts import trial
-
-from pipeline.artifacts import reference
-
-from pipeline.artifacts import comparison
-
+from pipeline.artifacts import comparison, reference_tensors, trial_tensors
 from pipeline.compare import streams
 from pipeline.config import load_params
 
 
 def main(dtype: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
-    ref = reference.load(params)
-    run = trial.load(dtype, ref.manifest)
+    ref = reference_tensors.load(params)
+    run = trial_tensors.load(dtype, ref.manifest)
     fp64 = ref.fp64_reader()
-    stats, table = streams.compare_streams(
-        params.task.kind, params.acceptance, list(ref.cases.ids), ref.cases.y, ref.cases.has_target,
-        ref.outputs_reader(), run.reader("outputs"), run.reader("trained_outputs"),
-        ref.trajectory, run.steps, run.final_scale, fp64, run.scaler_enabled,
-        metric=streams.Metric.for_task(params.task, params.task.kind), cfg=params.compare, replicate_steps=ref.replicate,
-        token_mask=streams.token_mask_of(ref.cases.x), aligned_steps=run.aligned_steps,
-    )
-    stats["env_differs_from_reference"] = run.manifest["env_differs_from_reference"]
+    sources = streams.Sources(ref.cases.ids, ref.cases.y, ref.cases.has_target, ref.outputs_reader(), run.reader("outputs"),
+                              run.reader("trained_outputs"), fp64, streams.token_mask_of(ref.cases.x))
+    t = run.trajectory
+    runs = streams.Trajectories(ref.trajectory, t.steps, t.final_scale, t.scaler_enabled, ref.replicate, t.aligned_fp32)
+    stats, table = streams.compare_streams(params.task.kind, params.acceptance, sources, runs,
+                                           metric=streams.Metric.for_task(params.task), cfg=params.compare)
+    stats["env_differs_from_reference"] = run.manifest.env_differs_from_reference
     comparison.write(dtype, stats, table)
     f, d = stats["flips"], stats["distribution"]
     print(

@@ -8,55 +8,39 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline import paths
-
-from pipeline.present import verdict
-
 from pipeline import rule
-
-from pipeline.artifacts import rollback
-
-from pipeline.artifacts import decision
-
-from pipeline.artifacts import comparison
-from pipeline.files import read_json
+from pipeline.artifacts import comparison, decision, diagnosis, reference, rollback, trial
 from pipeline.config import load_params
-from pipeline.errors import UserError
+from pipeline.present import verdict
 
 
 def main(dtype: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
-    # The manifests as JSON: pipeline.artifacts.reference and pipeline.artifacts.trial import torch, which this stage never needs.
-    manifest = read_json(paths.REF_MANIFEST, "freeze")
-    rule_sha = params.acceptance.sha256()
-    if manifest.get("rule_sha256") != rule_sha:  # reference.load's words: one message wherever it is caught
-        raise UserError(
-            f"the acceptance rule in params.yaml (sha256 {rule_sha[:12]}…) differs from the one frozen with the reference "
-            f"({str(manifest.get('rule_sha256'))[:12]}…); the rule is fixed before the trial: run `dvc repro` to re-freeze under the new rule"
-        )
+    ref = reference.read_manifest()
+    ref.check_rule(params.acceptance)
     stats = comparison.read(dtype)
-    diagnosis = read_json(paths.diagnose(dtype) / "diagnosis.json", f"diagnose@{dtype}")
-    trial_manifest = read_json(paths.trial(dtype) / "manifest.json", f"trial@{dtype}")
-    verdict_ = rule.decide(stats.raw, params.acceptance, diagnosis["findings"])
+    found = diagnosis.read(dtype)
+    ran = trial.read_manifest(dtype)
+    judged = rule.decide(stats, params.acceptance)
+    rolled_back = not judged.accepted
     result = decision.Decision(
         dtype=dtype,
-        decision=verdict_["decision"],
-        reasons=verdict_["reasons"],
-        checks=verdict_["checks"],
-        inference=verdict_["inference"],
-        training=verdict_["training"],
-        cases=verdict_["cases"],
+        decision=judged.decision,
+        reasons=list(judged.reasons),
+        checks=list(judged.checks),
+        inference=judged.inference,
+        training=judged.training,
+        cases={k: list(v) for k, v in judged.cases.items()},
+        findings=found.findings if rolled_back else [],  # where the rollback starts and what would fix it
+        notes=ran.env_notes(ref.env),
         rule=dataclasses.asdict(params.acceptance),
-        rule_sha256=rule_sha,
-        policy=trial_manifest["policy"],
-        env=trial_manifest["env"],
+        rule_sha256=params.acceptance.sha256(),
+        policy=ran.policy,
+        env=ran.env,
+        rollback_package=str(rollback.folder(dtype)) if rolled_back else None,
     )
-    differs = trial_manifest["env_differs_from_reference"]
-    if differs:  # floating-point results differ across devices and execution paths: say so, beside the verdict
-        result.notes.append(f"the trial ran with a different {', '.join(differs)} than the reference: {manifest['env']} vs {trial_manifest['env']}")
-    if not result.accepted:
-        result.rollback_package = str(paths.decision(dtype) / "rollback")
-        rollback.write_package(paths.decision(dtype) / "rollback", params, manifest, stats, dtype, result.cases)
+    if rolled_back:
+        rollback.write_package(params, ref, stats, dtype, result.cases)
     decision.write(result)
     decision.write_metrics(result, stats)
-    print(verdict.text(verdict.verdict(dtype, result.as_dict(), stats.raw, diagnosis)))  # the verdict block, as everywhere
+    print(verdict.text(verdict.verdict(dtype, result.as_dict(), stats.to_dict(), found.as_dict())))  # the verdict block, as everywhere

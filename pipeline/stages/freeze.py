@@ -8,9 +8,9 @@ from dataclasses import asdict
 
 import torch
 
-from pipeline import cases, checkpoint, devices, distributed, paths, precision, task, training, vetting
+from pipeline import cases, checkpoint, devices, distributed, inference, launch, paths, precision, probe, task, training, vetting
 
-from pipeline.artifacts import reference
+from pipeline.artifacts import reference_tensors
 from pipeline.files import sha256_file
 from pipeline.config import load_params
 from pipeline.errors import UserError
@@ -21,6 +21,8 @@ FP32 = Policy()
 
 def main(params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
+    if launch.relaunched("freeze", params, params_path):
+        return  # it ran on distributed.nproc_per_node ranks under torchrun
     cfg = params.reference
     device = distributed.init(devices.resolve(params.device))  # one process: unchanged; under torchrun: this rank's
     world = distributed.current()
@@ -29,25 +31,25 @@ def main(params_path: str = "params.yaml") -> None:
     source = task.load_train(params.task, paths.PREPARED_TRAIN, inputs[str(paths.PREPARED_TRAIN)])
     model = task.build_model(params.task, params.seed)
     init = checkpoint.capture(model)
-    training.probe(model, source, params.task, device)
+    probe.check(model, source, params.task, device)
     checkpoint.restore(init, model)  # the probe must not move the RNG the training starts from
     run_key = _run_key(params, inputs, init)
     resume = checkpoint.ResumeFile(paths.RESUME / "reference.safetensors", world.key(run_key), device)
     with precision.deterministic(cfg.deterministic):  # training and inference alike
-        result = training.train(model, source, None, cfg, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save, label="freeze FP32")
+        result = training.train(model, source, cfg, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save, label="freeze FP32")
         replicate = _replicate(params, init, source, device, run_key) if cfg.noise_replicate else None
         if not world.writes:
             return  # rank 0 alone infers and writes
         fixed = _with_boundary(params, prepared, model, device)
         try:
-            manifest = reference.write(
+            manifest = reference_tensors.write(
                 params=params, inputs=inputs, run_key=run_key, env=devices.describe(device), init=init, trained=result.state,
                 records=result.records, real_updates=result.real_updates, fixed=fixed,
-                outputs=training.infer_chunks(model, fixed.x, FP32, device, cfg.eval_mode),
-                fp64=training.fp64_chunks(model, fixed.x, cfg.eval_mode), replicate=replicate, policy=FP32.as_dict(),
+                outputs=inference.infer_chunks(model, fixed.x, FP32, device, cfg.eval_mode),
+                fp64=inference.fp64_chunks(model, fixed.x, cfg.eval_mode), replicate=replicate, policy=FP32.as_dict(),
                 scan=vetting.Scan(params, fixed),
             )
-        except reference.NonFinite as bad:
+        except reference_tensors.NonFinite as bad:
             resume.clear()  # nothing of a refused reference is kept
             raise UserError(
                 f"the FP32 reference is not finite on {len(bad.args[0])} case(s) ({', '.join(bad.args[0][:5])}); an incorrect FP32 run "
@@ -55,7 +57,7 @@ def main(params_path: str = "params.yaml") -> None:
             ) from None
     resume.clear()
     noise = f"; FP32 replicate final loss {replicate[-1].loss:.4f}" if replicate else ""
-    print(f"freeze: reference trained {len(result.records)} steps, final loss {result.records[-1].loss:.4f}{noise}; {manifest['cases']['total']} cases")
+    print(f"freeze: reference trained {len(result.records)} steps, final loss {result.records[-1].loss:.4f}{noise}; {manifest.cases['total']} cases")
 
 
 def _with_boundary(params, prepared: cases.Cases, model, device) -> cases.Cases:
@@ -66,7 +68,7 @@ def _with_boundary(params, prepared: cases.Cases, model, device) -> cases.Cases:
     ordinary = prepared.select(torch.tensor([i for i, k in enumerate(prepared.kinds) if k == "ordinary"]))
 
     def score(x):
-        return task.primary(training.infer(model, x, FP32, device, cfg.eval_mode))
+        return task.primary(inference.infer(model, x, FP32, device, cfg.eval_mode))
 
     return prepared + cases.boundary_cases(score, ordinary, cfg.boundary_cases, cfg.boundary_epsilon, prepared.y, method=cfg.boundary_method)
 
@@ -77,7 +79,7 @@ def _replicate(params, init, source, device, run_key) -> list:
     checkpoint.restore(init, model)
     order = training.neighbours_swapped(training.update_batches(len(source), params.reference, params.seed))
     resume = checkpoint.ResumeFile(paths.RESUME / "replicate.safetensors", distributed.current().key(run_key), device)
-    result = training.train(model, source, None, params.reference, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save,
+    result = training.train(model, source, params.reference, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save,
                             label="freeze FP32 replicate", batches=order)
     if distributed.current().writes:
         resume.clear()

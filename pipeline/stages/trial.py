@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 from typing import Iterator
 
-from pipeline import checkpoint, devices, distributed, paths, precision, task, training
+from pipeline import checkpoint, devices, distributed, launch, paths, precision, task, training
 
-from pipeline.artifacts import reference
-from pipeline.artifacts import trial as artifact
+from pipeline.artifacts import reference_tensors, trial, trial_tensors
 from pipeline.config import load_params
 from pipeline.errors import UserError
 from pipeline.precision import Policy
@@ -20,10 +17,12 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
     if dtype not in params.trial.dtypes:
         raise UserError(f"--dtype {dtype} is not in trial.dtypes {params.trial.dtypes}; add it there or pick one of them")
+    if launch.relaunched("trial", params, params_path, dtype):
+        return  # it ran on distributed.nproc_per_node ranks under torchrun
     device = distributed.init(devices.resolve(params.device))  # one process: unchanged; under torchrun: this rank's
     world = distributed.current()
     devices.check_dtype_supported(device, precision.parse_dtype(dtype))
-    ref = reference.load(params)
+    ref = reference_tensors.load(params)
     policy = Policy(dtype=dtype, fp32_modules=tuple(params.trial.fp32_modules))
 
     def initial():
@@ -33,13 +32,12 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
 
     trained = task.build_model(params.task, params.seed)
     checkpoint.restore(ref.checkpoint(), trained, rng=False)
-    key = hashlib.sha256(json.dumps({"ref": ref.manifest["run_key"], "policy": policy.as_dict()}, sort_keys=True).encode()).hexdigest()
-    resume = checkpoint.ResumeFile(paths.RESUME / f"trial-{dtype}.safetensors", world.key(key), device)
-    with artifact.Writer(dtype, ref.cases.ids) as writer, _missing_kernels(dtype, device), precision.deterministic(params.reference.deterministic):
+    resume = checkpoint.ResumeFile(paths.RESUME / f"trial-{dtype}.safetensors", world.key(trial.run_key(ref.manifest, policy)), device)
+    with trial_tensors.Writer(dtype, ref.cases.ids) as writer, _missing_kernels(dtype, device), precision.deterministic(params.reference.deterministic):
         run = training.run_trial(
-            trained, initial, ref.train_data(params), None, ref.cases.x, params.reference, params.task, policy, device,
+            trained, initial, ref.train_data(params), ref.cases.x, params.reference, params.task, policy, device,
             params.seed, resume=resume.load(), save_resume=resume.save, label=f"trial {dtype}", sink=writer.sink if world.writes else distributed.discard,
-            expect_batches=[s.get("batch_sha256", "") for s in ref.trajectory] if ref.manifest["env"].get("world_size", 1) == world.size else None,
+            expect_batches=ref.batch_hashes(world.size),
         )
     if not world.writes:
         return  # rank 0 alone infers and writes

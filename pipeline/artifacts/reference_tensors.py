@@ -1,0 +1,170 @@
+"""The frozen FP32 reference with its tensors: written here, read back here, every file verified.
+
+``write`` lays out ``data/reference/`` (initial and trained training states, the fixed set with its
+boundary cases, the outputs on it, the FP64 arbiter's where the model allows, the trajectory, the FP32
+noise replicate's trajectory) and writes the manifest (``pipeline.artifacts.reference.Manifest``) last,
+with every file's sha256; ``load`` refuses a reference frozen under another rule or from other data, and
+any file whose sha256 differs. The stages that train, infer or replay read it here; the others read the
+manifest and trajectories through ``pipeline.artifacts.reference`` alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import asdict, dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+from pipeline import cases, checkpoint, paths, task
+from pipeline.artifacts.outputs import OutputsReader, write_outputs
+from pipeline.artifacts.reference import PRODUCED_BY, Manifest, read_manifest, read_replicate, read_trajectory
+from pipeline.config import Params
+from pipeline.errors import UserError
+from pipeline.files import read_tensors, sha256_file, write_json
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The reference with its tensors: the stages that train, infer or replay read it through ``load``."""
+
+    manifest: Manifest
+    cases: cases.Cases
+    trajectory: list[dict]
+    replicate: list[dict] | None = None
+    """Per-step records of the FP32 noise replicate (``reference.noise_replicate``), or None."""
+
+    @functools.cached_property
+    def outputs(self) -> dict[str, torch.Tensor]:
+        """The reference outputs whole (sha256 verified), read on first access only: diagnosis and replay use
+        it; compare reads through ``outputs_reader`` and never holds them whole."""
+        return read_tensors(paths.REF_OUTPUTS, self.manifest.sha256(paths.REF_OUTPUTS), PRODUCED_BY)[0]
+
+    def checkpoint(self, name: str = "checkpoint") -> checkpoint.Checkpoint:
+        path = paths.REF_CHECKPOINT if name == "checkpoint" else paths.REF_INIT
+        return checkpoint.load(path, self.manifest.sha256(path))
+
+    def outputs_reader(self) -> OutputsReader:
+        """The outputs read in slices of rows (bounded memory)."""
+        return OutputsReader(paths.REF_OUTPUTS, self.manifest.sha256(paths.REF_OUTPUTS), PRODUCED_BY)
+
+    def fp64_reader(self) -> OutputsReader | None:
+        """The FP64 arbiter's outputs read in slices of rows, or None when the reference has none."""
+        sha = self.manifest.sha256(paths.REF_OUTPUTS_FP64)
+        return OutputsReader(paths.REF_OUTPUTS_FP64, sha, PRODUCED_BY) if sha else None
+
+    def batch_hashes(self, world_size: int) -> list[str] | None:
+        """The sha256 of every batch the reference read, step by step, for a trial of the same world size to
+        compare with its own; None for another world size, whose ranks draw other batches."""
+        if self.manifest.env.get("world_size", 1) != world_size:
+            return None
+        return [s.get("batch_sha256", "") for s in self.trajectory]
+
+    def train_data(self, params: Params) -> task.TrainSource:
+        """The training data the reference was trained on (tensors, or the verified Dataset)."""
+        return task.load_train(params.task, paths.PREPARED_TRAIN, self.manifest.sha256(paths.PREPARED_TRAIN))
+
+
+class NonFinite(Exception):
+    """Raised by ``write`` when the reference's outputs are not finite on some cases (ids in ``args[0]``)."""
+
+
+def _checked(chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], bad: list[str], scan=None) -> Iterator[dict[str, torch.Tensor]]:
+    row = 0
+    for chunk in chunks:
+        n = next(iter(chunk.values())).shape[0]
+        finite = torch.ones(n, dtype=torch.bool)
+        for v in chunk.values():
+            finite &= torch.isfinite(v.reshape(n, -1)).all(dim=1)
+        bad.extend(ids[row + i] for i in torch.nonzero(~finite).flatten().tolist())
+        if scan is not None and not bad:
+            scan.update(row, chunk)
+        row += n
+        yield chunk
+
+
+def write(
+    *,
+    params: Params,
+    inputs: dict[str, str],
+    run_key: str,
+    env: dict,
+    init: checkpoint.Checkpoint,
+    trained: checkpoint.Checkpoint,
+    records: list,
+    real_updates: int,
+    fixed: cases.Cases,
+    outputs: Iterable[dict[str, torch.Tensor]],
+    fp64: Iterable[dict[str, torch.Tensor]] | None,
+    replicate: list | None,
+    policy: dict,
+    scan=None,
+) -> Manifest:
+    """Write the reference (manifest last) and return the manifest. ``scan`` (``vetting.Scan``) sees the
+    outputs as they stream and vets the rule against them before anything replaces the previous reference.
+
+    Raises:
+        NonFinite: the FP32 outputs are not finite on some case; nothing is left in ``data/reference``.
+        UserError: ``scan`` finds that the rule cannot judge this reference (``verdict.vet_rule``: an output name the model lacks, a
+            tolerance as large as the output, a reference below the rule's quality, a non-finite step);
+            nothing is left either.
+    """
+    bad: list[str] = []
+    files = dict(inputs)
+    pending = {path: path.with_name(f".{path.name}.pending") for path in (paths.REF_OUTPUTS, paths.REF_OUTPUTS_FP64)}
+    try:  # outputs stream to pending files: a refused reference leaves the previous one untouched
+        files[str(paths.REF_OUTPUTS)] = write_outputs(pending[paths.REF_OUTPUTS], _checked(outputs, fixed.ids, bad, scan), fixed.ids)
+        if bad:
+            raise NonFinite(sorted(set(bad)))
+        problem = scan.problem([asdict(r) for r in records]) if scan is not None else None
+        if problem:
+            raise UserError(problem)
+        if fp64 is not None:
+            files[str(paths.REF_OUTPUTS_FP64)] = write_outputs(pending[paths.REF_OUTPUTS_FP64], fp64, fixed.ids)
+    except BaseException:
+        for path in pending.values():
+            path.unlink(missing_ok=True)
+        raise
+    for final, path in pending.items():
+        if path.exists():
+            os.replace(path, final)
+        elif str(final) not in files:
+            final.unlink(missing_ok=True)  # no FP64 arbiter this time: drop a stale one
+    files[str(paths.REF_INIT)] = checkpoint.save(paths.REF_INIT, init)
+    files[str(paths.REF_CHECKPOINT)] = checkpoint.save(paths.REF_CHECKPOINT, trained)
+    files[str(paths.REF_CASES)] = cases.save(paths.REF_CASES, fixed)
+    write_json(paths.REF_TRAJECTORY, {"steps": [asdict(r) for r in records]})
+    files[str(paths.REF_TRAJECTORY)] = sha256_file(paths.REF_TRAJECTORY)
+    if replicate is not None:
+        write_json(paths.REF_REPLICATE_TRAJECTORY, {"steps": [asdict(r) for r in replicate], "perturbation": "data order: first samples of consecutive updates swapped"})
+        files[str(paths.REF_REPLICATE_TRAJECTORY)] = sha256_file(paths.REF_REPLICATE_TRAJECTORY)
+    manifest = Manifest(
+        files=files,
+        rule_sha256=params.acceptance.sha256(),
+        run_key=run_key,
+        env=env,
+        policy=policy,
+        real_updates=real_updates,
+        cases={"total": len(fixed.ids), **{k: fixed.kinds.count(k) for k in sorted(set(fixed.kinds))}},
+        fixed_set=fixed.meta,
+    )
+    write_json(paths.REF_MANIFEST, manifest.as_dict())
+    return manifest
+
+
+def load(params: Params) -> Reference:
+    """Load the reference and refuse one frozen under another rule or from other data.
+
+    Raises:
+        UserError: missing or tampered files, or a rule/data hash that differs from params.yaml.
+    """
+    manifest = read_manifest()
+    manifest.check_rule(params.acceptance)
+    for key in (paths.PREPARED_CASES, paths.PREPARED_TRAIN):
+        if not key.is_file():
+            raise UserError(f"{key} not found; run `dvc repro prepare`")
+        if sha256_file(key) != manifest.sha256(key):
+            raise UserError(f"{key} differs from the data the reference was frozen on; run `dvc repro` to re-freeze")
+    fixed = cases.load(paths.REF_CASES, manifest.sha256(paths.REF_CASES), PRODUCED_BY)
+    return Reference(manifest=manifest, cases=fixed, trajectory=read_trajectory(manifest), replicate=read_replicate(manifest))
