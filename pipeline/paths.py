@@ -28,7 +28,7 @@ def trial(dtype: str) -> Path:
     return DATA / "trial" / dtype
 
 
-# The files of one trial folder (``trial(dtype) / NAME``; pipeline/artifacts/trial.py writes and reads them).
+# The files of one trial folder (``trial(dtype) / NAME``; pipeline/artifacts/trial.py and trial_tensors.py write and read them).
 TRIAL_OUTPUTS = "outputs.safetensors"
 TRIAL_TRAINED_OUTPUTS = "trained_outputs.safetensors"
 TRIAL_CHECKPOINT = "checkpoint.safetensors"

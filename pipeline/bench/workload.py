@@ -36,7 +36,7 @@ def load_workload(params: Params, device: torch.device, dtype: str | None = None
     Raises:
         UserError: prepare, freeze or trial@DTYPE has not run.
     """
-    from pipeline.artifacts import trial as trial_artifact
+    from pipeline.artifacts import trial_tensors
 
     source = task.load_train(params.task, paths.PREPARED_TRAIN)
     first_update = training.update_batches(len(source), params.reference, params.seed)[0]
@@ -48,7 +48,7 @@ def load_workload(params: Params, device: torch.device, dtype: str | None = None
     checkpoint.restore(checkpoint.load(paths.REF_INIT), model, rng=False)
     scaler_state = {}
     if dtype is not None and Policy(dtype=dtype).uses_scaler:  # bfloat16 runs no scaler: nothing to read
-        scaler_state = trial_artifact.load(dtype).checkpoint().meta.get("grad_scaler") or {}
+        scaler_state = trial_tensors.load(dtype).checkpoint().meta.get("grad_scaler") or {}
     return Workload(model.to(device).train(), micro, params, device, scaler_state)
 
 
