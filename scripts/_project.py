@@ -29,8 +29,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-PROJECT = ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore", "pipeline")
-"""What a copy holds: what `dvc repro` reads, and the package it runs."""
+PROJECT = ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore", "pipeline", "examples")
+"""What a copy holds: what `dvc repro` reads, the package it runs, and the example params and sizes."""
 PLOTS = ".dvc/plots"
 """The plot templates and the offline page `dvc plots show` uses; they go in after `dvc init` makes .dvc/."""
 
