@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import dvc, env_for, make_project, run
+import faults
+from _project import dvc, env_for, run
+from conftest import make_project
 
 pytestmark = pytest.mark.integration
 
@@ -68,8 +70,7 @@ def test_a_rank_killed_mid_run_is_one_line_and_the_rerun_is_byte_identical(two_r
     shutil.copytree(two_ranks, repo, symlinks=True)
     expected = digests(repo / folder, names)
     shutil.rmtree(repo / folder)  # as DVC does before running a stage
-    env = env_for(repo)
-    env.update(PIPELINE_KILL_AFTER_STEP="6", PIPELINE_KILL_RANK=str(rank))
+    env = faults.after_step(env_for(repo), 6, rank=rank)
     killed = run([sys.executable, "-m", "pipeline", *stage], repo, check=False, env=env)
     assert killed.returncode == 2
     line = killed.stderr.strip()
@@ -85,7 +86,8 @@ def test_a_rank_killed_mid_run_is_one_line_and_the_rerun_is_byte_identical(two_r
 def _overflow_rank(rank: int, rendezvous: str, out: str, wrap: bool) -> None:
     import torch.distributed as dist
 
-    from pipeline import distributed, precision, training
+    from pipeline import distributed, precision, recipe, training
+    from pipeline.config import TaskConfig
     from pipeline.precision import Policy
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
@@ -100,7 +102,7 @@ def _overflow_rank(rank: int, rendezvous: str, out: str, wrap: bool) -> None:
     if rank == 1:
         x[0, 0] = 1e5  # beyond float16's 65504: only rank 1's own gradients overflow
     y = torch.tensor([0, 1])
-    step = training.amp_step(net, [(x, y)], training.make_loss("cross_entropy"), optimizer, scaler, policy, torch.device("cpu"))
+    step = training.amp_step(net, [(x, y)], recipe.make_loss(TaskConfig()), optimizer, scaler, policy, torch.device("cpu"))
     Path(out).with_name(f"rank{rank}.json").write_text(json.dumps({"skipped": step.skipped, "scale": scaler.get_scale()}))
     dist.destroy_process_group()
 
