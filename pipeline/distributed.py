@@ -64,7 +64,8 @@ class World:
         if len(idx) % self.size:
             raise UserError(
                 f"a micro-batch of {len(idx)} rows does not split over distributed.nproc_per_node {self.size} ranks (the "
-                f"training set is smaller than reference.batch_size); use a batch_size and a training set size divisible by {self.size}"
+                f"training set is smaller than reference.batch_size); use a batch_size and a training set size divisible by "
+                f"{self.size}"
             )
         per = len(idx) // self.size
         return idx[self.rank * per : (self.rank + 1) * per]

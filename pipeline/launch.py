@@ -34,7 +34,8 @@ def check_launch(params, visible_gpus: int | None) -> None:
     if visible_gpus is not None and n > visible_gpus:
         raise UserError(
             f"params.yaml: distributed.nproc_per_node is {n} but {visible_gpus} GPU(s) are visible here (one rank per GPU); "
-            f"set nproc_per_node to at most {visible_gpus}, or make more GPUs visible (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)"
+            f"set nproc_per_node to at most {visible_gpus}, or make more GPUs visible "
+            f"(CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)"
         )
 
 
@@ -76,7 +77,8 @@ def failure_line(stderr: str, n: int, what: str) -> str:
     rank, code = _RANK.search(cause), _EXIT.search(cause)
     if rank and code:
         status = int(code.group(1))
-        how = f"killed by {signal.Signals(-status).name}" if status < 0 and -status in signal.Signals._value2member_map_ else f"exit {status}"
+        known = status < 0 and -status in signal.Signals._value2member_map_
+        how = f"killed by {signal.Signals(-status).name}" if known else f"exit {status}"
         died = f"rank {rank.group(1)} of {n} died ({how})"
     else:
         last = [line for line in stderr.splitlines() if line.strip()]

@@ -139,11 +139,13 @@ def env_for(repo: Path, tracking_uri: str | None = None) -> dict[str, str]:
     return env
 
 
-def run(args: list[str], repo: Path, check: bool = True, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run(args: list[str], repo: Path, check: bool = True, env: dict | None = None,
+        timeout: float = 600) -> subprocess.CompletedProcess:
     """Run ``args`` in ``repo``, output captured; with ``check``, a failure raises with the output's tail."""
     proc = subprocess.run(args, cwd=repo, env=env or env_for(repo), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
+        tails = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+        raise AssertionError(f"{' '.join(args)} exited {proc.returncode}\n{tails}")
     return proc
 
 

@@ -134,7 +134,7 @@ def collect(repo: Path, dtypes: list[str]) -> dict:
 # --- the check ------------------------------------------------------------------------------------------
 
 
-def profiles(size: str, only: str | None, force_transformer: bool, dtypes: list[str] | None) -> tuple[dict[str, dict], dict[str, str]]:
+def profiles(size: str, only: str | None, force_transformer: bool, dtypes: list[str] | None) -> tuple[dict, dict[str, str]]:
     """The params of each run, and notes on what was substituted and why."""
     notes: dict[str, str] = {}
     chosen = {"trial": {"dtypes": dtypes}} if dtypes else {}

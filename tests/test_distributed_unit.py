@@ -1,4 +1,5 @@
-"""pipeline/distributed.py and pipeline/launch.py without starting ranks: launch checks, the batch split, torchrun failure lines."""
+"""pipeline/distributed.py and pipeline/launch.py without starting ranks: launch checks, the batch split, torchrun's
+failure lines."""
 
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ def test_plan_is_dvc_yaml_with_its_matrix_stages_once_per_dtype() -> None:
     params = {**_project.params(), "trial": {"dtypes": ["float16", "bfloat16"]}}
     plan = _project.plan(params)
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
-    expected = [f"{n}@{d}" if "matrix" in s else n for n, s in stages.items() for d in (params["trial"]["dtypes"] if "matrix" in s else [""])]
+    dtypes = params["trial"]["dtypes"]
+    expected = [f"{n}@{d}" if "matrix" in s else n for n, s in stages.items() for d in (dtypes if "matrix" in s else [""])]
     assert [s.name for s in plan] == expected
     assert expected[:3] == ["prepare", "freeze", "trial@float16"] and expected[-1] == "publish"
     trial = next(s for s in plan if s.name == "trial@bfloat16")
@@ -31,9 +32,11 @@ def test_plan_is_dvc_yaml_with_its_matrix_stages_once_per_dtype() -> None:
 
 def test_the_runs_are_the_example_files_at_each_size() -> None:
     runs, notes = gpu_check.profiles("gpu", None, force_transformer=True, dtypes=["float16"])
-    assert runs["transformer"] == {**_project.example("transformer"), "trial": {**_project.example("transformer")["trial"], "dtypes": ["float16"]}}
+    example = _project.example("transformer")
+    assert runs["transformer"] == {**example, "trial": {**example["trial"], "dtypes": ["float16"]}}
     assert runs["transformer"]["task"]["options"]["d_model"] == 768
-    assert runs["default"]["task"]["options"] == _project.size("transformer-cpu")["task"]["options"] and "--task transformer" in notes["default"]
+    assert runs["default"]["task"]["options"] == _project.size("transformer-cpu")["task"]["options"]
+    assert "--task transformer" in notes["default"]
     tiny, _ = gpu_check.profiles("tiny", "transformer", force_transformer=False, dtypes=None)
     reference = tiny["transformer"]["reference"]
     assert reference["train_steps"] == 40 and reference["checkpoint_every"] == 0 and reference["optimizer"] == "adam"
@@ -45,7 +48,9 @@ def test_a_copy_holds_the_working_tree_as_git_sees_it(tmp_path: Path) -> None:
     """Tracked and untracked files of the project's folders go, ignored ones and everything else stay."""
     src = tmp_path / "src"
     (src / "pipeline" / "__pycache__").mkdir(parents=True)
-    (src / "params.yaml").write_text(yaml.safe_dump({"seed": 0, "trial": {"dtypes": ["float16", "bfloat16"], "fp32_modules": []}}))
+    (src / "params.yaml").write_text(
+        yaml.safe_dump({"seed": 0, "trial": {"dtypes": ["float16", "bfloat16"], "fp32_modules": []}})
+    )
     (src / ".gitignore").write_text("__pycache__/\n")
     (src / "dvc.yaml").write_text("stages: {}\n")
     (src / "pipeline" / "tracked.py").write_text("A = 1\n")
