@@ -41,6 +41,7 @@ def test_killed_trial_resumes_to_identical_outputs(reproduced, tmp_path, kill_af
 
     done = run([sys.executable, "-m", "pipeline", "trial", "--dtype", "float16"], repo)
     assert done.returncode == 0
+    assert "restarts from step 0" not in done.stderr, done.stderr  # it resumed: the killed run saved under the rerun's key
     assert digests(trial) == expected
     assert not resume.exists()  # cleared once the outputs are written
 

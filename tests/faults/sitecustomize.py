@@ -3,7 +3,8 @@
 Once ``pipeline.training`` has been imported, each of its ``train`` calls gets an ``on_step`` hook that
 sends this process ``PIPELINE_FAULT_SIGNAL`` after step ``PIPELINE_FAULT_AFTER_STEP``, counting the steps
 of the process's trainings one after the other; under torchrun only on rank ``PIPELINE_FAULT_RANK`` when
-it is set. Nothing else in the process changes: torch is imported when the stage imports it, not before.
+it is set. Nothing else in the process changes: torch is imported when the stage imports it, not before,
+and the resume key is the one of a run without this module.
 """
 
 from __future__ import annotations
@@ -56,3 +57,7 @@ class _AfterTrainingImport(importlib.abc.MetaPathFinder):
 
 if AFTER:
     sys.meta_path.insert(0, _AfterTrainingImport())
+# Out of sys.modules: a resume state is keyed on every imported module outside the installation
+# (checkpoint.code_digest), and the killed run must save under the key of the rerun, which runs without
+# this module; otherwise every rerun would restart from step 0 and no kill test would exercise a resume.
+del sys.modules[__name__]
