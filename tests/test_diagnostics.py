@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ROOT, TINY, dvc, make_project, merge, stage
+from _project import ROOT, dvc, merge, stage
+from conftest import TINY, make_project
 
 from pipeline import precision, recipe
 
 from pipeline import rule
+from pipeline.artifacts.comparison import Stats
 from pipeline.config import load_params
 from pipeline.diagnosis import precision_map, replay, trace, wording
 from pipeline.errors import UserError
@@ -215,7 +217,7 @@ def test_training_replay_is_the_exact_step_of_the_trial(reproduced, monkeypatch)
     params = load_params("params.yaml")
     stats = json.loads(Path("data/compare/float16/stats.json").read_text())
     trajectory = json.loads(Path("data/trial/float16/trajectory.json").read_text())
-    ctx, run, _ = replay.load(params, "float16", stats, rule.decide(stats, params.acceptance))
+    ctx, run, _ = replay.load(params, "float16", stats, rule.decide(Stats.from_dict(stats), params.acceptance))
     case = replay.training_case(ctx, run, step=5)
     assert case.replay_matches_trial and ctx.work["replayed_steps"] == 5
     watched = case.trace(ctx, run.policy)

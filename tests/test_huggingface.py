@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline import task, training
+from pipeline import probe, task, training
 from pipeline.config import LrSchedule, ReferenceConfig, TaskConfig
 from pipeline.errors import UserError
 from pipeline.examples import huggingface as hf
@@ -44,9 +44,9 @@ def test_architectures_run_through_the_contract_and_one_amp_update(architecture,
     again = build(architecture, config)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))  # seeded init
     src = source(data)
-    training.probe(model, src, cfg, CPU)
+    probe.check(model, src, cfg, CPU)
     for dtype in ("float16", "bfloat16"):
-        result = training.train(build(architecture, config), src, None, RECIPE, cfg, Policy(dtype=dtype), CPU, seed=0)
+        result = training.train(build(architecture, config), src, RECIPE, cfg, Policy(dtype=dtype), CPU, seed=0)
         assert len(result.records) == 2 and all(torch.isfinite(torch.tensor(r.loss)) for r in result.records)
 
 

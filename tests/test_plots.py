@@ -14,8 +14,9 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, dvc, stage, write_params
+from _project import ROOT, dvc, stage, write_params
 
+from pipeline.config import AcceptanceConfig
 from pipeline.present import plots
 
 from pipeline.present import page
@@ -56,7 +57,7 @@ def digests(figures: dict[str, bytes]) -> dict[str, str]:
 
 def variants() -> list[dict]:
     accept = {"decision": "accept", "reasons": [], "checks": ["training: every loss finite"], "rule": {"boundary_margin": 0.05}, "env": {"backend": "cpu"}}
-    rollback = {"decision": "rollback", "reasons": ["values 'output': 3 of 10 <outside> | atol", "diagnosis: first non-finite loss at step 3"], "checks": [],
+    rollback = {"decision": "rollback", "reasons": ["values 'output': 3 of 10 <outside> | atol"], "findings": ["first non-finite loss at step 3"], "checks": [],
                 "rule": {"boundary_margin": 0.05}, "env": {"backend": "cpu"}}
     flip = {"id": "ordinary/digits-1274", "kind": "ordinary", "boundary": False, "near_boundary": True, "reference_class": 5, "trial_class": 2,
             "reference_margin": 0.037, "trial_margin": 0.01}
@@ -94,7 +95,7 @@ def test_figures_are_identical_bytes_in_one_process_and_across_processes(figures
     assert plots.error_histogram(ref, trial["bfloat16"], {"output": 0.05, "aux": 0.5}, "bfloat16") == first["bfloat16/errors"]
     script = "import json, test_plots; print(json.dumps(test_plots.digests(test_plots.render_all())))"
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT / "tests", capture_output=True, text=True, check=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts")])})  # scripts: _project
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == digests(first)
     for name, png in first.items():
         assert png.startswith(b"\x89PNG\r\n\x1a\n"), name
@@ -103,7 +104,8 @@ def test_figures_are_identical_bytes_in_one_process_and_across_processes(figures
 
 def test_curve_rows_are_long_records_titled_and_coloured_per_dtype_and_series():
     ref_steps, steps, _, _ = synthetic()
-    rows = plots.curve_rows(ref_steps, steps["float16"], "float16", band=(0.05, 0.1), noise_steps=ref_steps[:3])
+    band = AcceptanceConfig(loss_atol=0.05, loss_rtol=0.1)
+    rows = plots.curve_rows(ref_steps, steps["float16"], "float16", band=band, noise_steps=ref_steps[:3])
     assert set(rows) == {"loss", "scale"}
     first = [r for r in rows["loss"] if r["step"] == 0]
     assert {r["series"]: r["value"] for r in first} == pytest.approx({
@@ -231,20 +233,24 @@ def test_report_stage_reads_a_bounded_sample_of_large_outputs(tmp_path, monkeypa
     one, slice by slice, never the whole file; below it, every case."""
     from safetensors.numpy import save_file
 
-    from pipeline.stages import report as stage_report
+    from pipeline.artifacts import outputs, report
 
     gen = np.random.default_rng(0)
     full = {"logits": gen.normal(size=(1000, 4, 8)).astype(np.float32), "aux": gen.normal(size=(1000, 1)).astype(np.float32)}
     path = tmp_path / "outputs.safetensors"
     save_file(full, str(path), metadata={"ids": json.dumps([f"c{i}" for i in range(1000)])})
-    ids, per_case = stage_report._layout(path)
+    reader = outputs.NumpyReader(path, hashlib.sha256(path.read_bytes()).hexdigest(), "freeze")
+    ids, per_case = reader.ids, reader.elements_per_case
     assert ids[:2] == ["c0", "c1"] and per_case == 33
-    assert stage_report._sample(1000, per_case, [3]) == (None, "")
-    monkeypatch.setattr(stage_report, "MAX_ELEMENTS", 33 * 100)
-    rows, note = stage_report._sample(1000, per_case, [3, 998])
+    whole = report.sample(ids, per_case, {"c3"})
+    assert whole.rows is None and whole.note == "" and whole.flipped.tolist() == [i == 3 for i in range(1000)]
+    monkeypatch.setattr(report, "MAX_ELEMENTS", 33 * 100)
+    drawn = report.sample(ids, per_case, {"c3", "c998"})
+    rows, note = drawn.rows, drawn.note
     assert 100 <= len(rows) <= 102 and {0, 3, 998, 999} <= set(rows.tolist()) and list(rows) == sorted(set(rows.tolist()))
     assert note == f"{len(rows)} of 1000 cases drawn (evenly spaced, every flipped one)"
-    part = stage_report._read(path, rows)
+    assert drawn.flipped.tolist() == np.isin(rows, [3, 998]).tolist()
+    part = reader.read(rows)
     for name, value in full.items():
         np.testing.assert_array_equal(part[name], value[rows])
     png = plots.error_envelope(part, {k: v + 1e-3 for k, v in part.items()}, {"logits": (1e-4, 0.0)}, "float16", np.isin(rows, [3, 998]), note)

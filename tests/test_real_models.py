@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dvc, env_for, make_project, run
+import faults
+from _project import dvc, env_for, run
+from conftest import make_project
 
 pytestmark = pytest.mark.integration
 
@@ -108,8 +110,7 @@ def test_kill_and_resume_with_accumulation_and_a_dataset_is_byte_identical(datas
     trial = repo / "data/trial/float16"
     expected = digests(trial)
     shutil.rmtree(trial)
-    env = env_for(repo)
-    env["PIPELINE_KILL_AFTER_STEP"] = str(kill_after)
+    env = faults.after_step(env_for(repo), kill_after)
     killed = run([sys.executable, "-m", "pipeline", "trial", "--dtype", "float16"], repo, check=False, env=env)
     assert killed.returncode == -signal.SIGKILL
     assert (repo / "data/resume/trial-float16.safetensors").exists() == (kill_after >= 4)
@@ -126,8 +127,7 @@ def test_killed_freeze_resumes_to_an_identical_reference_with_a_dataset(dataset_
     expected = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(reference.iterdir()) if p.is_file()}
     assert "replicate_trajectory.json" in expected
     shutil.rmtree(reference)
-    env = env_for(repo)
-    env["PIPELINE_KILL_AFTER_STEP"] = str(kill_after)
+    env = faults.after_step(env_for(repo), kill_after)
     assert run([sys.executable, "-m", "pipeline", "freeze"], repo, check=False, env=env).returncode == -signal.SIGKILL
     assert not reference.exists() or not any(reference.iterdir())
     states = sorted(p.name for p in (repo / "data/resume").glob("*.safetensors"))

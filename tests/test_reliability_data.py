@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from pipeline import training
-from pipeline.config import ReferenceConfig
+from pipeline.config import ReferenceConfig, TaskConfig
 from pipeline.errors import UserError
 from pipeline.precision import Policy
 from pipeline.task import DatasetSource
 
 CFG = ReferenceConfig(train_steps=6, batch_size=8, lr=0.1, momentum=0.0, checkpoint_every=2, grad_clip=None)
 CPU = torch.device("cpu")
+TASK = TaskConfig()
 
 
 class Noisy(torch.utils.data.Dataset):
@@ -42,17 +43,17 @@ def _source(jitter):
 
 
 def test_every_step_records_the_hash_of_what_it_read_and_a_deterministic_trial_matches():
-    ref = training.train(_net(), _source(False), None, CFG, "cross_entropy", Policy(), CPU, 0, label="t").records
+    ref = training.train(_net(), _source(False), CFG, TASK, Policy(), CPU, 0, label="t").records
     assert all(len(r.batch_sha256) == 64 for r in ref) and len({r.batch_sha256 for r in ref}) == len(ref)
-    trial = training.train(_net(), _source(False), None, CFG, "cross_entropy", Policy(dtype="bfloat16"), CPU, 0, label="t",
+    trial = training.train(_net(), _source(False), CFG, TASK, Policy(dtype="bfloat16"), CPU, 0, label="t",
                            expect_batches=[r.batch_sha256 for r in ref]).records
     assert [r.batch_sha256 for r in trial] == [r.batch_sha256 for r in ref]
 
 
 def test_a_non_deterministic_dataset_is_refused_at_the_first_step_that_differs():
-    ref = training.train(_net(), _source(False), None, CFG, "cross_entropy", Policy(), CPU, 0, label="t").records
+    ref = training.train(_net(), _source(False), CFG, TASK, Policy(), CPU, 0, label="t").records
     with pytest.raises(UserError) as err:
-        training.train(_net(), _source(True), None, CFG, "cross_entropy", Policy(dtype="bfloat16"), CPU, 0, label="t",
+        training.train(_net(), _source(True), CFG, TASK, Policy(dtype="bfloat16"), CPU, 0, label="t",
                        expect_batches=[r.batch_sha256 for r in ref])
     assert "training step 1: the batch read differs from the reference's" in str(err.value)
     assert "not deterministic" in str(err.value) and "\n" not in str(err.value)
@@ -60,11 +61,11 @@ def test_a_non_deterministic_dataset_is_refused_at_the_first_step_that_differs()
 
 def test_a_resume_rereads_the_last_batch_and_refuses_other_bytes():
     saved = []
-    training.train(_net(), _source(False), None, CFG, "cross_entropy", Policy(), CPU, 0, label="t", save_resume=saved.append)
+    training.train(_net(), _source(False), CFG, TASK, Policy(), CPU, 0, label="t", save_resume=saved.append)
     state = saved[0]  # after step 2
     model = _net()
-    again = training.train(model, _source(False), None, CFG, "cross_entropy", Policy(), CPU, 0, label="t", resume=state)
+    again = training.train(model, _source(False), CFG, TASK, Policy(), CPU, 0, label="t", resume=state)
     assert len(again.records) == CFG.train_steps
     with pytest.raises(UserError) as err:
-        training.train(_net(), _source(True), None, CFG, "cross_entropy", Policy(), CPU, 0, label="t", resume=state)
+        training.train(_net(), _source(True), CFG, TASK, Policy(), CPU, 0, label="t", resume=state)
     assert "training step 2: the batch read differs from the one recorded before the resume" in str(err.value)

@@ -137,7 +137,7 @@ class _Items(torch.utils.data.Dataset):
 ])
 def test_a_bad_dataset_item_is_named_in_one_line_with_its_training_step(how, words):
     from pipeline import training
-    from pipeline.config import ReferenceConfig
+    from pipeline.config import ReferenceConfig, TaskConfig
     from pipeline.precision import Policy
 
     source = task.DatasetSource(_Items(5, how), "labels", "mymod:load", "classification")
@@ -145,7 +145,7 @@ def test_a_bad_dataset_item_is_named_in_one_line_with_its_training_step(how, wor
     order = training.update_batches(len(source), cfg, 0)
     step = next(s for s, batches in enumerate(order) if 5 in batches[0].tolist()) + 1
     with pytest.raises(UserError) as err:
-        training.train(torch.nn.Linear(3, 3), source, None, cfg, "cross_entropy", Policy(), torch.device("cpu"), 0)
+        training.train(torch.nn.Linear(3, 3), source, cfg, TaskConfig(), Policy(), torch.device("cpu"), 0)
     line = str(err.value)
     assert "\n" not in line and line.startswith(f"training step {step}: task.data mymod:load: ") and all(w in line for w in words), line
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 from pipeline import paths, precision
+from pipeline.artifacts.trial import Trajectory
 from pipeline.config import Params
+from pipeline.rule import RuleResult
 from pipeline.diagnosis import wording
 from pipeline.diagnosis.precision_map import gradient_underflow, precision_map
 from pipeline.diagnosis.replay import Context, Run, load, locate, reference_fails_itself
@@ -14,7 +16,7 @@ from pipeline.diagnosis.triage import triage
 from pipeline.task import to_device
 
 
-def run(params: Params, dtype: str, stats: dict, trajectory: dict, decision: dict) -> dict:
+def run(params: Params, dtype: str, stats: dict, trajectory: Trajectory, decision: RuleResult) -> dict:
     """Triage, then probe, replays and search as ``params.diagnose`` allows. ``decision`` is the rule's
     verdict on the trial (computed once, by the stage). ``work`` counts what it cost, in units of the
     trial's own work (deterministic, unlike seconds).
@@ -23,12 +25,12 @@ def run(params: Params, dtype: str, stats: dict, trajectory: dict, decision: dic
     suggestion, then what the probe saw, then the recorded facts triage found.
     """
     precision.strict_fp32()  # first: the probe, the replays and the FP32 side of every comparison are exact FP32, never TF32
-    report = triage(stats, trajectory["steps"], decision["reasons"])
+    report = triage(stats, trajectory.steps, decision.reasons)
     ctx, trial_run, trial = load(params, dtype, stats, decision)
     cfg = params.diagnose
     probe_found: list[str] = []
     if cfg.probe == "always" or (cfg.probe == "on_failure" and report["needed"]):
-        report["precision_map"], report["underflow"] = probe(ctx, trial_run, trial.final_scale)
+        report["precision_map"], report["underflow"] = probe(ctx, trial_run, trial.trajectory.final_scale)
         probe_found, notes = wording.probe_findings(report["precision_map"], report["underflow"], trial_run.policy, ctx.device)
         report["notes"] += notes
     findings: list[str] = []

@@ -16,10 +16,11 @@ from pipeline import checkpoint, devices, recipe, task, training
 
 from pipeline import rule
 
-from pipeline.artifacts import reference
+from pipeline.artifacts import reference_tensors
+from pipeline.artifacts.comparison import Stats
 
 from pipeline.compare import streams
-from pipeline.artifacts import trial as trial_artifact
+from pipeline.artifacts import trial_tensors
 from pipeline.config import Params
 from pipeline.diagnosis.trace import finite, trace
 from pipeline.diagnosis.triage import first_nonfinite_step
@@ -36,18 +37,18 @@ class Run:
     outputs: dict[str, torch.Tensor]
     steps: list[dict]
     stats: dict
-    decision: dict = field(default_factory=dict)
+    decision: rule.RuleResult
 
     @property
     def accepted(self) -> bool:
-        return self.decision["decision"] == "accept"
+        return self.decision.accepted
 
     @property
     def has_nonfinite(self) -> bool:
         return first_nonfinite_step(self.steps) is not None or any(g["nonfinite_trial_only"] for g in self.stats["values"].values())
 
     def summary(self) -> dict:
-        return {"fp32_modules": list(self.policy.fp32_modules), "decision": self.decision["decision"], "reasons": self.decision["reasons"]}
+        return {"fp32_modules": list(self.policy.fp32_modules), "decision": self.decision.decision, "reasons": list(self.decision.reasons)}
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Context:
     params: Params
     dtype: str
     device: torch.device
-    ref: reference.Reference
+    ref: reference_tensors.Reference
     train: task.TrainSource
     work: dict = field(default_factory=lambda: {"replayed_steps": 0, "traced_passes": 0, "trial_reruns": 0})
 
@@ -130,12 +131,12 @@ class Located:
         }
 
 
-def load(params: Params, dtype: str, stats: dict, decision: dict) -> tuple[Context, Run, trial_artifact.Trial]:
+def load(params: Params, dtype: str, stats: dict, decision: rule.RuleResult) -> tuple[Context, Run, trial_tensors.Trial]:
     """The reference, the training data and the trial's own results, each checked against its manifest.
     ``decision`` is the rule's verdict on the trial, computed once by the stage."""
-    ref = reference.load(params)
+    ref = reference_tensors.load(params)
     ctx = Context(params, dtype, devices.resolve(params.device), ref, ref.train_data(params))
-    trial = trial_artifact.load(dtype, ref.manifest)
+    trial = trial_tensors.load(dtype, ref.manifest)
     policy = Policy(dtype=dtype, fp32_modules=tuple(trial.manifest.policy["fp32_modules"]))  # what ran, not what params say now
     return ctx, Run(policy, trial.outputs(), trial.trajectory.steps, stats, decision), trial
 
@@ -211,14 +212,14 @@ def rerun(ctx: Context, policy: Policy) -> Run:
     aligned = [asdict(r) for r in run.aligned] if run.aligned is not None else None
     stats = _compare(ctx, run.outputs, run.trained_outputs, steps, run.training.final_scale, policy.uses_scaler, ref.fp64_reader(), aligned)
     ctx.work["trial_reruns"] += 1
-    return Run(policy, run.outputs, steps, stats, rule.decide(stats, params.acceptance))
+    return Run(policy, run.outputs, steps, stats, rule.decide(Stats.from_dict(stats), params.acceptance))
 
 
 def reference_fails_itself(ctx: Context) -> list[str]:
     """Reasons the rule rejects the FP32 reference compared with itself: no precision policy can fix those."""
     ref = ctx.ref
     stats = _compare(ctx, ref.outputs, ref.outputs, ref.trajectory, math.inf, True, None)
-    return rule.decide(stats, ctx.params.acceptance)["reasons"]
+    return list(rule.decide(Stats.from_dict(stats), ctx.params.acceptance).reasons)
 
 
 def _compare(ctx: Context, outputs: dict, trained: dict, steps: list[dict], final_scale: float, scaler: bool, fp64,

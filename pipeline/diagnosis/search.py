@@ -68,7 +68,7 @@ def search(ctx: Context, run: Run, located: list[Located], reference_fails: bool
             out.suggestion = policy
             return out
         out.findings.append(
-            f"a re-run with trial.fp32_modules {list(policy.fp32_modules)} still fails: {'; '.join(current.decision['reasons'][:2])}"
+            f"a re-run with trial.fp32_modules {list(policy.fp32_modules)} still fails: {'; '.join(current.decision.reasons[:2])}"
         )
         located = locate(ctx, current) if current.has_nonfinite else []
     if reference_fails or not ctx.budget_left:

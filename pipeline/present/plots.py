@@ -13,8 +13,12 @@ import functools
 import io
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.config import AcceptanceConfig
 
 # One size for every figure: readable in the MLflow artifact viewer and small inside the HTML report.
 _SIZE = (8.0, 4.0)
@@ -36,12 +40,12 @@ def _styled(draw: Callable[..., bytes]) -> Callable[..., bytes]:
     return wrapper
 
 
-def curve_rows(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dtype: str = "", band: tuple[float, float] | None = None,
+def curve_rows(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dtype: str = "", band: AcceptanceConfig | None = None,
                noise_steps: Sequence[Mapping] | None = None) -> dict[str, list[dict]]:
     """Per-step rows for `dvc plots`, in long form (one value per row, named by ``series``), one list per family.
 
     ``loss``: the FP32 and AMP losses (``panel`` "loss"), then AMP's |gap| to FP32, the band the rule allows
-    (``band`` = (loss_atol, loss_rtol): atol + rtol*|FP32 loss|) and, when given, the FP32 noise floor
+    (``band``: the rule, whose ``loss_band`` is atol + rtol*|FP32 loss|) and, when given, the FP32 noise floor
     (|replicate - FP32|) (``panel`` "gap"). ``scale``: the loss scale and the skipped updates. Every row
     carries ``dtype``: the plot templates title, colour and facet by these fields, so one template serves
     every dtype and `dvc plots diff` tells revisions apart by DVC's own ``rev``.
@@ -56,7 +60,7 @@ def curve_rows(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dty
         loss.append({"step": step, "dtype": dtype, "panel": "loss", "series": amp, "value": s["loss"]})
         loss.append({"step": step, "dtype": dtype, "panel": "gap", "series": f"|{amp} - FP32|", "value": abs(s["loss"] - fp32)})
         if band is not None:
-            loss.append({"step": step, "dtype": dtype, "panel": "gap", "series": "band allowed by the rule", "value": band[0] + band[1] * abs(fp32)})
+            loss.append({"step": step, "dtype": dtype, "panel": "gap", "series": "band allowed by the rule", "value": band.loss_band(fp32)})
     for s in noise_steps or []:
         step = int(s["step"])
         if step in ref_loss:
@@ -73,7 +77,7 @@ def _finite_row(row: dict) -> dict:
 
 
 @_styled
-def loss_curves(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dtype: str, band: tuple[float, float] | None = None,
+def loss_curves(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dtype: str, band: AcceptanceConfig | None = None,
                 noise_steps: Sequence[Mapping] | None = None) -> bytes:
     """Training loss per step, FP32 reference against the AMP trial (top), and AMP's |gap| against the band
     the rule allows, ``atol + rtol*|FP32 loss|`` (bottom), with the FP32 noise floor when one was measured."""
@@ -97,9 +101,9 @@ def loss_curves(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dt
     gaps = [abs(v - ref[s]) for s, v in shared]
     gap_ax.plot([s for s, _ in shared], gaps, color=_AMP, label=f"|AMP {dtype} - FP32|")
     if band is not None:
-        gap_ax.plot([s for s, _ in shared], [band[0] + band[1] * abs(ref[s]) for s, _ in shared], color=_BAD, linestyle=":",
-                    label=f"band: {band[0]:g} + {band[1]:g}*|FP32 loss|")
-        outside = [(s, g) for (s, _), g in zip(shared, gaps) if math.isfinite(g) and g > band[0] + band[1] * abs(ref[s])]
+        gap_ax.plot([s for s, _ in shared], [band.loss_band(ref[s]) for s, _ in shared], color=_BAD, linestyle=":",
+                    label=f"band: {band.loss_atol:g} + {band.loss_rtol:g}*|FP32 loss|")
+        outside = [(s, g) for (s, _), g in zip(shared, gaps) if math.isfinite(g) and g > band.loss_band(ref[s])]
         if outside:
             gap_ax.plot([s for s, _ in outside], [g for _, g in outside], "x", color=_BAD, label=f"outside the band ({len(outside)} steps)")
     if noise_steps:
