@@ -50,6 +50,11 @@ class _AfterTrainingImport(importlib.abc.MetaPathFinder):
         def exec_module(module) -> None:
             run(module)
             install(module)
+            # Out of sys.modules now (not while it is still being imported, which importlib forbids): a resume
+            # state is keyed on every imported module outside the installation (checkpoint.code_digest), and
+            # the killed run must save under the key of the rerun, which runs without this module; otherwise
+            # every rerun would restart from step 0 and no kill test would exercise a resume.
+            sys.modules.pop(__name__, None)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -57,7 +62,3 @@ class _AfterTrainingImport(importlib.abc.MetaPathFinder):
 
 if AFTER:
     sys.meta_path.insert(0, _AfterTrainingImport())
-# Out of sys.modules: a resume state is keyed on every imported module outside the installation
-# (checkpoint.code_digest), and the killed run must save under the key of the rerun, which runs without
-# this module; otherwise every rerun would restart from step 0 and no kill test would exercise a resume.
-del sys.modules[__name__]
