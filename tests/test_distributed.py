@@ -1,126 +1,112 @@
-"""Issue 14 on the CPU for real: 2 ranks under torchrun + gloo, DDP, a forced overflow, kills and resumes.
-
-Everything runs real processes: `dvc repro` of a tiny project with `distributed.nproc_per_node: 2`, the
-stages under `python -m torch.distributed.run`, and two gloo ranks spawned by torch.multiprocessing.
-"""
+"""pipeline/distributed.py and pipeline/launch.py without starting ranks: launch checks, the batch split, torchrun's
+failure lines."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+import yaml
 
-import faults
-from _project import dvc, env_for, run
-from conftest import make_project
-
-pytestmark = pytest.mark.integration
-
-# TINY (12 steps, a resume state every 4: kills at 6 resume from 4; float16 accepted, bfloat16 rolled back)
-# on 2 ranks, without the diagnosis's re-runs.
-TWO = {"distributed": {"nproc_per_node": 2}, "diagnose": {"search_budget": 0}}
-REFERENCE = ("init.safetensors", "checkpoint.safetensors", "cases.safetensors", "outputs.safetensors", "trajectory.json", "manifest.json")
-TRIAL = ("outputs.safetensors", "trained_outputs.safetensors", "checkpoint.safetensors", "trajectory.json", "manifest.json")
+from pipeline import __main__ as cli
+from pipeline import distributed, launch
+from pipeline.config import load_params
+from pipeline.errors import UserError
 
 
-def digests(folder: Path, names) -> dict[str, str]:
-    return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in names}
+def params_file(tmp_path, **sections):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(sections))
+    return str(path)
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> Path:
-    """A tiny project reproduced to a decision in both dtypes with 2 gloo ranks (read-only for tests)."""
-    repo = make_project(tmp_path_factory.mktemp("ddp") / "repo", TWO)
-    dvc(repo, "repro", "decide@float16", "decide@bfloat16")
-    return repo
+def test_one_process_is_the_default_and_changes_nothing(tmp_path):
+    params = load_params(params_file(tmp_path))
+    assert params.distributed.nproc_per_node == 1
+    assert not launch.relaunched("freeze", params, "params.yaml")
+    world = distributed.World()
+    idx = torch.arange(8)
+    model = torch.nn.Linear(2, 2)
+    assert world.shard(idx) is idx and world.wrap(model, torch.device("cpu")) is model
+    assert world.key("k") == "k" and world.describe() == {}
+    loss = torch.tensor(1.5)
+    assert world.mean(loss) is loss
 
 
-def test_dvc_repro_with_two_ranks_reaches_a_decision_in_both_dtypes(two_ranks):
-    for dtype in ("float16", "bfloat16"):
-        metrics = json.loads((two_ranks / f"data/metrics/{dtype}.json").read_text())
-        assert metrics["decision"] in ("accept", "rollback")
-        manifest = json.loads((two_ranks / f"data/trial/{dtype}/manifest.json").read_text())
-        assert manifest["env"]["world_size"] == 2 and manifest["env"]["process_group_backend"] == "gloo"
-    ref = json.loads((two_ranks / "data/reference/manifest.json").read_text())
-    assert ref["env"]["world_size"] == 2 and ref["env"]["process_group_backend"] == "gloo"
-    assert not any((two_ranks / "data/resume").glob("*"))  # rank 0 cleared every resume state
+def test_a_zero_nproc_is_refused(tmp_path):
+    with pytest.raises(UserError, match="distributed.nproc_per_node is 0"):
+        load_params(params_file(tmp_path, distributed={"nproc_per_node": 0}))
 
 
-def test_the_benchmark_times_two_ranks_and_rank_0_writes_it(two_ranks, tmp_path):
-    repo = tmp_path / "repo"
-    shutil.copytree(two_ranks, repo, symlinks=True)
-    accepted = [d for d in ("float16", "bfloat16") if json.loads((repo / f"data/metrics/{d}.json").read_text())["decision"] == "accept"]
-    assert accepted, "TINY's tolerance accepts float16 (README: the same rule on 2 ranks)"
-    run([sys.executable, "-m", "pipeline", "benchmark", "--dtype", accepted[0]], repo)
-    record = json.loads((repo / f"data/benchmark/{accepted[0]}/benchmark.json").read_text())
-    assert record["benchmarked"] and record["env"]["world_size"] == 2 and record["env"]["process_group_backend"] == "gloo"
+def test_each_rank_takes_a_contiguous_slice_of_every_micro_batch():
+    idx = torch.tensor([7, 3, 9, 1, 4, 0])
+    shards = [distributed.World(rank=r, size=3).shard(idx).tolist() for r in range(3)]
+    assert shards == [[7, 3], [9, 1], [4, 0]]
+    assert distributed.World(rank=1, size=2).key("k") == "k/world2"
+    with pytest.raises(UserError, match="does not split over distributed.nproc_per_node 4"):
+        distributed.World(rank=0, size=4).shard(idx)
 
 
-@pytest.mark.parametrize(("stage", "folder", "names", "rank"), [
-    (["freeze"], "data/reference", REFERENCE, 1),  # a rank other than the writer dies
-    (["trial", "--dtype", "float16"], "data/trial/float16", TRIAL, 0),  # the writer itself dies
-])
-def test_a_rank_killed_mid_run_is_one_line_and_the_rerun_is_byte_identical(two_ranks, tmp_path, stage, folder, names, rank):
-    repo = tmp_path / "repo"
-    shutil.copytree(two_ranks, repo, symlinks=True)
-    expected = digests(repo / folder, names)
-    shutil.rmtree(repo / folder)  # as DVC does before running a stage
-    env = faults.after_step(env_for(repo), 6, rank=rank)
-    killed = run([sys.executable, "-m", "pipeline", *stage], repo, check=False, env=env)
-    assert killed.returncode == 2
-    line = killed.stderr.strip()
-    assert line.count("\n") == 0 and f"rank {rank} of 2 died (killed by SIGKILL)" in line, killed.stderr[-2000:]
-    assert not any((repo / folder / n).exists() for n in names)  # nothing half-written
-    assert any((repo / "data/resume").glob("*.safetensors"))  # rank 0 saved step 4
-
-    run([sys.executable, "-m", "pipeline", *stage], repo)
-    assert digests(repo / folder, names) == expected
-    assert not any((repo / "data/resume").glob("*"))
+def test_a_batch_size_the_ranks_do_not_divide_is_one_line_exit_2(tmp_path, capsys):
+    path = params_file(tmp_path, distributed={"nproc_per_node": 2}, reference={"batch_size": 31})
+    assert cli.main(["freeze", "--params", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "distributed.nproc_per_node 2 does not divide reference.batch_size 31" in err
 
 
-def _overflow_rank(rank: int, rendezvous: str, out: str, wrap: bool) -> None:
-    import torch.distributed as dist
+def test_more_ranks_than_visible_gpus_is_one_line(tmp_path, monkeypatch, capsys):
+    from pipeline import devices
 
-    from pipeline import distributed, precision, recipe, training
-    from pipeline.config import TaskConfig
-    from pipeline.precision import Policy
-
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
-    world = distributed.World(rank=rank, size=2, backend="gloo")
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    net = world.wrap(model, torch.device("cpu")) if wrap else model
-    policy = Policy(dtype="float16")
-    scaler = precision.make_scaler(policy, torch.device("cpu"))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.ones(2, 4)
-    if rank == 1:
-        x[0, 0] = 1e5  # beyond float16's 65504: only rank 1's own gradients overflow
-    y = torch.tensor([0, 1])
-    step = training.amp_step(net, [(x, y)], recipe.make_loss(TaskConfig()), optimizer, scaler, policy, torch.device("cpu"))
-    Path(out).with_name(f"rank{rank}.json").write_text(json.dumps({"skipped": step.skipped, "scale": scaler.get_scale()}))
-    dist.destroy_process_group()
+    monkeypatch.setattr(devices, "resolve", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    path = params_file(tmp_path, device="cuda", distributed={"nproc_per_node": 2}, reference={"batch_size": 32})
+    assert cli.main(["trial", "--dtype", "float16", "--params", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "distributed.nproc_per_node is 2 but 1 GPU(s) are visible" in err
 
 
-def _spawn(tmp_path: Path, wrap: bool) -> list[dict]:
-    import torch.multiprocessing as mp
+def test_a_rank_never_launches_again(tmp_path, monkeypatch):
+    """Only the stages that train call the launcher (tests/test_deps.py derives that); inside a rank it is a no-op."""
+    params = load_params(params_file(tmp_path, distributed={"nproc_per_node": 2}))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert not launch.relaunched("freeze", params, "params.yaml")
 
-    mp.spawn(_overflow_rank, args=(str(tmp_path / "rdv"), str(tmp_path / "x"), wrap), nprocs=2, join=True)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+TORCHRUN_REPORT = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+pipeline FAILED
+------------------------------------------------------
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 6195)  (SIGTERM)
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 6196)  (SIGKILL)
+======================================================
+"""
 
 
-def test_the_grad_scaler_skips_on_every_rank_when_one_rank_overflows(tmp_path):
-    """DDP all-reduces the gradients before ``unscale_`` looks for inf/NaN: every rank sees rank 1's
-    overflow, skips the step and halves its scale. Without DDP (the control) rank 0 would step alone."""
-    (tmp_path / "ddp").mkdir()
-    (tmp_path / "alone").mkdir()
-    ddp = _spawn(tmp_path / "ddp", wrap=True)
-    assert [r["skipped"] for r in ddp] == [True, True]
-    assert ddp[0]["scale"] == ddp[1]["scale"] == 2.0**15
-    alone = _spawn(tmp_path / "alone", wrap=False)
-    assert [r["skipped"] for r in alone] == [False, True]
+def test_failure_lines_name_the_rank_that_died_or_its_own_error():
+    line = launch.failure_line(TORCHRUN_REPORT, 2, "freeze")
+    assert "rank 1 of 2 died (killed by SIGKILL)" in line and "\n" not in line
+    own = "[rank0]: noise\nerror: --dtype float8 is not in trial.dtypes; add it\n" + TORCHRUN_REPORT
+    assert launch.failure_line(own, 2, "trial") == "--dtype float8 is not in trial.dtypes; add it"
+    assert "torchrun failed (boom)" in launch.failure_line("boom\n", 2, "freeze")
+
+
+def test_gpu_workflow_pulls_the_shared_reference_before_the_pipeline_when_a_remote_is_configured():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    steps = yaml.safe_load((root / ".github/workflows/gpu.yml").read_text())["jobs"]["pipeline"]["steps"]
+    names = [s.get("name", "") for s in steps]
+    pull = next(i for i, n in enumerate(names) if "Pull the shared frozen reference" in n)
+    assert pull < next(i for i, n in enumerate(names) if n.startswith("dvc repro"))
+    assert "vars.DVC_REMOTE_URL != ''" in steps[pull]["if"]
+    assert "sh scripts/pull_reference.sh" in steps[pull]["run"]
+    assert (root / "scripts/pull_reference.sh").is_file()

@@ -4,7 +4,7 @@ Each example is generated (scripts/make_examples.py, `make examples`): params.ya
 examples/overrides/NAME.yaml. The unit tests here fail when a file differs from what would be generated (a section
 added to params.yaml and not yet in the examples) or lacks a params section that dvc.yaml declares; the
 integration test copies each file, unmerged, into a reproduced repository and runs `dvc repro --dry` (the check
-that said "Parameters 'threads, distributed' are missing"). tests/test_readme_commands.py runs one example to the end.
+that said "Parameters 'threads, distributed' are missing"). tests/test_e2e_readme.py runs one example to the end.
 """
 
 from __future__ import annotations

@@ -452,7 +452,7 @@ def test_dvc_exp_run_temp_publishes_to_the_workspace_database(reproduced, tmp_pa
 def test_the_printed_link_opens_the_verdict_in_model_training_mode_in_a_browser(story, tmp_path):
     """Headless Chromium on the parent-run link publish prints: MLflow 3 in model-training mode, the run named
     by its decisions, and the description's first lines giving every dtype's verdict."""
-    from test_browser import FLAGS, chromium
+    from test_e2e_browser import FLAGS, chromium
 
     link = next(w for w in story["first"][0].stdout.strip().splitlines()[-2].split() if w.startswith(story["uri"]))
     dom = subprocess.run([chromium(), *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=20000", "--dump-dom", link],

@@ -39,8 +39,8 @@ from pathlib import Path
 import pytest
 from _project import BIN, ROOT, env_for, run
 from conftest import TINY, blank_mlflow_db, make_project
-from test_concurrency import experiment_names, parents, wait_for_queue
-from test_sweep import SMALL
+from test_e2e_concurrency import experiment_names, parents, wait_for_queue
+from test_e2e_sweep import SMALL
 
 pytestmark = pytest.mark.integration
 
