@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-ref", default="origin/main", help="git ref whose committed decisions are the gate")
     parser.add_argument("--metrics", default="data/metrics", help="this run's metrics folder")
     parser.add_argument("--data", default="data", help="this run's data folder (manifests, for --expect-backend)")
-    parser.add_argument("--expect-backend", choices=("cpu", "cuda", "rocm"), help="fail unless every record says this backend ran")
+    parser.add_argument(
+        "--expect-backend", choices=("cpu", "cuda", "rocm"), help="fail unless every record says this backend ran"
+    )
     args = parser.parse_args(argv)
     base = read_ref(args.base_ref, args.metrics)
     run = read_run(Path(args.metrics))

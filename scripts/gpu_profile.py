@@ -43,7 +43,11 @@ def workload(size: str, device: torch.device) -> tuple[Params, torch.nn.Module, 
     params = build(
         Params,
         {
-            "task": {"model": "pipeline.examples.transformer:build_model", "data": "pipeline.examples.transformer:load_data", "options": options},
+            "task": {
+                "model": "pipeline.examples.transformer:build_model",
+                "data": "pipeline.examples.transformer:load_data",
+                "options": options,
+            },
             "reference": recipe,
         },
         "",
@@ -120,7 +124,11 @@ def markdown(result: dict) -> str:
             f"{peak} | x{base / v['seconds_per_step']:.2f} |"
         )
     for name, v in result["variants"].items():
-        lines += ["", f"## {name}: ops by {'device' if result['env']['backend'] != 'cpu' else 'CPU'} time", "", "| op | calls/step | share | us/step |", "|---|---|---|---|"]
+        lines += [
+            "",
+            f"## {name}: ops by {'device' if result['env']['backend'] != 'cpu' else 'CPU'} time",
+            "", "| op | calls/step | share | us/step |", "|---|---|---|---|",
+        ]
         lines += [f"| `{o['op']}` | {o['calls']} | {100 * o['share']:.1f}% | {o['us_per_step']:.0f} |" for o in v["top_ops"]]
     return "\n".join(lines) + "\n"
 

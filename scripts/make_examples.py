@@ -101,7 +101,9 @@ def names(root: Path | None = None) -> list[str]:
 
 def main(argv: list[str] | None = None, root: Path | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if any example differs from its generated text")
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if any example differs from its generated text"
+    )
     args = parser.parse_args(argv)
     root = root or ROOT
     known, stale = names(root), []
@@ -119,7 +121,10 @@ def main(argv: list[str] | None = None, root: Path | None = None) -> int:
         p.relative_to(root) for p in (root / "examples").glob("*.params.yaml") if p.name.removesuffix(".params.yaml") not in known
     )
     for orphan in orphans:
-        print(f"error: {orphan} has no {OVERRIDES}/{orphan.name.removesuffix('.params.yaml')}.yaml to generate it from", file=sys.stderr)
+        print(
+            f"error: {orphan} has no {OVERRIDES}/{orphan.name.removesuffix('.params.yaml')}.yaml to generate it from",
+            file=sys.stderr,
+        )
     for path in stale:
         print(f"error: {path} differs from params.yaml + its overrides: run `python scripts/make_examples.py`", file=sys.stderr)
     return 1 if stale or orphans else 0

@@ -33,8 +33,9 @@ def shoot(url: str, out: Path, size: str, wait_ms: int) -> None:
     if browser is None:
         sys.exit("error: Chromium not found; install it (`apt-get install -y chromium`), then rerun")
     with tempfile.TemporaryDirectory(prefix="amp-chromium-") as profile:
-        subprocess.run([browser, *FLAGS, f"--user-data-dir={profile}", f"--window-size={size}", f"--virtual-time-budget={wait_ms}",
-                        f"--screenshot={out}", url], capture_output=True, timeout=180, check=True)
+        subprocess.run([browser, *FLAGS, f"--user-data-dir={profile}", f"--window-size={size}",
+                        f"--virtual-time-budget={wait_ms}", f"--screenshot={out}", url],
+                       capture_output=True, timeout=180, check=True)
     print(f"screenshots: {out}")
 
 
@@ -85,7 +86,9 @@ def main() -> None:
                         sys.exit("error: the mlflow server did not start")
                     time.sleep(0.5)
             env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(repo)}
-            done = subprocess.run([sys.executable, "-m", "pipeline", "publish"], env=env, capture_output=True, text=True, check=True)
+            done = subprocess.run(
+                [sys.executable, "-m", "pipeline", "publish"], env=env, capture_output=True, text=True, check=True
+            )
             lines = done.stdout.strip().splitlines()
             run_page = next(w for w in lines[-2].split() if w.startswith(uri))
             runs_view = lines[-1].rsplit("review: ", 1)[1]

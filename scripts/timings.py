@@ -147,14 +147,17 @@ def main() -> None:
         noop = timed([str(venv_bin / "dvc"), "repro"], clone, env)
         rewrite_s = lock_rewrite(str(venv_bin / "python"), clone, env)
         imports = import_costs([str(venv_bin / "dvc"), "repro", "--force"], clone, env)
-    print(f"machine: {platform.machine()} {os.cpu_count()} cores, {platform.python_implementation()} {platform.python_version()}, "
+    print(f"machine: {platform.machine()} {os.cpu_count()} cores, "
+          f"{platform.python_implementation()} {platform.python_version()}, "
           f"OMP_NUM_THREADS={base_env.get('OMP_NUM_THREADS', 'unset')}")
     print(f"import torch: {torch_s:.2f} s (median of 3; the unit below); import mlflow: {mlflow_s:.2f} s")
-    print(f"first run, fresh copy ({'git init + dvc repro, venv reused' if args.venv else 'make run, install included'}): {first:.1f} s")
+    print(f"first run, fresh copy ({'git init + dvc repro, venv reused' if args.venv else 'make run, install included'}): "
+          f"{first:.1f} s")
     ratio = force / torch_s
     print(f"dvc repro --force (every stage): {force:.1f} s = {ratio:.1f} x import torch "
           f"(goal <= {FULL_REPRO_GOAL:g}: {'ok' if ratio <= FULL_REPRO_GOAL else 'MISSED'})")
-    print(f"dvc repro with nothing to do:    {noop:.2f} s (goal <= {NOOP_GOAL_S:g} s: {'ok' if noop <= NOOP_GOAL_S else 'MISSED'})")
+    print(f"dvc repro with nothing to do:    {noop:.2f} s "
+          f"(goal <= {NOOP_GOAL_S:g} s: {'ok' if noop <= NOOP_GOAL_S else 'MISSED'})")
     print("per stage (from dvc's 'Running stage' lines, dvc's own hashing included):")
     for name, seconds in stages.items():
         print(f"  {name:<22} {seconds:6.1f} s  {seconds / torch_s:5.1f} x import torch")
@@ -164,9 +167,11 @@ def main() -> None:
     for module, by_stage in imports.items():
         if by_stage:
             floor += sum(by_stage.values())
-            print(f"  import {module:<18} in {len(by_stage):2d} stage(s): {sum(by_stage.values()):5.1f} s  ({', '.join(by_stage)})")
+            print(f"  import {module:<18} in {len(by_stage):2d} stage(s): "
+                  f"{sum(by_stage.values()):5.1f} s  ({', '.join(by_stage)})")
     floor += rewrite_s * len(stages)
-    print(f"  dvc.lock rewritten after each of {len(stages)} stages: {len(stages)} x {rewrite_s:.2f} s = {rewrite_s * len(stages):.1f} s")
+    print(f"  dvc.lock rewritten after each of {len(stages)} stages: "
+          f"{len(stages)} x {rewrite_s:.2f} s = {rewrite_s * len(stages):.1f} s")
     print(f"  together: {floor:.1f} s = {floor / torch_s:.1f} x import torch")
     sys.stdout.flush()
 
