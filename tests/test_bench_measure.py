@@ -36,7 +36,9 @@ def test_every_round_skipped_gives_no_speedup_and_says_why() -> None:
     fp32, amp = overflowing(2.0**60)
     rounds = interleaved({"fp32": (fp32, False), "amp": (amp, False)}, warmup=0, repeats=3, steps=2, device=CPU)
     assert rounds.dropped() == [0, 1, 2]
-    result = record("float16", ENV, amp.work, Sizes(0, 3, 2, "test"), "n/a", probes({"fp32": [0] * 3, "amp": [0] * 3}), rounds, None)
+    result = record(
+        "float16", ENV, amp.work, Sizes(0, 3, 2, "test"), "n/a", probes({"fp32": [0] * 3, "amp": [0] * 3}), rounds, None
+    )
     assert result.speedup is None and result.seconds_per_step is None and "raise bench.warmup" in result.no_speedup_because
     written = result.as_dict()
     assert "speedup" not in written and "seconds_per_step" not in written, "no key at all: readers that find one can trust it"

@@ -36,7 +36,10 @@ def test_ratios_are_taken_per_round_then_summarised() -> None:
 
 
 def test_memory_summary_peak_working_and_ratios() -> None:
-    m = memory_summary({"fp32": probe([1000.0, 1010.0, 1000.0], [600.0, 610.0, 600.0]), "amp": probe([800.0, 800.0, 810.0], [600.0, 600.0, 610.0])})
+    m = memory_summary({
+        "fp32": probe([1000.0, 1010.0, 1000.0], [600.0, 610.0, 600.0]),
+        "amp": probe([800.0, 800.0, 810.0], [600.0, 600.0, 610.0]),
+    })
     assert m.peak_memory_bytes["fp32"].median == 1000.0
     assert m.working_memory_bytes["fp32"].median == 400.0 and m.working_memory_bytes["amp"].median == 200.0
     assert m.memory_ratio.median == pytest.approx(0.8)

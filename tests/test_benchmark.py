@@ -85,7 +85,9 @@ def frozen(tmp_path_factory) -> Path:
 def decide(repo: Path, dtype: str, decision: str) -> None:
     folder = repo / "data" / "decision" / dtype
     folder.mkdir(parents=True, exist_ok=True)
-    fields = {"dtype": dtype, "decision": decision, "reasons": [], "checks": [], "rule": {}, "rule_sha256": "", "policy": {}, "env": {}}
+    fields = {
+        "dtype": dtype, "decision": decision, "reasons": [], "checks": [], "rule": {}, "rule_sha256": "", "policy": {}, "env": {},
+    }
     (folder / "decision.json").write_text(json.dumps(fields))
 
 
@@ -223,6 +225,8 @@ def test_gpu_proof_stops_in_one_line_without_a_gpu(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: run scripts/gpu_proof.sh itself")
     env = {**quiet_env(ROOT), "OUT": str(tmp_path), "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(ROOT / "scripts/gpu_proof.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_proof.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 2 and "gpu_proof: no GPU: error: device: cuda was asked for" in proc.stdout
     assert (tmp_path / "machine.txt").is_file() and not (tmp_path / "pytest-gpu.txt").exists()

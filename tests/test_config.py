@@ -81,7 +81,9 @@ def test_dvc_yaml_and_paths_table_agree():
         str(paths.decision_metrics(d)), str(paths.benchmark_metrics(d)), str(paths.REPORT_CURVES),
     }
     assert expected <= declared, expected - declared
-    assert not any(p.startswith(f"{paths.METRICS}/compare") for p in declared), "compare's big JSON is no longer a DVC metric (issue 16)"
+    assert not any(p.startswith(f"{paths.METRICS}/compare") for p in declared), (
+        "compare's big JSON is no longer a DVC metric (issue 16)"
+    )
 
 
 def test_each_stage_declares_only_sections_that_exist():

@@ -124,13 +124,20 @@ def test_locks_install_on_each_images_python(python: str, tmp_path: Path) -> Non
         "--python-version", python, "--report", str(tmp_path / "report.json"),
         "-r", str(ROOT / "requirements.lock"), "-r", str(ROOT / "requirements-dev.lock"),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, check=False, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    )
     if python == "3.10":
         assert proc.returncode != 0 and "Requires-Python >=3.11" in proc.stderr, proc.stderr[-2000:]
         return
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
-    pinned = [l for lock in ("requirements.lock", "requirements-dev.lock") for l in (ROOT / lock).read_text().splitlines() if l.strip() and not l.startswith("#")]
+    pinned = [
+        l
+        for lock in ("requirements.lock", "requirements-dev.lock")
+        for l in (ROOT / lock).read_text().splitlines()
+        if l.strip() and not l.startswith("#")
+    ]
     assert len(report["install"]) == len(pinned)
 
 
@@ -154,9 +161,13 @@ def test_gpu_workflow_shape() -> None:
     ):
         assert needle in text, needle
     names = [step.get("name", "") for step in job["steps"]]
-    order = [next(i for i, n in enumerate(names) if key in n) for key in ("render gid", "Ask for the GPU", "gpu-marked", "dvc repro")]
+    order = [
+        next(i for i, n in enumerate(names) if key in n) for key in ("render gid", "Ask for the GPU", "gpu-marked", "dvc repro")
+    ]
     assert order == sorted(order), "flags, then the GPU check, the gpu tests and the pipeline"
-    every_run = [step["run"] for step in job["steps"] if "docker run" in step.get("run", "") and "compare_decisions" not in step["run"]]
+    every_run = [
+        step["run"] for step in job["steps"] if "docker run" in step.get("run", "") and "compare_decisions" not in step["run"]
+    ]
     assert every_run and all("$GPU_ARGS" in r for r in every_run), "every GPU container gets the GPU flags"
 
 

@@ -34,7 +34,8 @@ def compared() -> Stats:
 def made(result: str = "accept", **extra) -> decision.Decision:
     return decision.Decision(
         dtype="bfloat16", decision=result, reasons=[] if result == "accept" else ["values 'logits': too far"], checks=["ok"],
-        rule={"max_flips": 0}, rule_sha256="a" * 64, policy={"dtype": "bfloat16", "fp32_modules": []}, env={"backend": "cpu"}, **extra,
+        rule={"max_flips": 0}, rule_sha256="a" * 64, policy={"dtype": "bfloat16", "fp32_modules": []}, env={"backend": "cpu"},
+        **extra,
     )
 
 
@@ -45,7 +46,8 @@ def test_written_and_read_back_typed(tmp_path: Path, monkeypatch: pytest.MonkeyP
     decision.write(d)
     assert decision.read("bfloat16") == d and not decision.read("bfloat16").accepted
     raw = json.loads((tmp_path / paths.decision("bfloat16") / "decision.json").read_text())
-    assert raw["reasons"] == ["values 'logits': too far"] and raw["findings"] == ["module '5' in FP32 gives the class back"]  # apart
+    # reasons and findings are kept apart
+    assert raw["reasons"] == ["values 'logits': too far"] and raw["findings"] == ["module '5' in FP32 gives the class back"]
     accepted = made()
     decision.write(accepted)
     raw = json.loads((tmp_path / paths.decision("bfloat16") / "decision.json").read_text())

@@ -139,7 +139,10 @@ def test_closure_follows_lazy_imports_inside_functions(tmp_path: Path) -> None:
 def test_json_only_stages_import_neither_torch_nor_mlflow(name: str) -> None:
     """decide reads JSON and writes JSON, and diagnose does on a healthy trial (its replays import torch
     lazily): neither pays torch's nor mlflow's import (seconds each) before it has work that needs them."""
-    code = f"import sys; import pipeline.__main__, pipeline.stages.{name}; print(sorted(m for m in ('torch', 'mlflow') if m in sys.modules))"
+    code = (
+        f"import sys; import pipeline.__main__, pipeline.stages.{name}; "
+        "print(sorted(m for m in ('torch', 'mlflow') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -151,7 +154,9 @@ def test_readme_layout_names_every_module_of_the_package() -> None:
     words = set(re.findall(r"[\w./]+", layout))
     names = {p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"}
     folders = {f"pipeline/{p.name}/" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
-    missing = sorted(n for n in names if n not in words and f"pipeline/{n}" not in words) + sorted(f for f in folders if f not in words)
+    missing = sorted(n for n in names if n not in words and f"pipeline/{n}" not in words) + sorted(
+        f for f in folders if f not in words
+    )
     assert not missing, f"README.md's Layout section does not mention {missing}: add a line for each"
 
 
