@@ -139,7 +139,9 @@ class Benchmark:
         out.update(out.pop("memory"))
         if not out["memory_rounds_dropped"]:
             del out["memory_rounds_dropped"]
-        for key in ("memory_ratio", "working_memory_ratio", "seconds_per_step", "speedup", "speedup_vs_tf32", "no_speedup_because"):
+        for key in (
+            "memory_ratio", "working_memory_ratio", "seconds_per_step", "speedup", "speedup_vs_tf32", "no_speedup_because",
+        ):
             if out[key] is None:  # absent rather than null: readers that find a figure can trust it
                 del out[key]
         return out
@@ -209,14 +211,19 @@ def read(dtype: str) -> Record:
     try:
         return from_dict(raw)
     except (KeyError, TypeError, AttributeError) as exc:
-        raise UserError(f"{path} is not a benchmark record ({exc!r}); regenerate it with `dvc repro -f benchmark@{dtype}`") from None
+        raise UserError(
+            f"{path} is not a benchmark record ({exc!r}); regenerate it with `dvc repro -f benchmark@{dtype}`"
+        ) from None
 
 
 def from_dict(raw: Mapping[str, Any]) -> Record:
     """The record ``as_dict`` wrote (KeyError or TypeError for anything else)."""
     if not raw["benchmarked"]:
         return NotBenchmarked(raw["dtype"], raw["reason"])
-    optional = {key: _spread(raw[key]) if key in raw else None for key in ("memory_ratio", "working_memory_ratio", "speedup", "speedup_vs_tf32")}
+    optional = {
+        key: _spread(raw[key]) if key in raw else None
+        for key in ("memory_ratio", "working_memory_ratio", "speedup", "speedup_vs_tf32")
+    }
     dropped, samples = raw["rounds_dropped"], raw["samples"]
     return Benchmark(
         dtype=raw["dtype"],

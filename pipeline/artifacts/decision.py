@@ -59,7 +59,8 @@ class Decision:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        for key in ("findings", "notes", "rollback_package", "cases"):  # absent rather than empty: the file says only what happened
+        # absent rather than empty: the file says only what happened
+        for key in ("findings", "notes", "rollback_package", "cases"):
             if not out[key]:
                 del out[key]
         return out

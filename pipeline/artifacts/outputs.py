@@ -67,7 +67,9 @@ def _torch_dtype(code: str) -> torch.dtype:
     return getattr(torch, next(name for name, c in _CODES.items() if c == code))
 
 
-def write_outputs(path: str | Path, chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], meta: dict[str, Any] | None = None) -> str:
+def write_outputs(
+    path: str | Path, chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], meta: dict[str, Any] | None = None
+) -> str:
     """Write the row-wise concatenation of ``chunks`` to one safetensors file, atomically; return its sha256.
 
     Every chunk names the same tensors, with the same dtype and the same shape past dim 0; their rows
@@ -139,7 +141,9 @@ def _check_chunk(chunk: dict[str, torch.Tensor], layout: dict, path: Path) -> in
     for name, (dtype, trailing, _) in layout.items():
         t = chunk[name]
         if t.dtype != dtype or list(t.shape[1:]) != trailing:
-            raise ValueError(f"{path}: output '{name}' is {t.dtype} {tuple(t.shape)} in a chunk, {dtype} [*, {trailing}] in the first")
+            raise ValueError(
+                f"{path}: output '{name}' is {t.dtype} {tuple(t.shape)} in a chunk, {dtype} [*, {trailing}] in the first"
+            )
         if rows is None:
             rows = t.shape[0]
         elif t.shape[0] != rows:
@@ -184,13 +188,17 @@ class OutputsReader:
                 pass
         except (SafetensorError, ValueError, OverflowError, UnicodeDecodeError, json.JSONDecodeError, OSError):
             raise UserError(
-                f"{self.path} is not a valid safetensors file (truncated, or a pickle renamed?); nothing was loaded: rebuild it with {hint}"
+                f"{self.path} is not a valid safetensors file (truncated, or a pickle renamed?); "
+                f"nothing was loaded: rebuild it with {hint}"
             ) from None
         self.meta = {k: from_jsonable(json.loads(v)) for k, v in (header.pop("__metadata__", None) or {}).items()}
         self._shapes = {name: tuple(entry["shape"]) for name, entry in header.items()}
         unknown = sorted(entry["dtype"] for entry in header.values() if entry["dtype"] not in _CODES.values())
         if unknown:
-            raise UserError(f"{self.path} holds tensors of dtype {', '.join(unknown)}, which outputs are never written in; rebuild it with {hint}")
+            raise UserError(
+                f"{self.path} holds tensors of dtype {', '.join(unknown)}, which outputs are never written in; "
+                f"rebuild it with {hint}"
+            )
         self._dtypes = {name: _torch_dtype(entry["dtype"]) for name, entry in header.items()}
         self._offsets = {name: 8 + size + entry["data_offsets"][0] for name, entry in header.items()}
         self.names: list[str] = sorted(self._shapes)
@@ -198,7 +206,9 @@ class OutputsReader:
         self.ids: list[str] | None = [str(i) for i in ids] if isinstance(ids, list) else None
         row_counts = {s[0] if s else 0 for s in self._shapes.values()}
         if len(row_counts) > 1 or (self.ids is not None and row_counts and row_counts != {len(self.ids)}):
-            raise UserError(f"{self.path} holds tensors of different row counts or ids that do not match them; rebuild it with {hint}")
+            raise UserError(
+                f"{self.path} holds tensors of different row counts or ids that do not match them; rebuild it with {hint}"
+            )
         self.rows: int = row_counts.pop() if row_counts else len(self.ids or [])
         self._mapped: mmap.mmap | None = None
         self._unmappable = False

@@ -62,7 +62,9 @@ def read_manifest() -> Manifest:
     raw = read_json(paths.REF_MANIFEST, PRODUCED_BY)
     names = [f.name for f in fields(Manifest)]
     if not isinstance(raw, dict) or set(raw) != set(names):
-        raise UserError(f"{paths.REF_MANIFEST} is not a reference manifest of this version; rebuild it with `dvc repro --force {PRODUCED_BY}`")
+        raise UserError(
+            f"{paths.REF_MANIFEST} is not a reference manifest of this version; rebuild it with `dvc repro --force {PRODUCED_BY}`"
+        )
     return Manifest(**raw)
 
 

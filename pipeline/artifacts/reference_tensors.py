@@ -70,7 +70,9 @@ class NonFinite(Exception):
     """Raised by ``write`` when the reference's outputs are not finite on some cases (ids in ``args[0]``)."""
 
 
-def _checked(chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], bad: list[str], scan=None) -> Iterator[dict[str, torch.Tensor]]:
+def _checked(
+    chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], bad: list[str], scan=None
+) -> Iterator[dict[str, torch.Tensor]]:
     row = 0
     for chunk in chunks:
         n = next(iter(chunk.values())).shape[0]
@@ -106,15 +108,17 @@ def write(
 
     Raises:
         NonFinite: the FP32 outputs are not finite on some case; nothing is left in ``data/reference``.
-        UserError: ``scan`` finds that the rule cannot judge this reference (``verdict.vet_rule``: an output name the model lacks, a
-            tolerance as large as the output, a reference below the rule's quality, a non-finite step);
-            nothing is left either.
+        UserError: ``scan`` finds that the rule cannot judge this reference (``verdict.vet_rule``: an output name
+            the model lacks, a tolerance as large as the output, a reference below the rule's quality, a non-finite
+            step); nothing is left either.
     """
     bad: list[str] = []
     files = dict(inputs)
     pending = {path: path.with_name(f".{path.name}.pending") for path in (paths.REF_OUTPUTS, paths.REF_OUTPUTS_FP64)}
     try:  # outputs stream to pending files: a refused reference leaves the previous one untouched
-        files[str(paths.REF_OUTPUTS)] = write_outputs(pending[paths.REF_OUTPUTS], _checked(outputs, fixed.ids, bad, scan), fixed.ids)
+        files[str(paths.REF_OUTPUTS)] = write_outputs(
+            pending[paths.REF_OUTPUTS], _checked(outputs, fixed.ids, bad, scan), fixed.ids
+        )
         if bad:
             raise NonFinite(sorted(set(bad)))
         problem = scan.problem([asdict(r) for r in records]) if scan is not None else None
@@ -137,7 +141,10 @@ def write(
     write_json(paths.REF_TRAJECTORY, {"steps": [asdict(r) for r in records]})
     files[str(paths.REF_TRAJECTORY)] = sha256_file(paths.REF_TRAJECTORY)
     if replicate is not None:
-        write_json(paths.REF_REPLICATE_TRAJECTORY, {"steps": [asdict(r) for r in replicate], "perturbation": "data order: first samples of consecutive updates swapped"})
+        write_json(paths.REF_REPLICATE_TRAJECTORY, {
+            "steps": [asdict(r) for r in replicate],
+            "perturbation": "data order: first samples of consecutive updates swapped",
+        })
         files[str(paths.REF_REPLICATE_TRAJECTORY)] = sha256_file(paths.REF_REPLICATE_TRAJECTORY)
     manifest = Manifest(
         files=files,

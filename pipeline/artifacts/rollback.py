@@ -34,7 +34,10 @@ def write_package(params: Params, reference: Manifest, stats: Stats, dtype: str,
         "reference": asdict(params.reference),
         "precision": "float32  # rolled back from autocast " + dtype,
     }
-    write_bytes(out / "reference_policy.yaml", ("# FP32 reference configuration to restore\n" + yaml.safe_dump(snippet, sort_keys=True)).encode())
+    write_bytes(
+        out / "reference_policy.yaml",
+        ("# FP32 reference configuration to restore\n" + yaml.safe_dump(snippet, sort_keys=True)).encode(),
+    )
     keep = (paths.REF_CHECKPOINT, paths.REF_INIT, paths.PREPARED_CASES, paths.PREPARED_TRAIN, paths.REF_CASES)
     write_json(out / "manifest.json", {
         "dtype": dtype,
@@ -43,7 +46,10 @@ def write_package(params: Params, reference: Manifest, stats: Stats, dtype: str,
         "files": {str(p): reference.sha256(p) for p in keep},
     })
     flips = stats.flips.flip_list
-    per_kind = {name: {k: g.to_dict() for k, g in gap.per_kind.items() if g.failing or g.nonfinite_trial_only} for name, gap in stats.values.items()}
+    per_kind = {
+        name: {k: g.to_dict() for k, g in gap.per_kind.items() if g.failing or g.nonfinite_trial_only}
+        for name, gap in stats.values.items()
+    }
     write_json(out / "cases.json", {
         "motivating": cases or {},  # per failed criterion, the ids of its cases (and the training steps)
         "flips": [f.to_dict() for f in flips if not f.boundary],

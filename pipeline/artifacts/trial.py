@@ -49,7 +49,10 @@ class TrialManifest:
         reference says so, beside the verdict (empty when the environments agree)."""
         if not self.env_differs_from_reference:
             return []
-        return [f"the trial ran with a different {', '.join(self.env_differs_from_reference)} than the reference: {reference_env} vs {self.env}"]
+        return [
+            f"the trial ran with a different {', '.join(self.env_differs_from_reference)} than the reference: "
+            f"{reference_env} vs {self.env}"
+        ]
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -108,5 +108,7 @@ def load(dtype: str, reference: ReferenceManifest | None = None) -> Trial:
     """
     manifest = read_manifest(dtype)
     if reference is not None and manifest.reference_run_key != reference.run_key:
-        raise UserError(f"{paths.trial(dtype)} was made from another reference than data/reference; run `dvc repro {produced_by(dtype)}`")
+        raise UserError(
+            f"{paths.trial(dtype)} was made from another reference than data/reference; run `dvc repro {produced_by(dtype)}`"
+        )
     return Trial(dtype=dtype, folder=paths.trial(dtype), manifest=manifest, trajectory=read_trajectory(dtype, manifest))
