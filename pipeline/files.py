@@ -14,6 +14,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, BinaryIO, Iterator
 
 from pipeline.errors import UserError
@@ -117,6 +118,19 @@ def to_jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [to_jsonable(v) for v in value]
     return value
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings to dotted keys: ``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and empty mappings stay values.
+
+    The one flat view of a nested record: params as MLflow params, stats.json as the report's rows.
+    """
+    if isinstance(value, Mapping) and value:
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: value}
 
 
 def dumps(value: Any) -> str:

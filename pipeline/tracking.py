@@ -30,7 +30,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,16 +200,6 @@ def check_reachable(uri: str, timeout: float = _HEALTH_TIMEOUT_S) -> None:
             f"MLflow tracking server {uri} is unreachable ({reason}); the DVC outputs are intact: start the server "
             f"or point MLFLOW_TRACKING_URI at one that runs, then rerun `python -m pipeline publish`"
         ) from None
-
-
-def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings to dotted names: ``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; an empty mapping stays a value."""
-    if isinstance(value, Mapping) and value:
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: value}
 
 
 def mlflow_key(name: str) -> str:

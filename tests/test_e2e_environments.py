@@ -130,7 +130,7 @@ def test_mlflow_keys():
     assert tracking.mlflow_key("acceptance.outputs.*.atol") == "acceptance.outputs.default.atol"
     assert tracking.mlflow_key("values.logits[0].max_abs") == "values.logits_0_.max_abs"
     assert len(tracking.mlflow_key("x" * 400)) == 250
-    assert tracking.flatten({"a": {"b": 1, "c": {}}, "d": [1]}) == {"a.b": 1, "a.c": {}, "d": [1]}
+    assert files.flatten({"a": {"b": 1, "c": {}}, "d": [1]}) == {"a.b": 1, "a.c": {}, "d": [1]}
 
 
 def test_a_sqlite_store_lock_held_too_long_is_one_line(tmp_path, monkeypatch):

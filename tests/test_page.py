@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pipeline.files import flatten
 from pipeline.present import page
 
 
@@ -15,7 +16,7 @@ def test_language_model_rows_show_kl_and_top1_and_the_noise_floor():
         "distribution": {"kl_mean": 5.9e-7, "kl_p99": 4.1e-6, "kl_max": 2.2e-5, "top1_agreement": 0.9975, "top_k_overlap": 0.99},
         "training": {"max_loss_gap": 0.002, "noise": {"max_replicate_gap": 0.042, "mean_ratio": 0.41}},
     }
-    table = dict(page.rows([_variant("float16", page.flat(stats))]))
+    table = dict(page.rows([_variant("float16", flatten(stats))]))
     assert table["distribution: KL(reference || AMP) per token, mean (nats)"] == ["5.9e-07"]
     assert table["distribution: same top-1 token as the reference"] == ["0.9975"]
     assert table["training: FP32 noise floor, largest gap of the replicate (another data order)"] == ["0.042"]
@@ -23,6 +24,6 @@ def test_language_model_rows_show_kl_and_top1_and_the_noise_floor():
 
 
 def test_per_sample_classifier_has_no_distribution_rows():
-    table = dict(page.rows([_variant("bfloat16", page.flat({"quality": {"reference": 0.9}, "training": {}}))]))
+    table = dict(page.rows([_variant("bfloat16", flatten({"quality": {"reference": 0.9}, "training": {}}))]))
     assert not any(label.startswith("distribution:") for label in table)
     assert table["training: FP32 noise floor, largest gap of the replicate (another data order)"] == ["-"]

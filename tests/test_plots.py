@@ -17,6 +17,7 @@ import pytest
 from _project import ROOT, dvc, stage, write_params
 
 from pipeline.config import AcceptanceConfig
+from pipeline.files import flatten
 from pipeline.present import plots
 
 from pipeline.present import page
@@ -72,10 +73,10 @@ def variants() -> list[dict]:
     slow = {**bench, "speedup": {"median": 0.32, "q1": 0.3, "q3": 0.34}}
     diagnosis = {"findings": ["first non-finite loss at step 3"], "suggestion": {"fp32_modules": ["head", "0"], "rule_passes": True}}
     return [
-        {"dtype": "float16", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": page.flat(stats), "diagnosis": {"findings": []}, "benchmark": slow},
-        {"dtype": "bfloat16", "env": {"backend": "cpu"}, "decision": rollback, "stats": stats, "metrics": page.flat(stats), "diagnosis": diagnosis,
+        {"dtype": "float16", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": flatten(stats), "diagnosis": {"findings": []}, "benchmark": slow},
+        {"dtype": "bfloat16", "env": {"backend": "cpu"}, "decision": rollback, "stats": stats, "metrics": flatten(stats), "diagnosis": diagnosis,
          "benchmark": {"benchmarked": False, "reason": "bfloat16 was rolled back"}},
-        {"dtype": "float16-fast", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": page.flat(stats), "diagnosis": {"findings": []}, "benchmark": bench},
+        {"dtype": "float16-fast", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": flatten(stats), "diagnosis": {"findings": []}, "benchmark": bench},
     ]
 
 

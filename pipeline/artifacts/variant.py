@@ -10,7 +10,7 @@ from typing import Any
 
 from pipeline import paths
 from pipeline.artifacts import benchmark, comparison, decision, diagnosis, trial
-from pipeline.present.page import flat
+from pipeline.files import flatten
 
 
 def load(dtype: str) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def load(dtype: str) -> dict[str, Any]:
         "manifest": manifest.as_dict(),
         "trajectory": trial.read_trajectory(dtype, manifest).as_dict(),
         "stats": stats,
-        "metrics": flat(stats),
+        "metrics": flatten(stats),
         "cases": comparison.read_table(dtype) if cases.is_file() else None,
         "diagnosis": diagnosis.read(dtype).as_dict(),
         "decision": decision.read(dtype).as_dict(),

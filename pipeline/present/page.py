@@ -28,22 +28,11 @@ PLOTS = (
 )
 
 
-def flat(value: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings to dotted keys (``{"a": {"b": 1}}`` -> ``{"a.b": 1}``); lists are left out."""
-    out: dict[str, Any] = {}
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            out.update(flat(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif not isinstance(value, list):
-        out[prefix] = value
-    return out
-
-
 def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
     """The side-by-side table: one (label, [cell per variant]) row per key figure.
 
     Each variant is a mapping with ``dtype``, ``decision`` (decision.json), ``metrics`` (compare's
-    stats.json, flattened by ``flat``), ``diagnosis`` (diagnosis.json) and ``benchmark`` (benchmark.json).
+    stats.json, flattened by ``files.flatten``), ``diagnosis`` (diagnosis.json) and ``benchmark`` (benchmark.json).
     """
 
     def metric(key: str) -> Callable[[Mapping], str]:

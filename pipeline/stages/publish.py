@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pipeline import provenance, tracking
 from pipeline.artifacts import reference, variant
 from pipeline.config import load_params
+from pipeline.files import flatten
 from pipeline.present import runs, verdict
 
 
@@ -28,7 +29,7 @@ def main(params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
     dtypes = params.trial.dtypes
     manifest = reference.read_manifest()
-    flat = tracking.flatten(asdict(params))
+    flat = flatten(asdict(params))
     commit = provenance.git_commit()
     key = provenance.publish_key(manifest.run_key, manifest.rule_sha256, commit, flat, dtypes)
     variants = {d: variant.load(d) for d in dtypes}
