@@ -45,7 +45,12 @@ class Cases:
         return idx, self.y[idx]
 
     def select(self, idx) -> "Cases":
-        return Cases(ids=[self.ids[i] for i in torch.as_tensor(idx).tolist()], x=self.x[idx], y=self.y[idx], has_target=self.has_target[idx])
+        return Cases(
+            ids=[self.ids[i] for i in torch.as_tensor(idx).tolist()],
+            x=self.x[idx],
+            y=self.y[idx],
+            has_target=self.has_target[idx],
+        )
 
     def __add__(self, other: "Cases") -> "Cases":
         if not other.ids:
@@ -69,7 +74,9 @@ def load(path: str | Path, expected_sha256: str | None = None, produced_by: str 
     ids = meta.get("ids")
     if not ids:
         raise UserError(f"{path} holds an empty fixed set; give the data function at least one eval sample")
-    return Cases(ids=ids, x=task.unflatten(tensors, "x"), y=tensors["y"], has_target=tensors["has_target"], meta=meta.get("cases", {}))
+    return Cases(
+        ids=ids, x=task.unflatten(tensors, "x"), y=tensors["y"], has_target=tensors["has_target"], meta=meta.get("cases", {})
+    )
 
 
 def build(data: TaskData, cfg: PrepareConfig) -> Cases:

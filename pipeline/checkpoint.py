@@ -180,7 +180,10 @@ def scaler_problem(state: Any) -> str | None:
     if not state["growth_factor"] > 1 or not 0 < state["backoff_factor"] < 1:
         return f"grad_scaler growth_factor {state['growth_factor']!r} / backoff_factor {state['backoff_factor']!r} out of range"
     if state["growth_interval"] < 1 or state["_growth_tracker"] < 0:
-        return f"grad_scaler growth_interval {state['growth_interval']!r} / _growth_tracker {state['_growth_tracker']!r} out of range"
+        return (
+            f"grad_scaler growth_interval {state['growth_interval']!r} / _growth_tracker {state['_growth_tracker']!r} "
+            "out of range"
+        )
     return None
 
 
@@ -193,7 +196,9 @@ def _counters_problem(meta: dict[str, Any]) -> str | None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         return f"step is {step!r}"
     records, updates = meta.get("records"), meta.get("real_updates")
-    if records is not None and (not isinstance(records, list) or len(records) != step or not all(isinstance(r, dict) for r in records)):
+    if records is not None and (
+        not isinstance(records, list) or len(records) != step or not all(isinstance(r, dict) for r in records)
+    ):
         return f"records do not match step {step}"
     if updates is not None and (isinstance(updates, bool) or not isinstance(updates, int) or not 0 <= updates <= step):
         return f"real_updates is {updates!r} after {step} steps"
@@ -289,7 +294,9 @@ class ResumeFile:
         if meta.pop("format_version", None) != FORMAT_VERSION:
             return self._restart(f"has another checkpoint format than {FORMAT_VERSION!r}")
         if meta.get("run_key") != self.key:
-            return self._restart(f"was saved by another run ({self._what_differs(meta.get('resume_context'))} differ)", damaged=False)
+            return self._restart(
+                f"was saved by another run ({self._what_differs(meta.get('resume_context'))} differ)", damaged=False
+            )
         saved = meta.get("run_env")
         if saved != self.env:
             was = ", ".join(f"{k} {v}" for k, v in (saved or {}).items()) or "an unrecorded environment"
@@ -302,7 +309,9 @@ class ResumeFile:
         if expected is None:
             return self._restart(f"has no valid sha256 record ({self.sidecar.name} missing or unreadable)")
         if actual != expected:
-            return self._restart(f"does not match its sha256 in {self.sidecar.name} (damaged or edited: {actual[:12]}… != {expected[:12]}…)")
+            return self._restart(
+                f"does not match its sha256 in {self.sidecar.name} (damaged or edited: {actual[:12]}… != {expected[:12]}…)"
+            )
         problem = scaler_problem(meta.get("grad_scaler", {})) or _counters_problem(meta)
         if problem:
             return self._restart(f"is inconsistent ({problem})")
@@ -330,8 +339,10 @@ class ResumeFile:
     def _what_differs(self, saved: Any) -> str:
         if not isinstance(saved, dict):
             return "its key"
-        names = {"run": "inputs, params or initial weights", "code": "code", "threads": "threads", "interop_threads": "interop threads",
-                 "world_size": "world size"}
+        names = {
+            "run": "inputs, params or initial weights", "code": "code", "threads": "threads",
+            "interop_threads": "interop threads", "world_size": "world size",
+        }
         diff = [
             f"{names.get(k, k)} {saved.get(k)} -> {v}" if k in ("threads", "interop_threads", "world_size") else names.get(k, k)
             for k, v in self.context.items() if saved.get(k) != v

@@ -67,20 +67,30 @@ class TaskConfig:
         if wanted is not None and wanted != self.kind:
             expected = "cross_entropy" if self.kind == "classification" else "mse"
             raise UserError(
-                f"params.yaml: {key}.loss is {self.loss!r} but task.kind is {self.kind!r}; use loss: {expected}, model or 'module:function'"
+                f"params.yaml: {key}.loss is {self.loss!r} but task.kind is {self.kind!r}; "
+                f"use loss: {expected}, model or 'module:function'"
             )
         if self.metric != "auto" and self.metric not in METRICS and not _ENTRY_POINT.match(self.metric):
-            raise UserError(f"params.yaml: {key}.metric is {self.metric!r}; use auto, one of {', '.join(METRICS)} or 'module:function'")
+            raise UserError(
+                f"params.yaml: {key}.metric is {self.metric!r}; use auto, one of {', '.join(METRICS)} or 'module:function'"
+            )
         name = self.metric_name
         if name in METRICS and METRICS[name][0] != self.kind:
-            raise UserError(f"params.yaml: {key}.metric {name} is for {METRICS[name][0]} but task.kind is {self.kind!r}; use metric: auto")
+            raise UserError(
+                f"params.yaml: {key}.metric {name} is for {METRICS[name][0]} but task.kind is {self.kind!r}; use metric: auto"
+            )
         if name not in METRICS and self.metric_direction == "auto":
-            raise UserError(f"params.yaml: {key}.metric {name} is your own: say whether larger is better with metric_direction: higher or lower")
+            raise UserError(
+                f"params.yaml: {key}.metric {name} is your own: "
+                "say whether larger is better with metric_direction: higher or lower"
+            )
         if name in METRICS and self.metric_direction == "lower":
             raise UserError(f"params.yaml: {key}.metric_direction is lower but {name} is larger-is-better; use auto")
         _positive(self.top_k, f"{key}.top_k")
         if not self.label_key.strip():
-            raise UserError(f"params.yaml: {key}.label_key is empty; give the keyword your model takes its targets under, e.g. labels")
+            raise UserError(
+                f"params.yaml: {key}.label_key is empty; give the keyword your model takes its targets under, e.g. labels"
+            )
 
     @property
     def metric_name(self) -> str:
@@ -193,7 +203,9 @@ class ReferenceConfig:
         _positive(self.batch_size, f"{key}.batch_size")
         _positive(self.grad_accumulation, f"{key}.grad_accumulation")
         if self.optimizer not in OPTIMIZERS and not _ENTRY_POINT.match(self.optimizer):
-            raise UserError(f"params.yaml: {key}.optimizer is {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)} or 'module:function'")
+            raise UserError(
+                f"params.yaml: {key}.optimizer is {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)} or 'module:function'"
+            )
         _positive(self.lr, f"{key}.lr")
         _non_negative(self.momentum, f"{key}.momentum")
         _non_negative(self.weight_decay, f"{key}.weight_decay")
@@ -224,7 +236,9 @@ class TrialConfig:
             raise UserError(f"params.yaml: {key}.dtypes lists a dtype twice; list each once")
         twice = sorted({m for m in self.fp32_modules if self.fp32_modules.count(m) > 1})
         if twice:
-            raise UserError(f"params.yaml: {key}.fp32_modules lists {', '.join(map(repr, twice))} more than once; list each module once")
+            raise UserError(
+                f"params.yaml: {key}.fp32_modules lists {', '.join(map(repr, twice))} more than once; list each module once"
+            )
 
 
 @dataclass(frozen=True)
@@ -321,7 +335,9 @@ class AcceptanceConfig:
         if self.max_flip_rate is not None:
             _fraction(self.max_flip_rate, f"{key}.max_flip_rate")
         if not 0.5 <= self.confidence < 1.0:
-            raise UserError(f"params.yaml: {key}.confidence is {self.confidence}; give a confidence in [0.5, 1), for example 0.95")
+            raise UserError(
+                f"params.yaml: {key}.confidence is {self.confidence}; give a confidence in [0.5, 1), for example 0.95"
+            )
         _non_negative(self.loss_rtol, f"{key}.loss_rtol")
         _non_negative(self.loss_atol, f"{key}.loss_atol")
         _fraction(self.max_skipped_fraction, f"{key}.max_skipped_fraction")

@@ -59,7 +59,9 @@ def peak_memory(step: Callable[[], None], warmup: int, repeats: int, steps: int,
             run_steps()
             torch.cuda.synchronize(device)
             peaks.append(float(torch.cuda.max_memory_allocated(device)))
-        return MemoryProbe(tuple(peaks), tuple(baselines), tuple(skipped), "torch.cuda.max_memory_allocated after reset_peak_memory_stats")
+        return MemoryProbe(
+            tuple(peaks), tuple(baselines), tuple(skipped), "torch.cuda.max_memory_allocated after reset_peak_memory_stats"
+        )
     if not _reset_peak_rss():
         # No resettable peak (not Linux, or /proc read-only): the process's lifetime peak, one sample.
         run_steps()
@@ -71,7 +73,9 @@ def peak_memory(step: Callable[[], None], warmup: int, repeats: int, steps: int,
         _reset_peak_rss()
         run_steps()
         peaks.append(float(_proc_status_bytes("VmHWM")))
-    return MemoryProbe(tuple(peaks), tuple(baselines), tuple(skipped), "peak resident set (VmHWM) reset via /proc/self/clear_refs")
+    return MemoryProbe(
+        tuple(peaks), tuple(baselines), tuple(skipped), "peak resident set (VmHWM) reset via /proc/self/clear_refs"
+    )
 
 
 def variant_memory(params: Params, dtype: str, variant: Variant, device: torch.device) -> MemoryProbe:
@@ -83,7 +87,9 @@ def variant_memory(params: Params, dtype: str, variant: Variant, device: torch.d
         return peak_memory(step, size.warmup, size.repeats, size.steps, device)
 
 
-def memory_by_variant(params_path: str, params: Params, dtype: str, chosen: list[Variant], device: torch.device) -> dict[str, MemoryProbe]:
+def memory_by_variant(
+    params_path: str, params: Params, dtype: str, chosen: list[Variant], device: torch.device
+) -> dict[str, MemoryProbe]:
     """Each variant's figures (TF32 stores what FP32 stores: not measured), before any timing.
 
     GPU: a fresh process per variant, from rank 0 alone (other ranks get none). CPU: here, one variant
