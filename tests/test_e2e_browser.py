@@ -74,8 +74,11 @@ def build_report(repo: Path) -> str:
 
 def test_report_renders_in_chromium_with_the_verdict_first_and_every_figure(reproduced, tmp_path):
     page = build_report(reproduced)
-    dtypes = json.loads(subprocess.run([os.sys.executable, "-c", "import json; from pipeline.config import load_params; print(json.dumps(load_params().trial.dtypes))"],
-                                       cwd=reproduced, env={**os.environ, "PYTHONPATH": str(reproduced)}, capture_output=True, text=True, check=True).stdout)
+    dtypes = json.loads(subprocess.run(
+        [os.sys.executable, "-c",
+         "import json; from pipeline.config import load_params; print(json.dumps(load_params().trial.dtypes))"],
+        cwd=reproduced, env={**os.environ, "PYTHONPATH": str(reproduced)}, capture_output=True, text=True, check=True,
+    ).stdout)
     probed = tmp_path / "report-probed.html"
     probed.write_text(page.replace("</body>", PROBE + "</body>"))
     dom = browse(probed, tmp_path / "profile", "--dump-dom").stdout

@@ -61,7 +61,9 @@ def test_a_fresh_clone_publishes_what_it_reproduces_and_a_rerun_adds_nothing(rep
     assert not (clone / "mlflow.db").exists()
     first = dvc(clone, "repro")
     assert "Running stage 'publish'" in first.stdout, first.stdout
-    assert not [line for line in first.stdout.splitlines() if line.startswith("Running stage") and "publish" not in line], first.stdout
+    assert not [
+        line for line in first.stdout.splitlines() if line.startswith("Running stage") and "publish" not in line
+    ], first.stdout
     runs = parents(clone / "mlflow.db")
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     start = time.monotonic()

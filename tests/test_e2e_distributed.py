@@ -24,7 +24,9 @@ pytestmark = pytest.mark.integration
 # TINY (12 steps, a resume state every 4: kills at 6 resume from 4; float16 accepted, bfloat16 rolled back)
 # on 2 ranks, without the diagnosis's re-runs.
 TWO = {"distributed": {"nproc_per_node": 2}, "diagnose": {"search_budget": 0}}
-REFERENCE = ("init.safetensors", "checkpoint.safetensors", "cases.safetensors", "outputs.safetensors", "trajectory.json", "manifest.json")
+REFERENCE = (
+    "init.safetensors", "checkpoint.safetensors", "cases.safetensors", "outputs.safetensors", "trajectory.json", "manifest.json",
+)
 TRIAL = ("outputs.safetensors", "trained_outputs.safetensors", "checkpoint.safetensors", "trajectory.json", "manifest.json")
 
 
@@ -54,7 +56,9 @@ def test_dvc_repro_with_two_ranks_reaches_a_decision_in_both_dtypes(two_ranks):
 def test_the_benchmark_times_two_ranks_and_rank_0_writes_it(two_ranks, tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(two_ranks, repo, symlinks=True)
-    accepted = [d for d in ("float16", "bfloat16") if json.loads((repo / f"data/metrics/{d}.json").read_text())["decision"] == "accept"]
+    accepted = [
+        d for d in ("float16", "bfloat16") if json.loads((repo / f"data/metrics/{d}.json").read_text())["decision"] == "accept"
+    ]
     assert accepted, "TINY's tolerance accepts float16 (README: the same rule on 2 ranks)"
     run([sys.executable, "-m", "pipeline", "benchmark", "--dtype", accepted[0]], repo)
     record = json.loads((repo / f"data/benchmark/{accepted[0]}/benchmark.json").read_text())

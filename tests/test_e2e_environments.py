@@ -84,7 +84,8 @@ def test_plain_path_store_is_refused_with_the_sqlite_fix(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "text, field, value",
     [
-        ("prepare: {edge_scales: [1.0e30, 1e-4, 1E5, .5e1, -2.5e-3, 1.0e+30]}", ("prepare", "edge_scales"), [1e30, 1e-4, 1e5, 5.0, -2.5e-3, 1e30]),
+        ("prepare: {edge_scales: [1.0e30, 1e-4, 1E5, .5e1, -2.5e-3, 1.0e+30]}", ("prepare", "edge_scales"),
+         [1e30, 1e-4, 1e5, 5.0, -2.5e-3, 1e30]),
         ("reference: {lr: 1e-4, boundary_epsilon: 5e-3}", ("reference", "lr"), 1e-4),
         ("reference: {train_steps: 1e2}", ("reference", "train_steps"), 100),
         ("acceptance: {loss_atol: 5e-2}", ("acceptance", "loss_atol"), 0.05),
@@ -108,8 +109,12 @@ def test_yaml_numbers_agree_with_dvc_and_words_stay_refused(tmp_path):
     (tmp_path / "params.yaml").write_text(text)
     ours = load_params(tmp_path / "params.yaml").reference
     dvcs = YAML(typ="safe", pure=True).load(text)["reference"]
-    assert (ours.lr, ours.momentum, ours.train_steps, ours.grad_clip) == (dvcs["lr"], dvcs["momentum"], dvcs["train_steps"], dvcs["grad_clip"])
-    for bad, words in (("reference: {lr: 1e}", "number"), ("reference: {train_steps: 1.5e0}", "integer"), ("reference: {lr: .inf}", "finite")):
+    assert (ours.lr, ours.momentum, ours.train_steps, ours.grad_clip) == (
+        dvcs["lr"], dvcs["momentum"], dvcs["train_steps"], dvcs["grad_clip"]
+    )
+    for bad, words in (
+        ("reference: {lr: 1e}", "number"), ("reference: {train_steps: 1.5e0}", "integer"), ("reference: {lr: .inf}", "finite"),
+    ):
         (tmp_path / "params.yaml").write_text(bad + "\n")
         with pytest.raises(UserError, match=words):
             load_params(tmp_path / "params.yaml")

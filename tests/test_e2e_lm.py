@@ -29,12 +29,15 @@ GPT2 = {
         "model": "pipeline.examples.huggingface:build_model",
         "data": "pipeline.examples.lm:load_data",
         "options": {"architecture": "GPT2LMHeadModel", "n_train": 128, "n_eval": 8, "seq_len": 16, "vocab": 32,
-                    "config": {"model_type": "gpt2", "vocab_size": 32, "n_positions": 16, "n_embd": 32, "n_layer": 1, "n_head": 2}},
+                    "config": {"model_type": "gpt2", "vocab_size": 32, "n_positions": 16, "n_embd": 32, "n_layer": 1,
+                               "n_head": 2}},
     },
     "prepare": {"ordinary_cases": 8, "edge_samples": 1},
     "reference": {"train_steps": 4, "batch_size": 32, "optimizer": "adam", "lr": 0.003, "boundary_cases": 2},
     "trial": {"dtypes": ["bfloat16"]},
-    "acceptance": {"outputs": {"*": {"atol": 0.1, "rtol": 0.05}}, "min_quality": None, "max_kl_mean": 0.05, "min_top1_agreement": 0.8},
+    "acceptance": {
+        "outputs": {"*": {"atol": 0.1, "rtol": 0.05}}, "min_quality": None, "max_kl_mean": 0.05, "min_top1_agreement": 0.8,
+    },
 }
 
 

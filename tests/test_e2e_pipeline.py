@@ -46,7 +46,9 @@ def test_every_stage_produced_its_outputs(reproduced):
         bench = json.loads((data / "benchmark" / dtype / "benchmark.json").read_text())
         assert bench["benchmarked"] == (decision["decision"] == "accept")
     manifest = json.loads((data / "reference" / "manifest.json").read_text())
-    ref = checkpoint.load(data / "reference" / "checkpoint.safetensors", manifest["files"]["data/reference/checkpoint.safetensors"])
+    ref = checkpoint.load(
+        data / "reference" / "checkpoint.safetensors", manifest["files"]["data/reference/checkpoint.safetensors"]
+    )
     assert any(k.startswith("optim/") for k in ref.tensors) and "rng/cpu" in ref.tensors
     kinds = manifest["cases"]
     assert kinds["ordinary"] == 64 and kinds["edge"] > 0 and kinds["boundary"] > 0
@@ -142,7 +144,10 @@ def test_bring_your_own_model_with_named_outputs(tmp_path):
 
 def test_regression_example_runs_end_to_end(tmp_path):
     override = {
-        "task": {"kind": "regression", "loss": "mse", "model": "pipeline.examples.diabetes:build_model", "data": "pipeline.examples.diabetes:load_data"},
+        "task": {
+            "kind": "regression", "loss": "mse",
+            "model": "pipeline.examples.diabetes:build_model", "data": "pipeline.examples.diabetes:load_data",
+        },
         "acceptance": {"threshold": 1.0, "min_quality": -1.5},
         "trial": {"dtypes": ["bfloat16"]},
         "reference": {"lr": 0.01},
@@ -185,7 +190,9 @@ def test_decide_depends_on_its_deps_alone_not_on_a_tracking_server(reproduced, t
     """decide with MLFLOW_TRACKING_URI at a dead port writes byte-identical outputs, importing neither mlflow nor torch."""
     copy = tmp_path / "copy"
     shutil.copytree(reproduced, copy, symlinks=True)
-    written = [f"data/decision/{d}" for d in ("float16", "bfloat16")] + [f"data/metrics/{d}.json" for d in ("float16", "bfloat16")]
+    written = [f"data/decision/{d}" for d in ("float16", "bfloat16")] + [
+        f"data/metrics/{d}.json" for d in ("float16", "bfloat16")
+    ]
     before = digest_tree(copy)
     env = env_for(copy)
     env["MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{dead_port()}"
@@ -202,8 +209,8 @@ def test_decide_depends_on_its_deps_alone_not_on_a_tracking_server(reproduced, t
     assert after == before
     assert {f"data/metrics/{d}.json" for d in ("float16", "bfloat16")} <= after.keys()
     short = json.loads((copy / "data/metrics/float16.json").read_text())
-    assert set(short) == {"decision", "inference", "training", "reasons", "flips", "near_flips", "max_gap", "quality_trial", "quality_trained",
-                          "loss_gap"}
+    assert set(short) == {"decision", "inference", "training", "reasons", "flips", "near_flips", "max_gap", "quality_trial",
+                          "quality_trained", "loss_gap"}
 
 
 def dead_port() -> int:

@@ -69,7 +69,9 @@ def blocks(text: str = README) -> list[list[str]]:
 def block(first: str) -> list[str]:
     """The commands of the one README block whose first line starts with ``first`` (comments and blank lines left out)."""
     matches = [b for b in blocks() if b[0].startswith(first)]
-    assert len(matches) == 1, f"README.md: expected one shell block starting with {first!r}, found {len(matches)}; this test runs it"
+    assert len(matches) == 1, (
+        f"README.md: expected one shell block starting with {first!r}, found {len(matches)}; this test runs it"
+    )
     return [line for line in matches[0] if line.strip() and not line.lstrip().startswith("#")]
 
 
@@ -81,7 +83,8 @@ def inline(pattern: str) -> str:
 
 
 def readme_env(repo: Path) -> dict[str, str]:
-    """The test environment (venv first on PATH), with no MLFLOW_TRACKING_URI: publish's default store, the repository's mlflow.db."""
+    """The test environment (venv first on PATH), with no MLFLOW_TRACKING_URI: publish's default store, the repository's
+    mlflow.db."""
     env = env_for(repo)
     env.pop("MLFLOW_TRACKING_URI", None)
     return env
@@ -243,7 +246,9 @@ def _dvc_views(repo):
 def test_restore_after_a_rollback_runs_as_written(reproduced, tmp_path):
     command = inline(r"python -m pipeline restore --dtype DTYPE")
     repo = copy(reproduced, tmp_path / "repo")
-    decisions = {d: json.loads((repo / f"data/decision/{d}/decision.json").read_text())["decision"] for d in ("float16", "bfloat16")}
+    decisions = {
+        d: json.loads((repo / f"data/decision/{d}/decision.json").read_text())["decision"] for d in ("float16", "bfloat16")
+    }
     rolled = [d for d, v in decisions.items() if v == "rollback"]
     assert rolled, f"TINY's rule rolls bfloat16 back: {decisions} ({TINY['acceptance']})"
     done = sh(repo, command.replace("DTYPE", rolled[0]))
@@ -254,13 +259,19 @@ def test_restore_after_a_rollback_runs_as_written(reproduced, tmp_path):
 def test_timings_command_is_the_makefile_target_and_parses():
     command = inline(r"python scripts/timings\.py[^`]*")
     assert command == "python scripts/timings.py --venv .venv"
-    target = subprocess.run(["make", "-n", "-o", ".venv/.installed", "timings"], cwd=ROOT, capture_output=True, text=True, check=True)
+    target = subprocess.run(
+        ["make", "-n", "-o", ".venv/.installed", "timings"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     assert "scripts/timings.py" in target.stdout
-    helped = subprocess.run([sys.executable, *command.split()[1:2], "--help"], cwd=ROOT, capture_output=True, text=True, check=False)
+    helped = subprocess.run(
+        [sys.executable, *command.split()[1:2], "--help"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
     assert helped.returncode == 0 and "--venv" in helped.stdout
 
 
-@pytest.mark.skipif(not os.environ.get("AMP_README_TIMINGS"), reason="three full runs of the default pipeline (minutes): AMP_README_TIMINGS=1")
+@pytest.mark.skipif(
+    not os.environ.get("AMP_README_TIMINGS"), reason="three full runs of the default pipeline (minutes): AMP_README_TIMINGS=1"
+)
 def test_timings_command_runs_as_written():
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
     env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
