@@ -73,7 +73,9 @@ def infer(
     return {name: torch.cat(parts) for name, parts in chunks.items()}
 
 
-def fp64_chunks(model: torch.nn.Module, x: Inputs, eval_mode: bool, batch_size: int = 256) -> Iterator[dict[str, torch.Tensor]] | None:
+def fp64_chunks(
+    model: torch.nn.Module, x: Inputs, eval_mode: bool, batch_size: int = 256
+) -> Iterator[dict[str, torch.Tensor]] | None:
     """The FP64 arbiter's outputs on CPU, chunk by chunk (floating inputs in float64, ids as they are);
     None when the model does not run in float64."""
     try:
@@ -89,6 +91,7 @@ def fp64_chunks(model: torch.nn.Module, x: Inputs, eval_mode: bool, batch_size: 
     def chunks() -> Iterator[dict[str, torch.Tensor]]:
         with torch.no_grad(), inference_rng(eval_mode, torch.device("cpu")):
             for _, _, part in iter_rows(x, batch_size):
-                yield {k: v.double().contiguous() for k, v in named_outputs(call(arbiter, map_floating(part, torch.Tensor.double))).items()}
+                named = named_outputs(call(arbiter, map_floating(part, torch.Tensor.double)))
+                yield {k: v.double().contiguous() for k, v in named.items()}
 
     return chunks()

@@ -53,7 +53,8 @@ def benchmark(dtype: str) -> Path:
 
 
 def benchmark_metrics(dtype: str) -> Path:
-    """The benchmark's two DVC metrics (speedup: the median FP32/AMP time ratio, mem_ratio: peak process memory AMP/FP32); details in benchmark(dtype)/benchmark.json."""
+    """The benchmark's two DVC metrics (speedup: the median FP32/AMP time ratio, mem_ratio: peak process memory
+    AMP/FP32); details in benchmark(dtype)/benchmark.json."""
     return METRICS / f"bench-{dtype}.json"
 
 

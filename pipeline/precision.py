@@ -192,7 +192,8 @@ class deterministic:
 def _use_deterministic(mode: bool, warn_only: bool) -> None:
     """``torch.use_deterministic_algorithms``, only when it changes something: since torch 2.6 each call imports
     Inductor's config (a second of start-up, in every stage that trains)."""
-    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (mode, mode and warn_only):
+    current = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    if current != (mode, mode and warn_only):
         torch.use_deterministic_algorithms(mode, warn_only=warn_only)
 
 

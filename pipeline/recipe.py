@@ -73,7 +73,9 @@ class Loss:
         if self.of_output is not None:
             return self.of_output(primary(named_outputs(call(model, x), self.entry)), y)
         if not torch.is_tensor(x) and self.label_key in x:
-            raise UserError(f"task.label_key {self.label_key!r} is also an input name; give the targets as train_y only, or rename one")
+            raise UserError(
+                f"task.label_key {self.label_key!r} is also an input name; give the targets as train_y only, or rename one"
+            )
         result = call(model, x, **{self.label_key: y})
         loss = getattr(result, "loss", None)
         if loss is None and isinstance(result, dict):

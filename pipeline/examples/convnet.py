@@ -92,7 +92,9 @@ class BasicBlock(torch.nn.Module):
 class SmallResNet(torch.nn.Module):
     def __init__(self, channels: int = 1, width: int = 16, classes: int = 10) -> None:
         super().__init__()
-        self.stem = torch.nn.Sequential(torch.nn.Conv2d(channels, width, 3, 1, 1, bias=False), torch.nn.BatchNorm2d(width), torch.nn.ReLU())
+        self.stem = torch.nn.Sequential(
+            torch.nn.Conv2d(channels, width, 3, 1, 1, bias=False), torch.nn.BatchNorm2d(width), torch.nn.ReLU()
+        )
         self.layer1 = BasicBlock(width, width, 1)
         self.layer2 = BasicBlock(width, 2 * width, 2)
         self.fc = torch.nn.Linear(2 * width, classes)

@@ -59,11 +59,15 @@ def build_model(
     hf = _transformers()
     cls = getattr(hf, architecture, None)
     if cls is None or not hasattr(cls, "from_pretrained"):
-        raise UserError(f"task.options.architecture {architecture!r} is not a transformers model class; e.g. BertForSequenceClassification")
+        raise UserError(
+            f"task.options.architecture {architecture!r} is not a transformers model class; e.g. BertForSequenceClassification"
+        )
     if pretrained:
         return _from_pretrained(cls, pretrained)
     if not config or "model_type" not in config:
-        raise UserError("task.options.config needs model_type (e.g. bert) and the sizes, or give task.options.pretrained: a local directory")
+        raise UserError(
+            "task.options.config needs model_type (e.g. bert) and the sizes, or give task.options.pretrained: a local directory"
+        )
     options = dict(config)
     model_type = options.pop("model_type")
     try:
@@ -74,7 +78,9 @@ def build_model(
 
 
 SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
-PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "tf_model.h5", "flax_model.msgpack")
+PICKLED_WEIGHTS = (
+    "pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "tf_model.h5", "flax_model.msgpack"
+)
 
 
 def _from_pretrained(cls, pretrained: str) -> torch.nn.Module:
@@ -99,7 +105,9 @@ def _from_pretrained(cls, pretrained: str) -> torch.nn.Module:
         return cls.from_pretrained(folder, local_files_only=True, use_safetensors=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise UserError(f"task.options.pretrained {pretrained}: transformers cannot load it ({first}); re-save it with save_pretrained") from None
+        raise UserError(
+            f"task.options.pretrained {pretrained}: transformers cannot load it ({first}); re-save it with save_pretrained"
+        ) from None
 
 
 def load_token_data(
@@ -117,7 +125,9 @@ def load_token_data(
     a marker: the label is unchanged) and then 0 to ``max_padding`` padding tokens (id ``vocab``, mask 0:
     the model's vocab_size must be at least ``vocab + 1``), so real lengths vary. Targets are the labels.
     One named edge case: a sequence of padding behind a single marker token."""
-    raw = transformer.load_data(n_train=n_train, n_eval=n_eval, seq_len=seq_len, vocab=vocab, classes=classes, data_seed=data_seed)
+    raw = transformer.load_data(
+        n_train=n_train, n_eval=n_eval, seq_len=seq_len, vocab=vocab, classes=classes, data_seed=data_seed
+    )
     tokens = torch.cat([raw["train_x"], raw["eval_x"]])
     n, width = tokens.shape[0], seq_len + max_padding
     gen = torch.Generator().manual_seed(data_seed + 1)

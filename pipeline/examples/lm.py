@@ -61,7 +61,9 @@ def load_data(
         raise UserError(f"task.options: need vocab >= 3, 1 <= branching < vocab and order 1 or 2; got vocab={vocab}, "
                         f"branching={branching}, order={order}")
     if seq_len < 2 or not 0 <= max_padding < seq_len:
-        raise UserError(f"task.options: need seq_len >= 2 and 0 <= max_padding < seq_len; got seq_len={seq_len}, max_padding={max_padding}")
+        raise UserError(
+            f"task.options: need seq_len >= 2 and 0 <= max_padding < seq_len; got seq_len={seq_len}, max_padding={max_padding}"
+        )
     gen = torch.Generator().manual_seed(data_seed)
     probs = _chain(vocab, branching, order, gen)
     n = n_train + n_eval
