@@ -52,7 +52,10 @@ BERT = {
 }
 
 CONV_DATASET = {
-    "task": {"model": "pipeline.examples.convnet:build_model", "data": "pipeline.examples.convnet:load_dataset", "options": {"width": 4}},
+    "task": {
+        "model": "pipeline.examples.convnet:build_model", "data": "pipeline.examples.convnet:load_dataset",
+        "options": {"width": 4},
+    },
     "prepare": {"ordinary_cases": 32, "edge_samples": 1},
     "reference": {
         "batch_size": 16, "grad_accumulation": 2, "optimizer": "adam", "lr": 0.003, "train_steps": 8, "checkpoint_every": 4,
@@ -63,7 +66,9 @@ CONV_DATASET = {
 
 
 def decisions(repo: Path) -> dict[str, str]:
-    return {d: json.loads((repo / "data/decision" / d / "decision.json").read_text())["decision"] for d in ("float16", "bfloat16")}
+    return {
+        d: json.loads((repo / "data/decision" / d / "decision.json").read_text())["decision"] for d in ("float16", "bfloat16")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +84,8 @@ def test_hugging_face_bert_on_token_ids_with_adamw_cosine_warmup_and_accumulatio
     assert set(decisions(repo).values()) <= {"accept", "rollback"}
     cases = run([sys.executable, "-c", "from pipeline import cases; c = cases.load('data/reference/cases.safetensors'); "
                  "print(sorted(c.x), c.x['input_ids'].dtype, sorted(set(c.kinds)))"], repo).stdout
-    assert "['attention_mask', 'input_ids'] torch.int64 ['edge', 'ordinary', 'selected']" in cases  # token ids: boundary cases are selected real samples
+    # token ids: boundary cases are selected real samples
+    assert "['attention_mask', 'input_ids'] torch.int64 ['edge', 'ordinary', 'selected']" in cases
     steps = json.loads((repo / "data/reference/trajectory.json").read_text())["steps"]
     assert len(steps) == 8 and steps[0]["lr"] == pytest.approx(0.005)  # warmup: 1 of 2 real updates done
     assert steps[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # cosine ends at 0
@@ -90,7 +96,8 @@ def test_hugging_face_bert_on_token_ids_with_adamw_cosine_warmup_and_accumulatio
 def test_conv_net_with_batchnorm_on_images_trained_from_a_dataset_that_is_not_a_tensor(dataset_project):
     assert set(decisions(dataset_project).values()) <= {"accept", "rollback"}
     prepared = run([sys.executable, "-c", "from pipeline.files import read_tensors; "
-                    "t, m = read_tensors('data/prepared/train.safetensors'); print(sorted(t), m['dataset']['length'])"], dataset_project).stdout
+                    "t, m = read_tensors('data/prepared/train.safetensors'); print(sorted(t), m['dataset']['length'])"],
+                   dataset_project).stdout
     assert prepared.split() == ["['length']", str(5 * 1348)]  # 5 shifted views of 1348 digits, never materialised
     manifest = json.loads((dataset_project / "data/reference/manifest.json").read_text())
     assert manifest["cases"]["edge"] == 5  # zeros, min, max, 2 scaled images

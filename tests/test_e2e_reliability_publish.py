@@ -50,7 +50,10 @@ def test_a_locked_sqlite_store_is_one_line(tmp_path, monkeypatch):
         holder.kill()
         holder.wait()
     line = str(err.value)
-    assert "\n" not in line and f"MLflow store {db} is locked by another process" in line and "rerun `python -m pipeline publish`" in line
+    assert (
+        "\n" not in line and f"MLflow store {db} is locked by another process" in line
+        and "rerun `python -m pipeline publish`" in line
+    )
 
 
 @pytest.mark.integration  # starts a process or a server
@@ -68,7 +71,9 @@ def test_a_short_lock_is_waited_out(tmp_path, monkeypatch):
 
 # --- item 6: names MLflow would refuse; a failed publish leaves FAILED runs, redone at once -----------------
 
-NASTY = ["we.ird/../key", "outputs./../x.atol", "a//b", "./a", "a/", "..", "/../etc/passwd", "cases.ordinary/../../x", "*", "ok.name"]
+NASTY = [
+    "we.ird/../key", "outputs./../x.atol", "a//b", "./a", "a/", "..", "/../etc/passwd", "cases.ordinary/../../x", "*", "ok.name",
+]
 
 
 def test_every_sanitised_name_is_one_mlflow_accepts():
@@ -91,7 +96,8 @@ def test_names_from_the_users_data_publish(tmp_path):
     db = _db(tmp_path)
     publisher = tracking.Publisher("amp-validation", f"sqlite:///{db}")
     names = {n: i for i, n in enumerate(NASTY)}
-    done = publisher.publish("k-names", _spec("parent", params=names, metrics=names, tags={f"decision_tag.{n}": "x" for n in NASTY}),
+    done = publisher.publish("k-names",
+                             _spec("parent", params=names, metrics=names, tags={f"decision_tag.{n}": "x" for n in NASTY}),
                              [_spec("child", metrics={"values./../out.max_abs": 0.5})])
     assert done.created == 2
     run = publisher.client.get_run(done.run_id)
@@ -122,7 +128,10 @@ def test_waiting_for_a_live_publisher_is_said_in_one_line(tmp_path, capsys):
     with pytest.raises(UserError, match="is still running"):
         publisher.publish("k-live", _spec("parent"), [])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("publish: another publish of these results is running") and "waiting up to 2 s" in err[0]
+    assert (
+        len(err) == 1 and err[0].startswith("publish: another publish of these results is running")
+        and "waiting up to 2 s" in err[0]
+    )
 
 
 # --- item 8: a server that answers /health but hangs on its API ---------------------------------------------

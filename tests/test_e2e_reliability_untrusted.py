@@ -17,7 +17,10 @@ from pipeline.errors import UserError
 
 transformers = pytest.importorskip("transformers")
 
-BERT = {"vocab_size": 65, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 32, "num_labels": 2}
+BERT = {
+    "vocab_size": 65, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32,
+    "max_position_embeddings": 32, "num_labels": 2,
+}
 
 
 class _Payload:
@@ -43,7 +46,8 @@ def _pickled_only(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _build(folder: Path):
-    cfg = TaskConfig(model="pipeline.examples.huggingface:build_model", options={"architecture": "BertForSequenceClassification", "pretrained": str(folder)})
+    cfg = TaskConfig(model="pipeline.examples.huggingface:build_model",
+                     options={"architecture": "BertForSequenceClassification", "pretrained": str(folder)})
     return task.build_model(cfg, seed=0)
 
 
@@ -147,7 +151,10 @@ def test_a_bad_dataset_item_is_named_in_one_line_with_its_training_step(how, wor
     with pytest.raises(UserError) as err:
         training.train(torch.nn.Linear(3, 3), source, cfg, TaskConfig(), Policy(), torch.device("cpu"), 0)
     line = str(err.value)
-    assert "\n" not in line and line.startswith(f"training step {step}: task.data mymod:load: ") and all(w in line for w in words), line
+    assert (
+        "\n" not in line and line.startswith(f"training step {step}: task.data mymod:load: ")
+        and all(w in line for w in words)
+    ), line
 
 
 def test_class_targets_that_are_not_whole_numbers_or_complex_are_refused():

@@ -44,7 +44,9 @@ def _state(tmp_path: Path, dtype: str = "float16") -> tuple[checkpoint.ResumeFil
     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
     cfg = ReferenceConfig(train_steps=3, batch_size=8, checkpoint_every=2)
     saved: list[checkpoint.Checkpoint] = []
-    training.train(model, TensorSource(x, y), cfg, TaskConfig(), Policy(dtype=dtype), torch.device("cpu"), 0, save_resume=saved.append)
+    training.train(
+        model, TensorSource(x, y), cfg, TaskConfig(), Policy(dtype=dtype), torch.device("cpu"), 0, save_resume=saved.append
+    )
     resume = checkpoint.ResumeFile(tmp_path / "trial.safetensors", "run-key", "cpu")
     resume.save(saved[0])
     return resume, saved[0]
@@ -144,7 +146,8 @@ def test_the_resume_key_covers_threads_and_code(tmp_path, monkeypatch, capsys):
     other = checkpoint.ResumeFile(resume.path, "run-key", "cpu")
     assert other.load() is None
     err = capsys.readouterr().err
-    assert err == f"warning: {resume.path} was saved by another run (threads 1 -> 7 differ); ignored, training restarts from step 0\n"
+    assert err == (f"warning: {resume.path} was saved by another run (threads 1 -> 7 differ); "
+                   "ignored, training restarts from step 0\n")
 
 
 def test_the_code_digest_covers_a_task_module_outside_the_package(tmp_path, monkeypatch):

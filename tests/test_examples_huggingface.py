@@ -22,7 +22,10 @@ RECIPE = ReferenceConfig(train_steps=2, batch_size=4, grad_accumulation=2, optim
 
 
 def build(architecture: str, config: dict) -> torch.nn.Module:
-    return task.build_model(TaskConfig(model="pipeline.examples.huggingface:build_model", options={"architecture": architecture, "config": config}), seed=0)
+    return task.build_model(
+        TaskConfig(model="pipeline.examples.huggingface:build_model", options={"architecture": architecture, "config": config}),
+        seed=0,
+    )
 
 
 def source(data: dict) -> task.TensorSource:
@@ -39,7 +42,9 @@ def source(data: dict) -> task.TensorSource:
     ],
 )
 def test_architectures_run_through_the_contract_and_one_amp_update(architecture, config, data, loss):
-    cfg = TaskConfig(model="pipeline.examples.huggingface:build_model", loss=loss, options={"architecture": architecture, "config": config})
+    cfg = TaskConfig(
+        model="pipeline.examples.huggingface:build_model", loss=loss, options={"architecture": architecture, "config": config}
+    )
     model = build(architecture, config)
     again = build(architecture, config)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))  # seeded init
@@ -54,7 +59,10 @@ def test_from_pretrained_reads_a_local_directory_offline(tmp_path):
     model = build("BertForSequenceClassification", {**BERT, "num_labels": 2})
     model.save_pretrained(tmp_path / "bert")
     loaded = task.build_model(
-        TaskConfig(model="pipeline.examples.huggingface:build_model", options={"architecture": "BertForSequenceClassification", "pretrained": str(tmp_path / "bert")}),
+        TaskConfig(
+            model="pipeline.examples.huggingface:build_model",
+            options={"architecture": "BertForSequenceClassification", "pretrained": str(tmp_path / "bert")},
+        ),
         seed=123,
     )
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))

@@ -39,7 +39,9 @@ def test_chunked_write_equals_whole_and_is_valid_safetensors(tmp_path):
     for k, v in data.items():
         assert torch.equal(loaded[k], v)
     # same bytes whatever the order of the keys in a chunk
-    sha_rev = outputs.write_outputs(tmp_path / "c.safetensors", ({k: c[k] for k in reversed(list(c))} for c in _chunks(data, 4)), ids)
+    sha_rev = outputs.write_outputs(
+        tmp_path / "c.safetensors", ({k: c[k] for k in reversed(list(c))} for c in _chunks(data, 4)), ids
+    )
     assert sha_rev == sha3
 
 
@@ -108,7 +110,9 @@ def test_mapped_view_equals_read_and_release_keeps_it_readable(tmp_path):
         reader.release(name, 5, 33)
         assert torch.equal(view, data[name][5:33])  # dropped pages are read back from the file
         buffer = torch.empty(40 * data[name][0].numel(), dtype=data[name].dtype)
-        assert torch.equal(reader.read(name, 0, 40, buffer), data[name]) and torch.equal(reader.read(name, 30, 40, buffer), data[name][30:])
+        assert torch.equal(reader.read(name, 0, 40, buffer), data[name]) and torch.equal(
+            reader.read(name, 30, 40, buffer), data[name][30:]
+        )
     assert reader.view("logits", 3, 3).shape == (0, 3, 5)
 
 
@@ -121,4 +125,8 @@ def test_streamed_outputs_get_the_mode_a_plain_open_gives(tmp_path, umask):
         (tmp_path / "plain").write_bytes(b"")
     finally:
         os.umask(old)
-    assert stat.S_IMODE((tmp_path / "o.safetensors").stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o666 & ~umask
+    assert (
+        stat.S_IMODE((tmp_path / "o.safetensors").stat().st_mode)
+        == stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+        == 0o666 & ~umask
+    )

@@ -7,7 +7,9 @@ from pipeline.present import page
 
 
 def _variant(dtype: str, metrics: dict) -> dict:
-    return {"dtype": dtype, "decision": {"decision": "accept", "reasons": []}, "metrics": metrics, "diagnosis": {}, "benchmark": {}}
+    return {
+        "dtype": dtype, "decision": {"decision": "accept", "reasons": []}, "metrics": metrics, "diagnosis": {}, "benchmark": {},
+    }
 
 
 def test_language_model_rows_show_kl_and_top1_and_the_noise_floor():
