@@ -278,6 +278,3 @@ def test_bad_input_gets_one_clear_line(reproduced, tmp_path, name, mutate, args,
         assert word in lines[0], (word, lines[0])
     assert tree_digest(repo) == before, "a failing stage changed existing outputs"
 
-
-def test_the_table_covers_at_least_25_cases():
-    assert len(CASES) >= 25
