@@ -277,4 +277,3 @@ def test_bad_input_gets_one_clear_line(reproduced, tmp_path, name, mutate, args,
     for word in words:
         assert word in lines[0], (word, lines[0])
     assert tree_digest(repo) == before, "a failing stage changed existing outputs"
-
