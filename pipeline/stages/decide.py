@@ -43,4 +43,5 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
         rollback.write_package(params, ref, stats, dtype, result.cases)
     decision.write(result)
     decision.write_metrics(result, stats)
-    print(verdict.text(verdict.verdict(dtype, result.as_dict(), stats.to_dict(), found.as_dict())))  # the verdict block, as everywhere
+    # the verdict block, as everywhere
+    print(verdict.text(verdict.verdict(dtype, result.as_dict(), stats.to_dict(), found.as_dict())))

@@ -36,7 +36,10 @@ def main(params_path: str = "params.yaml") -> None:
     run_key = _run_key(params, inputs, init)
     resume = checkpoint.ResumeFile(paths.RESUME / "reference.safetensors", world.key(run_key), device)
     with precision.deterministic(cfg.deterministic):  # training and inference alike
-        result = training.train(model, source, cfg, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save, label="freeze FP32")
+        result = training.train(
+            model, source, cfg, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save,
+            label="freeze FP32",
+        )
         replicate = _replicate(params, init, source, device, run_key) if cfg.noise_replicate else None
         if not world.writes:
             return  # rank 0 alone infers and writes
@@ -52,12 +55,15 @@ def main(params_path: str = "params.yaml") -> None:
         except reference_tensors.NonFinite as bad:
             resume.clear()  # nothing of a refused reference is kept
             raise UserError(
-                f"the FP32 reference is not finite on {len(bad.args[0])} case(s) ({', '.join(bad.args[0][:5])}); an incorrect FP32 run "
-                f"is no baseline: fix the model, data or prepare.edge_scales, then rerun"
+                f"the FP32 reference is not finite on {len(bad.args[0])} case(s) ({', '.join(bad.args[0][:5])}); "
+                f"an incorrect FP32 run is no baseline: fix the model, data or prepare.edge_scales, then rerun"
             ) from None
     resume.clear()
     noise = f"; FP32 replicate final loss {replicate[-1].loss:.4f}" if replicate else ""
-    print(f"freeze: reference trained {len(result.records)} steps, final loss {result.records[-1].loss:.4f}{noise}; {manifest.cases['total']} cases")
+    print(
+        f"freeze: reference trained {len(result.records)} steps, final loss {result.records[-1].loss:.4f}{noise}; "
+        f"{manifest.cases['total']} cases"
+    )
 
 
 def _with_boundary(params, prepared: cases.Cases, model, device) -> cases.Cases:
@@ -70,7 +76,9 @@ def _with_boundary(params, prepared: cases.Cases, model, device) -> cases.Cases:
     def score(x):
         return task.primary(inference.infer(model, x, FP32, device, cfg.eval_mode))
 
-    return prepared + cases.boundary_cases(score, ordinary, cfg.boundary_cases, cfg.boundary_epsilon, prepared.y, method=cfg.boundary_method)
+    return prepared + cases.boundary_cases(
+        score, ordinary, cfg.boundary_cases, cfg.boundary_epsilon, prepared.y, method=cfg.boundary_method
+    )
 
 
 def _replicate(params, init, source, device, run_key) -> list:
@@ -79,8 +87,10 @@ def _replicate(params, init, source, device, run_key) -> list:
     checkpoint.restore(init, model)
     order = training.neighbours_swapped(training.update_batches(len(source), params.reference, params.seed))
     resume = checkpoint.ResumeFile(paths.RESUME / "replicate.safetensors", distributed.current().key(run_key), device)
-    result = training.train(model, source, params.reference, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save,
-                            label="freeze FP32 replicate", batches=order)
+    result = training.train(
+        model, source, params.reference, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save,
+        label="freeze FP32 replicate", batches=order,
+    )
     if distributed.current().writes:
         resume.clear()
     return result.records

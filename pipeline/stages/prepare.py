@@ -14,6 +14,12 @@ def main(params_path: str = "params.yaml") -> None:
     cases.save(paths.PREPARED_CASES, fixed)
     asked, available = fixed.meta["ordinary_requested"], fixed.meta["ordinary_available"]
     if available < asked:
-        print(f"prepare: prepare.ordinary_cases is {asked} but task.data gives {available} eval samples: the fixed set takes all {available}")
+        print(
+            f"prepare: prepare.ordinary_cases is {asked} but task.data gives {available} eval samples: "
+            f"the fixed set takes all {available}"
+        )
     kind = "a Dataset of" if isinstance(data.train, task.DatasetSource) else ""
-    print(f"prepare: {len(fixed.ids)} cases ({sum(k == 'edge' for k in fixed.kinds)} edge), {kind} {len(data.train)} training samples".replace("  ", " "))
+    print(
+        f"prepare: {len(fixed.ids)} cases ({sum(k == 'edge' for k in fixed.kinds)} edge), "
+        f"{kind} {len(data.train)} training samples".replace("  ", " ")
+    )

@@ -23,7 +23,9 @@ def main(params_path: str = "params.yaml") -> None:
     for d in params.trial.dtypes:
         ran = trial.read_manifest(d)
         steps = trial.read_trajectory(d, ran).steps
-        trial_outputs = outputs.NumpyReader(paths.trial(d) / paths.TRIAL_OUTPUTS, ran.files[paths.TRIAL_OUTPUTS], trial.produced_by(d))
+        trial_outputs = outputs.NumpyReader(
+            paths.trial(d) / paths.TRIAL_OUTPUTS, ran.files[paths.TRIAL_OUTPUTS], trial.produced_by(d)
+        )
         stats = comparison.read(d)
         drawn = report.sample(ref_outputs.ids, ref_outputs.elements_per_case, {f.id for f in stats.flips.flip_list})
         ref_out, trial_out = ref_outputs.read(drawn.rows), trial_outputs.read(drawn.rows)
@@ -31,7 +33,8 @@ def main(params_path: str = "params.yaml") -> None:
         files.plot(d, "loss", plots.loss_curves(ref_steps, steps, d, band, noise))
         files.plot(d, "scale", plots.loss_scale(steps, d))
         files.plot(d, "envelope", plots.error_envelope(ref_out, trial_out, tolerances, d, drawn.flipped, drawn.note))
-        files.plot(d, "errors", plots.error_histogram(ref_out, trial_out, {n: t[0] for n, t in tolerances.items()}, d, drawn.note))
+        atols = {n: t[0] for n, t in tolerances.items()}
+        files.plot(d, "errors", plots.error_histogram(ref_out, trial_out, atols, d, drawn.note))
         for family, curve in plots.curve_rows(ref_steps, steps, d, band, noise).items():
             files.curve(family, d, curve)
     files.prune()

@@ -32,12 +32,18 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
 
     trained = task.build_model(params.task, params.seed)
     checkpoint.restore(ref.checkpoint(), trained, rng=False)
-    resume = checkpoint.ResumeFile(paths.RESUME / f"trial-{dtype}.safetensors", world.key(trial.run_key(ref.manifest, policy)), device)
-    with trial_tensors.Writer(dtype, ref.cases.ids) as writer, _missing_kernels(dtype, device), precision.deterministic(params.reference.deterministic):
+    resume = checkpoint.ResumeFile(
+        paths.RESUME / f"trial-{dtype}.safetensors", world.key(trial.run_key(ref.manifest, policy)), device
+    )
+    with (
+        trial_tensors.Writer(dtype, ref.cases.ids) as writer,
+        _missing_kernels(dtype, device),
+        precision.deterministic(params.reference.deterministic),
+    ):
         run = training.run_trial(
             trained, initial, ref.train_data(params), ref.cases.x, params.reference, params.task, policy, device,
-            params.seed, resume=resume.load(), save_resume=resume.save, label=f"trial {dtype}", sink=writer.sink if world.writes else distributed.discard,
-            expect_batches=ref.batch_hashes(world.size),
+            params.seed, resume=resume.load(), save_resume=resume.save, label=f"trial {dtype}",
+            sink=writer.sink if world.writes else distributed.discard, expect_batches=ref.batch_hashes(world.size),
         )
     if not world.writes:
         return  # rank 0 alone infers and writes
@@ -45,7 +51,10 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     writer.finish(result, policy, ref.manifest, devices.describe(device), run.aligned)
     resume.clear()
     skipped = sum(r.skipped for r in result.records)
-    print(f"trial {dtype}: {len(result.records)} steps, {result.real_updates} real updates, {skipped} skipped; final loss {result.records[-1].loss:.4f}")
+    print(
+        f"trial {dtype}: {len(result.records)} steps, {result.real_updates} real updates, {skipped} skipped; "
+        f"final loss {result.records[-1].loss:.4f}"
+    )
 
 
 @contextlib.contextmanager
