@@ -28,7 +28,10 @@ DTYPES = ("float16", "bfloat16")
 def synthetic() -> tuple[list[dict], dict[str, list[dict]], dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
     """A reference and two trials: one with skipped steps and a non-finite loss, one with exact outputs."""
     ref_steps = [{"step": i, "loss": 2.0 / (1 + i), "scale": 1.0, "skipped": False, "grad_norm": 1.0} for i in range(20)]
-    fp16 = [{"step": i, "loss": 2.0 / (1 + i) + 0.01, "scale": 65536.0 / 2 ** (i // 7), "skipped": i in (7, 14), "grad_norm": 1.0} for i in range(20)]
+    fp16 = [
+        {"step": i, "loss": 2.0 / (1 + i) + 0.01, "scale": 65536.0 / 2 ** (i // 7), "skipped": i in (7, 14), "grad_norm": 1.0}
+        for i in range(20)
+    ]
     fp16[3]["loss"] = math.inf
     bf16 = [{"step": i, "loss": 2.0 / (1 + i) - 0.02, "scale": 1.0, "skipped": False, "grad_norm": 1.0} for i in range(20)]
     gen = np.random.default_rng(0)
@@ -47,7 +50,9 @@ def render_all() -> dict[str, bytes]:
     for d in DTYPES:
         out[f"{d}/loss"] = plots.loss_curves(ref_steps, steps[d], d)
         out[f"{d}/scale"] = plots.loss_scale(steps[d], d)
-        out[f"{d}/envelope"] = plots.error_envelope(ref, trial[d], {"output": (0.05, 0.01), "aux": (0.5, 0.0)}, d, np.arange(50) % 7 == 0)
+        out[f"{d}/envelope"] = plots.error_envelope(
+            ref, trial[d], {"output": (0.05, 0.01), "aux": (0.5, 0.0)}, d, np.arange(50) % 7 == 0
+        )
         out[f"{d}/errors"] = plots.error_histogram(ref, trial[d], {"output": 0.05, "aux": 0.5}, d)
     return out
 
@@ -57,30 +62,40 @@ def digests(figures: dict[str, bytes]) -> dict[str, str]:
 
 
 def variants() -> list[dict]:
-    accept = {"decision": "accept", "reasons": [], "checks": ["training: every loss finite"], "rule": {"boundary_margin": 0.05}, "env": {"backend": "cpu"}}
-    rollback = {"decision": "rollback", "reasons": ["values 'output': 3 of 10 <outside> | atol"], "findings": ["first non-finite loss at step 3"], "checks": [],
+    accept = {"decision": "accept", "reasons": [], "checks": ["training: every loss finite"], "rule": {"boundary_margin": 0.05},
+              "env": {"backend": "cpu"}}
+    rollback = {"decision": "rollback", "reasons": ["values 'output': 3 of 10 <outside> | atol"],
+                "findings": ["first non-finite loss at step 3"], "checks": [],
                 "rule": {"boundary_margin": 0.05}, "env": {"backend": "cpu"}}
-    flip = {"id": "ordinary/digits-1274", "kind": "ordinary", "boundary": False, "near_boundary": True, "reference_class": 5, "trial_class": 2,
-            "reference_margin": 0.037, "trial_margin": 0.01}
-    built = {"id": "boundary/a~b", "kind": "boundary", "boundary": True, "near_boundary": False, "reference_class": 1, "trial_class": 7,
-             "reference_margin": 0.0002, "trial_margin": 0.001}
+    flip = {"id": "ordinary/digits-1274", "kind": "ordinary", "boundary": False, "near_boundary": True, "reference_class": 5,
+            "trial_class": 2, "reference_margin": 0.037, "trial_margin": 0.01}
+    built = {"id": "boundary/a~b", "kind": "boundary", "boundary": True, "near_boundary": False, "reference_class": 1,
+             "trial_class": 7, "reference_margin": 0.0002, "trial_margin": 0.001}
     stats = {"flips": {"flips": 0, "near_boundary_flips": 1, "near_boundary_cases": 3, "boundary_flips": 1, "boundary_cases": 4,
                        "boundary_margin": 0.05, "flip_list": [built, flip]},
              "quality": {"reference": 0.9, "trial": 0.89}, "values": {"output": {"max_abs": 0.01, "atol": 0.05, "rtol": 0.0}},
-             "training": {"max_loss_gap": 0.01, "band_violations": 0, "scaler_enabled": False, "final_scale": 1.0, "skipped_fraction": 0.0}}
-    bench = {"benchmarked": True, "speedup": {"median": 1.5, "q1": 1.4, "q3": 1.6}, "seconds_per_step": {"fp32": {"median": 0.3}, "amp": {"median": 0.2}},
-             "working_memory_ratio": {"median": 0.5}}
+             "training": {"max_loss_gap": 0.01, "band_violations": 0, "scaler_enabled": False, "final_scale": 1.0,
+                          "skipped_fraction": 0.0}}
+    bench = {"benchmarked": True, "speedup": {"median": 1.5, "q1": 1.4, "q3": 1.6},
+             "seconds_per_step": {"fp32": {"median": 0.3}, "amp": {"median": 0.2}}, "working_memory_ratio": {"median": 0.5}}
     slow = {**bench, "speedup": {"median": 0.32, "q1": 0.3, "q3": 0.34}}
-    diagnosis = {"findings": ["first non-finite loss at step 3"], "suggestion": {"fp32_modules": ["head", "0"], "rule_passes": True}}
+    diagnosis = {
+        "findings": ["first non-finite loss at step 3"], "suggestion": {"fp32_modules": ["head", "0"], "rule_passes": True},
+    }
     return [
-        {"dtype": "float16", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": flatten(stats), "diagnosis": {"findings": []}, "benchmark": slow},
-        {"dtype": "bfloat16", "env": {"backend": "cpu"}, "decision": rollback, "stats": stats, "metrics": flatten(stats), "diagnosis": diagnosis,
-         "benchmark": {"benchmarked": False, "reason": "bfloat16 was rolled back"}},
-        {"dtype": "float16-fast", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": flatten(stats), "diagnosis": {"findings": []}, "benchmark": bench},
+        {"dtype": "float16", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": flatten(stats),
+         "diagnosis": {"findings": []}, "benchmark": slow},
+        {"dtype": "bfloat16", "env": {"backend": "cpu"}, "decision": rollback, "stats": stats, "metrics": flatten(stats),
+         "diagnosis": diagnosis, "benchmark": {"benchmarked": False, "reason": "bfloat16 was rolled back"}},
+        {"dtype": "float16-fast", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": flatten(stats),
+         "diagnosis": {"findings": []}, "benchmark": bench},
     ]
 
 
-REFERENCE = {"rule_sha256": "ab" * 32, "run_key": "cd" * 32, "env": {"backend": "cpu", "device_name": "x86_64", "torch": "2.13.0"}, "cases": {"total": 50, "ordinary": 50}}
+REFERENCE = {
+    "rule_sha256": "ab" * 32, "run_key": "cd" * 32, "env": {"backend": "cpu", "device_name": "x86_64", "torch": "2.13.0"},
+    "cases": {"total": 50, "ordinary": 50},
+}
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +110,9 @@ def test_figures_are_identical_bytes_in_one_process_and_across_processes(figures
     assert plots.loss_curves(ref_steps, steps["float16"], "float16") == first["float16/loss"]
     assert plots.error_histogram(ref, trial["bfloat16"], {"output": 0.05, "aux": 0.5}, "bfloat16") == first["bfloat16/errors"]
     script = "import json, test_plots; print(json.dumps(test_plots.digests(test_plots.render_all())))"
+    # scripts: _project
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT / "tests", capture_output=True, text=True, check=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts")])})  # scripts: _project
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts")])})
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == digests(first)
     for name, png in first.items():
         assert png.startswith(b"\x89PNG\r\n\x1a\n"), name
@@ -110,18 +126,26 @@ def test_curve_rows_are_long_records_titled_and_coloured_per_dtype_and_series():
     assert set(rows) == {"loss", "scale"}
     first = [r for r in rows["loss"] if r["step"] == 0]
     assert {r["series"]: r["value"] for r in first} == pytest.approx({
-        "FP32 reference": 2.0, "AMP float16": 2.01, "|AMP float16 - FP32|": 0.01, "band allowed by the rule": 0.05 + 0.1 * 2.0, "FP32 noise floor": 0.0})
+        "FP32 reference": 2.0, "AMP float16": 2.01, "|AMP float16 - FP32|": 0.01, "band allowed by the rule": 0.05 + 0.1 * 2.0,
+        "FP32 noise floor": 0.0})
     assert {r["panel"] for r in first} == {"loss", "gap"} and {r["dtype"] for r in rows["loss"]} == {"float16"}
-    assert [r for r in rows["loss"] if r["step"] == 3 and r["series"] == "AMP float16"][0]["value"] is None  # inf: a gap, valid JSON
+    # inf: a gap, valid JSON
+    assert [r for r in rows["loss"] if r["step"] == 3 and r["series"] == "AMP float16"][0]["value"] is None
     assert [r["skipped"] for r in rows["scale"]].count(1) == 2
-    assert {r["series"] for r in plots.curve_rows(ref_steps, steps["bfloat16"], "bfloat16")["scale"]} == {"no GradScaler: scale fixed at 1"}
+    assert {r["series"] for r in plots.curve_rows(ref_steps, steps["bfloat16"], "bfloat16")["scale"]} == {
+        "no GradScaler: scale fixed at 1"
+    }
 
 
 def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
     images = {d: {k.split("/")[1]: v for k, v in figures.items() if k.startswith(d)} for d in DTYPES}
     doc = page.html(REFERENCE, variants(), images)
-    assert doc.index('<section id="verdict">') < doc.index('<table class="summary">') < doc.index("<footer>") < doc.index(REFERENCE["rule_sha256"])
-    verdict = html.unescape(re.sub(r"<[^>]+>", "", doc[doc.index('<section id="verdict">'):doc.index("</section>")]))  # what a reader sees
+    assert (
+        doc.index('<section id="verdict">') < doc.index('<table class="summary">') < doc.index("<footer>")
+        < doc.index(REFERENCE["rule_sha256"])
+    )
+    # what a reader sees
+    verdict = html.unescape(re.sub(r"<[^>]+>", "", doc[doc.index('<section id="verdict">'):doc.index("</section>")]))
     assert "float16: ACCEPT: the rule passed, x0.32 (3.1 times slower) on this CPU" in verdict and "keep FP32 here" in verdict
     assert "float16-fast: ACCEPT: the rule passed, x1.50 faster on this CPU, working memory x0.50: switch to AMP here" in verdict
     assert "bfloat16: ROLLBACK: 1 criterion failed; keep FP32 for bfloat16" in verdict
@@ -134,8 +158,10 @@ def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
     md = page.markdown(REFERENCE, variants())
     assert md.index("## Verdict") < md.index("## Key figures") < md.index(REFERENCE["rule_sha256"])
     assert md.splitlines()[:3] == [
-        "**float16: ACCEPT** - the rule passed, x0.32 (3.1 times slower) on this CPU, working memory x0.50: keep FP32 here unless memory is what you lack  ",
-        "**bfloat16: ROLLBACK** - 1 criterion failed; keep FP32 for bfloat16 (the reference state is restorable exactly); next: `python -m pipeline restore --dtype bfloat16`  ",
+        "**float16: ACCEPT** - the rule passed, x0.32 (3.1 times slower) on this CPU, working memory x0.50: "
+        "keep FP32 here unless memory is what you lack  ",
+        "**bfloat16: ROLLBACK** - 1 criterion failed; keep FP32 for bfloat16 (the reference state is restorable exactly); "
+        "next: `python -m pipeline restore --dtype bfloat16`  ",
         "**float16-fast: ACCEPT** - the rule passed, x1.50 faster on this CPU, working memory x0.50: switch to AMP here",
     ]
 
@@ -185,7 +211,8 @@ def test_dvc_metrics_are_short_and_plots_render_offline_titled_per_dtype(reprodu
     for family in ("loss", "scale"):
         for d in DTYPES:
             assert f'id = "data_report_curves_{family}_{d}_json"' in doc, (family, d)
-    for series in ("FP32 reference", "AMP float16", "band allowed by the rule", "no GradScaler: scale fixed at 1"):  # coloured per series
+    # coloured per series
+    for series in ("FP32 reference", "AMP float16", "band allowed by the rule", "no GradScaler: scale fixed at 1"):
         assert re.search(rf'"series":\s*"{re.escape(series)}"', doc), series
 
 
@@ -219,7 +246,9 @@ def test_plots_diff_between_revisions_needs_no_dvc_cache(reproduced, tmp_path):
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
     subprocess.run(["git", "commit", "-qm", "reproduced"], cwd=repo, check=True)
     dvc(repo, "exp", "run", "-n", "bf16", "-S", "trial.dtypes=[bfloat16]")  # reruns report (and publish) only
-    branch = subprocess.run(["git", "branch", "--show-current"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+    branch = subprocess.run(
+        ["git", "branch", "--show-current"], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout.strip()
     shutil.rmtree(repo / ".dvc" / "cache")  # what a fresh clone has: git, no DVC cache
     rendered = json.loads(dvc(repo, "plots", "diff", branch, "bf16", "--json").stdout)
     assert not rendered.get("errors"), rendered.get("errors")
@@ -254,5 +283,7 @@ def test_report_stage_reads_a_bounded_sample_of_large_outputs(tmp_path, monkeypa
     part = reader.read(rows)
     for name, value in full.items():
         np.testing.assert_array_equal(part[name], value[rows])
-    png = plots.error_envelope(part, {k: v + 1e-3 for k, v in part.items()}, {"logits": (1e-4, 0.0)}, "float16", np.isin(rows, [3, 998]), note)
+    png = plots.error_envelope(
+        part, {k: v + 1e-3 for k, v in part.items()}, {"logits": (1e-4, 0.0)}, "float16", np.isin(rows, [3, 998]), note
+    )
     assert png.startswith(b"\x89PNG")
