@@ -82,7 +82,9 @@ def check_inside_repository(folder: str | Path) -> None:
                 f"with a real folder inside the repository (`rm {step}`), then rerun"
             )
     if not folder.resolve().is_relative_to(root):
-        raise UserError(f"{folder} resolves to {folder.resolve()}, outside the repository {root}; keep the outputs inside it, then rerun")
+        raise UserError(
+            f"{folder} resolves to {folder.resolve()}, outside the repository {root}; keep the outputs inside it, then rerun"
+        )
 
 
 def write_bytes(path: str | Path, data: bytes) -> None:
@@ -169,7 +171,9 @@ def _not_found(path: Path, produced_by: str) -> str:
     return f"{path} not found; run {rerun(produced_by)} first"
 
 
-def verify(path: str | Path, expected_sha256: str, produced_by: str = "", recorded_in: str = "its manifest", actual: str | None = None) -> None:
+def verify(
+    path: str | Path, expected_sha256: str, produced_by: str = "", recorded_in: str = "its manifest", actual: str | None = None
+) -> None:
     """Check a file against the sha256 recorded when it was written (``recorded_in``: its manifest, the rollback
     package): the one check, with the one message, for every artifact read back. ``actual``: the sha256 of the
     bytes the caller already read (the file is not read again).
@@ -184,8 +188,8 @@ def verify(path: str | Path, expected_sha256: str, produced_by: str = "", record
         actual = sha256_file(path)
     if actual != expected_sha256:
         raise UserError(
-            f"{path} differs from {recorded_in} (sha256 {actual[:12]}…, recorded {expected_sha256[:12]}…): it was damaged or replaced; "
-            f"restore it with `dvc checkout` or rebuild it with {rerun(produced_by)}"
+            f"{path} differs from {recorded_in} (sha256 {actual[:12]}…, recorded {expected_sha256[:12]}…): "
+            f"it was damaged or replaced; restore it with `dvc checkout` or rebuild it with {rerun(produced_by)}"
         )
 
 
@@ -265,6 +269,7 @@ def _parse_tensors(path: Path, raw: bytes, hint: str) -> tuple[dict, dict]:
         meta = {k: from_jsonable(json.loads(v)) for k, v in (header.get("__metadata__") or {}).items()}
     except (SafetensorError, ValueError, OverflowError, UnicodeDecodeError, json.JSONDecodeError):
         raise UserError(
-            f"{path} is not a valid safetensors file (truncated, or a pickle renamed?); nothing was loaded: rebuild it with {hint}"
+            f"{path} is not a valid safetensors file (truncated, or a pickle renamed?); "
+            f"nothing was loaded: rebuild it with {hint}"
         ) from None
     return tensors, meta

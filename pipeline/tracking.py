@@ -70,7 +70,8 @@ _ENV_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-    "MLFLOW_DISABLE_TELEMETRY": "true",  # MLflow 3 reports usage to its vendor unless told not to: publish talks only to the store
+    # MLflow 3 reports usage to its vendor unless told not to: publish talks only to the store
+    "MLFLOW_DISABLE_TELEMETRY": "true",
 }
 
 
@@ -414,7 +415,9 @@ class Publisher:
         con = sqlite3.connect(db, timeout=SQLITE_BUSY_S)
         try:
             with con:
-                con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (own.as_uri(), found.experiment_id))
+                con.execute(
+                    "UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (own.as_uri(), found.experiment_id)
+                )
         finally:
             con.close()
         print(f"publish: {db} was copied from another project: experiment {found.name!r} now stores its artifacts in {own}, "
@@ -710,7 +713,8 @@ def _failures(uri: str) -> Iterator[None]:
             raise UserError(_locked_line(uri)) from None
         first = (str(exc.orig) if exc.orig is not None else str(exc)).strip().splitlines()[0][:300]
         raise UserError(
-            f"the MLflow store {uri} failed ({first}); the DVC outputs are intact: check the database, then rerun `python -m pipeline publish`"
+            f"the MLflow store {uri} failed ({first}); the DVC outputs are intact: check the database, "
+            f"then rerun `python -m pipeline publish`"
         ) from None
     except (MlflowException, requests.exceptions.RequestException, OSError) as exc:
         if "database is locked" in str(exc):

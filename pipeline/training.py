@@ -345,7 +345,9 @@ def train(
     return TrainResult(records=records, real_updates=real_updates, state=state)
 
 
-def _read_update(source: TrainSource, micro_idx: list[torch.Tensor], world: distributed.World, step: int) -> list[tuple[Inputs, torch.Tensor]]:
+def _read_update(
+    source: TrainSource, micro_idx: list[torch.Tensor], world: distributed.World, step: int
+) -> list[tuple[Inputs, torch.Tensor]]:
     """This rank's share of one update's micro-batches, as read from the source (host tensors)."""
     micro = []
     for idx in micro_idx:

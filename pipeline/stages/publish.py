@@ -55,6 +55,9 @@ def main(params_path: str = "params.yaml") -> None:
         print(f"publish: warning: {w}")
     if result.removed:
         print(f"publish: removed {result.removed} duplicate or orphaned run(s) left by concurrent or interrupted publishes")
-    done = f"{result.created} run(s) created in {time.monotonic() - started:.1f} s" if result.created else "already published, nothing added"
+    done = (
+        f"{result.created} run(s) created in {time.monotonic() - started:.1f} s" if result.created
+        else "already published, nothing added"
+    )
     print(f"publish: {done}; parent run {result.run_link}")
     print(f"publish: {verdict.one_line(verdicts)}; review: {result.link}")
