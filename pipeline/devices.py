@@ -146,7 +146,7 @@ def check_dtype_supported(device: torch.device, dtype: torch.dtype) -> None:
     Raises:
         UserError: the device lacks the dtype (bfloat16 before Ampere, float16 on CPU autocast of old torch).
     """
-    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    name = str(dtype).removeprefix("torch.")
     problem = dtype_problem(describe(device), name, _autocast_runs(device, dtype))
     if problem:
         raise UserError(problem)

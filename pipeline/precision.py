@@ -16,9 +16,10 @@ from typing import Iterator
 import torch
 from torch.utils._pytree import tree_map
 
+from pipeline.config import DTYPES
 from pipeline.errors import UserError
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # the names autocast takes here: config.DTYPES
 
 
 def parse_dtype(name: str) -> torch.dtype:
