@@ -25,7 +25,9 @@ NEW_TF32_API = hasattr(torch.backends.cuda.matmul, "fp32_precision")
 def python(code: str) -> subprocess.CompletedProcess:
     """``code`` in a fresh interpreter: TF32 and determinism flags are process-wide, and a test must not leak them."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 # --- TF32: one switch, never a legacy read after the new API ------------------------------------------------
@@ -217,7 +219,10 @@ def test_entry_point_applies_threads_and_imports_no_torch_before_params(tmp_path
     """``python -m pipeline``: a bad params file stops before torch; a good one sets the environment and torch."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("threads: two\n")
-    code = f"import sys\nfrom pipeline import __main__ as m\nrc = m.main(['prepare', '--params', {str(bad)!r}])\nprint(rc, 'torch' in sys.modules)\n"
+    code = (
+        f"import sys\nfrom pipeline import __main__ as m\nrc = m.main(['prepare', '--params', {str(bad)!r}])\n"
+        "print(rc, 'torch' in sys.modules)\n"
+    )
     proc = python(code)
     assert proc.stdout.split() == ["2", "False"] and "threads must be an integer" in proc.stderr
     # A good one, in this process, with a stand-in stage that reports what it finds.
@@ -300,7 +305,9 @@ def test_cpu_bytes_do_not_follow_omp_num_threads(tmp_path: Path) -> None:
     for omp in ("1", "2"):
         env = {**env_for(repo), "OMP_NUM_THREADS": omp}
         for stage in ("prepare", "freeze"):
-            proc = subprocess.run([sys.executable, "-m", "pipeline", stage], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+            proc = subprocess.run(
+                [sys.executable, "-m", "pipeline", stage], cwd=repo, env=env, capture_output=True, text=True, timeout=600
+            )
             assert proc.returncode == 0, proc.stderr[-2000:]
         files = sorted(p for p in (repo / "data").rglob("*") if p.is_file() and "resume" not in p.parts)
         digests.append({str(p.relative_to(repo)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files})

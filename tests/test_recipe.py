@@ -50,7 +50,10 @@ def test_targets_are_never_rounded_to_the_autocast_dtype(target):
     assert math.isfinite(float(loss)) and float(loss) == pytest.approx(expected, rel=1e-5)
     torch.manual_seed(0)
     regression = TaskConfig(kind="regression", loss="mse")
-    result = training.train(Constant(300.25), task.TensorSource(x, y), cfg(train_steps=1, batch_size=4), regression, Policy(dtype="float16"), CPU, seed=0)
+    result = training.train(
+        Constant(300.25), task.TensorSource(x, y), cfg(train_steps=1, batch_size=4), regression, Policy(dtype="float16"), CPU,
+        seed=0,
+    )
     assert result.records[0].loss == pytest.approx(expected, rel=1e-5)
 
 
@@ -148,7 +151,9 @@ def test_a_micro_batch_whose_targets_are_all_ignored_adds_zero_not_nan():
     loss.backward()
     assert float(loss) == 0.0 and bool((scores.grad == 0).all())
     some = torch.tensor([[1, -100, 2], [-100, -100, 4]])
-    assert torch.equal(recipe.cross_entropy(scores, some), torch.nn.functional.cross_entropy(scores.reshape(-1, 5), some.reshape(-1)))
+    assert torch.equal(
+        recipe.cross_entropy(scores, some), torch.nn.functional.cross_entropy(scores.reshape(-1, 5), some.reshape(-1))
+    )
 
 
 def test_a_custom_loss_sees_float32_not_the_autocast_dtype():

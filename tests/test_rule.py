@@ -1,4 +1,5 @@
-"""The rule applied to typed statistics (pipeline/rule.py): every criterion can fail on its own, and loosened rules are visible."""
+"""The rule applied to typed statistics (pipeline/rule.py): every criterion can fail on its own, and loosened rules are
+visible."""
 
 import copy
 import dataclasses
@@ -29,9 +30,11 @@ def _compared() -> dict:
     has_target = torch.tensor([True] * 40 + [False] * 4)
     steps = [{"step": i, "loss": 1.0 / (i + 1), "skipped": False, "scale": 32768.0, "grad_norm": 1.0} for i in range(60)]
     replicate = [dict(s, loss=s["loss"] * 1.01) for s in steps]
-    sources = streams.Sources(ids, ref.argmax(1), has_target, streams.InMemory({"output": ref}), streams.InMemory({"output": trial}),
-                              streams.InMemory({"output": ref}))
-    stats, _ = streams.compare_streams("classification", RULE, sources, streams.Trajectories(steps, steps, 32768.0, replicate=replicate))
+    sources = streams.Sources(ids, ref.argmax(1), has_target, streams.InMemory({"output": ref}),
+                              streams.InMemory({"output": trial}), streams.InMemory({"output": ref}))
+    stats, _ = streams.compare_streams(
+        "classification", RULE, sources, streams.Trajectories(steps, steps, 32768.0, replicate=replicate)
+    )
     return stats
 
 
@@ -46,7 +49,10 @@ def judge(stats: dict, acceptance: AcceptanceConfig = RULE) -> rule.RuleResult:
 
 def test_healthy_trial_is_accepted_with_checks_listed():
     stats = healthy_stats()
-    assert stats["flips"]["boundary_flips"] == 1 and stats["flips"]["boundary_cases"] == 4 and stats["training"]["noise"]["violations"] == 0
+    assert (
+        stats["flips"]["boundary_flips"] == 1 and stats["flips"]["boundary_cases"] == 4
+        and stats["training"]["noise"]["violations"] == 0
+    )
     d = judge(stats)
     assert d.decision == "accept" and d.accepted and d.reasons == () and d.cases == {}
     assert d.inference == d.training == "accept"
@@ -133,7 +139,9 @@ def test_every_numeric_criterion_has_a_direction():
 def test_real_flips_near_the_boundary_fail_by_default_and_an_explicit_null_is_said_in_words():
     stats = healthy_stats()
     stats["flips"].update({"near_boundary_flips": 1, "near_boundary_cases": 3, "margin_kind": "probability",
-                           "flip_list": [{"id": "ordinary/digits-1274", "kind": "ordinary", "boundary": False, "near_boundary": True}]})
+                           "flip_list": [
+                               {"id": "ordinary/digits-1274", "kind": "ordinary", "boundary": False, "near_boundary": True},
+                           ]})
     d = judge(stats)  # the shipped rule: every flip of a real sample counts against it
     assert d.decision == "rollback" and d.inference == "rollback" and d.training == "accept"
     assert any("ordinary/digits-1274" in r and "near the boundary (probability margin" in r for r in d.reasons)
@@ -145,8 +153,8 @@ def test_real_flips_near_the_boundary_fail_by_default_and_an_explicit_null_is_sa
 
 def test_distribution_criteria():
     stats = healthy_stats()
-    stats["distribution"] = {"tokens": 1000, "kl_mean": 1e-3, "kl_p99": 2e-2, "kl_p99_upper": 2e-2, "kl_p99_exact": True, "kl_max": 0.3,
-                             "top1_agreement": 0.995, "top_k": 5, "top_k_overlap": 0.98}
+    stats["distribution"] = {"tokens": 1000, "kl_mean": 1e-3, "kl_p99": 2e-2, "kl_p99_upper": 2e-2, "kl_p99_exact": True,
+                             "kl_max": 0.3, "top1_agreement": 0.995, "top_k": 5, "top_k_overlap": 0.98}
     assert judge(stats).decision == "accept"  # null criteria: not applied
     ok = dataclasses.replace(RULE, max_kl_mean=1e-2, max_kl_p99=0.05, min_top1_agreement=0.99)
     assert judge(stats, ok).decision == "accept"
@@ -156,7 +164,9 @@ def test_distribution_criteria():
         assert d.decision == "rollback" and any(word in r for r in d.reasons), d.reasons
     stats["distribution"].update(kl_p99_upper=0.06, kl_p99_exact=False)  # a streamed p99: gated on its bucket's upper edge
     d = judge(stats, ok)
-    assert d.decision == "rollback" and any("p99 0.06 nats (upper edge of a streamed estimate)" in r for r in d.reasons), d.reasons
+    assert d.decision == "rollback" and any(
+        "p99 0.06 nats (upper edge of a streamed estimate)" in r for r in d.reasons
+    ), d.reasons
     stats["distribution"] = None
     d = judge(stats, ok)
     assert d.decision == "rollback" and any("per-token" in r for r in d.reasons)

@@ -15,7 +15,9 @@ from pipeline.errors import UserError
 
 
 def test_dict_inputs_keep_dtypes_and_index_like_a_tensor():
-    x = task.check_inputs({"input_ids": torch.arange(12).reshape(4, 3), "mask": torch.ones(4, 3, dtype=torch.bool)}, "eval_x", "m:f")
+    x = task.check_inputs(
+        {"input_ids": torch.arange(12).reshape(4, 3), "mask": torch.ones(4, 3, dtype=torch.bool)}, "eval_x", "m:f"
+    )
     assert isinstance(x, task.Batch) and x["input_ids"].dtype == torch.int64 and x.shape[0] == 4
     part = x[torch.tensor([3, 1])]
     assert part["input_ids"].tolist() == [[9, 10, 11], [3, 4, 5]] and part["mask"].dtype == torch.bool
@@ -79,7 +81,9 @@ def test_cases_for_token_ids_select_boundary_samples_and_keep_user_edges():
         eval_x=task.Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)}),
         eval_y=torch.arange(12) % 2,
         eval_ids=[f"s{i}" for i in range(12)],
-        edge_x=task.Batch({"input_ids": torch.zeros(1, 6, dtype=torch.long), "attention_mask": torch.zeros(1, 6, dtype=torch.long)}),
+        edge_x=task.Batch(
+            {"input_ids": torch.zeros(1, 6, dtype=torch.long), "attention_mask": torch.zeros(1, 6, dtype=torch.long)}
+        ),
         edge_ids=["all-padding"],
     )
     fixed = cases.build(data, PrepareConfig(ordinary_cases=10))
@@ -96,7 +100,8 @@ def test_cases_for_token_ids_select_boundary_samples_and_keep_user_edges():
 def test_mixed_inputs_scale_only_floating_tensors():
     pixels = torch.rand(6, 3, 4, 4)
     x = task.Batch({"pixel_values": pixels, "ids": torch.arange(6).unsqueeze(1)})
-    data = task.TaskData(train=task.TensorSource(x, torch.zeros(6)), eval_x=x, eval_y=torch.zeros(6, dtype=torch.long), eval_ids=[str(i) for i in range(6)])
+    data = task.TaskData(train=task.TensorSource(x, torch.zeros(6)), eval_x=x, eval_y=torch.zeros(6, dtype=torch.long),
+                         eval_ids=[str(i) for i in range(6)])
     fixed = cases.build(data, PrepareConfig(ordinary_cases=4, edge_scales=[100.0], edge_samples=1))
     i = fixed.ids.index("edge/scale-100/0")
     assert torch.equal(fixed.x["pixel_values"][i], pixels[0] * 100) and fixed.x["ids"][i].item() == 0
@@ -132,7 +137,9 @@ def test_prepare_says_in_one_line_when_ordinary_cases_is_cut_and_records_it(tmp_
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "params.yaml").write_text("task: {data: 'smalldata:load_data'}\nprepare: {ordinary_cases: 100, edge_samples: 1}\n")
+    (tmp_path / "params.yaml").write_text(
+        "task: {data: 'smalldata:load_data'}\nprepare: {ordinary_cases: 100, edge_samples: 1}\n"
+    )
     prepare.main()
     out = capsys.readouterr().out
     assert "prepare: prepare.ordinary_cases is 100 but task.data gives 9 eval samples: the fixed set takes all 9" in out
