@@ -29,7 +29,8 @@ from pipeline.config import AcceptanceConfig, ReferenceConfig, TaskConfig, Toler
 from pipeline.precision import Policy
 from pipeline.task import TensorSource
 
-RULE = AcceptanceConfig(min_quality=None, loss_noise_multiple=None)  # flat trajectories here: no replicate to measure FP32 noise on
+# flat trajectories here: no replicate to measure FP32 noise on
+RULE = AcceptanceConfig(min_quality=None, loss_noise_multiple=None)
 FLAT = [{"step": i, "loss": 1.0, "skipped": False, "scale": 1.0, "grad_norm": 1.0} for i in range(12)]
 
 
@@ -47,7 +48,8 @@ def _fp32(model, x):
 
 
 def _judge(ids, y, has_target, ref, trial, trained=None, cfg=RULE, steps=FLAT, trial_steps=None, aligned=None, scaler=False):
-    sources = streams.Sources(ids, y, has_target, streams.InMemory(ref), streams.InMemory(trial), streams.InMemory(trained if trained is not None else trial))
+    sources = streams.Sources(ids, y, has_target, streams.InMemory(ref), streams.InMemory(trial),
+                              streams.InMemory(trained if trained is not None else trial))
     runs = streams.Trajectories(steps, trial_steps or steps, 2.0**16 if scaler else 1.0, scaler_enabled=scaler, aligned=aligned)
     raw, _ = streams.compare_streams("classification" if y.dtype == torch.long else "regression", cfg, sources, runs)
     stats = Stats.from_dict(raw)
@@ -84,7 +86,9 @@ def test_low_confidence_classifier_flips_are_named_and_fail_the_default_rule():
     reason = next(r for r in d.reasons if "near the boundary" in r)
     assert d.cases["flips"][0] in reason
     # The user who tolerates flips says so in the rule, and the verdict says it in words.
-    loose = dataclasses.replace(RULE, max_quality_drop=1.0, max_near_boundary_flips=None, outputs={"*": Tolerance(atol=10.0, rtol=0.1)})
+    loose = dataclasses.replace(
+        RULE, max_quality_drop=1.0, max_near_boundary_flips=None, outputs={"*": Tolerance(atol=10.0, rtol=0.1)}
+    )
     _, d = _judge(ids, y, has_target, ref, trial, cfg=loose)
     assert d.decision == "accept" and any("not limited: the rule sets max_near_boundary_flips: null" in c for c in d.checks)
 
@@ -94,8 +98,8 @@ def test_flip_rate_bound_needs_enough_cases_and_does_not_roll_back_a_large_set_o
     assert bounds.cases_needed(0.01, 0.95) == 299
     n, k = 100, 0
     assert bounds.binomial_upper(k, n, 0.95) > 0.01  # 100 cases cannot give a confident accept, even with no flip
-    flips = Decisions(cases=n, boundary_cases=0, near_boundary_cases=0, flips=0, near_boundary_flips=0, boundary_flips=0, unit="case",
-                      boundary_flip_fraction=0.0, real_flips=0, flip_list=(), flip_list_dropped=0)
+    flips = Decisions(cases=n, boundary_cases=0, near_boundary_cases=0, flips=0, near_boundary_flips=0, boundary_flips=0,
+                      unit="case", boundary_flip_fraction=0.0, real_flips=0, flip_list=(), flip_list_dropped=0)
     j = rule._Judge()
     rule._decisions(flips, cfg, j, "decisions", "flips")
     assert j.failed["inference"] and "needs at least 299" in j.reasons[0]
@@ -137,11 +141,15 @@ def test_a_second_classification_head_is_decided_too():
     trial = _autocast(model, x, torch.bfloat16)
     assert bool((trial["logits"].argmax(1) == y).all()) and int((trial["aux"].argmax(1) != ref["aux"].argmax(1)).sum()) > 5
     cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.5, rtol=0.02)}, max_near_boundary_flips=None)
-    stats, d = _judge(ids, y, torch.ones(300, dtype=torch.bool), ref, trial, cfg=dataclasses.replace(cfg, max_near_boundary_flips=0))
+    stats, d = _judge(
+        ids, y, torch.ones(300, dtype=torch.bool), ref, trial, cfg=dataclasses.replace(cfg, max_near_boundary_flips=0)
+    )
     assert "aux" in stats.heads and d.decision == "rollback"
     assert any(r.startswith("decisions 'aux'") for r in d.reasons) and d.cases["flips aux"]
     # Saying in the rule that aux is not a decision (an embedding, say) is explicit, hashed, and listed as loosened.
-    values_only = dataclasses.replace(cfg, outputs={"*": Tolerance(atol=0.5, rtol=0.02), "aux": Tolerance(atol=0.5, rtol=0.02, decisions=False)})
+    values_only = dataclasses.replace(
+        cfg, outputs={"*": Tolerance(atol=0.5, rtol=0.02), "aux": Tolerance(atol=0.5, rtol=0.02, decisions=False)}
+    )
     stats, d = _judge(ids, y, torch.ones(300, dtype=torch.bool), ref, trial, cfg=values_only)
     assert "aux" not in stats.heads and d.decision == "accept", d.reasons
     assert "outputs.aux.decisions None -> false" in rule.loosened(dataclasses.asdict(cfg), dataclasses.asdict(values_only))
@@ -168,7 +176,8 @@ def test_non_finite_outputs_of_the_amp_trained_model_roll_back_with_their_ids():
     bad = ~torch.isfinite(trained["output"]).all(1)
     assert int(bad[40:].sum()) == 11 and int(bad[:40].sum()) == 0 and bool((trained["output"][:40].argmax(1) == y[:40]).all())
     trial = _autocast(model, x, torch.float16)
-    stats, d = _judge(ids, y, has_target, ref, trial, trained=trained, cfg=dataclasses.replace(RULE, outputs={"*": Tolerance(atol=1.0, rtol=0.02)}))
+    stats, d = _judge(ids, y, has_target, ref, trial, trained=trained,
+                      cfg=dataclasses.replace(RULE, outputs={"*": Tolerance(atol=1.0, rtol=0.02)}))
     assert stats.nonfinite.trained.rows == 11 and stats.nonfinite.trained.per_kind == {"edge": 11}
     assert d.decision == "rollback" and d.training == "rollback" and d.inference == "accept"
     assert d.cases["nonfinite_trained"] == tuple(ids[40:])
@@ -232,14 +241,18 @@ def test_tiny_scale_regression_refuses_logit_tolerances_and_unknown_names():
     trial = _autocast(model, x, torch.float16)
     assert float(((trial["output"] - ref["output"]).abs() / ref["output"].abs()).median()) > 0.1
     typo = dataclasses.replace(shipped, outputs={"*": Tolerance(atol=1e-10, rtol=0.02), "ouptut": Tolerance(atol=1e-10)})
-    assert "'ouptut', which the model does not output; its outputs are 'output'" in rule.vet_rule(typo, "regression", shapes, rms, -1e-8,
-                                                                                                        "neg_rmse", True, steps)
+    assert "'ouptut', which the model does not output; its outputs are 'output'" in rule.vet_rule(
+        typo, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps
+    )
     named = dataclasses.replace(shipped, outputs={"output": Tolerance(atol=1e-10)})
     two = {"output": (1,), "aux": (1,)}
-    assert "no entry for output 'aux' and no '*'" in rule.vet_rule(named, "regression", two, dict(rms, aux=1e-7), -1e-8, "neg_rmse", True, steps)
+    assert "no entry for output 'aux' and no '*'" in rule.vet_rule(
+        named, "regression", two, dict(rms, aux=1e-7), -1e-8, "neg_rmse", True, steps
+    )
     scaled = dataclasses.replace(shipped, outputs={"*": Tolerance(atol=1e-10, rtol=0.02)}, min_quality=None)
-    assert "max_quality_drop 0.01 is not below the reference's own error" in rule.vet_rule(scaled, "regression", shapes, rms, -1e-8,
-                                                                                               "neg_rmse", True, steps)
+    assert "max_quality_drop 0.01 is not below the reference's own error" in rule.vet_rule(
+        scaled, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps
+    )
     fixed = dataclasses.replace(scaled, max_quality_drop=1e-9, loss_atol=1e-16)
     assert rule.vet_rule(fixed, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps) is None
 
@@ -248,7 +261,9 @@ def test_reference_that_is_not_a_baseline_is_refused_at_freeze():
     cfg = AcceptanceConfig(min_quality=0.9)
     shapes, rms = {"output": (10,)}, {"output": 3.0}
     ok = [{"step": 0, "loss": 2.3, "grad_norm": 1.0}]
-    assert "does not meet acceptance.min_quality 0.9" in rule.vet_rule(cfg, "classification", shapes, rms, 0.5, "accuracy", True, ok)
+    assert "does not meet acceptance.min_quality 0.9" in rule.vet_rule(
+        cfg, "classification", shapes, rms, 0.5, "accuracy", True, ok
+    )
     nan = [{"step": 0, "loss": 2.3, "grad_norm": 1.0}, {"step": 1, "loss": float("nan"), "grad_norm": 1.0}]
     assert "loss is not finite at step 1" in rule.vet_rule(cfg, "classification", shapes, rms, 0.95, "accuracy", True, nan)
     assert rule.vet_rule(cfg, "classification", shapes, rms, 0.95, "accuracy", True, ok) is None
@@ -314,14 +329,18 @@ def test_designed_gradscaler_skips_do_not_roll_back_but_a_divergence_does():
     device = torch.device("cpu")
 
     def run(policy, cfg=cfg, skip=frozenset()):
-        return training.train(_net(), TensorSource(x, y), cfg, TaskConfig(), policy, device, 0, skip_steps=skip, label="t").records
+        return training.train(
+            _net(), TensorSource(x, y), cfg, TaskConfig(), policy, device, 0, skip_steps=skip, label="t"
+        ).records
 
     ref = [asdict(r) for r in run(Policy())]
     trial_records = run(Policy(dtype="float16"))
     skipped = [r.step for r in trial_records if r.skipped]
     assert 1 <= len(skipped) <= 3, skipped  # 65536 overflows float16's gradients once; the scale backs off
     trial = [asdict(r) for r in trial_records]
-    aligned = [asdict(r) for r in training.aligned_fp32(_net, TensorSource(x, y), cfg, TaskConfig(), device, 0, trial_records, "t")]
+    aligned = [
+        asdict(r) for r in training.aligned_fp32(_net, TensorSource(x, y), cfg, TaskConfig(), device, 0, trial_records, "t")
+    ]
     acc = dataclasses.replace(RULE, loss_atol=0.05, loss_rtol=0.0)
     naive = streams.training_stats(acc, streams.Trajectories(ref, trial, 1024.0))
     fair = streams.training_stats(acc, streams.Trajectories(ref, trial, 1024.0, aligned=aligned))
@@ -365,6 +384,8 @@ def test_diagnosis_replay_keeps_the_schedule_of_the_run():
     cfg = ReferenceConfig(train_steps=20, batch_size=16, lr=1.0, momentum=0.0, checkpoint_every=0,
                           lr_schedule=LrSchedule(kind="cosine", warmup=0))
     full = training.train(_net(), TensorSource(x, y), cfg, TaskConfig(), Policy(), torch.device("cpu"), 0, label="t").records
-    part = training.train(_net(), TensorSource(x, y), cfg, TaskConfig(), Policy(), torch.device("cpu"), 0, label="t", stop=10).records
+    part = training.train(
+        _net(), TensorSource(x, y), cfg, TaskConfig(), Policy(), torch.device("cpu"), 0, label="t", stop=10
+    ).records
     assert len(part) == 10 and [r.lr for r in part] == [r.lr for r in full[:10]]
     assert [r.loss for r in part] == [r.loss for r in full[:10]]
