@@ -69,7 +69,10 @@ def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
     table += [
         ("training: max loss gap", metric("training.max_loss_gap")),
         ("training: steps outside loss band", metric("training.band_violations")),
-        ("training: FP32 noise floor, largest gap of the replicate (another data order)", metric("training.noise.max_replicate_gap")),
+        (
+            "training: FP32 noise floor, largest gap of the replicate (another data order)",
+            metric("training.noise.max_replicate_gap"),
+        ),
         ("training: AMP mean gap / replicate mean gap", metric("training.noise.mean_ratio")),
         ("training: GradScaler", lambda v: "on" if v["metrics"].get("training.scaler_enabled") else "off (no GradScaler)"),
         ("training: skipped fraction", metric("training.skipped_fraction")),
@@ -96,7 +99,9 @@ def verdicts_of(variants: Sequence[Mapping[str, Any]]) -> list[verdict.Verdict]:
     ]
 
 
-def markdown(reference: Mapping[str, Any], variants: Sequence[Mapping[str, Any]], verdicts: Sequence[verdict.Verdict] | None = None) -> str:
+def markdown(
+    reference: Mapping[str, Any], variants: Sequence[Mapping[str, Any]], verdicts: Sequence[verdict.Verdict] | None = None
+) -> str:
     """The summary as Markdown (MLflow run description, pull-request comments): verdict, table, footer."""
     verdicts = verdicts_of(variants) if verdicts is None else verdicts
     dtypes = [v["dtype"] for v in variants]
@@ -137,12 +142,22 @@ def html(
     ]
     for v in variants:
         d, decision = v["dtype"], v["decision"]
-        parts.append(f'<h2 id="{e(d)}">{e(d)}: <span class="{e(decision["decision"])}">{e(decision["decision"].upper())}</span></h2>')
+        parts.append(
+            f'<h2 id="{e(d)}">{e(d)}: <span class="{e(decision["decision"])}">{e(decision["decision"].upper())}</span></h2>'
+        )
         reasons = decision["reasons"]
-        parts.append("<h3>Reasons</h3><ul>" + ("".join(f"<li>{e(r)}</li>" for r in reasons) or "<li>every criterion of the rule passed</li>") + "</ul>")
+        parts.append(
+            "<h3>Reasons</h3><ul>"
+            + ("".join(f"<li>{e(r)}</li>" for r in reasons) or "<li>every criterion of the rule passed</li>")
+            + "</ul>"
+        )
         checks = decision.get("checks", [])
         if checks:
-            parts.append(f"<details><summary>{len(checks)} passing check(s)</summary><ul>" + "".join(f"<li>{e(c)}</li>" for c in checks) + "</ul></details>")
+            parts.append(
+                f"<details><summary>{len(checks)} passing check(s)</summary><ul>"
+                + "".join(f"<li>{e(c)}</li>" for c in checks)
+                + "</ul></details>"
+            )
         findings = v["diagnosis"].get("findings", [])
         if findings:
             parts.append("<h3>Diagnosis</h3><ul>" + "".join(f"<li>{e(f)}</li>" for f in findings) + "</ul>")

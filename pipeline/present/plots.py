@@ -40,8 +40,10 @@ def _styled(draw: Callable[..., bytes]) -> Callable[..., bytes]:
     return wrapper
 
 
-def curve_rows(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dtype: str = "", band: AcceptanceConfig | None = None,
-               noise_steps: Sequence[Mapping] | None = None) -> dict[str, list[dict]]:
+def curve_rows(
+    ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dtype: str = "", band: AcceptanceConfig | None = None,
+    noise_steps: Sequence[Mapping] | None = None,
+) -> dict[str, list[dict]]:
     """Per-step rows for `dvc plots`, in long form (one value per row, named by ``series``), one list per family.
 
     ``loss``: the FP32 and AMP losses (``panel`` "loss"), then AMP's |gap| to FP32, the band the rule allows
@@ -60,14 +62,22 @@ def curve_rows(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dty
         loss.append({"step": step, "dtype": dtype, "panel": "loss", "series": amp, "value": s["loss"]})
         loss.append({"step": step, "dtype": dtype, "panel": "gap", "series": f"|{amp} - FP32|", "value": abs(s["loss"] - fp32)})
         if band is not None:
-            loss.append({"step": step, "dtype": dtype, "panel": "gap", "series": "band allowed by the rule", "value": band.loss_band(fp32)})
+            loss.append({
+                "step": step, "dtype": dtype, "panel": "gap", "series": "band allowed by the rule", "value": band.loss_band(fp32),
+            })
     for s in noise_steps or []:
         step = int(s["step"])
         if step in ref_loss:
-            loss.append({"step": step, "dtype": dtype, "panel": "gap", "series": "FP32 noise floor", "value": abs(s["loss"] - ref_loss[step])})
+            loss.append({
+                "step": step, "dtype": dtype, "panel": "gap", "series": "FP32 noise floor",
+                "value": abs(s["loss"] - ref_loss[step]),
+            })
     enabled = any(float(s["scale"]) != 1.0 for s in trial_steps) or dtype == "float16"
     label = "loss scale" if enabled else "no GradScaler: scale fixed at 1"
-    scale = [{"step": int(s["step"]), "dtype": dtype, "series": label, "scale": s["scale"], "skipped": int(bool(s["skipped"]))} for s in trial_steps]
+    scale = [
+        {"step": int(s["step"]), "dtype": dtype, "series": label, "scale": s["scale"], "skipped": int(bool(s["skipped"]))}
+        for s in trial_steps
+    ]
     return {"loss": [_finite_row(r) for r in loss], "scale": [_finite_row(r) for r in scale]}
 
 
@@ -105,7 +115,10 @@ def loss_curves(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dt
                     label=f"band: {band.loss_atol:g} + {band.loss_rtol:g}*|FP32 loss|")
         outside = [(s, g) for (s, _), g in zip(shared, gaps) if math.isfinite(g) and g > band.loss_band(ref[s])]
         if outside:
-            gap_ax.plot([s for s, _ in outside], [g for _, g in outside], "x", color=_BAD, label=f"outside the band ({len(outside)} steps)")
+            gap_ax.plot(
+                [s for s, _ in outside], [g for _, g in outside], "x", color=_BAD,
+                label=f"outside the band ({len(outside)} steps)",
+            )
     if noise_steps:
         ns, nl = _series(noise_steps, "loss")
         gap_ax.plot([s for s in ns if s in ref], [abs(v - ref[s]) for s, v in zip(ns, nl) if s in ref], color=_FP32, linewidth=1,
@@ -126,7 +139,10 @@ def loss_scale(trial_steps: Sequence[Mapping], dtype: str) -> bytes:
     ax.step(steps, scales, where="post", color=_AMP, label="loss scale")
     skipped = [(int(s["step"]), float(s["scale"])) for s in trial_steps if s["skipped"]]
     if skipped:
-        ax.plot([s for s, _ in skipped], [v for _, v in skipped], "x", color=_BAD, markersize=7, label=f"skipped update ({len(skipped)})")
+        ax.plot(
+            [s for s, _ in skipped], [v for _, v in skipped], "x", color=_BAD, markersize=7,
+            label=f"skipped update ({len(skipped)})",
+        )
     else:
         ax.plot([], [], "x", color=_BAD, label="skipped update (none)")
     finite = [v for v in scales if math.isfinite(v) and v > 0]
@@ -170,7 +186,10 @@ def error_envelope(
         ok = np.isfinite(err) & np.isfinite(mag)
         env = atol + rtol * mag
         out = ok & (err > env)
-        ring = np.repeat(np.asarray(flipped, dtype=bool), per_row)[: r.size] if flipped is not None and len(flipped) == rows else np.zeros(r.size, bool)
+        ring = (
+            np.repeat(np.asarray(flipped, dtype=bool), per_row)[: r.size] if flipped is not None and len(flipped) == rows
+            else np.zeros(r.size, bool)
+        )
         draw = ok & (err > 0) & (mag > 0)
         exact = int((ok & (err == 0)).sum())
         pick = _pick(draw, out | ring)
@@ -247,7 +266,10 @@ def error_histogram(
         ax.axvline(tolerances[name], color=_BAD, linestyle=":", linewidth=1.2, label=f"atol {name} = {tolerances[name]:g}")
     if not positive.size:
         ax.text(0.5, 0.5, "every element identical to the reference", ha="center", va="center", transform=ax.transAxes)
-    ax.set(xlabel="|AMP - FP32| per element", ylabel="elements", title=f"Absolute error, AMP {dtype} vs FP32" + (f"\n({note})" if note else ""))
+    ax.set(
+        xlabel="|AMP - FP32| per element", ylabel="elements",
+        title=f"Absolute error, AMP {dtype} vs FP32" + (f"\n({note})" if note else ""),
+    )
     ax.legend(loc="upper left", fontsize="x-small", bbox_to_anchor=(1.01, 1.0))  # beside the axes, never over the bars
     return _png(fig)
 

@@ -25,13 +25,19 @@ from pipeline.config import AcceptanceConfig, build
 from pipeline.present import page, verdict
 from pipeline.tracking import RunSpec
 
-PARENT_COLUMNS = ("accepted", "flips", "near_boundary_flips", "boundary_flips", "max_abs_gap", "quality_trial", "max_loss_gap", "speedup_median", "working_memory_ratio")
+PARENT_COLUMNS = (
+    "accepted", "flips", "near_boundary_flips", "boundary_flips", "max_abs_gap", "quality_trial", "max_loss_gap",
+    "speedup_median", "working_memory_ratio",
+)
 """The children's columns the parent repeats, per dtype, so that executions compare in one table."""
 
 
 def common_tags(commit: str, manifest: Manifest, dvc_experiment: str | None) -> dict[str, str]:
     """Tags of every run of one execution: the code version, the rule and the reference it was judged against."""
-    tags = {"git_commit": commit, "mlflow.source.git.commit": commit, "rule_sha256": manifest.rule_sha256, "reference_run_key": manifest.run_key}
+    tags = {
+        "git_commit": commit, "mlflow.source.git.commit": commit, "rule_sha256": manifest.rule_sha256,
+        "reference_run_key": manifest.run_key,
+    }
     if dvc_experiment:
         tags["dvc_experiment"] = dvc_experiment
     return tags
@@ -46,13 +52,19 @@ def loosened(decision: Mapping[str, Any], earlier_rollbacks: Sequence[Mapping[st
         return []
     out: list[str] = []
     for earlier in earlier_rollbacks:
-        out += [f"{d} (rolled back under rule {earlier['rule_sha256'][:12]})" for d in rule.loosened(earlier["rule"], decision["rule"])]
+        out += [
+            f"{d} (rolled back under rule {earlier['rule_sha256'][:12]})"
+            for d in rule.loosened(earlier["rule"], decision["rule"])
+        ]
     return out
 
 
 def verdicts(variants: Mapping[str, Mapping[str, Any]], loosened_by_dtype: Mapping[str, list[str]]) -> list[verdict.Verdict]:
     """Every dtype's verdict, with what publish alone knows: how the rule was loosened since a rollback."""
-    return [verdict.verdict(d, v["decision"], v["stats"], v["diagnosis"], v["benchmark"], loosened_by_dtype.get(d, [])) for d, v in variants.items()]
+    return [
+        verdict.verdict(d, v["decision"], v["stats"], v["diagnosis"], v["benchmark"], loosened_by_dtype.get(d, []))
+        for d, v in variants.items()
+    ]
 
 
 def parent(
@@ -70,8 +82,10 @@ def parent(
               **{f"decision.{d}": v["decision"]["decision"] for d, v in variants.items()},
               **{f"reasons_count.{d}": str(len(v["decision"]["reasons"])) for d, v in variants.items()}},
         params=flat,
-        metrics={"reference.real_updates": manifest.real_updates, "reference.final_loss": ref_steps[-1]["loss"] if ref_steps else None,
-                 **{f"{d}.{k}": x for d, v in variants.items() for k, x in columns(v).items() if k in PARENT_COLUMNS}},
+        metrics={
+            "reference.real_updates": manifest.real_updates, "reference.final_loss": ref_steps[-1]["loss"] if ref_steps else None,
+            **{f"{d}.{k}": x for d, v in variants.items() for k, x in columns(v).items() if k in PARENT_COLUMNS},
+        },
         steps={"loss_fp32": series(ref_steps, "loss"), "grad_norm_fp32": series(ref_steps, "grad_norm")},
         artifacts=[(p, "") for p in (Path(params_path), Path("dvc.lock")) if p.is_file()]
         + [(paths.REF_MANIFEST, "reference"), (paths.REF_TRAJECTORY, "reference")],
@@ -123,7 +137,10 @@ def child_artifacts(d: str) -> list[tuple[Path, str]]:
     if suggested.is_file():
         artifacts.append((suggested, ""))
     artifacts += [(p, "rollback") for p in sorted((paths.decision(d) / "rollback").glob("*")) if p.is_file()]
-    for stage, folder in (("trial", paths.trial(d)), ("compare", paths.compare(d)), ("diagnose", paths.diagnose(d)), ("benchmark", paths.benchmark(d))):
+    for stage, folder in (
+        ("trial", paths.trial(d)), ("compare", paths.compare(d)), ("diagnose", paths.diagnose(d)),
+        ("benchmark", paths.benchmark(d)),
+    ):
         artifacts += [(p, f"stages/{stage}") for p in sorted(folder.glob("*.json")) if p.name != "cases.json"]
     return artifacts
 
@@ -185,7 +202,9 @@ def _bench_columns(bench: Mapping[str, Any]) -> dict:
     return out
 
 
-def curves(ref_steps: list[dict], steps: list[dict], rule_: AcceptanceConfig, replicate_steps: list[dict] | None = None) -> dict[str, list[tuple[int, float]]]:
+def curves(
+    ref_steps: list[dict], steps: list[dict], rule_: AcceptanceConfig, replicate_steps: list[dict] | None = None
+) -> dict[str, list[tuple[int, float]]]:
     """Per-step histories: both losses, the AMP gap, the band the rule allows around FP32's loss and, when
     the reference ran an FP32 replicate, its gap (the noise floor)."""
     ref = {int(s["step"]): s["loss"] for s in ref_steps}
@@ -202,7 +221,9 @@ def curves(ref_steps: list[dict], steps: list[dict], rule_: AcceptanceConfig, re
     if steps and "lr" in steps[0]:
         out["lr"] = series(steps, "lr")
     if replicate_steps is not None:
-        out["loss_noise_floor"] = [(int(s["step"]), abs(s["loss"] - ref[int(s["step"])])) for s in replicate_steps if int(s["step"]) in ref]
+        out["loss_noise_floor"] = [
+            (int(s["step"]), abs(s["loss"] - ref[int(s["step"])])) for s in replicate_steps if int(s["step"]) in ref
+        ]
     return out
 
 
@@ -221,7 +242,11 @@ def fp64_note(stats: Mapping[str, Any]) -> str:
 
 def env_tags(env: Mapping[str, Any]) -> dict[str, str]:
     """Where it ran: backend is cpu, cuda or rocm (torch calls a ROCm GPU `cuda`; the stage recorded which)."""
-    return {"backend": env.get("backend", "unknown"), "device_name": env.get("device_name", "unknown"), "torch_version": env.get("torch", "unknown")}
+    return {
+        "backend": env.get("backend", "unknown"),
+        "device_name": env.get("device_name", "unknown"),
+        "torch_version": env.get("torch", "unknown"),
+    }
 
 
 def series(steps: list[dict], field: str) -> list[tuple[int, float]]:
