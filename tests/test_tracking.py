@@ -202,7 +202,10 @@ def test_one_child_per_dtype_named_by_its_decision_and_tagged(story):
         tags = r.data.tags
         assert tags["mlflow.parentRunId"] == parent.info.run_id and r.info.status == "FINISHED"
         assert tags["git_commit"] == commit and tags["rule_sha256"] == manifest["rule_sha256"]
-        assert tags["backend"] in ("cpu", "cuda", "rocm") and tags["device_name"] and tags["torch_version"] == manifest["env"]["torch"]
+        assert (
+            tags["backend"] in ("cpu", "cuda", "rocm") and tags["device_name"]
+            and tags["torch_version"] == manifest["env"]["torch"]
+        )
         assert tags["stage"] == "variant" and tags["dtype"] == d
         assert tags["decision"] == decisions[d]["decision"] and tags["reasons_count"] == str(len(decisions[d]["reasons"]))
         assert json.loads(tags["rule_json"]) == decisions[d]["rule"]
@@ -233,7 +236,8 @@ def test_params_are_flattened_from_params_yaml(story):
     raw = yaml.safe_load((story["repo"] / "params.yaml").read_text())
     assert params["reference.train_steps"] == str(raw["reference"]["train_steps"])
     assert json.loads(params["trial.dtypes"]) == raw["trial"]["dtypes"]
-    assert float(params["acceptance.outputs.default.atol"]) == raw["acceptance"]["outputs"]["*"]["atol"]  # `*` is not a valid MLflow key
+    # `*` is not a valid MLflow key
+    assert float(params["acceptance.outputs.default.atol"]) == raw["acceptance"]["outputs"]["*"]["atol"]
     assert params["tracking.experiment"] == "amp-validation"
 
 
@@ -246,7 +250,10 @@ def test_decision_and_key_figures_are_columns_and_curves_have_gap_and_band(story
         stats = read(repo, f"data/compare/{d}/stats.json")
         run = next(r for r in runs if r.data.tags.get("dtype") == d)
         steps = read(repo, f"data/trial/{d}/trajectory.json")["steps"]
-        for key, field, source in (("loss_amp", "loss", steps), ("loss_fp32", "loss", ref_steps), ("loss_scale", "scale", steps), ("grad_norm", "grad_norm", steps)):
+        for key, field, source in (
+            ("loss_amp", "loss", steps), ("loss_fp32", "loss", ref_steps), ("loss_scale", "scale", steps),
+            ("grad_norm", "grad_norm", steps),
+        ):
             history = sorted(c.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
             assert [m.step for m in history] == [s["step"] for s in source], key
             assert [m.value for m in history] == pytest.approx([s[field] for s in source], rel=1e-12), key
@@ -255,13 +262,17 @@ def test_decision_and_key_figures_are_columns_and_curves_have_gap_and_band(story
         assert [m.value for m in gap] == pytest.approx([abs(s["loss"] - ref[s["step"]]) for s in steps], rel=1e-9, abs=1e-12)
         band = sorted(c.get_metric_history(run.info.run_id, "loss_band"), key=lambda m: m.step)
         rule = decision["rule"]
-        assert [m.value for m in band] == pytest.approx([rule["loss_atol"] + rule["loss_rtol"] * abs(ref[s["step"]]) for s in steps])
+        assert [m.value for m in band] == pytest.approx(
+            [rule["loss_atol"] + rule["loss_rtol"] * abs(ref[s["step"]]) for s in steps]
+        )
         m = run.data.metrics
         assert m["accepted"] == float(decision["decision"] == "accept")
         assert m["flips"] == stats["flips"]["flips"] and m["near_boundary_flips"] == stats["flips"]["near_boundary_flips"]
         assert m["boundary_flips"] == stats["flips"]["boundary_flips"]
         assert m["max_abs_gap"] == pytest.approx(max(v["max_abs"] for v in stats["values"].values()))
-        assert m["quality_trial"] == pytest.approx(stats["quality"]["trial"]) and m["max_loss_gap"] == pytest.approx(stats["training"]["max_loss_gap"])
+        assert m["quality_trial"] == pytest.approx(stats["quality"]["trial"]) and m["max_loss_gap"] == pytest.approx(
+            stats["training"]["max_loss_gap"]
+        )
         assert not any("arbiter" in k for k in m) and not any(k.endswith("_bytes") for k in m)  # renamed, with units
         bench = read(repo, f"data/benchmark/{d}/benchmark.json")
         if bench.get("benchmarked"):
@@ -277,13 +288,18 @@ def test_artifacts_a_reviewer_opens(story, tmp_path):
     c = client(uri)
     runs = runs_of(uri)
     parent = parents_of(runs)[0]
-    assert {"report.html", "summary.md", "params.yaml", "dvc.lock", "reference/manifest.json", "reference/trajectory.json"} <= artifacts(c, parent.info.run_id)
+    assert {
+        "report.html", "summary.md", "params.yaml", "dvc.lock", "reference/manifest.json", "reference/trajectory.json",
+    } <= artifacts(c, parent.info.run_id)
     dtypes = dtypes_of(repo)
     for d in dtypes:
         run = next(r for r in runs if r.data.tags.get("dtype") == d)
         have = artifacts(c, run.info.run_id)
         assert {f"plots/{n}.png" for n in ("loss", "scale", "envelope", "errors")} <= have
-        assert {"decision.json", "cases.json", "stages/compare/stats.json", "stages/trial/trajectory.json", "stages/diagnose/diagnosis.json"} <= have
+        assert {
+            "decision.json", "cases.json", "stages/compare/stats.json", "stages/trial/trajectory.json",
+            "stages/diagnose/diagnosis.json",
+        } <= have
         if (repo / f"data/diagnose/{d}/suggested_params.yaml").is_file():
             assert "suggested_params.yaml" in have
         if (repo / f"data/decision/{d}/rollback").is_dir():
@@ -326,7 +342,8 @@ def test_two_publishers_at_once_publish_one_tree(reproduced, server, tmp_path):
         write_params(repo, {"tracking": {"experiment": "concurrent"}})
         repos.append(repo)
     procs = [
-        subprocess.Popen([sys.executable, "-m", "pipeline", "publish"], cwd=repo, env={**env_for(repo), "MLFLOW_TRACKING_URI": server},
+        subprocess.Popen([sys.executable, "-m", "pipeline", "publish"], cwd=repo,
+                         env={**env_for(repo), "MLFLOW_TRACKING_URI": server},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for repo in repos
     ]
@@ -349,7 +366,9 @@ def spec(name: str = "x") -> tracking.RunSpec:
 def test_a_live_publish_is_waited_for_and_a_stale_one_taken_over(server):
     publisher = tracking.Publisher("lease", uri=server, wait_s=1.0)
     c = client(server)
-    live = c.create_run(publisher.experiment_id, tags={tracking.KEY_TAG: "k1", tracking.HEARTBEAT_TAG: str(int(time.time() * 1000))}).info.run_id
+    live = c.create_run(
+        publisher.experiment_id, tags={tracking.KEY_TAG: "k1", tracking.HEARTBEAT_TAG: str(int(time.time() * 1000))}
+    ).info.run_id
     start = time.monotonic()
     with pytest.raises(tracking.UserError, match="still running"):
         publisher.publish("k1", spec(), [spec("child")])
@@ -437,7 +456,9 @@ def test_dvc_exp_run_temp_publishes_to_the_workspace_database(reproduced, tmp_pa
     env = env_for(repo)
     del env["MLFLOW_TRACKING_URI"]  # the default: sqlite:///<repository root>/mlflow.db
     before = {r.info.run_id for r in runs_of(f"sqlite:///{repo / 'mlflow.db'}")}
-    proc = run([str(BIN / "dvc"), "exp", "run", "--temp", "-n", "bf16-only", "-S", "trial.dtypes=[bfloat16]"], repo, env=env, timeout=600)
+    proc = run(
+        [str(BIN / "dvc"), "exp", "run", "--temp", "-n", "bf16-only", "-S", "trial.dtypes=[bfloat16]"], repo, env=env, timeout=600
+    )
     assert "publish" in proc.stdout
     runs = [r for r in runs_of(f"sqlite:///{repo / 'mlflow.db'}") if r.info.run_id not in before]
     parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
@@ -455,7 +476,8 @@ def test_the_printed_link_opens_the_verdict_in_model_training_mode_in_a_browser(
     from test_e2e_browser import FLAGS, chromium
 
     link = next(w for w in story["first"][0].stdout.strip().splitlines()[-2].split() if w.startswith(story["uri"]))
-    dom = subprocess.run([chromium(), *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=20000", "--dump-dom", link],
+    dom = subprocess.run([chromium(), *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=20000",
+                          "--dump-dom", link],
                          capture_output=True, text=True, timeout=180, check=True).stdout
     text = html.unescape(re.sub(r"<[^>]+>", " ", dom))
     assert "Model training" in text

@@ -31,24 +31,32 @@ print("mlflow imported:", "mlflow" in sys.modules)
 
 
 def look_up(uri: str) -> list[str]:
-    return subprocess.run([sys.executable, "-c", LOOK_UP, uri], capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()
+    return subprocess.run(
+        [sys.executable, "-c", LOOK_UP, uri], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.splitlines()
 
 
 def test_a_recorded_key_is_found_without_mlflow_until_the_store_changes(tmp_path):
     db = tmp_path / "mlflow.db"
     shutil.copy(blank_mlflow_db(), db)
     uri = f"sqlite:///{db}"
-    _, done = subprocess.run([sys.executable, "-c", PUBLISH, uri], capture_output=True, text=True, check=True, cwd=ROOT).stdout.split()
+    _, done = subprocess.run(
+        [sys.executable, "-c", PUBLISH, uri], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.split()
     record = json.loads((tmp_path / ".mlflow-published.json").read_text())
     assert list(record[uri]["published"]["exp"]) == ["k-done"]  # a tree published with remember=False is not recorded
-    assert look_up(uri) == [f"k-done exp {done}", "k-loose exp None", "k-none exp None", "k-done other None", "mlflow imported: False"]
+    assert look_up(uri) == [
+        f"k-done exp {done}", "k-loose exp None", "k-none exp None", "k-done other None", "mlflow imported: False",
+    ]
 
     # The run deleted in the UI: the store changed since the record, so the caller asks MLflow, which finds nothing.
     code = f"import mlflow; mlflow.MlflowClient(tracking_uri={uri!r}).delete_run({done!r})"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
     assert look_up(uri)[0] == "k-done exp None"
     # A publish after it records the new tree against the store as it is now.
-    _, again = subprocess.run([sys.executable, "-c", PUBLISH, uri], capture_output=True, text=True, check=True, cwd=ROOT).stdout.split()
+    _, again = subprocess.run(
+        [sys.executable, "-c", PUBLISH, uri], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.split()
     assert again != done and look_up(uri)[0] == f"k-done exp {again}"
 
 
@@ -61,5 +69,7 @@ def test_other_stores_and_broken_records_take_the_mlflow_path(tmp_path):
     (tmp_path / ".mlflow-published.json").write_text("{not json")
     assert tracking.published(f"sqlite:///{tmp_path / 'junk.db'}", "exp", "k") is None
     uri = f"sqlite:///{tmp_path / 'junk.db'}"
-    (tmp_path / ".mlflow-published.json").write_text(json.dumps({uri: {"stamp": [0], "published": {"exp": {"k": {"run_id": "r", "experiment_id": "1"}}}}}))
+    (tmp_path / ".mlflow-published.json").write_text(
+        json.dumps({uri: {"stamp": [0], "published": {"exp": {"k": {"run_id": "r", "experiment_id": "1"}}}}})
+    )
     assert tracking.published(uri, "exp", "k") is None  # a record of another state of the store
