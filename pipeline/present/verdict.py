@@ -37,7 +37,8 @@ class Verdict:
     """``accept`` or ``rollback``."""
     sentence: str
     failed: str = ""
-    """On rollback, how many criteria failed, in words ("1 criterion failed"): the sentence's core, alone for one-line summaries."""
+    """On rollback, how many criteria failed, in words ("1 criterion failed"): the sentence's core, alone for
+    one-line summaries."""
     reasons: list[str] = field(default_factory=list)
     """The failed criteria, then the diagnosis' findings (each said as ``diagnosis: ...``)."""
     flips: list[str] = field(default_factory=list)
@@ -112,7 +113,10 @@ def _gain(bench: Mapping[str, Any] | None, env: Mapping[str, Any]) -> str:
         if memory and w < 0.9:
             return f"{words}, {memory}: keep FP32 here unless memory is what you lack"
         return f"{words}: keep FP32 here"
-    return f"no measurable speed difference (x{s:.2f}) on {where}" + (f", {memory}" if memory else "") + ": AMP gains nothing here but memory"
+    return (
+        f"no measurable speed difference (x{s:.2f}) on {where}" + (f", {memory}" if memory else "")
+        + ": AMP gains nothing here but memory"
+    )
 
 
 def _flips(stats: Mapping[str, Any], rule: Mapping[str, Any]) -> list[str]:
@@ -139,7 +143,10 @@ def _flips(stats: Mapping[str, Any], rule: Mapping[str, Any]) -> list[str]:
         if f.get("kind") == "boundary":
             text += " - a constructed boundary case"
         elif near(f):
-            text += f" - a REAL sample near the boundary (its margin is under boundary_margin {_g(margin)}): it counts as a near-boundary flip"
+            text += (
+                f" - a REAL sample near the boundary (its margin is under boundary_margin {_g(margin)}): "
+                "it counts as a near-boundary flip"
+            )
         else:
             text += " - a REAL sample with a clear margin"
         lines.append(text)
@@ -171,7 +178,9 @@ def _commands(dtype: str, diagnosis: Mapping[str, Any]) -> list[str]:
     if s.get("fp32_modules"):
         modules = "[" + ",".join(s["fp32_modules"]) + "]"
         checked = "passes the rule in a re-run" if s.get("rule_passes") else "not checked by a re-run"
-        cmds.append(f"dvc exp run -S 'trial.fp32_modules={modules}' -S 'trial.dtypes=[{dtype}]'   # suggested FP32 regions ({checked})")
+        cmds.append(
+            f"dvc exp run -S 'trial.fp32_modules={modules}' -S 'trial.dtypes=[{dtype}]'   # suggested FP32 regions ({checked})"
+        )
     return cmds
 
 
@@ -236,7 +245,9 @@ def html(verdicts: Sequence[Verdict]) -> str:
         if v.training:
             parts.append(f"<li>{e(v.training)}</li>")
         if v.flips:
-            parts.append(f"<li>flipped cases ({_count(v.flips)}):<ul>" + "".join(f"<li>{e(f)}</li>" for f in v.flips) + "</ul></li>")
+            parts.append(
+                f"<li>flipped cases ({_count(v.flips)}):<ul>" + "".join(f"<li>{e(f)}</li>" for f in v.flips) + "</ul></li>"
+            )
         parts.append("</ul>")
         if v.commands:
             parts.append("<p>Next:</p><pre>" + e("\n".join(v.commands)) + "</pre>")
