@@ -126,10 +126,7 @@ def _flips(stats: Mapping[str, Any], rule: Mapping[str, Any]) -> list[str]:
     margin = flips.get("boundary_margin", rule.get("boundary_margin"))
     listed = flips.get("flip_list") or []
 
-    def near(f: Mapping) -> bool:  # older stats had one "boundary" flag, by margin, for real samples too
-        return bool(f.get("near_boundary")) or (bool(f.get("boundary")) and f.get("kind") != "boundary")
-
-    order = sorted(listed, key=lambda f: (f.get("kind") == "boundary", not near(f), str(f.get("id")), f.get("position", -1)))
+    order = sorted(listed, key=lambda f: (f["kind"] == "boundary", not f["near_boundary"], str(f["id"]), f.get("position", -1)))
     lines = []
     for f in order[:MAX_FLIPS]:
         where = f"{safe_id(f['id'])}@{f['position']}" if "position" in f else safe_id(f["id"])
@@ -142,7 +139,7 @@ def _flips(stats: Mapping[str, Any], rule: Mapping[str, Any]) -> list[str]:
             text = f"{where}: {_g(f.get('reference'))} -> {_g(f.get('trial'))} across the threshold"
         if f.get("kind") == "boundary":
             text += " - a constructed boundary case"
-        elif near(f):
+        elif f["near_boundary"]:
             text += (
                 f" - a REAL sample near the boundary (its margin is under boundary_margin {_g(margin)}): "
                 "it counts as a near-boundary flip"
