@@ -56,14 +56,15 @@ def test_statistics_do_not_depend_on_the_chunking(per_token):
         out[chunk] = (stats, table)
     (a, ta), (b, tb), (c, tc) = out.values()
     for s in (b, c):
-        for key in ("failing", "max_abs", "p99_abs", "max_rel", "p99_rel", "min_passing_atol", "min_passing_rtol"):
-            assert s["values"]["logits"][key] == a["values"]["logits"][key], key
-        assert s["values"]["logits"]["mean_abs"] == pytest.approx(a["values"]["logits"]["mean_abs"], rel=1e-6)  # float32 sums per slice
-        assert {k: v for k, v in s["flips"].items()} == a["flips"]
-        assert s["quality"] == a["quality"] if not per_token else s["quality"]["trial"] == a["quality"]["trial"]
+        exact = ("failing", "max_abs", "p99_abs", "max_rel", "p99_rel", "min_passing_atol", "min_passing_rtol")
+        sv, av = s.values["logits"], a.values["logits"]
+        assert [getattr(sv, k) for k in exact] == [getattr(av, k) for k in exact]
+        assert sv.mean_abs == pytest.approx(av.mean_abs, rel=1e-6)  # float32 sums per slice
+        assert s.flips == a.flips
+        assert s.quality == a.quality if not per_token else s.quality.trial == a.quality.trial
         if per_token:
-            assert s["distribution"]["kl_p99"] == a["distribution"]["kl_p99"]
-            assert s["distribution"]["kl_mean"] == pytest.approx(a["distribution"]["kl_mean"], rel=1e-9)
+            assert s.distribution.kl_p99 == a.distribution.kl_p99
+            assert s.distribution.kl_mean == pytest.approx(a.distribution.kl_mean, rel=1e-9)
     assert ta == tb == tc
 
 
@@ -71,7 +72,7 @@ def test_table_keeps_every_flip_and_the_worst_others():
     ids, y, has, ref, trial = _set()
     stats, table = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial), RUNS,
                                            cfg=CompareConfig(table_rows=5))
-    flipped = {f["id"] for f in stats["flips"]["flip_list"]}
+    flipped = {f.id for f in stats.flips.flip_list}
     assert flipped and flipped <= {r["id"] for r in table}
     assert len(table) == len(flipped) + 5
     others = sorted((r for r in table if not r["flipped"]), key=lambda r: -r["max_abs_gap"])
@@ -80,8 +81,8 @@ def test_table_keeps_every_flip_and_the_worst_others():
     fifth = sorted((float(gaps[i]) for i in not_flipped), reverse=True)[4]
     assert others[-1]["max_abs_gap"] == pytest.approx(fifth)
     assert [r["id"] for r in table] == [i for i in ids if i in {r["id"] for r in table}]  # case order
-    counts = stats["flips"]
-    assert counts["flips"] + counts["near_boundary_flips"] + counts["boundary_flips"] == len(flipped)  # exact counts
+    counts = stats.flips
+    assert counts.flips + counts.near_boundary_flips + counts.boundary_flips == len(flipped)  # exact counts
 
 
 def test_a_fixed_set_100_times_the_default_is_read_one_chunk_at_a_time(tmp_path):
@@ -89,16 +90,17 @@ def test_a_fixed_set_100_times_the_default_is_read_one_chunk_at_a_time(tmp_path)
     ids, y, has, ref, trial = _set(n=27_000, c=10, seed=5)
     paths = {}
     for name, data in (("ref", ref), ("trial", trial)):
-        paths[name] = outputs.write_outputs(tmp_path / f"{name}.safetensors", ({"logits": data["logits"][s : s + 4000]} for s in range(0, 27_000, 4000)), ids)
+        chunks = ({"logits": data["logits"][s : s + 4000]} for s in range(0, 27_000, 4000))
+        paths[name] = outputs.write_outputs(tmp_path / f"{name}.safetensors", chunks, ids)
     chunk = 20_000  # elements: 2,000 cases of 10 scores
     ref_src = Counting(outputs.OutputsReader(tmp_path / "ref.safetensors", paths["ref"]))
     trial_src = outputs.OutputsReader(tmp_path / "trial.safetensors", paths["trial"])
-    stats, table = streams.compare_streams("classification", AcceptanceConfig(), streams.Sources(ids, y, has, ref_src, trial_src, trial_src), RUNS,
-                                           cfg=CompareConfig(chunk_elements=chunk, table_rows=20))
+    stats, table = streams.compare_streams("classification", AcceptanceConfig(), streams.Sources(ids, y, has, ref_src, trial_src, trial_src),
+                                           RUNS, cfg=CompareConfig(chunk_elements=chunk, table_rows=20))
     assert ref_src.most == chunk // 10
-    assert stats["values"]["logits"]["elements"] == 270_000 and stats["outputs"]["chunk_rows"] == 2000
+    assert stats.values["logits"].elements == 270_000 and stats.outputs.chunk_rows == 2000
     whole = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial), RUNS)[0]
-    assert stats["flips"] == whole["flips"] and stats["values"]["logits"]["p99_abs"] == whole["values"]["logits"]["p99_abs"]
+    assert stats.flips == whole.flips and stats.values["logits"].p99_abs == whole.values["logits"].p99_abs
 
 
 def test_regression_and_typed_stats(tmp_path, monkeypatch):
@@ -111,14 +113,14 @@ def test_regression_and_typed_stats(tmp_path, monkeypatch):
     rule = AcceptanceConfig(threshold=0.0)
     runs = streams.Trajectories(STEPS, STEPS, 1.0, replicate=STEPS)
     stats, table = streams.compare_streams("regression", rule, _sources(ids, y, has, ref, trial), runs, metric=streams.Metric("neg_mae"))
-    assert stats["quality"]["trial"] == pytest.approx(-0.01, rel=1e-5) and stats["quality"]["metric"] == "neg_mae"
+    assert stats.quality.trial == pytest.approx(-0.01, rel=1e-5) and stats.quality.metric == "neg_mae"
     crossing = ((ref["output"] < 0) & (ref["output"] + 0.01 >= 0)).sum()
-    assert stats["flips"]["flips"] == int(crossing)
-    assert stats["training"]["noise"]["max_replicate_gap"] == 0.0
+    assert stats.flips.flips == int(crossing)
+    assert stats.training.noise.max_replicate_gap == 0.0
     monkeypatch.chdir(tmp_path)
     comparison.write("float16", stats, table)
     s = comparison.read("float16")
-    assert s.quality.trial == stats["quality"]["trial"] and s.flips.real_flips == int(crossing) and s.distribution is None
+    assert s == stats and s.flips.real_flips == int(crossing) and s.distribution is None
     assert s.max_abs_gap == pytest.approx(0.01, rel=1e-4) and comparison.read_table("float16") == table
     assert not math.isnan(s.training.max_loss_gap)
 
@@ -135,7 +137,7 @@ def test_user_metric_sees_the_target_rows_once_and_sets_the_direction():
     stats, _ = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial), RUNS, metric=metric,
                                        cfg=CompareConfig(chunk_elements=300))
     assert calls == [170, 170, 170]  # reference, trial, trained: every ordinary case at once, whatever the chunking
-    assert stats["quality"]["reference"] == 0.0 and stats["quality"]["higher_is_better"] is False
+    assert stats.quality.reference == 0.0 and stats.quality.higher_is_better is False
 
 
 def test_attention_mask_excludes_padding_positions():
@@ -144,11 +146,12 @@ def test_attention_mask_excludes_padding_positions():
     trial["logits"][:, 2, :] += torch.randn(60, 10) * 5  # position 2: noise that flips tokens
     mask = torch.ones(60, 6, dtype=torch.long)
     mask[:, 2] = 0  # ... but it is padding
-    with_mask, _ = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial, token_mask=mask), RUNS)
+    with_mask, _ = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial, token_mask=mask),
+                                           RUNS)
     without, _ = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial), RUNS)
-    assert with_mask["distribution"]["tokens"] == without["distribution"]["tokens"] - 60 + int((y[:, 2] == -100).sum())
-    assert with_mask["flips"]["real_flips"] < without["flips"]["real_flips"]
-    assert all(f["position"] != 2 for f in with_mask["flips"]["flip_list"])
+    assert with_mask.distribution.tokens == without.distribution.tokens - 60 + int((y[:, 2] == -100).sum())
+    assert with_mask.flips.real_flips < without.flips.real_flips
+    assert all(f.position != 2 for f in with_mask.flips.flip_list)
     assert streams.token_mask_of({"input_ids": torch.zeros(2, 3), "attention_mask": mask[:2, :3]}) is not None
 
 

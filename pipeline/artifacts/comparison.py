@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import types
 import typing
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import ClassVar, Literal
 
 from pipeline import paths
@@ -312,8 +312,8 @@ class Noise(_Section):
 
 
 @dataclass(frozen=True)
-class Training(_Section):
-    """The trial's trajectory against the reference's (or FP32 aligned on its skips) and its updates' health."""
+class LossGap(_Section):
+    """The trial's per-step loss against the reference's band (``compare.trajectory.trajectory_gap``)."""
 
     ABSENT = ("noise",)
 
@@ -324,6 +324,14 @@ class Training(_Section):
     max_loss_gap_step: int
     final_loss_reference: float
     final_loss_trial: float
+    noise: Noise | None = field(default=None, kw_only=True)
+    """Set when a replicate trajectory (the noise floor) was compared too."""
+
+
+@dataclass(frozen=True)
+class UpdateHealth(_Section):
+    """Whether the trial's updates were real (``compare.trajectory.update_health``)."""
+
     nonfinite_grad_steps: tuple[int, ...]
     """Steps whose gradient norm was not finite with no GradScaler to skip them (not applied)."""
     skipped_steps: int
@@ -334,10 +342,22 @@ class Training(_Section):
     final_scale: float
     min_scale: float
     first_nonfinite_loss_step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training(UpdateHealth, LossGap):
+    """The trial's trajectory against the reference's (or FP32 aligned on its skips) and its updates' health:
+    one flat section in the file, the loss gap's fields and the health's, and how the trial ran."""
+
     scaler_enabled: bool
     aligned_on_skips: bool
     first_nonfinite_reference_step: int
-    noise: Noise | None = None
+
+    @classmethod
+    def of(cls, gap: LossGap, health: UpdateHealth, **run) -> "Training":
+        """``gap`` and ``health`` joined, with ``run``'s fields (scaler_enabled, aligned_on_skips, ...)."""
+        parts = {f.name: getattr(p, f.name) for p in (gap, health) for f in fields(p)}
+        return cls(**parts, **run)
 
 
 @dataclass(frozen=True)
@@ -390,13 +410,12 @@ def summary(stats: Stats) -> dict:
     return out
 
 
-def write(dtype: str, stats: dict, table: list[dict]) -> None:
-    """``stats`` as compare produced it (read back typed first: a statistic the reader does not know is refused here)."""
-    typed = Stats.from_dict(stats)
+def write(dtype: str, stats: Stats, table: list[dict]) -> None:
+    """``stats`` as compare produced it, as ``Stats.to_dict`` gives it (the form ``read`` reads back)."""
     out = paths.compare(dtype)
-    write_json(out / STATS, stats)
+    write_json(out / STATS, stats.to_dict())
     write_json(out / TABLE, table)
-    write_json(out / SUMMARY, summary(typed))
+    write_json(out / SUMMARY, summary(stats))
 
 
 def read(dtype: str) -> Stats:

@@ -9,10 +9,12 @@ numbers per case; ``regression_flips`` compares the first output of each case wi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 
+from pipeline.artifacts.comparison import Decisions, Distribution, Flip
 from pipeline.compare.quantiles import StreamQuantile
 from pipeline.task import IGNORE_INDEX
 
@@ -137,6 +139,52 @@ def kl_and_lse(ref_scores: torch.Tensor, trial_scores: torch.Tensor, diff: torch
     return kl.clamp_(min=0.0), lse_ref, lse_trial
 
 
+@dataclass(frozen=True)
+class Labels:
+    """Both sides' decisions of one slice and, per token, their log-sum-exps: for the quality to reuse."""
+
+    reference: torch.Tensor
+    trial: torch.Tensor
+    lse_reference: torch.Tensor | None = None
+    lse_trial: torch.Tensor | None = None
+
+    def of(self, side: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(labels, log-sum-exps) of ``side``; none for a side not decided here (the trained model's)."""
+        if side == "reference":
+            return self.reference, self.lse_reference
+        if side == "trial":
+            return self.trial, self.lse_trial
+        return None, None
+
+
+@dataclass(frozen=True)
+class PerCase:
+    """A few numbers per case, in case order, updated in place slice by slice: flips (per token: flipped
+    tokens), the reference margin (per token: the smallest), reference and trial class (per case), KL's sum,
+    largest and worst token over the target tokens (per token)."""
+
+    flips: torch.Tensor
+    margin: torch.Tensor
+    reference_class: torch.Tensor
+    trial_class: torch.Tensor
+    kl_sum: torch.Tensor
+    tokens: torch.Tensor
+    kl_max: torch.Tensor
+    worst_token: torch.Tensor
+
+    @classmethod
+    def empty(cls, n: int) -> "PerCase":
+        """Before any slice: no flip, an infinite margin, class -3 (none yet)."""
+        return cls(flips=torch.zeros(n, dtype=torch.int64), margin=torch.full((n,), math.inf, dtype=torch.float64),
+                   reference_class=torch.full((n,), -3, dtype=torch.int64), trial_class=torch.full((n,), -3, dtype=torch.int64),
+                   kl_sum=torch.zeros(n, dtype=torch.float64), tokens=torch.zeros(n, dtype=torch.int64),
+                   kl_max=torch.zeros(n, dtype=torch.float64), worst_token=torch.zeros(n, dtype=torch.int64))
+
+    @property
+    def kl_mean(self) -> torch.Tensor:
+        return self.kl_sum / self.tokens.clamp(min=1)
+
+
 class DecisionStats:
     """Decisions of reference and trial compared, per case ([N, C]) or per token ([N, T, C]), slice by slice.
 
@@ -156,8 +204,9 @@ class DecisionStats:
         self.ids, self.kinds = ids, kinds
         self.tie_rule, self.boundary_margin, self.margin_kind = tie_rule, boundary_margin, margin_kind
         self.top_k, self.max_listed = top_k, max_listed
-        self.counts = {"cases": 0, "boundary_cases": 0, "near_boundary_cases": 0, "flips": 0, "near_boundary_flips": 0, "boundary_flips": 0}
-        self.flip_list: list[dict] = []
+        self.cases = self.boundary_cases = self.near_boundary_cases = 0
+        self.flips = self.near_boundary_flips = self.boundary_flips = 0
+        self.flip_list: list[Flip] = []
         self.listed_dropped = 0
         self.per_token = False
         self.tokens = 0
@@ -167,23 +216,13 @@ class DecisionStats:
         self.kl_max = 0.0
         self.kl_q = StreamQuantile(0.99, max(capacity_tokens, 1))
         self.constructed = torch.tensor([k == "boundary" for k in kinds], dtype=torch.bool)
-        n = len(ids)
-        self._case = {
-            "flips": torch.zeros(n, dtype=torch.int64),
-            "margin": torch.full((n,), math.inf, dtype=torch.float64),
-            "reference_class": torch.full((n,), -3, dtype=torch.int64),
-            "trial_class": torch.full((n,), -3, dtype=torch.int64),
-            "kl_sum": torch.zeros(n, dtype=torch.float64),
-            "tokens": torch.zeros(n, dtype=torch.int64),
-            "kl_max": torch.zeros(n, dtype=torch.float64),
-            "worst_token": torch.zeros(n, dtype=torch.int64),
-        }
+        self._case = PerCase.empty(len(ids))
 
     def update(self, row: int, ref: torch.Tensor, trial: torch.Tensor, targets: torch.Tensor | None = None,
-               position: int = 0, diff: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+               position: int = 0, diff: torch.Tensor | None = None) -> Labels:
         """Cases ``row:row + len(ref)`` (positions ``position:position + T'`` for [n, T', C] scores).
 
-        Returns the decisions of both sides ({"reference": labels, "trial": labels}) for reuse."""
+        Returns the decisions of both sides (``Labels``) for reuse."""
         n = ref.shape[0]
         per_token = ref.ndim == 3
         self.per_token = per_token
@@ -207,19 +246,18 @@ class DecisionStats:
             constructed_pos = constructed
         flipped = ((r_lab != t_lab) | _ties_differ(ref, trial, r_lab, t_lab)) & valid
         near = (r_margin < self.boundary_margin) & valid & ~constructed_pos  # NaN margins are never "near"
-        c = self.counts
-        c["cases"] += int(valid.sum())
-        c["boundary_cases"] += int((constructed_pos & valid).sum())
-        c["near_boundary_cases"] += int(near.sum())
-        c["boundary_flips"] += int((flipped & constructed_pos).sum())
-        c["near_boundary_flips"] += int((flipped & near).sum())
-        c["flips"] += int((flipped & ~constructed_pos & ~near).sum())
+        self.cases += int(valid.sum())
+        self.boundary_cases += int((constructed_pos & valid).sum())
+        self.near_boundary_cases += int(near.sum())
+        self.boundary_flips += int((flipped & constructed_pos).sum())
+        self.near_boundary_flips += int((flipped & near).sum())
+        self.flips += int((flipped & ~constructed_pos & ~near).sum())
         case = self._case
         if not per_token:
-            case["flips"][rows] = flipped.long()
-            case["margin"][rows] = r_margin
-            case["reference_class"][rows] = r_lab
-            case["trial_class"][rows] = t_lab
+            case.flips[rows] = flipped.long()
+            case.margin[rows] = r_margin
+            case.reference_class[rows] = r_lab
+            case.trial_class[rows] = t_lab
             where = torch.nonzero(flipped).flatten()
             if where.numel():
                 t_sub = trial[where]
@@ -228,7 +266,7 @@ class DecisionStats:
             for j, i in enumerate(where.tolist()):
                 self.flip_list.append(self._record(row + i, None, bool(near[i]), int(r_lab[i]), int(t_lab[i]),
                                                    float(r_margin[i]), float(t_margin[j]), ref[i], trial[i]))
-            return {"reference": r_lab, "trial": t_lab}
+            return Labels(r_lab, t_lab)
         kl, lse_r, lse_t = kl_and_lse(ref, trial, diff, ref_argmax=r_top[1][..., 0])
         kl_v = kl[valid]
         self.tokens += kl_v.numel()
@@ -240,15 +278,15 @@ class DecisionStats:
         self.overlap_sum += float(ov[valid].sum())
         if kl.shape[1]:
             kl_masked = torch.where(valid, kl, torch.zeros_like(kl))
-            case["flips"][rows] += flipped.sum(1)
-            case["kl_sum"][rows] += kl_masked.sum(1)
-            case["tokens"][rows] += valid.sum(1)
+            case.flips[rows] += flipped.sum(1)
+            case.kl_sum[rows] += kl_masked.sum(1)
+            case.tokens[rows] += valid.sum(1)
             block_max, block_arg = kl_masked.max(1)
-            better = block_max > case["kl_max"][rows]
-            case["worst_token"][rows] = torch.where(better, block_arg + position, case["worst_token"][rows])
-            case["kl_max"][rows] = torch.maximum(block_max, case["kl_max"][rows])
+            better = block_max > case.kl_max[rows]
+            case.worst_token[rows] = torch.where(better, block_arg + position, case.worst_token[rows])
+            case.kl_max[rows] = torch.maximum(block_max, case.kl_max[rows])
             m = torch.where(valid, r_margin, torch.full_like(r_margin, math.inf)).min(1).values
-            case["margin"][rows] = torch.minimum(case["margin"][rows], m)
+            case.margin[rows] = torch.minimum(case.margin[rows], m)
         where = torch.nonzero(flipped)
         room = self.max_listed - len(self.flip_list)
         if where.shape[0] > room:
@@ -257,67 +295,63 @@ class DecisionStats:
         for i, j in where.tolist():
             rec = self._record(row + i, position + j, bool(near[i, j]), int(r_lab[i, j]), int(t_lab[i, j]), float(r_margin[i, j]),
                                float(t_margin[i, j]), ref[i, j], trial[i, j])
-            rec["kl"] = float(kl[i, j])
-            self.flip_list.append(rec)
-        return {"reference": r_lab, "trial": t_lab, "lse_reference": lse_r, "lse_trial": lse_t}
+            self.flip_list.append(replace(rec, kl=float(kl[i, j])))
+        return Labels(r_lab, t_lab, lse_r, lse_t)
 
-    def _record(self, case: int, position, near, rc, tc, rm, tm, r_scores, t_scores) -> dict:
-        rec = {"id": self.ids[case], "kind": self.kinds[case], "boundary": bool(self.constructed[case]), "near_boundary": near,
-               "reference_class": rc, "trial_class": tc, "reference_margin": rm, "trial_margin": tm, "margin_kind": self.margin_kind}
-        if position is not None:
-            rec["position"] = position
+    def _record(self, case: int, position, near, rc, tc, rm, tm, r_scores, t_scores) -> Flip:
+        scores: dict = {}
         if r_scores.numel() <= 16:
-            rec["reference_scores"] = r_scores.double().tolist()
-            rec["trial_scores"] = t_scores.double().tolist()
+            scores = {"reference_scores": tuple(r_scores.double().tolist()), "trial_scores": tuple(t_scores.double().tolist())}
         else:  # a vocabulary: the top 5 of each side
             for side, s in (("reference", r_scores), ("trial", t_scores)):
                 v, i = s.float().topk(5)
-                rec[f"{side}_top"] = [[a, b] for a, b in zip(i.tolist(), v.double().tolist())]
-        return rec
+                scores[f"{side}_top"] = tuple(zip(i.tolist(), v.double().tolist()))
+        return Flip(id=self.ids[case], kind=self.kinds[case], boundary=bool(self.constructed[case]), near_boundary=near,
+                    reference_class=rc, trial_class=tc, reference_margin=rm, trial_margin=tm, margin_kind=self.margin_kind,
+                    position=position, **scores)
 
-    def per_case(self) -> dict[str, torch.Tensor]:
-        """Per case, in case order: flips (per token: flipped tokens), the reference margin (per token: the
-        smallest), reference and trial class (per case) or KL mean, KL max and the worst token (per token)."""
-        c = self._case
-        if not self.per_token:
-            return {k: c[k] for k in ("flips", "margin", "reference_class", "trial_class")}
-        return {"flips": c["flips"], "margin": c["margin"], "kl_mean": c["kl_sum"] / c["tokens"].clamp(min=1),
-                "kl_max": c["kl_max"], "worst_token": c["worst_token"]}
+    def per_case(self) -> PerCase:
+        """Per case, in case order (``PerCase``): the classes read per case, KL's numbers per token."""
+        return self._case
 
-    def result(self) -> dict:
-        c = dict(self.counts)
-        return {
-            **c,
-            "unit": "token" if self.per_token else "case",
-            "margin_kind": self.margin_kind,
-            "boundary_margin": self.boundary_margin,
-            "boundary_flip_fraction": c["boundary_flips"] / c["boundary_cases"] if c["boundary_cases"] else 0.0,
-            "real_flips": c["flips"] + c["near_boundary_flips"],
-            "flip_list": self.flip_list,
-            "flip_list_dropped": self.listed_dropped,
-        }
+    def result(self) -> Decisions:
+        return Decisions(
+            cases=self.cases,
+            boundary_cases=self.boundary_cases,
+            near_boundary_cases=self.near_boundary_cases,
+            flips=self.flips,
+            near_boundary_flips=self.near_boundary_flips,
+            boundary_flips=self.boundary_flips,
+            unit="token" if self.per_token else "case",
+            margin_kind=self.margin_kind,
+            boundary_margin=self.boundary_margin,
+            boundary_flip_fraction=self.boundary_flips / self.boundary_cases if self.boundary_cases else 0.0,
+            real_flips=self.flips + self.near_boundary_flips,
+            flip_list=tuple(self.flip_list),
+            flip_list_dropped=self.listed_dropped,
+        )
 
-    def distribution(self) -> dict | None:
+    def distribution(self) -> Distribution | None:
         """Distribution agreement of per-token outputs (None for per-case classification)."""
         if not self.per_token:
             return None
         n = self.tokens
-        return {
-            "tokens": n,
-            "kl_mean": self.kl_sum / n if n else 0.0,
-            "kl_p99": self.kl_q.result(),
-            "kl_p99_upper": self.kl_q.upper(),  # never below the exact value: what a gate reads
-            "kl_p99_exact": self.kl_q.exact,
-            "kl_max": self.kl_max,
-            "top1_agreement": self.top1_agree / n if n else 1.0,
-            "top_k": self.top_k,
-            "top_k_overlap": self.overlap_sum / n if n else 1.0,
-        }
+        return Distribution(
+            tokens=n,
+            kl_mean=self.kl_sum / n if n else 0.0,
+            kl_p99=self.kl_q.result(),
+            kl_p99_upper=self.kl_q.upper(),  # never below the exact value: what a gate reads
+            kl_p99_exact=self.kl_q.exact,
+            kl_max=self.kl_max,
+            top1_agreement=self.top1_agree / n if n else 1.0,
+            top_k=self.top_k,
+            top_k_overlap=self.overlap_sum / n if n else 1.0,
+        )
 
 
 def regression_flips(
     ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, trial: torch.Tensor, threshold: float | None
-) -> dict:
+) -> Decisions:
     """Cases whose first output crosses the decision threshold between reference and trial."""
     flips = []
     if threshold is not None and ref.shape[0]:
@@ -325,6 +359,6 @@ def regression_flips(
         t = trial.detach().double().reshape(trial.shape[0], -1)[:, 0]
         crossed = (r >= threshold) != (t >= threshold)
         for i in torch.nonzero(crossed).flatten().tolist():
-            flips.append({"id": ids[i], "kind": kinds[i], "boundary": False, "near_boundary": False, "reference": float(r[i]), "trial": float(t[i])})
-    return {"cases": len(ids), "boundary_cases": 0, "near_boundary_cases": 0, "flips": len(flips), "near_boundary_flips": 0, "boundary_flips": 0,
-            "boundary_flip_fraction": 0.0, "real_flips": len(flips), "unit": "case", "flip_list": flips, "flip_list_dropped": 0}
+            flips.append(Flip(id=ids[i], kind=kinds[i], boundary=False, near_boundary=False, reference=float(r[i]), trial=float(t[i])))
+    return Decisions(cases=len(ids), boundary_cases=0, near_boundary_cases=0, flips=len(flips), near_boundary_flips=0, boundary_flips=0,
+                     boundary_flip_fraction=0.0, real_flips=len(flips), unit="case", flip_list=tuple(flips), flip_list_dropped=0)

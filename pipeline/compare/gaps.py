@@ -16,9 +16,11 @@ float32 numbers is 0 only when they are equal). The common, passing slice never 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 
 import torch
 
+from pipeline.artifacts.comparison import Arbiter, KindGap, ValueGap
 from pipeline.compare.quantiles import StreamQuantile
 
 
@@ -27,6 +29,20 @@ def _widen(t: torch.Tensor) -> torch.Tensor:
     if t.dtype not in (torch.float32, torch.float64):
         t = t.float()
     return t.reshape(-1)
+
+
+@dataclass
+class _Tally:
+    """The running counts of one case kind (``KindGap`` once frozen)."""
+
+    elements: int = 0
+    failing: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    nonfinite_trial_only: int = 0
+
+    def frozen(self) -> KindGap:
+        return KindGap(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 class GapStats:
@@ -39,13 +55,11 @@ class GapStats:
     gives the ``per_kind`` counts.
     """
 
-    PER_KIND = ("elements", "failing", "max_abs", "max_rel", "nonfinite_trial_only")
-
     def __init__(self, atol: float, rtol: float, capacity: int) -> None:
         self.atol, self.rtol = float(atol), float(rtol)
         self.p_abs = StreamQuantile(0.99, capacity)
         self.p_rel = StreamQuantile(0.99, capacity)
-        self.groups: dict[str, dict] = {}
+        self.groups: dict[str, _Tally] = {}
         self.sum_abs = 0.0
         self.n_abs = 0
         self.sum_rel = 0.0
@@ -62,8 +76,10 @@ class GapStats:
         r, t = _widen(ref), _widen(trial)
         if r.dtype != t.dtype:
             r, t = r.double(), t.double()
-        g = self.groups.setdefault(group, {"elements": 0, "failing": 0, "max_abs": 0.0, "max_rel": 0.0, "nonfinite_trial_only": 0})
-        g["elements"] += r.numel()
+        g = self.groups.get(group)
+        if g is None:
+            g = self.groups[group] = _Tally()
+        g.elements += r.numel()
         if r.numel() == 0:
             return torch.zeros(ref.shape, dtype=r.dtype)
         gap = torch.sub(t, r).abs_()
@@ -79,7 +95,7 @@ class GapStats:
             same = int((~fr & ~ft & ((r == t) | (torch.isnan(r) & torch.isnan(t)))).sum())
             self.nonfinite_reference += ref_bad
             self.nonfinite_both += same
-            g["nonfinite_trial_only"] += trial_only
+            g.nonfinite_trial_only += trial_only
             failing += trial_only + (ref_bad - same)
             if trial_only:
                 self.need_atol = self.need_rtol = math.inf
@@ -105,7 +121,7 @@ class GapStats:
             else:  # float32's worst may read low by its rounding: the reported need stays on the passing side
                 worst += 2.0**-21 * (mx + self.atol)
             self.need_atol = max(self.need_atol, worst, 0.0)
-            g["max_abs"] = max(g["max_abs"], mx)
+            g.max_abs = max(g.max_abs, mx)
             self.sum_abs += total
             self.n_abs += gap.numel()
             self.p_abs.update(gap, finite=True, vmax=mx, nonneg=True)
@@ -120,7 +136,7 @@ class GapStats:
                     rel, gap_nz, mag_nz = rel[nz], gap[nz], mag[nz]
                     rmax = float(rel.max()) if rel.numel() else 0.0
             if rel.numel():
-                g["max_rel"] = max(g["max_rel"], rmax)
+                g.max_rel = max(g.max_rel, rmax)
                 self.sum_rel += _sum(rel) if rmax * rel.numel() < 1e30 else float(rel.sum(dtype=torch.float64))
                 self.n_rel += rel.numel()
                 self.p_rel.update(rel, finite=True, vmax=rmax, nonneg=True)
@@ -128,7 +144,7 @@ class GapStats:
                     self.need_rtol = max(self.need_rtol, rmax)
                 elif mx > self.atol:
                     self.need_rtol = max(self.need_rtol, float(torch.sub(gap_nz, self.atol).div_(mag_nz).max()))
-        g["failing"] += failing
+        g.failing += failing
         return full_gap.reshape(ref.shape)
 
     def failing_rows(self, ref: torch.Tensor, trial: torch.Tensor) -> torch.Tensor:
@@ -140,35 +156,36 @@ class GapStats:
         return bad.any(1)
 
     def failing_so_far(self) -> int:
-        return sum(g["failing"] for g in self.groups.values())
+        return sum(g.failing for g in self.groups.values())
 
     def nonfinite_so_far(self) -> int:
         """Non-finite trial elements so far (the reference's are refused at freeze)."""
-        return sum(g["nonfinite_trial_only"] for g in self.groups.values()) + self.nonfinite_reference
+        return sum(g.nonfinite_trial_only for g in self.groups.values()) + self.nonfinite_reference
 
-    def result(self) -> dict:
-        n = sum(g["elements"] for g in self.groups.values())
-        failing = sum(g["failing"] for g in self.groups.values())
-        return {
-            "elements": n,
-            "failing": failing,
-            "failing_fraction": failing / n if n else 0.0,
-            "nonfinite_trial_only": sum(g["nonfinite_trial_only"] for g in self.groups.values()),
-            "nonfinite_reference": self.nonfinite_reference,
-            "nonfinite_both": self.nonfinite_both,
-            "max_abs": max((g["max_abs"] for g in self.groups.values()), default=0.0),
-            "mean_abs": self.sum_abs / self.n_abs if self.n_abs else 0.0,
-            "p99_abs": self.p_abs.result(),
-            "max_rel": max((g["max_rel"] for g in self.groups.values()), default=0.0),
-            "mean_rel": self.sum_rel / self.n_rel if self.n_rel else 0.0,
-            "p99_rel": self.p_rel.result(),
-            "p99_exact": self.p_abs.exact,
-            "atol": self.atol,
-            "rtol": self.rtol,
-            "min_passing_atol": round_up(self.need_atol),
-            "min_passing_rtol": round_up(self.need_rtol),
-            "per_kind": {k: dict(v) for k, v in sorted(self.groups.items())},
-        }
+    def result(self) -> ValueGap:
+        groups = self.groups.values()
+        n = sum(g.elements for g in groups)
+        failing = sum(g.failing for g in groups)
+        return ValueGap(
+            elements=n,
+            failing=failing,
+            failing_fraction=failing / n if n else 0.0,
+            nonfinite_trial_only=sum(g.nonfinite_trial_only for g in groups),
+            nonfinite_reference=self.nonfinite_reference,
+            nonfinite_both=self.nonfinite_both,
+            max_abs=max((g.max_abs for g in groups), default=0.0),
+            mean_abs=self.sum_abs / self.n_abs if self.n_abs else 0.0,
+            p99_abs=self.p_abs.result(),
+            max_rel=max((g.max_rel for g in groups), default=0.0),
+            mean_rel=self.sum_rel / self.n_rel if self.n_rel else 0.0,
+            p99_rel=self.p_rel.result(),
+            p99_exact=self.p_abs.exact,
+            atol=self.atol,
+            rtol=self.rtol,
+            min_passing_atol=round_up(self.need_atol),
+            min_passing_rtol=round_up(self.need_rtol),
+            per_kind={k: v.frozen() for k, v in sorted(self.groups.items())},
+        )
 
 
 def round_up(x: float, digits: int = 4) -> float:
@@ -187,13 +204,11 @@ def _sum(v: torch.Tensor) -> float:
     return float(v.sum())
 
 
-def value_gaps(ref: torch.Tensor, trial: torch.Tensor, atol: float, rtol: float) -> dict:
-    """``GapStats`` over one pair of tensors (see there); no ``per_kind``."""
+def value_gaps(ref: torch.Tensor, trial: torch.Tensor, atol: float, rtol: float) -> ValueGap:
+    """``GapStats`` over one pair of tensors (see there), as one kind (``per_kind`` holds ``all`` alone)."""
     acc = GapStats(atol, rtol, ref.numel())
     acc.update(ref, trial)
-    out = acc.result()
-    del out["per_kind"]
-    return out
+    return acc.result()
 
 
 class ArbiterStats:
@@ -211,12 +226,12 @@ class ArbiterStats:
             d = trial.detach().reshape(-1).double() - a
             self.amp_sq += float(torch.dot(d, d))
 
-    def result(self) -> dict:
+    def result(self) -> Arbiter:
         ref_rmse = math.sqrt(self.ref_sq / self.n) if self.n else 0.0
         amp_rmse = math.sqrt(self.amp_sq / self.n) if self.n else 0.0
-        return {
-            "fp32_rmse_vs_fp64": ref_rmse,
-            "amp_rmse_vs_fp64": amp_rmse,
-            "amp_over_fp32": amp_rmse / ref_rmse if ref_rmse > 0 else (math.inf if amp_rmse > 0 else 1.0),
-        }
+        return Arbiter(
+            fp32_rmse_vs_fp64=ref_rmse,
+            amp_rmse_vs_fp64=amp_rmse,
+            amp_over_fp32=amp_rmse / ref_rmse if ref_rmse > 0 else (math.inf if amp_rmse > 0 else 1.0),
+        )
 

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from pipeline.artifacts.comparison import RegressionErrors
 from pipeline.compare.decisions import labels_of
 from pipeline.errors import UserError
 from pipeline.task import IGNORE_INDEX
@@ -118,21 +119,21 @@ class QualityStats:
         return math.exp(self.nll / self.n) if self.nll / self.n < 700 else math.inf
 
 
-def regression_errors(pred: torch.Tensor, targets: torch.Tensor, extreme_quantile: float = 0.1) -> dict:
+def regression_errors(pred: torch.Tensor, targets: torch.Tensor, extreme_quantile: float = 0.1) -> RegressionErrors:
     """MAE, RMSE, max error, and the error on the most extreme targets (top and bottom quantile)."""
     p = pred.detach().double().reshape(pred.shape[0], -1)[:, 0]
     y = targets.detach().double().reshape(targets.shape[0], -1)[:, 0]
     if y.numel() == 0:
-        return {"mae": math.nan, "rmse": math.nan, "max_error": math.nan, "extreme_low_mae": math.nan, "extreme_high_mae": math.nan}
+        return RegressionErrors(mae=math.nan, rmse=math.nan, max_error=math.nan, extreme_low_mae=math.nan, extreme_high_mae=math.nan)
     err = (p - y).abs()
     k = max(1, int(math.ceil(extreme_quantile * y.numel())))
     order = y.argsort(stable=True)
-    return {
-        "mae": float(err.mean()),
-        "rmse": float(err.pow(2).mean().sqrt()),
-        "max_error": float(err.max()),
-        "extreme_low_mae": float(err[order[:k]].mean()),
-        "extreme_high_mae": float(err[order[-k:]].mean()),
-        "output_min": float(p.min()),
-        "output_max": float(p.max()),
-    }
+    return RegressionErrors(
+        mae=float(err.mean()),
+        rmse=float(err.pow(2).mean().sqrt()),
+        max_error=float(err.max()),
+        extreme_low_mae=float(err[order[:k]].mean()),
+        extreme_high_mae=float(err[order[-k:]].mean()),
+        output_min=float(p.min()),
+        output_max=float(p.max()),
+    )

@@ -11,7 +11,8 @@ float32 (float64 only near the threshold), p99s from a bit-pattern histogram pas
 (``quantiles.StreamQuantile``), no copy of a slice whose cases all have a target, KL's dot products as a
 product and a sum (not ``bmm``), NLL from ``log_softmax`` (one fused pass).
 
-Out: the statistics (what decide reads; ``artifacts.comparison`` writes them) and the per-case table,
+Out: the statistics, typed (``artifacts.comparison.Stats``: what decide reads; ``comparison.write`` writes
+them) and the per-case table,
 which keeps every flipped case and the ``table_rows`` worst others (counts stay exact in the stats).
 """
 
@@ -21,18 +22,24 @@ import ctypes
 import ctypes.util
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
 import torch
 
-from pipeline.compare.decisions import DecisionStats, regression_flips
+from pipeline.artifacts.comparison import Decisions, NonFinite, NonFiniteSides, OutputsInfo, Paired, Quality, Stats, Training
+from pipeline.artifacts.outputs import OutputsReader
+from pipeline.compare.decisions import DecisionStats, Labels, PerCase, regression_flips
 from pipeline.compare.gaps import ArbiterStats, GapStats
 from pipeline.compare.quality import QualityStats, regression_errors
 from pipeline.compare.trajectory import trajectory_gap, update_health
 from pipeline.config import METRICS, AcceptanceConfig, CompareConfig, TaskConfig
-from pipeline.artifacts.outputs import OutputsReader
 from pipeline.task import IGNORE_INDEX, primary, resolve
+
+
+SIDES = ("reference", "trial", "trained")
+"""The outputs compared: the reference's, the trial's (the policy's inference on the trained reference) and
+those of the model trained under the policy."""
 
 
 class Source(Protocol):
@@ -152,7 +159,7 @@ class Trajectories:
 
 
 def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, trajectories: Trajectories, *,
-                    metric: Metric | None = None, cfg: CompareConfig | None = None) -> tuple[dict, list[dict]]:
+                    metric: Metric | None = None, cfg: CompareConfig | None = None) -> tuple[Stats, list[dict]]:
     """Statistics and per-case table of one trial; each source read once, one chunk of rows at a time.
 
     Per-token outputs ignore positions whose target is -100 and, when ``sources.token_mask`` is given,
@@ -182,9 +189,9 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     head_stats = {name: DecisionStats(ids, kinds, rule.tie_rule, rule.boundary_margin, rule.boundary_margin_kind,
                                                math.prod(shapes[name][:-1]), top_k=metric.top_k, max_listed=cfg.max_listed_flips)
                   for name in heads if name != main}
-    quality = {side: QualityStats(metric.name, rule.tie_rule, metric.top_k, metric.function) for side in ("reference", "trial", "trained")}
+    quality = {side: QualityStats(metric.name, rule.tie_rule, metric.top_k, metric.function) for side in SIDES}
     row_gap = torch.zeros(n, dtype=torch.float64)
-    first_values: dict[str, list[torch.Tensor]] = {"reference": [], "trial": [], "trained": []}
+    first_values: dict[str, list[torch.Tensor]] = {side: [] for side in SIDES}
     state = _State(names, main, kind, per_token, kinds, targets, has_target.bool(), gaps, arbiter, decisions, quality, row_gap, first_values,
                    heads=head_stats, nonfinite={side: torch.zeros(n, dtype=torch.bool) for side in ("trial", "trained")},
                    nonfinite_elements={side: dict.fromkeys(names, 0) for side in ("trial", "trained")})
@@ -195,41 +202,47 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
 
     values = {name: gaps[name].result() for name in names}
     for name, rows in state.failing_rows.items():
-        values[name]["failing_ids"] = [ids[i] for i in torch.nonzero(rows).flatten().tolist()[:1000]]
-    stats: dict = {
-        "values": values,
-        "arbiter": {name: a.result() for name, a in arbiter.items()} if arbiter is not None else None,
-        "outputs": {"cases": n, "primary": main, "per_token": per_token, "shapes": {k: list(v) for k, v in shapes.items()}, "chunk_rows": step},
-    }
+        values[name] = replace(values[name], failing_ids=tuple(ids[i] for i in torch.nonzero(rows).flatten().tolist()[:1000]))
+    firsts = [torch.cat(first_values[side]) if first_values[side] else torch.zeros(0, dtype=torch.float64) for side in SIDES]
+    ref_first, trial_first, _ = firsts  # regression: the first output of each case, per side
     regression = None
-    stats["nonfinite"] = {side: nonfinite_summary(ids, kinds, state.nonfinite[side], state.nonfinite_elements[side]) for side in ("trial", "trained")}
-    stats["heads"] = {name: h.result() for name, h in sorted(head_stats.items())}
     if decisions is not None:
-        stats["flips"] = decisions.result()
-        stats["distribution"] = decisions.distribution()
+        flips, distribution = decisions.result(), decisions.distribution()
     else:
-        firsts = {side: torch.cat(v) if v else torch.zeros(0, dtype=torch.float64) for side, v in first_values.items()}
-        stats["flips"] = regression_flips(ids, kinds, firsts["reference"][:, None], firsts["trial"][:, None], rule.threshold)
-        stats["distribution"] = None
+        flips, distribution = regression_flips(ids, kinds, ref_first[:, None], trial_first[:, None], rule.threshold), None
         idx = torch.nonzero(has_target).flatten()
-        y = targets[idx]
-        regression = {side: regression_errors(firsts[side][idx][:, None], y) for side in ("reference", "trial", "trained")}
-    stats["quality"] = {
-        "metric": metric.name if not per_token or metric.name != "accuracy" else "token_accuracy",
-        "higher_is_better": metric.higher_is_better,
-        **{side: q.result() for side, q in quality.items()},
-        "counts": {side: list(q.counts()) for side, q in quality.items() if q.counts() is not None},
-        "paired": {side: {"lost": v[0], "gained": v[1]} for side, v in state.paired.items()},
-    }
-    if per_token and quality["reference"].perplexity() is not None:
-        stats["quality"]["perplexity"] = {side: q.perplexity() for side, q in quality.items()}
-    stats["regression"] = regression
-    stats["training"] = training_stats(rule, trajectories)
-    table = case_table_rows(ids, kinds, stats, row_gap,
-                            decisions.per_case() if decisions is not None else None,
-                            {side: torch.cat(v) for side, v in first_values.items() if v} if decisions is None else None,
-                            cfg.table_rows)
+        regression = {side: regression_errors(first[idx][:, None], targets[idx]) for side, first in zip(SIDES, firsts)}
+    stats = Stats(
+        values=values,
+        arbiter={name: a.result() for name, a in arbiter.items()} if arbiter is not None else None,
+        outputs=OutputsInfo(cases=n, primary=main, per_token=per_token, shapes=shapes, chunk_rows=step),
+        nonfinite=NonFiniteSides(*(nonfinite_summary(ids, kinds, state.nonfinite[side], state.nonfinite_elements[side])
+                                   for side in ("trial", "trained"))),
+        heads={name: h.result() for name, h in sorted(head_stats.items())},
+        flips=flips,
+        distribution=distribution,
+        quality=quality_stats(metric, per_token, quality, state.paired),
+        regression=regression,
+        training=training_stats(rule, trajectories),
+    )
+    table = case_table_rows(ids, kinds, flips, row_gap, decisions.per_case() if decisions is not None else None,
+                            (ref_first, trial_first) if decisions is None else None, cfg.table_rows)
     return stats, table
+
+
+def quality_stats(metric: Metric, per_token: bool, quality: dict[str, QualityStats], paired: dict[str, list[int]]) -> Quality:
+    """The quality section from each side's ``QualityStats`` and the paired [lost, gained] counts."""
+    perplexity = None
+    if per_token and quality["reference"].perplexity() is not None:
+        perplexity = {side: q.perplexity() for side, q in quality.items()}
+    return Quality(
+        metric=metric.name if not per_token or metric.name != "accuracy" else "token_accuracy",
+        higher_is_better=metric.higher_is_better,
+        **{side: q.result() for side, q in quality.items()},
+        counts={side: q.counts() for side, q in quality.items() if q.counts() is not None},
+        paired={side: Paired(lost=v[0], gained=v[1]) for side, v in paired.items()},
+        perplexity=perplexity,
+    )
 
 
 @dataclass
@@ -326,27 +339,26 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             if not main:
                 continue
             y = st.targets[a:b] if not st.per_token else st.targets[a:b, p:q]
-            labels = {}
-            if st.decisions is not None:
-                labels = st.decisions.update(a, r, t, y if st.per_token else None, position=p or 0)
+            labels = st.decisions.update(a, r, t, y if st.per_token else None, position=p or 0) if st.decisions is not None else None
             trained_slice = trained_main[a - start : b - start]
             trained_slice = trained_slice[:, p:q] if p is not None else trained_slice
             with_target = st.has_target[a:b]
             every, some = bool(with_target.all()), bool(with_target.any())
-            hits: dict[str, torch.Tensor | None] = {}
-            for side, out in (("reference", r), ("trial", t), ("trained", trained_slice)):
-                known, lse = labels.get(side), labels.get(f"lse_{side}")
-                hits[side] = None
+            ref_hits = None
+            for side, out in zip(SIDES, (r, t, trained_slice)):
+                known, lse = labels.of(side) if labels is not None else (None, None)
+                hits = None
                 if every:  # no copy of the slice
-                    hits[side] = st.quality[side].update(out, y, known, lse)
+                    hits = st.quality[side].update(out, y, known, lse)
                 elif some:
-                    hits[side] = st.quality[side].update(out[with_target], y[with_target], known[with_target] if known is not None else None,
-                                                         lse[with_target] if lse is not None else None)
-                ref_hits = hits["reference"]
-                if side != "reference" and hits[side] is not None and ref_hits is not None:
+                    hits = st.quality[side].update(out[with_target], y[with_target], known[with_target] if known is not None else None,
+                                                   lse[with_target] if lse is not None else None)
+                if side == "reference":
+                    ref_hits = hits
+                elif hits is not None and ref_hits is not None:
                     pair = st.paired.setdefault(side, [0, 0])
-                    pair[0] += int((ref_hits & ~hits[side]).sum())
-                    pair[1] += int((~ref_hits & hits[side]).sum())
+                    pair[0] += int((ref_hits & ~hits).sum())
+                    pair[1] += int((~ref_hits & hits).sum())
                 if st.kind != "classification":
                     st.first_values[side].append(out.reshape(out.shape[0], -1)[:, :1].double().reshape(-1))
             if st.quantile_merged():
@@ -371,14 +383,15 @@ def decided_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int
     return out
 
 
-def nonfinite_summary(ids: Sequence[str], kinds: Sequence[str], rows: torch.Tensor, elements: dict[str, int], listed: int = 1000) -> dict:
+def nonfinite_summary(ids: Sequence[str], kinds: Sequence[str], rows: torch.Tensor, elements: dict[str, int],
+                      listed: int = 1000) -> NonFinite:
     """Rows with a non-finite output (any head), by kind, with their ids (the first ``listed``)."""
     where = torch.nonzero(rows).flatten().tolist()
     by_kind: dict[str, int] = {}
     for i in where:
         by_kind[kinds[i]] = by_kind.get(kinds[i], 0) + 1
-    return {"rows": len(where), "per_kind": dict(sorted(by_kind.items())), "ids": [ids[i] for i in where[:listed]],
-            "elements": {k: v for k, v in sorted(elements.items()) if v}}
+    return NonFinite(rows=len(where), per_kind=dict(sorted(by_kind.items())), ids=tuple(ids[i] for i in where[:listed]),
+                     elements={k: v for k, v in sorted(elements.items()) if v})
 
 
 def _note_nonfinite(st: _State, side: str, name: str, row: int, out: torch.Tensor) -> None:
@@ -429,55 +442,59 @@ def _slices(shape: tuple[int, ...], start: int, by_position: bool):
         yield start + i, start + min(i + height, rows), None, None
 
 
-def training_stats(rule: AcceptanceConfig, runs: Trajectories) -> dict:
+def training_stats(rule: AcceptanceConfig, runs: Trajectories) -> Training:
     """The trial's trajectory against the reference's; against ``runs.aligned`` instead when given, so that
-    designed skips are not judged as precision. The reference's own losses must be finite at every step too."""
+    designed skips are not judged as precision. The reference's own losses must be finite at every step too.
+    The runs' per-step records are dicts (the trajectory files' rows)."""
     base = runs.aligned if runs.aligned is not None else runs.reference
     ref_loss = [s["loss"] for s in base]
     trial_loss = [s["loss"] for s in runs.trial]
     replicate = [s["loss"] for s in runs.replicate] if runs.replicate is not None else None
-    training = trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol, replicate, rule.loss_noise_multiple, rule.loss_noise_atol)
-    training.update(
-        update_health(
-            [s["skipped"] for s in runs.trial],
-            [s["scale"] for s in runs.trial] + [runs.final_scale],
-            [not math.isfinite(v) for v in trial_loss],
-            rule.stall_window,
-            [bool(s.get("nonfinite_grad", False)) for s in runs.trial],
-        )
+    gap = trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol, replicate, rule.loss_noise_multiple, rule.loss_noise_atol)
+    health = update_health(
+        [s["skipped"] for s in runs.trial],
+        [s["scale"] for s in runs.trial] + [runs.final_scale],
+        [not math.isfinite(v) for v in trial_loss],
+        rule.stall_window,
+        [bool(s.get("nonfinite_grad", False)) for s in runs.trial],
     )
-    training["scaler_enabled"] = runs.scaler_enabled
-    training["aligned_on_skips"] = runs.aligned is not None
-    training["first_nonfinite_reference_step"] = next((i for i, s in enumerate(runs.reference) if not math.isfinite(s["loss"])), -1)
-    return training
+    first_bad_reference = next((i for i, s in enumerate(runs.reference) if not math.isfinite(s["loss"])), -1)
+    return Training.of(gap, health, scaler_enabled=runs.scaler_enabled, aligned_on_skips=runs.aligned is not None,
+                       first_nonfinite_reference_step=first_bad_reference)
 
 
-def case_table_rows(ids: list[str], kinds: list[str], stats: dict, row_gap: torch.Tensor, per_case: dict | None,
-                    firsts: dict | None, worst: int) -> list[dict]:
-    """Every flipped case and the ``worst`` others with the largest gap (per token: largest KL), in case order."""
+def case_table_rows(ids: list[str], kinds: list[str], flips: Decisions, row_gap: torch.Tensor, per_case: PerCase | None,
+                    firsts: tuple[torch.Tensor, torch.Tensor] | None, worst: int) -> list[dict]:
+    """Every flipped case and the ``worst`` others with the largest gap (per token: largest KL), in case order.
+
+    ``per_case``: the classification's numbers per case; ``firsts``: the regression's first output per case
+    (reference, trial). The rows are ``cases.json``'s."""
     n = len(ids)
     if n == 0:
         return []
-    flips = per_case["flips"] if per_case is not None else torch.zeros(n, dtype=torch.int32)
-    if per_case is None:
-        flipped_ids = {f["id"] for f in stats["flips"]["flip_list"]}
-        flips = torch.tensor([i in flipped_ids for i in ids], dtype=torch.int32) if flipped_ids else flips
-    score = per_case["kl_max"].double() if per_case is not None and "kl_max" in per_case else row_gap.double()
-    keep = flips > 0
+    per_token = per_case is not None and flips.unit == "token"
+    if per_case is not None:
+        flipped = per_case.flips
+    else:
+        flipped_ids = {f.id for f in flips.flip_list}
+        flipped = torch.tensor([i in flipped_ids for i in ids], dtype=torch.int32)
+    score = per_case.kl_max.double() if per_token else row_gap.double()
+    keep = flipped > 0
     others = (~keep).nonzero().flatten()
     if worst and others.numel():
         order = torch.sort(torch.nan_to_num(score[others], nan=math.inf), descending=True, stable=True).indices  # ties: lowest index first
         keep[others[order[:worst]]] = True
+    kl_mean = per_case.kl_mean if per_token else None
     rows = []
     for i in keep.nonzero().flatten().tolist():
-        row = {"id": ids[i], "kind": kinds[i], "max_abs_gap": float(row_gap[i]), "flipped": bool(flips[i] > 0)}
-        if per_case is not None and "kl_max" in per_case:
-            row.update({"flipped_tokens": int(flips[i]), "kl_mean": float(per_case["kl_mean"][i]), "kl_max": float(per_case["kl_max"][i]),
-                        "worst_token": int(per_case["worst_token"][i]), "reference_margin": float(per_case["margin"][i])})
+        row = {"id": ids[i], "kind": kinds[i], "max_abs_gap": float(row_gap[i]), "flipped": bool(flipped[i] > 0)}
+        if per_token:
+            row.update({"flipped_tokens": int(flipped[i]), "kl_mean": float(kl_mean[i]), "kl_max": float(per_case.kl_max[i]),
+                        "worst_token": int(per_case.worst_token[i]), "reference_margin": float(per_case.margin[i])})
         elif per_case is not None:
-            row.update({"reference_class": int(per_case["reference_class"][i]), "trial_class": int(per_case["trial_class"][i]),
-                        "reference_margin": float(per_case["margin"][i])})
+            row.update({"reference_class": int(per_case.reference_class[i]), "trial_class": int(per_case.trial_class[i]),
+                        "reference_margin": float(per_case.margin[i])})
         elif firsts is not None:
-            row.update({"reference": float(firsts["reference"][i]), "trial": float(firsts["trial"][i])})
+            row.update({"reference": float(firsts[0][i]), "trial": float(firsts[1][i])})
         rows.append(row)
     return rows

@@ -1,6 +1,7 @@
 """The training side of the comparison: the trial's loss trajectory against the reference's, and its updates' health.
 
-Plain sequences in (one loss per step; skips, scales, non-finite flags), plain dicts out.
+Plain sequences in (one loss per step; skips, scales, non-finite flags), the typed sections of
+``artifacts.comparison`` out (``LossGap``, ``UpdateHealth``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import math
 from typing import Sequence
 
 import torch
+
+from pipeline.artifacts.comparison import LossGap, Noise, UpdateHealth
 
 
 def trajectory_gap(
@@ -19,7 +22,7 @@ def trajectory_gap(
     replicate_loss: Sequence[float] | None = None,
     noise_multiple: float | None = None,
     noise_atol: float | None = None,
-) -> dict:
+) -> LossGap:
     """Per-step loss band |trial - ref| <= atol + rtol * |ref|; non-finite trial losses violate it.
 
     With a replicate trajectory (FP32 again under a harmless change of the data order: FP32's own run-to-run
@@ -37,51 +40,51 @@ def trajectory_gap(
     violations = int(bad.sum())
     first = int(torch.nonzero(bad).flatten()[0]) if violations else -1
     worst_step = int(gap.argmax()) if gap.numel() else -1
-    out = {
-        "steps": len(ref_loss),
-        "band_violations": violations,
-        "first_violation_step": first,
-        "max_loss_gap": float(gap[worst_step]) if gap.numel() else 0.0,
-        "max_loss_gap_step": worst_step,
-        "final_loss_reference": float(r[-1]) if r.numel() else math.nan,
-        "final_loss_trial": float(t[-1]) if t.numel() else math.nan,
-    }
+    noise = None
     if replicate_loss is not None:
         if len(replicate_loss) != len(ref_loss):
             raise ValueError(f"replicate trajectory has {len(replicate_loss)} steps, the reference {len(ref_loss)}")
-        rep = torch.tensor([float(v) for v in replicate_loss], dtype=torch.float64)
-        noise = torch.where(torch.isfinite(rep), (rep - r).abs(), torch.full_like(rep, math.inf))
-        noise_out = {
-            "replicate_gap": noise.tolist(),
-            "amp_gap": gap.tolist(),
-            "max_replicate_gap": float(noise.max()) if noise.numel() else 0.0,
-            "mean_replicate_gap": float(noise.mean()) if noise.numel() else 0.0,
-            "mean_amp_gap": float(gap.mean()) if gap.numel() else 0.0,
-            "max_amp_gap": float(gap.max()) if gap.numel() else 0.0,
-            "multiple": noise_multiple,
-            "atol": noise_atol,
-            "violations": 0,
-            "first_violation_step": -1,
-            "worst_ratio": 0.0,
-        }
-        # Curve-level, as Megatron gates on loss-curve area: one replicate's per-step gap crosses zero by chance,
-        # so the band compares the curves' mean gap (area) and their largest gap, not step by step.
-        m_amp, m_rep = noise_out["mean_amp_gap"], noise_out["mean_replicate_gap"]
-        noise_out["mean_ratio"] = m_amp / m_rep if m_rep > 0 else (math.inf if m_amp > 0 else 0.0)
-        noise_out["worst_ratio"] = noise_out["mean_ratio"]
-        if noise_multiple is not None or noise_atol is not None:
-            k, a = noise_multiple or 0.0, noise_atol or 0.0
-            over_mean = not m_amp <= k * m_rep + a
-            over_max = not noise_out["max_amp_gap"] <= k * noise_out["max_replicate_gap"] + a
-            noise_out["violations"] = int(over_mean) + int(over_max)
-            noise_out["over"] = [name for name, bad in (("mean", over_mean), ("max", over_max)) if bad]
-            noise_out["first_violation_step"] = int(gap.argmax()) if noise_out["violations"] else -1
-        out["noise"] = noise_out
-    return out
+        noise = _noise(gap, r, replicate_loss, noise_multiple, noise_atol)
+    return LossGap(
+        steps=len(ref_loss),
+        band_violations=violations,
+        first_violation_step=first,
+        max_loss_gap=float(gap[worst_step]) if gap.numel() else 0.0,
+        max_loss_gap_step=worst_step,
+        final_loss_reference=float(r[-1]) if r.numel() else math.nan,
+        final_loss_trial=float(t[-1]) if t.numel() else math.nan,
+        noise=noise,
+    )
+
+
+def _noise(gap: torch.Tensor, r: torch.Tensor, replicate_loss: Sequence[float], multiple: float | None,
+           atol: float | None) -> Noise:
+    """AMP's per-step ``gap`` beside the replicate's, and the band on the curves when ``multiple`` or ``atol`` is set."""
+    rep = torch.tensor([float(v) for v in replicate_loss], dtype=torch.float64)
+    noise = torch.where(torch.isfinite(rep), (rep - r).abs(), torch.full_like(rep, math.inf))
+    max_rep = float(noise.max()) if noise.numel() else 0.0
+    m_rep = float(noise.mean()) if noise.numel() else 0.0
+    m_amp = float(gap.mean()) if gap.numel() else 0.0
+    max_amp = float(gap.max()) if gap.numel() else 0.0
+    # Curve-level, as Megatron gates on loss-curve area: one replicate's per-step gap crosses zero by chance,
+    # so the band compares the curves' mean gap (area) and their largest gap, not step by step.
+    mean_ratio = m_amp / m_rep if m_rep > 0 else (math.inf if m_amp > 0 else 0.0)
+    violations, first, over = 0, -1, None
+    if multiple is not None or atol is not None:
+        k, a = multiple or 0.0, atol or 0.0
+        over_mean = not m_amp <= k * m_rep + a
+        over_max = not max_amp <= k * max_rep + a
+        violations = int(over_mean) + int(over_max)
+        over = tuple(name for name, bad in (("mean", over_mean), ("max", over_max)) if bad)
+        first = int(gap.argmax()) if violations else -1
+    return Noise(replicate_gap=tuple(noise.tolist()), amp_gap=tuple(gap.tolist()), max_replicate_gap=max_rep,
+                 mean_replicate_gap=m_rep, mean_amp_gap=m_amp, max_amp_gap=max_amp, multiple=multiple, atol=atol,
+                 violations=violations, first_violation_step=first, worst_ratio=mean_ratio, mean_ratio=mean_ratio,
+                 over=over)
 
 
 def update_health(skipped: Sequence[bool], scales: Sequence[float], nonfinite_loss: Sequence[bool], window: int,
-                  nonfinite_grad: Sequence[bool] | None = None) -> dict:
+                  nonfinite_grad: Sequence[bool] | None = None) -> UpdateHealth:
     """Skipped fraction, whether real updates stopped in the last ``window`` steps, final scale, and the steps
     whose gradient norm was not finite WITHOUT a GradScaler to skip them (bfloat16, FP32): not applied, listed."""
     n = len(skipped)
@@ -89,14 +92,14 @@ def update_health(skipped: Sequence[bool], scales: Sequence[float], nonfinite_lo
     tail = list(skipped[-window:]) if n else []
     first_nonfinite = next((i for i, bad in enumerate(nonfinite_loss) if bad), -1)
     bad_grads = [i for i, bad in enumerate(nonfinite_grad or []) if bad]
-    return {
-        "nonfinite_grad_steps": bad_grads,
-        "skipped_steps": int(sum(skipped)),
-        "skipped_fraction": sum(skipped) / n if n else 0.0,
-        "real_updates": n - int(sum(skipped)),
-        "stalled": bool(n and all(tail)),
-        "stall_window": window,
-        "final_scale": scales[-1] if scales else 1.0,
-        "min_scale": min(scales) if scales else 1.0,
-        "first_nonfinite_loss_step": first_nonfinite,
-    }
+    return UpdateHealth(
+        nonfinite_grad_steps=tuple(bad_grads),
+        skipped_steps=int(sum(skipped)),
+        skipped_fraction=sum(skipped) / n if n else 0.0,
+        real_updates=n - int(sum(skipped)),
+        stalled=bool(n and all(tail)),
+        stall_window=window,
+        final_scale=scales[-1] if scales else 1.0,
+        min_scale=min(scales) if scales else 1.0,
+        first_nonfinite_loss_step=first_nonfinite,
+    )

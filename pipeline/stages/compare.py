@@ -6,6 +6,8 @@ the reference, the trial and the FP64 arbiter, whatever the fixed set's size.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pipeline.artifacts import comparison, reference_tensors, trial_tensors
 from pipeline.compare import streams
 from pipeline.config import load_params
@@ -22,11 +24,11 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     runs = streams.Trajectories(ref.trajectory, t.steps, t.final_scale, t.scaler_enabled, ref.replicate, t.aligned_fp32)
     stats, table = streams.compare_streams(params.task.kind, params.acceptance, sources, runs,
                                            metric=streams.Metric.for_task(params.task), cfg=params.compare)
-    stats["env_differs_from_reference"] = run.manifest.env_differs_from_reference
+    stats = replace(stats, env_differs_from_reference=tuple(run.manifest.env_differs_from_reference))
     comparison.write(dtype, stats, table)
-    f, d = stats["flips"], stats["distribution"]
+    f, d, q = stats.flips, stats.distribution, stats.quality
     print(
-        f"compare {dtype}: {f['flips']} flip(s), {f['near_boundary_flips']} near the boundary, {f['boundary_flips']}/{f['boundary_cases']} "
-        f"boundary flip(s) (per {f['unit']}); quality {stats['quality']['metric']} {stats['quality']['trial']:.4f} vs {stats['quality']['reference']:.4f}"
-        + (f"; KL mean {d['kl_mean']:.3g}, top-1 agreement {d['top1_agreement']:.4f}" if d else "")
+        f"compare {dtype}: {f.flips} flip(s), {f.near_boundary_flips} near the boundary, {f.boundary_flips}/{f.boundary_cases} "
+        f"boundary flip(s) (per {f.unit}); quality {q.metric} {q.trial:.4f} vs {q.reference:.4f}"
+        + (f"; KL mean {d.kl_mean:.3g}, top-1 agreement {d.top1_agreement:.4f}" if d else "")
     )
