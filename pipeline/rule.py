@@ -79,7 +79,9 @@ class _Judge:
 
     def result(self) -> RuleResult:
         inference, training = ("rollback" if self.failed[part] else "accept" for part in ("inference", "training"))
-        return RuleResult(tuple(self.reasons), tuple(self.checks), inference, training, {k: tuple(v) for k, v in self.cases.items()})
+        return RuleResult(
+            tuple(self.reasons), tuple(self.checks), inference, training, {k: tuple(v) for k, v in self.cases.items()}
+        )
 
 
 def decide(stats: Stats, acceptance: AcceptanceConfig) -> RuleResult:
@@ -100,7 +102,8 @@ def _inference(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
         count = gap.nonfinite_trial_only
         ids = nonfinite_ids if count else ()
         j.check("inference", count == 0, f"outputs '{name}': all finite",
-                f"outputs '{name}': {count} non-finite element(s) where the reference is finite" + (f": {_ids(ids)}" if ids else ""),
+                f"outputs '{name}': {count} non-finite element(s) where the reference is finite"
+                + (f": {_ids(ids)}" if ids else ""),
                 ("nonfinite_trial", ids))
         failing_ids = gap.failing_ids or ()
         j.check(
@@ -135,23 +138,31 @@ def _decisions(flips: Decisions, rule: AcceptanceConfig, j: _Judge, label: str, 
         needed = bounds.cases_needed(rule.max_flip_rate, rule.confidence)
         words = (f"{label}: {k} of {real} real {unit}s changed; the {rule.confidence:g}-confidence upper bound of the rate is "
                  f"{upper:.4g} (Clopper–Pearson)")
-        j.check("inference", upper <= rule.max_flip_rate,
-                f"{words} <= allowed {rule.max_flip_rate:g} (the rule tolerates a rate, not a count)" + (f": {_ids(far_ids + near_ids)}" if k else ""),
-                f"{words} > allowed {rule.max_flip_rate:g}" + (f": {_ids(far_ids + near_ids)}" if k else "")
-                + (f"; the set has {real} real {unit}s and this bound needs at least {needed} to pass even with no change" if real < needed else ""),
-                (key, far_ids + near_ids))
+        j.check(
+            "inference", upper <= rule.max_flip_rate,
+            f"{words} <= allowed {rule.max_flip_rate:g} (the rule tolerates a rate, not a count)"
+            + (f": {_ids(far_ids + near_ids)}" if k else ""),
+            f"{words} > allowed {rule.max_flip_rate:g}" + (f": {_ids(far_ids + near_ids)}" if k else "")
+            + (
+                f"; the set has {real} real {unit}s and this bound needs at least {needed} to pass even with no change"
+                if real < needed else ""
+            ),
+            (key, far_ids + near_ids),
+        )
     else:
         j.check("inference", far <= rule.max_flips,
-                f"{label}: {far} flip(s) among real {unit}s away from the boundary (allowed {rule.max_flips})" + (f": {_ids(far_ids)}" if far else ""),
+                f"{label}: {far} flip(s) among real {unit}s away from the boundary (allowed {rule.max_flips})"
+                + (f": {_ids(far_ids)}" if far else ""),
                 f"{label}: {far} flip(s) among real {unit}s away from the boundary > allowed {rule.max_flips}: {_ids(far_ids)}",
                 (key, far_ids))
         near_cases = flips.near_boundary_cases
         if rule.max_near_boundary_flips is None:  # the user's explicit choice, said in words; never silent
-            j.checks.append(f"{label}: {near} flip(s) among {near_cases} real {unit}s near the boundary ({margin}), not limited: the rule "
-                            f"sets max_near_boundary_flips: null" + (f": {_ids(near_ids)}" if near else ""))
+            j.checks.append(f"{label}: {near} flip(s) among {near_cases} real {unit}s near the boundary ({margin}), "
+                            f"not limited: the rule sets max_near_boundary_flips: null" + (f": {_ids(near_ids)}" if near else ""))
         else:
             j.check("inference", near <= rule.max_near_boundary_flips,
-                    f"{label}: {near} flip(s) among {near_cases} real {unit}s near the boundary ({margin}; allowed {rule.max_near_boundary_flips})"
+                    f"{label}: {near} flip(s) among {near_cases} real {unit}s near the boundary "
+                    f"({margin}; allowed {rule.max_near_boundary_flips})"
                     + (f": {_ids(near_ids)}" if near else ""),
                     f"{label}: {near} flip(s) among {near_cases} real {unit}s near the boundary ({margin}) > allowed "
                     f"{rule.max_near_boundary_flips}: {_ids(near_ids)}",
@@ -174,9 +185,9 @@ def _quality(quality: Quality, rule: AcceptanceConfig, j: _Judge, part: Part, si
         if not judged:
             j.checks.append(f"quality {label}: not judged: the rule sets max_quality_drop: null and min_quality: null")
             return
-        j.check(part, False, "", f"quality {label}: no case of the fixed set carries a target (or every target is ignored), so the "
-                                 f"rule's quality criteria cannot be applied; give eval targets, or set acceptance.max_quality_drop: null "
-                                 f"and min_quality: null to judge without quality")
+        j.check(part, False, "", f"quality {label}: no case of the fixed set carries a target (or every target is ignored), "
+                                 f"so the rule's quality criteria cannot be applied; give eval targets, "
+                                 f"or set acceptance.max_quality_drop: null and min_quality: null to judge without quality")
         return
     if not math.isfinite(q):
         j.check(part, False, "", f"quality {label}: not finite")
@@ -190,9 +201,11 @@ def _quality(quality: Quality, rule: AcceptanceConfig, j: _Judge, part: Part, si
             paired = quality.paired.get(side)
             if rule.max_flip_rate is not None and paired is not None:
                 upper = bounds.paired_drop_upper(paired.lost, paired.gained, n, rule.confidence)
-                words = (f"quality {label}: {hits}/{n} vs reference {hits_r}/{n} ({paired.lost} lost, {paired.gained} gained, paired); "
+                words = (f"quality {label}: {hits}/{n} vs reference {hits_r}/{n} "
+                         f"({paired.lost} lost, {paired.gained} gained, paired); "
                          f"{rule.confidence:g}-confidence upper bound of the drop {upper:.4g}")
-                j.check(part, upper <= rule.max_quality_drop, f"{words} <= {rule.max_quality_drop:g}", f"{words} > allowed {rule.max_quality_drop:g}")
+                j.check(part, upper <= rule.max_quality_drop, f"{words} <= {rule.max_quality_drop:g}",
+                        f"{words} > allowed {rule.max_quality_drop:g}")
             else:
                 words = f"quality {label}: {hits}/{n} vs reference {hits_r}/{n}, {lost} case(s) fewer"
                 j.check(part, lost <= allowed + 1e-9 * max(1.0, allowed),
@@ -216,34 +229,41 @@ def _training(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
     trained_bad = stats.nonfinite.trained
     kinds = ", ".join(f"{v} {k}" for k, v in trained_bad.per_kind.items())
     j.check("training", trained_bad.rows == 0, "outputs of the AMP-trained model: all finite",
-            f"outputs of the AMP-trained model: {trained_bad.rows} case(s) with a non-finite output ({kinds}): {_ids(trained_bad.ids)}",
+            f"outputs of the AMP-trained model: {trained_bad.rows} case(s) with a non-finite output ({kinds}): "
+            f"{_ids(trained_bad.ids)}",
             ("nonfinite_trained", trained_bad.ids))
     _quality(stats.quality, rule, j, "training", "trained")
     ref_bad = train.first_nonfinite_reference_step
     j.check("training", ref_bad < 0, "training: every reference loss finite",
-            f"training: the FP32 reference's loss is not finite from step {ref_bad}; an incorrect FP32 run is no baseline: re-freeze",
+            f"training: the FP32 reference's loss is not finite from step {ref_bad}; "
+            f"an incorrect FP32 run is no baseline: re-freeze",
             ("steps", [ref_bad]))
     j.check("training", train.first_nonfinite_loss_step < 0, "training: every loss finite",
-            f"training: loss not finite from step {train.first_nonfinite_loss_step}", ("steps", [train.first_nonfinite_loss_step]))
+            f"training: loss not finite from step {train.first_nonfinite_loss_step}",
+            ("steps", [train.first_nonfinite_loss_step]))
     bad_grads = train.nonfinite_grad_steps
     j.check("training", not bad_grads, "training: every gradient norm finite (or skipped by the GradScaler)",
-            f"training: non-finite gradient norm at step(s) {', '.join(map(str, bad_grads[:20]))} with no GradScaler to skip it "
-            f"(the update was not applied)", ("steps", bad_grads))
+            f"training: non-finite gradient norm at step(s) {', '.join(map(str, bad_grads[:20]))} "
+            f"with no GradScaler to skip it (the update was not applied)", ("steps", bad_grads))
     against = "FP32 aligned on the trial's skipped updates" if train.aligned_on_skips else "the FP32 reference"
     j.check("training", train.band_violations == 0,
-            f"training: loss within band of {against} at every step (max gap {train.max_loss_gap:.4g} at step {train.max_loss_gap_step})",
-            f"training: loss outside band of {against} (atol={rule.loss_atol}, rtol={rule.loss_rtol}) at {train.band_violations} of "
-            f"{train.steps} steps, first at step {train.first_violation_step}", ("steps", [train.first_violation_step]))
+            f"training: loss within band of {against} at every step "
+            f"(max gap {train.max_loss_gap:.4g} at step {train.max_loss_gap_step})",
+            f"training: loss outside band of {against} (atol={rule.loss_atol}, rtol={rule.loss_rtol}) "
+            f"at {train.band_violations} of {train.steps} steps, first at step {train.first_violation_step}",
+            ("steps", [train.first_violation_step]))
     _noise_floor(train.noise, rule, j)
     j.check("training", train.skipped_fraction <= rule.max_skipped_fraction,
-            f"training: {train.skipped_steps} skipped update(s) of {train.steps} (allowed fraction {rule.max_skipped_fraction})",
+            f"training: {train.skipped_steps} skipped update(s) of {train.steps} "
+            f"(allowed fraction {rule.max_skipped_fraction})",
             f"training: {train.skipped_steps} of {train.steps} updates skipped, fraction "
             f"{train.skipped_fraction:.3g} > allowed {rule.max_skipped_fraction}")
     window = train.stall_window
     j.check("training", not train.stalled, f"training: real updates still advancing in the last {window} steps",
             f"training: updates stopped advancing: no real update in the last {window} steps")
     if train.scaler_enabled:  # without a GradScaler (bfloat16) there is no scale to fall
-        j.check("training", train.final_scale >= rule.min_scale, f"training: final loss scale {train.final_scale:g} >= {rule.min_scale:g}",
+        j.check("training", train.final_scale >= rule.min_scale,
+                f"training: final loss scale {train.final_scale:g} >= {rule.min_scale:g}",
                 f"training: updates stopped advancing: loss scale fell to {train.final_scale:g} < {rule.min_scale:g}")
 
 
@@ -253,20 +273,25 @@ def _distribution(dist: Distribution | None, rule: AcceptanceConfig, j: _Judge) 
     if all(w is None for w in wanted):
         return
     if dist is None:
-        j.check("inference", False, "", "distribution: the rule sets max_kl_mean / max_kl_p99 / min_top1_agreement but the outputs are "
-                                         "not per-token scores [N, T, C]; remove those criteria or compare per-token outputs")
+        j.check("inference", False, "",
+                "distribution: the rule sets max_kl_mean / max_kl_p99 / min_top1_agreement but the outputs are "
+                "not per-token scores [N, T, C]; remove those criteria or compare per-token outputs")
         return
     if not dist.tokens:
-        j.check("inference", False, "", "distribution: no valid token to measure KL or top-1 agreement on (every target is -100 or "
-                                         "masked); give eval targets, or remove max_kl_mean / max_kl_p99 / min_top1_agreement")
+        j.check("inference", False, "",
+                "distribution: no valid token to measure KL or top-1 agreement on (every target is -100 or "
+                "masked); give eval targets, or remove max_kl_mean / max_kl_p99 / min_top1_agreement")
         return
     exact = "" if dist.kl_p99_exact else " (upper edge of a streamed estimate)"
-    for value, limit, label, more in ((dist.kl_mean, rule.max_kl_mean, "mean", ""), (dist.kl_p99_upper, rule.max_kl_p99, "p99", exact)):
+    for value, limit, label, more in (
+        (dist.kl_mean, rule.max_kl_mean, "mean", ""), (dist.kl_p99_upper, rule.max_kl_p99, "p99", exact),
+    ):
         if limit is not None:
             j.check(
                 "inference", value <= limit,
                 f"distribution: KL(reference || trial) {label} {value:.4g} nats{more} over {dist.tokens} tokens <= {limit:g}",
-                f"distribution: KL(reference || trial) {label} {value:.4g} nats{more} > allowed {limit:g} (max {dist.kl_max:.4g})",
+                f"distribution: KL(reference || trial) {label} {value:.4g} nats{more} > allowed {limit:g} "
+                f"(max {dist.kl_max:.4g})",
             )
     if rule.min_top1_agreement is not None:
         value = dist.top1_agreement
@@ -280,8 +305,9 @@ def _noise_floor(noise: Noise | None, rule: AcceptanceConfig, j: _Judge) -> None
     if rule.loss_noise_multiple is None and rule.loss_noise_atol is None:
         return
     if noise is None:
-        j.check("training", False, "", "training: the rule bounds the loss gap by the noise floor (loss_noise_multiple / loss_noise_atol) "
-                                       "but the reference has no replicate trajectory; set reference.noise_replicate: true and re-freeze")
+        j.check("training", False, "",
+                "training: the rule bounds the loss gap by the noise floor (loss_noise_multiple / loss_noise_atol) "
+                "but the reference has no replicate trajectory; set reference.noise_replicate: true and re-freeze")
         return
     band = f"{rule.loss_noise_multiple or 0:g} x FP32's own run-to-run gap + {rule.loss_noise_atol or 0:g}"
     figures = (f"mean gap {noise.mean_amp_gap:.3g} vs FP32 replicate {noise.mean_replicate_gap:.3g}, largest "
@@ -289,14 +315,17 @@ def _noise_floor(noise: Noise | None, rule: AcceptanceConfig, j: _Judge) -> None
     j.check(
         "training", noise.violations == 0,
         f"training: loss curve within the noise floor ({band}): {figures}",
-        f"training: loss curve above the noise floor ({band}) on its {' and '.join(noise.over if noise.over is not None else ('gap',))}: {figures}; "
+        f"training: loss curve above the noise floor ({band}) on its "
+        f"{' and '.join(noise.over if noise.over is not None else ('gap',))}: {figures}; "
         f"largest at step {noise.first_violation_step}",
         ("steps", [noise.first_violation_step]),
     )
 
 
-def vet_rule(rule: AcceptanceConfig, kind: str, shapes: dict[str, tuple], rms: dict[str, float], ref_quality: float, metric: str,
-             higher_is_better: bool, ref_steps: list[dict]) -> str | None:
+def vet_rule(
+    rule: AcceptanceConfig, kind: str, shapes: dict[str, tuple], rms: dict[str, float], ref_quality: float, metric: str,
+    higher_is_better: bool, ref_steps: list[dict],
+) -> str | None:
     """The first reason the rule cannot judge trials of this FP32 reference, as one line, or None.
 
     Run at freeze, before any trial: a rule whose criteria cannot fail (a tolerance as large as the output it
@@ -307,36 +336,44 @@ def vet_rule(rule: AcceptanceConfig, kind: str, shapes: dict[str, tuple], rms: d
     names = sorted(shapes)
     unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
     if unknown:
-        return (f"params.yaml: acceptance.outputs names {', '.join(map(repr, unknown))}, which the model does not output; its outputs "
-                f"are {', '.join(map(repr, names))}: fix the name")
+        return (f"params.yaml: acceptance.outputs names {', '.join(map(repr, unknown))}, which the model does not output; "
+                f"its outputs are {', '.join(map(repr, names))}: fix the name")
     for name in names:
         if name not in rule.outputs and "*" not in rule.outputs:
-            return (f"params.yaml: acceptance.outputs has no entry for output '{name}' and no '*'; add '{name}': {{atol: ..., rtol: ...}} "
-                    f"in the output's own units")
+            return (f"params.yaml: acceptance.outputs has no entry for output '{name}' and no '*'; "
+                    f"add '{name}': {{atol: ..., rtol: ...}} in the output's own units")
         key = name if name in rule.outputs else "*"
         atol, scale = rule.outputs[key].atol, rms.get(name, 0.0)
         if scale > 0 and atol >= scale:
-            return (f"params.yaml: acceptance.outputs.{key}.atol {atol:g} is not below the scale of output '{name}' (RMS {scale:.3g} in the "
-                    f"FP32 reference), so a trial off by the output's whole size would pass; give '{name}': {{atol: ..., rtol: ...}} in its "
-                    f"own units, for example atol {0.01 * scale:.2g} (1% of its RMS)")
+            return (f"params.yaml: acceptance.outputs.{key}.atol {atol:g} is not below the scale of output '{name}' "
+                    f"(RMS {scale:.3g} in the FP32 reference), so a trial off by the output's whole size would pass; "
+                    f"give '{name}': {{atol: ..., rtol: ...}} in its own units, "
+                    f"for example atol {0.01 * scale:.2g} (1% of its RMS)")
     for step in ref_steps:
         if not math.isfinite(step["loss"]) or not math.isfinite(step["grad_norm"]):
             what = "loss" if not math.isfinite(step["loss"]) else "gradient norm"
-            return (f"the FP32 reference's {what} is not finite at step {step['step']}: an incorrect FP32 run is no baseline; fix the model, "
-                    f"the data or the recipe (reference.lr, reference.grad_clip), then rerun")
+            return (f"the FP32 reference's {what} is not finite at step {step['step']}: an incorrect FP32 run is no baseline; "
+                    f"fix the model, the data or the recipe (reference.lr, reference.grad_clip), then rerun")
     if math.isfinite(ref_quality):
-        if rule.min_quality is not None and (ref_quality < rule.min_quality if higher_is_better else ref_quality > rule.min_quality):
-            return (f"the FP32 reference's quality ({metric} {ref_quality:.4g}) does not meet acceptance.min_quality {rule.min_quality:g}, so "
-                    f"every trial would roll back: fix the reference (training, data) before any trial, or set the minimum it can meet")
-        if metric in ("neg_rmse", "neg_mae") and rule.max_quality_drop is not None and 0 < abs(ref_quality) <= rule.max_quality_drop:
+        if rule.min_quality is not None and (
+            ref_quality < rule.min_quality if higher_is_better else ref_quality > rule.min_quality
+        ):
+            return (f"the FP32 reference's quality ({metric} {ref_quality:.4g}) does not meet acceptance.min_quality "
+                    f"{rule.min_quality:g}, so every trial would roll back: fix the reference (training, data) before any trial, "
+                    f"or set the minimum it can meet")
+        if (
+            metric in ("neg_rmse", "neg_mae") and rule.max_quality_drop is not None
+            and 0 < abs(ref_quality) <= rule.max_quality_drop
+        ):
             return (f"params.yaml: acceptance.max_quality_drop {rule.max_quality_drop:g} is not below the reference's own error "
-                    f"({metric[4:].upper()} {abs(ref_quality):.3g}), so a trial twice as wrong would pass; give it in the target's units, "
-                    f"for example {0.1 * abs(ref_quality):.2g}")
+                    f"({metric[4:].upper()} {abs(ref_quality):.3g}), so a trial twice as wrong would pass; "
+                    f"give it in the target's units, for example {0.1 * abs(ref_quality):.2g}")
     losses = [abs(s["loss"]) for s in ref_steps]
     mean_loss = sum(losses) / len(losses) if losses else 0.0
     if mean_loss > 0 and rule.loss_atol >= mean_loss:
-        return (f"params.yaml: acceptance.loss_atol {rule.loss_atol:g} is not below the reference's mean training loss ({mean_loss:.3g}), "
-                f"so the training band cannot fail; give it in the loss's units, for example {0.05 * mean_loss:.2g}")
+        return (f"params.yaml: acceptance.loss_atol {rule.loss_atol:g} is not below the reference's mean training loss "
+                f"({mean_loss:.3g}), so the training band cannot fail; give it in the loss's units, "
+                f"for example {0.05 * mean_loss:.2g}")
     return None
 
 
@@ -401,5 +438,7 @@ def loosened(old: dict, new: dict) -> list[str]:
         out.append("threshold removed")
     if old.get("boundary_margin_kind", "logit") != new.get("boundary_margin_kind", "logit"):
         # Another unit: not comparable, so listed (a margin in logits of 0.05 may be 0.3 in probability).
-        out.append(f"boundary_margin_kind {old.get('boundary_margin_kind', 'logit')} -> {new.get('boundary_margin_kind', 'logit')}")
+        out.append(
+            f"boundary_margin_kind {old.get('boundary_margin_kind', 'logit')} -> {new.get('boundary_margin_kind', 'logit')}"
+        )
     return out
