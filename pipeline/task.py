@@ -121,7 +121,9 @@ def check_inputs(value: Any, name: str, entry: str) -> Inputs:
         UserError: anything else, an empty input, tensors disagreeing on dim 0, or NaN/inf.
     """
     if value is None:
-        raise UserError(f"task.data {entry} returned no {name!r}; return train_x, train_y, eval_x, eval_y (tensors or dicts of tensors)")
+        raise UserError(
+            f"task.data {entry} returned no {name!r}; return train_x, train_y, eval_x, eval_y (tensors or dicts of tensors)"
+        )
     if torch.is_tensor(value):
         x: Inputs = value
     elif isinstance(value, Mapping) and value and all(torch.is_tensor(v) for v in value.values()):
@@ -134,7 +136,10 @@ def check_inputs(value: Any, name: str, entry: str) -> Inputs:
                 f"give every tensor of a dict input one row per sample"
             )
     else:
-        raise UserError(f"task.data {entry}: {name} is {type(value).__name__}; give a tensor or a dict of tensors sharing their first dimension")
+        raise UserError(
+            f"task.data {entry}: {name} is {type(value).__name__}; "
+            "give a tensor or a dict of tensors sharing their first dimension"
+        )
     for key, t in tensors_of(x).items():
         if t.ndim == 0 or t.shape[0] == 0:
             raise UserError(f"task.data {entry}: {name} is empty; the fixed set needs at least one sample")
@@ -189,7 +194,9 @@ class DatasetSource:
         for key, t in tensors_of(x).items():
             if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
                 where = f"input {key!r}" if key else "its input"
-                raise UserError(f"task.data {self.entry}: training item {int(i)} holds NaN or inf in {where}; clean that item of the Dataset")
+                raise UserError(
+                    f"task.data {self.entry}: training item {int(i)} holds NaN or inf in {where}; clean that item of the Dataset"
+                )
         check_targets(y, self.kind, f"task.data {self.entry}: training item {int(i)}")
         return x, y
 
@@ -205,11 +212,17 @@ class DatasetSource:
             y = item[self.label_key]
             x = {k: v for k, v in item.items() if k != self.label_key}
         else:
-            raise UserError(f"task.data {self.entry}: training item {int(i)} is {type(item).__name__}; return (x, y) or a dict with the target under task.label_key")
+            raise UserError(
+                f"task.data {self.entry}: training item {int(i)} is {type(item).__name__}; "
+                "return (x, y) or a dict with the target under task.label_key"
+            )
         x = Batch(sorted(x.items())) if isinstance(x, Mapping) else x
         values = list(x.values()) if isinstance(x, Mapping) else [x]
         if not values or not all(torch.is_tensor(t) for t in values):
-            raise UserError(f"task.data {self.entry}: training item {int(i)} holds inputs that are not tensors; return tensors (a tensor or a dict of tensors)")
+            raise UserError(
+                f"task.data {self.entry}: training item {int(i)} holds inputs that are not tensors; "
+                "return tensors (a tensor or a dict of tensors)"
+            )
         return x, y if torch.is_tensor(y) else torch.tensor(y)
 
     def batch(self, idx: torch.Tensor) -> tuple[Inputs, torch.Tensor]:
@@ -365,7 +378,10 @@ def check_targets(y: torch.Tensor, kind: str | None, where: str) -> None:
         UserError: naming ``where``, what is wrong and the fix.
     """
     if y.is_complex():
-        raise UserError(f"{where} is {str(y.dtype).replace('torch.', '')}: targets cannot be complex; give real targets (class numbers or values)")
+        raise UserError(
+            f"{where} is {str(y.dtype).replace('torch.', '')}: targets cannot be complex; "
+            "give real targets (class numbers or values)"
+        )
     if kind != "classification" or not y.is_floating_point():
         return
     whole = y == torch.round(y)
@@ -385,7 +401,9 @@ def load_data(cfg: TaskConfig) -> TaskData:
     """
     raw = resolve(cfg.data, "task.data")(**cfg.options)
     if not isinstance(raw, dict):
-        raise UserError(f"task.data {cfg.data} returned {type(raw).__name__}; return a dict with train_x, train_y, eval_x, eval_y")
+        raise UserError(
+            f"task.data {cfg.data} returned {type(raw).__name__}; return a dict with train_x, train_y, eval_x, eval_y"
+        )
     if _is_dataset(raw.get("train_x")):
         train: TrainSource = DatasetSource(raw["train_x"], cfg.label_key, cfg.data, cfg.kind)
         if len(train) == 0:
@@ -404,7 +422,10 @@ def load_data(cfg: TaskConfig) -> TaskData:
         if len(edge_ids) != rows(edge_x) or len(set(edge_ids)) != len(edge_ids):
             raise UserError(f"task.data {cfg.data}: edge_ids must be {rows(edge_x)} distinct names, one per edge_x row")
         if _structure(edge_x) != _structure(eval_x):
-            raise UserError(f"task.data {cfg.data}: edge_x {_structure(edge_x)} does not match eval_x {_structure(eval_x)}; give edge cases eval_x's names, shapes and dtypes")
+            raise UserError(
+                f"task.data {cfg.data}: edge_x {_structure(edge_x)} does not match eval_x {_structure(eval_x)}; "
+                "give edge cases eval_x's names, shapes and dtypes"
+            )
     return TaskData(train=train, eval_x=eval_x, eval_y=eval_y, eval_ids=[str(i) for i in ids], edge_x=edge_x, edge_ids=edge_ids)
 
 
@@ -460,7 +481,10 @@ def check_outputs(outputs: dict[str, torch.Tensor], kind: str, rows: int, target
     """
     for name, value in outputs.items():
         if value.shape[:1] != (rows,):
-            raise UserError(f"task.model {entry}: output '{name}' has shape {tuple(value.shape)} for a batch of {rows}; return one row per sample")
+            raise UserError(
+                f"task.model {entry}: output '{name}' has shape {tuple(value.shape)} for a batch of {rows}; "
+                "return one row per sample"
+            )
         if not value.is_floating_point():
             raise UserError(f"task.model {entry}: output '{name}' is {value.dtype}; return floating-point scores or values")
     scores = primary(outputs)
@@ -474,9 +498,16 @@ def check_outputs(outputs: dict[str, torch.Tensor], kind: str, rows: int, target
             )
         valid = targets[targets != IGNORE_INDEX]
         if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= scores.shape[-1]):
-            raise UserError(f"task.data: targets range over {int(valid.min())}..{int(valid.max())} but the model scores {scores.shape[-1]} classes; make them agree")
+            raise UserError(
+                f"task.data: targets range over {int(valid.min())}..{int(valid.max())} "
+                f"but the model scores {scores.shape[-1]} classes; "
+                "make them agree"
+            )
     elif scores.reshape(rows, -1).shape[1] != targets.reshape(targets.shape[0], -1).shape[1]:
-        raise UserError(f"task.model {entry}: output has {scores.reshape(rows, -1).shape[1]} value(s) per sample but targets have {targets.reshape(targets.shape[0], -1).shape[1]}; make them agree")
+        raise UserError(
+            f"task.model {entry}: output has {scores.reshape(rows, -1).shape[1]} value(s) per sample "
+            f"but targets have {targets.reshape(targets.shape[0], -1).shape[1]}; make them agree"
+        )
 
 
 def iter_rows(x: Inputs, batch_size: int) -> Iterable[tuple[int, int, Inputs]]:
