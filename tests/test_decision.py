@@ -27,8 +27,7 @@ def compared() -> Stats:
     steps = [{"step": i, "loss": 1.0 / (i + 1), "skipped": False, "scale": 32768.0, "grad_norm": 1.0} for i in range(20)]
     sources = streams.Sources(ids, ref.argmax(1), torch.ones(10, dtype=torch.bool), streams.InMemory({"logits": ref}),
                               streams.InMemory({"logits": trial}), streams.InMemory({"logits": ref}))
-    stats, _ = streams.compare_streams("classification", AcceptanceConfig(), sources, streams.Trajectories(steps, steps, 32768.0))
-    return Stats.from_dict(stats)
+    return streams.compare_streams("classification", AcceptanceConfig(), sources, streams.Trajectories(steps, steps, 32768.0))[0]
 
 
 def made(result: str = "accept", **extra) -> decision.Decision:

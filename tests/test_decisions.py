@@ -29,49 +29,49 @@ def test_worked_example_from_the_guide_tiny_gap_flips_the_decision():
     trial = ref.half().float()  # allowed: rounds two scores to FP16, the guide's worked example
     assert trial[0, 0] == trial[0, 1]  # real FP16 rounding, not a hand-made tie
     gap = value_gaps(ref, trial, atol=1e-3, rtol=0.0)
-    assert gap["failing"] == 0  # within a 1e-3 tolerance...
+    assert gap.failing == 0  # within a 1e-3 tolerance...
     flips = _decide(["ordinary/x"], ["ordinary"], ref, trial).result()
-    assert flips["flips"] == 1  # ...yet the action changes
-    assert flips["flip_list"][0]["reference_class"] == 1 and flips["flip_list"][0]["trial_class"] == 0
+    assert flips.flips == 1  # ...yet the action changes
+    assert flips.flip_list[0].reference_class == 1 and flips.flip_list[0].trial_class == 0
     # With a boundary margin above the reference margin (3e-4) the same flip of a REAL sample is a
     # near-boundary flip: counted apart from constructed boundary cases, never silently allowed.
     flips = _decide(["ordinary/x"], ["ordinary"], ref, trial, boundary_margin=1e-3).result()
-    assert flips["flips"] == 0 and flips["near_boundary_flips"] == 1 and flips["boundary_flips"] == 0
-    assert flips["flip_list"][0]["near_boundary"] and not flips["flip_list"][0]["boundary"]
+    assert flips.flips == 0 and flips.near_boundary_flips == 1 and flips.boundary_flips == 0
+    assert flips.flip_list[0].near_boundary and not flips.flip_list[0].boundary
 
 
 def test_tie_rules():
     scores = torch.tensor([[2.0, 2.0, 1.0], [0.0, 3.0, 3.0], [1.0, 0.0, 0.0]])
     lowest = _decide(*_ordinary(3), scores, scores)
-    assert lowest.per_case()["reference_class"].tolist() == [0, 1, 0]
-    assert lowest.per_case()["margin"].tolist() == [0.0, 0.0, 1.0]
+    assert lowest.per_case().reference_class.tolist() == [0, 1, 0]
+    assert lowest.per_case().margin.tolist() == [0.0, 0.0, 1.0]
     tie = _decide(*_ordinary(3), scores, scores, "tie_is_flip")
-    assert tie.per_case()["reference_class"].tolist() == [-1, -1, 0]
-    assert tie.result()["flips"] == 0  # the same ties on both sides
+    assert tie.per_case().reference_class.tolist() == [-1, -1, 0]
+    assert tie.result().flips == 0  # the same ties on both sides
 
 
 def test_tie_is_flip_counts_a_new_tie_as_a_flip_even_when_lowest_index_would_agree():
     ref = torch.tensor([[2.0, 1.9]])
     trial = torch.tensor([[2.0, 2.0]])
-    assert _decide(["a"], ["ordinary"], ref, trial, "lowest_index").result()["flips"] == 0
-    assert _decide(["a"], ["ordinary"], ref, trial, "tie_is_flip").result()["flips"] == 1
+    assert _decide(["a"], ["ordinary"], ref, trial, "lowest_index").result().flips == 0
+    assert _decide(["a"], ["ordinary"], ref, trial, "tie_is_flip").result().flips == 1
 
 
 def test_nan_scores_never_match_a_decision():
     ref = torch.tensor([[1.0, 0.0]])
     trial = torch.tensor([[math.nan, 0.0]])
     flips = _decide(["a"], ["edge"], ref, trial).result()
-    assert flips["flips"] == 1 and flips["flip_list"][0]["trial_class"] == -2
+    assert flips.flips == 1 and flips.flip_list[0].trial_class == -2
 
 
 def test_boundary_flips_are_counted_apart():
     ref = torch.tensor([[1.0, 0.99], [5.0, 0.0], [0.0, 0.02]])
     trial = torch.tensor([[0.98, 0.99], [0.0, 5.0], [0.0, 0.02]])
     f = _decide(["b", "o", "c"], ["boundary", "ordinary", "ordinary"], ref, trial, boundary_margin=0.05).result()
-    assert f["boundary_cases"] == 1  # the constructed one
-    assert f["near_boundary_cases"] == 1  # the real sample of margin 0.02
-    assert f["boundary_flips"] == 1 and f["flips"] == 1 and f["near_boundary_flips"] == 0
-    assert f["boundary_flip_fraction"] == 1.0
+    assert f.boundary_cases == 1  # the constructed one
+    assert f.near_boundary_cases == 1  # the real sample of margin 0.02
+    assert f.boundary_flips == 1 and f.flips == 1 and f.near_boundary_flips == 0
+    assert f.boundary_flip_fraction == 1.0
 
 
 def test_real_sample_near_boundary_is_never_unreported():
@@ -80,23 +80,23 @@ def test_real_sample_near_boundary_is_never_unreported():
     trial = torch.tensor([[0.0, 4.96, 4.963], [1.0, 0.0, 0.0], [0.49, 0.50, 0.0]])
     f = _decide(["ordinary/digits-1274", "ordinary/b", "boundary/x~y"], ["ordinary", "ordinary", "boundary"], ref, trial,
                 boundary_margin=0.05).result()
-    assert f["near_boundary_flips"] == 1 and f["boundary_flips"] == 1 and f["flips"] == 0 and f["real_flips"] == 1
-    assert [r["id"] for r in f["flip_list"] if not r["boundary"]] == ["ordinary/digits-1274"]
+    assert f.near_boundary_flips == 1 and f.boundary_flips == 1 and f.flips == 0 and f.real_flips == 1
+    assert [r.id for r in f.flip_list if not r.boundary] == ["ordinary/digits-1274"]
 
 
 def test_regression_flips_across_threshold():
     ref = torch.tensor([[0.9], [1.1], [2.0]])
     trial = torch.tensor([[1.0], [1.1], [1.9]])
     f = regression_flips(["a", "b", "c"], ["ordinary"] * 3, ref, trial, threshold=1.0)
-    assert f["flips"] == 1 and f["flip_list"][0]["id"] == "a"
-    assert regression_flips(["a"], ["ordinary"], ref[:1], trial[:1], None)["flips"] == 0
+    assert f.flips == 1 and f.flip_list[0].id == "a"
+    assert regression_flips(["a"], ["ordinary"], ref[:1], trial[:1], None).flips == 0
 
 
 def test_margins_in_probability_mean_the_same_at_every_scale():
     base = torch.tensor([[2.0, 1.9, 0.0]])
 
     def margin(scores, kind):
-        return float(_decide(["a"], ["ordinary"], scores, scores, margin_kind=kind).per_case()["margin"][0])
+        return float(_decide(["a"], ["ordinary"], scores, scores, margin_kind=kind).per_case().margin[0])
 
     for scale in (1.0, 100.0):
         assert margin(base * scale, "logit") == pytest.approx(0.1 * scale)
@@ -109,7 +109,7 @@ def test_labels_of_agrees_with_the_decisions_compared():
     s = torch.randint(0, 3, (200, 4), generator=g).float()  # many ties
     s[5, 2] = math.nan
     for rule in ("lowest_index", "tie_is_flip"):
-        assert torch.equal(labels_of(s, rule), _decide(*_ordinary(200), s, s, rule).per_case()["reference_class"])
+        assert torch.equal(labels_of(s, rule), _decide(*_ordinary(200), s, s, rule).per_case().reference_class)
 
 
 def test_per_token_flips_kl_and_agreement():
@@ -123,17 +123,17 @@ def test_per_token_flips_kl_and_agreement():
     targets[0, :2] = IGNORE_INDEX
     stats = _decide(*_ordinary(4), ref, trial, targets=targets)
     f, d = stats.result(), stats.distribution()
-    assert f["unit"] == "token" and f["cases"] == 22
-    assert f["flips"] == 1 and f["flip_list"][0]["position"] == 2 and f["flip_list"][0]["id"] == "ordinary/1"
+    assert f.unit == "token" and f.cases == 22
+    assert f.flips == 1 and f.flip_list[0].position == 2 and f.flip_list[0].id == "ordinary/1"
     # reference KL computed in float64 the textbook way
     lp_r = torch.log_softmax(ref.double(), -1)
     lp_t = torch.log_softmax(trial.double(), -1)
     kl = (lp_r.exp() * (lp_r - lp_t)).sum(-1)
     valid = targets != IGNORE_INDEX
-    assert d["kl_mean"] == pytest.approx(float(kl[valid].mean()), rel=1e-4)
-    assert d["kl_max"] == pytest.approx(float(kl[valid].max()), rel=1e-4)
-    assert d["top1_agreement"] == pytest.approx(21 / 22)
-    assert 0.0 < d["top_k_overlap"] <= 1.0
+    assert d.kl_mean == pytest.approx(float(kl[valid].mean()), rel=1e-4)
+    assert d.kl_max == pytest.approx(float(kl[valid].max()), rel=1e-4)
+    assert d.top1_agreement == pytest.approx(21 / 22)
+    assert 0.0 < d.top_k_overlap <= 1.0
 
 
 def test_per_token_nonfinite_trial_is_infinite_kl_and_a_flip():
@@ -142,8 +142,8 @@ def test_per_token_nonfinite_trial_is_infinite_kl_and_a_flip():
     trial[0, 1, 0] = math.nan
     stats = _decide(["ordinary/a"], ["ordinary"], ref, trial, targets=torch.tensor([[0, 1]]))
     f = stats.result()
-    assert f["flips"] == 1 and f["flip_list"][0]["position"] == 1 and f["flip_list"][0]["trial_class"] == -2
-    assert stats.distribution()["kl_max"] == math.inf and stats.distribution()["top1_agreement"] == 0.5
+    assert f.flips == 1 and f.flip_list[0].position == 1 and f.flip_list[0].trial_class == -2
+    assert stats.distribution().kl_max == math.inf and stats.distribution().top1_agreement == 0.5
 
 
 def test_kl_is_accurate_for_tiny_divergences():

@@ -13,56 +13,56 @@ def test_value_gaps_counts_elements_outside_atol_plus_rtol():
     trial = torch.tensor([1.05, 10.3, 101.0, 0.2])
     g = value_gaps(ref, trial, atol=0.1, rtol=0.01)
     # bounds: 0.11, 0.2, 1.1, 0.1 -> fails at 10.3 (0.3 > 0.2) and 0.2 (0.2 > 0.1)
-    assert g["failing"] == 2
-    assert g["failing_fraction"] == 0.5
-    assert g["max_abs"] == pytest.approx(1.0)
+    assert g.failing == 2
+    assert g.failing_fraction == 0.5
+    assert g.max_abs == pytest.approx(1.0)
     # |0.0 - 0.2| with rtol*0: float32's 0.2 is 0.2000000030, so the tolerance that passes is 0.2001, not 0.2
-    assert 0.2 < g["min_passing_atol"] <= 0.2001
-    assert value_gaps(ref, trial, atol=g["min_passing_atol"], rtol=0.01)["failing"] == 0
-    assert value_gaps(ref, trial, atol=0.2, rtol=0.01)["failing"] > 0  # what rounding to nearest would have said
-    assert g["min_passing_rtol"] == math.inf  # a zero reference can only pass through atol
+    assert 0.2 < g.min_passing_atol <= 0.2001
+    assert value_gaps(ref, trial, atol=g.min_passing_atol, rtol=0.01).failing == 0
+    assert value_gaps(ref, trial, atol=0.2, rtol=0.01).failing > 0  # what rounding to nearest would have said
+    assert g.min_passing_rtol == math.inf  # a zero reference can only pass through atol
 
 
 def test_value_gaps_smallest_passing_tolerance_is_tight():
     ref = torch.tensor([2.0, -4.0])
     trial = torch.tensor([2.1, -4.5])
     g = value_gaps(ref, trial, atol=0.0, rtol=0.0)
-    assert g["min_passing_atol"] == pytest.approx(0.5)
-    assert g["min_passing_rtol"] == pytest.approx(0.125)
-    assert value_gaps(ref, trial, atol=g["min_passing_atol"], rtol=0.0)["failing"] == 0
-    assert value_gaps(ref, trial, atol=0.0, rtol=g["min_passing_rtol"])["failing"] == 0
-    assert value_gaps(ref, trial, atol=0.49, rtol=0.0)["failing"] == 1
+    assert g.min_passing_atol == pytest.approx(0.5)
+    assert g.min_passing_rtol == pytest.approx(0.125)
+    assert value_gaps(ref, trial, atol=g.min_passing_atol, rtol=0.0).failing == 0
+    assert value_gaps(ref, trial, atol=0.0, rtol=g.min_passing_rtol).failing == 0
+    assert value_gaps(ref, trial, atol=0.49, rtol=0.0).failing == 1
 
 
 def test_value_gaps_nan_and_inf_in_trial_only_fail():
     ref = torch.tensor([1.0, 2.0, 3.0])
     trial = torch.tensor([1.0, math.nan, math.inf])
     g = value_gaps(ref, trial, atol=1.0, rtol=1.0)
-    assert g["nonfinite_trial_only"] == 2
-    assert g["failing"] == 2
-    assert g["min_passing_atol"] == math.inf
+    assert g.nonfinite_trial_only == 2
+    assert g.failing == 2
+    assert g.min_passing_atol == math.inf
 
 
 def test_value_gaps_nan_in_both_is_agreement_but_reported():
     ref = torch.tensor([math.nan, 1.0])
     trial = torch.tensor([math.nan, 1.0])
     g = value_gaps(ref, trial, atol=0.0, rtol=0.0)
-    assert g["nonfinite_both"] == 1 and g["nonfinite_reference"] == 1
-    assert g["failing"] == 0
+    assert g.nonfinite_both == 1 and g.nonfinite_reference == 1
+    assert g.failing == 0
 
 
 def test_value_gaps_empty_outputs():
     g = value_gaps(torch.zeros(0, 3), torch.zeros(0, 3), atol=0.1, rtol=0.1)
-    assert g["elements"] == 0 and g["failing"] == 0 and g["failing_fraction"] == 0.0
-    assert g["max_abs"] == 0.0 and g["p99_abs"] == 0.0
+    assert g.elements == 0 and g.failing == 0 and g.failing_fraction == 0.0
+    assert g.max_abs == 0.0 and g.p99_abs == 0.0
 
 
 def test_value_gaps_different_scales_need_relative_tolerance():
     # Logits near 1 and a regression output near 1e4: one atol cannot serve both, rtol can.
     ref = torch.tensor([1.0, 1.0e4])
     trial = torch.tensor([1.001, 1.0e4 + 5.0])
-    assert value_gaps(ref, trial, atol=0.01, rtol=0.0)["failing"] == 1
-    assert value_gaps(ref, trial, atol=0.01, rtol=1e-3)["failing"] == 0
+    assert value_gaps(ref, trial, atol=0.01, rtol=0.0).failing == 1
+    assert value_gaps(ref, trial, atol=0.01, rtol=1e-3).failing == 0
 
 
 def test_value_gaps_rejects_shape_mismatch():
@@ -81,13 +81,14 @@ def test_streamed_gaps_equal_one_shot_gaps_whatever_the_chunking():
     for s in range(0, 1000, 37):
         acc.update(ref[s : s + 37], trial[s : s + 37], "ordinary" if s < 500 else "edge")
     streamed = acc.result()
-    for key in ("elements", "failing", "nonfinite_trial_only", "max_abs", "p99_abs", "max_rel", "p99_rel", "min_passing_atol", "min_passing_rtol"):
-        assert streamed[key] == whole[key], key
-    assert streamed["mean_abs"] == pytest.approx(whole["mean_abs"], rel=1e-6)  # float32 sums per slice
-    assert sum(k["elements"] for k in streamed["per_kind"].values()) == 7000
+    exact = ("elements", "failing", "nonfinite_trial_only", "max_abs", "p99_abs", "max_rel", "p99_rel", "min_passing_atol", "min_passing_rtol")
+    for key in exact:
+        assert getattr(streamed, key) == getattr(whole, key), key
+    assert streamed.mean_abs == pytest.approx(whole.mean_abs, rel=1e-6)  # float32 sums per slice
+    assert sum(k.elements for k in streamed.per_kind.values()) == 7000
     finite = ~torch.isnan(trial)
     gaps = (trial[finite].double() - ref[finite].double()).abs()
-    assert streamed["p99_abs"] == pytest.approx(float(gaps.sort().values[math.ceil(0.99 * gaps.numel()) - 1]), rel=1e-6)
+    assert streamed.p99_abs == pytest.approx(float(gaps.sort().values[math.ceil(0.99 * gaps.numel()) - 1]), rel=1e-6)
 
 
 def test_failing_count_at_the_threshold_is_the_exact_test():
@@ -102,7 +103,7 @@ def test_failing_count_at_the_threshold_is_the_exact_test():
     acc = GapStats(atol, rtol, r.numel())
     for a, b in zip(r.split(1 << 14), t.split(1 << 14)):
         acc.update(a, b)
-    assert acc.result()["failing"] == expected
+    assert acc.result().failing == expected
 
 
 def test_failing_rows_name_the_rows_update_counts():
@@ -119,8 +120,8 @@ def test_arbiter_compares_amp_with_fp32_against_fp64():
     acc = ArbiterStats()
     acc.update(torch.tensor([1.0, 2.0]), torch.tensor([1.1, 2.0]), fp64)
     a = acc.result()
-    assert a["fp32_rmse_vs_fp64"] == 0.0 and a["amp_over_fp32"] == math.inf
+    assert a.fp32_rmse_vs_fp64 == 0.0 and a.amp_over_fp32 == math.inf
     acc.update(torch.tensor([1.5]), torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64))  # a second chunk
     b = acc.result()
-    assert b["fp32_rmse_vs_fp64"] == pytest.approx(math.sqrt(0.25 / 3)) and b["amp_rmse_vs_fp64"] == pytest.approx(math.sqrt(float(torch.tensor(1.1) - 1) ** 2 / 3))
-    assert b["amp_over_fp32"] == pytest.approx(b["amp_rmse_vs_fp64"] / b["fp32_rmse_vs_fp64"])
+    assert b.fp32_rmse_vs_fp64 == pytest.approx(math.sqrt(0.25 / 3)) and b.amp_rmse_vs_fp64 == pytest.approx(math.sqrt(float(torch.tensor(1.1) - 1) ** 2 / 3))
+    assert b.amp_over_fp32 == pytest.approx(b.amp_rmse_vs_fp64 / b.fp32_rmse_vs_fp64)

@@ -19,11 +19,11 @@ def test_regression_errors_and_extremes():
     y = torch.tensor([0.0, 1.0, 2.0, 3.0, 10.0])
     p = torch.tensor([0.0, 1.0, 2.0, 3.0, 8.0])
     e = regression_errors(p, y, extreme_quantile=0.2)
-    assert e["mae"] == pytest.approx(0.4)
-    assert e["rmse"] == pytest.approx(math.sqrt(4 / 5))
-    assert e["max_error"] == 2.0
-    assert e["extreme_high_mae"] == 2.0 and e["extreme_low_mae"] == 0.0
-    assert e["output_max"] == 8.0
+    assert e.mae == pytest.approx(0.4)
+    assert e.rmse == pytest.approx(math.sqrt(4 / 5))
+    assert e.max_error == 2.0
+    assert e.extreme_high_mae == 2.0 and e.extreme_low_mae == 0.0
+    assert e.output_max == 8.0
 
 
 def test_quality_metrics():

@@ -17,7 +17,7 @@ from pipeline import inference, recipe, training
 
 from pipeline import rule
 
-from pipeline.artifacts.comparison import Decisions, Distribution, Flip, Quality, Stats
+from pipeline.artifacts.comparison import Decisions, Distribution, Flip, Quality
 from pipeline.compare import bounds
 
 from pipeline.compare import streams
@@ -51,8 +51,7 @@ def _judge(ids, y, has_target, ref, trial, trained=None, cfg=RULE, steps=FLAT, t
     sources = streams.Sources(ids, y, has_target, streams.InMemory(ref), streams.InMemory(trial),
                               streams.InMemory(trained if trained is not None else trial))
     runs = streams.Trajectories(steps, trial_steps or steps, 2.0**16 if scaler else 1.0, scaler_enabled=scaler, aligned=aligned)
-    raw, _ = streams.compare_streams("classification" if y.dtype == torch.long else "regression", cfg, sources, runs)
-    stats = Stats.from_dict(raw)
+    stats, _ = streams.compare_streams("classification" if y.dtype == torch.long else "regression", cfg, sources, runs)
     return stats, rule.decide(stats, cfg)
 
 
@@ -199,7 +198,7 @@ def test_tie_is_flip_two_different_ties_are_a_flip():
     d = DecisionStats(["ordinary/a", "ordinary/b"], ["ordinary", "ordinary"], "tie_is_flip", 0.0, "logit", capacity_tokens=2)
     d.update(0, ref, trial)
     f = d.result()
-    assert f["flips"] == 1 and f["flip_list"][0]["id"] == "ordinary/a"
+    assert f.flips == 1 and f.flip_list[0].id == "ordinary/a"
 
 
 def test_one_miss_in_a_hundred_is_within_a_one_percent_drop():
@@ -276,9 +275,9 @@ def test_vacuous_passes_become_named_reasons():
     rule._distribution(nothing, AcceptanceConfig(max_kl_mean=0.01), j)
     assert j.failed["inference"] and "no valid token" in j.reasons[0]
     gap = trajectory_gap([1.0, float("nan")], [1.0, 1.0], 0.05, 0.1)
-    assert gap["band_violations"] == 1  # a NaN reference step is outside any band
+    assert gap.band_violations == 1  # a NaN reference step is outside any band
     health = update_health([True, True, True], [1.0, 1.0, 1.0, 1.0], [False] * 3, window=10)
-    assert health["stalled"] and health["stall_window"] == 3  # a run shorter than the window can still stall
+    assert health.stalled and health.stall_window == 3  # a run shorter than the window can still stall
 
 
 def _net():
@@ -344,10 +343,10 @@ def test_designed_gradscaler_skips_do_not_roll_back_but_a_divergence_does():
     acc = dataclasses.replace(RULE, loss_atol=0.05, loss_rtol=0.0)
     naive = streams.training_stats(acc, streams.Trajectories(ref, trial, 1024.0))
     fair = streams.training_stats(acc, streams.Trajectories(ref, trial, 1024.0, aligned=aligned))
-    assert naive["band_violations"] > 0 and fair["band_violations"] == 0, (naive["max_loss_gap"], fair["max_loss_gap"])
+    assert naive.band_violations > 0 and fair.band_violations == 0, (naive.max_loss_gap, fair.max_loss_gap)
     harmful = [asdict(r) for r in run(Policy(dtype="float16"), dataclasses.replace(cfg, lr=5.0))]
     bad = streams.training_stats(acc, streams.Trajectories(ref, harmful, 1024.0, aligned=aligned))
-    assert bad["band_violations"] > 0
+    assert bad.band_violations > 0
 
 
 def test_dropout_inference_draws_from_one_recorded_state():

@@ -18,6 +18,7 @@ from pipeline import rule
 
 from pipeline.artifacts import reference_tensors
 from pipeline.artifacts.comparison import Stats
+from pipeline.artifacts.diagnosis import LocatedCase, Rerun, Trace, Work
 
 from pipeline.compare import streams
 from pipeline.artifacts import trial_tensors
@@ -36,7 +37,7 @@ class Run:
     policy: Policy
     outputs: dict[str, torch.Tensor]
     steps: list[dict]
-    stats: dict
+    stats: Stats
     decision: rule.RuleResult
 
     @property
@@ -45,10 +46,10 @@ class Run:
 
     @property
     def has_nonfinite(self) -> bool:
-        return first_nonfinite_step(self.steps) is not None or any(g["nonfinite_trial_only"] for g in self.stats["values"].values())
+        return first_nonfinite_step(self.steps) is not None or any(g.nonfinite_trial_only for g in self.stats.values.values())
 
-    def summary(self) -> dict:
-        return {"fp32_modules": list(self.policy.fp32_modules), "decision": self.decision.decision, "reasons": list(self.decision.reasons)}
+    def summary(self) -> Rerun:
+        return Rerun(tuple(self.policy.fp32_modules), self.decision.decision, tuple(self.decision.reasons))
 
 
 @dataclass
@@ -58,7 +59,8 @@ class Context:
     device: torch.device
     ref: reference_tensors.Reference
     train: task.TrainSource
-    work: dict = field(default_factory=lambda: {"replayed_steps": 0, "traced_passes": 0, "trial_reruns": 0})
+    work: Work = field(default_factory=Work)
+    """What the diagnosis has cost so far (``spend`` adds to it)."""
 
     def model(self, state: str) -> torch.nn.Module:
         """The task's model in the reference's ``trained`` state (weights only) or ``init`` state (weights and RNG)."""
@@ -77,9 +79,12 @@ class Context:
         idx = training.update_batches(len(self.train), self.params.reference, self.params.seed)[step][0]
         return self.train.batch(idx)
 
+    def spend(self, replayed_steps: int = 0, traced_passes: int = 0, trial_reruns: int = 0) -> None:
+        self.work = self.work.plus(replayed_steps, traced_passes, trial_reruns)
+
     @property
     def budget_left(self) -> bool:
-        return self.work["trial_reruns"] < self.params.diagnose.search_budget
+        return self.work.trial_reruns < self.params.diagnose.search_budget
 
 
 @dataclass
@@ -97,9 +102,9 @@ class Case:
     step: int | None = None
     replay_matches_trial: bool | None = None
 
-    def trace(self, ctx: Context, policy: Policy, scale: float | None = None) -> dict:
+    def trace(self, ctx: Context, policy: Policy, scale: float | None = None) -> Trace:
         checkpoint.set_rng_state(self.rng)
-        ctx.work["traced_passes"] += 1
+        ctx.spend(traced_passes=1)
         return trace(self.model, self.x, self.y, self.loss_fn, policy, ctx.device, self.scale if scale is None else scale)
 
 
@@ -109,29 +114,20 @@ class Located:
     scale above 1) without scaling, which separates a scale that overflowed from a real overflow."""
 
     case: Case
-    amp: dict
-    fp32: dict
-    unscaled: dict | None = None
+    amp: Trace
+    fp32: Trace
+    unscaled: Trace | None = None
 
     @property
     def autocast_problem(self) -> bool:
         return not finite(self.amp) and not (self.unscaled is not None and finite(self.unscaled))
 
-    def as_dict(self) -> dict:
+    def record(self) -> LocatedCase:
         c = self.case
-        return {
-            "case": c.label,
-            "ids": c.ids,
-            "step": c.step,
-            "scale": c.scale,
-            "replay_matches_trial": c.replay_matches_trial,
-            "amp": self.amp,
-            "fp32": self.fp32,
-            "unscaled": self.unscaled,
-        }
+        return LocatedCase(c.label, tuple(c.ids), c.step, c.scale, c.replay_matches_trial, self.amp, self.fp32, self.unscaled)
 
 
-def load(params: Params, dtype: str, stats: dict, decision: rule.RuleResult) -> tuple[Context, Run, trial_tensors.Trial]:
+def load(params: Params, dtype: str, stats: Stats, decision: rule.RuleResult) -> tuple[Context, Run, trial_tensors.Trial]:
     """The reference, the training data and the trial's own results, each checked against its manifest.
     ``decision`` is the rule's verdict on the trial, computed once by the stage."""
     ref = reference_tensors.load(params)
@@ -166,7 +162,7 @@ def training_case(ctx: Context, run: Run, step: int) -> Case:
     result = training.train(
         model, ctx.train, cfg, ctx.params.task, run.policy, ctx.device, ctx.params.seed, label=f"diagnose replay {ctx.dtype}", stop=step
     )
-    ctx.work["replayed_steps"] += step
+    ctx.spend(replayed_steps=step)
     replayed = [r.loss for r in result.records]
     recorded = [s["loss"] for s in run.steps[:step]]
     matches = all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(replayed, recorded))
@@ -187,8 +183,8 @@ def locate(ctx: Context, run: Run) -> list[Located]:
     located = []
     for c in cases:
         amp = c.trace(ctx, run.policy)
-        first = amp["first"] or {}
-        unscaled = c.trace(ctx, run.policy, scale=1.0) if first.get("where") == "gradient" and c.scale != 1.0 else None
+        gradient = amp.first is not None and amp.first.where == "gradient"
+        unscaled = c.trace(ctx, run.policy, scale=1.0) if gradient and c.scale != 1.0 else None
         located.append(Located(c, amp, c.trace(ctx, FP32, scale=1.0), unscaled))
     return located
 
@@ -211,19 +207,19 @@ def rerun(ctx: Context, policy: Policy) -> Run:
     steps = [asdict(r) for r in run.training.records]
     aligned = [asdict(r) for r in run.aligned] if run.aligned is not None else None
     stats = _compare(ctx, run.outputs, run.trained_outputs, steps, run.training.final_scale, policy.uses_scaler, ref.fp64_reader(), aligned)
-    ctx.work["trial_reruns"] += 1
-    return Run(policy, run.outputs, steps, stats, rule.decide(Stats.from_dict(stats), params.acceptance))
+    ctx.spend(trial_reruns=1)
+    return Run(policy, run.outputs, steps, stats, rule.decide(stats, params.acceptance))
 
 
 def reference_fails_itself(ctx: Context) -> list[str]:
     """Reasons the rule rejects the FP32 reference compared with itself: no precision policy can fix those."""
     ref = ctx.ref
     stats = _compare(ctx, ref.outputs, ref.outputs, ref.trajectory, math.inf, True, None)
-    return list(rule.decide(Stats.from_dict(stats), ctx.params.acceptance).reasons)
+    return list(rule.decide(stats, ctx.params.acceptance).reasons)
 
 
 def _compare(ctx: Context, outputs: dict, trained: dict, steps: list[dict], final_scale: float, scaler: bool, fp64,
-             aligned: list[dict] | None = None) -> dict:
+             aligned: list[dict] | None = None) -> Stats:
     """Statistics as the compare stage computes them (metric, chunking, token mask, FP64 arbiter, noise
     replicate), so that a re-run's verdict is the stage's rule."""
     params, ref = ctx.params, ctx.ref

@@ -21,6 +21,8 @@ from pipeline import inference, task
 
 from pipeline.compare.decisions import labels_of
 from pipeline.compare.gaps import value_gaps
+from pipeline.artifacts.comparison import Flip
+from pipeline.artifacts.diagnosis import FixStep, LocalFix, Ranked, Rerun, Unflip
 from pipeline.diagnosis.precision_map import ModuleScope, Recorder, forward_backward
 from pipeline.diagnosis.trace import culprit, finite
 from pipeline.diagnosis.replay import Context, Located, Run, locate, rerun
@@ -32,9 +34,9 @@ class Outcome:
     """What the search found and what it cost; ``suggestion`` passed the rule in a re-run, ``unchecked`` did not run."""
 
     findings: list[str] = field(default_factory=list)
-    local_fix: list[dict] = field(default_factory=list)
-    reruns: list[dict] = field(default_factory=list)
-    ranking: list[dict] = field(default_factory=list)
+    local_fix: list[LocalFix] = field(default_factory=list)
+    reruns: list[Rerun] = field(default_factory=list)
+    ranking: list[Ranked] = field(default_factory=list)
     suggestion: Policy | None = None
     unchecked: Policy | None = None
 
@@ -49,7 +51,7 @@ def search(ctx: Context, run: Run, located: list[Located], reference_fails: bool
     current = run
     while located:
         policy, ok, steps = fix_nonfinite(ctx, located, current.policy)
-        out.local_fix.append({"from": list(current.policy.fp32_modules), "to": list(policy.fp32_modules), "cases_finite": ok, "steps": steps})
+        out.local_fix.append(LocalFix(tuple(current.policy.fp32_modules), tuple(policy.fp32_modules), ok, tuple(steps)))
         if policy == current.policy:
             out.findings.append(
                 "no module to move out of autocast: the non-finite values do not come from a module's reduced-precision work"
@@ -90,7 +92,7 @@ def with_modules(policy: Policy, names: list[str]) -> Policy:
     return replace(policy, fp32_modules=tuple(kept))
 
 
-def fix_nonfinite(ctx: Context, located: list[Located], policy: Policy) -> tuple[Policy, bool, list[dict]]:
+def fix_nonfinite(ctx: Context, located: list[Located], policy: Policy) -> tuple[Policy, bool, list[FixStep]]:
     """Add each case's culprit to the FP32 regions and replay, until every case is finite or no culprit is left."""
     cases = [loc.case for loc in located if loc.autocast_problem]
     traces = [loc.amp for loc in located if loc.autocast_problem]
@@ -101,7 +103,7 @@ def fix_nonfinite(ctx: Context, located: list[Located], policy: Policy) -> tuple
             break
         policy = with_modules(policy, new)
         traces = [case.trace(ctx, policy) for case in cases]
-        steps.append({"fp32_modules": list(policy.fp32_modules), "cases_finite": [finite(t) for t in traces], "first": [t["first"] for t in traces]})
+        steps.append(FixStep(tuple(policy.fp32_modules), tuple(finite(t) for t in traces), tuple(t.first for t in traces)))
     return policy, all(finite(t) for t in traces), steps
 
 
@@ -114,35 +116,35 @@ def reduced_modules(ctx: Context, policy: Policy) -> list[str]:
     sample = task.take(ctx.ref.cases.x, torch.arange(min(256, len(ctx.ref.cases.ids))))
     with torch.no_grad(), scope, recorder:
         forward_backward(model, task.to_device(sample, ctx.device), None, None, policy, ctx.device, scope)
-    return [n for n, m in recorder.matmul_by_module().items() if n and m["reduced_count"] and n not in policy.fp32_modules]
+    return [n for n, m in recorder.matmul_by_module().items() if n and m.reduced_count and n not in policy.fp32_modules]
 
 
-def unflip(ctx: Context, run: Run, flips: list[dict], order: list[str]) -> list[dict]:
+def unflip(ctx: Context, run: Run, flips: tuple[Flip, ...], order: list[str]) -> list[Unflip]:
     """For each flipped REAL case (per case, not per token), the first module whose FP32 replay alone gives the
     reference's class back: the trained reference re-run on those cases with that one module outside autocast.
     Modules are tried in ``order`` (the ranking, else every module doing reduced-precision matmuls), at most
     ``diagnose.search_budget`` of them: inference passes over the flipped cases only, cheap beside a re-run."""
-    real = [f for f in flips if not f.get("boundary") and "position" not in f]
+    real = [f for f in flips if not f.boundary and f.position is None]
     if not real:
         return []
     index = {cid: i for i, cid in enumerate(ctx.ref.cases.ids)}
-    rows = torch.tensor([index[f["id"]] for f in real])
+    rows = torch.tensor([index[f.id] for f in real])
     x = task.take(ctx.ref.cases.x, rows)
-    want = torch.tensor([int(f["reference_class"]) for f in real])
+    want = torch.tensor([int(f.reference_class) for f in real])
     model = ctx.model("trained")
     found: dict[str, str] = {}
     for name in order[: max(ctx.params.diagnose.search_budget, 1)]:
         out = inference.infer(model, x, with_modules(run.policy, [name]), ctx.device, ctx.params.reference.eval_mode)
         labels = labels_of(task.primary(out), ctx.params.acceptance.tie_rule)
         for f, ok in zip(real, (labels == want).tolist()):
-            if ok and f["id"] not in found:
-                found[f["id"]] = name
+            if ok and f.id not in found:
+                found[f.id] = name
         if len(found) == len(real):
             break
-    return [{"id": f["id"], "module": found.get(f["id"])} for f in real]
+    return [Unflip(f.id, found.get(f.id)) for f in real]
 
 
-def rank_modules(ctx: Context, policy: Policy) -> list[dict]:
+def rank_modules(ctx: Context, policy: Policy) -> list[Ranked]:
     """Modules that run reduced-precision matmul work themselves, ranked by what each one alone does to
     the outputs on the fixed set: it stays under autocast, every other candidate runs in FP32, and the
     outputs are held against the reference with the rule's tolerances (failing elements, then max error)."""
@@ -157,21 +159,21 @@ def rank_modules(ctx: Context, policy: Policy) -> list[dict]:
         tolerance = ctx.params.acceptance.tolerance
         gaps = [value_gaps(ctx.ref.outputs[k], out[k], tolerance(k).atol, tolerance(k).rtol) for k in sorted(ctx.ref.outputs)]
         ranked.append(
-            {
-                "module": name,
-                "type": type(dict(model.named_modules())[name]).__name__,
-                "failing_elements": sum(g["failing"] for g in gaps),
-                "max_abs_error": max(g["max_abs"] for g in gaps),
-            }
+            Ranked(
+                module=name,
+                type=type(dict(model.named_modules())[name]).__name__,
+                failing_elements=sum(g.failing for g in gaps),
+                max_abs_error=max(g.max_abs for g in gaps),
+            )
         )
-    return sorted(ranked, key=lambda r: (-r["failing_elements"], -r["max_abs_error"], r["module"]))
+    return sorted(ranked, key=lambda r: (-r.failing_elements, -r.max_abs_error, r.module))
 
 
 def search_tolerance(ctx: Context, base: Policy, out: Outcome) -> Policy | None:
     """Bisect over the ranked modules for the shortest prefix in FP32 that passes the rule, then try
     dropping the others one by one, all within ``diagnose.search_budget`` trial re-runs."""
     out.ranking += rank_modules(ctx, base)
-    names = [r["module"] for r in out.ranking]
+    names = [r.module for r in out.ranking]
 
     def passes(chosen: list[str]) -> bool:
         run = rerun(ctx, with_modules(base, chosen))
