@@ -18,10 +18,12 @@ from conftest import TINY, make_project
 from pipeline import precision, recipe
 
 from pipeline import rule
+from pipeline.artifacts import diagnosis
 from pipeline.artifacts.comparison import Stats
 from pipeline.config import load_params
 from pipeline.diagnosis import precision_map, replay, trace, wording
 from pipeline.errors import UserError
+from pipeline.files import dumps
 from pipeline.examples import stress
 from pipeline.precision import Policy
 
@@ -85,15 +87,17 @@ def test_underflow_example_gradients_vanish_without_scaling_and_survive_with_it(
     loss = recipe.loss_function("mse")
 
     fp16 = precision_map.gradient_underflow(model, x, y, loss, Policy(dtype="float16"), CPU, scale=65536.0)
-    rows = {r["parameter"]: r for r in fp16["parameters"]}
+    rows = {r.parameter: r for r in fp16.parameters}
     for name in ("body.weight", "body.bias"):
-        assert rows[name]["nonzero_fp32"] == rows[name]["elements"]
-        assert rows[name]["fraction_unscaled"] == 1.0  # every element vanished in float16
-        assert rows[name]["fraction_scaled"] < 0.01  # and survives at the GradScaler's initial scale
-    assert rows["head.weight"]["fraction_unscaled"] == 0.0
+        assert rows[name].nonzero_fp32 == rows[name].elements
+        assert rows[name].fraction_unscaled == 1.0  # every element vanished in float16
+        assert rows[name].fraction_scaled < 0.01  # and survives at the GradScaler's initial scale
+    assert rows["head.weight"].fraction_unscaled == 0.0
+    assert fp16.total.elements == sum(r.elements for r in fp16.parameters)
+    assert fp16.total.fraction_unscaled == fp16.total.vanished_unscaled / fp16.total.elements
 
     bf16 = precision_map.gradient_underflow(model, x, y, loss, Policy(dtype="bfloat16"), CPU, scale=65536.0)
-    assert bf16["total"]["vanished_unscaled"] == 0  # BF16 has FP32's exponent range
+    assert bf16.total.vanished_unscaled == 0  # BF16 has FP32's exponent range
 
     pmap = precision_map.precision_map(model, x, y, loss, Policy(dtype="float16"), CPU)
     findings, notes = wording.probe_findings(pmap, fp16, Policy(dtype="float16"), CPU)
@@ -108,19 +112,17 @@ def test_precision_map_lists_reduced_matmuls_and_respects_fp32_regions(dtype):
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
 
     pmap = precision_map.precision_map(model, x, y, cross_entropy, Policy(dtype=dtype), CPU)
-    ops = {(r["phase"], r["op"], r["input_dtypes"]): r for r in pmap["ops"]}
-    assert ops[("forward", "aten.addmm.default", f"{dtype},{dtype},{dtype}")]["count"] == 2
-    assert ops[("backward", "aten.mm.default", f"{dtype},{dtype}")]["count"] == 3  # 2 weight grads, 1 input grad
-    assert pmap["summary"]["share_weighted_by"] == "flops" and pmap["summary"]["reduced_share"] == 1.0
-    assert pmap["missing_kernels"] == [] and pmap["error"] is None
+    ops = {(r.phase, r.op, r.input_dtypes): r for r in pmap.ops}
+    assert ops[("forward", "aten.addmm.default", f"{dtype},{dtype},{dtype}")].count == 2
+    assert ops[("backward", "aten.mm.default", f"{dtype},{dtype}")].count == 3  # 2 weight grads, 1 input grad
+    assert pmap.summary.share_weighted_by == "flops" and pmap.summary.reduced_share == 1.0
+    assert pmap.missing_kernels == () and pmap.error is None
 
     mixed = precision_map.precision_map(model, x, y, cross_entropy, Policy(dtype=dtype, fp32_modules=("0",)), CPU)
-    assert ("forward", "aten.addmm.default", "float32,float32,float32") in {
-        (r["phase"], r["op"], r["input_dtypes"]) for r in mixed["ops"]
-    }
-    flops = mixed["matmul_by_module"]
-    assert flops["0"]["reduced_flops"] == 0 and flops["2"]["reduced_flops"] == flops["2"]["flops"] > 0
-    assert 0 < mixed["summary"]["reduced_share"] < 1
+    assert ("forward", "aten.addmm.default", "float32,float32,float32") in {(r.phase, r.op, r.input_dtypes) for r in mixed.ops}
+    flops = mixed.matmul_by_module
+    assert flops["0"].reduced_flops == 0 and flops["2"].reduced_flops == flops["2"].flops > 0
+    assert 0 < mixed.summary.reduced_share < 1
 
 
 class Bessel(torch.nn.Module):
@@ -145,12 +147,12 @@ def test_op_without_reduced_precision_kernel_is_a_finding_not_a_crash(dtype, act
         model(x)  # the real thing: the trial itself would stop here
 
     pmap = precision_map.precision_map(model, x, y, cross_entropy, Policy(dtype=dtype), CPU)
-    assert pmap["error"] is None  # the op ran in float32 and the pass went on, backward included
-    assert [(m["op"], m["module"], m["module_type"], m["dtypes"]) for m in pmap["missing_kernels"]] == [
-        (op, "act", type(activation).__name__, [dtype])
+    assert pmap.error is None  # the op ran in float32 and the pass went on, backward included
+    assert [(m.op, m.module, m.module_type, m.dtypes) for m in pmap.missing_kernels] == [
+        (op, "act", type(activation).__name__, (dtype,))
     ]
-    assert "not implemented for" in pmap["missing_kernels"][0]["error"]
-    assert any(r["phase"] == "backward" and r["op"] == "aten.mm.default" for r in pmap["ops"])
+    assert "not implemented for" in pmap.missing_kernels[0].error
+    assert any(r.phase == "backward" and r.op == "aten.mm.default" for r in pmap.ops)
     under = precision_map.gradient_underflow(model, x, y, cross_entropy, Policy(dtype=dtype), CPU, 65536.0, fallback=True)
     findings, _ = wording.probe_findings(pmap, under, Policy(dtype=dtype), CPU)
     assert any(f.startswith(f"op {op} has no {dtype} kernel on cpu (module 'act'") for f in findings), findings
@@ -194,7 +196,7 @@ def test_fp32_side_of_a_gpu_trace_is_not_tf32():
         with torch.no_grad():
             out = model(x)  # right after the trace: the switch it set is still in force
             exact = (x.double() @ model[0].weight.double().T)
-        assert traced["outputs_finite"]
+        assert traced.outputs_finite
         assert float(((out.double() - exact).abs().max() / exact.abs().max())) < 1e-5
     finally:
         precision.set_tf32_state(saved)
@@ -209,21 +211,21 @@ def test_probes_leave_the_rng_where_they_found_it():
     precision_map.precision_map(model, x, y, cross_entropy, Policy(dtype="bfloat16"), CPU)
     under = precision_map.gradient_underflow(model, x, y, cross_entropy, Policy(), CPU, 1.0)
     assert torch.equal(torch.get_rng_state(), before)
-    assert under["total"]["vanished_unscaled"] == 0  # FP32 against FP32 with the same masks: nothing vanishes
+    assert under.total.vanished_unscaled == 0  # FP32 against FP32 with the same masks: nothing vanishes
 
 
 def test_training_replay_is_the_exact_step_of_the_trial(reproduced, monkeypatch):
     monkeypatch.chdir(reproduced)  # read only: stages read data/ relative to the repository
     params = load_params("params.yaml")
-    stats = json.loads(Path("data/compare/float16/stats.json").read_text())
+    stats = Stats.from_dict(json.loads(Path("data/compare/float16/stats.json").read_text()))
     trajectory = json.loads(Path("data/trial/float16/trajectory.json").read_text())
-    ctx, run, _ = replay.load(params, "float16", stats, rule.decide(Stats.from_dict(stats), params.acceptance))
+    ctx, run, _ = replay.load(params, "float16", stats, rule.decide(stats, params.acceptance))
     case = replay.training_case(ctx, run, step=5)
-    assert case.replay_matches_trial and ctx.work["replayed_steps"] == 5
+    assert case.replay_matches_trial and ctx.work.replayed_steps == 5
     watched = case.trace(ctx, run.policy)
-    assert watched["loss"] == trajectory["steps"][5]["loss"]  # bit for bit, hooks and dispatch mode included
-    assert watched["scale"] == trajectory["steps"][5]["scale"]
-    assert trace.finite(watched) and watched["first"] is None
+    assert watched.loss == trajectory["steps"][5]["loss"]  # bit for bit, hooks and dispatch mode included
+    assert watched.scale == trajectory["steps"][5]["scale"]
+    assert trace.finite(watched) and watched.first is None
 
 
 @pytest.mark.integration
@@ -246,6 +248,41 @@ def test_diagnose_is_cheap_on_a_healthy_trial(reproduced, tmp_path):
     assert (copy / "data/diagnose/float16/diagnosis.json").read_bytes() == (
         reproduced / "data/diagnose/float16/diagnosis.json"
     ).read_bytes()
+
+
+def test_diagnosis_records_read_back_key_for_key():
+    """A diagnosis built from real passes (a non-finite trace, a precision map, an underflow table) and the
+    search's records reads back from its JSON to the same records, ``from`` and ``to`` keys and omitted fields
+    included (the file's bytes again); a key this version does not know is refused with the command that rebuilds the file."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    x, y = torch.randn(4, 8) * 1e4, torch.tensor([0, 1, 2, 0])
+    amp = trace.trace(model, x, y, cross_entropy, Policy(dtype="float16"), CPU, scale=65536.0)
+    assert not trace.finite(amp) and amp.first is not None and amp.first.where != "input"
+    blind = trace.trace(model, x.clone().fill_(math.inf), y, cross_entropy, Policy(dtype="float16"), CPU)
+    assert blind.first == diagnosis.FirstNonFinite("input") and blind.first.as_dict() == {"where": "input"}
+    step = diagnosis.FixStep(("0",), (False,), (amp.first,))
+    found = diagnosis.Diagnosis(
+        needed=True,
+        failing=["values"],
+        findings=["a finding"],
+        work=diagnosis.Work().plus(traced_passes=2),
+        precision_map=precision_map.precision_map(model, x, y, cross_entropy, Policy(dtype="float16"), CPU),
+        underflow=precision_map.gradient_underflow(model, x, y, cross_entropy, Policy(dtype="float16"), CPU, 65536.0),
+        first_nonfinite=(diagnosis.LocatedCase("training step 0", (), 0, 65536.0, True, amp, blind, None),),
+        local_fix=(diagnosis.LocalFix((), ("0",), False, (step,)),),
+        reruns=(),
+        ranking=(),
+    )
+    raw = json.loads(dumps(found.as_dict()))
+    assert raw["local_fix"][0]["from"] == [] and raw["local_fix"][0]["to"] == ["0"]
+    assert raw["suggestion"] is None and "unflipped_by" not in raw  # the search ran and chose nothing; no flips
+    assert raw["work"] == {"replayed_steps": 0, "traced_passes": 2, "trial_reruns": 0}
+    back = diagnosis.from_dict(raw)
+    assert dumps(back.as_dict()) == dumps(found.as_dict())  # byte for byte (the blind trace's NaN loss is no == match)
+    assert back.first_nonfinite[0].amp == amp and back.local_fix == found.local_fix and back.underflow == found.underflow
+    with pytest.raises(UserError, match=r"rebuild it with `dvc repro --force diagnose@float16`"):
+        diagnosis.from_dict({**raw, "work": {**raw["work"], "seconds": 1.0}}, dtype="float16")
 
 
 def test_diagnose_params_are_validated(tmp_path):

@@ -6,11 +6,24 @@ trial's diagnosis is written without torch, and read without it everywhere.
 The file says only what was done: triage's fields always; the probe's (``precision_map``, ``underflow``)
 when it ran; the search's (``local_fix``, ``reruns``, ``ranking``, ``suggestion``, null when nothing was
 chosen) whenever the full diagnosis ran; the located failure and the un-flips when the trial failed.
+
+Every part is a frozen record read by attribute (the diagnosis computes them: ``Trace`` and ``PrecisionMap``
+in ``pipeline.diagnosis``, the search's ``LocalFix``, ``Rerun``, ``Ranked``, ...); ``as_dict`` gives the
+file's keys back, ``from_dict`` refuses a key it does not know.
+
+API:
+    write(dtype, diagnosis: Diagnosis, suggested_params: str | None) -> None
+    read(dtype) -> Diagnosis             raises UserError when diagnose@DTYPE has not run (or wrote another form)
+    from_dict(raw) -> Diagnosis / Diagnosis.as_dict()
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import functools
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from typing import ClassVar
 
 from pipeline import paths
 from pipeline.errors import UserError
@@ -20,13 +33,310 @@ FILE = "diagnosis.json"
 SUGGESTED = "suggested_params.yaml"
 
 
-def _no_work() -> dict:
-    return {"replayed_steps": 0, "traced_passes": 0, "trial_reruns": 0}
+class _Record:
+    """A frozen part of ``diagnosis.json`` read field by field. ``ABSENT`` names the fields the file omits
+    (rather than writing null) when they are None; ``KEYS`` the fields whose JSON key is a Python keyword."""
+
+    ABSENT: ClassVar[tuple[str, ...]] = ()
+    KEYS: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        """Raises: ValueError on a key the record does not know, or a required key missing."""
+        names = {cls.KEYS.get(f.name, f.name): f.name for f in fields(cls)}
+        unknown = sorted(set(d) - set(names))
+        missing = sorted(k for k, n in names.items() if k not in d and n not in cls.ABSENT)
+        if unknown or missing:
+            raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}, missing key(s) {missing}")
+        hints = _hints(cls)
+        return cls(**{names[k]: _load(hints[names[k]], v) for k, v in d.items()})
+
+    def as_dict(self) -> dict:
+        return {
+            self.KEYS.get(f.name, f.name): _dump(v)
+            for f in fields(self)
+            if not ((v := getattr(self, f.name)) is None and f.name in self.ABSENT)
+        }
+
+
+@functools.cache
+def _hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _load(hint, value):
+    """``value`` (plain JSON) as ``hint`` says: records, tuples for lists, dicts of either; scalars as they are."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if value is None:
+        return None
+    if origin in (typing.Union, types.UnionType):
+        return _load(next(a for a in args if a is not type(None)), value)
+    if isinstance(hint, type) and is_dataclass(hint):
+        return hint.from_dict(value)
+    if origin is dict:
+        return {k: _load(args[1], v) for k, v in value.items()}
+    if origin is tuple:
+        return tuple(_load(args[0], v) for v in value)
+    return value
+
+
+def _dump(value):
+    if isinstance(value, _Record):
+        return value.as_dict()
+    if isinstance(value, dict):
+        return {k: _dump(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_dump(v) for v in value]
+    return value
+
+
+# --- what a watched pass saw (pipeline.diagnosis.trace, precision_map) -----------------------------------------
 
 
 @dataclass(frozen=True)
-class Diagnosis:
+class FirstNonFinite(_Record):
+    """The first non-finite value of a pass: the op that made it from finite inputs, with its module; for a
+    non-finite input (``where == "input"``) nothing but ``where``."""
+
+    ABSENT = ("phase", "module", "module_type", "op", "input_dtypes", "output_dtypes", "max_abs_input",
+              "max_abs_finite_output", "nonfinite_elements", "cast")
+
+    where: str
+    """``input``, ``module`` (a module's forward), ``loss`` or ``gradient`` (a backward op)."""
+    phase: str | None = None
+    module: str | None = None
+    """Qualified name of the module the op ran for; "" for the model's own code outside any submodule."""
+    module_type: str | None = None
+    op: str | None = None
+    input_dtypes: str | None = None
+    output_dtypes: str | None = None
+    max_abs_input: float | None = None
+    max_abs_finite_output: float | None = None
+    nonfinite_elements: int | None = None
+    cast: bool | None = None
+    """The op is autocast's cast of an input (``_to_copy``)."""
+
+
+@dataclass(frozen=True)
+class MissingKernel(_Record):
+    """An op without a kernel for the reduced dtype on this device (the diagnosis ran it in float32)."""
+
+    op: str
+    module: str
+    module_type: str
+    phase: str
+    dtypes: tuple[str, ...]
+    error: str
+
+
+@dataclass(frozen=True)
+class ModuleStat(_Record):
+    """One module's outputs in a traced pass."""
+
+    type: str
+    dtype: str
+    max_abs: float
+    """Largest finite magnitude of its outputs."""
+    finite: bool
+
+
+@dataclass(frozen=True)
+class Trace(_Record):
+    """One watched forward and backward pass under ``policy`` at loss ``scale``."""
+
+    policy: dict
+    scale: float
+    input_finite: bool
+    outputs_finite: bool
+    loss: float | None
+    """None for an inference pass."""
+    gradients_finite: bool | None
+    nonfinite_gradients: tuple[str, ...]
+    """Parameters whose gradients are not finite after unscaling."""
+    first: FirstNonFinite | None
+    modules: dict[str, ModuleStat]
+    missing_kernels: tuple[MissingKernel, ...]
+
+
+@dataclass(frozen=True)
+class LocatedCase(_Record):
+    """A failing case traced under the trial's policy (``amp``), in FP32, and (a gradient failure at a loss
+    scale above 1) without scaling."""
+
+    case: str
+    ids: tuple[str, ...]
+    step: int | None
+    scale: float
+    replay_matches_trial: bool | None
+    amp: Trace
+    fp32: Trace
+    unscaled: Trace | None
+
+
+@dataclass(frozen=True)
+class OpRow(_Record):
+    """One row of the precision map: an op with its input and output dtypes, summed over modules."""
+
+    phase: str
+    op: str
+    input_dtypes: str
+    output_dtypes: str
+    count: int
+    flops: int
+    reduced: bool
+    matmul_like: bool
+
+
+@dataclass(frozen=True)
+class MatmulWork(_Record):
+    """Matmul-like work one module ran itself, and how much of it in reduced precision."""
+
+    count: int
+    reduced_count: int
+    flops: int
+    reduced_flops: int
+
+
+@dataclass(frozen=True)
+class MatmulSummary(_Record):
+    matmul_ops: int
+    matmul_ops_reduced: int
+    matmul_flops: int
+    matmul_flops_reduced: int
+    reduced_share: float
+    """FLOP-weighted where FLOPs are known, else by count (``share_weighted_by``)."""
+    share_weighted_by: str
+
+
+@dataclass(frozen=True)
+class PrecisionMap(_Record):
+    """What really ran in which precision in one forward and backward pass."""
+
+    dtype: str
+    fp32_modules: tuple[str, ...]
+    batch: int
+    summary: MatmulSummary
+    ops: tuple[OpRow, ...]
+    matmul_by_module: dict[str, MatmulWork]
+    missing_kernels: tuple[MissingKernel, ...]
+    error: str | None
+    """The error a pass stopped on, when the float32 fallback could not get past it."""
+
+
+@dataclass(frozen=True)
+class UnderflowCounts(_Record):
+    """Gradient elements of a parameter (or all of them, ``Underflow.total``) against FP32's."""
+
+    elements: int
+    nonzero_fp32: int
+    vanished_unscaled: int
+    vanished_scaled: int
+    nonfinite_unscaled: int
+    nonfinite_scaled: int
+    fraction_unscaled: float
+    fraction_scaled: float
+
+
+@dataclass(frozen=True)
+class ParameterUnderflow(UnderflowCounts):
+    parameter: str = ""
+    """The parameter's qualified name (last only because the counts come first in the base record)."""
+
+
+@dataclass(frozen=True)
+class Underflow(_Record):
+    """Gradient elements that are zero under autocast but not in FP32, without loss scaling and at ``scale``."""
+
+    dtype: str | None
+    scale: float
+    parameters: tuple[ParameterUnderflow, ...]
+    total: UnderflowCounts
+
+
+# --- what the search did (pipeline.diagnosis.search) ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FixStep(_Record):
+    """One round of the local fix: the FP32 regions after it, and each case's replay."""
+
+    fp32_modules: tuple[str, ...]
+    cases_finite: tuple[bool, ...]
+    first: tuple[FirstNonFinite | None, ...]
+
+
+@dataclass(frozen=True)
+class LocalFix(_Record):
+    """The local fix of the non-finite cases: FP32 regions from ``start`` (key ``from``) to ``end`` (``to``)."""
+
+    KEYS = {"start": "from", "end": "to"}
+
+    start: tuple[str, ...]
+    end: tuple[str, ...]
+    cases_finite: bool
+    steps: tuple[FixStep, ...]
+
+
+@dataclass(frozen=True)
+class Rerun(_Record):
+    """A re-run of the trial under other FP32 regions, and the rule's verdict on it."""
+
+    fp32_modules: tuple[str, ...]
+    decision: str
+    reasons: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Ranked(_Record):
+    """A module by what its own reduced-precision work does to the outputs (every other candidate in FP32)."""
+
+    module: str
+    type: str
+    failing_elements: int
+    max_abs_error: float
+
+
+@dataclass(frozen=True)
+class Unflip(_Record):
+    """A flipped real case and the module whose FP32 replay alone gives its reference class back (or None)."""
+
+    id: str
+    module: str | None
+
+
+@dataclass(frozen=True)
+class Suggestion(_Record):
+    """FP32 regions to trial (written as ``suggested_params.yaml``, never applied)."""
+
+    fp32_modules: tuple[str, ...]
+    rule_passes: bool | None
+    """True when a re-run under it passed the rule; None when the budget left it unchecked."""
+    file: str
+
+
+@dataclass(frozen=True)
+class Work(_Record):
+    """What the diagnosis cost, in units of the trial's own work (deterministic, unlike seconds)."""
+
+    replayed_steps: int = 0
+    traced_passes: int = 0
+    trial_reruns: int = 0
+
+    def plus(self, replayed_steps: int = 0, traced_passes: int = 0, trial_reruns: int = 0) -> Work:
+        return replace(
+            self,
+            replayed_steps=self.replayed_steps + replayed_steps,
+            traced_passes=self.traced_passes + traced_passes,
+            trial_reruns=self.trial_reruns + trial_reruns,
+        )
+
+
+@dataclass(frozen=True)
+class Diagnosis(_Record):
     """Why a trial failed and what would fix it, as lines (``findings``, ``notes``) and structured details."""
+
+    ABSENT = ("precision_map", "underflow", "reference_fails_rule", "first_nonfinite", "unflipped_by", "local_fix", "reruns",
+              "ranking", "suggestion")
 
     needed: bool = False
     """The rule failed the trial (or ``diagnose.probe: always`` asked for the probe anyway)."""
@@ -36,22 +346,21 @@ class Diagnosis:
     """Where the failure starts, what fixes it, the suggestion, what the probe saw: what decide attaches to a rollback."""
     notes: list[str] = field(default_factory=list)
     """Facts recorded beside the findings, not said in the verdict."""
-    work: dict = field(default_factory=_no_work)
-    """What the diagnosis cost, in units of the trial's own work: ``replayed_steps``, ``traced_passes``, ``trial_reruns``."""
-    precision_map: dict | None = None
-    underflow: dict | None = None
+    work: Work = field(default_factory=Work)
+    precision_map: PrecisionMap | None = None
+    underflow: Underflow | None = None
     reference_fails_rule: list[str] | None = None
-    first_nonfinite: list[dict] | None = None
-    unflipped_by: list[dict] | None = None
-    local_fix: list | None = None
-    reruns: list | None = None
-    ranking: list[dict] | None = None
-    suggestion: dict | None = None
-    """``fp32_modules``, ``rule_passes``, ``file`` (the suggested params), or None when nothing was chosen."""
+    first_nonfinite: tuple[LocatedCase, ...] | None = None
+    unflipped_by: tuple[Unflip, ...] | None = None
+    local_fix: tuple[LocalFix, ...] | None = None
+    reruns: tuple[Rerun, ...] | None = None
+    ranking: tuple[Ranked, ...] | None = None
+    suggestion: Suggestion | None = None
+    """None when nothing was chosen (written as null whenever the search ran)."""
 
     def as_dict(self) -> dict:
         searched = self.ranking is not None  # the search's fields come together, its null suggestion included
-        return {k: v for k, v in asdict(self).items() if v is not None or (k == "suggestion" and searched)}
+        return super().as_dict() | ({"suggestion": _dump(self.suggestion)} if searched else {})
 
 
 def write(dtype: str, diagnosis: Diagnosis, suggested_params: str | None = None) -> None:
@@ -63,11 +372,13 @@ def write(dtype: str, diagnosis: Diagnosis, suggested_params: str | None = None)
 
 
 def from_dict(raw: dict, where: str = FILE, dtype: str = "DTYPE") -> Diagnosis:
-    """Raises: UserError when ``raw`` holds keys a diagnosis of this version does not have."""
-    names = {f.name for f in fields(Diagnosis)}
-    if not isinstance(raw, dict) or not set(raw) <= names:
-        raise UserError(f"{where} is not a diagnosis of this version; rebuild it with `dvc repro --force diagnose@{dtype}`")
-    return Diagnosis(**raw)
+    """Raises: UserError when ``raw`` is not a diagnosis of this version (a key it does not know, or one missing)."""
+    try:
+        return Diagnosis.from_dict(raw)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise UserError(
+            f"{where} is not a diagnosis of this version; rebuild it with `dvc repro --force diagnose@{dtype}`"
+        ) from exc
 
 
 def read(dtype: str) -> Diagnosis:

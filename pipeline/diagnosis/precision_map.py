@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +30,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from pipeline import checkpoint, precision
+from pipeline.artifacts.diagnosis import (
+    FirstNonFinite,
+    MatmulSummary,
+    MatmulWork,
+    MissingKernel,
+    OpRow,
+    ParameterUnderflow,
+    PrecisionMap,
+    Underflow,
+    UnderflowCounts,
+)
 from pipeline.precision import Policy
 from pipeline.task import Inputs, call, named_outputs, primary, rows
 
@@ -137,15 +149,29 @@ class ModuleScope:
             self.on_output_grad(name, grad)
 
 
+# Where a pass's first non-finite value came from, by the phase its op ran in.
+_WHERE = {"forward": "module", "loss": "loss", "backward": "gradient"}
+
+
+@dataclass
+class _Tally:
+    """The running count of one (phase, module, op, dtypes) key while a pass records: mutable, never leaves the recorder."""
+
+    reduced: bool
+    matmul_like: bool
+    count: int = 0
+    flops: int = 0
+
+
 class Recorder(TorchDispatchMode):
     """Records every op (see the module docstring). Enter it inside a ``ModuleScope``."""
 
     def __init__(self, scope: ModuleScope, watch_nonfinite: bool = True) -> None:
         super().__init__()
         self.scope, self.watch_nonfinite = scope, watch_nonfinite
-        self.rows: dict[tuple, dict] = {}
-        self.missing: list[dict] = []
-        self.first_nonfinite: dict | None = None
+        self.rows: dict[tuple, _Tally] = {}
+        self.missing: list[MissingKernel] = []
+        self.first_nonfinite: FirstNonFinite | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -166,65 +192,60 @@ class Recorder(TorchDispatchMode):
         reduced = bool(ins) and ins[0].dtype in REDUCED and (not outs or outs[0].dtype in REDUCED)
         flops = _flops(packet, op, args, kwargs, out) if is_matmul_like(op) else 0
         key = (self.scope.phase, module, str(func), in_dt, out_dt)
-        row = self.rows.setdefault(key, {"count": 0, "flops": 0, "reduced": reduced, "matmul_like": is_matmul_like(op)})
-        row["count"] += 1
-        row["flops"] += flops
+        row = self.rows.setdefault(key, _Tally(reduced, is_matmul_like(op)))
+        row.count += 1
+        row.flops += flops
         if self.watch_nonfinite and self.first_nonfinite is None:
             bad = [t for t in outs if not bool(torch.isfinite(t).all())]
             if bad and all(bool(torch.isfinite(t).all()) for t in ins):
-                self.first_nonfinite = {
-                    "phase": self.scope.phase,
-                    "module": module,
-                    "module_type": self.scope.types.get(module, ""),
-                    "op": str(func),
-                    "input_dtypes": in_dt,
-                    "output_dtypes": out_dt,
-                    "max_abs_input": max((max_abs(t) for t in ins), default=0.0),
-                    "max_abs_finite_output": max(max_abs(t) for t in bad),
-                    "nonfinite_elements": sum(int((~torch.isfinite(t)).sum()) for t in bad),
-                    "cast": op == "_to_copy",
-                }
+                self.first_nonfinite = FirstNonFinite(
+                    where=_WHERE[self.scope.phase],
+                    phase=self.scope.phase,
+                    module=module,
+                    module_type=self.scope.types.get(module, ""),
+                    op=str(func),
+                    input_dtypes=in_dt,
+                    output_dtypes=out_dt,
+                    max_abs_input=max((max_abs(t) for t in ins), default=0.0),
+                    max_abs_finite_output=max(max_abs(t) for t in bad),
+                    nonfinite_elements=sum(int((~torch.isfinite(t)).sum()) for t in bad),
+                    cast=op == "_to_copy",
+                )
         return out
 
     def _missing(self, func, module: str, args, kwargs, exc: BaseException) -> None:
         dtypes = sorted({dtype_name(t.dtype) for t in _floats((args, kwargs))})
-        if not any(m["op"] == str(func) and m["module"] == module for m in self.missing):
+        if not any(m.op == str(func) and m.module == module for m in self.missing):
             message = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             self.missing.append(
-                {
-                    "op": str(func),
-                    "module": module,
-                    "module_type": self.scope.types.get(module, ""),
-                    "phase": self.scope.phase,
-                    "dtypes": dtypes,
-                    "error": message,
-                }
+                MissingKernel(str(func), module, self.scope.types.get(module, ""), self.scope.phase, tuple(dtypes), message)
             )
 
-    def table(self) -> list[dict]:
+    def table(self) -> tuple[OpRow, ...]:
         """One row per (phase, op, input dtypes, output dtypes), summed over modules; stable order."""
-        merged: dict[tuple, dict] = {}
+        merged: dict[tuple, list[_Tally]] = {}
         for (phase, _, op, in_dt, out_dt), row in self.rows.items():
-            m = merged.setdefault((phase, op, in_dt, out_dt), {**row, "count": 0, "flops": 0})
-            m["count"] += row["count"]
-            m["flops"] += row["flops"]
-        return [
-            {"phase": k[0], "op": k[1], "input_dtypes": k[2], "output_dtypes": k[3], **v}
-            for k, v in sorted(merged.items(), key=lambda kv: (kv[0][0] != "forward", kv[0][1:]))
-        ]
+            merged.setdefault((phase, op, in_dt, out_dt), []).append(row)
+        return tuple(
+            OpRow(*k, sum(r.count for r in rows), sum(r.flops for r in rows), rows[0].reduced, rows[0].matmul_like)
+            for k, rows in sorted(merged.items(), key=lambda kv: (kv[0][0] != "forward", kv[0][1:]))
+        )
 
-    def matmul_by_module(self) -> dict[str, dict]:
+    def matmul_by_module(self) -> dict[str, MatmulWork]:
         """Matmul-like work each module ran itself (forward and backward), and how much in reduced precision."""
-        out: dict[str, dict] = {}
-        for (_, module, _, _, _), row in sorted(self.rows.items()):
-            if row["matmul_like"]:
-                m = out.setdefault(module, {"count": 0, "reduced_count": 0, "flops": 0, "reduced_flops": 0})
-                m["count"] += row["count"]
-                m["flops"] += row["flops"]
-                if row["reduced"]:
-                    m["reduced_count"] += row["count"]
-                    m["reduced_flops"] += row["flops"]
-        return out
+        by_module: dict[str, list[_Tally]] = {}
+        for (_, module, _, _, _), row in sorted(self.rows.items(), key=lambda kv: kv[0]):
+            if row.matmul_like:
+                by_module.setdefault(module, []).append(row)
+        return {
+            module: MatmulWork(
+                count=sum(r.count for r in rows),
+                reduced_count=sum(r.count for r in rows if r.reduced),
+                flops=sum(r.flops for r in rows),
+                reduced_flops=sum(r.flops for r in rows if r.reduced),
+            )
+            for module, rows in by_module.items()
+        }
 
 
 def _flops(packet, op: str, args, kwargs, out) -> int:
@@ -257,21 +278,21 @@ def _in_float32(func, args, kwargs):
     return tree_map(lambda t: t.to(reduced) if torch.is_tensor(t) and t.dtype == torch.float32 else t, out)
 
 
-def summarize(recorder: Recorder) -> dict:
+def summarize(recorder: Recorder) -> MatmulSummary:
     """Share of matmul-like work in reduced precision, FLOP-weighted where FLOPs are known, else by count."""
-    rows = [r for r in recorder.rows.values() if r["matmul_like"]]
-    flops = sum(r["flops"] for r in rows)
-    reduced_flops = sum(r["flops"] for r in rows if r["reduced"])
-    count = sum(r["count"] for r in rows)
-    reduced_count = sum(r["count"] for r in rows if r["reduced"])
-    return {
-        "matmul_ops": count,
-        "matmul_ops_reduced": reduced_count,
-        "matmul_flops": flops,
-        "matmul_flops_reduced": reduced_flops,
-        "reduced_share": (reduced_flops / flops) if flops else (reduced_count / count if count else 0.0),
-        "share_weighted_by": "flops" if flops else "count",
-    }
+    rows = [r for r in recorder.rows.values() if r.matmul_like]
+    flops = sum(r.flops for r in rows)
+    reduced_flops = sum(r.flops for r in rows if r.reduced)
+    count = sum(r.count for r in rows)
+    reduced_count = sum(r.count for r in rows if r.reduced)
+    return MatmulSummary(
+        matmul_ops=count,
+        matmul_ops_reduced=reduced_count,
+        matmul_flops=flops,
+        matmul_flops_reduced=reduced_flops,
+        reduced_share=(reduced_flops / flops) if flops else (reduced_count / count if count else 0.0),
+        share_weighted_by="flops" if flops else "count",
+    )
 
 
 Loss = Callable[..., torch.Tensor]
@@ -332,7 +353,7 @@ def same_rng() -> Iterator[None]:
         checkpoint.set_rng_state(state)
 
 
-def precision_map(model, x, y, loss_fn, policy: Policy, device: torch.device) -> dict:
+def precision_map(model, x, y, loss_fn, policy: Policy, device: torch.device) -> PrecisionMap:
     """The op table of one forward and backward pass under ``policy``, its summary, and missing kernels.
 
     A pass that stops on an error the float32 fallback cannot get past is reported with the error,
@@ -346,21 +367,24 @@ def precision_map(model, x, y, loss_fn, policy: Policy, device: torch.device) ->
         with same_rng(), scope, recorder:
             forward_backward(model, x, y, loss_fn, policy, device, scope)
     except (NotImplementedError, RuntimeError) as exc:
-        error = f"{type(exc).__name__} in {scope.phase} of module {scope.current()!r}: {str(exc).strip().splitlines()[0][:200]}"
+        first_line = str(exc).strip().splitlines()[0][:200]
+        error = f"{type(exc).__name__} in {scope.phase} of module {scope.current()!r}: {first_line}"
     model.zero_grad(set_to_none=True)
-    return {
-        "dtype": policy.dtype or "float32",
-        "fp32_modules": list(policy.fp32_modules),
-        "batch": rows(x),
-        "summary": summarize(recorder),
-        "ops": recorder.table(),
-        "matmul_by_module": recorder.matmul_by_module(),
-        "missing_kernels": recorder.missing,
-        "error": error,
-    }
+    return PrecisionMap(
+        dtype=policy.dtype or "float32",
+        fp32_modules=tuple(policy.fp32_modules),
+        batch=rows(x),
+        summary=summarize(recorder),
+        ops=recorder.table(),
+        matmul_by_module=recorder.matmul_by_module(),
+        missing_kernels=tuple(recorder.missing),
+        error=error,
+    )
 
 
-def gradient_underflow(model, x, y, loss_fn, policy: Policy, device: torch.device, scale: float, fallback: bool = False) -> dict:
+def gradient_underflow(
+    model, x, y, loss_fn, policy: Policy, device: torch.device, scale: float, fallback: bool = False
+) -> Underflow:
     """Per parameter: the fraction of gradient elements that are zero under autocast (after unscaling)
     but not in FP32, on the same weights, batch and RNG state, without loss scaling and with ``scale``.
     Elements that overflow (inf/NaN) at that scale are counted apart: the GradScaler would skip that step.
@@ -382,40 +406,37 @@ def gradient_underflow(model, x, y, loss_fn, policy: Policy, device: torch.devic
 
     fp32 = grads(Policy(), 1.0)
     plain, scaled = grads(policy, 1.0), grads(policy, scale)
-    rows, totals = (
-        [],
-        {
-            "elements": 0,
-            "nonzero_fp32": 0,
-            "vanished_unscaled": 0,
-            "vanished_scaled": 0,
-            "nonfinite_unscaled": 0,
-            "nonfinite_scaled": 0,
-        },
+    rows = tuple(_underflow(name, g32, plain[name], scaled[name]) for name, g32 in fp32.items())
+
+    def total(count: str) -> int:
+        return sum(getattr(r, count) for r in rows)
+
+    elements = max(total("elements"), 1)
+    totals = UnderflowCounts(
+        elements=total("elements"),
+        nonzero_fp32=total("nonzero_fp32"),
+        vanished_unscaled=total("vanished_unscaled"),
+        vanished_scaled=total("vanished_scaled"),
+        nonfinite_unscaled=total("nonfinite_unscaled"),
+        nonfinite_scaled=total("nonfinite_scaled"),
+        fraction_unscaled=total("vanished_unscaled") / elements,
+        fraction_scaled=total("vanished_scaled") / elements,
     )
-    for name, g32 in fp32.items():
-        alive = g32 != 0
-        row = {
-            "parameter": name,
-            "elements": g32.numel(),
-            "nonzero_fp32": int(alive.sum()),
-            "vanished_unscaled": int((alive & (plain[name] == 0)).sum()),
-            "vanished_scaled": int((alive & (scaled[name] == 0)).sum()),
-            "nonfinite_unscaled": int((~torch.isfinite(plain[name])).sum()),
-            "nonfinite_scaled": int((~torch.isfinite(scaled[name])).sum()),
-        }
-        row["fraction_unscaled"] = row["vanished_unscaled"] / row["elements"]
-        row["fraction_scaled"] = row["vanished_scaled"] / row["elements"]
-        rows.append(row)
-        for k in totals:
-            totals[k] += row[k]
-    return {
-        "dtype": policy.dtype,
-        "scale": scale,
-        "parameters": rows,
-        "total": {
-            **totals,
-            "fraction_unscaled": totals["vanished_unscaled"] / max(totals["elements"], 1),
-            "fraction_scaled": totals["vanished_scaled"] / max(totals["elements"], 1),
-        },
-    }
+    return Underflow(dtype=policy.dtype, scale=scale, parameters=rows, total=totals)
+
+
+def _underflow(name: str, g32: torch.Tensor, plain: torch.Tensor, scaled: torch.Tensor) -> ParameterUnderflow:
+    """One parameter's gradient elements alive in FP32 that vanished (or overflowed) under autocast."""
+    alive = g32 != 0
+    vanished_unscaled, vanished_scaled = int((alive & (plain == 0)).sum()), int((alive & (scaled == 0)).sum())
+    return ParameterUnderflow(
+        parameter=name,
+        elements=g32.numel(),
+        nonzero_fp32=int(alive.sum()),
+        vanished_unscaled=vanished_unscaled,
+        vanished_scaled=vanished_scaled,
+        nonfinite_unscaled=int((~torch.isfinite(plain)).sum()),
+        nonfinite_scaled=int((~torch.isfinite(scaled)).sum()),
+        fraction_unscaled=vanished_unscaled / g32.numel(),
+        fraction_scaled=vanished_scaled / g32.numel(),
+    )

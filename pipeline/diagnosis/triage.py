@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import math
 
+from pipeline.artifacts.comparison import Stats
+from pipeline.artifacts.diagnosis import Diagnosis
 
-def triage(stats: dict, trial_steps: list[dict], failing: list[str]) -> dict:
+
+def triage(stats: Stats, trial_steps: list[dict], failing: list[str]) -> Diagnosis:
     """Findings from the recorded statistics alone: non-finite outputs by case kind, first non-finite
     training step; ``failing`` is the rule's verdict on the trial (its reasons), computed once by the stage."""
     findings: list[str] = []
-    for name, gap in sorted(stats["values"].items()):
-        for kind, g in sorted(gap["per_kind"].items()):
-            if g["nonfinite_trial_only"]:
-                findings.append(f"output '{name}' is non-finite on {g['nonfinite_trial_only']} element(s) of {kind} cases")
+    for name, gap in sorted(stats.values.items()):
+        for kind, g in sorted(gap.per_kind.items()):
+            if g.nonfinite_trial_only:
+                findings.append(f"output '{name}' is non-finite on {g.nonfinite_trial_only} element(s) of {kind} cases")
     first_loss = first_nonfinite_step(trial_steps, "loss")
     if first_loss is not None:
         findings.append(f"first non-finite loss at training step {first_loss}")
     first_grad = first_nonfinite_step(trial_steps, "grad_norm")
     if first_grad is not None:
         findings.append(f"first non-finite gradient norm at training step {first_grad} (the scaler skips such updates)")
-    return {"findings": findings, "notes": [], "needed": bool(failing), "failing": list(failing)}
+    return Diagnosis(needed=bool(failing), failing=list(failing), findings=findings)
 
 
 def first_nonfinite_step(steps: list[dict], key: str = "") -> int | None:
+    """The first step whose ``key`` (both loss and gradient norm when none is given) is not finite; ``steps``
+    are the trajectory's per-step records (``artifacts.trial.Trajectory.steps``)."""
     keys = (key,) if key else ("loss", "grad_norm")
     return next((s["step"] for s in steps if any(not math.isfinite(s[k]) for k in keys)), None)

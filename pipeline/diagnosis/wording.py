@@ -7,62 +7,63 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.artifacts.diagnosis import PrecisionMap, Suggestion, Underflow, Unflip
 from pipeline.diagnosis.trace import finite
 from pipeline.diagnosis.replay import Located
 from pipeline.diagnosis.search import Outcome
 from pipeline.precision import Policy
 
 
-def probe_findings(pmap: dict, under: dict, policy: Policy, device: torch.device) -> tuple[list[str], list[str]]:
+def probe_findings(pmap: PrecisionMap, under: Underflow, policy: Policy, device: torch.device) -> tuple[list[str], list[str]]:
     """(findings, notes): what needs attention, and what a reviewer should know."""
     findings, notes = [], []
-    s, dtype = pmap["summary"], policy.dtype
-    unit = "FLOPs" if s["share_weighted_by"] == "flops" else "ops"
+    s, dtype = pmap.summary, policy.dtype
+    unit = "FLOPs" if s.share_weighted_by == "flops" else "ops"
     notes.append(
-        f"precision map (one training batch of {pmap['batch']}, forward and backward under {dtype}): {s['reduced_share']:.1%} of "
-        f"matmul-like {unit} ran in reduced precision ({s['matmul_ops_reduced']} of {s['matmul_ops']} ops)"
+        f"precision map (one training batch of {pmap.batch}, forward and backward under {dtype}): {s.reduced_share:.1%} of "
+        f"matmul-like {unit} ran in reduced precision ({s.matmul_ops_reduced} of {s.matmul_ops} ops)"
     )
-    for m in pmap["missing_kernels"]:
+    for m in pmap.missing_kernels:
         findings.append(
-            f"op {m['op']} has no {'/'.join(m['dtypes'])} kernel on {device.type} (module '{m['module']}', {m['module_type']}, "
-            f"{m['phase']}): {m['error']}; the diagnosis ran it in float32, the trial cannot: keep '{m['module']}' in "
+            f"op {m.op} has no {'/'.join(m.dtypes)} kernel on {device.type} (module '{m.module}', {m.module_type}, "
+            f"{m.phase}): {m.error}; the diagnosis ran it in float32, the trial cannot: keep '{m.module}' in "
             f"trial.fp32_modules or trial another dtype"
         )
-    if pmap["error"]:
-        findings.append(f"precision map stopped: {pmap['error']}")
-    if s["matmul_ops"] and not s["matmul_ops_reduced"]:
+    if pmap.error:
+        findings.append(f"precision map stopped: {pmap.error}")
+    if s.matmul_ops and not s.matmul_ops_reduced:
         findings.append(
             f"no matmul-like work ran in {dtype}: autocast changes nothing that matters here, so it cannot speed it up"
         )
-    rows = under["parameters"]
-    lost = sorted((r for r in rows if r["fraction_unscaled"] >= 0.01), key=lambda r: (-r["fraction_unscaled"], r["parameter"]))
-    kept = sorted((r for r in rows if r["fraction_scaled"] >= 0.01), key=lambda r: (-r["fraction_scaled"], r["parameter"]))
-    scale, total = under["scale"], under["total"]
-    worst = ", ".join(f"{r['parameter']} {r['fraction_unscaled']:.0%}" for r in lost[:4])
-    if total["nonfinite_unscaled"]:
+    rows = under.parameters
+    lost = sorted((r for r in rows if r.fraction_unscaled >= 0.01), key=lambda r: (-r.fraction_unscaled, r.parameter))
+    kept = sorted((r for r in rows if r.fraction_scaled >= 0.01), key=lambda r: (-r.fraction_scaled, r.parameter))
+    scale, total = under.scale, under.total
+    worst = ", ".join(f"{r.parameter} {r.fraction_unscaled:.0%}" for r in lost[:4])
+    if total.nonfinite_unscaled:
         notes.append(
-            f"gradient underflow not assessed: under {dtype} {total['nonfinite_unscaled']} gradient element(s) are not finite on "
+            f"gradient underflow not assessed: under {dtype} {total.nonfinite_unscaled} gradient element(s) are not finite on "
             f"this batch even without loss scaling (see the first non-finite value)"
         )
     elif lost and policy.uses_scaler and not kept:
         notes.append(
-            f"gradient underflow in {dtype}: without loss scaling {total['fraction_unscaled']:.1%} of gradient elements are "
-            f"zero where FP32's are not ({worst}); at the GradScaler's scale {scale:g}, {total['fraction_scaled']:.1%}: "
+            f"gradient underflow in {dtype}: without loss scaling {total.fraction_unscaled:.1%} of gradient elements are "
+            f"zero where FP32's are not ({worst}); at the GradScaler's scale {scale:g}, {total.fraction_scaled:.1%}: "
             f"the scaler is what keeps them"
         )
     elif lost:
         findings.append(
-            f"gradient underflow in {dtype}: {total['fraction_unscaled']:.1%} of gradient elements are zero where FP32's "
+            f"gradient underflow in {dtype}: {total.fraction_unscaled:.1%} of gradient elements are zero where FP32's "
             f"are not ({worst})"
             + (
-                f"; at loss scale {scale:g} still {total['fraction_scaled']:.1%}"
+                f"; at loss scale {scale:g} still {total.fraction_scaled:.1%}"
                 if policy.uses_scaler
-                else f"; with a loss scale of {scale:g} it would be {total['fraction_scaled']:.1%}"
+                else f"; with a loss scale of {scale:g} it would be {total.fraction_scaled:.1%}"
             )
         )
-    if total["nonfinite_scaled"] and not total["nonfinite_unscaled"]:
+    if total.nonfinite_scaled and not total.nonfinite_unscaled:
         notes.append(
-            f"at loss scale {scale:g}, {total['nonfinite_scaled']} gradient element(s) overflow: the GradScaler skips "
+            f"at loss scale {scale:g}, {total.nonfinite_scaled} gradient element(s) overflow: the GradScaler skips "
             f"such steps and lowers its scale"
         )
     return findings, notes
@@ -70,37 +71,37 @@ def probe_findings(pmap: dict, under: dict, policy: Policy, device: torch.device
 
 def describe(loc: Located, dtype: str) -> str:
     """One line: where the first non-finite value came from, and what FP32 says about the same case."""
-    c, amp, first = loc.case, loc.amp, loc.amp["first"]
+    c, amp, first = loc.case, loc.amp, loc.amp.first
     label = c.label + (f" ({', '.join(c.ids[:3])}{', …' if len(c.ids) > 3 else ''})" if c.ids else "")
     if c.step is not None:
         label += " (replayed from data/reference/init.safetensors in the fixed batch order"
         label += ")" if c.replay_matches_trial is not False else "; WARNING: the replay diverged from the recorded trial)"
     if finite(amp):
         return f"{label}: finite when replayed under {dtype}; the recorded failure did not reproduce"
-    if first is None or first["where"] == "input":
+    if first is None or first.where == "input":
         text = "the input itself is not finite"
-    elif first["where"] == "module":
-        cast = f" (autocast's cast of its input to {dtype})" if first["cast"] else ""
+    elif first.where == "module":
+        cast = f" (autocast's cast of its input to {dtype})" if first.cast else ""
         where = (
-            f"module '{first['module']}' ({first['module_type']}, {first['op']}{cast})"
-            if first["module"]
-            else f"the model's own forward ({first['op']})"
+            f"module '{first.module}' ({first.module_type}, {first.op}{cast})"
+            if first.module
+            else f"the model's own forward ({first.op})"
         )
         text = (
-            f"the output of {where} in {first['output_dtypes']}, from finite inputs "
-            f"(largest |input| {first['max_abs_input']:.3g}, "
-            f"{first['nonfinite_elements']} non-finite element(s))"
+            f"the output of {where} in {first.output_dtypes}, from finite inputs "
+            f"(largest |input| {first.max_abs_input:.3g}, "
+            f"{first.nonfinite_elements} non-finite element(s))"
         )
-    elif first["where"] == "loss":
-        text = f"the loss ({first['op']}, {first['output_dtypes']}) from finite model outputs"
+    elif first.where == "loss":
+        text = f"the loss ({first.op}, {first.output_dtypes}) from finite model outputs"
     else:
         where = (
-            f"module '{first['module']}' ({first['module_type']}, "
-            if first["module"]
+            f"module '{first.module}' ({first.module_type}, "
+            if first.module
             else "the loss (before any module's backward; "
         )
-        text = f"a gradient, in the backward of {where}{first['op']}, {first['output_dtypes']}) at loss scale {c.scale:g}" + (
-            f"; non-finite parameter gradients: {', '.join(amp['nonfinite_gradients'][:4])}" if amp["nonfinite_gradients"] else ""
+        text = f"a gradient, in the backward of {where}{first.op}, {first.output_dtypes}) at loss scale {c.scale:g}" + (
+            f"; non-finite parameter gradients: {', '.join(amp.nonfinite_gradients[:4])}" if amp.nonfinite_gradients else ""
         )
     line = f"{label}: first non-finite value is {text}"
     if loc.unscaled is not None and finite(loc.unscaled):
@@ -108,14 +109,14 @@ def describe(loc: Located, dtype: str) -> str:
             f"; without loss scaling the gradients are finite, so the scale {c.scale:g} overflowed them: "
             f"the GradScaler skips that update and lowers its scale, as designed"
         )
-    module = first["module"] if first and first["where"] == "module" else None
+    module = first.module if first and first.where == "module" else None
     if finite(loc.fp32):
         line += "; the same case in FP32 is finite"
-        peak = loc.fp32["modules"].get(module, {}).get("max_abs") if module else None
-        if peak is not None:
+        stat = loc.fp32.modules.get(module) if module else None
+        if stat is not None:
             limit = torch.finfo(getattr(torch, dtype)).max
-            line += f", '{module}' reaching {peak:.3g}" + (
-                f" ({dtype}'s largest finite value is {limit:g})" if peak > limit else ""
+            line += f", '{module}' reaching {stat.max_abs:.3g}" + (
+                f" ({dtype}'s largest finite value is {limit:g})" if stat.max_abs > limit else ""
             )
     else:
         line += "; the same case in FP32 is NOT finite either: the model, not autocast, produces it"
@@ -131,7 +132,7 @@ def suggestion_lines(outcome: Outcome, file: str, dtype: str) -> list[str]:
         lines.append(
             f"suggested trial.fp32_modules: {list(chosen.fp32_modules)} ({checked}), in {file}; not applied: a changed policy is a new trial"
         )
-    if suggestion is not None and ranking and all(r["module"] in suggestion.fp32_modules for r in ranking):
+    if suggestion is not None and ranking and all(r.module in suggestion.fp32_modules for r in ranking):
         lines.append(
             f"that suggestion keeps every module that runs reduced-precision matmuls ({len(ranking)}) in FP32: no matmul "
             f"work is left in {dtype}, so autocast has nothing left to gain; rolling back to FP32 is the honest choice"
@@ -139,7 +140,7 @@ def suggestion_lines(outcome: Outcome, file: str, dtype: str) -> list[str]:
     if ranking:
         lines.append(
             "modules ranked by the output error their own reduced-precision work causes: "
-            + ", ".join(f"{r['module']} ({r['failing_elements']} failing, max {r['max_abs_error']:.3g})" for r in ranking[:6])
+            + ", ".join(f"{r.module} ({r.failing_elements} failing, max {r.max_abs_error:.3g})" for r in ranking[:6])
         )
     return lines
 
@@ -151,13 +152,12 @@ def reference_fails_line(own: list[str]) -> str:
     )
 
 
-def snippet(report: dict, dtype: str) -> str:
+def snippet(s: Suggestion, dtype: str) -> str:
     """The suggestion as a params.yaml fragment, with how to trial it."""
-    s = report["suggestion"]
-    modules = "[" + ", ".join(s["fp32_modules"]) + "]"
+    modules = "[" + ", ".join(s.fp32_modules) + "]"
     checked = (
         "a re-run of the trial under it passes the acceptance rule"
-        if s["rule_passes"]
+        if s.rule_passes
         else "NOT checked (diagnose.search_budget ran out)"
     )
     return (
@@ -168,12 +168,12 @@ def snippet(report: dict, dtype: str) -> str:
     )
 
 
-def unflip_lines(unflipped: list[dict], budget: int) -> list[str]:
+def unflip_lines(unflipped: list[Unflip], budget: int) -> list[str]:
     """One line for the flipped real cases: the module whose FP32 replay gives each its reference class back."""
     if not unflipped:
         return []
-    named = [f"{u['id']} by '{u['module']}'" for u in unflipped if u["module"]]
-    missing = [u["id"] for u in unflipped if not u["module"]]
+    named = [f"{u.id} by '{u.module}'" for u in unflipped if u.module]
+    missing = [u.id for u in unflipped if not u.module]
     parts = []
     if named:
         parts.append("flipped real case(s) given their reference class back by one module in FP32: " + ", ".join(named[:20]))

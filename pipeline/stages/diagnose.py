@@ -24,13 +24,12 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     if judged.reasons or params.diagnose.probe == "always":
         from pipeline.diagnosis import flow, wording
 
-        report = flow.run(params, dtype, stats.to_dict(), trajectory, judged)
-        found = diagnosis.from_dict(report)
-        suggested = wording.snippet(report, dtype) if found.suggestion else None
+        found = flow.run(params, dtype, stats, trajectory, judged)
+        suggested = wording.snippet(found.suggestion, dtype) if found.suggestion else None
     diagnosis.write(dtype, found, suggested)
     work = found.work
     print(
-        f"diagnose {dtype}: {len(found.findings)} finding(s), {work['trial_reruns']} trial re-run(s), "
-        f"{work['replayed_steps']} replayed step(s), {time.perf_counter() - start:.1f}s"
+        f"diagnose {dtype}: {len(found.findings)} finding(s), {work.trial_reruns} trial re-run(s), "
+        f"{work.replayed_steps} replayed step(s), {time.perf_counter() - start:.1f}s"
         + "".join(f"\n  - {f}" for f in found.findings + found.notes)
     )
