@@ -52,6 +52,8 @@ WAIT_S = 600.0
 """How long a publisher waits for a live publish of the same key to end before giving up."""
 SETTLE_S = 2.0
 """Time for a claim made at the same moment on a server to become visible before claims are ordered."""
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
+"""How MLflow 3 types an experiment: model training opens on its runs table (untyped, the home page opens GenAI)."""
 _LOCK_TIMEOUT_S = 900.0
 
 # MLflow's limits (mlflow/utils/validation.py): per log_batch call, and on key and value lengths.
@@ -380,7 +382,7 @@ class Publisher:
                 # Beside the database, not under the working folder (a `dvc exp run --temp` copy is deleted).
                 location = (repository_root() / "mlartifacts").as_uri()
             try:
-                return self.client.create_experiment(name, artifact_location=location)
+                return self.client.create_experiment(name, artifact_location=location, tags={KIND_TAG: KIND})
             except MlflowException as exc:  # another publisher created it a moment ago
                 if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
@@ -392,6 +394,8 @@ class Publisher:
                 f"MLflow experiment {name!r} at {self.uri} is deleted; restore it (`mlflow experiments restore "
                 f"--experiment-id {found.experiment_id}`) or set tracking.experiment in params.yaml to another name"
             )
+        if found.tags.get(KIND_TAG) != KIND:  # created by an older version, or typed GenAI by MLflow's UI
+            self.client.set_experiment_tag(found.experiment_id, KIND_TAG, KIND)
         return found.experiment_id
 
     def _own_artifacts(self, found):

@@ -174,6 +174,17 @@ def test_publish_prints_the_verdict_last_and_a_link_in_model_training_mode(story
     assert "workflowType=machine_learning" in proc.stdout.strip().splitlines()[-2]  # the parent run's own page
 
 
+def test_the_experiment_is_typed_for_model_training_created_or_reused(story, server):
+    """MLflow 3 opens an experiment tagged ``mlflow.experimentKind`` = custom_model_development on its runs table
+    from the home page; an untyped one (an older version's) opens in GenAI mode, and is typed when reused."""
+    c = client(story["uri"])
+    assert c.get_experiment_by_name("amp-validation").tags[tracking.KIND_TAG] == "custom_model_development"
+    old = c.create_experiment("untyped")
+    assert tracking.KIND_TAG not in c.get_experiment(old).tags
+    assert tracking.Publisher("untyped", uri=server).experiment_id == old
+    assert c.get_experiment(old).tags[tracking.KIND_TAG] == "custom_model_development"
+
+
 def test_republishing_adds_nothing(story):
     proc, _ = story["second"]
     assert proc.returncode == 0, proc.stderr
