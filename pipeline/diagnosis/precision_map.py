@@ -299,7 +299,9 @@ Loss = Callable[..., torch.Tensor]
 """``loss(output, target)``, or the task's ``recipe.Loss`` (which may be the model's own ``.loss``)."""
 
 
-def _forward_and_loss(model: torch.nn.Module, x: Inputs, y: torch.Tensor | None, loss_fn: Loss | None, phase: Callable[[str], None]):
+def _forward_and_loss(
+    model: torch.nn.Module, x: Inputs, y: torch.Tensor | None, loss_fn: Loss | None, phase: Callable[[str], None]
+):
     """The model's named outputs and, with ``y``, the loss, as the task computes it (``phase("loss")`` between
     the two, unless the model computes its own loss inside its forward)."""
     if y is None or loss_fn is None:

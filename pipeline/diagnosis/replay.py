@@ -160,7 +160,15 @@ def training_case(ctx: Context, run: Run, step: int) -> Case:
     model = ctx.model("init")
     cfg = replace(ctx.params.reference, checkpoint_every=0)  # the run's own schedule (its span is train_steps), stopped at step
     result = training.train(
-        model, ctx.train, cfg, ctx.params.task, run.policy, ctx.device, ctx.params.seed, label=f"diagnose replay {ctx.dtype}", stop=step
+        model,
+        ctx.train,
+        cfg,
+        ctx.params.task,
+        run.policy,
+        ctx.device,
+        ctx.params.seed,
+        label=f"diagnose replay {ctx.dtype}",
+        stop=step,
     )
     ctx.spend(replayed_steps=step)
     replayed = [r.loss for r in result.records]
@@ -168,7 +176,8 @@ def training_case(ctx: Context, run: Run, step: int) -> Case:
     matches = all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(replayed, recorded))
     scale = float(result.final_scale) if run.policy.uses_scaler else 1.0
     x, y = ctx.first_batch_of_update(step)
-    return Case(f"training step {step}", model, x, y, ctx.loss(), scale, checkpoint.rng_state(), step=step, replay_matches_trial=matches)
+    rng = checkpoint.rng_state()
+    return Case(f"training step {step}", model, x, y, ctx.loss(), scale, rng, step=step, replay_matches_trial=matches)
 
 
 def locate(ctx: Context, run: Run) -> list[Located]:
@@ -206,7 +215,9 @@ def rerun(ctx: Context, policy: Policy) -> Run:
     )
     steps = [asdict(r) for r in run.training.records]
     aligned = [asdict(r) for r in run.aligned] if run.aligned is not None else None
-    stats = _compare(ctx, run.outputs, run.trained_outputs, steps, run.training.final_scale, policy.uses_scaler, ref.fp64_reader(), aligned)
+    stats = _compare(
+        ctx, run.outputs, run.trained_outputs, steps, run.training.final_scale, policy.uses_scaler, ref.fp64_reader(), aligned
+    )
     ctx.spend(trial_reruns=1)
     return Run(policy, run.outputs, steps, stats, rule.decide(stats, params.acceptance))
 
@@ -223,7 +234,8 @@ def _compare(ctx: Context, outputs: dict, trained: dict, steps: list[dict], fina
     """Statistics as the compare stage computes them (metric, chunking, token mask, FP64 arbiter, noise
     replicate), so that a re-run's verdict is the stage's rule."""
     params, ref = ctx.params, ctx.ref
-    sources = streams.Sources(ref.cases.ids, ref.cases.y, ref.cases.has_target, streams.InMemory(ref.outputs), streams.InMemory(outputs),
+    sources = streams.Sources(ref.cases.ids, ref.cases.y, ref.cases.has_target, streams.InMemory(ref.outputs),
+                              streams.InMemory(outputs),
                               streams.InMemory(trained), fp64, streams.token_mask_of(ref.cases.x))
     runs = streams.Trajectories(ref.trajectory, steps, final_scale, scaler, ref.replicate, aligned)
     stats, _ = streams.compare_streams(params.task.kind, params.acceptance, sources, runs,

@@ -59,7 +59,8 @@ def search(ctx: Context, run: Run, located: list[Located], reference_fails: bool
             return out
         added = ", ".join(repr(m) for m in policy.fp32_modules if m not in current.policy.fp32_modules)
         out.findings.append(
-            f"with {added} outside autocast (inputs cast to float32) the replayed case(s) are {'finite' if ok else 'still not finite'}"
+            f"with {added} outside autocast (inputs cast to float32) the replayed case(s) are "
+            f"{'finite' if ok else 'still not finite'}"
         )
         if not ctx.budget_left:
             out.unchecked = policy if ok else None

@@ -128,9 +128,14 @@ def suggestion_lines(outcome: Outcome, file: str, dtype: str) -> list[str]:
     lines = []
     chosen, suggestion, ranking = outcome.chosen, outcome.suggestion, outcome.ranking
     if chosen is not None:
-        checked = "a re-run of the trial under it passes the rule" if suggestion is not None else "not checked by a re-run (diagnose.search_budget)"
+        checked = (
+            "a re-run of the trial under it passes the rule"
+            if suggestion is not None
+            else "not checked by a re-run (diagnose.search_budget)"
+        )
         lines.append(
-            f"suggested trial.fp32_modules: {list(chosen.fp32_modules)} ({checked}), in {file}; not applied: a changed policy is a new trial"
+            f"suggested trial.fp32_modules: {list(chosen.fp32_modules)} ({checked}), in {file}; "
+            f"not applied: a changed policy is a new trial"
         )
     if suggestion is not None and ranking and all(r.module in suggestion.fp32_modules for r in ranking):
         lines.append(
@@ -178,6 +183,8 @@ def unflip_lines(unflipped: list[Unflip], budget: int) -> list[str]:
     if named:
         parts.append("flipped real case(s) given their reference class back by one module in FP32: " + ", ".join(named[:20]))
     if missing:
-        parts.append(f"{len(missing)} flipped real case(s) un-flipped by no single module within diagnose.search_budget {budget}: "
-                     + ", ".join(missing[:10]))
+        parts.append(
+            f"{len(missing)} flipped real case(s) un-flipped by no single module within diagnose.search_budget {budget}: "
+            + ", ".join(missing[:10])
+        )
     return parts
