@@ -1,6 +1,7 @@
 """Throughput and peak memory of compare on large synthetic outputs, against a plain numpy pass.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_compare.py [--scale 1.0] [--threads 1] [--chunk-elements 4000000] [--repeats 3] [--keep DIR]
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_compare.py [--scale 1.0] [--threads 1] [--chunk-elements 4000000] \
+        [--repeats 3] [--keep DIR]
 
 Two cases, written once to a temporary folder with ``outputs.write_outputs`` (the format freeze and
 trial write), then compared by ``streams.compare_streams`` in a fresh process each:
@@ -79,7 +80,8 @@ def make(case: str, folder: Path, scale: float) -> dict:
     targets = torch.randint(0, shape[-1], targets_shape, generator=g)
     from safetensors.torch import save_file
 
-    save_file({"y": targets, "has_target": torch.tensor([i.startswith("ordinary/") for i in ids])}, str(folder / f"{case}-targets.safetensors"))
+    has_target = torch.tensor([i.startswith("ordinary/") for i in ids])
+    save_file({"y": targets, "has_target": has_target}, str(folder / f"{case}-targets.safetensors"))
     return {"rows": rows, "elements": rows * int(torch.Size(shape).numel())}
 
 
@@ -108,10 +110,11 @@ def measure_compare(case: str, folder: Path, chunk_elements: int, threads: int) 
     trial = OutputsReader(folder / f"{case}-trial.safetensors")
     trained = OutputsReader(folder / f"{case}-trained.safetensors")
     start = time.perf_counter()
-    stats, table = streams.compare_streams("classification", AcceptanceConfig(), streams.Sources(ref.ids, t["y"], t["has_target"], ref, trial, trained),
-                                           runs, cfg=CompareConfig(chunk_elements=chunk_elements))
+    sources = streams.Sources(ref.ids, t["y"], t["has_target"], ref, trial, trained)
+    stats, table = streams.compare_streams("classification", AcceptanceConfig(), sources, runs,
+                                           cfg=CompareConfig(chunk_elements=chunk_elements))
     seconds = time.perf_counter() - start
-    n = stats["values"]["logits"]["elements"]
+    n = stats.values["logits"].elements
     return {
         "seconds": seconds,
         "elements": n,
@@ -120,8 +123,8 @@ def measure_compare(case: str, folder: Path, chunk_elements: int, threads: int) 
         "interpreter_rss_mb": base,
         "chunk_mb": chunk_elements * 4 / 2**20,
         "sources": 3,
-        "flips": stats["flips"]["flips"] + stats["flips"]["near_boundary_flips"],
-        "kl_mean": (stats["distribution"] or {}).get("kl_mean"),
+        "flips": stats.flips.flips + stats.flips.near_boundary_flips,
+        "kl_mean": stats.distribution.kl_mean if stats.distribution is not None else None,
         "table_rows": len(table),
     }
 
@@ -150,7 +153,8 @@ def measure_numpy(case: str, folder: Path, chunk_elements: int) -> dict:
                 if path == files[0]:
                     n += count
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "elements": n, "elements_per_s": n / seconds, "peak_rss_mb": _rss_mb(), "interpreter_rss_mb": base, "checksum": total}
+    return {"seconds": seconds, "elements": n, "elements_per_s": n / seconds, "peak_rss_mb": _rss_mb(),
+            "interpreter_rss_mb": base, "checksum": total}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -178,7 +182,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--chunk-elements", type=int, default=4_000_000)
     parser.add_argument("--cases", default="classification,per_token")
-    parser.add_argument("--repeats", type=int, default=3, help="compare and the numpy floor alternate this many times; best of each, median paired ratio")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="compare and the numpy floor alternate this many times; best of each, median paired ratio")
     parser.add_argument("--keep", default=None, help="write the outputs here and keep them (default: a temporary folder)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
@@ -189,12 +194,14 @@ def main() -> None:
         return
     import platform
 
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPU(s); threads {args.threads}; chunk {args.chunk_elements:,} elements")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPU(s); threads {args.threads}; "
+          f"chunk {args.chunk_elements:,} elements")
     with tempfile.TemporaryDirectory(prefix="bench-compare-", dir=args.keep) as tmp:
         folder = Path(tmp)
         for case in args.cases.split(","):
             made = run_child("make", case, folder, args)
-            runs = [(run_child("compare", case, folder, args), run_child("numpy", case, folder, args)) for _ in range(args.repeats)]
+            runs = [(run_child("compare", case, folder, args), run_child("numpy", case, folder, args))
+                    for _ in range(args.repeats)]
             ratios = sorted(c["elements_per_s"] / f["elements_per_s"] for c, f in runs)
             cmp = max((c for c, _ in runs), key=lambda r: r["elements_per_s"])
             cmp["peak_rss_mb"] = max(c["peak_rss_mb"] for c, _ in runs)  # the worst peak, the best speed

@@ -30,8 +30,13 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.artifacts import comparison
+
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = "import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; print('PEAK_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, rc)"
+LAUNCH = (
+    "import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
+    "print('PEAK_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, rc)"
+)
 
 
 def project(folder: Path, scale: int, chunk_elements: int) -> dict:
@@ -53,7 +58,8 @@ def stage(folder: Path, *args: str) -> tuple[float, int | None]:
     """Run one stage in ``folder``; return (seconds, peak RSS in kB of the stage process)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MLFLOW_TRACKING_URI=f"sqlite:///{folder / 'mlflow.db'}")
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", LAUNCH, sys.executable, "-m", "pipeline", *args], cwd=folder, env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", LAUNCH, sys.executable, "-m", "pipeline", *args], cwd=folder, env=env,
+                         capture_output=True, text=True)
     seconds = time.perf_counter() - start
     line = [x for x in out.stdout.splitlines() if x.startswith("PEAK_KB")]
     if not line or line[-1].split()[2] != "0":
@@ -66,21 +72,22 @@ def measure(folder: Path, scale: int, chunk_elements: int) -> dict:
     for args in (("prepare",), ("freeze",), ("trial", "--dtype", "bfloat16")):
         stage(folder, *args)
     seconds, peak_kb = stage(folder, "compare", "--dtype", "bfloat16")
-    stats = json.loads((folder / "data" / "compare" / "bfloat16" / "stats.json").read_text())
-    files = [folder / "data" / "reference" / "outputs.safetensors", folder / "data" / "trial" / "bfloat16" / "outputs.safetensors",
-             folder / "data" / "trial" / "bfloat16" / "trained_outputs.safetensors", folder / "data" / "reference" / "outputs_fp64.safetensors"]
+    stats = comparison.Stats.from_dict(json.loads((folder / "data" / "compare" / "bfloat16" / comparison.STATS).read_text()))
+    reference, trial = folder / "data" / "reference", folder / "data" / "trial" / "bfloat16"
+    fp64 = reference / "outputs_fp64.safetensors"
+    files = [reference / "outputs.safetensors", trial / "outputs.safetensors", trial / "trained_outputs.safetensors", fp64]
     sizes = {f.name if "reference" not in str(f) else "reference_" + f.name: f.stat().st_size for f in files if f.exists()}
-    chunk_bytes = chunk_elements * 4 * 3 + (chunk_elements * 8 if (folder / "data" / "reference" / "outputs_fp64.safetensors").exists() else 0)
+    chunk_bytes = chunk_elements * 4 * 3 + (chunk_elements * 8 if fp64.exists() else 0)
     return {
         "scale": scale,
-        "cases": stats["outputs"]["cases"],
-        "elements": sum(v["elements"] for v in stats["values"].values()),
-        "chunk_rows": stats["outputs"]["chunk_rows"],
+        "cases": stats.outputs.cases,
+        "elements": sum(v.elements for v in stats.values.values()),
+        "chunk_rows": stats.outputs.chunk_rows,
         "compare_seconds": seconds,
         "peak_rss_mb": peak_kb / 1024,
         "one_chunk_of_every_source_mb": chunk_bytes / 2**20,
         "output_files_mb": {k: v / 2**20 for k, v in sizes.items()},
-        "kl_mean": stats["distribution"]["kl_mean"],
+        "kl_mean": stats.distribution.kl_mean,
     }
 
 
@@ -97,10 +104,14 @@ def main() -> None:
     chunk = big["one_chunk_of_every_source_mb"]
     print(json.dumps({"default": small, "scaled": big}, indent=1))
     print(
-        f"compare stage, {big['cases']} cases x 32 tokens x 96 ({big['elements']:.3g} elements, {sum(big['output_files_mb'].values()):.0f} MB of outputs "
-        f"in {len(big['output_files_mb'])} files, {big['chunk_rows']} rows per chunk): peak RSS {big['peak_rss_mb']:.0f} MB; default set "
-        f"({small['cases']} cases, one chunk) {small['peak_rss_mb']:.0f} MB; difference {above:.0f} MB = {above / chunk:.2f} x one chunk of every "
-        f"source ({chunk:.0f} MB); bound 2 x: {'HOLDS' if above <= 2 * chunk else 'EXCEEDED'}; compare took {big['compare_seconds']:.1f} s"
+        f"compare stage, {big['cases']} cases x 32 tokens x 96 ({big['elements']:.3g} elements, "
+        f"{sum(big['output_files_mb'].values()):.0f} MB of outputs "
+        f"in {len(big['output_files_mb'])} files, {big['chunk_rows']} rows per chunk): peak RSS {big['peak_rss_mb']:.0f} MB; "
+        f"default set "
+        f"({small['cases']} cases, one chunk) {small['peak_rss_mb']:.0f} MB; difference {above:.0f} MB = {above / chunk:.2f} "
+        f"x one chunk of every "
+        f"source ({chunk:.0f} MB); bound 2 x: {'HOLDS' if above <= 2 * chunk else 'EXCEEDED'}; "
+        f"compare took {big['compare_seconds']:.1f} s"
     )
 
 

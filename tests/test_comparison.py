@@ -73,7 +73,8 @@ def test_every_statistic_is_read_and_given_back_key_for_key(made):
     stats = dataclasses.replace(made()[0], env_differs_from_reference=("device",))
     plain = from_jsonable(json.loads(dumps(stats.to_dict())))  # as decide reads it back from stats.json
     typed = Stats.from_dict(plain)
-    assert typed.to_dict() == plain and dumps(typed.to_dict()) == dumps(stats.to_dict()) and plain["env_differs_from_reference"] == ["device"]
+    assert typed.to_dict() == plain and dumps(typed.to_dict()) == dumps(stats.to_dict())
+    assert plain["env_differs_from_reference"] == ["device"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         typed.flips = typed.heads
 
@@ -81,8 +82,10 @@ def test_every_statistic_is_read_and_given_back_key_for_key(made):
 def test_sections_are_typed_where_the_rule_reads_them():
     s, _ = _classification()
     assert set(s.heads) == {"aux"} and s.arbiter["aux"].amp_over_fp32 == 1.0 and s.arbiter["logits"].amp_over_fp32 == math.inf
-    assert s.flips.boundary_flips == 1 and s.flips.labels(boundary=True) == ["boundary/a"] and s.flips.labels(boundary=False) == []
-    assert s.flips.flip_list[0].reference_scores == pytest.approx((1.0, 1.001, 0.0, 0.0)) and s.flips.flip_list[0].position is None
+    assert s.flips.boundary_flips == 1 and s.flips.labels(boundary=True) == ["boundary/a"]
+    assert s.flips.labels(boundary=False) == []
+    assert s.flips.flip_list[0].reference_scores == pytest.approx((1.0, 1.001, 0.0, 0.0))
+    assert s.flips.flip_list[0].position is None
     assert s.nonfinite.trained.ids == ("edge/big",) and s.nonfinite.trial.rows == 0
     assert s.quality.counts["reference"] == (30, 30) and s.quality.paired["trial"].lost == 0 and s.quality.of("trained") == 1.0
     assert s.training.skipped_steps == 1 and s.training.noise is not None and s.training.noise.over == ()
@@ -118,5 +121,6 @@ def test_summary_is_the_flat_numbers_of_the_typed_statistics(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     comparison.write("bfloat16", stats, table)
     flat = json.loads((paths.compare("bfloat16") / comparison.SUMMARY).read_text())
-    assert flat["decisions.boundary_flips"] == 1 and flat["arbiter.aux.amp_over_fp32"] == 1.0 and "distribution.kl_mean" not in flat
+    assert flat["decisions.boundary_flips"] == 1 and flat["arbiter.aux.amp_over_fp32"] == 1.0
+    assert "distribution.kl_mean" not in flat
     assert flat["values.logits.max_abs"] == stats.values["logits"].max_abs and flat["training.real_updates"] == 11

@@ -11,7 +11,8 @@ from pipeline.compare.quality import QualityStats
 from pipeline.task import IGNORE_INDEX
 
 
-def _decide(ids, kinds, ref, trial, tie_rule="lowest_index", boundary_margin=0.0, margin_kind="logit", targets=None) -> DecisionStats:
+def _decide(ids, kinds, ref, trial, tie_rule="lowest_index", boundary_margin=0.0, margin_kind="logit",
+            targets=None) -> DecisionStats:
     """``DecisionStats`` fed the whole pair at once (compare feeds it slice by slice: the same counts)."""
     stats = DecisionStats(ids, kinds, tie_rule, boundary_margin, margin_kind, capacity_tokens=ref[..., 0].numel())
     stats.update(0, ref, trial, targets)
@@ -100,7 +101,8 @@ def test_margins_in_probability_mean_the_same_at_every_scale():
 
     for scale in (1.0, 100.0):
         assert margin(base * scale, "logit") == pytest.approx(0.1 * scale)
-    assert margin(torch.tensor([[0.02, 0.0]]), "probability") == pytest.approx(math.tanh(0.01), rel=1e-6)  # p1 - p2 of two logits 0.02 apart
+    # p1 - p2 of two logits 0.02 apart
+    assert margin(torch.tensor([[0.02, 0.0]]), "probability") == pytest.approx(math.tanh(0.01), rel=1e-6)
     assert margin(base * 100, "relative") == pytest.approx(margin(base, "relative"))
 
 

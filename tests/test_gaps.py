@@ -81,7 +81,8 @@ def test_streamed_gaps_equal_one_shot_gaps_whatever_the_chunking():
     for s in range(0, 1000, 37):
         acc.update(ref[s : s + 37], trial[s : s + 37], "ordinary" if s < 500 else "edge")
     streamed = acc.result()
-    exact = ("elements", "failing", "nonfinite_trial_only", "max_abs", "p99_abs", "max_rel", "p99_rel", "min_passing_atol", "min_passing_rtol")
+    exact = ("elements", "failing", "nonfinite_trial_only", "max_abs", "p99_abs", "max_rel", "p99_rel", "min_passing_atol",
+             "min_passing_rtol")
     for key in exact:
         assert getattr(streamed, key) == getattr(whole, key), key
     assert streamed.mean_abs == pytest.approx(whole.mean_abs, rel=1e-6)  # float32 sums per slice
@@ -97,7 +98,9 @@ def test_failing_count_at_the_threshold_is_the_exact_test():
     r = torch.randn(300_000, generator=g) * 10
     atol, rtol = 0.05, 0.02
     bound = atol + rtol * r.double().abs()
-    t = (r.double() + bound * (1 + torch.randn(r.shape, generator=g, dtype=torch.float64) * 1e-7) * torch.sign(torch.randn(r.shape, generator=g, dtype=torch.float64))).float()
+    wiggle = torch.randn(r.shape, generator=g, dtype=torch.float64) * 1e-7
+    sign = torch.sign(torch.randn(r.shape, generator=g, dtype=torch.float64))
+    t = (r.double() + bound * (1 + wiggle) * sign).float()
     expected = int(((t.double() - r.double()).abs() > atol + rtol * r.double().abs()).sum())
     assert 0 < expected < r.numel()
     acc = GapStats(atol, rtol, r.numel())
@@ -123,5 +126,6 @@ def test_arbiter_compares_amp_with_fp32_against_fp64():
     assert a.fp32_rmse_vs_fp64 == 0.0 and a.amp_over_fp32 == math.inf
     acc.update(torch.tensor([1.5]), torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64))  # a second chunk
     b = acc.result()
-    assert b.fp32_rmse_vs_fp64 == pytest.approx(math.sqrt(0.25 / 3)) and b.amp_rmse_vs_fp64 == pytest.approx(math.sqrt(float(torch.tensor(1.1) - 1) ** 2 / 3))
+    assert b.fp32_rmse_vs_fp64 == pytest.approx(math.sqrt(0.25 / 3))
+    assert b.amp_rmse_vs_fp64 == pytest.approx(math.sqrt(float(torch.tensor(1.1) - 1) ** 2 / 3))
     assert b.amp_over_fp32 == pytest.approx(b.amp_rmse_vs_fp64 / b.fp32_rmse_vs_fp64)

@@ -36,7 +36,8 @@ def test_histogram_quantile_bound_zeros_negatives_and_chunking():
     """Past MAX_EXACT the p99 comes from a float32 bit-pattern histogram: within SKETCH_ALPHA of the exact
     nearest rank, never above the exact max, the same for any chunking; zeros, tiny and negative values."""
     g = torch.Generator().manual_seed(11)
-    v = torch.cat([torch.rand(50_000, generator=g).pow(4) * 1e3, torch.zeros(3_000), torch.full((500,), 1e-45), -torch.rand(100, generator=g)])
+    v = torch.cat([torch.rand(50_000, generator=g).pow(4) * 1e3, torch.zeros(3_000), torch.full((500,), 1e-45),
+                   -torch.rand(100, generator=g)])
     v = v[torch.randperm(v.numel(), generator=g)]
     for q in (0.5, 0.9, 0.99, 0.999, 1.0):
         exact = quantile(v, q)

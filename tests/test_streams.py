@@ -18,7 +18,8 @@ RUNS = streams.Trajectories(STEPS, STEPS, 2.0**16)
 
 def _sources(ids, y, has, ref, trial, token_mask=None):
     """In-memory sources; the AMP-trained model's outputs are the trial's."""
-    return streams.Sources(ids, y, has, streams.InMemory(ref), streams.InMemory(trial), streams.InMemory(trial), token_mask=token_mask)
+    return streams.Sources(ids, y, has, streams.InMemory(ref), streams.InMemory(trial), streams.InMemory(trial),
+                           token_mask=token_mask)
 
 
 def _set(n=600, c=10, seed=0, per_token=False):
@@ -95,8 +96,9 @@ def test_a_fixed_set_100_times_the_default_is_read_one_chunk_at_a_time(tmp_path)
     chunk = 20_000  # elements: 2,000 cases of 10 scores
     ref_src = Counting(outputs.OutputsReader(tmp_path / "ref.safetensors", paths["ref"]))
     trial_src = outputs.OutputsReader(tmp_path / "trial.safetensors", paths["trial"])
-    stats, table = streams.compare_streams("classification", AcceptanceConfig(), streams.Sources(ids, y, has, ref_src, trial_src, trial_src),
-                                           RUNS, cfg=CompareConfig(chunk_elements=chunk, table_rows=20))
+    sources = streams.Sources(ids, y, has, ref_src, trial_src, trial_src)
+    stats, table = streams.compare_streams("classification", AcceptanceConfig(), sources, RUNS,
+                                           cfg=CompareConfig(chunk_elements=chunk, table_rows=20))
     assert ref_src.most == chunk // 10
     assert stats.values["logits"].elements == 270_000 and stats.outputs.chunk_rows == 2000
     whole = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial), RUNS)[0]
@@ -112,7 +114,8 @@ def test_regression_and_typed_stats(tmp_path, monkeypatch):
     has = torch.tensor([True] * 50 + [False])
     rule = AcceptanceConfig(threshold=0.0)
     runs = streams.Trajectories(STEPS, STEPS, 1.0, replicate=STEPS)
-    stats, table = streams.compare_streams("regression", rule, _sources(ids, y, has, ref, trial), runs, metric=streams.Metric("neg_mae"))
+    stats, table = streams.compare_streams("regression", rule, _sources(ids, y, has, ref, trial), runs,
+                                           metric=streams.Metric("neg_mae"))
     assert stats.quality.trial == pytest.approx(-0.01, rel=1e-5) and stats.quality.metric == "neg_mae"
     crossing = ((ref["output"] < 0) & (ref["output"] + 0.01 >= 0)).sum()
     assert stats.flips.flips == int(crossing)
@@ -134,8 +137,8 @@ def test_user_metric_sees_the_target_rows_once_and_sets_the_direction():
         return float((out.argmax(-1) != target).double().mean())
 
     metric = streams.Metric("mypkg.metrics:error_rate", higher_is_better=False, function=error_rate)
-    stats, _ = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial), RUNS, metric=metric,
-                                       cfg=CompareConfig(chunk_elements=300))
+    stats, _ = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial), RUNS,
+                                       metric=metric, cfg=CompareConfig(chunk_elements=300))
     assert calls == [170, 170, 170]  # reference, trial, trained: every ordinary case at once, whatever the chunking
     assert stats.quality.reference == 0.0 and stats.quality.higher_is_better is False
 
@@ -146,8 +149,8 @@ def test_attention_mask_excludes_padding_positions():
     trial["logits"][:, 2, :] += torch.randn(60, 10) * 5  # position 2: noise that flips tokens
     mask = torch.ones(60, 6, dtype=torch.long)
     mask[:, 2] = 0  # ... but it is padding
-    with_mask, _ = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial, token_mask=mask),
-                                           RUNS)
+    masked = _sources(ids, y, has, ref, trial, token_mask=mask)
+    with_mask, _ = streams.compare_streams("classification", AcceptanceConfig(), masked, RUNS)
     without, _ = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial), RUNS)
     assert with_mask.distribution.tokens == without.distribution.tokens - 60 + int((y[:, 2] == -100).sum())
     assert with_mask.flips.real_flips < without.flips.real_flips
@@ -158,7 +161,8 @@ def test_attention_mask_excludes_padding_positions():
 def test_sources_refuse_outputs_of_another_set_and_metric_follows_the_task():
     ids, y, has, ref, trial = _set(n=20)
     with pytest.raises(ValueError, match="outputs hold 20/19/20 rows"):
-        streams.Sources(ids, y, has, streams.InMemory(ref), streams.InMemory({"logits": trial["logits"][:19]}), streams.InMemory(trial))
+        short = streams.InMemory({"logits": trial["logits"][:19]})
+        streams.Sources(ids, y, has, streams.InMemory(ref), short, streams.InMemory(trial))
     auto = streams.Metric.for_task(TaskConfig(kind="regression"))
     assert (auto.name, auto.higher_is_better, auto.function) == ("neg_rmse", True, None)
     user = streams.Metric.for_task(TaskConfig(metric="math:fsum", metric_direction="lower"))

@@ -391,21 +391,23 @@ def summary(stats: Stats) -> dict:
     out: dict[str, float | int] = {}
     for name, g in stats.values.items():
         out |= {f"values.{name}.max_abs": g.max_abs, f"values.{name}.p99_abs": g.p99_abs, f"values.{name}.max_rel": g.max_rel,
-                f"values.{name}.failing_fraction": g.failing_fraction, f"values.{name}.nonfinite_trial_only": g.nonfinite_trial_only,
+                f"values.{name}.failing_fraction": g.failing_fraction,
+                f"values.{name}.nonfinite_trial_only": g.nonfinite_trial_only,
                 f"values.{name}.min_passing_atol": g.min_passing_atol}
     for name, a in (stats.arbiter or {}).items():
         out[f"arbiter.{name}.amp_over_fp32"] = a.amp_over_fp32
     f = stats.flips
-    out |= {"decisions.flips": f.flips, "decisions.near_boundary_flips": f.near_boundary_flips, "decisions.boundary_flips": f.boundary_flips,
-            "decisions.boundary_cases": f.boundary_cases}
+    out |= {"decisions.flips": f.flips, "decisions.near_boundary_flips": f.near_boundary_flips,
+            "decisions.boundary_flips": f.boundary_flips, "decisions.boundary_cases": f.boundary_cases}
     q = stats.quality
     out |= {"quality.reference": q.reference, "quality.trial": q.trial, "quality.trained": q.trained}
     if (d := stats.distribution) is not None:
         out |= {"distribution.kl_mean": d.kl_mean, "distribution.kl_p99": d.kl_p99, "distribution.kl_max": d.kl_max,
                 "distribution.top1_agreement": d.top1_agreement, "distribution.top_k_overlap": d.top_k_overlap}
     t = stats.training
-    out |= {"training.max_loss_gap": t.max_loss_gap, "training.band_violations": t.band_violations, "training.skipped_fraction": t.skipped_fraction,
-            "training.real_updates": t.real_updates, "training.final_scale": t.final_scale, "training.final_loss_reference": t.final_loss_reference,
+    out |= {"training.max_loss_gap": t.max_loss_gap, "training.band_violations": t.band_violations,
+            "training.skipped_fraction": t.skipped_fraction, "training.real_updates": t.real_updates,
+            "training.final_scale": t.final_scale, "training.final_loss_reference": t.final_loss_reference,
             "training.final_loss_trial": t.final_loss_trial}
     return out
 

@@ -44,7 +44,8 @@ def _top(scores: torch.Tensor, k: int, tie_rule: str, need_lse: bool = False):
         s = s.float()
     if s.numel() == 0:
         empty = torch.zeros(s.shape[:-1], dtype=torch.long)
-        return empty, (torch.zeros(*s.shape[:-1], k, dtype=s.dtype), torch.zeros(*s.shape[:-1], k, dtype=torch.long)), (torch.zeros(s.shape[:-1], dtype=s.dtype) if need_lse else None)
+        top = (torch.zeros(*s.shape[:-1], k, dtype=s.dtype), torch.zeros(*s.shape[:-1], k, dtype=torch.long))
+        return empty, top, (torch.zeros(s.shape[:-1], dtype=s.dtype) if need_lse else None)
     values, indices = s.topk(min(k, s.shape[-1]), dim=-1)  # NaN sorts above every number
     labels = indices[..., 0].clone()
     tied = values[..., 0] == values[..., 1]
@@ -359,6 +360,8 @@ def regression_flips(
         t = trial.detach().double().reshape(trial.shape[0], -1)[:, 0]
         crossed = (r >= threshold) != (t >= threshold)
         for i in torch.nonzero(crossed).flatten().tolist():
-            flips.append(Flip(id=ids[i], kind=kinds[i], boundary=False, near_boundary=False, reference=float(r[i]), trial=float(t[i])))
-    return Decisions(cases=len(ids), boundary_cases=0, near_boundary_cases=0, flips=len(flips), near_boundary_flips=0, boundary_flips=0,
-                     boundary_flip_fraction=0.0, real_flips=len(flips), unit="case", flip_list=tuple(flips), flip_list_dropped=0)
+            flips.append(Flip(id=ids[i], kind=kinds[i], boundary=False, near_boundary=False, reference=float(r[i]),
+                              trial=float(t[i])))
+    return Decisions(cases=len(ids), boundary_cases=0, near_boundary_cases=0, flips=len(flips), near_boundary_flips=0,
+                     boundary_flips=0, boundary_flip_fraction=0.0, real_flips=len(flips), unit="case", flip_list=tuple(flips),
+                     flip_list_dropped=0)

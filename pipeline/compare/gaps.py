@@ -114,7 +114,8 @@ class GapStats:
                 if r.dtype == torch.float64:
                     exact = torch.sub(gap, mag, alpha=self.rtol)
                 else:  # float32 inputs: their float64 difference is exact (unless 29 binades apart), |r| too
-                    exact = torch.sub((t if both is None else t[both]).double(), r.double()).abs_().sub_(mag.double(), alpha=self.rtol)
+                    trial_kept = t if both is None else t[both]
+                    exact = torch.sub(trial_kept.double(), r.double()).abs_().sub_(mag.double(), alpha=self.rtol)
                 worst = float(exact.max())
                 failing += int((exact > self.atol).sum(dtype=torch.int64))
                 del exact

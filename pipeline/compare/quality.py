@@ -94,7 +94,8 @@ class QualityStats:
             if not self._kept:
                 return math.nan
             value = self.user(torch.cat([o for o, _ in self._kept]), torch.cat([t for _, t in self._kept]))
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) or (torch.is_tensor(value) and value.numel() == 1)):
+            number = isinstance(value, (int, float)) or (torch.is_tensor(value) and value.numel() == 1)
+            if isinstance(value, bool) or not number:
                 raise UserError(f"task.metric returned {type(value).__name__} {getattr(value, 'shape', '')}; return one number")
             return float(value)
         if self.n == 0:
@@ -124,7 +125,8 @@ def regression_errors(pred: torch.Tensor, targets: torch.Tensor, extreme_quantil
     p = pred.detach().double().reshape(pred.shape[0], -1)[:, 0]
     y = targets.detach().double().reshape(targets.shape[0], -1)[:, 0]
     if y.numel() == 0:
-        return RegressionErrors(mae=math.nan, rmse=math.nan, max_error=math.nan, extreme_low_mae=math.nan, extreme_high_mae=math.nan)
+        return RegressionErrors(mae=math.nan, rmse=math.nan, max_error=math.nan, extreme_low_mae=math.nan,
+                                extreme_high_mae=math.nan)
     err = (p - y).abs()
     k = max(1, int(math.ceil(extreme_quantile * y.numel())))
     order = y.argsort(stable=True)

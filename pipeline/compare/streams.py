@@ -29,7 +29,7 @@ import torch
 
 from pipeline.artifacts.comparison import Decisions, NonFinite, NonFiniteSides, OutputsInfo, Paired, Quality, Stats, Training
 from pipeline.artifacts.outputs import OutputsReader
-from pipeline.compare.decisions import DecisionStats, Labels, PerCase, regression_flips
+from pipeline.compare.decisions import DecisionStats, PerCase, regression_flips
 from pipeline.compare.gaps import ArbiterStats, GapStats
 from pipeline.compare.quality import QualityStats, regression_errors
 from pipeline.compare.trajectory import trajectory_gap, update_health
@@ -192,8 +192,9 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     quality = {side: QualityStats(metric.name, rule.tie_rule, metric.top_k, metric.function) for side in SIDES}
     row_gap = torch.zeros(n, dtype=torch.float64)
     first_values: dict[str, list[torch.Tensor]] = {side: [] for side in SIDES}
-    state = _State(names, main, kind, per_token, kinds, targets, has_target.bool(), gaps, arbiter, decisions, quality, row_gap, first_values,
-                   heads=head_stats, nonfinite={side: torch.zeros(n, dtype=torch.bool) for side in ("trial", "trained")},
+    state = _State(names, main, kind, per_token, kinds, targets, has_target.bool(), gaps, arbiter, decisions, quality, row_gap,
+                   first_values, heads=head_stats,
+                   nonfinite={side: torch.zeros(n, dtype=torch.bool) for side in ("trial", "trained")},
                    nonfinite_elements={side: dict.fromkeys(names, 0) for side in ("trial", "trained")})
     for start in range(0, n, step):  # one chunk of every source in memory at a time
         _chunk(state, ref, trial, trained, fp64, start, min(start + step, n))
@@ -297,14 +298,16 @@ class _State:
 
     def quantile_merged(self) -> bool:
         """Whether a quantile buffer merged since the last call (its freed memory is worth giving back)."""
-        now = sum(g.p_abs.merges + g.p_rel.merges for g in self.gaps.values()) + (self.decisions.kl_q.merges if self.decisions else 0)
+        now = sum(g.p_abs.merges + g.p_rel.merges for g in self.gaps.values())
+        now += self.decisions.kl_q.merges if self.decisions else 0
         changed, self.merges = now != self.merges, now
         return changed
 
 
 def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source | None, start: int, stop: int) -> None:
     """Rows start:stop of every source read once, their statistics computed by slices (small temporaries)."""
-    chunk = {name: (st.read(ref, "reference", name, start, stop), st.read(trial, "trial", name, start, stop)) for name in st.names}
+    chunk = {name: (st.read(ref, "reference", name, start, stop), st.read(trial, "trial", name, start, stop))
+             for name in st.names}
     chunk_fp64 = {name: st.read(fp64, "fp64", name, start, stop) for name in st.names} if fp64 is not None else None
     chunk_trained = {name: st.read(trained, "trained", name, start, stop) for name in st.names}
     trained_main = chunk_trained[st.main]
@@ -326,7 +329,8 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             if st.gaps[name].nonfinite_so_far() > nonfinite_before:  # rare: which rows, for the rollback's cases
                 _note_nonfinite(st, "trial", name, a, t)
             if st.gaps[name].failing_so_far() > before:  # rare: which rows failed, for the rollback's cases
-                st.failing_rows.setdefault(name, torch.zeros(len(st.kinds), dtype=torch.bool))[a:b] |= st.gaps[name].failing_rows(r, t)
+                rows = st.failing_rows.setdefault(name, torch.zeros(len(st.kinds), dtype=torch.bool))
+                rows[a:b] |= st.gaps[name].failing_rows(r, t)
             if gap.numel():
                 worst = torch.nan_to_num(gap.reshape(b - a, -1).amax(1).double(), nan=math.inf)
                 st.row_gap[a:b] = torch.maximum(st.row_gap[a:b], worst)
@@ -339,7 +343,9 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             if not main:
                 continue
             y = st.targets[a:b] if not st.per_token else st.targets[a:b, p:q]
-            labels = st.decisions.update(a, r, t, y if st.per_token else None, position=p or 0) if st.decisions is not None else None
+            labels = None
+            if st.decisions is not None:
+                labels = st.decisions.update(a, r, t, y if st.per_token else None, position=p or 0)
             trained_slice = trained_main[a - start : b - start]
             trained_slice = trained_slice[:, p:q] if p is not None else trained_slice
             with_target = st.has_target[a:b]
@@ -351,7 +357,8 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                 if every:  # no copy of the slice
                     hits = st.quality[side].update(out, y, known, lse)
                 elif some:
-                    hits = st.quality[side].update(out[with_target], y[with_target], known[with_target] if known is not None else None,
+                    hits = st.quality[side].update(out[with_target], y[with_target],
+                                                   known[with_target] if known is not None else None,
                                                    lse[with_target] if lse is not None else None)
                 if side == "reference":
                     ref_hits = hits
@@ -450,7 +457,8 @@ def training_stats(rule: AcceptanceConfig, runs: Trajectories) -> Training:
     ref_loss = [s["loss"] for s in base]
     trial_loss = [s["loss"] for s in runs.trial]
     replicate = [s["loss"] for s in runs.replicate] if runs.replicate is not None else None
-    gap = trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol, replicate, rule.loss_noise_multiple, rule.loss_noise_atol)
+    gap = trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol, replicate, rule.loss_noise_multiple,
+                         rule.loss_noise_atol)
     health = update_health(
         [s["skipped"] for s in runs.trial],
         [s["scale"] for s in runs.trial] + [runs.final_scale],
@@ -482,7 +490,8 @@ def case_table_rows(ids: list[str], kinds: list[str], flips: Decisions, row_gap:
     keep = flipped > 0
     others = (~keep).nonzero().flatten()
     if worst and others.numel():
-        order = torch.sort(torch.nan_to_num(score[others], nan=math.inf), descending=True, stable=True).indices  # ties: lowest index first
+        # ties: lowest index first
+        order = torch.sort(torch.nan_to_num(score[others], nan=math.inf), descending=True, stable=True).indices
         keep[others[order[:worst]]] = True
     kl_mean = per_case.kl_mean if per_token else None
     rows = []
