@@ -202,8 +202,10 @@ def test_one_child_per_dtype_named_by_its_decision_and_tagged(story):
     assert parent.data.tags[tracking.KEY_TAG]
     dtypes = dtypes_of(repo)
     decisions = {d: read(repo, f"data/decision/{d}/decision.json") for d in dtypes}
-    order = sorted(dtypes, key=lambda d: decisions[d]["decision"] == "accept")  # rollbacks first: names are cut short
-    assert parent.info.run_name.startswith(", ".join(f"{decisions[d]['decision'].upper()} {d}" for d in order))
+    order = sorted(dtypes, key=lambda d: decisions[d]["decision"] == "accept")  # rollbacks first
+    mark, short = {"accept": "✓", "rollback": "✗"}, {"float16": "fp16", "bfloat16": "bf16"}
+    verdicts = ", ".join(f"{mark[decisions[d]['decision']]} {short[d]}" for d in order)
+    assert parent.info.run_name.startswith(verdicts) and len(verdicts) <= 15  # what the runs table shows uncut
     children = {r.info.run_name: r for r in runs if r is not parent}
     assert set(children) == {f"{decisions[d]['decision'].upper()} {d}" for d in dtypes}
     manifest = read(repo, "data/reference/manifest.json")

@@ -32,6 +32,18 @@ PARENT_COLUMNS = (
 """The children's columns the parent repeats, per dtype, so that executions compare in one table."""
 
 
+SHORT = {"float16": "fp16", "bfloat16": "bf16"}
+MARK = {"accept": "✓", "rollback": "✗"}
+"""The parent's name in short: its children are collapsed under it in the runs table, whose name column shows
+about 15 characters; each child's name keeps the words ("ROLLBACK bfloat16")."""
+
+
+def run_name(verdicts_: Sequence[verdict.Verdict], suffix: str = "") -> str:
+    """Every dtype's verdict within the characters the runs table shows, rollbacks first: "✗ bf16, ✓ fp16 3e85c902"."""
+    order = sorted(verdicts_, key=lambda v: v.decision == "accept")
+    return " ".join([", ".join(f"{MARK[v.decision]} {SHORT[v.dtype]}" for v in order), suffix]).strip()
+
+
 def common_tags(commit: str, manifest: Manifest, dvc_experiment: str | None) -> dict[str, str]:
     """Tags of every run of one execution: the code version, the rule and the reference it was judged against."""
     tags = {
@@ -77,7 +89,7 @@ def parent(
     summary = page.markdown(reference, list(variants.values()), verdicts_)
     suffix = " ".join(filter(None, [common.get("dvc_experiment"), common["git_commit"][:8]]))
     return RunSpec(
-        name=verdict.run_name(verdicts_, suffix),
+        name=run_name(verdicts_, suffix),
         tags={**common, **env_tags(manifest.env), "stage": "pipeline", "dtypes": ",".join(variants),
               **{f"decision.{d}": v["decision"]["decision"] for d, v in variants.items()},
               **{f"reasons_count.{d}": str(len(v["decision"]["reasons"])) for d, v in variants.items()}},

@@ -278,12 +278,6 @@ def one_line(verdicts: Sequence[Verdict]) -> str:
     return printable("; ".join(f"{v.dtype} {v.decision.upper()}{detail(v)}" for v in verdicts))
 
 
-def run_name(verdicts: Sequence[Verdict], suffix: str = "") -> str:
-    """A run name that leads with the decisions, rollbacks first: the runs table shows about 18 characters."""
-    order = sorted(verdicts, key=lambda v: v.decision == "accept")
-    return " ".join([", ".join(f"{v.decision.upper()} {v.dtype}" for v in order), suffix]).strip()
-
-
 def _count(flips: Sequence[str]) -> str:
     more = [f for f in flips if f.startswith("... and ")]
     if not more:
