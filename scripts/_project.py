@@ -110,20 +110,41 @@ def copy(dest: Path, base: dict | None = None, override: dict | None = None, roo
 
 
 def init_repo(repo: Path, who: str = "test") -> None:
-    """Make ``repo`` a git + DVC repository (no analytics, the offline plots page) and commit what is in it."""
+    """Make ``repo`` a git + DVC repository (no analytics, the offline plots page) and commit what is in it.
+
+    DVC's own files come from one real ``dvc init`` and ``dvc config`` per process (``_dvc_template``), copied:
+    each dvc command costs seconds of start-up, and tests make dozens of projects."""
     run(["git", "init", "-q"], repo)
     run(["git", "config", "user.email", f"{who}@localhost"], repo)  # the tests commit in it too
     run(["git", "config", "user.name", who], repo)
-    run(dvc_cmd("init", "-q"), repo)
-    run(dvc_cmd("config", "core.analytics", "false"), repo)
-    plots = [name for name in project_files() if name.startswith(PLOTS + "/")]
-    for name in plots:
-        (repo / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, repo / name)
-    if plots:
-        run(dvc_cmd("config", "plots.html_template", "plots/offline.html"), repo)
+    template = _dvc_template()
+    shutil.copytree(template / ".dvc", repo / ".dvc", dirs_exist_ok=True)
+    shutil.copy2(template / ".dvcignore", repo / ".dvcignore")
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "copy"], repo)
+
+
+_TEMPLATE: list[Path] = []
+
+
+def _dvc_template() -> Path:
+    """A folder holding what ``dvc init`` and this harness's ``dvc config`` write (.dvc/, .dvcignore), made once."""
+    if not _TEMPLATE:
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="amp-dvc-template-"))
+        run(["git", "init", "-q"], folder)
+        run(dvc_cmd("init", "-q"), folder)
+        run(dvc_cmd("config", "core.analytics", "false"), folder)
+        plots = [name for name in project_files() if name.startswith(PLOTS + "/")]
+        for name in plots:
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, folder / name)
+        if plots:
+            run(dvc_cmd("config", "plots.html_template", "plots/offline.html"), folder)
+        shutil.rmtree(folder / ".dvc" / "tmp", ignore_errors=True)
+        _TEMPLATE.append(folder)
+    return _TEMPLATE[0]
 
 
 # --- running it -----------------------------------------------------------------------------------------------
