@@ -388,7 +388,7 @@ class Publisher:
                     raise
                 found = self.client.get_experiment_by_name(name)
         if self.uri.startswith("sqlite:///"):
-            found = self._own_artifacts(found)
+            self._check_own_artifacts(found)
         if found.lifecycle_stage == "deleted":
             raise UserError(
                 f"MLflow experiment {name!r} at {self.uri} is deleted; restore it (`mlflow experiments restore "
@@ -398,35 +398,32 @@ class Publisher:
             self.client.set_experiment_tag(found.experiment_id, KIND_TAG, KIND)
         return found.experiment_id
 
-    def _own_artifacts(self, found):
-        """A project copied with its database (``cp -a``) keeps an experiment whose artifact location is the
-        ORIGINAL project's ``mlartifacts`` (stored as an absolute path): this copy would publish into the
-        other project. When the database lives in this repository and its experiment points at the
-        ``mlartifacts`` of another folder, it is moved to this repository's own (runs published before keep
-        theirs), with one line."""
-        import sqlite3
+    def _check_own_artifacts(self, found) -> None:
+        """Refuse a database copied from another project (``cp -a`` of a project with its mlflow.db): its
+        experiment keeps the ORIGINAL project's ``mlartifacts`` as its artifact location (an absolute path, which
+        MLflow's API cannot change), so this copy would publish into the other project. Checked before anything
+        is written.
+
+        Raises:
+            UserError: the database lives in this repository and its experiment stores its artifacts in the
+                ``mlartifacts`` of another folder.
+        """
         from urllib.parse import unquote, urlparse
 
         db = Path(self.uri[len("sqlite:///") :].split("?")[0]).resolve()
         root = repository_root().resolve()
         location = found.artifact_location or ""
         if db.parent != root or not location.startswith("file:"):
-            return found
+            return
         current = Path(unquote(urlparse(location).path))
-        own = root / "mlartifacts"
-        if current.name != "mlartifacts" or current == own:
-            return found
-        con = sqlite3.connect(db, timeout=SQLITE_BUSY_S)
-        try:
-            with con:
-                con.execute(
-                    "UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (own.as_uri(), found.experiment_id)
-                )
-        finally:
-            con.close()
-        print(f"publish: {db} was copied from another project: experiment {found.name!r} now stores its artifacts in {own}, "
-              f"not {current}", file=sys.stderr, flush=True)
-        return self.client.get_experiment(found.experiment_id)
+        if current.name != "mlartifacts" or current == root / "mlartifacts":
+            return
+        raise UserError(
+            f"{db} was copied from another project: its experiment {found.name!r} stores artifacts in {current}, so "
+            f"publishing here would write into that project; copy the project without mlflow.db, mlartifacts and "
+            f"{RECORD_NAME} (or delete them here), or point MLFLOW_TRACKING_URI at another store, then rerun "
+            f"`python -m pipeline publish`"
+        )
 
     def _search(self, query: str) -> list:
         runs, token = [], None

@@ -184,10 +184,14 @@ def test_a_server_that_hangs_on_its_api_stops_publish_in_seconds_with_a_line_per
     assert os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT") == "30"  # the later calls keep MLflow's longer timeout
 
 
-# --- item 11: a copied project publishes into its own artifacts; stale files of another dtype ---------------
+# --- item 11: a copied project is refused before it writes into the other's artifacts; stale files of another dtype
 
 
-def test_a_project_copied_with_cp_a_publishes_into_its_own_mlartifacts(tmp_path, monkeypatch, capsys):
+def test_a_project_copied_with_cp_a_is_refused_in_one_line_before_anything_is_written(tmp_path, monkeypatch):
+    """MLflow's API cannot move an experiment's artifact location, and its tables are not ours to write: a copied
+    mlflow.db (whose experiment stores artifacts in the original's mlartifacts) is refused, naming the fix."""
+    import hashlib
+
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     original, copy = tmp_path / "original", tmp_path / "copy"
     original.mkdir()
@@ -196,14 +200,24 @@ def test_a_project_copied_with_cp_a_publishes_into_its_own_mlartifacts(tmp_path,
     tracking.Publisher("amp-validation")  # creates the experiment, artifacts in original/mlartifacts
     shutil.copytree(original, copy, symlinks=True)  # what `cp -a` does
     monkeypatch.chdir(copy)
-    (copy / "note.txt").write_text("from the copy")
+    before = hashlib.sha256((copy / "mlflow.db").read_bytes()).hexdigest()
+    with pytest.raises(UserError) as err:
+        tracking.Publisher("amp-validation")
+    line = str(err.value)
+    assert "\n" not in line and f"{copy / 'mlflow.db'} was copied from another project" in line
+    assert str(original / "mlartifacts") in line and "without mlflow.db, mlartifacts" in line and "MLFLOW_TRACKING_URI" in line
+    assert hashlib.sha256((copy / "mlflow.db").read_bytes()).hexdigest() == before and not (copy / "mlartifacts").exists()
+    # The fix it names: a copy without them publishes into its own artifacts (to a database of its own).
+    fixed = tmp_path / "fixed"
+    shutil.copytree(original, fixed, symlinks=True, ignore=shutil.ignore_patterns("mlflow.db", "mlartifacts", tracking.RECORD_NAME))
+    _db(fixed)
+    monkeypatch.chdir(fixed)
+    (fixed / "note.txt").write_text("from the copy")
     publisher = tracking.Publisher("amp-validation")
-    assert publisher.client.get_experiment(publisher.experiment_id).artifact_location == (copy / "mlartifacts").as_uri()
-    published = publisher.publish("k-copy", _spec("parent", artifacts=[(copy / "note.txt", "")]), [])
-    assert [p.name for p in (copy / "mlartifacts").rglob("note.txt")] == ["note.txt"]
-    assert not (original / "mlartifacts").exists() or not list((original / "mlartifacts").rglob("note.txt"))
-    assert published.created == 1
-    assert "was copied from another project" in capsys.readouterr().err
+    assert publisher.client.get_experiment(publisher.experiment_id).artifact_location == (fixed / "mlartifacts").as_uri()
+    assert publisher.publish("k-copy", _spec("parent", artifacts=[(fixed / "note.txt", "")]), []).created == 1
+    assert [p.name for p in (fixed / "mlartifacts").rglob("note.txt")] == ["note.txt"]
+    assert not list((original / "mlartifacts").rglob("note.txt"))
 
 
 def test_the_publish_key_ignores_files_of_dtypes_no_longer_configured(tmp_path, monkeypatch):
