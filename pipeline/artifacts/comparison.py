@@ -2,15 +2,16 @@
 
 Files: ``stats.json`` (every statistic: what decide applies the rule to), ``cases.json`` (the per-case
 table: every flipped case and the ``compare.table_rows`` worst others) and ``summary.json`` (flat
-numbers; not a DVC metric: decide's short metrics file is). compare writes them with ``write`` from the
-plain dict ``compare.streams.compare_streams`` returns; decide, diagnose, report and publish read them
-with ``read`` into ``Stats``: frozen sections, one per part of the comparison, read by attribute. Diagnosis
-re-runs judge the dict of a fresh comparison through ``Stats.from_dict``. ``Stats.to_dict`` gives the dict
-back, key for key (``from_dict`` refuses a key it does not know, so a new statistic cannot go unread).
-Torch-free (decide reads it without importing torch).
+numbers; not a DVC metric: decide's short metrics file is). ``Stats``: frozen sections, one per part of
+the comparison, read by attribute. ``compare.streams.compare_streams`` builds them directly (each of its
+accumulators gives its section: ``ValueGap``, ``Arbiter``, ``Decisions``, ``Distribution``, ``LossGap`` and
+``UpdateHealth`` joined as ``Training``...) and ``write`` writes ``Stats.to_dict``; decide, diagnose, report
+and publish ``read`` them back through ``Stats.from_dict``, its exact inverse (it refuses a key it does not
+know, so a statistic written by another version cannot go unread). Diagnosis re-runs judge the ``Stats`` of
+a fresh comparison as they are. Torch-free (decide reads it without importing torch; compare imports it).
 
 API:
-    write(dtype, stats: dict, table: list[dict]) -> None
+    write(dtype, stats: Stats, table: list[dict]) -> None
     read(dtype) -> Stats                 raises UserError when compare@DTYPE has not run (or wrote another form)
     read_table(dtype) -> list[dict]
     summary(stats: Stats) -> dict        flat numbers, written as summary.json
