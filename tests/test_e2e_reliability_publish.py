@@ -209,7 +209,9 @@ def test_a_project_copied_with_cp_a_is_refused_in_one_line_before_anything_is_wr
     assert hashlib.sha256((copy / "mlflow.db").read_bytes()).hexdigest() == before and not (copy / "mlartifacts").exists()
     # The fix it names: a copy without them publishes into its own artifacts (to a database of its own).
     fixed = tmp_path / "fixed"
-    shutil.copytree(original, fixed, symlinks=True, ignore=shutil.ignore_patterns("mlflow.db", "mlartifacts", tracking.RECORD_NAME))
+    shutil.copytree(
+        original, fixed, symlinks=True, ignore=shutil.ignore_patterns("mlflow.db", "mlartifacts", tracking.RECORD_NAME)
+    )
     _db(fixed)
     monkeypatch.chdir(fixed)
     (fixed / "note.txt").write_text("from the copy")
