@@ -73,7 +73,7 @@ def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
             "training: FP32 noise floor, largest gap of the replicate (another data order)",
             metric("training.noise.max_replicate_gap"),
         ),
-        ("training: AMP mean gap / replicate mean gap", metric("training.noise.mean_ratio")),
+        ("training: AMP loss gap against the noise band (multiple x replicate gap + atol)", _noise_band),
         ("training: GradScaler", lambda v: "on" if v["metrics"].get("training.scaler_enabled") else "off (no GradScaler)"),
         ("training: skipped fraction", metric("training.skipped_fraction")),
         ("training: real updates", metric("training.real_updates")),
@@ -249,6 +249,28 @@ def _ms(v: Mapping, name: str) -> str:
 def _memory(v: Mapping, field: str, name: str) -> str:
     median = v["benchmark"].get(field, {}).get(name, {}).get("median")
     return "-" if median is None else f"{median / 2**20:.1f} MiB"
+
+
+def _noise_band(v: Mapping) -> str:
+    """What the noise gate compared: AMP's mean and largest loss gap against multiple x the replicate's + atol.
+
+    Not their ratio: a replicate that follows FP32 exactly (gap 0) makes it infinite, which is no figure.
+    """
+    m = v["metrics"]
+    amp = (m.get("training.noise.mean_amp_gap"), m.get("training.noise.max_amp_gap"))
+    rep = (m.get("training.noise.mean_replicate_gap"), m.get("training.noise.max_replicate_gap"))
+    if None in amp or None in rep:
+        return "-"
+    multiple, atol = m.get("training.noise.multiple"), m.get("training.noise.atol")
+    if multiple is None and atol is None:
+        return (f"no band set (acceptance.loss_noise_multiple): mean {number(amp[0])}, max {number(amp[1])}; "
+                f"replicate mean {number(rep[0])}, max {number(rep[1])}")
+    k, a = multiple or 0.0, atol or 0.0
+    allowed = [k * r + a for r in rep]
+    return ", ".join(
+        f"{name} {number(x)} {'<=' if x <= limit else '>'} {number(limit)}"
+        for name, x, limit in zip(("mean", "max"), amp, allowed)
+    )
 
 
 def _ratio(v: Mapping, field: str) -> str:
