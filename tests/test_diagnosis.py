@@ -47,7 +47,8 @@ def test_overflow_example_rolls_fp16_back_naming_the_culprit_and_accepts_bf16(tm
 
     fp16 = json.loads((repo / "data/decision/float16/decision.json").read_text())
     assert fp16["decision"] == "rollback"
-    culprit_findings = [f for f in fp16["findings"] if "module 'amplify' (Linear, aten.addmm" in f]  # the diagnosis', beside the reasons
+    # the diagnosis', beside the reasons
+    culprit_findings = [f for f in fp16["findings"] if "module 'amplify' (Linear, aten.addmm" in f]
     assert culprit_findings and "float16's largest finite value is 65504" in culprit_findings[0]
     assert any("suggested trial.fp32_modules: ['amplify']" in f for f in fp16["findings"])
 
