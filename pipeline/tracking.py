@@ -78,6 +78,19 @@ _ENV_DEFAULTS = {
 
 
 @dataclass
+class ModelSpec:
+    """A checkpoint as an MLflow 3 LoggedModel of the run that logs it (the run's Models column, the Models
+    tab): its files as the model's artifacts (safetensors; nothing pickled), tags and params a query filters by
+    (``mlflow.search_logged_models``), and metrics linked to the model (they are the run's metrics too)."""
+
+    name: str
+    files: list[Path]
+    tags: dict[str, str] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RunSpec:
     """One run as the MLflow UI shows it: a stage variant, or the pipeline execution (the parent)."""
 
@@ -97,6 +110,8 @@ class RunSpec:
     """Artifact file name (.json) -> rows, logged as an MLflow table."""
     note: str = ""
     """Markdown shown as the run's description."""
+    models: list[ModelSpec] = field(default_factory=list)
+    """Checkpoints logged as models of this run."""
 
 
 @dataclass
@@ -257,6 +272,7 @@ class Publisher:
                 self.experiment_id = _first_call(self.uri, lambda: self._experiment(experiment))
             else:
                 self.experiment_id = self._experiment(experiment)
+            self.copied_from = self._copied_from() if self.uri.startswith("sqlite:///") else None
 
     def publish(self, key: str, parent: RunSpec, children: list[RunSpec], remember: bool = True) -> Published:
         """Create ``parent`` (tagged with ``key``) and ``children`` under it, unless ``key`` is published.
@@ -301,6 +317,8 @@ class Publisher:
                     )
                 time.sleep(1.0)
                 continue
+            if self.copied_from is not None:
+                self._leave_copied_experiment()
             parent_id = self._claim(parent, key)
             if parent_id is None:
                 continue  # an earlier claim won: wait for it
@@ -387,8 +405,6 @@ class Publisher:
                 if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
                 found = self.client.get_experiment_by_name(name)
-        if self.uri.startswith("sqlite:///"):
-            self._check_own_artifacts(found)
         if found.lifecycle_stage == "deleted":
             raise UserError(
                 f"MLflow experiment {name!r} at {self.uri} is deleted; restore it (`mlflow experiments restore "
@@ -398,31 +414,33 @@ class Publisher:
             self.client.set_experiment_tag(found.experiment_id, KIND_TAG, KIND)
         return found.experiment_id
 
-    def _check_own_artifacts(self, found) -> None:
-        """Refuse a database copied from another project (``cp -a`` of a project with its mlflow.db): its
-        experiment keeps the ORIGINAL project's ``mlartifacts`` as its artifact location (an absolute path, which
-        MLflow's API cannot change), so this copy would publish into the other project. Checked before anything
-        is written.
-
-        Raises:
-            UserError: the database lives in this repository and its experiment stores its artifacts in the
-                ``mlartifacts`` of another folder.
-        """
+    def _copied_from(self) -> Path | None:
+        """The other project's ``mlartifacts`` where this database was copied from one (``cp -a`` of a project with
+        its mlflow.db): its experiment keeps the ORIGINAL project's artifact location, an absolute path. None when
+        the database is not in this repository, or its experiment stores artifacts here."""
         from urllib.parse import unquote, urlparse
 
         db = Path(self.uri[len("sqlite:///") :].split("?")[0]).resolve()
         root = repository_root().resolve()
-        location = found.artifact_location or ""
+        location = self.client.get_experiment(self.experiment_id).artifact_location or ""
         if db.parent != root or not location.startswith("file:"):
-            return
+            return None
         current = Path(unquote(urlparse(location).path))
-        if current.name != "mlartifacts" or current == root / "mlartifacts":
-            return
-        raise UserError(
-            f"{db} was copied from another project: its experiment {found.name!r} stores artifacts in {current}, so "
-            f"publishing here would write into that project; copy the project without mlflow.db, mlartifacts and "
-            f"{RECORD_NAME} (or delete them here), or point MLFLOW_TRACKING_URI at another store, then rerun "
-            f"`python -m pipeline publish`"
+        return None if current.name != "mlartifacts" or current == root / "mlartifacts" else current
+
+    def _leave_copied_experiment(self) -> None:
+        """Before anything is published from a copied database: MLflow's API cannot move an experiment's artifact
+        location, so the copied experiment is renamed (its runs stay readable, their artifacts where they always
+        were) and this project publishes into a new one of the same name, storing artifacts in its own
+        ``mlartifacts``. A copy whose results were all published already writes nothing: it never gets here."""
+        copied = self.client.get_experiment(self.experiment_id)
+        label = f"{copied.name} (copied from {self.copied_from.parent}, id {copied.experiment_id})"
+        self.client.rename_experiment(copied.experiment_id, label)
+        self.experiment_id, self.copied_from = self._experiment(copied.name), None
+        print(
+            f"publish: {self.uri} was copied from another project, whose artifacts its experiment stores "
+            f"({copied.artifact_location}); renamed it {label!r} and publishing into a new {copied.name!r}, with "
+            f"artifacts in {repository_root() / 'mlartifacts'}", file=sys.stderr, flush=True,
         )
 
     def _search(self, query: str) -> list:
@@ -464,7 +482,7 @@ class Publisher:
         for child in self._search(f"tags.`{MEMBER_TAG}` = '{key}'"):
             parent = child.data.tags.get("mlflow.parentRunId")
             if parent != keep and not self._is_live_parent(parent):
-                self.client.delete_run(child.info.run_id)
+                self._delete_run(child.info.run_id)
                 removed += 1
         return removed
 
@@ -483,9 +501,15 @@ class Publisher:
         """Delete a parent and whatever children it got; returns how many runs were deleted."""
         children = self._search(f"tags.`mlflow.parentRunId` = '{run_id}'")
         for child in children:
-            self.client.delete_run(child.info.run_id)
-        self.client.delete_run(run_id)
+            self._delete_run(child.info.run_id)
+        self._delete_run(run_id)
         return 1 + len(children)
+
+    def _delete_run(self, run_id: str) -> None:
+        """A run and the models it logged (a model outlives its run otherwise, in the Models tab and in queries)."""
+        for model in self.client.search_logged_models([self.experiment_id], filter_string=f"source_run_id = '{run_id}'"):
+            self.client.delete_logged_model(model.model_id)
+        self.client.delete_run(run_id)
 
     def _mark_failed(self, run_ids: list[str]) -> None:
         """Best effort: a store that is failing may refuse this too (then the lease expires as for a kill)."""
@@ -529,7 +553,33 @@ class Publisher:
             self.client.log_text(run_id, text, name)
         for name, rows in spec.tables.items():
             self.client.log_table(run_id, data=_columns(rows), artifact_file=name)
+        for model in spec.models:
+            self._log_model(run_id, model, now)
+            self._beat(beat)
         self._beat(beat)
+
+    def _log_model(self, run_id: str, model: ModelSpec, now: int) -> None:
+        """``model`` as a LoggedModel output by ``run_id``, READY once its files and metrics are logged. Its metrics
+        carry the run's timestamp: those the run logged already are linked to the model, not logged twice."""
+        from mlflow.entities import LoggedModelOutput, Metric
+
+        tags = {k: str(v)[:_TAG_LENGTH] for k, v in zip(_mlflow_keys(list(model.tags)), model.tags.values())}
+        params = {k: _param_value(v) for k, v in zip(_mlflow_keys(list(model.params)), model.params.values())}
+        logged = self.client.create_logged_model(
+            self.experiment_id, name=model.name, source_run_id=run_id, tags=tags, params=params, model_type="safetensors"
+        )
+        with tempfile.TemporaryDirectory(prefix="amp-model-") as folder:  # the model's files, linked, not copied
+            for path in model.files:
+                os.symlink(path.resolve(), Path(folder) / path.name)
+            self.client.log_model_artifacts(logged.model_id, folder)
+        metrics = [
+            Metric(k, float(v), now, 0, model_id=logged.model_id)
+            for k, v in zip(_mlflow_keys(list(model.metrics)), model.metrics.values()) if _is_number(v)
+        ]
+        for chunk in _chunks(metrics, _BATCH_METRICS):
+            self.client.log_batch(run_id, metrics=chunk)
+        self.client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, 0)])
+        self.client.finalize_logged_model(logged.model_id, "READY")
 
 
 FIRST_CALL_TIMEOUT_S = _HEALTH_TIMEOUT_S

@@ -184,12 +184,13 @@ def test_a_server_that_hangs_on_its_api_stops_publish_in_seconds_with_a_line_per
     assert os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT") == "30"  # the later calls keep MLflow's longer timeout
 
 
-# --- item 11: a copied project is refused before it writes into the other's artifacts; stale files of another dtype
+# --- item 11: a copied project publishes into its own artifacts, without SQL; stale files of another dtype -----
 
 
-def test_a_project_copied_with_cp_a_is_refused_in_one_line_before_anything_is_written(tmp_path, monkeypatch):
-    """MLflow's API cannot move an experiment's artifact location, and its tables are not ours to write: a copied
-    mlflow.db (whose experiment stores artifacts in the original's mlartifacts) is refused, naming the fix."""
+def test_a_project_copied_with_cp_a_publishes_into_its_own_mlartifacts(tmp_path, monkeypatch, capsys):
+    """A copied mlflow.db keeps the original's artifact location, which MLflow's API cannot change and whose tables
+    are not ours to write: what the copy holds already is "already published" (nothing written); what it publishes
+    goes to a new experiment of the same name in this project's mlartifacts, the copied one renamed, with one line."""
     import hashlib
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -197,29 +198,34 @@ def test_a_project_copied_with_cp_a_is_refused_in_one_line_before_anything_is_wr
     original.mkdir()
     _db(original)
     monkeypatch.chdir(original)
-    tracking.Publisher("amp-validation")  # creates the experiment, artifacts in original/mlartifacts
+    (original / "note.txt").write_text("from the original")
+    first = tracking.Publisher("amp-validation").publish("k-original", _spec("parent", artifacts=[(original / "note.txt", "")]),
+                                                         [])
     shutil.copytree(original, copy, symlinks=True)  # what `cp -a` does
     monkeypatch.chdir(copy)
-    before = hashlib.sha256((copy / "mlflow.db").read_bytes()).hexdigest()
-    with pytest.raises(UserError) as err:
-        tracking.Publisher("amp-validation")
-    line = str(err.value)
-    assert "\n" not in line and f"{copy / 'mlflow.db'} was copied from another project" in line
-    assert str(original / "mlartifacts") in line and "without mlflow.db, mlartifacts" in line and "MLFLOW_TRACKING_URI" in line
-    assert hashlib.sha256((copy / "mlflow.db").read_bytes()).hexdigest() == before and not (copy / "mlartifacts").exists()
-    # The fix it names: a copy without them publishes into its own artifacts (to a database of its own).
-    fixed = tmp_path / "fixed"
-    shutil.copytree(
-        original, fixed, symlinks=True, ignore=shutil.ignore_patterns("mlflow.db", "mlartifacts", tracking.RECORD_NAME)
-    )
-    _db(fixed)
-    monkeypatch.chdir(fixed)
-    (fixed / "note.txt").write_text("from the copy")
+    def state() -> tuple:
+        return hashlib.sha256((copy / "mlflow.db").read_bytes()).hexdigest(), sorted((copy / "mlartifacts").rglob("*"))
+
+    before = state()
     publisher = tracking.Publisher("amp-validation")
-    assert publisher.client.get_experiment(publisher.experiment_id).artifact_location == (fixed / "mlartifacts").as_uri()
-    assert publisher.publish("k-copy", _spec("parent", artifacts=[(fixed / "note.txt", "")]), []).created == 1
-    assert [p.name for p in (fixed / "mlartifacts").rglob("note.txt")] == ["note.txt"]
-    assert not list((original / "mlartifacts").rglob("note.txt"))
+    again = publisher.publish("k-original", _spec("parent"), [], remember=False)
+    assert (again.run_id, again.created) == (first.run_id, 0)
+    assert state() == before
+    assert "copied" not in capsys.readouterr().err
+
+    (copy / "note.txt").write_text("from the copy")
+    published = publisher.publish("k-copy", _spec("parent", artifacts=[(copy / "note.txt", "")]), [])
+    assert published.created == 1 and published.experiment_id != first.experiment_id
+    assert publisher.client.get_experiment(published.experiment_id).artifact_location == (copy / "mlartifacts").as_uri()
+    new = set((copy / "mlartifacts").rglob("note.txt")) - set(before[1])
+    assert [p.read_text() for p in new] == ["from the copy"]
+    assert [p.read_text() for p in (original / "mlartifacts").rglob("note.txt")] == ["from the original"]
+    renamed = publisher.client.get_experiment(first.experiment_id)
+    assert renamed.name == f"amp-validation (copied from {original}, id {first.experiment_id})"
+    assert publisher.client.get_run(first.run_id).info.lifecycle_stage == "active"  # the copied runs stay readable
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "was copied from another project" in lines[0] and str(copy / "mlartifacts") in lines[0], lines
+    assert tracking.Publisher("amp-validation").publish("k-copy", _spec("parent"), []).run_id == published.run_id
 
 
 def test_the_publish_key_ignores_files_of_dtypes_no_longer_configured(tmp_path, monkeypatch):

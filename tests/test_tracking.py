@@ -103,6 +103,12 @@ def runs_of(uri: str, experiment: str = "amp-validation") -> list:
     return [] if exp is None else list(c.search_runs([exp.experiment_id], max_results=1000))
 
 
+def models_of(uri: str, experiment: str = "amp-validation", query: str | None = None) -> list:
+    """LoggedModels of the experiment, through MLflow 3's public query (deleted ones are not returned)."""
+    c = client(uri)
+    return list(c.search_logged_models([c.get_experiment_by_name(experiment).experiment_id], filter_string=query))
+
+
 def artifacts(c, run_id: str, path: str | None = None) -> set[str]:
     out = set()
     for a in c.list_artifacts(run_id, path):
@@ -129,15 +135,21 @@ def story(reproduced, server, tmp_path_factory) -> dict:
     out["intact"] = fingerprint(repo) == before
     out["first"] = publish(repo, server)
     out["runs_after_first"] = len(runs_of(server))
+    out["models_after_first"] = len(models_of(server))
     out["second"] = publish(repo, server)
     out["runs_after_second"] = len(runs_of(server))
+    out["models_after_second"] = len(models_of(server))
     # What a publish killed midway leaves: a parent that never reached FINISHED, a child missing.
     c = client(server)
     runs = runs_of(server)
     out["old_parent"] = next(r.info.run_id for r in runs if "mlflow.parentRunId" not in r.data.tags)
     c.update_run(out["old_parent"], status="RUNNING")
     c.set_tag(out["old_parent"], tracking.HEARTBEAT_TAG, str(int((time.time() - 2 * tracking.LEASE_S) * 1000)))  # killed long ago
-    c.delete_run(next(r.info.run_id for r in runs if "mlflow.parentRunId" in r.data.tags))
+    missing = next(r.info.run_id for r in runs if "mlflow.parentRunId" in r.data.tags)
+    for model in models_of(server):  # never created, as the run was not
+        if model.source_run_id == missing:
+            c.delete_logged_model(model.model_id)
+    c.delete_run(missing)
     out["redo"] = publish(repo, server)
     return out
 
@@ -294,6 +306,8 @@ def test_decision_and_key_figures_are_columns_and_curves_have_gap_and_band(story
             assert m["process_peak_mib.fp32"] == pytest.approx(bench["peak_memory_bytes"]["fp32"]["median"] / 2**20)
             assert "working_mib.fp32" in m and "working_memory_ratio" in m
         assert len(m) < 40, sorted(m)  # columns a reviewer reads, not 248
+        if run.data.tags["backend"] == "cpu":  # MLflow's system metrics are for GPU runs only
+            assert not any(k.startswith("system/") for k in m), sorted(m)
 
 
 def test_artifacts_a_reviewer_opens(story, tmp_path):
@@ -330,6 +344,49 @@ def test_artifacts_a_reviewer_opens(story, tmp_path):
         assert f'<h2 id="{d}">' in report
         for reason in read(repo, f"data/decision/{d}/decision.json")["reasons"]:
             assert html.escape(reason) in report
+
+
+def test_each_checkpoint_is_a_logged_model_a_query_finds_with_its_decision(story, tmp_path):
+    """MLflow 3's Models tab: each dtype's trained checkpoint and the reference's as LoggedModels of their runs, their
+    files safetensors only, with the decision, the rule's sha256 and the key figures; found by a query, once."""
+    import mlflow
+
+    repo, uri = story["repo"], story["uri"]
+    c = client(uri)
+    dtypes = dtypes_of(repo)
+    assert story["models_after_first"] == story["models_after_second"] == 1 + len(dtypes)  # republishing adds none
+    assert len(models_of(uri)) == 1 + len(dtypes)  # the interrupted publish redone: its models went with its runs
+    manifest = read(repo, "data/reference/manifest.json")
+
+    def files_of(model) -> dict[str, str]:
+        folder = Path(mlflow.artifacts.download_artifacts(
+            artifact_uri=model.artifact_location, dst_path=str(tmp_path / model.model_id), tracking_uri=uri
+        ))
+        return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+
+    def sha(rel: str) -> str:
+        return hashlib.sha256((repo / rel).read_bytes()).hexdigest()
+
+    for d in dtypes:
+        decision = read(repo, f"data/decision/{d}/decision.json")
+        stats = read(repo, f"data/compare/{d}/stats.json")
+        other = "rollback" if decision["decision"] == "accept" else "accept"
+        assert models_of(uri, query=f"tags.dtype = '{d}' AND tags.decision = '{other}'") == []
+        found = models_of(uri, query=f"tags.dtype = '{d}' AND tags.decision = '{decision['decision']}'")
+        assert len(found) == 1, found
+        model = found[0]
+        assert model.name == f"{decision['decision'].upper()} {d}" and str(model.status) == "READY"
+        assert model.tags["rule_sha256"] == manifest["rule_sha256"] and json.loads(model.tags["rule_json"]) == decision["rule"]
+        assert model.params["loss_atol"] == str(decision["rule"]["loss_atol"])
+        run = c.get_run(model.source_run_id)
+        assert run.data.tags["dtype"] == d and [o.model_id for o in run.outputs.model_outputs] == [model.model_id]
+        metrics = {m.key: m.value for m in model.metrics}
+        assert metrics["accepted"] == float(decision["decision"] == "accept") and metrics["flips"] == stats["flips"]["flips"]
+        assert metrics["quality_trained"] == pytest.approx(stats["quality"]["trained"])
+        assert files_of(model) == {"checkpoint.safetensors": sha(f"data/trial/{d}/checkpoint.safetensors")}  # nothing pickled
+    (ref,) = models_of(uri, query="tags.stage = 'reference'")
+    assert ref.name == "reference float32" and ref.source_run_id == parents_of(runs_of(uri))[0].info.run_id
+    assert files_of(ref) == {"checkpoint.safetensors": sha("data/reference/checkpoint.safetensors")}
 
 
 def test_interrupted_publish_is_redone_once(story):
@@ -497,3 +554,43 @@ def test_the_printed_link_opens_the_verdict_in_model_training_mode_in_a_browser(
     for d in dtypes_of(story["repo"]):
         decision = read(story["repo"], f"data/decision/{d}/decision.json")["decision"].upper()
         assert f"{d}: {decision}" in re.sub(r"\s+", " ", text), d
+
+
+VISIBLE = """(() => {
+  const want = %s;
+  const name = [...document.querySelectorAll("a, span")].find(e => e.childElementCount === 0 && e.textContent.startsWith(want));
+  if (!name) return null;
+  const range = document.createRange();
+  range.setStart(name.firstChild, 0);
+  range.setEnd(name.firstChild, want.length);
+  let clip = name;  // the box that cuts the name with an ellipsis
+  while (clip.parentElement && getComputedStyle(clip).overflowX === "visible") clip = clip.parentElement;
+  return {end: range.getBoundingClientRect().right, edge: clip.getBoundingClientRect().right};
+})()"""
+
+
+def test_from_mlflows_home_page_the_runs_list_reads_every_verdict_uncut(story, tmp_path):
+    """A reviewer on MLflow's home page: the experiment listed, opened on its runs table in the model-training view,
+    where the parent's name gives every dtype's verdict uncut, without expanding a row or widening a column.
+
+    MLflow 3.17 picks the view for its whole UI (the sidebar's GenAI / Model training switch: GenAI until the browser
+    is told otherwise, then remembered), and reads ``mlflow.experimentKind`` only where that switch is off: without
+    the click the experiment opens on GenAI's overview. The README tells a reviewer to click "Model training" once."""
+    from test_e2e_browser import Browser
+
+    repo, uri = story["repo"], story["uri"]
+    exp = client(uri).get_experiment_by_name("amp-validation").experiment_id
+    decisions = {d: read(repo, f"data/decision/{d}/decision.json")["decision"] for d in dtypes_of(repo)}
+    mark, short = {"accept": "✓", "rollback": "✗"}, {"float16": "fp16", "bfloat16": "bf16"}
+    verdicts = ", ".join(f"{mark[decisions[d]]} {short[d]}" for d in sorted(decisions, key=lambda d: decisions[d] == "accept"))
+    with Browser(tmp_path / "profile") as page:
+        page.go(f"{uri}/")
+        page.wait(f"document.querySelector('a[href=\"#/experiments/{exp}\"]') !== null")  # listed under Recent Experiments
+        page.click("span", "Model training")
+        page.click("a", "amp-validation")
+        runs_view = f"location.hash.startsWith('#/experiments/{exp}/runs')"
+        page.wait(f"{runs_view} && location.hash.includes('workflowType=machine_learning')")
+        shown = page.wait(VISIBLE % json.dumps(verdicts))
+        assert shown["end"] + 12 <= shown["edge"], (verdicts, shown)  # room left for the ellipsis: nothing cut
+        text = page.js("document.body.innerText")
+        assert "reference float32" in text  # the Models column: the parent's logged model

@@ -22,14 +22,16 @@ from typing import Any
 from pipeline import paths, rule
 from pipeline.artifacts.reference import Manifest
 from pipeline.config import AcceptanceConfig, build
+from pipeline.files import flatten
 from pipeline.present import page, verdict
-from pipeline.tracking import RunSpec
+from pipeline.tracking import ModelSpec, RunSpec
 
-PARENT_COLUMNS = (
-    "accepted", "flips", "near_boundary_flips", "boundary_flips", "max_abs_gap", "quality_trial", "max_loss_gap",
-    "speedup_median", "working_memory_ratio",
+KEY_COLUMNS = (
+    "accepted", "flips", "near_boundary_flips", "boundary_flips", "max_abs_gap", "quality_trial", "quality_trained",
+    "max_loss_gap", "speedup_median", "working_memory_ratio",
 )
-"""The children's columns the parent repeats, per dtype, so that executions compare in one table."""
+"""The key figures: the children's columns the parent repeats, per dtype, so that executions compare in one
+table; and the metrics linked to each dtype's model."""
 
 
 SHORT = {"float16": "fp16", "bfloat16": "bf16"}
@@ -96,7 +98,7 @@ def parent(
         params=flat,
         metrics={
             "reference.real_updates": manifest.real_updates, "reference.final_loss": ref_steps[-1]["loss"] if ref_steps else None,
-            **{f"{d}.{k}": x for d, v in variants.items() for k, x in columns(v).items() if k in PARENT_COLUMNS},
+            **{f"{d}.{k}": x for d, v in variants.items() for k, x in columns(v).items() if k in KEY_COLUMNS},
         },
         steps={"loss_fp32": series(ref_steps, "loss"), "grad_norm_fp32": series(ref_steps, "grad_norm")},
         artifacts=[(p, "") for p in (Path(params_path), Path("dvc.lock")) if p.is_file()]
@@ -104,6 +106,11 @@ def parent(
         # The report quotes benchmark timings: built here, not as a DVC output (those rerun byte for byte).
         texts={"report.html": page.html(reference, list(variants.values()), images, verdicts_), "summary.md": summary},
         note=summary,
+        models=[ModelSpec(
+            "reference float32", [paths.REF_CHECKPOINT],
+            tags={**common, **env_tags(manifest.env), "stage": "reference", "dtype": "float32"},
+            metrics={"real_updates": manifest.real_updates, "final_loss": ref_steps[-1]["loss"] if ref_steps else None},
+        )] if paths.REF_CHECKPOINT.is_file() else [],
     )
 
 
@@ -122,6 +129,20 @@ def child(v: Mapping[str, Any], verdict_: verdict.Verdict, loosened_: list[str],
         # flipped cases first: the table opens on them, not after pages of unchanged cases
         tables={"cases.json": sorted(v["cases"], key=lambda r: not r.get("flipped"))} if v["cases"] is not None else {},
         note=verdict.markdown([verdict_]) + "\n" + fp64_note(v["stats"]),
+        models=[model(v, loosened_, common)] if (paths.trial(d) / paths.TRIAL_CHECKPOINT).is_file() else [],
+    )
+
+
+def model(v: Mapping[str, Any], loosened_: list[str], common: Mapping[str, str]) -> ModelSpec:
+    """The dtype's trained checkpoint, named and tagged as its run, so that a query finds "the accepted bfloat16
+    model" (``tags.dtype = 'bfloat16' AND tags.decision = 'accept'``); the rule as params, the key figures linked."""
+    d, decision = v["dtype"], v["decision"]
+    return ModelSpec(
+        name=f"{decision['decision'].upper()} {d}",
+        files=[paths.trial(d) / paths.TRIAL_CHECKPOINT],
+        tags=child_tags(v, loosened_, common),
+        params=flatten(decision.get("rule") or {}),
+        metrics={k: x for k, x in columns(v).items() if k in KEY_COLUMNS},
     )
 
 
