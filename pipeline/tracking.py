@@ -53,7 +53,8 @@ WAIT_S = 600.0
 SETTLE_S = 2.0
 """Time for a claim made at the same moment on a server to become visible before claims are ordered."""
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
-"""How MLflow 3 types an experiment: model training opens on its runs table (untyped, the home page opens GenAI)."""
+"""How MLflow 3 types an experiment (model training: it opens on its runs table). MLflow 3.17's UI reads it only where
+its GenAI / Model training switch is turned off; otherwise that switch, remembered by the browser, decides."""
 _LOCK_TIMEOUT_S = 900.0
 
 # MLflow's limits (mlflow/utils/validation.py): per log_batch call, and on key and value lengths.

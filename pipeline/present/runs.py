@@ -90,6 +90,9 @@ def parent(
     images = {d: v["plots"] for d, v in variants.items()}
     summary = page.markdown(reference, list(variants.values()), verdicts_)
     suffix = " ".join(filter(None, [common.get("dvc_experiment"), common["git_commit"][:8]]))
+    ref_metrics = {
+        "reference.real_updates": manifest.real_updates, "reference.final_loss": ref_steps[-1]["loss"] if ref_steps else None,
+    }
     return RunSpec(
         name=run_name(verdicts_, suffix),
         tags={**common, **env_tags(manifest.env), "stage": "pipeline", "dtypes": ",".join(variants),
@@ -97,7 +100,7 @@ def parent(
               **{f"reasons_count.{d}": str(len(v["decision"]["reasons"])) for d, v in variants.items()}},
         params=flat,
         metrics={
-            "reference.real_updates": manifest.real_updates, "reference.final_loss": ref_steps[-1]["loss"] if ref_steps else None,
+            **ref_metrics,
             **{f"{d}.{k}": x for d, v in variants.items() for k, x in columns(v).items() if k in KEY_COLUMNS},
         },
         steps={"loss_fp32": series(ref_steps, "loss"), "grad_norm_fp32": series(ref_steps, "grad_norm")},
@@ -109,7 +112,7 @@ def parent(
         models=[ModelSpec(
             "reference float32", [paths.REF_CHECKPOINT],
             tags={**common, **env_tags(manifest.env), "stage": "reference", "dtype": "float32"},
-            metrics={"real_updates": manifest.real_updates, "final_loss": ref_steps[-1]["loss"] if ref_steps else None},
+            metrics=ref_metrics,  # the run's own names: linked to the model, not logged twice
         )] if paths.REF_CHECKPOINT.is_file() else [],
     )
 
