@@ -6,8 +6,9 @@ Usage, from a repository where `dvc repro` has run (Chromium installed: `apt-get
 
 Starts a real `mlflow server` on 127.0.0.1 with a temporary store, publishes this repository's results to it
 (`python -m pipeline publish`), and takes headless-Chromium screenshots of: the report (docs/report.png), the
-parent run's page in model-training mode (docs/mlflow-parent-run.png) and the experiment's runs table
-(docs/mlflow-runs.png). Nothing under data/ is written.
+parent run's page in model-training mode (docs/mlflow-parent-run.png), the experiment's runs table
+(docs/mlflow-runs.png) and its Models tab, one LoggedModel per checkpoint (docs/mlflow-models.png). Nothing under
+data/ is written.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def main() -> None:
             runs_view = lines[-1].rsplit("review: ", 1)[1]
             shoot(run_page, out / "mlflow-parent-run.png", "1600,1000", 20000)
             shoot(runs_view, out / "mlflow-runs.png", "1600,900", 20000)
+            shoot(runs_view.replace("/runs?", "/models?"), out / "mlflow-models.png", "1600,700", 20000)
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=30)
