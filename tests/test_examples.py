@@ -113,7 +113,7 @@ def test_each_example_copied_verbatim_passes_dvc_repro_dry(reproduced, tmp_path)
     repository that has run before. `--dry` runs nothing but checks every stage's params (about 2 s each)."""
     repo = tmp_path / "repo"
     shutil.copytree(reproduced, repo, symlinks=True)
-    shutil.copytree(ROOT / "examples", repo / "examples")
+    shutil.copytree(ROOT / "examples", repo / "examples", dirs_exist_ok=True)  # the working tree's, over the copy's
     commands = {}  # each example's own line, and every such line of the README (an indented block's, comment dropped)
     for name in EXAMPLES:
         header = (ROOT / "examples" / f"{name}.params.yaml").read_text().split("\nseed:")[0]
