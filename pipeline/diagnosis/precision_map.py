@@ -41,6 +41,7 @@ from pipeline.artifacts.diagnosis import (
     Underflow,
     UnderflowCounts,
 )
+from pipeline.config import DTYPES
 from pipeline.precision import Policy
 from pipeline.task import Inputs, call, named_outputs, primary, rows
 
@@ -54,7 +55,7 @@ _FLOPS_ALIAS = {
     "_scaled_dot_product_flash_attention_for_cpu_backward": "_scaled_dot_product_flash_attention_backward",
 }
 
-REDUCED = (torch.float16, torch.bfloat16)
+REDUCED = tuple(getattr(torch, name) for name in DTYPES)  # config.DTYPES, the autocast dtypes
 MATMUL_LIKE = {
     "mm",
     "addmm",
