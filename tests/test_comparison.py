@@ -71,9 +71,9 @@ def _regression():
 @pytest.mark.parametrize("made", [_classification, _per_token, _regression])
 def test_every_statistic_is_read_and_given_back_key_for_key(made):
     stats = dataclasses.replace(made()[0], env_differs_from_reference=("device",))
-    plain = from_jsonable(json.loads(dumps(stats.to_dict())))  # as decide reads it back from stats.json
+    plain = from_jsonable(json.loads(dumps(stats.as_dict())))  # as decide reads it back from stats.json
     typed = Stats.from_dict(plain)
-    assert typed.to_dict() == plain and dumps(typed.to_dict()) == dumps(stats.to_dict())
+    assert typed.as_dict() == plain and dumps(typed.as_dict()) == dumps(stats.as_dict())
     assert plain["env_differs_from_reference"] == ["device"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         typed.flips = typed.heads
@@ -101,7 +101,7 @@ def test_an_unknown_or_missing_statistic_is_refused_on_read(tmp_path, monkeypatc
     stats, table = _regression()
     monkeypatch.chdir(tmp_path)
     comparison.write("float16", stats, table)
-    assert comparison.read("float16").to_dict() == from_jsonable(json.loads(dumps(stats.to_dict())))
+    assert comparison.read("float16").as_dict() == from_jsonable(json.loads(dumps(stats.as_dict())))
     written = paths.compare("float16") / comparison.STATS
     stale = json.loads(written.read_text())
     del stale["quality"]["paired"]
@@ -109,7 +109,7 @@ def test_an_unknown_or_missing_statistic_is_refused_on_read(tmp_path, monkeypatc
     with pytest.raises(UserError, match=r"not in the form this version reads \(Quality: .*missing key\(s\) \['paired'\]\); "
                                         r"run `dvc repro compare@float16`"):
         comparison.read("float16")
-    newer = json.loads(dumps(stats.to_dict()))
+    newer = json.loads(dumps(stats.as_dict()))
     newer["training"]["new_statistic"] = 1
     written.write_text(json.dumps(newer))
     with pytest.raises(UserError, match=r"Training: unknown key\(s\) \['new_statistic'\]"):

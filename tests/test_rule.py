@@ -35,7 +35,7 @@ def _compared() -> dict:
     stats, _ = streams.compare_streams(
         "classification", RULE, sources, streams.Trajectories(steps, steps, 32768.0, replicate=replicate)
     )
-    return stats.to_dict()  # as stats.json holds it: the tests below edit it into other trials
+    return stats.as_dict()  # as stats.json holds it: the tests below edit it into other trials
 
 
 def healthy_stats() -> dict:

@@ -5,7 +5,7 @@ table: every flipped case and the ``compare.table_rows`` worst others) and ``sum
 numbers; not a DVC metric: decide's short metrics file is). ``Stats``: frozen sections, one per part of
 the comparison, read by attribute. ``compare.streams.compare_streams`` builds them directly (each of its
 accumulators gives its section: ``ValueGap``, ``Arbiter``, ``Decisions``, ``Distribution``, ``LossGap`` and
-``UpdateHealth`` joined as ``Training``...) and ``write`` writes ``Stats.to_dict``; decide, diagnose, report
+``UpdateHealth`` joined as ``Training``...) and ``write`` writes ``Stats.as_dict``; decide, diagnose, report
 and publish ``read`` them back through ``Stats.from_dict``, its exact inverse (it refuses a key it does not
 know, so a statistic written by another version cannot go unread). Diagnosis re-runs judge the ``Stats`` of
 a fresh comparison as they are. Torch-free (decide reads it without importing torch; compare imports it).
@@ -15,7 +15,7 @@ API:
     read(dtype) -> Stats                 raises UserError when compare@DTYPE has not run (or wrote another form)
     read_table(dtype) -> list[dict]
     summary(stats: Stats) -> dict        flat numbers, written as summary.json
-    Stats.from_dict(d) / Stats.to_dict()
+    Stats.from_dict(d) / Stats.as_dict()
     Stats.values[name]: ValueGap    .flips, .heads[name]: Decisions    .distribution: Distribution | None
     Stats.quality: Quality    .training: Training (.noise: Noise | None)    .nonfinite: NonFiniteSides
     Stats.arbiter[name]: Arbiter | None    .regression[side]: RegressionErrors | None    .outputs: OutputsInfo
@@ -24,13 +24,11 @@ API:
 
 from __future__ import annotations
 
-import functools
-import types
-import typing
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import ClassVar, Literal
+from dataclasses import dataclass, field, fields
+from typing import Literal
 
 from pipeline import paths
+from pipeline.artifacts.record import Record
 from pipeline.errors import UserError
 from pipeline.files import read_json, write_json
 
@@ -39,62 +37,8 @@ TABLE = "cases.json"
 SUMMARY = "summary.json"
 
 
-class _Section:
-    """A frozen part of ``stats.json`` read field by field; ``ABSENT`` names the fields the file omits
-    (rather than writing null) when they do not apply, so that ``to_dict`` gives back the same keys."""
-
-    ABSENT: ClassVar[tuple[str, ...]] = ()
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        """Raises: ValueError on a key the section does not know, or a required key missing."""
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(d) - set(known))
-        missing = sorted(n for n in known if n not in d and n not in cls.ABSENT)
-        if unknown or missing:
-            raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}, missing key(s) {missing}")
-        hints = _hints(cls)
-        return cls(**{k: _load(hints[k], v) for k, v in d.items()})
-
-    def to_dict(self) -> dict:
-        return {f.name: _dump(v) for f in fields(self) if not ((v := getattr(self, f.name)) is None and f.name in self.ABSENT)}
-
-
-@functools.cache
-def _hints(cls: type) -> dict:
-    return typing.get_type_hints(cls)
-
-
-def _load(hint, value):
-    """``value`` (plain JSON) as ``hint`` says: sections, tuples for lists, dicts of either; scalars as they are."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if value is None:
-        return None
-    if origin in (typing.Union, types.UnionType):
-        return _load(next(a for a in args if a is not type(None)), value)
-    if isinstance(hint, type) and is_dataclass(hint):
-        return hint.from_dict(value)
-    if origin is dict:
-        return {k: _load(args[1], v) for k, v in value.items()}
-    if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_load(args[0], v) for v in value)
-        return tuple(_load(a, v) for a, v in zip(args, value, strict=True))
-    return value
-
-
-def _dump(value):
-    if isinstance(value, _Section):
-        return value.to_dict()
-    if isinstance(value, dict):
-        return {k: _dump(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return [_dump(v) for v in value]
-    return value
-
-
 @dataclass(frozen=True)
-class KindGap(_Section):
+class KindGap(Record):
     """The gap counts of one case kind (ordinary, edge, boundary, selected)."""
 
     elements: int
@@ -105,7 +49,7 @@ class KindGap(_Section):
 
 
 @dataclass(frozen=True)
-class ValueGap(_Section):
+class ValueGap(Record):
     """One named output's element-wise gap against its tolerance (``|trial - ref| > atol + rtol * |ref|`` fails)."""
 
     ABSENT = ("failing_ids",)
@@ -135,7 +79,7 @@ class ValueGap(_Section):
 
 
 @dataclass(frozen=True)
-class Arbiter(_Section):
+class Arbiter(Record):
     """How far AMP is from FP64, against how far FP32 is (RMSE)."""
 
     fp32_rmse_vs_fp64: float
@@ -144,7 +88,7 @@ class Arbiter(_Section):
 
 
 @dataclass(frozen=True)
-class OutputsInfo(_Section):
+class OutputsInfo(Record):
     cases: int
     primary: str
     per_token: bool
@@ -153,7 +97,7 @@ class OutputsInfo(_Section):
 
 
 @dataclass(frozen=True)
-class NonFinite(_Section):
+class NonFinite(Record):
     """Rows with a non-finite element in any output of one side, by kind, with their ids (the first 1000)."""
 
     rows: int
@@ -164,7 +108,7 @@ class NonFinite(_Section):
 
 
 @dataclass(frozen=True)
-class NonFiniteSides(_Section):
+class NonFiniteSides(Record):
     trial: NonFinite
     """The policy's inference on the trained reference."""
     trained: NonFinite
@@ -172,7 +116,7 @@ class NonFiniteSides(_Section):
 
 
 @dataclass(frozen=True)
-class Flip(_Section):
+class Flip(Record):
     """One changed decision: a case (per token, ``position``) whose class (or threshold side) differs.
 
     Classification flips carry the classes, margins and scores (the top 5 for a vocabulary); regression
@@ -208,7 +152,7 @@ class Flip(_Section):
 
 
 @dataclass(frozen=True)
-class Decisions(_Section):
+class Decisions(Record):
     """Decisions of one head compared (per case, or per token): flips counted in three exact groups."""
 
     ABSENT = ("margin_kind", "boundary_margin")
@@ -236,7 +180,7 @@ class Decisions(_Section):
 
 
 @dataclass(frozen=True)
-class Distribution(_Section):
+class Distribution(Record):
     """Per-token outputs: KL(reference || trial) per token and top-1 / top-k agreement."""
 
     tokens: int
@@ -252,7 +196,7 @@ class Distribution(_Section):
 
 
 @dataclass(frozen=True)
-class Paired(_Section):
+class Paired(Record):
     """Targets one side lost and gained against the reference, case by case."""
 
     lost: int
@@ -260,7 +204,7 @@ class Paired(_Section):
 
 
 @dataclass(frozen=True)
-class Quality(_Section):
+class Quality(Record):
     ABSENT = ("perplexity",)
 
     metric: str
@@ -278,7 +222,7 @@ class Quality(_Section):
 
 
 @dataclass(frozen=True)
-class RegressionErrors(_Section):
+class RegressionErrors(Record):
     ABSENT = ("output_min", "output_max")
 
     mae: float
@@ -291,7 +235,7 @@ class RegressionErrors(_Section):
 
 
 @dataclass(frozen=True)
-class Noise(_Section):
+class Noise(Record):
     """The FP32 noise floor: the replicate's per-step gap to the reference beside AMP's, and the band on the curves."""
 
     ABSENT = ("over",)
@@ -313,7 +257,7 @@ class Noise(_Section):
 
 
 @dataclass(frozen=True)
-class LossGap(_Section):
+class LossGap(Record):
     """The trial's per-step loss against the reference's band (``compare.trajectory.trajectory_gap``)."""
 
     ABSENT = ("noise",)
@@ -330,7 +274,7 @@ class LossGap(_Section):
 
 
 @dataclass(frozen=True)
-class UpdateHealth(_Section):
+class UpdateHealth(Record):
     """Whether the trial's updates were real (``compare.trajectory.update_health``)."""
 
     nonfinite_grad_steps: tuple[int, ...]
@@ -362,7 +306,7 @@ class Training(UpdateHealth, LossGap):
 
 
 @dataclass(frozen=True)
-class Stats(_Section):
+class Stats(Record):
     """Compare's statistics of one trial, typed: what the rule judges and the renderers show."""
 
     ABSENT = ("env_differs_from_reference",)
@@ -414,9 +358,9 @@ def summary(stats: Stats) -> dict:
 
 
 def write(dtype: str, stats: Stats, table: list[dict]) -> None:
-    """``stats`` as compare produced it, as ``Stats.to_dict`` gives it (the form ``read`` reads back)."""
+    """``stats`` as compare produced it, as ``Stats.as_dict`` gives it (the form ``read`` reads back)."""
     out = paths.compare(dtype)
-    write_json(out / STATS, stats.to_dict())
+    write_json(out / STATS, stats.as_dict())
     write_json(out / TABLE, table)
     write_json(out / SUMMARY, summary(stats))
 

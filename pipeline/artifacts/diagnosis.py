@@ -19,13 +19,10 @@ API:
 
 from __future__ import annotations
 
-import functools
-import types
-import typing
-from dataclasses import dataclass, field, fields, is_dataclass, replace
-from typing import ClassVar
+from dataclasses import dataclass, field, replace
 
 from pipeline import paths
+from pipeline.artifacts.record import Record, dump
 from pipeline.errors import UserError
 from pipeline.files import read_json, write_bytes, write_json
 
@@ -33,68 +30,11 @@ FILE = "diagnosis.json"
 SUGGESTED = "suggested_params.yaml"
 
 
-class _Record:
-    """A frozen part of ``diagnosis.json`` read field by field. ``ABSENT`` names the fields the file omits
-    (rather than writing null) when they are None; ``KEYS`` the fields whose JSON key is a Python keyword."""
-
-    ABSENT: ClassVar[tuple[str, ...]] = ()
-    KEYS: ClassVar[dict[str, str]] = {}
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        """Raises: ValueError on a key the record does not know, or a required key missing."""
-        names = {cls.KEYS.get(f.name, f.name): f.name for f in fields(cls)}
-        unknown = sorted(set(d) - set(names))
-        missing = sorted(k for k, n in names.items() if k not in d and n not in cls.ABSENT)
-        if unknown or missing:
-            raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}, missing key(s) {missing}")
-        hints = _hints(cls)
-        return cls(**{names[k]: _load(hints[names[k]], v) for k, v in d.items()})
-
-    def as_dict(self) -> dict:
-        return {
-            self.KEYS.get(f.name, f.name): _dump(v)
-            for f in fields(self)
-            if not ((v := getattr(self, f.name)) is None and f.name in self.ABSENT)
-        }
-
-
-@functools.cache
-def _hints(cls: type) -> dict:
-    return typing.get_type_hints(cls)
-
-
-def _load(hint, value):
-    """``value`` (plain JSON) as ``hint`` says: records, tuples for lists, dicts of either; scalars as they are."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if value is None:
-        return None
-    if origin in (typing.Union, types.UnionType):
-        return _load(next(a for a in args if a is not type(None)), value)
-    if isinstance(hint, type) and is_dataclass(hint):
-        return hint.from_dict(value)
-    if origin is dict:
-        return {k: _load(args[1], v) for k, v in value.items()}
-    if origin is tuple:
-        return tuple(_load(args[0], v) for v in value)
-    return value
-
-
-def _dump(value):
-    if isinstance(value, _Record):
-        return value.as_dict()
-    if isinstance(value, dict):
-        return {k: _dump(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return [_dump(v) for v in value]
-    return value
-
-
 # --- what a watched pass saw (pipeline.diagnosis.trace, precision_map) -----------------------------------------
 
 
 @dataclass(frozen=True)
-class FirstNonFinite(_Record):
+class FirstNonFinite(Record):
     """The first non-finite value of a pass: the op that made it from finite inputs, with its module; for a
     non-finite input (``where == "input"``) nothing but ``where``."""
 
@@ -118,7 +58,7 @@ class FirstNonFinite(_Record):
 
 
 @dataclass(frozen=True)
-class MissingKernel(_Record):
+class MissingKernel(Record):
     """An op without a kernel for the reduced dtype on this device (the diagnosis ran it in float32)."""
 
     op: str
@@ -130,7 +70,7 @@ class MissingKernel(_Record):
 
 
 @dataclass(frozen=True)
-class ModuleStat(_Record):
+class ModuleStat(Record):
     """One module's outputs in a traced pass."""
 
     type: str
@@ -141,7 +81,7 @@ class ModuleStat(_Record):
 
 
 @dataclass(frozen=True)
-class Trace(_Record):
+class Trace(Record):
     """One watched forward and backward pass under ``policy`` at loss ``scale``."""
 
     policy: dict
@@ -159,7 +99,7 @@ class Trace(_Record):
 
 
 @dataclass(frozen=True)
-class LocatedCase(_Record):
+class LocatedCase(Record):
     """A failing case traced under the trial's policy (``amp``), in FP32, and (a gradient failure at a loss
     scale above 1) without scaling."""
 
@@ -174,7 +114,7 @@ class LocatedCase(_Record):
 
 
 @dataclass(frozen=True)
-class OpRow(_Record):
+class OpRow(Record):
     """One row of the precision map: an op with its input and output dtypes, summed over modules."""
 
     phase: str
@@ -188,7 +128,7 @@ class OpRow(_Record):
 
 
 @dataclass(frozen=True)
-class MatmulWork(_Record):
+class MatmulWork(Record):
     """Matmul-like work one module ran itself, and how much of it in reduced precision."""
 
     count: int
@@ -198,7 +138,7 @@ class MatmulWork(_Record):
 
 
 @dataclass(frozen=True)
-class MatmulSummary(_Record):
+class MatmulSummary(Record):
     matmul_ops: int
     matmul_ops_reduced: int
     matmul_flops: int
@@ -209,7 +149,7 @@ class MatmulSummary(_Record):
 
 
 @dataclass(frozen=True)
-class PrecisionMap(_Record):
+class PrecisionMap(Record):
     """What really ran in which precision in one forward and backward pass."""
 
     dtype: str
@@ -224,7 +164,7 @@ class PrecisionMap(_Record):
 
 
 @dataclass(frozen=True)
-class UnderflowCounts(_Record):
+class UnderflowCounts(Record):
     """Gradient elements of a parameter (or all of them, ``Underflow.total``) against FP32's."""
 
     elements: int
@@ -244,7 +184,7 @@ class ParameterUnderflow(UnderflowCounts):
 
 
 @dataclass(frozen=True)
-class Underflow(_Record):
+class Underflow(Record):
     """Gradient elements that are zero under autocast but not in FP32, without loss scaling and at ``scale``."""
 
     dtype: str | None
@@ -257,7 +197,7 @@ class Underflow(_Record):
 
 
 @dataclass(frozen=True)
-class FixStep(_Record):
+class FixStep(Record):
     """One round of the local fix: the FP32 regions after it, and each case's replay."""
 
     fp32_modules: tuple[str, ...]
@@ -266,7 +206,7 @@ class FixStep(_Record):
 
 
 @dataclass(frozen=True)
-class LocalFix(_Record):
+class LocalFix(Record):
     """The local fix of the non-finite cases: FP32 regions from ``start`` (key ``from``) to ``end`` (``to``)."""
 
     KEYS = {"start": "from", "end": "to"}
@@ -278,7 +218,7 @@ class LocalFix(_Record):
 
 
 @dataclass(frozen=True)
-class Rerun(_Record):
+class Rerun(Record):
     """A re-run of the trial under other FP32 regions, and the rule's verdict on it."""
 
     fp32_modules: tuple[str, ...]
@@ -287,7 +227,7 @@ class Rerun(_Record):
 
 
 @dataclass(frozen=True)
-class Ranked(_Record):
+class Ranked(Record):
     """A module by what its own reduced-precision work does to the outputs (every other candidate in FP32)."""
 
     module: str
@@ -297,7 +237,7 @@ class Ranked(_Record):
 
 
 @dataclass(frozen=True)
-class Unflip(_Record):
+class Unflip(Record):
     """A flipped real case and the module whose FP32 replay alone gives its reference class back (or None)."""
 
     id: str
@@ -305,7 +245,7 @@ class Unflip(_Record):
 
 
 @dataclass(frozen=True)
-class Suggestion(_Record):
+class Suggestion(Record):
     """FP32 regions to trial (written as ``suggested_params.yaml``, never applied)."""
 
     fp32_modules: tuple[str, ...]
@@ -315,7 +255,7 @@ class Suggestion(_Record):
 
 
 @dataclass(frozen=True)
-class Work(_Record):
+class Work(Record):
     """What the diagnosis cost, in units of the trial's own work (deterministic, unlike seconds)."""
 
     replayed_steps: int = 0
@@ -332,7 +272,7 @@ class Work(_Record):
 
 
 @dataclass(frozen=True)
-class Diagnosis(_Record):
+class Diagnosis(Record):
     """Why a trial failed and what would fix it, as lines (``findings``, ``notes``) and structured details."""
 
     ABSENT = ("precision_map", "underflow", "reference_fails_rule", "first_nonfinite", "unflipped_by", "local_fix", "reruns",
@@ -360,7 +300,7 @@ class Diagnosis(_Record):
 
     def as_dict(self) -> dict:
         searched = self.ranking is not None  # the search's fields come together, its null suggestion included
-        return super().as_dict() | ({"suggestion": _dump(self.suggestion)} if searched else {})
+        return super().as_dict() | ({"suggestion": dump(self.suggestion)} if searched else {})
 
 
 def write(dtype: str, diagnosis: Diagnosis, suggested_params: str | None = None) -> None:

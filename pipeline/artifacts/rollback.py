@@ -47,13 +47,13 @@ def write_package(params: Params, reference: Manifest, stats: Stats, dtype: str,
     })
     flips = stats.flips.flip_list
     per_kind = {
-        name: {k: g.to_dict() for k, g in gap.per_kind.items() if g.failing or g.nonfinite_trial_only}
+        name: {k: g.as_dict() for k, g in gap.per_kind.items() if g.failing or g.nonfinite_trial_only}
         for name, gap in stats.values.items()
     }
     write_json(out / "cases.json", {
         "motivating": cases or {},  # per failed criterion, the ids of its cases (and the training steps)
-        "flips": [f.to_dict() for f in flips if not f.boundary],
-        "boundary_flips": [f.to_dict() for f in flips if f.boundary],
+        "flips": [f.as_dict() for f in flips if not f.boundary],
+        "boundary_flips": [f.as_dict() for f in flips if f.boundary],
         "value_failures_by_kind": per_kind,
     })
 

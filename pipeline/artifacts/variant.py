@@ -22,7 +22,7 @@ def load(dtype: str) -> dict[str, Any]:
         UserError: a stage has not run (naming it and the command).
     """
     manifest = trial.read_manifest(dtype)
-    stats = comparison.read(dtype).to_dict()
+    stats = comparison.read(dtype).as_dict()
     cases = paths.compare(dtype) / comparison.TABLE
     figures = paths.report_plot(dtype, "loss").parent  # every figure the report stage drew for this dtype
     return {

@@ -44,4 +44,4 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     decision.write(result)
     decision.write_metrics(result, stats)
     # the verdict block, as everywhere
-    print(verdict.text(verdict.verdict(dtype, result.as_dict(), stats.to_dict(), found.as_dict())))
+    print(verdict.text(verdict.verdict(dtype, result.as_dict(), stats.as_dict(), found.as_dict())))
