@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pipeline.artifacts.benchmark import MemoryProbe, probe_from_dict
+from pipeline.artifacts.benchmark import MemoryProbe
 from pipeline.bench.memory import MemoryProbes, peak_memory, probe_line
 from pipeline.errors import UserError
 from pipeline.files import from_jsonable
@@ -33,7 +33,7 @@ def test_a_probe_line_reads_back_exactly_nan_included() -> None:
     probe = MemoryProbe((1.0, 2.0), (math.nan, 0.5), (0, 1), "getrusage ru_maxrss (process lifetime)")
     line = probe_line(probe)
     assert "\n" not in line
-    back = probe_from_dict(from_jsonable(json.loads(line)))
+    back = MemoryProbe.from_dict(from_jsonable(json.loads(line)))
     assert back.peak == probe.peak and math.isnan(back.baseline[0]) and back.skipped == (0, 1)
 
 

@@ -8,11 +8,11 @@ and its record says why; so does ``read`` when the stage has not run yet (decide
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from pipeline import paths
+from pipeline.artifacts.record import Record
 from pipeline.errors import UserError
 from pipeline.files import read_json, write_json
 
@@ -20,7 +20,7 @@ FILE = "benchmark.json"
 
 
 @dataclass(frozen=True)
-class Spread:
+class Spread(Record):
     """Median and spread of measured values (nearest-rank quantiles: the median is a value that was measured)."""
 
     median: float
@@ -35,7 +35,7 @@ class Spread:
 
 
 @dataclass(frozen=True)
-class MemoryProbe:
+class MemoryProbe(Record):
     """One variant's peak-memory rounds, in bytes (one value per round)."""
 
     peak: tuple[float, ...]
@@ -52,22 +52,22 @@ class MemoryProbe:
 
 
 @dataclass(frozen=True)
-class WorkloadFacts:
+class WorkloadFacts(Record):
     """What was trained: the trial's first update, with the trial's model, batch and policy."""
 
     model: str
-    options: Mapping[str, Any]
+    options: dict[str, Any]
     parameters: int
     batch_size: int
     micro_batches: int
     input_shape: tuple[int, ...]
     fp32_modules: tuple[str, ...]
-    initial_grad_scaler: Mapping[str, Any] | str
+    initial_grad_scaler: Any
     """The GradScaler state AMP started from, or why there is none."""
 
 
 @dataclass(frozen=True)
-class Method:
+class Method(Record):
     """How it was measured: enough to judge the figures without reading the code."""
 
     warmup: int
@@ -86,47 +86,47 @@ class Method:
 
 
 @dataclass(frozen=True)
-class RoundsDropped:
+class RoundsDropped(Record):
     timed: tuple[int, ...]
     """Timed rounds in which any variant skipped an update: dropped for every variant."""
-    skipped_updates: Mapping[str, tuple[int, ...]]
+    skipped_updates: dict[str, tuple[int, ...]]
     """Per variant that skipped any, its skipped updates per round."""
 
 
 @dataclass(frozen=True)
-class Samples:
+class Samples(Record):
     """Every value measured, before any summary."""
 
-    seconds_per_step: Mapping[str, tuple[float, ...]]
-    memory: Mapping[str, MemoryProbe]
+    seconds_per_step: dict[str, tuple[float, ...]]
+    memory: dict[str, MemoryProbe]
 
 
 @dataclass(frozen=True)
-class MemorySummary:
+class MemorySummary(Record):
     """Peak and working memory (peak minus baseline) per variant, and the AMP / FP32 ratios of both."""
 
-    peak_memory_bytes: Mapping[str, Spread]
-    working_memory_bytes: Mapping[str, Spread]
-    memory_rounds_dropped: Mapping[str, tuple[int, ...]]
+    peak_memory_bytes: dict[str, Spread]
+    working_memory_bytes: dict[str, Spread]
+    memory_rounds_dropped: dict[str, tuple[int, ...]]
     """Per variant, the memory rounds dropped for a skipped update (absent from the file when none)."""
     memory_ratio: Spread | None
     working_memory_ratio: Spread | None
 
 
 @dataclass(frozen=True)
-class Benchmark:
+class Benchmark(Record):
     """An accepted variant's figures: time per step and memory, FP32 (and TF32) against AMP."""
 
     benchmarked: ClassVar[bool] = True
     dtype: str
-    env: Mapping[str, Any]
+    env: dict[str, Any]
     workload: WorkloadFacts
     method: Method
     rounds_dropped: RoundsDropped
     samples: Samples
     memory: MemorySummary
     """Written at the top level of the file, beside the timings."""
-    seconds_per_step: Mapping[str, Spread] | None
+    seconds_per_step: dict[str, Spread] | None
     """None when every timed round was dropped (then ``no_speedup_because`` says why)."""
     speedup: Spread | None
     """FP32 time / AMP time, per round; None with the timings."""
@@ -134,17 +134,23 @@ class Benchmark:
     """TF32 time / AMP time, where the GPU has TF32."""
     no_speedup_because: str | None
 
+    ABSENT = ("seconds_per_step", "speedup", "speedup_vs_tf32", "no_speedup_because")
+
     def as_dict(self) -> dict:
-        out = {"benchmarked": True, **asdict(self)}
-        out.update(out.pop("memory"))
-        if not out["memory_rounds_dropped"]:
-            del out["memory_rounds_dropped"]
-        for key in (
-            "memory_ratio", "working_memory_ratio", "seconds_per_step", "speedup", "speedup_vs_tf32", "no_speedup_because",
-        ):
-            if out[key] is None:  # absent rather than null: readers that find a figure can trust it
-                del out[key]
-        return out
+        out = {"benchmarked": True, **super().as_dict()}
+        memory = out.pop("memory")  # the memory figures sit at the top level of the file, beside the timings
+        if not memory["memory_rounds_dropped"]:
+            del memory["memory_rounds_dropped"]
+        # absent rather than null: readers that find a figure can trust it
+        return out | {key: value for key, value in memory.items() if value is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Benchmark:
+        inner = {f.name for f in fields(MemorySummary)}
+        memory = {"memory_rounds_dropped": {}, "memory_ratio": None, "working_memory_ratio": None}
+        memory |= {key: value for key, value in d.items() if key in inner}
+        rest = {key: value for key, value in d.items() if key not in inner and key != "benchmarked"}
+        return super().from_dict({**rest, "memory": memory})
 
     def metrics(self) -> dict:
         """The DVC metrics: two numbers (``benchmark.json`` holds the rest)."""
@@ -169,7 +175,7 @@ class Benchmark:
 
 
 @dataclass(frozen=True)
-class NotBenchmarked:
+class NotBenchmarked(Record):
     """A variant with no figures, and why (rolled back, or the stage has not run)."""
 
     benchmarked: ClassVar[bool] = False
@@ -177,7 +183,11 @@ class NotBenchmarked:
     reason: str
 
     def as_dict(self) -> dict:
-        return {"benchmarked": False, **asdict(self)}
+        return {"benchmarked": False, **super().as_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> NotBenchmarked:
+        return super().from_dict({key: value for key, value in d.items() if key != "benchmarked"})
 
     def metrics(self) -> dict:
         return {}
@@ -186,19 +196,19 @@ class NotBenchmarked:
         return f"benchmark {self.dtype}: skipped ({self.reason})"
 
 
-Record = Benchmark | NotBenchmarked
+Measured = Benchmark | NotBenchmarked
 
 
 def rolled_back(dtype: str) -> NotBenchmarked:
     return NotBenchmarked(dtype, f"{dtype} was rolled back; only accepted variants are benchmarked")
 
 
-def write(record: Record) -> None:
+def write(record: Measured) -> None:
     write_json(paths.benchmark(record.dtype) / FILE, record.as_dict())
     write_json(paths.benchmark_metrics(record.dtype), record.metrics())
 
 
-def read(dtype: str) -> Record:
+def read(dtype: str) -> Measured:
     """The record of ``dtype``; a missing file reads as not benchmarked, saying so.
 
     Raises:
@@ -210,55 +220,12 @@ def read(dtype: str) -> Record:
     raw = read_json(path, f"benchmark@{dtype}")
     try:
         return from_dict(raw)
-    except (KeyError, TypeError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UserError(
             f"{path} is not a benchmark record ({exc!r}); regenerate it with `dvc repro -f benchmark@{dtype}`"
         ) from None
 
 
-def from_dict(raw: Mapping[str, Any]) -> Record:
-    """The record ``as_dict`` wrote (KeyError or TypeError for anything else)."""
-    if not raw["benchmarked"]:
-        return NotBenchmarked(raw["dtype"], raw["reason"])
-    optional = {
-        key: _spread(raw[key]) if key in raw else None
-        for key in ("memory_ratio", "working_memory_ratio", "speedup", "speedup_vs_tf32")
-    }
-    dropped, samples = raw["rounds_dropped"], raw["samples"]
-    return Benchmark(
-        dtype=raw["dtype"],
-        env=raw["env"],
-        workload=WorkloadFacts(**{**raw["workload"], "input_shape": tuple(raw["workload"]["input_shape"]),
-                                  "fp32_modules": tuple(raw["workload"]["fp32_modules"])}),
-        method=Method(**raw["method"]),
-        rounds_dropped=RoundsDropped(tuple(dropped["timed"]), _tuples(dropped["skipped_updates"])),
-        samples=Samples(_tuples(samples["seconds_per_step"]), {n: probe_from_dict(p) for n, p in samples["memory"].items()}),
-        memory=MemorySummary(
-            peak_memory_bytes=_spreads(raw["peak_memory_bytes"]),
-            working_memory_bytes=_spreads(raw["working_memory_bytes"]),
-            memory_rounds_dropped=_tuples(raw.get("memory_rounds_dropped", {})),
-            memory_ratio=optional["memory_ratio"],
-            working_memory_ratio=optional["working_memory_ratio"],
-        ),
-        seconds_per_step=_spreads(raw["seconds_per_step"]) if "seconds_per_step" in raw else None,
-        speedup=optional["speedup"],
-        speedup_vs_tf32=optional["speedup_vs_tf32"],
-        no_speedup_because=raw.get("no_speedup_because"),
-    )
-
-
-def probe_from_dict(raw: Mapping[str, Any]) -> MemoryProbe:
-    """A probe as ``asdict`` wrote it (the memory probe's process prints one so)."""
-    return MemoryProbe(tuple(raw["peak"]), tuple(raw["baseline"]), tuple(raw["skipped"]), raw["method"])
-
-
-def _spread(raw: Mapping[str, Any]) -> Spread:
-    return Spread(**raw)
-
-
-def _spreads(raw: Mapping[str, Mapping[str, Any]]) -> dict[str, Spread]:
-    return {name: _spread(s) for name, s in raw.items()}
-
-
-def _tuples(raw: Mapping[str, list]) -> dict[str, tuple]:
-    return {name: tuple(values) for name, values in raw.items()}
+def from_dict(raw: dict) -> Measured:
+    """The record ``as_dict`` wrote (ValueError, KeyError or TypeError for anything else)."""
+    return (Benchmark if raw["benchmarked"] else NotBenchmarked).from_dict(raw)

@@ -29,7 +29,8 @@ class Record:
         if unknown or missing:
             raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}, missing key(s) {missing}")
         hints = _hints(cls)
-        return cls(**{names[k]: _load(hints[names[k]], v) for k, v in d.items()})
+        absent = {n: None for k, n in names.items() if k not in d}  # only ABSENT fields can be (checked above)
+        return cls(**absent, **{names[k]: _load(hints[names[k]], v) for k, v in d.items()})
 
     def as_dict(self) -> dict:
         return {

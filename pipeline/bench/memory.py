@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from pipeline import distributed, precision
-from pipeline.artifacts.benchmark import MemoryProbe, probe_from_dict
+from pipeline.artifacts.benchmark import MemoryProbe
 from pipeline.bench.sizing import sizes
 from pipeline.bench.timing import skipped_since, update_count
 from pipeline.bench.variants import Variant
@@ -140,7 +140,7 @@ class MemoryProbes:
                 raise UserError(stderr.strip().splitlines()[-1].removeprefix("error: "))
             if proc.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{stderr[-3000:]}")
-            out[name] = probe_from_dict(from_jsonable(json.loads(stdout.strip().splitlines()[-1])))
+            out[name] = MemoryProbe.from_dict(from_jsonable(json.loads(stdout.strip().splitlines()[-1])))
         return out
 
     def __enter__(self) -> MemoryProbes:
