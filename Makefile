@@ -20,16 +20,16 @@ run: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" $(BIN)/dvc repro
 	@echo "Results: $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db  (then open http://127.0.0.1:5000)"
 
-# Every test (what CI runs; < 8 min on 2 cores): gpu-marked tests skip themselves where no GPU is visible.
+# Every test (what CI runs; 16 min on 2 cores, the goal is 8): gpu-marked tests skip themselves where no GPU is visible.
 # One worker per core (pytest-xdist), a test file per worker at a time: most tests wait on one single-threaded
 # subprocess (dvc repro, a stage, a server), so a second worker uses the core the first leaves idle.
 WORKERS ?= auto
 test: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=10 -n $(WORKERS) --dist loadfile tests
 
-# Pure and unit tests only (< 60 s): no dvc repro, no server, no GPU.
+# Pure and unit tests only (under a minute on 2 cores): no dvc repro, no server, no GPU.
 test-fast: $(VENV)/.installed
-	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m "not integration and not gpu" tests
+	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(WORKERS) -m "not integration and not gpu" tests
 
 # Only the GPU tests, inside a GPU image (see .github/workflows/gpu.yml).
 test-gpu: $(VENV)/.installed
