@@ -20,7 +20,7 @@ run: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" $(BIN)/dvc repro
 	@echo "Results: $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db  (then open http://127.0.0.1:5000)"
 
-# Every test (what CI runs; 16 min on 2 cores, the goal is 8): gpu-marked tests skip themselves where no GPU is visible.
+# Every test (what CI runs; 15 min on 2 cores, the goal is 8): gpu-marked tests skip themselves where no GPU is visible.
 # One worker per core (pytest-xdist), a test file per worker at a time: most tests wait on one single-threaded
 # subprocess (dvc repro, a stage, a server), so a second worker uses the core the first leaves idle.
 WORKERS ?= auto
