@@ -13,8 +13,8 @@ from pipeline import recipe, task, training
 from pipeline.config import LrSchedule, ReferenceConfig, TaskConfig
 from pipeline.errors import UserError
 from pipeline.precision import Policy
+from test_training import CPU, TASK, Loud, data  # the loop's own fixtures: forced GradScaler skips
 
-CPU = torch.device("cpu")
 
 
 def cfg(**kw):
@@ -60,28 +60,10 @@ def test_targets_are_never_rounded_to_the_autocast_dtype(target):
 # --- schedule, optimizer and the model's own loss ------------------------------------------------------
 
 
-class Loud(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc(x) * 1000.0
-
-
-def data(n=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 8, generator=g) * 0.01, torch.randint(0, 4, (n,), generator=g)
-
-
-TASK = TaskConfig()  # classification, cross_entropy
-
-
 def test_warmup_and_cosine_follow_real_updates_under_forced_skips():
-    x, y = data()
     c = cfg(train_steps=16, lr_schedule=LrSchedule(kind="cosine", warmup=3))
     torch.manual_seed(0)
-    result = training.train(Loud(), task.TensorSource(x, y), c, TASK, Policy(dtype="float16"), CPU, seed=0)
+    result = training.train(Loud(), data(), c, TASK, Policy(dtype="float16"), CPU, seed=0)
     assert sum(r.skipped for r in result.records) >= 3
     for r in result.records:
         assert r.lr == pytest.approx(0.01 * recipe.lr_factor(c, r.real_updates))
@@ -123,14 +105,14 @@ class OwnLoss(torch.nn.Module):
 
 
 def test_loss_model_uses_the_models_own_loss():
-    x, y = data()
+    source = data()
     torch.manual_seed(0)
-    own = training.train(OwnLoss(), task.TensorSource(x, y), cfg(), TaskConfig(loss="model"), Policy(), CPU, seed=0)
+    own = training.train(OwnLoss(), source, cfg(), TaskConfig(loss="model"), Policy(), CPU, seed=0)
     torch.manual_seed(0)
-    ours = training.train(OwnLoss(), task.TensorSource(x, y), cfg(), TaskConfig(loss="cross_entropy"), Policy(), CPU, seed=0)
+    ours = training.train(OwnLoss(), source, cfg(), TaskConfig(loss="cross_entropy"), Policy(), CPU, seed=0)
     assert [r.loss for r in own.records] == [r.loss for r in ours.records]
     with pytest.raises(UserError, match="no scalar .loss"):
-        recipe.make_loss(TaskConfig(loss="model"))(NoLoss(), x[:2], y[:2])
+        recipe.make_loss(TaskConfig(loss="model"))(NoLoss(), source.x[:2], source.y[:2])
 
 
 class NoLoss(torch.nn.Module):
