@@ -13,22 +13,79 @@ import hashlib
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.artifacts.record import Record
 from pipeline.files import check_inside_repository, read_tensors, read_tensors_hashed, sha256_file, write_bytes, write_tensors
 from pipeline.errors import UserError
 
 FORMAT_VERSION = "1"
 
 
-@dataclass
+@dataclass(frozen=True)
+class ResumeContext(Record):
+    """What changes the bytes of a training run besides its inputs (``resume_context``): a resume state
+    saved under another context is another run's."""
+
+    run: str
+    """The run's key: inputs, params and initial weights."""
+    code: str
+    """sha256 of ``code_digest``."""
+    threads: int
+    interop_threads: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class RunEnv(Record):
+    """Where a resumable run trains (``environment_key``): its state is resumed there only."""
+
+    backend: str
+    device_name: str
+    torch: str
+
+
+@dataclass(frozen=True)
+class Meta(Record):
+    """A checkpoint's metadata, key for key (each value a JSON string in the safetensors header).
+
+    ``grad_scaler``, ``scheduler``, ``optim_param_groups`` and ``optim_scalars`` are torch's own state_dict
+    parts as torch gives them (``{}``: no scaler, no scheduler), so they stay plain JSON. The loop's counters,
+    its records (``training.StepRecord`` as dicts) and its policy are written by training; ``run_key``,
+    ``resume_context`` and ``run_env`` by ``ResumeFile``; each is absent from a file that has none.
+    """
+
+    ABSENT = ("optim_param_groups", "optim_scalars", "step", "real_updates", "records", "policy", "run_key",
+              "resume_context", "run_env")
+
+    format_version: str
+    grad_scaler: dict
+    scheduler: dict
+    optim_param_groups: list | None = None
+    optim_scalars: dict | None = None
+    step: int | None = None
+    real_updates: int | None = None
+    records: tuple[dict, ...] | None = None
+    policy: dict | None = None
+    run_key: str | None = None
+    resume_context: ResumeContext | None = None
+    run_env: RunEnv | None = None
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     tensors: dict[str, torch.Tensor]
-    meta: dict[str, Any] = field(default_factory=dict)
+    info: Meta
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The metadata as the file holds it (``info`` key for key): what ``save`` writes."""
+        return self.info.as_dict()
 
     def model_state(self) -> dict[str, torch.Tensor]:
         return {k[len("model/"):]: v for k, v in self.tensors.items() if k.startswith("model/")}
@@ -39,31 +96,62 @@ def capture(
     optimizer: torch.optim.Optimizer | None = None,
     scaler: torch.amp.GradScaler | None = None,
     scheduler: Any = None,
-    meta: dict[str, Any] | None = None,
+    *,
+    step: int | None = None,
+    real_updates: int | None = None,
+    records: Sequence[dict] | None = None,
+    policy: dict | None = None,
 ) -> Checkpoint:
-    """Snapshot a training state (copies, so training can go on)."""
+    """Snapshot a training state (copies, so training can go on); the loop passes its counters, records and policy."""
     tensors = {f"model/{k}": v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-    out_meta: dict[str, Any] = dict(meta or {})
+    groups = scalars = None
     if optimizer is not None:
-        state = optimizer.state_dict()
-        scalars: dict[str, dict[str, Any]] = {}
-        for idx, entries in state["state"].items():
-            for key, value in entries.items():
-                if torch.is_tensor(value):
-                    tensors[f"optim/{idx}/{key}"] = value.detach().to("cpu", copy=True).contiguous()
-                else:
-                    scalars.setdefault(str(idx), {})[key] = value
-        out_meta["optim_param_groups"] = state["param_groups"]
-        out_meta["optim_scalars"] = scalars
+        optim, groups, scalars = _optimizer_parts(optimizer.state_dict())
+        tensors.update(optim)
     tensors.update(rng_state())
-    out_meta["grad_scaler"] = scaler.state_dict() if scaler is not None else {}
-    out_meta["scheduler"] = scheduler.state_dict() if scheduler is not None else {}
-    return Checkpoint(tensors=tensors, meta=out_meta)
+    info = Meta(
+        format_version=FORMAT_VERSION,
+        grad_scaler=scaler.state_dict() if scaler is not None else {},
+        scheduler=scheduler.state_dict() if scheduler is not None else {},
+        optim_param_groups=groups,
+        optim_scalars=scalars,
+        step=step,
+        real_updates=real_updates,
+        records=tuple(records) if records is not None else None,
+        policy=policy,
+    )
+    return Checkpoint(tensors=tensors, info=info)
+
+
+def _optimizer_parts(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list, dict[str, dict[str, Any]]]:
+    """torch's ``Optimizer.state_dict()`` split for the file: its tensors (``optim/IDX/KEY``), its param_groups,
+    and its non-tensor state per parameter index (``_optimizer_state`` puts them together again)."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, entries in state["state"].items():
+        for key, value in entries.items():
+            if torch.is_tensor(value):
+                tensors[f"optim/{idx}/{key}"] = value.detach().to("cpu", copy=True).contiguous()
+            else:
+                scalars.setdefault(str(idx), {})[key] = value
+    return tensors, state["param_groups"], scalars
+
+
+def _optimizer_state(ckpt: Checkpoint) -> dict[str, Any]:
+    """The ``Optimizer.state_dict()`` that ``_optimizer_parts`` split."""
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in ckpt.tensors.items():
+        if key.startswith("optim/"):
+            _, idx, name = key.split("/", 2)
+            state.setdefault(int(idx), {})[name] = value
+    for idx, entries in (ckpt.info.optim_scalars or {}).items():
+        state.setdefault(int(idx), {}).update(entries)
+    return {"state": state, "param_groups": ckpt.info.optim_param_groups}
 
 
 def save(path: str | Path, ckpt: Checkpoint) -> str:
     """Write atomically; return the file's sha256."""
-    return write_tensors(path, ckpt.tensors, {**ckpt.meta, "format_version": FORMAT_VERSION})
+    return write_tensors(path, ckpt.tensors, ckpt.meta)
 
 
 def load(path: str | Path, expected_sha256: str | None = None) -> Checkpoint:
@@ -73,13 +161,23 @@ def load(path: str | Path, expected_sha256: str | None = None) -> Checkpoint:
         UserError: missing file, hash mismatch, or not a safetensors checkpoint of this format.
     """
     tensors, meta = read_tensors(path, expected_sha256)
-    version = meta.pop("format_version", None)
-    if version != FORMAT_VERSION:
+    info = parse_meta(meta)
+    if isinstance(info, str):
         raise UserError(
-            f"{path} has checkpoint format {version!r}, expected {FORMAT_VERSION!r}; "
+            f"{path} is not a checkpoint of format {FORMAT_VERSION!r} ({info}); "
             f"rebuild it with this version of the pipeline (`dvc repro --force`)"
         )
-    return Checkpoint(tensors=tensors, meta=meta)
+    return Checkpoint(tensors=tensors, info=info)
+
+
+def parse_meta(meta: dict[str, Any]) -> Meta | str:
+    """A file's metadata as ``Meta``, or what keeps it from being one of this format (another version's keys,
+    or another ``format_version``)."""
+    try:
+        info = Meta.from_dict(meta)
+    except (ValueError, TypeError, AttributeError) as exc:
+        return str(exc)
+    return info if info.format_version == FORMAT_VERSION else f"format {info.format_version!r}"
 
 
 def restore(
@@ -97,18 +195,11 @@ def restore(
         first = str(exc).splitlines()[0]
         raise UserError(f"checkpoint does not fit this model ({first}); rebuild it with `dvc repro --force`") from None
     if optimizer is not None:
-        state: dict[int, dict[str, Any]] = {}
-        for key, value in ckpt.tensors.items():
-            if key.startswith("optim/"):
-                _, idx, name = key.split("/", 2)
-                state.setdefault(int(idx), {})[name] = value
-        for idx, entries in ckpt.meta.get("optim_scalars", {}).items():
-            state.setdefault(int(idx), {}).update(entries)
-        optimizer.load_state_dict({"state": state, "param_groups": ckpt.meta["optim_param_groups"]})
-    if scaler is not None and ckpt.meta.get("grad_scaler"):
-        scaler.load_state_dict(ckpt.meta["grad_scaler"])
-    if scheduler is not None and ckpt.meta.get("scheduler"):
-        scheduler.load_state_dict(ckpt.meta["scheduler"])
+        optimizer.load_state_dict(_optimizer_state(ckpt))
+    if scaler is not None and ckpt.info.grad_scaler:
+        scaler.load_state_dict(ckpt.info.grad_scaler)
+    if scheduler is not None and ckpt.info.scheduler:
+        scheduler.load_state_dict(ckpt.info.scheduler)
     if rng:
         set_rng_state(ckpt.tensors)
 
@@ -147,12 +238,12 @@ def set_rng_state(tensors: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state)
 
 
-def environment_key(device: torch.device) -> dict[str, str]:
+def environment_key(device: torch.device) -> RunEnv:
     """What a resumed run must share with the run that saved: backend, device name and torch version."""
     from pipeline import devices  # here, so that checkpoint I/O alone never queries a GPU
 
     env = devices.describe(device)
-    return {"backend": env["backend"], "device_name": env["device_name"], "torch": env["torch"]}
+    return RunEnv(backend=env.backend, device_name=env.device_name, torch=env.torch)
 
 
 SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -171,34 +262,30 @@ def scaler_problem(state: Any) -> str | None:
     missing = [k for k in SCALER_KEYS if k not in state]
     if missing:
         return f"grad_scaler lacks {', '.join(missing)}"
-    for key in SCALER_KEYS:
-        value = state[key]
+    values = [state[k] for k in SCALER_KEYS]  # torch's own dict, read here only
+    for key, value in zip(SCALER_KEYS, values):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return f"grad_scaler {key} is {value!r}, not a finite number"
-    if state["scale"] <= 0:
-        return f"grad_scaler scale is {state['scale']!r}, not > 0"
-    if not state["growth_factor"] > 1 or not 0 < state["backoff_factor"] < 1:
-        return f"grad_scaler growth_factor {state['growth_factor']!r} / backoff_factor {state['backoff_factor']!r} out of range"
-    if state["growth_interval"] < 1 or state["_growth_tracker"] < 0:
-        return (
-            f"grad_scaler growth_interval {state['growth_interval']!r} / _growth_tracker {state['_growth_tracker']!r} "
-            "out of range"
-        )
+    scale, growth, backoff, interval, tracker = values
+    if scale <= 0:
+        return f"grad_scaler scale is {scale!r}, not > 0"
+    if not growth > 1 or not 0 < backoff < 1:
+        return f"grad_scaler growth_factor {growth!r} / backoff_factor {backoff!r} out of range"
+    if interval < 1 or tracker < 0:
+        return f"grad_scaler growth_interval {interval!r} / _growth_tracker {tracker!r} out of range"
     return None
 
 
-def _counters_problem(meta: dict[str, Any]) -> str | None:
+def _counters_problem(meta: Meta) -> str | None:
     """The loop's counters of a resume state, where present: a step count, one record per step, real updates
     <= steps."""
-    step = meta.get("step")
+    step = meta.step
     if step is None:
         return None
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         return f"step is {step!r}"
-    records, updates = meta.get("records"), meta.get("real_updates")
-    if records is not None and (
-        not isinstance(records, list) or len(records) != step or not all(isinstance(r, dict) for r in records)
-    ):
+    records, updates = meta.records, meta.real_updates
+    if records is not None and (len(records) != step or not all(isinstance(r, dict) for r in records)):
         return f"records do not match step {step}"
     if updates is not None and (isinstance(updates, bool) or not isinstance(updates, int) or not 0 <= updates <= step):
         return f"real_updates is {updates!r} after {step} steps"
@@ -238,18 +325,18 @@ def code_digest() -> dict[str, str]:
     return {name: sha256_file(path) for name, path in sorted(files.items())}
 
 
-def resume_context(key: str, device: torch.device) -> dict[str, Any]:
+def resume_context(key: str, device: torch.device) -> ResumeContext:
     """Everything that changes the bytes of a training run besides its inputs (which ``key`` covers): the
     code (``code_digest``), torch's intra- and inter-op thread counts, the world size."""
     from pipeline import distributed
 
-    return {
-        "run": key,
-        "code": hashlib.sha256(json.dumps(code_digest(), sort_keys=True).encode()).hexdigest(),
-        "threads": torch.get_num_threads(),
-        "interop_threads": torch.get_num_interop_threads(),
-        "world_size": distributed.current().size,
-    }
+    return ResumeContext(
+        run=key,
+        code=hashlib.sha256(json.dumps(code_digest(), sort_keys=True).encode()).hexdigest(),
+        threads=torch.get_num_threads(),
+        interop_threads=torch.get_num_interop_threads(),
+        world_size=distributed.current().size,
+    )
 
 
 class ResumeFile:
@@ -276,7 +363,7 @@ class ResumeFile:
         self.path = Path(path)
         self.sidecar = self.path.with_name(self.path.name + ".sha256")
         self.context = resume_context(key, device)
-        self.key = hashlib.sha256(json.dumps(self.context, sort_keys=True).encode()).hexdigest()
+        self.key = hashlib.sha256(json.dumps(self.context.as_dict(), sort_keys=True).encode()).hexdigest()
         self.env = environment_key(device)
 
     def load(self) -> Checkpoint | None:
@@ -291,16 +378,15 @@ class ResumeFile:
             tensors, meta, actual = read_tensors_hashed(self.path)  # parsed, never executed; not used before its hash is checked
         except UserError:
             return self._restart("is not a readable safetensors file (truncated?)")
-        if meta.pop("format_version", None) != FORMAT_VERSION:
-            return self._restart(f"has another checkpoint format than {FORMAT_VERSION!r}")
-        if meta.get("run_key") != self.key:
-            return self._restart(
-                f"was saved by another run ({self._what_differs(meta.get('resume_context'))} differ)", damaged=False
-            )
-        saved = meta.get("run_env")
+        info = parse_meta(meta)
+        if isinstance(info, str):
+            return self._restart(f"has another checkpoint format than {FORMAT_VERSION!r} ({info})")
+        if info.run_key != self.key:
+            return self._restart(f"was saved by another run ({self._what_differs(info.resume_context)} differ)", damaged=False)
+        saved = info.run_env
         if saved != self.env:
-            was = ", ".join(f"{k} {v}" for k, v in (saved or {}).items()) or "an unrecorded environment"
-            now = ", ".join(f"{k} {v}" for k, v in self.env.items())
+            was = ", ".join(f"{k} {v}" for k, v in saved.as_dict().items()) if saved else "an unrecorded environment"
+            now = ", ".join(f"{k} {v}" for k, v in self.env.as_dict().items())
             raise UserError(
                 f"{self.path} holds this run's interrupted state from {was}, not {now}; resume it there, "
                 f"or delete {self.path} to restart from step 0 here"
@@ -312,16 +398,15 @@ class ResumeFile:
             return self._restart(
                 f"does not match its sha256 in {self.sidecar.name} (damaged or edited: {actual[:12]}… != {expected[:12]}…)"
             )
-        problem = scaler_problem(meta.get("grad_scaler", {})) or _counters_problem(meta)
+        problem = scaler_problem(info.grad_scaler) or _counters_problem(info)
         if problem:
             return self._restart(f"is inconsistent ({problem})")
-        return Checkpoint(tensors=tensors, meta=meta)
+        return Checkpoint(tensors=tensors, info=info)
 
     def save(self, ckpt: Checkpoint) -> None:
-        ckpt.meta["run_key"] = self.key
-        ckpt.meta["resume_context"] = self.context
-        ckpt.meta["run_env"] = self.env
-        digest = save(self.path, ckpt)
+        """Write ``ckpt`` under this run's key, context and environment, and its sha256 to the sidecar."""
+        info = replace(ckpt.info, run_key=self.key, resume_context=self.context, run_env=self.env)
+        digest = save(self.path, replace(ckpt, info=info))
         write_bytes(self.sidecar, f"{digest}  {self.path.name}\n".encode())
 
     def clear(self) -> None:
@@ -336,16 +421,17 @@ class ResumeFile:
             return None
         return digest if len(digest) == 64 and all(c in "0123456789abcdef" for c in digest) else None
 
-    def _what_differs(self, saved: Any) -> str:
-        if not isinstance(saved, dict):
+    def _what_differs(self, saved: ResumeContext | None) -> str:
+        if saved is None:
             return "its key"
         names = {
             "run": "inputs, params or initial weights", "code": "code", "threads": "threads",
             "interop_threads": "interop threads", "world_size": "world size",
         }
+        counted = ("threads", "interop_threads", "world_size")
         diff = [
-            f"{names.get(k, k)} {saved.get(k)} -> {v}" if k in ("threads", "interop_threads", "world_size") else names.get(k, k)
-            for k, v in self.context.items() if saved.get(k) != v
+            f"{names[f.name]} {getattr(saved, f.name)} -> {getattr(self.context, f.name)}" if f.name in counted else names[f.name]
+            for f in fields(ResumeContext) if getattr(saved, f.name) != getattr(self.context, f.name)
         ]
         return ", ".join(diff) or "its key"
 

@@ -11,12 +11,13 @@ import platform
 import re
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from pipeline import distributed
+from pipeline.artifacts.record import Record
 from pipeline.errors import UserError
 
 # Below these NVIDIA compute capabilities the hardware lacks the arithmetic: bfloat16 arrived with Ampere
@@ -72,36 +73,61 @@ def backend(device: torch.device) -> str:
     return "rocm" if getattr(torch.version, "hip", None) else "cuda"
 
 
-def describe(device: torch.device) -> dict[str, Any]:
-    """Environment facts recorded with every output (deterministic on one machine).
+@dataclass(frozen=True)
+class Environment(Record):
+    """Environment facts recorded with every output (the manifests' ``env``), deterministic on one machine.
 
-    ``capability`` is the compute capability on NVIDIA (``8.0``), the one ROCm reports beside the gfx
-    architecture (``arch``), and on the CPU the vector instruction set torch dispatches to (``AVX512``).
-    ``threads`` / ``interop_threads`` are torch's intra-op and inter-op thread counts and ``blas`` the CPU
-    BLAS torch was built with: CPU float sums are split by thread and blocked by the BLAS, so two machines'
-    CPU bytes can only be compared when these match. Under torchrun with N > 1 ranks, ``world_size`` and
-    ``process_group_backend`` (gloo, nccl) too.
+    CPU float sums are split by thread and blocked by the BLAS, so two machines' CPU bytes can only be
+    compared when ``threads``, ``interop_threads`` and ``blas`` match.
     """
-    info: dict[str, Any] = {
-        "backend": backend(device),
-        "device": device.type,
-        "torch": torch.__version__,
-        "device_name": _cpu_name(),
-        "capability": _cpu_capability(),
-        "threads": torch.get_num_threads(),
-        "interop_threads": torch.get_num_interop_threads(),
-        "blas": cpu_blas(),
-    }
+
+    ABSENT = ("runtime", "arch", "world_size", "process_group_backend")
+
+    backend: str
+    """``cpu``, ``cuda`` or ``rocm`` (``backend``)."""
+    device: str
+    """torch's device type: ``cuda`` on ROCm too."""
+    torch: str
+    device_name: str
+    capability: str
+    """The compute capability on NVIDIA (``8.0``), the one ROCm reports beside ``arch``, and on the CPU the
+    vector instruction set torch dispatches to (``AVX512``)."""
+    threads: int
+    """torch's intra-op thread count."""
+    interop_threads: int
+    blas: str
+    """The CPU BLAS torch was built with (``cpu_blas``)."""
+    runtime: str | None = None
+    """GPUs: the CUDA or HIP version torch was built with."""
+    arch: str | None = None
+    """ROCm: the gfx architecture."""
+    world_size: int | None = None
+    """Under torchrun with N > 1 ranks only (``distributed.World.describe``), with ``process_group_backend``."""
+    process_group_backend: str | None = None
+
+
+def describe(device: torch.device) -> Environment:
+    """What ``device`` and this process are (``Environment``)."""
+    where = {"device_name": _cpu_name(), "capability": _cpu_capability()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info["device_name"] = props.name
-        info["capability"] = f"{props.major}.{props.minor}"
-        info["runtime"] = str(torch.version.hip or torch.version.cuda)
         arch = getattr(props, "gcnArchName", "")
-        if info["backend"] == "rocm" and arch:
-            info["arch"] = arch
-    info.update(distributed.current().describe())  # world_size, process_group_backend: only with N > 1 ranks
-    return info
+        where = {
+            "device_name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "runtime": str(torch.version.hip or torch.version.cuda),
+            "arch": arch if backend(device) == "rocm" and arch else None,
+        }
+    return Environment(
+        backend=backend(device),
+        device=device.type,
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        interop_threads=torch.get_num_interop_threads(),
+        blas=cpu_blas(),
+        **where,
+        **distributed.current().describe(),  # world_size, process_group_backend: only with N > 1 ranks
+    )
 
 
 def cpu_blas() -> str:
@@ -113,30 +139,30 @@ def cpu_blas() -> str:
     return f"{name} {version.group(1)}" if version else name
 
 
-def dtype_problem(env: dict[str, str], dtype: str, autocast_runs: bool) -> str | None:
+def dtype_problem(env: Environment, dtype: str, autocast_runs: bool) -> str | None:
     """Why ``dtype`` cannot run under autocast on the device ``env`` describes, with what to use; None if it can.
 
     Pure, so that every branch is testable without the hardware: ``env`` is what ``describe`` returns and
     ``autocast_runs`` whether a matmul under autocast actually came out in ``dtype`` on that device.
     """
     other = "bfloat16" if dtype == "float16" else "float16"
-    where = f"{env.get('device_name', env['device'])} ({env['backend']}"
-    cap = env.get("capability", "")
-    if env["backend"] == "cuda" and dtype in _MIN_CAPABILITY and _version(cap) < _MIN_CAPABILITY[dtype]:
+    where = f"{env.device_name} ({env.backend}"
+    cap = env.capability
+    if env.backend == "cuda" and dtype in _MIN_CAPABILITY and _version(cap) < _MIN_CAPABILITY[dtype]:
         need = ".".join(map(str, _MIN_CAPABILITY[dtype]))
         other_ok = _version(cap) >= _MIN_CAPABILITY[other]
         fix = (
-            f"use {other} instead (trial.dtypes: [{other}])"
+            f"use {other} instead (a trial.policies entry with dtype: {other})"
             if other_ok
-            else f"keep FP32 (remove {dtype} from trial.dtypes): this GPU runs neither AMP dtype natively"
+            else f"keep FP32 (no {dtype} variant in trial.variants): this GPU runs neither AMP dtype natively"
         )
-        return f"trial.dtypes: {dtype} cannot run natively on {where}, capability {cap}; it needs {need} or newer): {fix}"
+        return f"trial.variants: {dtype} cannot run natively on {where}, capability {cap}; it needs {need} or newer): {fix}"
     if not autocast_runs:
-        if env["backend"] == "cpu":
-            fix = f"use {other} instead (trial.dtypes: [{other}]), or torch >= 2.4 where CPU autocast takes both"
+        if env.backend == "cpu":
+            fix = f"use {other} instead (a variant of dtype {other}), or torch >= 2.4 where CPU autocast takes both"
         else:
-            fix = f"use {other} instead (trial.dtypes: [{other}])"
-        return f"trial.dtypes: torch {env['torch']} cannot autocast to {dtype} on {where}): {fix}"
+            fix = f"use {other} instead (a trial.policies entry with dtype: {other})"
+        return f"trial.variants: torch {env.torch} cannot autocast to {dtype} on {where}): {fix}"
     return None
 
 
@@ -152,14 +178,14 @@ def check_dtype_supported(device: torch.device, dtype: torch.dtype) -> None:
         raise UserError(problem)
 
 
-def tf32_available(env: dict[str, str]) -> tuple[bool, str]:
+def tf32_available(env: Environment) -> tuple[bool, str]:
     """Whether a TF32 baseline can be measured on this device, and why not when it cannot."""
-    if env["backend"] == "cpu":
+    if env.backend == "cpu":
         return False, "TF32 is a GPU tensor-core format; the CPU has none"
-    if env["backend"] == "rocm":
+    if env.backend == "rocm":
         return False, "not measured on ROCm: whether TF32 applies depends on the GPU, the torch build and HIPBLASLT flags"
-    if _version(env.get("capability", "")) < TF32_MIN_CAPABILITY:
-        return False, f"capability {env.get('capability')} has no TF32 (needs 8.0 or newer)"
+    if _version(env.capability) < TF32_MIN_CAPABILITY:
+        return False, f"capability {env.capability} has no TF32 (needs 8.0 or newer)"
     return True, "capability 8.0 or newer: TF32 tensor cores"
 
 
@@ -216,7 +242,7 @@ def _main(argv: list[str]) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(describe(device), sort_keys=True))
+    print(json.dumps(describe(device).as_dict(), sort_keys=True))
     return 0
 
 

@@ -364,12 +364,10 @@ def _snapshot(model, optimizer, scaler, scheduler, records, real_updates, step, 
         optimizer,
         scaler,
         scheduler,
-        meta={
-            "records": [asdict(r) for r in records],
-            "real_updates": real_updates,
-            "step": step,
-            "policy": policy.as_dict(),
-        },
+        step=step,
+        real_updates=real_updates,
+        records=[asdict(r) for r in records],
+        policy=policy.as_dict(),
     )
 
 

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     params, model, x, y = workload(size, device)
     chosen, _ = variants(args.dtype, (), env)
     result = {
-        "env": env,
+        "env": env.as_dict(),
         "size": size,
         "dtype": args.dtype,
         "parameters": sum(p.numel() for p in model.parameters()),

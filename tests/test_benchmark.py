@@ -162,7 +162,7 @@ def test_gpu_benchmark_uses_events_and_reports_tf32_where_it_exists(frozen: Path
     result = json.loads((repo / "data/benchmark/float16/benchmark.json").read_text())
     assert result["method"]["clock"].startswith("CUDA events")
     assert "max_memory_allocated" in result["method"]["memory"]
-    assert ("tf32" in result["seconds_per_step"]) == devices.tf32_available(result["env"])[0]
+    assert ("tf32" in result["seconds_per_step"]) == devices.tf32_available(devices.Environment.from_dict(result["env"]))[0]
 
 
 # --- scripts/gpu_check.py -----------------------------------------------------------------------------------

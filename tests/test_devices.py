@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,10 +12,16 @@ from pipeline.config import DTYPES
 from pipeline.errors import UserError
 from pipeline.precision import parse_dtype
 
-CPU = {"backend": "cpu", "device": "cpu", "device_name": "Some CPU", "capability": "AVX2", "torch": "2.13.0"}
-A100 = {"backend": "cuda", "device": "cuda", "device_name": "NVIDIA A100", "capability": "8.0", "torch": "2.11.0"}
-T4 = {"backend": "cuda", "device": "cuda", "device_name": "Tesla T4", "capability": "7.5", "torch": "2.11.0"}
-MAXWELL = {"backend": "cuda", "device": "cuda", "device_name": "GTX 980", "capability": "5.2", "torch": "2.4.0"}
+
+def _env(backend: str, name: str, capability: str, torch_version: str) -> devices.Environment:
+    device = "cpu" if backend == "cpu" else "cuda"
+    return devices.Environment(backend, device, torch_version, name, capability, threads=1, interop_threads=1, blas="mkl")
+
+
+CPU = _env("cpu", "Some CPU", "AVX2", "2.13.0")
+A100 = _env("cuda", "NVIDIA A100", "8.0", "2.11.0")
+T4 = _env("cuda", "Tesla T4", "7.5", "2.11.0")
+MAXWELL = _env("cuda", "GTX 980", "5.2", "2.4.0")
 
 
 def test_dtype_problems_say_what_to_use_instead() -> None:
@@ -22,16 +30,20 @@ def test_dtype_problems_say_what_to_use_instead() -> None:
     bf16_on_t4 = devices.dtype_problem(T4, "bfloat16", True)
     assert "Tesla T4" in bf16_on_t4 and "7.5" in bf16_on_t4 and "use float16 instead" in bf16_on_t4
     assert "keep FP32" in devices.dtype_problem(MAXWELL, "float16", True)
-    old_cpu = devices.dtype_problem({**CPU, "torch": "2.3.1"}, "float16", False)
+    old_cpu = devices.dtype_problem(dataclasses.replace(CPU, torch="2.3.1"), "float16", False)
     assert "use bfloat16 instead" in old_cpu
     for message in (bf16_on_t4, old_cpu):
-        assert "\n" not in message and message.startswith("trial.dtypes: ")
+        assert "\n" not in message and message.startswith("trial.variants: ")
 
 
 def test_cpu_runs_both_dtypes_and_records_name_and_capability() -> None:
     cpu = torch.device("cpu")
     env = devices.describe(cpu)
-    assert env["backend"] == "cpu" and env["device_name"] and env["capability"]
+    assert env.backend == "cpu" and env.device_name and env.capability
+    # What a manifest records: the GPU and torchrun keys are absent on one CPU process, and the record reads back.
+    written = env.as_dict()
+    assert set(written) == {"backend", "device", "torch", "device_name", "capability", "threads", "interop_threads", "blas"}
+    assert devices.Environment.from_dict(written) == env
     for name in DTYPES:
         devices.check_dtype_supported(cpu, parse_dtype(name))  # CPU autocast takes both on torch >= 2.4
     if not torch.cuda.is_available():

@@ -3,6 +3,7 @@ determinism, FP32 regions, RNG capture, resume keys, thread counts and what the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -178,14 +179,14 @@ def test_gpu_rng_is_captured_before_cuda_starts_and_restored() -> None:
 def test_resume_state_from_another_torch_or_device_is_refused_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "resume.safetensors"
     resume = checkpoint.ResumeFile(path, "run-1", CPU)
-    assert resume.env == {"backend": "cpu", "device_name": devices.describe(CPU)["device_name"], "torch": torch.__version__}
-    resume.save(checkpoint.capture(torch.nn.Linear(2, 2), meta={"step": 4}))
+    assert resume.env == checkpoint.RunEnv(backend="cpu", device_name=devices.describe(CPU).device_name, torch=torch.__version__)
+    resume.save(checkpoint.capture(torch.nn.Linear(2, 2), step=4))
     assert resume.load().meta["step"] == 4
     assert checkpoint.ResumeFile(path, "run-2", CPU).load() is None, "another run's state is ignored"
     # The same run's state, as written by another torch (or on a GPU): refused, never resumed.
     for other in ({"torch": "2.4.0"}, {"backend": "cuda", "device_name": "NVIDIA H200"}):
         ckpt = checkpoint.load(path)
-        ckpt.meta["run_env"] = {**resume.env, **other}
+        ckpt = dataclasses.replace(ckpt, info=dataclasses.replace(ckpt.info, run_env=dataclasses.replace(resume.env, **other)))
         checkpoint.save(path, ckpt)
         with pytest.raises(UserError) as err:
             checkpoint.ResumeFile(path, "run-1", CPU).load()
@@ -198,8 +199,8 @@ def test_resume_state_from_another_torch_or_device_is_refused_in_one_line(tmp_pa
 
 def test_describe_records_threads_and_blas() -> None:
     env = devices.describe(CPU)
-    assert env["threads"] == torch.get_num_threads() and env["interop_threads"] == torch.get_num_interop_threads()
-    assert env["blas"] and env["blas"] != "unknown"
+    assert env.threads == torch.get_num_threads() and env.interop_threads == torch.get_num_interop_threads()
+    assert env.blas and env.blas != "unknown"
 
 
 def test_threads_param_goes_to_the_environment_before_torch() -> None:
@@ -284,7 +285,7 @@ def test_gpu_deterministic_training_step_repeats_bit_for_bit() -> None:
 @needs_gpu
 def test_gpu_resume_key_names_the_gpu(tmp_path: Path) -> None:
     resume = checkpoint.ResumeFile(tmp_path / "r.safetensors", "k", torch.device("cuda"))
-    assert resume.env["backend"] in ("cuda", "rocm") and resume.env["device_name"] == torch.cuda.get_device_name(0)
+    assert resume.env.backend in ("cuda", "rocm") and resume.env.device_name == torch.cuda.get_device_name(0)
     resume.save(checkpoint.capture(torch.nn.Linear(2, 2)))
     with pytest.raises(UserError, match="not backend cpu"):
         checkpoint.ResumeFile(tmp_path / "r.safetensors", "k", CPU).load()

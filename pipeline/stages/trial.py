@@ -48,7 +48,7 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     if not world.writes:
         return  # rank 0 alone infers and writes
     result = run.training
-    writer.finish(result, policy, ref.manifest, devices.describe(device), run.aligned)
+    writer.finish(result, policy, ref.manifest, devices.describe(device).as_dict(), run.aligned)
     resume.clear()
     skipped = sum(r.skipped for r in result.records)
     print(
