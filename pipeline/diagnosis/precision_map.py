@@ -7,6 +7,8 @@ On top of that one recorder:
 
 - the precision map: op, phase, input and output dtypes, count and FLOPs (matmul-like ops), and the
   share of matmul-like work that ran in reduced precision;
+- the matmul trace: each matmul-like op with its module, input shapes, precision (float8 included) and
+  FLOPs (``Recorder.calls``, read by the "AMP engaged" audit, ``pipeline.diagnosis.audit``);
 - missing kernels: an op without a kernel for the reduced dtype on this device is recorded with its
   name and re-run in float32 so the pass goes on (a finding, not a crash);
 - the first non-finite producer: the recorder notes the first op whose output is not finite while its
@@ -42,7 +44,7 @@ from pipeline.artifacts.diagnosis import (
     UnderflowCounts,
 )
 from pipeline.config import DTYPES
-from pipeline.precision import Policy
+from pipeline.config import Policy
 from pipeline.task import Inputs, call, named_outputs, primary, rows
 
 try:  # FLOP formulas of the ops PyTorch's own FlopCounterMode knows (mm, addmm, bmm, conv, attention)
@@ -80,6 +82,27 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def op_precision(tensors: list[torch.Tensor]) -> str:
+    """The precision a matmul-like op ran in: ``float8`` when an operand is float8 (a float8 dtype, or a tensor
+    subclass such as torchao's ``Float8TrainingTensor`` that advertises its high-precision dtype but carries
+    float8 data, real kernels or emulated), else the dtype of the first operand of two or more dimensions
+    (addmm's bias and scalars come first or beside; they do not say what the multiply ran in)."""
+    if any(_is_float8(t) for t in tensors):
+        return "float8"
+    main = next((t for t in tensors if t.dim() >= 2), tensors[0] if tensors else None)
+    return dtype_name(main.dtype) if main is not None else "none"
+
+
+def _is_float8(t: torch.Tensor) -> bool:
+    if "float8" in str(t.dtype):
+        return True
+    flatten = getattr(type(t), "__tensor_flatten__", None)  # a wrapper subclass: look at the tensors it holds
+    if flatten is None:
+        return False
+    inner = [getattr(t, name, None) for name in flatten(t)[0]]
+    return any(torch.is_tensor(i) and "float8" in str(i.dtype) for i in inner)
+
+
 def is_matmul_like(op: str) -> bool:
     """``op`` is the overload packet name (``addmm``); attention kernels count as matmul work too."""
     return op in MATMUL_LIKE or "attention" in op or "convolution" in op
@@ -98,7 +121,8 @@ def max_abs(t: torch.Tensor) -> float:
 class ModuleScope:
     """Which module is running. Forward: a stack of qualified names kept by pre/post hooks. Backward: the
     module whose output gradient arrived last (its backward ops follow), from gradient hooks on outputs.
-    ``on_output(name, module, tensors)`` and ``on_output_grad(name, grad)`` let a caller watch both.
+    ``on_output(name, module, tensors)``, ``on_output_grad(name, grad)`` and ``on_input(name, tensors)`` let a
+    caller watch them.
     """
 
     def __init__(
@@ -106,10 +130,11 @@ class ModuleScope:
         model: torch.nn.Module,
         on_output: Callable[[str, torch.nn.Module, list[torch.Tensor]], None] | None = None,
         on_output_grad: Callable[[str, torch.Tensor], None] | None = None,
+        on_input: Callable[[str, list[torch.Tensor]], None] | None = None,
     ) -> None:
         self.model = model
         self.types = {name: type(m).__name__ for name, m in model.named_modules()}
-        self.on_output, self.on_output_grad = on_output, on_output_grad
+        self.on_output, self.on_output_grad, self.on_input = on_output, on_output_grad, on_input
         self.stack: list[str] = []
         self.backward_module = ""
         self.phase = "forward"
@@ -122,7 +147,7 @@ class ModuleScope:
 
     def __enter__(self) -> ModuleScope:
         for name, module in self.model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self.stack.append(n)))
+            self._handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self._before(n, a)))
             self._handles.append(module.register_forward_hook(lambda m, a, out, n=name: self._after(n, m, out)))
         return self
 
@@ -130,6 +155,11 @@ class ModuleScope:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def _before(self, name: str, args: Any) -> None:
+        self.stack.append(name)
+        if self.on_input is not None:
+            self.on_input(name, _floats(args))
 
     def _after(self, name: str, module: torch.nn.Module, output: Any) -> None:
         if self.stack and self.stack[-1] == name:
@@ -171,6 +201,8 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.scope, self.watch_nonfinite = scope, watch_nonfinite
         self.rows: dict[tuple, _Tally] = {}
+        self.calls: dict[tuple, _Tally] = {}
+        """Matmul-like ops by (phase, module, op, precision, input shapes): the audit's trace."""
         self.missing: list[MissingKernel] = []
         self.first_nonfinite: FirstNonFinite | None = None
 
@@ -189,11 +221,20 @@ class Recorder(TorchDispatchMode):
         ins, outs = _floats((args, kwargs)), _floats(out)
         in_dt = ",".join(dtype_name(t.dtype) for t in ins)
         out_dt = ",".join(dtype_name(t.dtype) for t in outs)
-        # Reduced: the main operand and the main result in float16/bfloat16 (attention keeps FP32 statistics beside them).
+        # Reduced: the main operand and the main result in float16/bfloat16 (attention keeps FP32 statistics beside them),
+        # or a float8 matmul (its result is in the high-precision dtype).
         reduced = bool(ins) and ins[0].dtype in REDUCED and (not outs or outs[0].dtype in REDUCED)
-        flops = _flops(packet, op, args, kwargs, out) if is_matmul_like(op) else 0
+        matmul_like = is_matmul_like(op)
+        flops = _flops(packet, op, args, kwargs, out) if matmul_like else 0
+        if matmul_like:
+            ran_in = op_precision(ins)
+            reduced = reduced or ran_in == "float8"
+            shapes = tuple(tuple(t.shape) for t in ins)
+            call_row = self.calls.setdefault((self.scope.phase, module, str(func), ran_in, shapes), _Tally(reduced, True))
+            call_row.count += 1
+            call_row.flops += flops
         key = (self.scope.phase, module, str(func), in_dt, out_dt)
-        row = self.rows.setdefault(key, _Tally(reduced, is_matmul_like(op)))
+        row = self.rows.setdefault(key, _Tally(reduced, matmul_like))
         row.count += 1
         row.flops += flops
         if self.watch_nonfinite and self.first_nonfinite is None:
@@ -374,7 +415,7 @@ def precision_map(model, x, y, loss_fn, policy: Policy, device: torch.device) ->
         error = f"{type(exc).__name__} in {scope.phase} of module {scope.current()!r}: {first_line}"
     model.zero_grad(set_to_none=True)
     return PrecisionMap(
-        dtype=policy.dtype or "float32",
+        dtype=policy.dtype,
         fp32_modules=tuple(policy.fp32_modules),
         batch=rows(x),
         summary=summarize(recorder),
