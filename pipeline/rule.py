@@ -20,14 +20,19 @@ of both sides may be too much, this is what a reduced store would have to keep):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pipeline.present import verdict
 
 from pipeline.artifacts.comparison import Decisions, Distribution, Noise, Quality, Stats
 from pipeline.compare import bounds
-from pipeline.config import AcceptanceConfig
+from pipeline.config import AcceptanceConfig, Tolerance
+from pipeline.errors import UserError
+
+if TYPE_CHECKING:  # the loop's record: training imports torch, the rule does not
+    from pipeline.training import StepRecord
 
 Part = Literal["inference", "training"]
 
@@ -324,7 +329,7 @@ def _noise_floor(noise: Noise | None, rule: AcceptanceConfig, j: _Judge) -> None
 
 def vet_rule(
     rule: AcceptanceConfig, kind: str, shapes: dict[str, tuple], rms: dict[str, float], ref_quality: float, metric: str,
-    higher_is_better: bool, ref_steps: list[dict],
+    higher_is_better: bool, ref_steps: Sequence[StepRecord],
 ) -> str | None:
     """The first reason the rule cannot judge trials of this FP32 reference, as one line, or None.
 
@@ -350,9 +355,9 @@ def vet_rule(
                     f"give '{name}': {{atol: ..., rtol: ...}} in its own units, "
                     f"for example atol {0.01 * scale:.2g} (1% of its RMS)")
     for step in ref_steps:
-        if not math.isfinite(step["loss"]) or not math.isfinite(step["grad_norm"]):
-            what = "loss" if not math.isfinite(step["loss"]) else "gradient norm"
-            return (f"the FP32 reference's {what} is not finite at step {step['step']}: an incorrect FP32 run is no baseline; "
+        if not math.isfinite(step.loss) or not math.isfinite(step.grad_norm):
+            what = "loss" if not math.isfinite(step.loss) else "gradient norm"
+            return (f"the FP32 reference's {what} is not finite at step {step.step}: an incorrect FP32 run is no baseline; "
                     f"fix the model, the data or the recipe (reference.lr, reference.grad_clip), then rerun")
     if math.isfinite(ref_quality):
         if rule.min_quality is not None and (
@@ -368,7 +373,7 @@ def vet_rule(
             return (f"params.yaml: acceptance.max_quality_drop {rule.max_quality_drop:g} is not below the reference's own error "
                     f"({metric[4:].upper()} {abs(ref_quality):.3g}), so a trial twice as wrong would pass; "
                     f"give it in the target's units, for example {0.1 * abs(ref_quality):.2g}")
-    losses = [abs(s["loss"]) for s in ref_steps]
+    losses = [abs(s.loss) for s in ref_steps]
     mean_loss = sum(losses) / len(losses) if losses else 0.0
     if mean_loss > 0 and rule.loss_atol >= mean_loss:
         return (f"params.yaml: acceptance.loss_atol {rule.loss_atol:g} is not below the reference's mean training loss "
@@ -405,24 +410,22 @@ _LOOSER_WHEN = {
 _COMPARED_APART = ("outputs", "tie_rule", "threshold", "boundary_margin_kind")
 
 
-def loosened(old: dict, new: dict) -> list[str]:
-    """Criteria on which rule ``new`` lets through more than rule ``old`` (both as plain dicts).
+def loosened(old: AcceptanceConfig, new: AcceptanceConfig) -> list[str]:
+    """Criteria on which rule ``new`` lets through more than rule ``old``.
 
     Any loosened criterion is listed, even if others were tightened: a tolerance widened to make a
     case disappear must be visible whatever else changed.
     """
     out = []
-    names = sorted(set(old["outputs"]) | set(new["outputs"]))
-    for name in names:
-        o = old["outputs"].get(name, old["outputs"].get("*", {}))
-        n = new["outputs"].get(name, new["outputs"].get("*", {}))
+    for name in sorted(set(old.outputs) | set(new.outputs)):
+        o, n = _tolerance(old, name), _tolerance(new, name)
         for key in ("atol", "rtol"):
-            if key in o and key in n and n[key] > o[key]:
-                out.append(f"outputs.{name}.{key} {o[key]:g} -> {n[key]:g}")
-        if o.get("decisions") is not False and n.get("decisions") is False:
-            out.append(f"outputs.{name}.decisions {o.get('decisions')} -> false")
+            if o is not None and n is not None and getattr(n, key) > getattr(o, key):
+                out.append(f"outputs.{name}.{key} {getattr(o, key):g} -> {getattr(n, key):g}")
+        if (o is None or o.decisions is not False) and n is not None and n.decisions is False:
+            out.append(f"outputs.{name}.decisions {o.decisions if o else None} -> false")
     for key, sign in _LOOSER_WHEN.items():
-        a, b = old.get(key), new.get(key)
+        a, b = getattr(old, key), getattr(new, key)
         if a is None and b is None:
             continue
         if a is not None and b is None:
@@ -432,13 +435,19 @@ def loosened(old: dict, new: dict) -> list[str]:
             continue
         if (b - a) * sign > 0:
             out.append(f"{key} {a:g} -> {b:g}")
-    if old.get("tie_rule") == "tie_is_flip" and new.get("tie_rule") == "lowest_index":
+    if old.tie_rule == "tie_is_flip" and new.tie_rule == "lowest_index":
         out.append("tie_rule tie_is_flip -> lowest_index")
-    if old.get("threshold") is not None and new.get("threshold") is None:
+    if old.threshold is not None and new.threshold is None:
         out.append("threshold removed")
-    if old.get("boundary_margin_kind", "logit") != new.get("boundary_margin_kind", "logit"):
+    if old.boundary_margin_kind != new.boundary_margin_kind:
         # Another unit: not comparable, so listed (a margin in logits of 0.05 may be 0.3 in probability).
-        out.append(
-            f"boundary_margin_kind {old.get('boundary_margin_kind', 'logit')} -> {new.get('boundary_margin_kind', 'logit')}"
-        )
+        out.append(f"boundary_margin_kind {old.boundary_margin_kind} -> {new.boundary_margin_kind}")
     return out
+
+
+def _tolerance(rule: AcceptanceConfig, output: str) -> Tolerance | None:
+    """``rule.tolerance(output)``, None where the rule has neither the name nor ``*`` (nothing to compare)."""
+    try:
+        return rule.tolerance(output)
+    except UserError:
+        return None

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts.record import Record
+from pipeline.config import AcceptanceConfig, build
 from pipeline.errors import UserError
 from pipeline.files import write_bytes
 from pipeline.provenance import repository_root
@@ -149,7 +151,31 @@ def tracking_uri() -> str:
 
 
 RECORD_NAME = ".mlflow-published.json"
-"""The project's own record of what it published to a sqlite store, in the database's folder (see ``published``)."""
+"""The project's own record of what it published to a sqlite store, in the database's folder (see ``published``):
+a ``StoreRecord`` per tracking URI."""
+
+
+@dataclass(frozen=True)
+class PublishedRun(Record):
+    run_id: str
+    experiment_id: str
+
+
+@dataclass(frozen=True)
+class StoreRecord(Record):
+    """What ``RECORD_NAME`` holds for one store: its stamp when written, and the parents published then, by
+    experiment name and key."""
+
+    stamp: list[int]
+    published: dict[str, dict[str, PublishedRun]]
+
+
+@dataclass(frozen=True)
+class EarlierRule:
+    """A rule under which a reference was rolled back in a run published before (``earlier_rollbacks``)."""
+
+    rule: AcceptanceConfig
+    rule_sha256: str
 
 
 def published(uri: str, experiment: str, key: str) -> Published | None:
@@ -168,13 +194,18 @@ def published(uri: str, experiment: str, key: str) -> Published | None:
     if db is None:
         return None
     try:
-        entry = json.loads((db.parent / RECORD_NAME).read_text())[uri]
-        if entry["stamp"] != _stamp(db):
+        entry = StoreRecord.from_dict(json.loads((db.parent / RECORD_NAME).read_text())[uri])
+        if entry.stamp != _stamp(db):
             return None
-        run = entry["published"][experiment][key]
-        return Published(str(run["run_id"]), 0, uri, str(run["experiment_id"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        run = entry.published[experiment][key]
+        return Published(str(run.run_id), 0, uri, str(run.experiment_id))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def _tag(run: Any, name: str) -> str | None:
+    """An MLflow run's tag ``name`` (MLflow's own mapping, read here only), None where the run lacks it."""
+    return run.data.tags.get(name)
 
 
 def _sqlite_path(uri: str) -> Path | None:
@@ -362,21 +393,27 @@ class Publisher:
             record = json.loads(record_path.read_text())
         except (OSError, ValueError):
             record = {}
-        entry = record.get(self.uri) if isinstance(record, dict) else None
-        if not isinstance(entry, dict) or entry.get("stamp") != stamp:  # the other entries are stale: dropped
-            entry = {"stamp": stamp, "published": {}}
-        entry["published"].setdefault(self.experiment, {})[key] = {"run_id": done.run_id, "experiment_id": done.experiment_id}
-        record = {**(record if isinstance(record, dict) else {}), self.uri: entry}
+        record = record if isinstance(record, dict) else {}
+        try:
+            entry = StoreRecord.from_dict(record.get(self.uri))
+        except (ValueError, TypeError, AttributeError):
+            entry = None
+        if entry is None or entry.stamp != stamp:  # the other entries are stale: dropped
+            entry = StoreRecord(stamp=stamp, published={})
+        runs = {**entry.published.get(self.experiment, {}), key: PublishedRun(done.run_id, done.experiment_id)}
+        record = {**record, self.uri: StoreRecord(stamp, {**entry.published, self.experiment: runs}).as_dict()}
         try:
             write_bytes(record_path, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
         except (OSError, UserError):
             return
 
-    def earlier_rollbacks(self, reference_run_key: str, dtype: str) -> list[dict]:
-        """Rules under which this reference was rolled back for ``dtype`` in runs published before.
+    def earlier_rollbacks(self, reference_run_key: str, dtype: str) -> list[EarlierRule]:
+        """Rules under which this reference was rolled back for ``dtype`` in runs published before, one per
+        distinct rule, in a fixed order.
 
-        Returns ``[{"rule": dict, "rule_sha256": str}]``, one per distinct rule, in a fixed order.
-        Variant runs carry ``rule_json``; so did the ``decide@DTYPE`` runs of earlier versions.
+        Variant runs carry ``rule_json``; so did the ``decide@DTYPE`` runs of earlier versions. A key this
+        version's rule lacks is filled with its default; a rule with a key it does not know (a criterion since
+        removed) cannot be compared and is left out.
         """
         with self._lock, _failures(self.uri):
             query = (
@@ -385,11 +422,14 @@ class Publisher:
             runs = self._search(query)
         out, seen = [], set()
         for run in runs:
-            rule_json, sha = run.data.tags.get("rule_json"), run.data.tags.get("rule_sha256", "")
+            rule_json, sha = _tag(run, "rule_json"), _tag(run, "rule_sha256") or ""
             if rule_json and sha not in seen:
                 seen.add(sha)
-                out.append({"rule": json.loads(rule_json), "rule_sha256": sha})
-        return sorted(out, key=lambda r: r["rule_sha256"])
+                try:
+                    out.append(EarlierRule(build(AcceptanceConfig, json.loads(rule_json), "rule_json"), sha))
+                except (UserError, ValueError):
+                    continue
+        return sorted(out, key=lambda r: r.rule_sha256)
 
     def _experiment(self, name: str) -> str:
         from mlflow.exceptions import MlflowException
@@ -481,7 +521,7 @@ class Publisher:
             if run.info.run_id != keep and run.info.status == "FINISHED":
                 removed += self._discard(run.info.run_id)
         for child in self._search(f"tags.`{MEMBER_TAG}` = '{key}'"):
-            parent = child.data.tags.get("mlflow.parentRunId")
+            parent = _tag(child, "mlflow.parentRunId")
             if parent != keep and not self._is_live_parent(parent):
                 self._delete_run(child.info.run_id)
                 removed += 1

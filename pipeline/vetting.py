@@ -9,6 +9,8 @@ leaves the previous reference in place. Only freeze imports this module (trial a
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +21,9 @@ from pipeline import rule
 from pipeline.compare import streams
 from pipeline.compare.quality import QualityStats
 from pipeline.config import Params
+
+if TYPE_CHECKING:
+    from pipeline.training import StepRecord
 
 
 class Scan:
@@ -49,7 +54,7 @@ class Scan:
     def rms(self) -> dict[str, float]:
         return {name: math.sqrt(self.squares[name] / self.count[name]) if self.count[name] else 0.0 for name in self.squares}
 
-    def problem(self, ref_steps: list[dict]) -> str | None:
+    def problem(self, ref_steps: Sequence[StepRecord]) -> str | None:
         """The first reason the rule cannot judge this reference (``rule.vet_rule``), or None."""
         return rule.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
                                 self.metric.higher_is_better, ref_steps)

@@ -100,27 +100,31 @@ def test_boundary_flip_limit_is_separate():
     assert judge(stats).decision == "accept"
 
 
-def rule_dict(**kw):
-    return dataclasses.asdict(dataclasses.replace(RULE, **kw))
+def rule_with(**kw) -> AcceptanceConfig:
+    return dataclasses.replace(RULE, **kw)
 
 
 def test_loosened_lists_every_widened_criterion():
-    old = rule_dict()
-    new = rule_dict(outputs={"*": Tolerance(atol=0.1, rtol=0.02)}, max_flips=2, min_quality=0.8, max_quality_drop=0.0)
+    old = rule_with()
+    new = rule_with(outputs={"*": Tolerance(atol=0.1, rtol=0.02)}, max_flips=2, min_quality=0.8, max_quality_drop=0.0)
     diff = rule.loosened(old, new)
     assert "outputs.*.atol 0.05 -> 0.1" in diff
     assert "max_flips 0 -> 2" in diff and "min_quality 0.9 -> 0.8" in diff
     assert not any("max_quality_drop" in d for d in diff)  # tightened, not loosened
     assert rule.loosened(old, old) == []
     assert rule.loosened(new, old) != []  # and the other way round only the tightened one shows
-    assert rule.loosened(rule_dict(tie_rule="tie_is_flip"), rule_dict()) == ["tie_rule tie_is_flip -> lowest_index"]
+    assert rule.loosened(rule_with(tie_rule="tie_is_flip"), rule_with()) == ["tie_rule tie_is_flip -> lowest_index"]
 
 
 def test_a_tolerance_widened_after_a_rollback_is_listed_alone():
     """What publish says beside an accept whose reference was rolled back under a stricter rule."""
-    strict, loose = rule_dict(), rule_dict(outputs={"*": Tolerance(atol=0.5, rtol=0.02)})
+    strict, loose = rule_with(), rule_with(outputs={"*": Tolerance(atol=0.5, rtol=0.02)})
     assert rule.loosened(strict, loose) == ["outputs.*.atol 0.05 -> 0.5"]
     assert rule.loosened(strict, strict) == [] and rule.loosened(loose, strict) == []
+    # An output named by one rule only is compared with the other's '*'; a rule with neither has nothing to compare.
+    named = rule_with(outputs={"logits": Tolerance(atol=0.5, rtol=0.02, decisions=False)})
+    assert rule.loosened(strict, named) == ["outputs.logits.atol 0.05 -> 0.5", "outputs.logits.decisions None -> false"]
+    assert rule.loosened(named, strict) == []
 
 
 def test_every_numeric_criterion_has_a_direction():
@@ -129,10 +133,10 @@ def test_every_numeric_criterion_has_a_direction():
     assert set(rule._LOOSER_WHEN) | set(rule._COMPARED_APART) == fields
     assert not set(rule._LOOSER_WHEN) & set(rule._COMPARED_APART)
     for name in rule._LOOSER_WHEN:  # each loosening step is seen, from a set value
-        base = {"outputs": {}, name: 0.5}
-        looser = {"outputs": {}, name: 0.5 + rule._LOOSER_WHEN[name]}
+        base = rule_with(**{name: 0.5})
+        looser = rule_with(**{name: 0.5 + rule._LOOSER_WHEN[name]})
         assert rule.loosened(base, looser) == [f"{name} 0.5 -> {0.5 + rule._LOOSER_WHEN[name]:g}"]
-        assert rule.loosened(base, {"outputs": {}, name: None}) == [f"{name} removed (was 0.5)"]
+        assert rule.loosened(base, rule_with(**{name: None})) == [f"{name} removed (was 0.5)"]
         assert rule.loosened(looser, base) == []
 
 

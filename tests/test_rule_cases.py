@@ -26,7 +26,7 @@ from pipeline.compare.quality import QualityStats
 from pipeline.compare.quantiles import StreamQuantile, quantile
 from pipeline.compare.trajectory import trajectory_gap, update_health
 from pipeline.config import AcceptanceConfig, ReferenceConfig, TaskConfig, Tolerance
-from pipeline.precision import Policy
+from pipeline.config import Policy
 from pipeline.task import TensorSource
 
 # flat trajectories here: no replicate to measure FP32 noise on
@@ -151,7 +151,7 @@ def test_a_second_classification_head_is_decided_too():
     )
     stats, d = _judge(ids, y, torch.ones(300, dtype=torch.bool), ref, trial, cfg=values_only)
     assert "aux" not in stats.heads and d.decision == "accept", d.reasons
-    assert "outputs.aux.decisions None -> false" in rule.loosened(dataclasses.asdict(cfg), dataclasses.asdict(values_only))
+    assert "outputs.aux.decisions None -> false" in rule.loosened(cfg, values_only)
 
 
 def test_non_finite_outputs_of_the_amp_trained_model_roll_back_with_their_ids():
@@ -222,6 +222,11 @@ def test_streamed_p99_gate_reads_the_upper_edge():
     assert not q.exact and q.upper() >= exact and q.upper() <= exact * (1 + 2**-9)
 
 
+def _step(step: int, loss: float, grad_norm: float) -> training.StepRecord:
+    """One step of the reference's training record, as freeze vets it."""
+    return training.StepRecord(step=step, loss=loss, grad_norm=grad_norm, scale=1.0, skipped=False, real_updates=step + 1, lr=0.1)
+
+
 def test_tiny_scale_regression_refuses_logit_tolerances_and_unknown_names():
     torch.manual_seed(4)
     model = torch.nn.Linear(4, 1)
@@ -232,7 +237,7 @@ def test_tiny_scale_regression_refuses_logit_tolerances_and_unknown_names():
     ref = _fp32(model, x)
     rms = {"output": float(ref["output"].square().mean().sqrt())}
     shapes = {"output": (1,)}
-    steps = [{"step": 0, "loss": 1e-14, "grad_norm": 1e-7}]
+    steps = [_step(0, loss=1e-14, grad_norm=1e-7)]
     shipped = AcceptanceConfig()  # logit defaults: atol 0.05 on outputs of 1e-7
     line = rule.vet_rule(shipped, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps)
     assert "atol 0.05 is not below the scale of output 'output'" in line
@@ -259,11 +264,11 @@ def test_tiny_scale_regression_refuses_logit_tolerances_and_unknown_names():
 def test_reference_that_is_not_a_baseline_is_refused_at_freeze():
     cfg = AcceptanceConfig(min_quality=0.9)
     shapes, rms = {"output": (10,)}, {"output": 3.0}
-    ok = [{"step": 0, "loss": 2.3, "grad_norm": 1.0}]
+    ok = [_step(0, loss=2.3, grad_norm=1.0)]
     assert "does not meet acceptance.min_quality 0.9" in rule.vet_rule(
         cfg, "classification", shapes, rms, 0.5, "accuracy", True, ok
     )
-    nan = [{"step": 0, "loss": 2.3, "grad_norm": 1.0}, {"step": 1, "loss": float("nan"), "grad_norm": 1.0}]
+    nan = [_step(0, loss=2.3, grad_norm=1.0), _step(1, loss=float("nan"), grad_norm=1.0)]
     assert "loss is not finite at step 1" in rule.vet_rule(cfg, "classification", shapes, rms, 0.95, "accuracy", True, nan)
     assert rule.vet_rule(cfg, "classification", shapes, rms, 0.95, "accuracy", True, ok) is None
 

@@ -480,8 +480,12 @@ def test_publish_flags_an_accept_under_a_rule_loosened_since_a_rollback(server):
     c = client(server)
     c.create_run(publisher.experiment_id, tags={"dtype": "bfloat16", "decision": "rollback", "reference_run_key": "R",
                                                "rule_json": json.dumps(strict), "rule_sha256": "s" * 64})
+    removed = {**strict, "a_criterion_since_removed": 1.0}  # a rule of another version: not comparable, left out
+    c.create_run(publisher.experiment_id, tags={"dtype": "bfloat16", "decision": "rollback", "reference_run_key": "R",
+                                               "rule_json": json.dumps(removed), "rule_sha256": "t" * 64})
     accept = {"decision": "accept", "rule": loose, "reasons": []}
     earlier = publisher.earlier_rollbacks("R", "bfloat16")
+    assert [e.rule_sha256 for e in earlier] == ["s" * 64] and earlier[0].rule.outputs["*"].atol == 0.001
     assert runs.loosened(accept, earlier) == [f"outputs.*.atol 0.001 -> 0.01 (rolled back under rule {'s' * 12})"]
     assert publisher.earlier_rollbacks("other reference", "bfloat16") == []
     assert publisher.earlier_rollbacks("R", "float16") == []

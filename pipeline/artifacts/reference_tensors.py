@@ -121,7 +121,7 @@ def write(
         )
         if bad:
             raise NonFinite(sorted(set(bad)))
-        problem = scan.problem([asdict(r) for r in records]) if scan is not None else None
+        problem = scan.problem(records) if scan is not None else None
         if problem:
             raise UserError(problem)
         if fp64 is not None:

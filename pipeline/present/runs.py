@@ -24,7 +24,7 @@ from pipeline.artifacts.reference import Manifest
 from pipeline.config import AcceptanceConfig, build
 from pipeline.files import flatten
 from pipeline.present import page, verdict
-from pipeline.tracking import ModelSpec, RunSpec
+from pipeline.tracking import EarlierRule, ModelSpec, RunSpec
 
 KEY_COLUMNS = (
     "accepted", "flips", "near_boundary_flips", "boundary_flips", "max_abs_gap", "quality_trial", "quality_trained",
@@ -57,18 +57,18 @@ def common_tags(commit: str, manifest: Manifest, dvc_experiment: str | None) -> 
     return tags
 
 
-def loosened(decision: Mapping[str, Any], earlier_rollbacks: Sequence[Mapping[str, Any]]) -> list[str]:
+def loosened(decision: Mapping[str, Any], earlier_rollbacks: Sequence[EarlierRule]) -> list[str]:
     """How the rule of an accept is looser than a rule under which this reference was rolled back before.
 
-    ``earlier_rollbacks`` is what ``tracking.Publisher.earlier_rollbacks`` found: ``[{"rule", "rule_sha256"}]``.
+    ``earlier_rollbacks`` is what ``tracking.Publisher.earlier_rollbacks`` found.
     """
     if decision["decision"] != "accept" or "rule" not in decision:
         return []
     out: list[str] = []
     for earlier in earlier_rollbacks:
         out += [
-            f"{d} (rolled back under rule {earlier['rule_sha256'][:12]})"
-            for d in rule.loosened(earlier["rule"], decision["rule"])
+            f"{d} (rolled back under rule {earlier.rule_sha256[:12]})"
+            for d in rule.loosened(earlier.rule, build(AcceptanceConfig, decision["rule"], "decision.rule"))
         ]
     return out
 

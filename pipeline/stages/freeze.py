@@ -46,8 +46,8 @@ def main(params_path: str = "params.yaml") -> None:
         fixed = _with_boundary(params, prepared, model, device)
         try:
             manifest = reference_tensors.write(
-                params=params, inputs=inputs, run_key=run_key, env=devices.describe(device).as_dict(), init=init, trained=result.state,
-                records=result.records, real_updates=result.real_updates, fixed=fixed,
+                params=params, inputs=inputs, run_key=run_key, env=devices.describe(device).as_dict(), init=init,
+                trained=result.state, records=result.records, real_updates=result.real_updates, fixed=fixed,
                 outputs=inference.infer_chunks(model, fixed.x, FP32, device, cfg.eval_mode),
                 fp64=inference.fp64_chunks(model, fixed.x, cfg.eval_mode), replicate=replicate, policy=FP32.as_dict(),
                 scan=vetting.Scan(params, fixed),
