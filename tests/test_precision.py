@@ -4,7 +4,6 @@ determinism, FP32 regions, RNG capture, resume keys, thread counts and what the 
 from __future__ import annotations
 
 import dataclasses
-import dataclasses
 import os
 import subprocess
 import sys
