@@ -1,0 +1,210 @@
+"""The FP16 headroom forecast, computed from the FP32 reference model on a few training batches.
+
+Each batch runs one FP32 training pass (forward, loss, backward, no autocast, no loss scaling) with module hooks
+(``precision_map.ModuleScope``): the largest input and output of every module, the gradient of every leaf
+module's output, and every parameter's gradient. It is conservative: every activation and gradient is taken as
+float16, although autocast keeps some ops (softmax, norms, the loss) in float32. The records, the file and the
+check against the trial are ``pipeline.artifacts.forecast``'s.
+
+API:
+    forecast(model, batches, loss_fn, device, initial_scale=65536.0) -> Forecast
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from pipeline.artifacts.forecast import (
+    FP16_MAX,
+    FP16_SMALLEST_SUBNORMAL,
+    TOO_MANY_FP32,
+    UNDERFLOW_LIMIT,
+    Forecast,
+    GradientHeadroom,
+    ModuleHeadroom,
+)
+from pipeline.config import Policy
+from pipeline.diagnosis.precision_map import Loss, ModuleScope, forward_backward, max_abs, same_rng
+from pipeline.task import Inputs
+
+_BINADES = 192  # halvings counted up to this many: 2**192 covers any finite float32 against 65504
+
+
+@dataclass
+class _Gradients:
+    """Running counts of gradient elements at the initial scale, and a histogram by binade above 2**-24 (scaled),
+    from which the underflow after any number of halvings follows. Mutable, never leaves this module."""
+
+    scale: float
+    elements: int = 0
+    nonzero: int = 0
+    max_abs: float = 0.0
+    overflow: int = 0
+    binades: torch.Tensor = field(default_factory=lambda: torch.zeros(_BINADES + 1, dtype=torch.int64))
+    """Bin 0: below 2**-24 at the initial scale; bin j: in [2**(j-25), 2**(j-24)), the last one open above."""
+
+    def add(self, grad: torch.Tensor) -> None:
+        g = grad.detach().float().abs().flatten().cpu()
+        g = g[torch.isfinite(g)]
+        live = g[g > 0]
+        self.elements += grad.numel()
+        self.nonzero += live.numel()
+        self.max_abs = max(self.max_abs, float(live.max()) if live.numel() else 0.0)
+        self.overflow += int((g * self.scale > FP16_MAX).sum())
+        above = torch.floor(torch.log2(live.double() * self.scale / FP16_SMALLEST_SUBNORMAL)) + 1
+        self.binades += torch.bincount(above.clamp(0, _BINADES).long(), minlength=_BINADES + 1)
+
+    def underflow(self, halvings: int) -> int:
+        """Live elements below 2**-24 at the initial scale halved ``halvings`` times."""
+        return int(self.binades[: halvings + 1].sum())
+
+    def record(self, halvings: int) -> GradientHeadroom:
+        return GradientHeadroom(
+            elements=self.elements,
+            nonzero=self.nonzero,
+            max_abs=self.max_abs,
+            underflow_initial=self.underflow(0),
+            overflow_initial=self.overflow,
+            underflow_settled=self.underflow(halvings),
+        )
+
+
+def halvings_to_fit(largest: float, scale: float) -> int:
+    """How many times the GradScaler halves ``scale`` before ``largest`` times it fits float16 (65504)."""
+    if largest * scale <= FP16_MAX:
+        return 0
+    return min(math.ceil(math.log2(largest * scale / FP16_MAX)), _BINADES)
+
+
+def forecast(
+    model: torch.nn.Module,
+    batches: Sequence[tuple[Inputs, torch.Tensor]],
+    loss_fn: Loss,
+    device: torch.device,
+    initial_scale: float = 65536.0,
+) -> Forecast:
+    """The forecast from FP32 passes over ``batches`` (inputs and targets on ``device``), with the model in the mode
+    the caller left it (train, as the trial trains). ``initial_scale``: the GradScaler's, ``get_scale()`` before its
+    first step. Leaves the model's gradients and the RNG as it found them."""
+    inputs: dict[str, float] = {}
+    outputs: dict[str, float] = {}
+    leaves = {name for name, m in model.named_modules() if next(m.children(), None) is None}
+    params = {name: _Gradients(initial_scale) for name, p in model.named_parameters() if p.requires_grad}
+    activations = _Gradients(initial_scale)
+    largest_activation_grad = 0.0
+
+    def on_input(name: str, tensors: list[torch.Tensor]) -> None:
+        inputs[name] = max([inputs.get(name, 0.0)] + [max_abs(t) for t in tensors])
+
+    def on_output(name: str, module: torch.nn.Module, tensors: list[torch.Tensor]) -> None:
+        outputs[name] = max([outputs.get(name, 0.0)] + [max_abs(t) for t in tensors])
+
+    def on_output_grad(name: str, grad: torch.Tensor) -> None:
+        nonlocal largest_activation_grad
+        largest_activation_grad = max(largest_activation_grad, max_abs(grad))
+        if name in leaves:
+            activations.add(grad)
+
+    for x, y in batches:
+        model.zero_grad(set_to_none=True)
+        scope = ModuleScope(model, on_output=on_output, on_output_grad=on_output_grad, on_input=on_input)
+        with same_rng(), scope:
+            forward_backward(model, x, y, loss_fn, Policy(), device, scope)
+        for name, p in model.named_parameters():
+            if p.grad is not None and name in params:
+                params[name].add(p.grad)
+    model.zero_grad(set_to_none=True)
+    return _forecast(model, batches, inputs, outputs, params, activations, largest_activation_grad, initial_scale)
+
+
+def _totals(parts: list[_Gradients], scale: float) -> _Gradients:
+    total = _Gradients(scale)
+    for part in parts:
+        total.elements += part.elements
+        total.nonzero += part.nonzero
+        total.max_abs = max(total.max_abs, part.max_abs)
+        total.overflow += part.overflow
+        total.binades += part.binades
+    return total
+
+
+def _innermost(names: list[str]) -> tuple[str, ...]:
+    """The names none of whose submodules is also listed ("" is the model itself, above every other)."""
+    return tuple(n for n in names if not any(o != n and (n == "" or o.startswith(n + ".")) for o in names))
+
+
+def _forecast(model, batches, inputs, outputs, params, activations, largest_activation_grad, scale) -> Forecast:
+    types = {name: type(m).__name__ for name, m in model.named_modules()}
+    modules = {
+        name: ModuleHeadroom(
+            type=types[name],
+            max_abs_input=inputs.get(name, 0.0),
+            max_abs_output=outputs.get(name, 0.0),
+            beyond_fp16=max(inputs.get(name, 0.0), outputs.get(name, 0.0)) > FP16_MAX,
+        )
+        for name in types
+        if name in outputs
+    }
+    beyond = _innermost([n for n, m in modules.items() if m.beyond_fp16])
+    loudest = max(modules, key=lambda n: (modules[n].max_abs_output, n), default="")
+    grads = _totals(list(params.values()), scale)
+    halvings = halvings_to_fit(max(grads.max_abs, largest_activation_grad), scale)
+    all_elements = max(grads.elements + activations.elements, 1)
+    live = max(grads.nonzero, 1)
+    layers = [m for m in model.modules() if next(m.children(), None) is None and next(m.parameters(False), None) is not None]
+    forecast = Forecast(
+        initial_scale=scale,
+        batches=len(batches),
+        largest_activation=modules[loudest].max_abs_output if modules else 0.0,
+        largest_activation_module=loudest,
+        modules=modules,
+        beyond_fp16=beyond,
+        parameter_gradients=grads.record(halvings),
+        activation_gradients=activations.record(halvings),
+        parameters={name: g.record(halvings) for name, g in params.items()},
+        underflow_fraction=grads.underflow(0) / live,
+        overflow_fraction=(grads.overflow + activations.overflow) / all_elements,
+        halvings=halvings,
+        settled_scale=scale / 2**halvings,
+        underflow_fraction_settled=grads.underflow(halvings) / live,
+        recommendation="",
+        fp32_modules=(),
+        line="",
+    )
+    return _recommend(forecast, len(layers))
+
+
+def _recommend(f: Forecast, layers: int) -> Forecast:
+    """The recommendation and its sentence: bf16 when FP16's range cannot hold the model, else the FP32 regions it
+    needs, else safe."""
+    scaled = f"scale {f.settled_scale:g}"
+    if f.halvings:
+        scaled += f" (the GradScaler halves {f.initial_scale:g} {f.halvings} times)"
+    if "" in f.beyond_fp16:
+        why = "the model's own forward (outside any submodule) makes values beyond 65504"
+    elif len(f.beyond_fp16) > TOO_MANY_FP32 * layers:
+        why = f"{len(f.beyond_fp16)} of its {layers} layers have activations beyond 65504 ({list(f.beyond_fp16)})"
+    elif f.underflow_fraction_settled > UNDERFLOW_LIMIT:
+        why = f"{100 * f.underflow_fraction_settled:.1f} % of the gradient elements underflow float16 even at {scaled}"
+    else:
+        why = ""
+    if why:
+        return replace(f, recommendation="use bf16", line=f"use bf16: {why}")
+    if f.beyond_fp16:
+        return replace(
+            f,
+            recommendation="fp16 needs fp32_modules",
+            fp32_modules=f.beyond_fp16,
+            line=f"fp16 needs fp32_modules {list(f.beyond_fp16)}: their activations reach "
+            f"{max(max(f.modules[m].max_abs_input, f.modules[m].max_abs_output) for m in f.beyond_fp16):.3g}, beyond 65504",
+        )
+    return replace(
+        f,
+        recommendation="fp16 is safe",
+        line=f"fp16 is safe: largest activation {f.largest_activation:.3g} (module {f.largest_activation_module!r}), "
+        f"{100 * f.underflow_fraction_settled:.2f} % of the gradient elements underflow at {scaled}",
+    )
