@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from pipeline import task
+from pipeline.artifacts.record import Record
 from pipeline.files import read_tensors, write_tensors
 from pipeline.config import PrepareConfig
 from pipeline.errors import UserError
@@ -64,19 +65,32 @@ class Cases:
         )
 
 
+@dataclass(frozen=True)
+class Header(Record):
+    """A cases file's metadata: the ids in row order, and ``Cases.meta`` where it is not empty."""
+
+    ABSENT = ("cases",)
+
+    ids: list[str]
+    cases: dict | None = None
+
+
 def save(path: str | Path, cases: Cases) -> str:
     tensors = {**task.flatten(cases.x, "x"), "y": cases.y.contiguous(), "has_target": cases.has_target.contiguous()}
-    return write_tensors(path, tensors, {"ids": cases.ids, **({"cases": cases.meta} if cases.meta else {})})
+    return write_tensors(path, tensors, Header(ids=cases.ids, cases=cases.meta or None).as_dict())
 
 
 def load(path: str | Path, expected_sha256: str | None = None, produced_by: str = "prepare") -> Cases:
+    """Raises: UserError: the file is missing, damaged, of another version, or holds no case."""
     tensors, meta = read_tensors(path, expected_sha256, produced_by)
-    ids = meta.get("ids")
-    if not ids:
+    try:
+        header = Header.from_dict(meta)
+    except ValueError as exc:
+        raise UserError(f"{path} is not a cases file of this version ({exc}); run `dvc repro {produced_by}`") from None
+    if not header.ids:
         raise UserError(f"{path} holds an empty fixed set; give the data function at least one eval sample")
-    return Cases(
-        ids=ids, x=task.unflatten(tensors, "x"), y=tensors["y"], has_target=tensors["has_target"], meta=meta.get("cases", {})
-    )
+    y, has_target = tensors["y"], tensors["has_target"]  # the file's tensor names (``save``)
+    return Cases(ids=header.ids, x=task.unflatten(tensors, "x"), y=y, has_target=has_target, meta=header.cases or {})
 
 
 def build(data: TaskData, cfg: PrepareConfig) -> Cases:

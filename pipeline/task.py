@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Union
 
 import torch
 
+from pipeline.artifacts.record import Record
 from pipeline.files import read_tensors, sha256_file, write_tensors
 from pipeline.config import TaskConfig
 from pipeline.errors import UserError
@@ -252,13 +253,32 @@ class DatasetSource:
 TrainSource = Union[TensorSource, DatasetSource]
 
 
+@dataclass(frozen=True)
+class FrozenDataset(Record):
+    """What prepare records of a training Dataset (``DatasetSource``), checked again before training on it."""
+
+    length: int
+    fingerprint: str
+    """``DatasetSource.fingerprint``."""
+
+
+@dataclass(frozen=True)
+class TrainHeader(Record):
+    """The prepared training file's metadata: a Dataset's record, absent where the file holds the tensors."""
+
+    ABSENT = ("dataset",)
+
+    dataset: FrozenDataset | None = None
+
+
 def save_train(path, source: TrainSource) -> str:
     """The prepared training data: the tensors themselves, or (a Dataset, maybe larger than memory) its
     length and fingerprint, checked again by ``load_train``. Returns the file's sha256."""
     if isinstance(source, TensorSource):
         return write_tensors(path, {**flatten(source.x, "x"), "y": source.y.contiguous()})
     n = len(source)
-    return write_tensors(path, {"length": torch.tensor([n])}, {"dataset": {"length": n, "fingerprint": source.fingerprint()}})
+    header = TrainHeader(dataset=FrozenDataset(length=n, fingerprint=source.fingerprint()))
+    return write_tensors(path, {"length": torch.tensor([n])}, header.as_dict())
 
 
 def load_train(cfg: TaskConfig, path, expected_sha256: str | None = None) -> TrainSource:
@@ -268,11 +288,14 @@ def load_train(cfg: TaskConfig, path, expected_sha256: str | None = None) -> Tra
         UserError: the file is missing or damaged, or the Dataset differs from the one prepare saw.
     """
     tensors, meta = read_tensors(path, expected_sha256, "prepare")
-    frozen = meta.get("dataset")
+    try:
+        frozen = TrainHeader.from_dict(meta).dataset
+    except ValueError as exc:
+        raise UserError(f"{path} is not a prepared training file of this version ({exc}); run `dvc repro prepare`") from None
     if frozen is None:
-        return TensorSource(unflatten(tensors, "x"), tensors["y"])
+        return TensorSource(unflatten(tensors, "x"), tensors["y"])  # the file's tensor names (``save_train``)
     source = load_data(cfg).train
-    if not isinstance(source, DatasetSource) or len(source) != frozen["length"] or source.fingerprint() != frozen["fingerprint"]:
+    if not isinstance(source, DatasetSource) or len(source) != frozen.length or source.fingerprint() != frozen.fingerprint:
         raise UserError(
             f"task.data {cfg.data}: the training Dataset differs from the one prepare recorded (length or items); its items "
             f"must be deterministic: run `dvc repro` to prepare again"
