@@ -74,7 +74,7 @@ def test_matmul_outside_autocast_is_flagged_and_named(how, wide):
     assert (top.module, top.module_type, top.precision, top.by_policy) == ("", "Float64Head", wide, False)
     assert top.shapes == ((32, 64), (64, 64)) and top.share == pytest.approx(mm(32, 64, 64) / (big + head))
     assert sum(o.share for o in a.stayed_fp32) == pytest.approx(big / (big + head))
-    assert {o.precision for o in a.stayed_fp32} == {wide}
+    assert {(o.module, o.precision) for o in a.stayed_fp32} == {("", wide)}  # its backward too, not head's
 
 
 class ConvNet(nn.Module):

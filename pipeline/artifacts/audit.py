@@ -39,7 +39,7 @@ class AuditedOp(Record):
     """forward, loss or backward."""
     module: str
     """Qualified name of the module it ran for ("" for the model's own code); in backward, the module whose output
-    gradient arrived last (``ModuleScope``)."""
+    gradient arrived last, or its parent once the gradient of its input is computed."""
     module_type: str
     op: str
     """The aten overload, e.g. ``aten.mm.default``."""

@@ -54,6 +54,7 @@ def _trace(model, x, y, loss_fn, policy: Policy, device: torch.device) -> list[A
     """Every matmul-like op of one pass under ``policy``, by (phase, module, op, precision, shapes)."""
     model.zero_grad(set_to_none=True)
     scope = ModuleScope(model)
+    scope.on_input = lambda name, tensors: _back_to_parent(scope, name, tensors)
     recorder = Recorder(scope, watch_nonfinite=False)
     with same_rng(), scope, recorder:
         forward_backward(model, x, y, loss_fn, policy, device, scope)
@@ -76,6 +77,21 @@ def _trace(model, x, y, loss_fn, policy: Policy, device: torch.device) -> list[A
         for (phase, module, op, precision, shapes), row in recorder.calls.items()
     ]
     return ops
+
+
+def _back_to_parent(scope: ModuleScope, name: str, tensors: list[torch.Tensor]) -> None:
+    """Once the gradient of a module's input is computed, its backward is over: the ops that follow are its
+    parent's own code (a float64 matmul in the model's forward), unless a sibling's output gradient hook, which
+    fires first on the same tensor, already named that sibling. ``ModuleScope`` alone would keep the module."""
+
+    def done(grad: torch.Tensor) -> None:
+        current = scope.backward_module
+        if name and (current == name or current.startswith(name + ".")):
+            scope.backward_module = name.rpartition(".")[0]
+
+    for t in tensors:
+        if t.requires_grad:
+            t.register_hook(done)
 
 
 def _under(module: str, fp32_modules: tuple[str, ...]) -> bool:
@@ -157,4 +173,5 @@ def _line(a: Audit) -> str:
 
 def _describe(op: AuditedOp) -> str:
     shapes = " x ".join("[" + ",".join(map(str, s)) + "]" for s in op.shapes)
-    return f"{op.op} {shapes} {op.precision} in module {op.module or '(the model itself)'!r}, {op.phase}, {_pct(op.share)}"
+    where = f"module {op.module!r}" if op.module else "the model's own forward"
+    return f"{op.op} {shapes} {op.precision} in {where}, {op.phase}, {_pct(op.share)}"
