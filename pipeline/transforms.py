@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -34,6 +35,8 @@ from pipeline.errors import UserError
 
 FLOAT8_MULTIPLE = 16
 """torch._scaled_mm needs both dims of a float8 weight divisible by 16; emulation skips the same layers."""
+FLOAT8_MIN_TORCH = (2, 11)
+"""torchao 0.18 (the fp8 extra's floor) dropped its code paths for older torch; a 2.11 pre-release counts."""
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,9 @@ def float8_kernels_available(device: torch.device) -> bool:
     if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
         return False
     if torch.version.hip:
-        with _quiet_import():
-            from torchao.utils import is_MI300
+        _float8_api()  # torchao, or the one line that says how to install it
+        from torchao.utils import is_MI300
+
         return bool(is_MI300())
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
@@ -146,7 +150,10 @@ def _float8_plan(model: torch.nn.Module, fp32_modules: tuple[str, ...]) -> tuple
 
 
 def _float8_api():
-    """``torchao.float8``, or the one line that says how to install it."""
+    """``torchao.float8``, or the one line that says how to install it (or the torch it needs)."""
+    if tuple(map(int, re.match(r"(\d+)\.(\d+)", torch.__version__).groups())) < FLOAT8_MIN_TORCH:
+        need = ".".join(map(str, FLOAT8_MIN_TORCH))
+        raise UserError(f"float8 needs torch >= {need} (torchao 0.18), not {torch.__version__}; upgrade torch or set float8: off")
     try:
         with _quiet_import():
             import torchao.float8
