@@ -68,6 +68,9 @@ class GapStats:
         self.need_rtol = 0.0
         self.nonfinite_reference = 0
         self.nonfinite_both = 0
+        self.last_finite = True
+        """Whether both sides of the last ``update`` were finite everywhere (known from its sum: callers skip
+        their own element-wise test on it)."""
 
     def update(self, ref: torch.Tensor, trial: torch.Tensor, group: str = "all") -> torch.Tensor:
         """Add one chunk; return the absolute gap per element (shape of ``ref``, NaN/inf where non-finite)."""
@@ -81,15 +84,18 @@ class GapStats:
             g = self.groups[group] = _Tally()
         g.elements += r.numel()
         if r.numel() == 0:
-            return torch.zeros(ref.shape, dtype=r.dtype)
+            self.last_finite = True
+            return torch.zeros(ref.shape, dtype=r.dtype, device=r.device)
         gap = torch.sub(t, r).abs_()
         full_gap = gap
         total = _sum(gap)
         failing = 0
         both = None
+        self.last_finite = True  # a NaN or inf on either side makes the sum non-finite
         if not math.isfinite(total):  # some element of either side is not finite: the slow path, rarely taken
             fr, ft = torch.isfinite(r), torch.isfinite(t)
             both = fr & ft
+            self.last_finite = bool(both.all())  # else the sum overflowed
             trial_only = int((fr & ~ft).sum())
             ref_bad = int((~fr).sum())
             same = int((~fr & ~ft & ((r == t) | (torch.isnan(r) & torch.isnan(t)))).sum())
@@ -197,6 +203,16 @@ def round_up(x: float, digits: int = 4) -> float:
     step = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
     up = math.ceil(x / step) * step
     return up if up >= x else up + step
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite: from its sum (one fast pass; any NaN or inf makes it non-finite),
+    element by element only where the sum is not finite (an overflow of finite values) or the dtype is narrow."""
+    if not t.is_floating_point():
+        return True
+    if t.dtype in (torch.float32, torch.float64) and math.isfinite(float(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
 
 
 def _sum(v: torch.Tensor) -> float:

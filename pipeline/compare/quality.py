@@ -13,6 +13,7 @@ import torch
 
 from pipeline.artifacts.comparison import RegressionErrors
 from pipeline.compare.decisions import labels_of
+from pipeline.compare.gaps import all_finite
 from pipeline.errors import UserError
 from pipeline.task import IGNORE_INDEX
 
@@ -36,10 +37,11 @@ class QualityStats:
         self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor | None = None,
-               lse: torch.Tensor | None = None) -> torch.Tensor | None:
+               lse: torch.Tensor | None = None, finite: bool = False) -> torch.Tensor | None:
         """``outputs`` and ``targets`` of the cases WITH a target only; ``labels``: their decisions, ``lse``: the
-        log-sum-exp of each position's scores (per token), when known. Returns the hit mask (accuracy, top_k:
-        what the paired counts of two sides are taken from), else None."""
+        log-sum-exp of each position's scores (per token), when known; ``finite``: the caller knows every score is
+        finite (the test per row is skipped). Returns the hit mask (accuracy, top_k: what the paired counts of two
+        sides are taken from), else None."""
         if outputs.shape[0] == 0:
             return None
         if self.user is not None:  # per token, as tokens [M, C] and [M] (slices of a sequence may differ in length)
@@ -66,7 +68,9 @@ class QualityStats:
             else:
                 idx = s.float().topk(min(self.top_k, s.shape[-1]), dim=-1).indices
                 hit = (idx == y.unsqueeze(-1)).any(-1)
-            hit = hit & torch.isfinite(s).all(-1) & valid  # a row with any non-finite score is a miss, whatever the metric
+            if not (finite or all_finite(s)):  # a row with any non-finite score is a miss, whatever the metric
+                hit = hit & torch.isfinite(s).all(-1)
+            hit = hit & valid
             self.total += float(hit.sum())
             self.n += int(valid.sum())
             if self.per_token:

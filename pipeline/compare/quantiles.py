@@ -74,6 +74,11 @@ class StreamQuantile:
         self._max = -math.inf
         self._negatives: list[torch.Tensor] = []
         self._hist = None if self.exact else torch.zeros(_KEY_INF - _KEY_FLOOR + 1, dtype=torch.int64)
+        self._cut = 0
+        """Histogram buckets below this one are no longer counted: those at or above it hold ``keep`` values
+        already, so the answer's bucket is never below it (counts above a bucket never change by dropping
+        values below it): the same answer, and most values of a long stream skip the ``bincount``."""
+        self._cut_value = 0.0
         self.merges = 0
 
     def update(self, values: torch.Tensor, finite: bool = False, vmax: float | None = None, nonneg: bool = False) -> None:
@@ -89,25 +94,47 @@ class StreamQuantile:
             if vmax is not None and vmax <= self._floor:
                 return  # nothing here is among the largest kept
             if self._floor > -math.inf:
-                v = v[v > self._floor]
-            if v.numel():
-                self._parts.append(v.clone() if v.data_ptr() == values.data_ptr() else v)  # never a view of the caller's
+                v = values_above(v, self._floor)
+            if v.numel():  # kept on the CPU (numpy partitions them), never a view of the caller's
+                self._parts.append(v.cpu() if v.device.type != "cpu" else v.clone() if v.data_ptr() == values.data_ptr() else v)
                 self._held += v.numel()
             if self._held > 2 * self.keep + SLACK:
                 self._shrink()
             return
         if v.dtype != torch.float32:
             v = v.float()  # float64 (KL) rounded to float32: 2**-24 relative, far below the bucket width
+        if self._cut:  # negatives are below the cut too
+            top = float(v.max()) if vmax is None else float(vmax)
+            self._max = max(self._max, top)
+            if top < self._cut_value:
+                return
+            v = values_above(v, self._cut_value, inclusive=True)
+            key = torch.bitwise_right_shift(v.contiguous().view(torch.int32), HIST_SHIFT)
+            counts = torch.bincount(key.sub_(_KEY_FLOOR + self._cut))
+            self._hist[self._cut : self._cut + counts.numel()] += counts.to(self._hist.device)
+            self._raise_cut()
+            return
         if not nonneg and float(v.min()) < 0:
             negative = v < 0
-            self._negatives.append(v[negative].double())
+            self._negatives.append(v[negative].double().cpu())
             v = v[~negative]
             if v.numel() == 0:
                 return
         self._max = max(self._max, float(v.max()) if vmax is None else float(vmax))
         key = torch.bitwise_right_shift(v.contiguous().view(torch.int32), HIST_SHIFT)  # >= 0: the order of the values
         counts = torch.bincount(key.clamp_(min=_KEY_FLOOR).sub_(_KEY_FLOOR))
-        self._hist[: counts.numel()] += counts
+        self._hist[: counts.numel()] += counts.to(self._hist.device)
+        self._raise_cut()
+
+    def _raise_cut(self) -> None:
+        """Move the cut up to the highest bucket with at least ``keep`` values at or above it (see ``_cut``)."""
+        end = min(max(_key_of(self._max) - _KEY_FLOOR, 0), self._hist.numel() - 1) + 1  # past the highest bucket used
+        top = torch.flip(self._hist[self._cut : end], [0]).cumsum(0)  # values at or above each bucket, from the top down
+        if top.numel() == 0 or int(top[-1]) < self.keep:
+            return
+        cut = end - 1 - int(torch.searchsorted(top, self.keep))
+        if cut > self._cut:
+            self._cut, self._cut_value = cut, _from_bits((cut + _KEY_FLOOR) << HIST_SHIFT)
 
     def _shrink(self) -> None:
         """Keep the ``keep`` largest values: numpy's in-place partition (introselect) of the gathered values;
@@ -159,8 +186,22 @@ class StreamQuantile:
             return HIST_FLOOR if self._max > 0 else 0.0
         if not math.isfinite(estimate):
             return estimate
-        key = struct.unpack("<i", struct.pack("<f", estimate))[0] >> HIST_SHIFT
+        key = _key_of(estimate)
         return min(_from_bits((key + 1) << HIST_SHIFT), self._max)
+
+
+def values_above(v: torch.Tensor, floor: float, inclusive: bool = False) -> torch.Tensor:
+    """The values of 1-D ``v`` above ``floor`` (at or above it if ``inclusive``), in their order: through numpy
+    on the CPU (its comparison is several times faster than torch's there)."""
+    if v.device.type == "cpu":
+        a = v.numpy()
+        return torch.from_numpy(a[a >= floor] if inclusive else a[a > floor])
+    return v[v >= floor] if inclusive else v[v > floor]
+
+
+def _key_of(x: float) -> int:
+    """The histogram key of a float32 value >= 0 (``HIST_SHIFT``)."""
+    return struct.unpack("<i", struct.pack("<f", x))[0] >> HIST_SHIFT
 
 
 def _from_bits(bits: int) -> float:

@@ -30,7 +30,7 @@ import torch
 from pipeline.artifacts.comparison import Decisions, NonFinite, NonFiniteSides, OutputsInfo, Paired, Quality, Stats, Training
 from pipeline.artifacts.outputs import OutputsReader
 from pipeline.compare.decisions import DecisionStats, PerCase, regression_flips
-from pipeline.compare.gaps import ArbiterStats, GapStats
+from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite
 from pipeline.compare.quality import QualityStats, regression_errors
 from pipeline.compare.trajectory import trajectory_gap, update_health
 from pipeline.config import METRICS, AcceptanceConfig, CompareConfig, TaskConfig
@@ -311,8 +311,8 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
     chunk_fp64 = {name: st.read(fp64, "fp64", name, start, stop) for name in st.names} if fp64 is not None else None
     chunk_trained = {name: st.read(trained, "trained", name, start, stop) for name in st.names}
     trained_main = chunk_trained[st.main]
-    for name, out in chunk_trained.items():  # every output of the AMP-trained model (the trial's: below, from its gaps)
-        _note_nonfinite(st, "trained", name, start, out)
+    trained_finite = {name: _note_nonfinite(st, "trained", name, start, out)  # every output of the AMP-trained model
+                      for name, out in chunk_trained.items()}  # (the trial's: below, from its gaps)
     for name in st.names:
         r_all, t_all = chunk[name]
         main = name == st.main
@@ -324,8 +324,11 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             before, nonfinite_before = st.gaps[name].failing_so_far(), st.gaps[name].nonfinite_so_far()
             if len(runs) == 1:
                 gap = st.gaps[name].update(r, t, runs[0][2])
+                finite = st.gaps[name].last_finite
             else:
-                gap = torch.cat([st.gaps[name].update(r[x - a : y - a], t[x - a : y - a], k) for x, y, k in runs])
+                parts = [(st.gaps[name].update(r[x - a : y - a], t[x - a : y - a], k), st.gaps[name].last_finite)
+                         for x, y, k in runs]
+                gap, finite = torch.cat([g for g, _ in parts]), all(f for _, f in parts)
             if st.gaps[name].nonfinite_so_far() > nonfinite_before:  # rare: which rows, for the rollback's cases
                 _note_nonfinite(st, "trial", name, a, t)
             if st.gaps[name].failing_so_far() > before:  # rare: which rows failed, for the rollback's cases
@@ -351,15 +354,15 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             with_target = st.has_target[a:b]
             every, some = bool(with_target.all()), bool(with_target.any())
             ref_hits = None
-            for side, out in zip(SIDES, (r, t, trained_slice)):
+            for side, out, fin in zip(SIDES, (r, t, trained_slice), (finite, finite, trained_finite[name])):
                 known, lse = labels.of(side) if labels is not None else (None, None)
                 hits = None
                 if every:  # no copy of the slice
-                    hits = st.quality[side].update(out, y, known, lse)
+                    hits = st.quality[side].update(out, y, known, lse, finite=fin)
                 elif some:
                     hits = st.quality[side].update(out[with_target], y[with_target],
                                                    known[with_target] if known is not None else None,
-                                                   lse[with_target] if lse is not None else None)
+                                                   lse[with_target] if lse is not None else None, finite=fin)
                 if side == "reference":
                     ref_hits = hits
                 elif hits is not None and ref_hits is not None:
@@ -401,13 +404,15 @@ def nonfinite_summary(ids: Sequence[str], kinds: Sequence[str], rows: torch.Tens
                      elements={k: v for k, v in sorted(elements.items()) if v})
 
 
-def _note_nonfinite(st: _State, side: str, name: str, row: int, out: torch.Tensor) -> None:
-    """Rows (from ``row``) of ``out`` with a non-finite element, into the side's tally, whatever the head."""
-    if not out.numel() or bool(torch.isfinite(out).all()):
-        return
+def _note_nonfinite(st: _State, side: str, name: str, row: int, out: torch.Tensor) -> bool:
+    """Rows (from ``row``) of ``out`` with a non-finite element, into the side's tally, whatever the head;
+    whether every element was finite."""
+    if not out.numel() or all_finite(out):
+        return True
     bad = ~torch.isfinite(out.reshape(out.shape[0], -1)).all(1)
     st.nonfinite[side][row : row + out.shape[0]] |= bad
     st.nonfinite_elements[side][name] += int((~torch.isfinite(out)).sum())
+    return False
 
 
 def _give_back_freed_memory() -> None:
