@@ -1,4 +1,4 @@
-"""``python -m pipeline STAGE [--dtype DTYPE] [--params PATH]``: run one stage.
+"""``python -m pipeline STAGE [--variant NAME] [--params PATH]``: run one stage.
 
 User mistakes (``UserError``) print one line and exit with status 2; anything else is a bug and keeps
 its traceback.
@@ -19,25 +19,25 @@ import importlib
 import os
 import sys
 
-from pipeline.config import DTYPES, load_params
+from pipeline.config import load_params
 from pipeline.errors import UserError
 
 STAGES = ("prepare", "freeze", "trial", "compare", "diagnose", "decide", "benchmark", "report", "publish", "restore")
-PER_DTYPE = {"trial", "compare", "diagnose", "decide", "benchmark", "restore"}
+PER_VARIANT = {"trial", "compare", "diagnose", "decide", "benchmark", "restore"}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description="Run one stage of the AMP validation pipeline.")
     parser.add_argument("stage", choices=STAGES)
-    parser.add_argument("--dtype", help="autocast dtype of a per-dtype stage: float16 or bfloat16")
+    parser.add_argument("--variant", help="the trial variant of a per-variant stage: a name in params trial.variants")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = parser.parse_args(argv)
     try:
-        if args.stage in PER_DTYPE and not args.dtype:
-            raise UserError(f"stage {args.stage} needs --dtype (float16 or bfloat16)")
-        if args.dtype is not None and args.dtype not in DTYPES:
-            raise UserError(f"--dtype {args.dtype}: unknown dtype; use one of {', '.join(DTYPES)}")
         params = load_params(args.params)  # a mistake in params.yaml is reported before torch is even imported
+        if args.stage in PER_VARIANT:
+            if not args.variant:
+                raise UserError(f"stage {args.stage} needs --variant NAME, one of trial.variants {params.trial.variants}")
+            params.trial.policy(args.variant)  # a name that is not a variant: one line, before torch
         set_thread_env(params.threads, os.environ)
         if getattr(params.reference, "deterministic", False):
             # cuBLAS reads it when it starts: before torch, to be sure (precision.deterministic sets it too).
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(f"pipeline.stages.{args.stage}")
         if "torch" in sys.modules:  # the stage computes: fix torch's own counts before it starts
             set_torch_threads(params.threads)
-        kwargs = {"dtype": args.dtype} if args.stage in PER_DTYPE else {}
+        kwargs = {"variant": args.variant} if args.stage in PER_VARIANT else {}
         module.main(params_path=args.params, **kwargs)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

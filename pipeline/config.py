@@ -223,22 +223,106 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 @dataclass(frozen=True)
-class TrialConfig:
-    dtypes: list[Literal["float16", "bfloat16"]] = field(default_factory=lambda: list(DTYPES))
-    """Autocast dtypes to trial; each becomes one variant of every per-dtype stage."""
-    fp32_modules: list[str] = field(default_factory=list)
+class Policy:
+    """One trial variant: what changes the arithmetic against the FP32 eager reference (README "Variants").
+
+    The reference itself is ``Policy()``: float32, eager, no float8. A trial is judged against it by the same
+    frozen rule whatever changed: the autocast dtype, the compiler, float8 linear layers, or several at once.
+    """
+
+    dtype: Literal["float16", "bfloat16", "float32"] = "float32"
+    """Autocast dtype; float32 runs no autocast (a compiled or float8 variant judged at FP32's own precision)."""
+    compile: Literal["off", "inductor"] = "off"
+    """``inductor``: the model runs through ``torch.compile`` (training and inference); ``off``: eager."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    """``torch.compile``'s ``mode`` when ``compile: inductor``."""
+    float8: Literal["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = "off"
+    """A torchao float8 training recipe for the model's linear layers (``pip install amp-validation[fp8]``):
+    real kernels on GPUs of capability 8.9 and newer, the same casts emulated in software elsewhere."""
+    fp32_modules: tuple[str, ...] = ()
     """Qualified module names run outside autocast (inputs cast to float32). A changed list is a new trial."""
 
+    @property
+    def amp(self) -> bool:
+        return self.dtype != "float32"
+
+    @property
+    def uses_scaler(self) -> bool:
+        # FP16's narrow range needs loss scaling; BF16 has FP32's exponent range and does not.
+        return self.dtype == "float16"
+
+    @property
+    def compiled(self) -> bool:
+        return self.compile != "off"
+
+    @property
+    def eager(self) -> "Policy":
+        """The same arithmetic without the compiler: what diagnosis replays to tell compile from precision."""
+        return dataclasses.replace(self, compile="off", compile_mode="default")
+
+    def as_dict(self) -> dict:
+        """What a manifest records; the fields a default (autocast only) policy leaves at rest are not written."""
+        out: dict = {"dtype": self.dtype, "fp32_modules": list(self.fp32_modules)}
+        if self.compiled:
+            out.update(compile=self.compile, compile_mode=self.compile_mode)
+        if self.float8 != "off":
+            out["float8"] = self.float8
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Policy":
+        return build(cls, raw, "policy")
+
     def check(self, key: str) -> None:
-        if not self.dtypes:
-            raise UserError(f"params.yaml: {key}.dtypes is empty; list at least one of {list(DTYPES)}")
-        if len(set(self.dtypes)) != len(self.dtypes):
-            raise UserError(f"params.yaml: {key}.dtypes lists a dtype twice; list each once")
         twice = sorted({m for m in self.fp32_modules if self.fp32_modules.count(m) > 1})
         if twice:
             raise UserError(
                 f"params.yaml: {key}.fp32_modules lists {', '.join(map(repr, twice))} more than once; list each module once"
             )
+        if self.compile == "off" and self.compile_mode != "default":
+            raise UserError(
+                f"params.yaml: {key}.compile_mode {self.compile_mode!r} needs compile: inductor; set both, or neither"
+            )
+
+
+_VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a DVC stage suffix and a folder name
+
+
+def _default_policies() -> dict:
+    return {name: Policy(dtype=name) for name in DTYPES}
+
+
+@dataclass(frozen=True)
+class TrialConfig:
+    variants: list[str] = field(default_factory=lambda: list(DTYPES))
+    """The trials that run, by name (each is one variant of every per-variant stage: trial@NAME, compare@NAME...)."""
+    policies: dict[str, Policy] = field(default_factory=_default_policies)
+    """Every named policy; only those listed in ``variants`` run. Stage trial@NAME depends on its own entry only."""
+
+    def policy(self, name: str) -> Policy:
+        """Raises: UserError for a name that is not a variant here."""
+        if name not in self.variants:
+            raise UserError(f"--variant {name} is not in trial.variants {self.variants}; add it there or pick one of them")
+        return self.policies[name]
+
+    def check(self, key: str) -> None:
+        if not self.variants:
+            raise UserError(f"params.yaml: {key}.variants is empty; list at least one of {sorted(self.policies)}")
+        if len(set(self.variants)) != len(self.variants):
+            raise UserError(f"params.yaml: {key}.variants lists a name twice; list each once")
+        for name in self.variants:
+            if name not in self.policies:
+                raise UserError(
+                    f"params.yaml: {key}.variants lists {name!r}, which {key}.policies does not define; add "
+                    f"{key}.policies.{name}: {{dtype: ...}}, or use one of {sorted(self.policies)}"
+                )
+        for name, policy in self.policies.items():
+            if not _VARIANT_NAME.match(name):
+                raise UserError(
+                    f"params.yaml: {key}.policies name {name!r} cannot name a DVC stage and a folder; use letters, "
+                    f"digits, '_', '.' and '-'"
+                )
+            policy.check(f"{key}.policies.{name}")
 
 
 @dataclass(frozen=True)
@@ -446,7 +530,7 @@ class DiagnoseConfig:
     passes): ``always`` (also for healthy trials: one process with torch and the model, ~the cost of a
     tiny trial), ``on_failure`` (a healthy trial then costs a JSON read), or ``never``."""
     search_budget: int = 4
-    """Most trial re-runs (inference and training under a candidate ``trial.fp32_modules``) the FP32-region
+    """Most trial re-runs (inference and training under a candidate ``fp32_modules``) the FP32-region
     search may spend; 0 still locates the first non-finite value but checks no suggestion."""
     max_cases: int = 16
     """Most failing fixed-set cases replayed when locating a non-finite output."""
@@ -512,11 +596,12 @@ def _check_min_quality(params: "Params") -> None:
 
 
 class ParamsLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser where PyYAML has it: 10x faster
-    """PyYAML's safe loader, reading numbers as YAML 1.2 (and DVC, which reads params.yaml with ruamel) does.
+    """PyYAML's safe loader, reading numbers and booleans as YAML 1.2 (and DVC, which reads params.yaml with ruamel) does.
 
     PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent: ``1e-4`` and ``1.0e30`` would
     be strings there, while ``dvc exp run -S`` and ``dvc params diff`` see floats. Integers keep PyYAML's
-    rule (it is checked first); this adds the 1.2 floats it misses.
+    rule (it is checked first); this adds the 1.2 floats it misses. Booleans are ``true`` and ``false`` only:
+    YAML 1.1 also reads ``off``, ``on``, ``yes`` and ``no`` as booleans, and ``compile: off`` is a word here.
     """
 
 
@@ -524,6 +609,13 @@ ParamsLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
     list("-+0123456789."),
+)
+ParamsLoader.yaml_implicit_resolvers = {  # the copy add_implicit_resolver made: drop YAML 1.1's booleans...
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in ParamsLoader.yaml_implicit_resolvers.items()
+}
+ParamsLoader.add_implicit_resolver(  # ...and keep YAML 1.2's
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
 
 
@@ -579,6 +671,10 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
             choices = ", ".join(repr(a) for a in args)
             raise UserError(f"params.yaml: {key} is {_show(value)}; use one of {choices}")
         return value
+    if origin is tuple:  # tuple[X, ...]: a YAML list, kept immutable
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"params.yaml: {key} must be a list, got {_show(value)}")
+        return tuple(_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
     if origin is list:
         if not isinstance(value, list):
             raise UserError(f"params.yaml: {key} must be a list, got {_show(value)}")

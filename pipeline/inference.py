@@ -15,7 +15,7 @@ import torch
 
 from pipeline import precision
 from pipeline.errors import UserError
-from pipeline.precision import Policy
+from pipeline.config import Policy
 from pipeline.task import Inputs, call, iter_rows, map_floating, named_outputs, to_device
 
 INFERENCE_SEED = 0

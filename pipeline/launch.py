@@ -39,7 +39,7 @@ def check_launch(params, visible_gpus: int | None) -> None:
         )
 
 
-def relaunched(stage: str, params, params_path: str, dtype: str | None = None) -> bool:
+def relaunched(stage: str, params, params_path: str, variant: str | None = None) -> bool:
     """Run ``python -m pipeline STAGE`` on N ranks under torchrun and wait for them: True when it did (this
     process has nothing left to do), False when this process runs the stage itself (N == 1, or already a rank).
 
@@ -51,7 +51,7 @@ def relaunched(stage: str, params, params_path: str, dtype: str | None = None) -
         return False
     device = devices.resolve(params.device)
     check_launch(params, torch.cuda.device_count() if device.type == "cuda" else None)
-    argv = [stage, "--params", params_path, *(["--dtype", dtype] if dtype else [])]
+    argv = [stage, "--params", params_path, *(["--variant", variant] if variant else [])]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "-m", "pipeline", *argv]
     proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True, errors="replace")
     if proc.returncode != 0:

@@ -24,11 +24,11 @@ METRICS = DATA / "metrics"  # DVC metrics, kept in git (cache: false) so `dvc me
 RESUME = DATA / "resume"  # not a DVC output: DVC deletes outputs before a stage runs
 
 
-def trial(dtype: str) -> Path:
-    return DATA / "trial" / dtype
+def trial(variant: str) -> Path:
+    return DATA / "trial" / variant
 
 
-# The files of one trial folder (``trial(dtype) / NAME``; pipeline/artifacts/trial.py and trial_tensors.py write and read them).
+# The files of one trial folder (``trial(variant) / NAME``; pipeline/artifacts/trial.py and trial_tensors.py write and read them).
 TRIAL_OUTPUTS = "outputs.safetensors"
 TRIAL_TRAINED_OUTPUTS = "trained_outputs.safetensors"
 TRIAL_CHECKPOINT = "checkpoint.safetensors"
@@ -36,44 +36,44 @@ TRIAL_TRAJECTORY = "trajectory.json"
 TRIAL_MANIFEST = "manifest.json"
 
 
-def compare(dtype: str) -> Path:
-    return DATA / "compare" / dtype
+def compare(variant: str) -> Path:
+    return DATA / "compare" / variant
 
 
-def diagnose(dtype: str) -> Path:
-    return DATA / "diagnose" / dtype
+def diagnose(variant: str) -> Path:
+    return DATA / "diagnose" / variant
 
 
-def decision(dtype: str) -> Path:
-    return DATA / "decision" / dtype
+def decision(variant: str) -> Path:
+    return DATA / "decision" / variant
 
 
-def benchmark(dtype: str) -> Path:
-    return DATA / "benchmark" / dtype
+def benchmark(variant: str) -> Path:
+    return DATA / "benchmark" / variant
 
 
-def benchmark_metrics(dtype: str) -> Path:
+def benchmark_metrics(variant: str) -> Path:
     """The benchmark's two DVC metrics (speedup: the median FP32/AMP time ratio, mem_ratio: peak process memory
-    AMP/FP32); details in benchmark(dtype)/benchmark.json."""
-    return METRICS / f"bench-{dtype}.json"
+    AMP/FP32); details in benchmark(variant)/benchmark.json."""
+    return METRICS / f"bench-{variant}.json"
 
 
-def compare_metrics(dtype: str) -> Path:
-    return METRICS / f"compare-{dtype}.json"
+def compare_metrics(variant: str) -> Path:
+    return METRICS / f"compare-{variant}.json"
 
 
-def decision_metrics(dtype: str) -> Path:
+def decision_metrics(variant: str) -> Path:
     """The short metrics file of one variant (decide writes it; `dvc metrics diff` shows it)."""
-    return METRICS / f"{dtype}.json"
+    return METRICS / f"{variant}.json"
 
 
 REPORT = DATA / "report"  # the report stage's figures (PNG) and curves for `dvc plots`; publish adds the timings
-REPORT_CURVES = REPORT / "curves"  # one folder per curve family, one flat JSON per dtype (dvc.yaml `plots:`)
+REPORT_CURVES = REPORT / "curves"  # one folder per curve family, one flat JSON per variant (dvc.yaml `plots:`)
 
 
-def report_plot(dtype: str, name: str) -> Path:
-    return REPORT / "plots" / dtype / f"{name}.png"
+def report_plot(variant: str, name: str) -> Path:
+    return REPORT / "plots" / variant / f"{name}.png"
 
 
-def report_curve(family: str, dtype: str) -> Path:
-    return REPORT_CURVES / family / f"{dtype}.json"
+def report_curve(family: str, variant: str) -> Path:
+    return REPORT_CURVES / family / f"{variant}.json"

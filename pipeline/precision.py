@@ -1,7 +1,8 @@
 """The precision policy: the one place that knows autocast, GradScaler and FP32 regions.
 
-A policy is a dtype (None for the FP32 reference) and a list of modules kept outside autocast.
-Everything else in the pipeline asks this module for contexts and scalers.
+A policy (``config.Policy``) is an autocast dtype (float32 for the reference) and a list of modules kept
+outside autocast; its compiler and float8 parts are applied by ``pipeline.transforms``. Everything else in the
+pipeline asks this module for contexts and scalers.
 """
 
 from __future__ import annotations
@@ -10,13 +11,12 @@ import contextlib
 import os
 import re
 import warnings
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 from torch.utils._pytree import tree_map
 
-from pipeline.config import DTYPES
+from pipeline.config import DTYPES, Policy
 from pipeline.errors import UserError
 
 _DTYPES = {name: getattr(torch, name) for name in DTYPES}  # the names autocast takes here: config.DTYPES
@@ -28,26 +28,6 @@ def parse_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise UserError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
-
-
-@dataclass(frozen=True)
-class Policy:
-    dtype: str | None = None
-    """Autocast dtype name, or None for strict FP32."""
-    fp32_modules: tuple[str, ...] = field(default_factory=tuple)
-    """Qualified names of modules run outside autocast, their floating inputs cast to float32."""
-
-    @property
-    def amp(self) -> bool:
-        return self.dtype is not None
-
-    @property
-    def uses_scaler(self) -> bool:
-        # FP16's narrow range needs loss scaling; BF16 has FP32's exponent range and does not.
-        return self.dtype == "float16"
-
-    def as_dict(self) -> dict:
-        return {"dtype": self.dtype or "float32", "fp32_modules": list(self.fp32_modules)}
 
 
 # --- TF32: the one switch -------------------------------------------------------------------------------
@@ -225,7 +205,7 @@ def fp32_regions(model: torch.nn.Module, policy: Policy, device: torch.device) -
     for name in policy.fp32_modules:
         if name not in modules:
             known = ", ".join(n for n in modules if n)[:300]
-            raise UserError(f"trial.fp32_modules: {name!r} is not a module of the model; use one of: {known}")
+            raise UserError(f"fp32_modules: {name!r} is not a module of the model; use one of: {known}")
         module = modules[name]
         original = module.forward
 

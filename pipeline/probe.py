@@ -7,7 +7,7 @@ import torch
 from pipeline.config import TaskConfig
 from pipeline.errors import UserError
 from pipeline.inference import infer
-from pipeline.precision import Policy
+from pipeline.config import Policy
 from pipeline.recipe import make_loss
 from pipeline.task import TensorSource, TrainSource, check_outputs, rows, to_device
 

@@ -23,7 +23,7 @@ from pipeline import checkpoint, distributed, precision, task
 from pipeline.config import ReferenceConfig, TaskConfig
 from pipeline.errors import UserError
 from pipeline.inference import infer, infer_chunks
-from pipeline.precision import Policy
+from pipeline.config import Policy
 from pipeline.recipe import make_loss, make_optimizer, make_scheduler
 from pipeline.task import Inputs, TrainSource, to_device
 

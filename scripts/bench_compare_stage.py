@@ -6,7 +6,7 @@ The built-in language model (``examples/lm.params.yaml``: 128 ordinary sequences
 96-token vocabulary, plus edge and boundary cases) is prepared, frozen and tried (bfloat16) twice, by the
 real stages in fresh processes: once at the default size and once with ``--scale`` times the ordinary
 sequences (training shortened: only the size of the fixed set matters here). Then ``python -m pipeline
-compare --dtype bfloat16`` runs in each, alone in a launcher process that reads its peak RSS
+compare --variant bfloat16`` runs in each, alone in a launcher process that reads its peak RSS
 (``getrusage(RUSAGE_CHILDREN).ru_maxrss``, the child's VmHWM).
 
 The default run's set fits in one chunk: its peak is the interpreter (Python, torch, the pipeline, every
@@ -69,9 +69,9 @@ def stage(folder: Path, *args: str) -> tuple[float, int | None]:
 
 def measure(folder: Path, scale: int, chunk_elements: int) -> dict:
     project(folder, scale, chunk_elements)
-    for args in (("prepare",), ("freeze",), ("trial", "--dtype", "bfloat16")):
+    for args in (("prepare",), ("freeze",), ("trial", "--variant", "bfloat16")):
         stage(folder, *args)
-    seconds, peak_kb = stage(folder, "compare", "--dtype", "bfloat16")
+    seconds, peak_kb = stage(folder, "compare", "--variant", "bfloat16")
     stats = comparison.Stats.from_dict(json.loads((folder / "data" / "compare" / "bfloat16" / comparison.STATS).read_text()))
     reference, trial = folder / "data" / "reference", folder / "data" / "trial" / "bfloat16"
     fp64 = reference / "outputs_fp64.safetensors"

@@ -21,7 +21,7 @@ Two modes:
   publish included (MLflow at ``MLFLOW_TRACKING_URI``, else an sqlite file inside the copy);
 - without DVC (a bare PyTorch image whose python3 has only torch, pyyaml, safetensors and numpy; or
   ``--no-dvc``): dvc.yaml's commands run one by one in its order, its matrix stages once per
-  ``trial.dtypes`` (``_project.plan``), ``publish`` skipped (MLflow is not there).
+  ``trial.variants`` (``_project.plan``), ``publish`` skipped (MLflow is not there).
 
 Without scikit-learn the default example (digits, which loads scikit-learn's bundled data) cannot run,
 so the ``default`` run uses the transformer example at CPU size instead, and figures.json says so.
@@ -137,7 +137,7 @@ def collect(repo: Path, dtypes: list[str]) -> dict:
 def profiles(size: str, only: str | None, force_transformer: bool, dtypes: list[str] | None) -> tuple[dict, dict[str, str]]:
     """The params of each run, and notes on what was substituted and why."""
     notes: dict[str, str] = {}
-    chosen = {"trial": {"dtypes": dtypes}} if dtypes else {}
+    chosen = {"trial": {"variants": dtypes}} if dtypes else {}
     transformer = _project.merge(_project.transformer(size), chosen)
     default = _project.merge(_project.merge(_project.params(), _project.size("tiny") if size == "tiny" else {}), chosen)
     if force_transformer or importlib.util.find_spec("sklearn") is None:
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--task", choices=("transformer",), help="default run on the transformer example even where scikit-learn exists"
     )
-    parser.add_argument("--dtypes", help="comma-separated trial.dtypes override, e.g. float16")
+    parser.add_argument("--dtypes", help="comma-separated trial.variants override, e.g. float16")
     parser.add_argument("--keep", action="store_true", help="keep the temporary project copies (their paths are printed)")
     parser.add_argument(
         "--require-gpu", action="store_true", help="stop with one line (exit 2) unless torch sees a CUDA or ROCm GPU"
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             repo = _project.copy(work / name, params)
             t0 = time.monotonic()
             stages = run_dvc(repo) if use_dvc else run_stages(repo)
-            run_dtypes = params["trial"]["dtypes"]
+            run_dtypes = params["trial"]["variants"]
             figures["runs"][name] = {
                 "note": notes.get(name, ""),
                 "params": params,

@@ -29,7 +29,8 @@ import _project  # noqa: E402
 
 from pipeline import devices, precision  # noqa: E402
 from pipeline.bench.timing import time_steps  # noqa: E402
-from pipeline.bench.variants import variants  # noqa: E402
+from pipeline.bench.arms import arms  # noqa: E402
+from pipeline.config import Policy  # noqa: E402
 from pipeline.bench.workload import TrainingStep, Workload  # noqa: E402
 from pipeline.config import DTYPES, Params, build  # noqa: E402
 from pipeline.examples import transformer  # noqa: E402
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     size = args.size or ("gpu" if device.type == "cuda" else "cpu")
     env = devices.describe(device)
     params, model, x, y = workload(size, device)
-    chosen, _ = variants(args.dtype, (), env)
+    chosen, _ = arms(Policy(dtype=args.dtype), env)
     result = {
         "env": env.as_dict(),
         "size": size,

@@ -48,7 +48,7 @@ def report_html(repo: Path) -> str:
     from pipeline.artifacts import variant
     from pipeline.config import load_params
 
-    dtypes = load_params().trial.dtypes
+    dtypes = load_params().trial.variants
     manifest = read_json(paths.REF_MANIFEST)
     reference = {k: manifest[k] for k in ("rule_sha256", "run_key", "env", "cases")}
     variants = [variant.load(d) for d in dtypes]

@@ -1,9 +1,10 @@
-"""pipeline/bench/sizing.py and pipeline/bench/variants.py: how long to measure, and what against what."""
+"""pipeline/bench/sizing.py and pipeline/bench/arms.py: how long to measure, and what against what."""
 
 from __future__ import annotations
 
 from pipeline.bench.sizing import SIZES, sizes
-from pipeline.bench.variants import variants
+from pipeline.bench.arms import arms
+from pipeline.config import Policy
 from pipeline.config import BenchConfig
 
 CPU = {"backend": "cpu", "device": "cpu", "device_name": "Some CPU", "capability": "AVX2", "torch": "2.13.0"}
@@ -25,11 +26,11 @@ def test_sizes_by_device_unless_params_set_them() -> None:
 
 def test_tf32_baseline_only_where_the_gpu_has_tf32() -> None:
     def names(env):
-        return [v.name for v in variants("bfloat16", (), env)[0]]
+        return [v.name for v in arms(Policy(dtype="bfloat16"), env)[0]]
 
     assert names(A100) == ["fp32", "tf32", "amp"]
     assert names(CPU) == names(T4) == names(MI300) == ["fp32", "amp"]
-    chosen, note = variants("float16", ("head",), T4)
+    chosen, note = arms(Policy(dtype="float16", fp32_modules=("head",)), T4)
     assert "7.5" in note
     assert [v.tf32 for v in chosen] == [False, False], "the FP32 baseline and AMP run with TF32 off"
     assert chosen[-1].policy.dtype == "float16" and chosen[-1].policy.fp32_modules == ("head",)

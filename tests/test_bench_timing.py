@@ -13,7 +13,7 @@ from pipeline import precision
 from pipeline.bench.timing import interleaved, time_steps
 from pipeline.bench.workload import TrainingStep, Workload
 from pipeline.config import Params
-from pipeline.precision import Policy
+from pipeline.config import Policy
 
 CPU = torch.device("cpu")
 

@@ -24,7 +24,7 @@ from pipeline.bench.memory import MemoryProbes
 from pipeline.bench.workload import TrainingStep, load_workload
 from pipeline.config import load_params
 from pipeline.errors import UserError
-from pipeline.precision import Policy
+from pipeline.config import Policy
 
 
 # --- the artifact ---------------------------------------------------------------------------------------------
@@ -41,11 +41,11 @@ def test_a_rolled_back_record_round_trips_and_a_damaged_one_is_refused(tmp_path:
     monkeypatch.chdir(tmp_path)
     benchmark.write(benchmark.rolled_back("bfloat16"))
     assert json.loads(Path("data/benchmark/bfloat16/benchmark.json").read_text()) == {
-        "benchmarked": False, "dtype": "bfloat16", "reason": "bfloat16 was rolled back; only accepted variants are benchmarked",
+        "benchmarked": False, "variant": "bfloat16", "reason": "bfloat16 was rolled back; only accepted variants are benchmarked",
     }
     assert json.loads(Path("data/metrics/bench-bfloat16.json").read_text()) == {}
     assert benchmark.read("bfloat16") == benchmark.rolled_back("bfloat16")
-    Path("data/benchmark/bfloat16/benchmark.json").write_text('{"benchmarked": true, "dtype": "bfloat16"}')
+    Path("data/benchmark/bfloat16/benchmark.json").write_text('{"benchmarked": true, "variant": "bfloat16"}')
     with pytest.raises(UserError, match="is not a benchmark record.*dvc repro -f benchmark@bfloat16"):
         benchmark.read("bfloat16")
 
@@ -76,7 +76,7 @@ def stage(repo: Path, *args: str):
 def frozen(tmp_path_factory) -> Path:
     """A tiny project after prepare and freeze: what the benchmark reads besides the decision."""
     repo = make_project(tmp_path_factory.mktemp("bench") / "repo", TINY_TRANSFORMER)
-    for args in (["prepare"], ["freeze"], ["trial", "--dtype", "float16"]):
+    for args in (["prepare"], ["freeze"], ["trial", "--variant", "float16"]):
         proc = stage(repo, *args)
         assert proc.returncode == 0, proc.stderr
     return repo
@@ -86,7 +86,8 @@ def decide(repo: Path, dtype: str, decision: str) -> None:
     folder = repo / "data" / "decision" / dtype
     folder.mkdir(parents=True, exist_ok=True)
     fields = {
-        "dtype": dtype, "decision": decision, "reasons": [], "checks": [], "rule": {}, "rule_sha256": "", "policy": {}, "env": {},
+        "variant": dtype, "decision": decision, "reasons": [], "checks": [], "rule": {}, "rule_sha256": "", "policy": {},
+        "env": {},
     }
     (folder / "decision.json").write_text(json.dumps(fields))
 
@@ -114,7 +115,7 @@ def test_workload_starts_from_the_trials_final_scaler_state(frozen: Path, monkey
 
 def test_benchmark_stage_measures_an_accepted_variant(frozen: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     decide(frozen, "float16", "accept")
-    proc = stage(frozen, "benchmark", "--dtype", "float16")
+    proc = stage(frozen, "benchmark", "--variant", "float16")
     assert proc.returncode == 0, proc.stderr
     result = json.loads((frozen / "data/benchmark/float16/benchmark.json").read_text())
     metrics = json.loads((frozen / "data/metrics/bench-float16.json").read_text())
@@ -140,12 +141,12 @@ def test_benchmark_stage_measures_an_accepted_variant(frozen: Path, monkeypatch:
 
 def test_benchmark_stage_skips_a_rolled_back_variant(frozen: Path) -> None:
     decide(frozen, "bfloat16", "rollback")
-    proc = stage(frozen, "benchmark", "--dtype", "bfloat16")
+    proc = stage(frozen, "benchmark", "--variant", "bfloat16")
     assert proc.returncode == 0, proc.stderr
     result = json.loads((frozen / "data/benchmark/bfloat16/benchmark.json").read_text())
     assert result == {
         "benchmarked": False,
-        "dtype": "bfloat16",
+        "variant": "bfloat16",
         "reason": "bfloat16 was rolled back; only accepted variants are benchmarked",
     }
     assert json.loads((frozen / "data/metrics/bench-bfloat16.json").read_text()) == {}
@@ -157,7 +158,7 @@ def test_gpu_benchmark_uses_events_and_reports_tf32_where_it_exists(frozen: Path
     repo = tmp_path / "repo"
     shutil.copytree(frozen, repo)
     decide(repo, "float16", "accept")
-    proc = stage(repo, "benchmark", "--dtype", "float16")
+    proc = stage(repo, "benchmark", "--variant", "float16")
     assert proc.returncode == 0, proc.stderr
     result = json.loads((repo / "data/benchmark/float16/benchmark.json").read_text())
     assert result["method"]["clock"].startswith("CUDA events")
@@ -170,7 +171,7 @@ def test_gpu_benchmark_uses_events_and_reports_tf32_where_it_exists(frozen: Path
 
 def test_stage_plan_without_dvc() -> None:
     """gpu_check's bare-image order: the package's STAGES, per-dtype ones once per dtype, no restore."""
-    plan = _project.plan({"trial": {"dtypes": ["float16", "bfloat16"]}})
+    plan = _project.plan({"trial": {"variants": ["float16", "bfloat16"]}})
     names = [s.name for s in plan]
     assert names[:2] == ["prepare", "freeze"] and names[-1] == "publish" and "restore@float16" not in names
     for dtype in ("float16", "bfloat16"):

@@ -21,7 +21,7 @@ def test_shipped_params_load_and_every_section_is_present():
     params = config.load_params(ROOT / "params.yaml")
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     assert set(raw) == {f.name for f in config.dataclasses.fields(config.Params)}
-    assert params.trial.dtypes == ["float16", "bfloat16"]
+    assert params.trial.variants == ["float16", "bfloat16"]
     assert params.acceptance.tolerance("anything").atol == 0.05
 
 
@@ -33,7 +33,7 @@ def test_empty_file_gives_defaults(tmp_path):
     "text,words",
     [
         ("acceptance: {outputs: {'*': {atol: -1, rtol: 0}}}", ["acceptance.outputs.*.atol", "0 or more"]),
-        ("trial: {dtypes: [fp8]}", ["trial.dtypes[0]", "'float16', 'bfloat16'"]),
+        ("trial: {variants: [fp8]}", ["trial.variants", "'fp8'", "trial.policies.fp8"]),
         ("task: {model: digits}", ["task.model", "module:function"]),
         ("reference: {train_steps: 1.5}", ["reference.train_steps", "integer"]),
         ("reference: {eval_mode: 'yes'}", ["reference.eval_mode", "true or false"]),
@@ -42,7 +42,7 @@ def test_empty_file_gives_defaults(tmp_path):
         ("acceptance: {loss_atol: .nan}", ["acceptance.loss_atol", "finite"]),
         ("device: tpu", ["device", "'auto', 'cpu', 'cuda'"]),
         ("task: [1, 2]", ["task must be a mapping"]),
-        ("trial: {dtypes: [float16, float16]}", ["twice"]),
+        ("trial: {variants: [float16, float16]}", ["twice"]),
     ],
 )
 def test_mistakes_name_the_key_and_the_fix(tmp_path, text, words):
@@ -74,7 +74,7 @@ def test_dvc_yaml_and_paths_table_agree():
         for kind in ("outs", "metrics"):
             for item in stage.get(kind, []):
                 declared.add(next(iter(item)) if isinstance(item, dict) else item)
-    d = "${item.dtype}"
+    d = "${item.variant}"
     expected = {
         str(paths.PREPARED_CASES), str(paths.PREPARED_TRAIN), str(paths.REFERENCE),
         str(paths.trial(d)), str(paths.compare(d)), str(paths.diagnose(d)), str(paths.decision(d)),

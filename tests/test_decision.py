@@ -32,7 +32,7 @@ def compared() -> Stats:
 
 def made(result: str = "accept", **extra) -> decision.Decision:
     return decision.Decision(
-        dtype="bfloat16", decision=result, reasons=[] if result == "accept" else ["values 'logits': too far"], checks=["ok"],
+        variant="bfloat16", decision=result, reasons=[] if result == "accept" else ["values 'logits': too far"], checks=["ok"],
         rule={"max_flips": 0}, rule_sha256="a" * 64, policy={"dtype": "bfloat16", "fp32_modules": []}, env={"backend": "cpu"},
         **extra,
     )

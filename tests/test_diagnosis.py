@@ -20,12 +20,12 @@ from pipeline import precision, recipe
 from pipeline import rule
 from pipeline.artifacts import diagnosis
 from pipeline.artifacts.comparison import Stats
-from pipeline.config import load_params
+from pipeline.config import ParamsLoader, load_params
 from pipeline.diagnosis import precision_map, replay, trace, wording
 from pipeline.errors import UserError
 from pipeline.files import dumps
 from pipeline.examples import stress
-from pipeline.precision import Policy
+from pipeline.config import Policy
 
 CPU = torch.device("cpu")
 
@@ -50,7 +50,7 @@ def test_overflow_example_rolls_fp16_back_naming_the_culprit_and_accepts_bf16(tm
     # the diagnosis', beside the reasons
     culprit_findings = [f for f in fp16["findings"] if "module 'amplify' (Linear, aten.addmm" in f]
     assert culprit_findings and "float16's largest finite value is 65504" in culprit_findings[0]
-    assert any("suggested trial.fp32_modules: ['amplify']" in f for f in fp16["findings"])
+    assert any("suggested fp32_modules: ['amplify']" in f for f in fp16["findings"])
 
     diag = json.loads((repo / "data/diagnose/float16/diagnosis.json").read_text())
     assert diag["needed"] and diag["reference_fails_rule"] == []
@@ -67,9 +67,12 @@ def test_overflow_example_rolls_fp16_back_naming_the_culprit_and_accepts_bf16(tm
         "rule_passes": True,
         "file": "data/diagnose/float16/suggested_params.yaml",
     }
-    snippet = yaml.safe_load((repo / "data/diagnose/float16/suggested_params.yaml").read_text())
-    assert snippet == {"trial": {"fp32_modules": ["amplify"]}}
-    assert load_params(repo / "params.yaml").trial.fp32_modules == []  # suggested, never applied
+    snippet = (repo / "data/diagnose/float16/suggested_params.yaml").read_text()
+    assert yaml.load(snippet, Loader=ParamsLoader) == {  # as DVC and the stages read params.yaml (YAML 1.2: off is a word)
+        "trial": {"policies": {"float16": {"dtype": "float16", "compile": "off", "float8": "off", "fp32_modules": ["amplify"]}}}
+    }
+    assert """dvc exp run -S 'trial.policies.float16.fp32_modules=["amplify"]'""" in snippet
+    assert load_params(repo / "params.yaml").trial.policies["float16"].fp32_modules == ()  # suggested, never applied
 
     bf16 = json.loads((repo / "data/decision/bfloat16/decision.json").read_text())
     assert bf16["decision"] == "accept", bf16["reasons"]
@@ -242,7 +245,7 @@ def test_diagnose_is_cheap_on_a_healthy_trial(reproduced, tmp_path):
     seconds = {}
     for name in ("diagnose", "trial"):
         start = time.perf_counter()
-        assert stage(copy, name, "--dtype", "float16").returncode == 0
+        assert stage(copy, name, "--variant", "float16").returncode == 0
         seconds[name] = time.perf_counter() - start
     print(f"healthy float16: diagnose {seconds['diagnose']:.1f}s, trial {seconds['trial']:.1f}s (whole processes)")
     assert seconds["diagnose"] < seconds["trial"] / 2  # a JSON read and no torch, against a whole (tiny) training
@@ -283,7 +286,7 @@ def test_diagnosis_records_read_back_key_for_key():
     assert dumps(back.as_dict()) == dumps(found.as_dict())  # byte for byte (the blind trace's NaN loss is no == match)
     assert back.first_nonfinite[0].amp == amp and back.local_fix == found.local_fix and back.underflow == found.underflow
     with pytest.raises(UserError, match=r"rebuild it with `dvc repro --force diagnose@float16`"):
-        diagnosis.from_dict({**raw, "work": {**raw["work"], "seconds": 1.0}}, dtype="float16")
+        diagnosis.from_dict({**raw, "work": {**raw["work"], "seconds": 1.0}}, variant="float16")
 
 
 def test_diagnose_params_are_validated(tmp_path):

@@ -60,7 +60,7 @@ def test_more_ranks_than_visible_gpus_is_one_line(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(devices, "resolve", lambda name: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     path = params_file(tmp_path, device="cuda", distributed={"nproc_per_node": 2}, reference={"batch_size": 32})
-    assert cli.main(["trial", "--dtype", "float16", "--params", path]) == 2
+    assert cli.main(["trial", "--variant", "float16", "--params", path]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
     assert "distributed.nproc_per_node is 2 but 1 GPU(s) are visible" in err
@@ -94,8 +94,8 @@ Root Cause (first observed failure):
 def test_failure_lines_name_the_rank_that_died_or_its_own_error():
     line = launch.failure_line(TORCHRUN_REPORT, 2, "freeze")
     assert "rank 1 of 2 died (killed by SIGKILL)" in line and "\n" not in line
-    own = "[rank0]: noise\nerror: --dtype float8 is not in trial.dtypes; add it\n" + TORCHRUN_REPORT
-    assert launch.failure_line(own, 2, "trial") == "--dtype float8 is not in trial.dtypes; add it"
+    own = "[rank0]: noise\nerror: --variant float8 is not in trial.variants; add it\n" + TORCHRUN_REPORT
+    assert launch.failure_line(own, 2, "trial") == "--variant float8 is not in trial.variants; add it"
     assert "torchrun failed (boom)" in launch.failure_line("boom\n", 2, "freeze")
 
 

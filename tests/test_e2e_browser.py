@@ -146,7 +146,7 @@ def build_report(repo: Path) -> str:
         "from pipeline.present import page\n"
         "manifest = read_json(paths.REF_MANIFEST)\n"
         "reference = {k: manifest[k] for k in ('rule_sha256', 'run_key', 'env', 'cases')}\n"
-        "variants = [variant.load(d) for d in load_params().trial.dtypes]\n"
+        "variants = [variant.load(d) for d in load_params().trial.variants]\n"
         "sys.stdout.write(page.html(reference, variants, {v['dtype']: v['plots'] for v in variants}))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(repo)}
@@ -157,7 +157,7 @@ def test_report_renders_in_chromium_with_the_verdict_first_and_every_figure(repr
     page = build_report(reproduced)
     dtypes = json.loads(subprocess.run(
         [os.sys.executable, "-c",
-         "import json; from pipeline.config import load_params; print(json.dumps(load_params().trial.dtypes))"],
+         "import json; from pipeline.config import load_params; print(json.dumps(load_params().trial.variants))"],
         cwd=reproduced, env={**os.environ, "PYTHONPATH": str(reproduced)}, capture_output=True, text=True, check=True,
     ).stdout)
     probed = tmp_path / "report-probed.html"

@@ -60,14 +60,14 @@ def test_the_benchmark_times_two_ranks_and_rank_0_writes_it(two_ranks, tmp_path)
         d for d in ("float16", "bfloat16") if json.loads((repo / f"data/metrics/{d}.json").read_text())["decision"] == "accept"
     ]
     assert accepted, "TINY's tolerance accepts float16 (README: the same rule on 2 ranks)"
-    run([sys.executable, "-m", "pipeline", "benchmark", "--dtype", accepted[0]], repo)
+    run([sys.executable, "-m", "pipeline", "benchmark", "--variant", accepted[0]], repo)
     record = json.loads((repo / f"data/benchmark/{accepted[0]}/benchmark.json").read_text())
     assert record["benchmarked"] and record["env"]["world_size"] == 2 and record["env"]["process_group_backend"] == "gloo"
 
 
 @pytest.mark.parametrize(("stage", "folder", "names", "rank"), [
     (["freeze"], "data/reference", REFERENCE, 1),  # a rank other than the writer dies
-    (["trial", "--dtype", "float16"], "data/trial/float16", TRIAL, 0),  # the writer itself dies
+    (["trial", "--variant", "float16"], "data/trial/float16", TRIAL, 0),  # the writer itself dies
 ])
 def test_a_rank_killed_mid_run_is_one_line_and_the_rerun_is_byte_identical(two_ranks, tmp_path, stage, folder, names, rank):
     repo = tmp_path / "repo"
@@ -92,7 +92,7 @@ def _overflow_rank(rank: int, rendezvous: str, out: str, wrap: bool) -> None:
 
     from pipeline import distributed, precision, recipe, training
     from pipeline.config import TaskConfig
-    from pipeline.precision import Policy
+    from pipeline.config import Policy
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     world = distributed.World(rank=rank, size=2, backend="gloo")

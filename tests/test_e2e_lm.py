@@ -18,7 +18,7 @@ LM = {
     },
     "prepare": {"ordinary_cases": 16, "edge_samples": 1},
     "reference": {"train_steps": 8, "batch_size": 32, "optimizer": "adam", "lr": 0.003, "boundary_cases": 2},
-    "trial": {"dtypes": ["bfloat16"]},
+    "trial": {"variants": ["bfloat16"]},
     # The rule names distribution criteria before the trial, like every other criterion.
     "acceptance": {"outputs": {"*": {"atol": 0.05, "rtol": 0.02}}, "min_quality": None, "max_kl_mean": 0.01, "max_kl_p99": 0.05,
                    "min_top1_agreement": 0.9, "boundary_margin_kind": "probability", "boundary_margin": 0.02},
@@ -34,7 +34,7 @@ GPT2 = {
     },
     "prepare": {"ordinary_cases": 8, "edge_samples": 1},
     "reference": {"train_steps": 4, "batch_size": 32, "optimizer": "adam", "lr": 0.003, "boundary_cases": 2},
-    "trial": {"dtypes": ["bfloat16"]},
+    "trial": {"variants": ["bfloat16"]},
     "acceptance": {
         "outputs": {"*": {"atol": 0.1, "rtol": 0.05}}, "min_quality": None, "max_kl_mean": 0.05, "min_top1_agreement": 0.8,
     },

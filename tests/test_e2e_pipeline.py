@@ -126,7 +126,7 @@ def test_bring_your_own_model_with_named_outputs(tmp_path):
     override = {
         "task": {"model": "usermodels.twoheads:build_model", "data": "usermodels.twoheads:load_data", "options": {"width": 6}},
         "acceptance": {"outputs": {"*": {"atol": 0.05, "rtol": 0.02}, "aux": {"atol": 1.0, "rtol": 0.05}}, "min_quality": 0.5},
-        "trial": {"dtypes": ["bfloat16"]},
+        "trial": {"variants": ["bfloat16"]},
     }
     repo = make_project(tmp_path / "repo", override)
     (repo / "usermodels").mkdir()
@@ -149,7 +149,7 @@ def test_regression_example_runs_end_to_end(tmp_path):
             "model": "pipeline.examples.diabetes:build_model", "data": "pipeline.examples.diabetes:load_data",
         },
         "acceptance": {"threshold": 1.0, "min_quality": -1.5},
-        "trial": {"dtypes": ["bfloat16"]},
+        "trial": {"variants": ["bfloat16"]},
         "reference": {"lr": 0.01},
     }
     repo = make_project(tmp_path / "repo", override)
@@ -159,7 +159,7 @@ def test_regression_example_runs_end_to_end(tmp_path):
     for key in ("mae", "rmse", "max_error", "extreme_low_mae", "extreme_high_mae", "output_min", "output_max"):
         assert key in stats["regression"]["trial"]
     assert stats["flips"]["boundary_cases"] == 0
-    assert not (repo / "data/trial/float16").exists()  # the matrix follows trial.dtypes
+    assert not (repo / "data/trial/float16").exists()  # the matrix follows trial.variants
 
 
 def test_restore_verifies_hashes_and_restores_the_reference_state(reproduced, tmp_path):
@@ -170,7 +170,7 @@ def test_restore_verifies_hashes_and_restores_the_reference_state(reproduced, tm
     assert decision["decision"] == "rollback", decision
     package = copy / f"data/decision/{dtype}/rollback"
     assert {"reference_policy.yaml", "manifest.json", "cases.json"} <= {p.name for p in package.iterdir()}
-    out = stage(copy, "restore", "--dtype", dtype)
+    out = stage(copy, "restore", "--variant", dtype)
     assert out.returncode == 0, out.stderr
     manifest = json.loads((copy / "data/reference/manifest.json").read_text())
     restored = copy / "restored" / f"reference-{dtype}.safetensors"
@@ -181,7 +181,7 @@ def test_restore_verifies_hashes_and_restores_the_reference_state(reproduced, tm
         f.seek(-3, 2)
         f.write(b"\x00\x01\x02")
     restored.unlink()
-    bad = stage(copy, "restore", "--dtype", dtype)
+    bad = stage(copy, "restore", "--variant", dtype)
     assert bad.returncode == 2 and "differs from the rollback package" in bad.stderr
     assert "Traceback" not in bad.stderr and not restored.exists()
 

@@ -10,7 +10,7 @@ environment first on PATH, as after `. .venv/bin/activate`.
   run is both the quick start and the one example run to the end, its diagnosis checked against the lines the
   README quotes; then the `mlflow ui` line, and the Diagnostics line itself (again, and `--dry` for stress_overflow);
 - the DVC views (`### With DVC`) and the sweep block (`### Sweeps on DVC's queue`, on tests/test_sweep.py's params);
-- `python -m pipeline restore --dtype DTYPE` after a rollback (in a copy of the session's `reproduced`);
+- `python -m pipeline restore --variant DTYPE` after a rollback (in a copy of the session's `reproduced`);
 - `python scripts/timings.py --venv .venv` and `make timings`: checked for the target and the arguments; the real
   run (three full runs of the default pipeline, minutes) only with AMP_README_TIMINGS=1.
 
@@ -244,7 +244,7 @@ def _dvc_views(repo):
 
 
 def test_restore_after_a_rollback_runs_as_written(reproduced, tmp_path):
-    command = inline(r"python -m pipeline restore --dtype DTYPE")
+    command = inline(r"python -m pipeline restore --variant DTYPE")
     repo = copy(reproduced, tmp_path / "repo")
     decisions = {
         d: json.loads((repo / f"data/decision/{d}/decision.json").read_text())["decision"] for d in ("float16", "bfloat16")

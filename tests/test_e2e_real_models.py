@@ -118,10 +118,10 @@ def test_kill_and_resume_with_accumulation_and_a_dataset_is_byte_identical(datas
     expected = digests(trial)
     shutil.rmtree(trial)
     env = faults.after_step(env_for(repo), kill_after)
-    killed = run([sys.executable, "-m", "pipeline", "trial", "--dtype", "float16"], repo, check=False, env=env)
+    killed = run([sys.executable, "-m", "pipeline", "trial", "--variant", "float16"], repo, check=False, env=env)
     assert killed.returncode == -signal.SIGKILL
     assert (repo / "data/resume/trial-float16.safetensors").exists() == (kill_after >= 4)
-    run([sys.executable, "-m", "pipeline", "trial", "--dtype", "float16"], repo)
+    run([sys.executable, "-m", "pipeline", "trial", "--variant", "float16"], repo)
     assert digests(trial) == expected
 
 

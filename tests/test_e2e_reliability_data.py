@@ -10,7 +10,7 @@ import torch
 from pipeline import training
 from pipeline.config import ReferenceConfig, TaskConfig
 from pipeline.errors import UserError
-from pipeline.precision import Policy
+from pipeline.config import Policy
 from pipeline.task import DatasetSource
 
 CFG = ReferenceConfig(train_steps=6, batch_size=8, lr=0.1, momentum=0.0, checkpoint_every=2, grad_clip=None)

@@ -40,7 +40,7 @@ def test_report_never_deletes_through_a_symlink_nor_files_it_did_not_write(repro
     (plots / "float32" / "loss.png").write_bytes(b"not a dtype the stage knows: not its file")
     unknown = plots / "bfloat16" / "old.png"
     unknown.write_bytes(b"x")
-    write_params(repo, {"trial": {"dtypes": ["float16"]}})
+    write_params(repo, {"trial": {"variants": ["float16"]}})
     done = run([sys.executable, "-m", "pipeline", "report"], repo)
     assert not (plots / "bfloat16" / "loss.png").exists()  # the stage's own figure of a dtype no longer configured
     assert (plots / "float16" / "notes.txt").read_text() == "mine"

@@ -142,7 +142,7 @@ class _Items(torch.utils.data.Dataset):
 def test_a_bad_dataset_item_is_named_in_one_line_with_its_training_step(how, words):
     from pipeline import training
     from pipeline.config import ReferenceConfig, TaskConfig
-    from pipeline.precision import Policy
+    from pipeline.config import Policy
 
     source = task.DatasetSource(_Items(5, how), "labels", "mymod:load", "classification")
     cfg = ReferenceConfig(train_steps=4, batch_size=4, checkpoint_every=0)

@@ -33,13 +33,13 @@ def test_killed_trial_resumes_to_identical_outputs(reproduced, tmp_path, kill_af
     shutil.rmtree(trial)  # as DVC does before running a stage
 
     env = faults.after_step(env_for(repo), kill_after)
-    killed = run([sys.executable, "-m", "pipeline", "trial", "--dtype", "float16"], repo, check=False, env=env)
+    killed = run([sys.executable, "-m", "pipeline", "trial", "--variant", "float16"], repo, check=False, env=env)
     assert killed.returncode == -signal.SIGKILL
     assert not (trial / "checkpoint.safetensors").exists()  # nothing half-written
     resume = repo / "data/resume/trial-float16.safetensors"
     assert resume.exists() == (kill_after >= 4)
 
-    done = run([sys.executable, "-m", "pipeline", "trial", "--dtype", "float16"], repo)
+    done = run([sys.executable, "-m", "pipeline", "trial", "--variant", "float16"], repo)
     assert done.returncode == 0
     assert "restarts from step 0" not in done.stderr, done.stderr  # it resumed: the killed run saved under the rerun's key
     assert digests(trial) == expected
@@ -52,8 +52,8 @@ def test_a_resume_state_from_another_run_is_ignored(reproduced, tmp_path):
     trial = repo / "data/trial/float16"
     expected = digests(trial)
     env = faults.after_step(env_for(repo), 6)
-    run([sys.executable, "-m", "pipeline", "trial", "--dtype", "bfloat16"], repo, check=False, env=env)
+    run([sys.executable, "-m", "pipeline", "trial", "--variant", "bfloat16"], repo, check=False, env=env)
     # A bfloat16 state renamed to look like the float16 one: its run key differs, so it is not used.
     shutil.copy(repo / "data/resume/trial-bfloat16.safetensors", repo / "data/resume/trial-float16.safetensors")
-    run([sys.executable, "-m", "pipeline", "trial", "--dtype", "float16"], repo)
+    run([sys.executable, "-m", "pipeline", "trial", "--variant", "float16"], repo)
     assert digests(trial) == expected

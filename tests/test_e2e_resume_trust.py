@@ -28,7 +28,7 @@ from _project import env_for, run, write_params
 from pipeline import checkpoint, training
 from pipeline.config import ReferenceConfig, TaskConfig
 from pipeline.files import write_tensors
-from pipeline.precision import Policy
+from pipeline.config import Policy
 from pipeline.task import TensorSource
 
 FILES = ("outputs.safetensors", "trained_outputs.safetensors", "checkpoint.safetensors", "trajectory.json", "manifest.json")
@@ -193,7 +193,7 @@ def kill_at(args: list[str], repo: Path, step: int, env: dict | None = None) -> 
     assert proc.returncode == -signal.SIGKILL
 
 
-TRIAL = [sys.executable, "-m", "pipeline", "trial", "--dtype", "float16"]
+TRIAL = [sys.executable, "-m", "pipeline", "trial", "--variant", "float16"]
 
 
 @pytest.fixture

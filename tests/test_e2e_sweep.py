@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 
 SMALL = {"bench": {"repeats": 1, "steps": 1, "warmup": 0}, "prepare": {"ordinary_cases": 32},
          "reference": {"train_steps": 4, "checkpoint_every": 0, "boundary_cases": 1}, "diagnose": {"search_budget": 0},
-         "trial": {"dtypes": ["bfloat16"]},
+         "trial": {"variants": ["bfloat16"]},
          # 4 steps train a reference to accuracy ~0.19: freeze refuses a minimum it cannot meet
          "acceptance": {"min_quality": 0.1}}
 # The queued sweep itself is tests/test_readme_commands.py::test_sweep_block_runs_as_written (the README's block, as written).

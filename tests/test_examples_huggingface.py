@@ -10,7 +10,7 @@ from pipeline import probe, task, training
 from pipeline.config import LrSchedule, ReferenceConfig, TaskConfig
 from pipeline.errors import UserError
 from pipeline.examples import huggingface as hf
-from pipeline.precision import Policy
+from pipeline.config import Policy
 
 CPU = torch.device("cpu")
 BERT = {"model_type": "bert", "vocab_size": 65, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,

@@ -18,22 +18,22 @@ import gpu_check
 
 
 def test_plan_is_dvc_yaml_with_its_matrix_stages_once_per_dtype() -> None:
-    params = {**_project.params(), "trial": {"dtypes": ["float16", "bfloat16"]}}
+    params = {**_project.params(), "trial": {"variants": ["float16", "bfloat16"]}}
     plan = _project.plan(params)
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
-    dtypes = params["trial"]["dtypes"]
+    dtypes = params["trial"]["variants"]
     expected = [f"{n}@{d}" if "matrix" in s else n for n, s in stages.items() for d in (dtypes if "matrix" in s else [""])]
     assert [s.name for s in plan] == expected
     assert expected[:3] == ["prepare", "freeze", "trial@float16"] and expected[-1] == "publish"
     trial = next(s for s in plan if s.name == "trial@bfloat16")
-    assert trial.cmd == ("python", "-m", "pipeline", "trial", "--dtype", "bfloat16")
+    assert trial.cmd == ("python", "-m", "pipeline", "trial", "--variant", "bfloat16")
     assert trial.argv()[0] == sys.executable and trial.argv()[1:] == list(trial.cmd[1:])
 
 
 def test_the_runs_are_the_example_files_at_each_size() -> None:
     runs, notes = gpu_check.profiles("gpu", None, force_transformer=True, dtypes=["float16"])
     example = _project.example("transformer")
-    assert runs["transformer"] == {**example, "trial": {**example["trial"], "dtypes": ["float16"]}}
+    assert runs["transformer"] == {**example, "trial": {**example["trial"], "variants": ["float16"]}}
     assert runs["transformer"]["task"]["options"]["d_model"] == 768
     assert runs["default"]["task"]["options"] == _project.size("transformer-cpu")["task"]["options"]
     assert "--task transformer" in notes["default"]
@@ -49,7 +49,7 @@ def test_a_copy_holds_the_working_tree_as_git_sees_it(tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "pipeline" / "__pycache__").mkdir(parents=True)
     (src / "params.yaml").write_text(
-        yaml.safe_dump({"seed": 0, "trial": {"dtypes": ["float16", "bfloat16"], "fp32_modules": []}})
+        yaml.safe_dump({"seed": 0, "trial": {"variants": ["float16", "bfloat16"], "fp32_modules": []}})
     )
     (src / ".gitignore").write_text("__pycache__/\n")
     (src / "dvc.yaml").write_text("stages: {}\n")
@@ -59,11 +59,11 @@ def test_a_copy_holds_the_working_tree_as_git_sees_it(tmp_path: Path) -> None:
     _project.run(["git", "add", "-A"], src)
     (src / "pipeline" / "untracked.py").write_text("B = 2\n")  # an edit not yet committed runs in the copy too
     (src / "pipeline" / "__pycache__" / "tracked.cpython.pyc").write_bytes(b"ignored")
-    repo = _project.copy(tmp_path / "repo", override={"seed": 7, "trial": {"dtypes": ["float16"]}}, root=src)
+    repo = _project.copy(tmp_path / "repo", override={"seed": 7, "trial": {"variants": ["float16"]}}, root=src)
     files = sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*") if p.is_file())
     assert files == [".gitignore", "dvc.yaml", "params.yaml", "pipeline/tracked.py", "pipeline/untracked.py"]
     params = _project.params(repo)
-    assert params == {"seed": 7, "trial": {"dtypes": ["float16"], "fp32_modules": []}}, "a mapping merges key by key"
+    assert params == {"seed": 7, "trial": {"variants": ["float16"], "fp32_modules": []}}, "a mapping merges key by key"
     # Without git (a folder copied into a bare image): the same folders, less Python's caches.
     shutil.rmtree(src / ".git")
     bare = _project.copy(tmp_path / "bare", root=src)

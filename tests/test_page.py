@@ -8,7 +8,7 @@ from pipeline.present import page
 
 def _variant(dtype: str, metrics: dict) -> dict:
     return {
-        "dtype": dtype, "decision": {"decision": "accept", "reasons": []}, "metrics": metrics, "diagnosis": {}, "benchmark": {},
+        "variant": dtype, "decision": {"decision": "accept", "reasons": []}, "metrics": metrics, "diagnosis": {}, "benchmark": {},
     }
 
 

@@ -83,11 +83,11 @@ def variants() -> list[dict]:
         "findings": ["first non-finite loss at step 3"], "suggestion": {"fp32_modules": ["head", "0"], "rule_passes": True},
     }
     return [
-        {"dtype": "float16", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": flatten(stats),
+        {"variant": "float16", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": flatten(stats),
          "diagnosis": {"findings": []}, "benchmark": slow},
-        {"dtype": "bfloat16", "env": {"backend": "cpu"}, "decision": rollback, "stats": stats, "metrics": flatten(stats),
+        {"variant": "bfloat16", "env": {"backend": "cpu"}, "decision": rollback, "stats": stats, "metrics": flatten(stats),
          "diagnosis": diagnosis, "benchmark": {"benchmarked": False, "reason": "bfloat16 was rolled back"}},
-        {"dtype": "float16-fast", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": flatten(stats),
+        {"variant": "float16-fast", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": flatten(stats),
          "diagnosis": {"findings": []}, "benchmark": bench},
     ]
 
@@ -152,8 +152,8 @@ def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
     assert "ordinary/digits-1274: class 5 -> 2, reference margin 0.037 (trial 0.01) - a REAL sample near the boundary" in verdict
     assert verdict.index("ordinary/digits-1274") < verdict.index("boundary/a~b: class 1 -> 7")  # real samples first
     assert "a constructed boundary case" in verdict
-    assert "python -m pipeline restore --dtype bfloat16" in verdict
-    assert "dvc exp run -S 'trial.fp32_modules=[head,0]' -S 'trial.dtypes=[bfloat16]'" in verdict
+    assert "python -m pipeline restore --variant bfloat16" in verdict
+    assert """dvc exp run -S 'trial.policies.bfloat16.fp32_modules=["head","0"]' -S 'trial.variants=[bfloat16]'""" in verdict
     assert "no GradScaler" in verdict
     md = page.markdown(REFERENCE, variants())
     assert md.index("## Verdict") < md.index("## Key figures") < md.index(REFERENCE["rule_sha256"])
@@ -161,7 +161,7 @@ def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
         "**float16: ACCEPT** - the rule passed, x0.32 (3.1 times slower) on this CPU, working memory x0.50: "
         "keep FP32 here unless memory is what you lack  ",
         "**bfloat16: ROLLBACK** - 1 criterion failed; keep FP32 for bfloat16 (the reference state is restorable exactly); "
-        "next: `python -m pipeline restore --dtype bfloat16`  ",
+        "next: `python -m pipeline restore --variant bfloat16`  ",
         "**float16-fast: ACCEPT** - the rule passed, x1.50 faster on this CPU, working memory x0.50: switch to AMP here",
     ]
 
@@ -221,7 +221,7 @@ def test_one_dtype_leaves_no_stale_figures_and_plots_still_render(reproduced, tm
     repo = tmp_path / "repo"
     shutil.copytree(reproduced, repo, symlinks=True)
     with_templates(repo)
-    write_params(repo, {"trial": {"dtypes": ["bfloat16"]}})
+    write_params(repo, {"trial": {"variants": ["bfloat16"]}})
     dvc(repo, "repro", "--single-item", "report")  # only this stage; dvc.lock then lists only bfloat16 files
     assert not (repo / "data/report/plots/float16").exists()
     assert not (repo / "data/report/curves/loss/float16.json").exists()
@@ -245,7 +245,7 @@ def test_plots_diff_between_revisions_needs_no_dvc_cache(reproduced, tmp_path):
     with_templates(repo)
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
     subprocess.run(["git", "commit", "-qm", "reproduced"], cwd=repo, check=True)
-    dvc(repo, "exp", "run", "-n", "bf16", "-S", "trial.dtypes=[bfloat16]")  # reruns report (and publish) only
+    dvc(repo, "exp", "run", "-n", "bf16", "-S", "trial.variants=[bfloat16]")  # reruns report (and publish) only
     branch = subprocess.run(
         ["git", "branch", "--show-current"], cwd=repo, capture_output=True, text=True, check=True
     ).stdout.strip()

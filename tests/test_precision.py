@@ -17,7 +17,7 @@ from pipeline import checkpoint, devices, precision
 from pipeline.__main__ import set_thread_env
 from pipeline.config import Params, TrialConfig, build
 from pipeline.errors import UserError
-from pipeline.precision import Policy
+from pipeline.config import Policy
 
 CPU = torch.device("cpu")
 NEW_TF32_API = hasattr(torch.backends.cuda.matmul, "fp32_precision")
@@ -113,8 +113,9 @@ def test_deterministic_reports_the_ops_without_a_deterministic_kernel_in_one_lin
 
 
 def test_duplicate_fp32_modules_are_refused_in_config_and_regions_restore_in_reverse() -> None:
-    with pytest.raises(UserError, match=r"trial.fp32_modules lists '0' more than once; list each module once"):
-        build(TrialConfig, {"fp32_modules": ["0", "1", "0"]}, "trial").check("trial")
+    with pytest.raises(UserError, match=r"trial.policies.float16.fp32_modules lists '0' more than once; list each module once"):
+        policies = {"float16": {"dtype": "float16", "fp32_modules": ["0", "1", "0"]}}
+        build(TrialConfig, {"variants": ["float16"], "policies": policies}, "trial").check("trial")
     # A policy built in code (the diagnosis's candidates) may still name a module twice: two wrappers stack,
     # and restoring in reverse removes both (forward order left the second one installed).
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())

@@ -12,7 +12,7 @@ import torch
 from pipeline import recipe, task, training
 from pipeline.config import LrSchedule, ReferenceConfig, TaskConfig
 from pipeline.errors import UserError
-from pipeline.precision import Policy
+from pipeline.config import Policy
 from test_training import CPU, TASK, Loud, data  # the loop's own fixtures: forced GradScaler skips
 
 

@@ -32,7 +32,7 @@ from pipeline import tracking
 pytestmark = pytest.mark.integration
 
 def dtypes_of(repo: Path) -> list[str]:
-    return yaml.safe_load((repo / "params.yaml").read_text())["trial"]["dtypes"]
+    return yaml.safe_load((repo / "params.yaml").read_text())["trial"]["variants"]
 
 
 def parents_of(runs: list) -> list:
@@ -252,7 +252,7 @@ def test_parent_description_opens_with_the_verdict_and_keeps_hashes_for_the_foot
         decision = read(story["repo"], f"data/decision/{d}/decision.json")
         assert f"**{d}: {decision['decision'].upper()}" in note.split("## Key figures")[0]
         if decision["decision"] == "rollback":
-            assert f"python -m pipeline restore --dtype {d}" in note
+            assert f"python -m pipeline restore --variant {d}" in note
 
 
 def test_params_are_flattened_from_params_yaml(story):
@@ -260,7 +260,7 @@ def test_params_are_flattened_from_params_yaml(story):
     params = parent.data.params
     raw = yaml.safe_load((story["repo"] / "params.yaml").read_text())
     assert params["reference.train_steps"] == str(raw["reference"]["train_steps"])
-    assert json.loads(params["trial.dtypes"]) == raw["trial"]["dtypes"]
+    assert json.loads(params["trial.variants"]) == raw["trial"]["variants"]
     # `*` is not a valid MLflow key
     assert float(params["acceptance.outputs.default.atol"]) == raw["acceptance"]["outputs"]["*"]["atol"]
     assert params["tracking.experiment"] == "amp-validation"
@@ -524,7 +524,7 @@ def test_stale_params_are_refused_before_contacting_mlflow(reproduced, tmp_path)
 
 
 def test_dvc_exp_run_temp_publishes_to_the_workspace_database(reproduced, tmp_path):
-    """`dvc exp run --temp -S trial.dtypes=[bfloat16]`: the default URI still points at <repo>/mlflow.db."""
+    """`dvc exp run --temp -S trial.variants=[bfloat16]`: the default URI still points at <repo>/mlflow.db."""
     repo = tmp_path / "repo"
     shutil.copytree(reproduced, repo, symlinks=True)
     run(["git", "add", "-A"], repo)
@@ -533,7 +533,8 @@ def test_dvc_exp_run_temp_publishes_to_the_workspace_database(reproduced, tmp_pa
     del env["MLFLOW_TRACKING_URI"]  # the default: sqlite:///<repository root>/mlflow.db
     before = {r.info.run_id for r in runs_of(f"sqlite:///{repo / 'mlflow.db'}")}
     proc = run(
-        [str(BIN / "dvc"), "exp", "run", "--temp", "-n", "bf16-only", "-S", "trial.dtypes=[bfloat16]"], repo, env=env, timeout=600
+        [str(BIN / "dvc"), "exp", "run", "--temp", "-n", "bf16-only", "-S", "trial.variants=[bfloat16]"], repo, env=env,
+        timeout=600
     )
     assert "publish" in proc.stdout
     runs = [r for r in runs_of(f"sqlite:///{repo / 'mlflow.db'}") if r.info.run_id not in before]

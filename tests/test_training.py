@@ -8,7 +8,7 @@ import torch
 
 from pipeline import checkpoint, training
 from pipeline.config import LrSchedule, ReferenceConfig, TaskConfig
-from pipeline.precision import Policy
+from pipeline.config import Policy
 from pipeline.task import Batch, DatasetSource, TensorSource
 
 CPU = torch.device("cpu")

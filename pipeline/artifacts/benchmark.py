@@ -1,7 +1,7 @@
-"""The benchmark artifact: ``data/benchmark/DTYPE/benchmark.json`` and its two DVC metrics
-(``data/metrics/bench-DTYPE.json``), one owner.
+"""The benchmark artifact: ``data/benchmark/NAME/benchmark.json`` and its two DVC metrics
+(``data/metrics/bench-NAME.json``), one owner.
 
-benchmark@DTYPE writes it (``pipeline.bench`` measures); report and publish read it through ``read``. Torch-free,
+benchmark@NAME writes it (``pipeline.bench`` measures); report and publish read it through ``read``. Torch-free,
 so that the stages that only present the figures never import torch. A rolled-back variant is not benchmarked,
 and its record says why; so does ``read`` when the stage has not run yet (decide runs before the benchmark).
 """
@@ -118,7 +118,7 @@ class Benchmark(Record):
     """An accepted variant's figures: time per step and memory, FP32 (and TF32) against AMP."""
 
     benchmarked: ClassVar[bool] = True
-    dtype: str
+    variant: str
     env: dict[str, Any]
     workload: WorkloadFacts
     method: Method
@@ -162,7 +162,7 @@ class Benchmark(Record):
     def summary_line(self) -> str:
         s, m, dropped = self.speedup, self.memory.memory_ratio, self.rounds_dropped.timed
         rounds = self.method.repeats - len(dropped)
-        line = f"benchmark {self.dtype}: " + (
+        line = f"benchmark {self.variant}: " + (
             f"speedup x{s.median:.2f} (IQR {s.q1:.2f}-{s.q3:.2f}, {rounds} rounds)" if s else str(self.no_speedup_because)
         )
         if m:
@@ -179,7 +179,7 @@ class NotBenchmarked(Record):
     """A variant with no figures, and why (rolled back, or the stage has not run)."""
 
     benchmarked: ClassVar[bool] = False
-    dtype: str
+    variant: str
     reason: str
 
     def as_dict(self) -> dict:
@@ -193,36 +193,36 @@ class NotBenchmarked(Record):
         return {}
 
     def summary_line(self) -> str:
-        return f"benchmark {self.dtype}: skipped ({self.reason})"
+        return f"benchmark {self.variant}: skipped ({self.reason})"
 
 
 Measured = Benchmark | NotBenchmarked
 
 
-def rolled_back(dtype: str) -> NotBenchmarked:
-    return NotBenchmarked(dtype, f"{dtype} was rolled back; only accepted variants are benchmarked")
+def rolled_back(variant: str) -> NotBenchmarked:
+    return NotBenchmarked(variant, f"{variant} was rolled back; only accepted variants are benchmarked")
 
 
 def write(record: Measured) -> None:
-    write_json(paths.benchmark(record.dtype) / FILE, record.as_dict())
-    write_json(paths.benchmark_metrics(record.dtype), record.metrics())
+    write_json(paths.benchmark(record.variant) / FILE, record.as_dict())
+    write_json(paths.benchmark_metrics(record.variant), record.metrics())
 
 
-def read(dtype: str) -> Measured:
-    """The record of ``dtype``; a missing file reads as not benchmarked, saying so.
+def read(variant: str) -> Measured:
+    """The record of ``variant``; a missing file reads as not benchmarked, saying so.
 
     Raises:
         UserError: the file is damaged or is not a benchmark record.
     """
-    path = paths.benchmark(dtype) / FILE
+    path = paths.benchmark(variant) / FILE
     if not path.is_file():
-        return NotBenchmarked(dtype, f"{FILE} not found")
-    raw = read_json(path, f"benchmark@{dtype}")
+        return NotBenchmarked(variant, f"{FILE} not found")
+    raw = read_json(path, f"benchmark@{variant}")
     try:
         return from_dict(raw)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UserError(
-            f"{path} is not a benchmark record ({exc!r}); regenerate it with `dvc repro -f benchmark@{dtype}`"
+            f"{path} is not a benchmark record ({exc!r}); regenerate it with `dvc repro -f benchmark@{variant}`"
         ) from None
 
 

@@ -1,4 +1,4 @@
-"""The compare artifact of one dtype (``data/compare/<dtype>/``): written here, read back here, typed.
+"""The compare artifact of one variant (``data/compare/<variant>/``): written here, read back here, typed.
 
 Files: ``stats.json`` (every statistic: what decide applies the rule to), ``cases.json`` (the per-case
 table: every flipped case and the ``compare.table_rows`` worst others) and ``summary.json`` (flat
@@ -11,9 +11,9 @@ know, so a statistic written by another version cannot go unread). Diagnosis re-
 a fresh comparison as they are. Torch-free (decide reads it without importing torch; compare imports it).
 
 API:
-    write(dtype, stats: Stats, table: list[dict]) -> None
-    read(dtype) -> Stats                 raises UserError when compare@DTYPE has not run (or wrote another form)
-    read_table(dtype) -> list[dict]
+    write(variant, stats: Stats, table: list[dict]) -> None
+    read(variant) -> Stats                 raises UserError when compare@NAME has not run (or wrote another form)
+    read_table(variant) -> list[dict]
     summary(stats: Stats) -> dict        flat numbers, written as summary.json
     Stats.from_dict(d) / Stats.as_dict()
     Stats.values[name]: ValueGap    .flips, .heads[name]: Decisions    .distribution: Distribution | None
@@ -357,22 +357,22 @@ def summary(stats: Stats) -> dict:
     return out
 
 
-def write(dtype: str, stats: Stats, table: list[dict]) -> None:
+def write(variant: str, stats: Stats, table: list[dict]) -> None:
     """``stats`` as compare produced it, as ``Stats.as_dict`` gives it (the form ``read`` reads back)."""
-    out = paths.compare(dtype)
+    out = paths.compare(variant)
     write_json(out / STATS, stats.as_dict())
     write_json(out / TABLE, table)
     write_json(out / SUMMARY, summary(stats))
 
 
-def read(dtype: str) -> Stats:
-    """Raises: UserError when compare@DTYPE has not run, or its stats.json is not in this version's form."""
-    path = paths.compare(dtype) / STATS
+def read(variant: str) -> Stats:
+    """Raises: UserError when compare@NAME has not run, or its stats.json is not in this version's form."""
+    path = paths.compare(variant) / STATS
     try:
-        return Stats.from_dict(read_json(path, f"compare@{dtype}"))
+        return Stats.from_dict(read_json(path, f"compare@{variant}"))
     except ValueError as e:
-        raise UserError(f"{path} is not in the form this version reads ({e}); run `dvc repro compare@{dtype}`") from None
+        raise UserError(f"{path} is not in the form this version reads ({e}); run `dvc repro compare@{variant}`") from None
 
 
-def read_table(dtype: str) -> list[dict]:
-    return read_json(paths.compare(dtype) / TABLE, f"compare@{dtype}")
+def read_table(variant: str) -> list[dict]:
+    return read_json(paths.compare(variant) / TABLE, f"compare@{variant}")

@@ -1,4 +1,4 @@
-"""The decision artifact: ``data/decision/DTYPE/decision.json`` and its short metrics file, one owner.
+"""The decision artifact: ``data/decision/NAME/decision.json`` and its short metrics file, one owner.
 
 decide writes it; benchmark, report and publish read it through ``read``. Torch-free and MLflow-free:
 a decision is a function of the stage's DVC deps alone (the stats, the diagnosis, the manifests and the
@@ -28,7 +28,7 @@ class Decision:
     the diagnosis says a rollback starts and what would fix it) and ``notes`` (facts said beside the
     verdict, such as a trial run elsewhere than the reference)."""
 
-    dtype: str
+    variant: str
     decision: Literal["accept", "rollback"]
     reasons: list[str]
     """Every failed criterion (empty on accept)."""
@@ -67,21 +67,21 @@ class Decision:
 
 
 def write(d: Decision) -> None:
-    write_json(paths.decision(d.dtype) / FILE, d.as_dict())
+    write_json(paths.decision(d.variant) / FILE, d.as_dict())
 
 
-def read(dtype: str) -> Decision:
-    """Raises: UserError when decide@DTYPE has not run, or wrote another format."""
-    path = paths.decision(dtype) / FILE
-    raw = read_json(path, f"decide@{dtype}")
+def read(variant: str) -> Decision:
+    """Raises: UserError when decide@NAME has not run, or wrote another format."""
+    path = paths.decision(variant) / FILE
+    raw = read_json(path, f"decide@{variant}")
     names = {f.name for f in fields(Decision)}
     if not isinstance(raw, dict) or not set(raw) <= names:
-        raise UserError(f"{path} is not a decision of this version; rebuild it with `dvc repro --force decide@{dtype}`")
+        raise UserError(f"{path} is not a decision of this version; rebuild it with `dvc repro --force decide@{variant}`")
     return Decision(**raw)
 
 
 def summary_metrics(d: Decision, stats: Stats) -> dict:
-    """What `dvc metrics show` and `dvc metrics diff` print per dtype (short names, so that it fits 160
+    """What `dvc metrics show` and `dvc metrics diff` print per variant (short names, so that it fits 160
     columns): the verdict and its two parts in words (DVC prints a string metric as it is: ``accept``,
     ``rollback``), how many lines explain it (failed criteria and findings), flips of real cases and those
     near the boundary, the largest value gap, quality of the trial (inference, after training) and the
@@ -101,4 +101,4 @@ def summary_metrics(d: Decision, stats: Stats) -> dict:
 
 
 def write_metrics(d: Decision, stats: Stats) -> None:
-    write_json(paths.decision_metrics(d.dtype), summary_metrics(d, stats))
+    write_json(paths.decision_metrics(d.variant), summary_metrics(d, stats))

@@ -1,4 +1,4 @@
-"""The diagnosis artifact: ``data/diagnose/DTYPE/diagnosis.json`` (and ``suggested_params.yaml``), one owner.
+"""The diagnosis artifact: ``data/diagnose/NAME/diagnosis.json`` (and ``suggested_params.yaml``), one owner.
 
 diagnose writes it; decide, publish and the verdict read it through ``read``. Torch-free: a healthy
 trial's diagnosis is written without torch, and read without it everywhere.
@@ -12,8 +12,8 @@ in ``pipeline.diagnosis``, the search's ``LocalFix``, ``Rerun``, ``Ranked``, ...
 file's keys back, ``from_dict`` refuses a key it does not know.
 
 API:
-    write(dtype, diagnosis: Diagnosis, suggested_params: str | None) -> None
-    read(dtype) -> Diagnosis             raises UserError when diagnose@DTYPE has not run (or wrote another form)
+    write(variant, diagnosis: Diagnosis, suggested_params: str | None) -> None
+    read(variant) -> Diagnosis             raises UserError when diagnose@NAME has not run (or wrote another form)
     from_dict(raw) -> Diagnosis / Diagnosis.as_dict()
 """
 
@@ -303,25 +303,25 @@ class Diagnosis(Record):
         return super().as_dict() | ({"suggestion": dump(self.suggestion)} if searched else {})
 
 
-def write(dtype: str, diagnosis: Diagnosis, suggested_params: str | None = None) -> None:
+def write(variant: str, diagnosis: Diagnosis, suggested_params: str | None = None) -> None:
     """The diagnosis, and the suggestion as a params fragment when there is one (never applied)."""
-    out = paths.diagnose(dtype)
+    out = paths.diagnose(variant)
     if suggested_params is not None:
         write_bytes(out / SUGGESTED, suggested_params.encode())
     write_json(out / FILE, diagnosis.as_dict())
 
 
-def from_dict(raw: dict, where: str = FILE, dtype: str = "DTYPE") -> Diagnosis:
+def from_dict(raw: dict, where: str = FILE, variant: str = "NAME") -> Diagnosis:
     """Raises: UserError when ``raw`` is not a diagnosis of this version (a key it does not know, or one missing)."""
     try:
         return Diagnosis.from_dict(raw)
     except (ValueError, TypeError, AttributeError) as exc:
         raise UserError(
-            f"{where} is not a diagnosis of this version; rebuild it with `dvc repro --force diagnose@{dtype}`"
+            f"{where} is not a diagnosis of this version; rebuild it with `dvc repro --force diagnose@{variant}`"
         ) from exc
 
 
-def read(dtype: str) -> Diagnosis:
-    """Raises: UserError when diagnose@DTYPE has not run."""
-    path = paths.diagnose(dtype) / FILE
-    return from_dict(read_json(path, f"diagnose@{dtype}"), str(path), dtype)
+def read(variant: str) -> Diagnosis:
+    """Raises: UserError when diagnose@NAME has not run."""
+    path = paths.diagnose(variant) / FILE
+    return from_dict(read_json(path, f"diagnose@{variant}"), str(path), variant)

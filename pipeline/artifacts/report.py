@@ -1,7 +1,7 @@
 """The report artifact (``data/report/``): the figures per variant and the flat curves that `dvc plots` draws.
 
 The report stage draws them (``present.plots``) and writes them through ``Files``, which remembers what
-this run wrote and then prunes what an earlier run left for dtypes no longer configured: only files this
+this run wrote and then prunes what an earlier run left for variants no longer configured: only files this
 stage writes, never anything else found there, never through a symlink. ``sample`` chooses which cases
 the output figures draw when a fixed set is too large to read whole. Torch-free.
 """
@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import paths
-from pipeline.config import DTYPES
 from pipeline.files import check_inside_repository, write_bytes, write_json
 
 MAX_ELEMENTS = 2_000_000
@@ -23,8 +22,8 @@ over a large fixed set), they draw an evenly spaced subset of cases plus every f
 their titles; the counts that decide are compare's, exact, in stats.json."""
 
 FIGURES = ("loss", "scale", "envelope", "errors")
-_OWNED_DIRS = {*DTYPES, "loss", "scale"}
-"""The folders the stage makes: one per dtype under plots/, one per curve family (``plots.curve_rows``) under curves/."""
+FAMILIES = ("loss", "scale")
+"""The curve families (``plots.curve_rows``): one folder each under curves/, one file per variant in it."""
 
 
 @dataclass(frozen=True)
@@ -55,28 +54,39 @@ def sample(ids: list[str], per_case: int, flipped_ids: set[str]) -> Sample:
 class Files:
     """The files of one report run: written atomically, remembered, and the stale rest pruned at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, names) -> None:
         self.written: set[Path] = set()
+        self.names = frozenset(names)
+        """The variant names whose leftovers are the stage's own: every policy params.yaml defines."""
 
-    def plot(self, dtype: str, name: str, png: bytes) -> None:
-        write_bytes(paths.report_plot(dtype, name), png)
-        self.written.add(paths.report_plot(dtype, name))
+    def plot(self, variant: str, name: str, png: bytes) -> None:
+        write_bytes(paths.report_plot(variant, name), png)
+        self.written.add(paths.report_plot(variant, name))
 
-    def curve(self, family: str, dtype: str, rows: list[dict]) -> None:
-        write_json(paths.report_curve(family, dtype), rows)
-        self.written.add(paths.report_curve(family, dtype))
+    def curve(self, family: str, variant: str, rows: list[dict]) -> None:
+        write_json(paths.report_curve(family, variant), rows)
+        self.written.add(paths.report_curve(family, variant))
 
     def prune(self) -> None:
-        """Remove what an earlier run left for dtypes no longer configured, in the stage's two outputs.
+        """Remove what an earlier run left for variants no longer run, in the stage's two outputs.
 
         Raises:
             UserError: a folder is a symlink, lies under one, or resolves outside the repository.
         """
-        for folder, owned in ((paths.REPORT / "plots", _own_plot), (paths.REPORT_CURVES, _own_curve)):
-            _prune(folder, self.written, owned)
+        dirs = self.names | set(FAMILIES)
+        _prune(paths.REPORT / "plots", self.written, self._own_plot, dirs)
+        _prune(paths.REPORT_CURVES, self.written, self._own_curve, dirs)
+
+    def _own_plot(self, rel: Path) -> bool:
+        """``NAME/FIGURE.png``: a figure of this stage."""
+        return len(rel.parts) == 2 and rel.parts[0] in self.names and rel.suffix == ".png" and rel.stem in FIGURES
+
+    def _own_curve(self, rel: Path) -> bool:
+        """``FAMILY/NAME.json``: a curve of this stage."""
+        return len(rel.parts) == 2 and rel.parts[0] in FAMILIES and rel.suffix == ".json" and rel.stem in self.names
 
 
-def _prune(folder: Path, keep: set[Path], owned) -> None:
+def _prune(folder: Path, keep: set[Path], owned, dirs: set[str]) -> None:
     """Remove the files under ``folder`` that the stage writes (``owned(relative_path)``) and did not keep."""
     check_inside_repository(folder)
     if not folder.is_dir():
@@ -86,15 +96,5 @@ def _prune(folder: Path, keep: set[Path], owned) -> None:
             continue
         if path.is_file() and path not in keep and owned(path.relative_to(folder)):
             path.unlink()
-        elif path.is_dir() and path.parent == folder and path.name in _OWNED_DIRS and not any(path.iterdir()):
+        elif path.is_dir() and path.parent == folder and path.name in dirs and not any(path.iterdir()):
             path.rmdir()
-
-
-def _own_plot(rel: Path) -> bool:
-    """``DTYPE/FIGURE.png``: a figure of this stage."""
-    return len(rel.parts) == 2 and rel.parts[0] in DTYPES and rel.suffix == ".png" and rel.stem in FIGURES
-
-
-def _own_curve(rel: Path) -> bool:
-    """``FAMILY/DTYPE.json``: a curve of this stage."""
-    return len(rel.parts) == 2 and rel.parts[0] in _OWNED_DIRS and rel.suffix == ".json" and rel.stem in DTYPES

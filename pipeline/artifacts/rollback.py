@@ -22,17 +22,17 @@ if TYPE_CHECKING:
     from pipeline.artifacts.reference import Manifest
 
 
-def folder(dtype: str) -> Path:
-    return paths.decision(dtype) / "rollback"
+def folder(variant: str) -> Path:
+    return paths.decision(variant) / "rollback"
 
 
-def write_package(params: Params, reference: Manifest, stats: Stats, dtype: str, cases: dict | None = None) -> None:
-    out = folder(dtype)
+def write_package(params: Params, reference: Manifest, stats: Stats, variant: str, cases: dict | None = None) -> None:
+    out = folder(variant)
     snippet = {
         "seed": params.seed,
         "task": asdict(params.task),
         "reference": asdict(params.reference),
-        "precision": "float32  # rolled back from autocast " + dtype,
+        "precision": "float32  # rolled back from variant " + variant,
     }
     write_bytes(
         out / "reference_policy.yaml",
@@ -40,7 +40,7 @@ def write_package(params: Params, reference: Manifest, stats: Stats, dtype: str,
     )
     keep = (paths.REF_CHECKPOINT, paths.REF_INIT, paths.PREPARED_CASES, paths.PREPARED_TRAIN, paths.REF_CASES)
     write_json(out / "manifest.json", {
-        "dtype": dtype,
+        "variant": variant,
         "rule_sha256": reference.rule_sha256,
         "reference_run_key": reference.run_key,
         "files": {str(p): reference.sha256(p) for p in keep},
@@ -58,13 +58,13 @@ def write_package(params: Params, reference: Manifest, stats: Stats, dtype: str,
     })
 
 
-def verified_files(dtype: str) -> dict[str, str]:
+def verified_files(variant: str) -> dict[str, str]:
     """The package's files (path -> sha256), each checked on disk against the package first.
 
     Raises:
         UserError: no package, or a file missing or whose hash differs from the package.
     """
-    manifest = read_json(folder(dtype) / "manifest.json", f"decide@{dtype}")
+    manifest = read_json(folder(variant) / "manifest.json", f"decide@{variant}")
     for name, expected in manifest["files"].items():
         verify(name, expected, "freeze", recorded_in="the rollback package")
     return manifest["files"]

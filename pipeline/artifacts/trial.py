@@ -1,4 +1,4 @@
-"""The trial artifact of one dtype (``data/trial/<dtype>/``): written here, read back here, verified.
+"""The trial artifact of one variant (``data/trial/<variant>/``): written here, read back here, verified.
 
 Files: the trained reference's outputs under the policy (``outputs.safetensors``), the outputs of the
 model trained under the policy (``trained_outputs.safetensors``), its final training state
@@ -26,13 +26,13 @@ if TYPE_CHECKING:
     from pipeline.artifacts.reference import Manifest as ReferenceManifest
 
 
-def produced_by(dtype: str) -> str:
-    return f"trial@{dtype}"
+def produced_by(variant: str) -> str:
+    return f"trial@{variant}"
 
 
 @dataclass(frozen=True)
 class TrialManifest:
-    """``data/trial/DTYPE/manifest.json``: the policy that ran, where, from which reference, every file's sha256."""
+    """``data/trial/NAME/manifest.json``: the policy that ran, where, from which reference, every file's sha256."""
 
     files: dict[str, str]
     """File name in the trial folder -> sha256."""
@@ -60,7 +60,7 @@ class TrialManifest:
 
 @dataclass(frozen=True)
 class Trajectory:
-    """``data/trial/DTYPE/trajectory.json``: what training under the policy did, step by step."""
+    """``data/trial/NAME/trajectory.json``: what training under the policy did, step by step."""
 
     steps: list[dict]
     final_scale: float
@@ -75,26 +75,26 @@ class Trajectory:
         return out
 
 
-def _typed(cls, raw, path: Path, dtype: str):
+def _typed(cls, raw, path: Path, variant: str):
     """``cls`` from a JSON object holding exactly its fields (the optional ones may be absent)."""
     names = {f.name for f in fields(cls)}
     required = {f.name for f in fields(cls) if f.default is not None}
     if not isinstance(raw, dict) or not required <= set(raw) <= names:
-        raise UserError(f"{path} is not a trial file of this version; rebuild it with `dvc repro --force {produced_by(dtype)}`")
+        raise UserError(f"{path} is not a trial file of this version; rebuild it with `dvc repro --force {produced_by(variant)}`")
     return cls(**raw)
 
 
-def read_manifest(dtype: str) -> TrialManifest:
-    """Raises: UserError when trial@DTYPE has not run."""
-    path = paths.trial(dtype) / paths.TRIAL_MANIFEST
-    return _typed(TrialManifest, read_json(path, produced_by(dtype)), path, dtype)
+def read_manifest(variant: str) -> TrialManifest:
+    """Raises: UserError when trial@NAME has not run."""
+    path = paths.trial(variant) / paths.TRIAL_MANIFEST
+    return _typed(TrialManifest, read_json(path, produced_by(variant)), path, variant)
 
 
-def read_trajectory(dtype: str, manifest: TrialManifest | None = None) -> Trajectory:
+def read_trajectory(variant: str, manifest: TrialManifest | None = None) -> Trajectory:
     """The trial's trajectory, verified against its manifest (read when not given)."""
-    manifest = manifest or read_manifest(dtype)
-    path = paths.trial(dtype) / paths.TRIAL_TRAJECTORY
-    return _typed(Trajectory, read_json(path, produced_by(dtype), manifest.files[paths.TRIAL_TRAJECTORY]), path, dtype)
+    manifest = manifest or read_manifest(variant)
+    path = paths.trial(variant) / paths.TRIAL_TRAJECTORY
+    return _typed(Trajectory, read_json(path, produced_by(variant), manifest.files[paths.TRIAL_TRAJECTORY]), path, variant)
 
 
 def run_key(reference: ReferenceManifest, policy) -> str:

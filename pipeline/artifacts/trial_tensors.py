@@ -1,4 +1,4 @@
-"""The trial of one dtype with its tensors (``data/trial/<dtype>/``): written here, read back here, verified.
+"""The trial of one variant with its tensors (``data/trial/<variant>/``): written here, read back here, verified.
 
 ``Writer`` streams the outputs as they are computed (``pipeline.artifacts.outputs``), then writes the
 training state, the trajectory and, last, the manifest with every file's sha256 (their types live in
@@ -31,8 +31,8 @@ class Writer:
     context manager, pending files are removed when the block raises.
     """
 
-    def __init__(self, dtype: str, ids: list[str]) -> None:
-        self.folder = paths.trial(dtype)
+    def __init__(self, variant: str, ids: list[str]) -> None:
+        self.folder = paths.trial(variant)
         self.ids = ids
         self.files: dict[str, str] = {}
         self.pending: dict[str, Path] = {}
@@ -80,7 +80,7 @@ class Writer:
 class Trial:
     """A trial with its tensors, read on demand (sha256 verified)."""
 
-    dtype: str
+    variant: str
     folder: Path
     manifest: TrialManifest
     trajectory: Trajectory
@@ -88,7 +88,7 @@ class Trial:
     def reader(self, name: str = "outputs") -> OutputsReader:
         """``outputs`` or ``trained_outputs``, read by slices of rows, sha256 verified."""
         file = f"{name}.safetensors"
-        return OutputsReader(self.folder / file, self.manifest.files[file], produced_by(self.dtype))
+        return OutputsReader(self.folder / file, self.manifest.files[file], produced_by(self.variant))
 
     def outputs(self) -> dict[str, torch.Tensor]:
         return self.reader("outputs").read_all()
@@ -100,15 +100,15 @@ class Trial:
         return checkpoint.load(self.folder / paths.TRIAL_CHECKPOINT, self.manifest.files[paths.TRIAL_CHECKPOINT])
 
 
-def load(dtype: str, reference: ReferenceManifest | None = None) -> Trial:
+def load(variant: str, reference: ReferenceManifest | None = None) -> Trial:
     """Read a trial's manifest and trajectory (verified); outputs are read on demand, verified too.
 
     Raises:
         UserError: missing or damaged files, or a trial of another reference than ``reference``.
     """
-    manifest = read_manifest(dtype)
+    manifest = read_manifest(variant)
     if reference is not None and manifest.reference_run_key != reference.run_key:
         raise UserError(
-            f"{paths.trial(dtype)} was made from another reference than data/reference; run `dvc repro {produced_by(dtype)}`"
+            f"{paths.trial(variant)} was made from another reference than data/reference; run `dvc repro {produced_by(variant)}`"
         )
-    return Trial(dtype=dtype, folder=paths.trial(dtype), manifest=manifest, trajectory=read_trajectory(dtype, manifest))
+    return Trial(variant=variant, folder=paths.trial(variant), manifest=manifest, trajectory=read_trajectory(variant, manifest))

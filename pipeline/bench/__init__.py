@@ -17,10 +17,10 @@ The method, and why:
   method works (the record says so); long enough on a GPU for quotable medians.
 - Warm-up first (allocator, kernel selection, autocast weight cache), then rounds (``timing``): each round
   times ``steps`` steps of every variant, the order rotating from round to round, so drift (clocks,
-  thermals, other load) hits all variants alike and each round gives a paired ratio.
+  thermals, other load) hits all arms alike and each round gives a paired ratio.
 - Clocks: on a GPU, CUDA events around the steps with a synchronize before and after; on the CPU,
   ``time.perf_counter`` (monotonic).
-- Baselines (``variants``): ``fp32`` is strict FP32 (TF32 off for matmul and cuDNN), so the speedup is AMP's
+- Baselines (``arms``): ``fp32`` is strict FP32 (TF32 off for matmul and cuDNN), so the speedup is AMP's
   alone. Where the GPU has TF32 (NVIDIA capability 8.0+), ``tf32`` is timed beside it: it is what FP32 code
   gets there when TF32 is enabled, and AMP should be compared with it too.
 - Memory (``memory``), before anything is timed. GPU: each variant in its own fresh process (``python -m

@@ -9,44 +9,47 @@ import torch
 
 from pipeline import devices, distributed, precision
 from pipeline.artifacts.benchmark import Benchmark, MemoryProbe, Method, RoundsDropped, Samples, WorkloadFacts
-from pipeline.bench.memory import memory_by_variant
+from pipeline.bench.memory import memory_by_arm
 from pipeline.bench.sizing import Sizes, sizes
 from pipeline.bench.stats import memory_summary, ratio_spread, spread
 from pipeline.bench.timing import Rounds, interleaved
-from pipeline.bench.variants import variants
+from pipeline.bench.arms import arms
 from pipeline.bench.workload import TrainingStep, Workload, load_workload
 from pipeline.config import Params
-from pipeline.precision import Policy
+from pipeline.config import Policy
 
 
-def measure(params_path: str, params: Params, dtype: str, device: torch.device) -> Benchmark | None:
-    """Time and memory of FP32 (and TF32) against AMP ``dtype``; None on a rank other than 0 (it only
-    takes part, so that DDP's collectives pair up).
+def measure(params_path: str, params: Params, variant: str, device: torch.device) -> Benchmark | None:
+    """Time and memory of FP32 (and TF32) against trial ``variant``'s policy; None on a rank other than 0 (it
+    only takes part, so that DDP's collectives pair up).
 
     Raises:
-        UserError: the device cannot run ``dtype``, or an earlier stage has not run.
+        UserError: the device cannot run the variant's dtype, or an earlier stage has not run.
     """
     precision.strict_fp32()
-    devices.check_dtype_supported(device, precision.parse_dtype(dtype))
+    policy = params.trial.policy(variant)
+    if policy.amp:
+        devices.check_dtype_supported(device, precision.parse_dtype(policy.dtype))
     env = devices.describe(device)
-    chosen, tf32_note = variants(dtype, tuple(params.trial.fp32_modules), env)
+    chosen, tf32_note = arms(policy, env)
     size = sizes(params.bench, device.type)
-    memory = memory_by_variant(params_path, params, dtype, chosen, device)  # before any timing
+    memory = memory_by_arm(params_path, params, variant, chosen, device)  # before any timing
     with contextlib.ExitStack() as stack:
         steps, works = {}, []
-        for v in chosen:  # each variant its own model, optimizer and scaler
-            works.append(load_workload(params, device, dtype if v.policy.amp else None))
-            stack.enter_context(precision.fp32_regions(works[-1].model, v.policy, device))
-            steps[v.name] = (TrainingStep(works[-1], v.policy), v.tf32)
+        for a in chosen:  # each arm its own model, optimizer and scaler
+            works.append(load_workload(params, device, variant if a.name == "amp" else None))
+            stack.enter_context(precision.fp32_regions(works[-1].model, a.policy, device))
+            steps[a.name] = (TrainingStep(works[-1], a.policy), a.tf32)
         load = os.getloadavg()[0] if device.type == "cpu" else None
         rounds = interleaved(steps, size.warmup, size.repeats, size.steps, device)
     if not distributed.current().writes:
         return None
-    return record(dtype, env, works[-1], size, tf32_note, memory, rounds, load)
+    return record(variant, policy, env.as_dict(), works[-1], size, tf32_note, memory, rounds, load)
 
 
 def record(
-    dtype: str,
+    variant: str,
+    policy: Policy,
     env: dict,
     work: Workload,
     size: Sizes,
@@ -61,9 +64,9 @@ def record(
     memory_method = next(iter(memory.values())).method
     timed = bool(times["fp32"])
     return Benchmark(
-        dtype=dtype,
+        variant=variant,
         env=env,
-        workload=workload_facts(work, dtype),
+        workload=workload_facts(work, policy),
         method=Method(
             warmup=size.warmup,
             repeats=size.repeats,
@@ -74,9 +77,9 @@ def record(
             fp32="strict: TF32 off for matmul and cuDNN",
             tf32=tf32_note,
             memory=memory_method + (
-                "; one fresh process per variant" if device.type == "cuda" else "; in this process, one variant after the other"
+                "; one fresh process per arm" if device.type == "cuda" else "; in this process, one arm after the other"
             ),
-            skipped_updates="rounds with an update the GradScaler skipped are dropped for every variant",
+            skipped_updates="rounds with an update the GradScaler skipped are dropped for every arm",
             cpu_threads=torch.get_num_threads(),
             cpu_load_1min=cpu_load,
         ),
@@ -93,11 +96,11 @@ def record(
     )
 
 
-def workload_facts(work: Workload, dtype: str) -> WorkloadFacts:
+def workload_facts(work: Workload, policy: Policy) -> WorkloadFacts:
     """The workload as recorded, with the scaler state AMP started from (or why there is none)."""
     params = work.params
     x0, y0 = work.micro_batches[0]
-    if not Policy(dtype=dtype).uses_scaler:
+    if not policy.uses_scaler:
         scaler = "none: only float16 uses a GradScaler"
     else:
         scaler = work.scaler_state or "fresh: no trial state found"
@@ -108,6 +111,6 @@ def workload_facts(work: Workload, dtype: str) -> WorkloadFacts:
         batch_size=int(y0.shape[0]),
         micro_batches=len(work.micro_batches),
         input_shape=tuple(x0.shape),
-        fp32_modules=tuple(params.trial.fp32_modules),
+        fp32_modules=policy.fp32_modules,
         initial_grad_scaler=scaler,
     )

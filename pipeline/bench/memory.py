@@ -26,7 +26,7 @@ from pipeline import distributed, precision
 from pipeline.artifacts.benchmark import MemoryProbe
 from pipeline.bench.sizing import sizes
 from pipeline.bench.timing import skipped_since, update_count
-from pipeline.bench.variants import Variant
+from pipeline.bench.arms import Arm
 from pipeline.bench.workload import TrainingStep, load_workload
 from pipeline.config import Params
 from pipeline.errors import UserError
@@ -78,53 +78,53 @@ def peak_memory(step: Callable[[], None], warmup: int, repeats: int, steps: int,
     )
 
 
-def variant_memory(params: Params, dtype: str, variant: Variant, device: torch.device) -> MemoryProbe:
-    """One variant's ``peak_memory``: its workload built, stepped under its policy, measured."""
-    work = load_workload(params, device, dtype if variant.policy.amp else None)
-    step = TrainingStep(work, variant.policy)
+def arm_memory(params: Params, variant: str, arm: Arm, device: torch.device) -> MemoryProbe:
+    """One arm's ``peak_memory``: its workload built, stepped under its policy, measured."""
+    work = load_workload(params, device, variant if arm.name == "amp" else None)
+    step = TrainingStep(work, arm.policy)
     size = sizes(params.bench, device.type)
-    with precision.fp32_regions(work.model, variant.policy, device), precision.tf32(variant.tf32):
+    with precision.fp32_regions(work.model, arm.policy, device), precision.tf32(arm.tf32):
         return peak_memory(step, size.warmup, size.repeats, size.steps, device)
 
 
-def memory_by_variant(
-    params_path: str, params: Params, dtype: str, chosen: list[Variant], device: torch.device
+def memory_by_arm(
+    params_path: str, params: Params, variant: str, chosen: list[Arm], device: torch.device
 ) -> dict[str, MemoryProbe]:
-    """Each variant's figures (TF32 stores what FP32 stores: not measured), before any timing.
+    """Each arm's figures (TF32 stores what FP32 stores: not measured), before any timing.
 
-    GPU: a fresh process per variant, from rank 0 alone (other ranks get none). CPU: here, one variant
-    after the other, each freed before the next is built; under torchrun every rank measures, so that
-    DDP's collectives pair up.
+    GPU: a fresh process per arm, from rank 0 alone (other ranks get none). CPU: here, one arm after the
+    other, each freed before the next is built; under torchrun every rank measures, so that DDP's
+    collectives pair up.
     """
     chosen = [v for v in chosen if v.name != "tf32"]
     if device.type == "cuda":
         if not distributed.current().writes:
             return {}
-        with MemoryProbes(params_path, dtype, [v.name for v in chosen]) as probes:
+        with MemoryProbes(params_path, variant, [a.name for a in chosen]) as probes:
             return probes.collect()
     out = {}
-    for v in chosen:
-        out[v.name] = variant_memory(params, dtype, v, device)
-        gc.collect()  # the variant's model and optimizer state go before the next one is built
+    for a in chosen:
+        out[a.name] = arm_memory(params, variant, a, device)
+        gc.collect()  # the arm's model and optimizer state go before the next one is built
     return out
 
 
 class MemoryProbes:
-    """``python -m pipeline.bench.probe`` once per variant, each in a fresh process, one after the other (so
+    """``python -m pipeline.bench.probe`` once per arm, each in a fresh process, one after the other (so
     two large models never compete for the device's memory), run by ``collect``.
     """
 
-    def __init__(self, params_path: str, dtype: str, names: list[str], cwd: str | Path = ".") -> None:
+    def __init__(self, params_path: str, variant: str, names: list[str], cwd: str | Path = ".") -> None:
         self.env = dict(os.environ, **PROBE_ENV)
         self.cwd = cwd
         self.cmds = {
-            n: [sys.executable, "-m", "pipeline.bench.probe", "--params", params_path, "--dtype", dtype, "--variant", n]
+            n: [sys.executable, "-m", "pipeline.bench.probe", "--params", params_path, "--variant", variant, "--arm", n]
             for n in names
         }
         self.running: dict[str, subprocess.Popen] = {}
 
     def collect(self) -> dict[str, MemoryProbe]:
-        """Each variant's figures.
+        """Each arm's figures.
 
         Raises:
             UserError: a child stopped on a user mistake (its one line is passed on).

@@ -65,7 +65,7 @@ def interleaved(
     """Seconds per step of each variant, one value per round, and the updates skipped in each round.
 
     ``steps_by_variant`` maps a name to its step function and whether TF32 is allowed while it runs. Round
-    ``r`` runs the variants starting from the ``r``-th, so none is always first (or always after another).
+    ``r`` runs the arms starting from the ``r``-th, so none is always first (or always after another).
     """
     names = list(steps_by_variant)
     for name in names:

@@ -10,7 +10,7 @@ import torch
 
 from pipeline import checkpoint, distributed, paths, precision, recipe, task, training
 from pipeline.config import Params
-from pipeline.precision import Policy
+from pipeline.config import Policy
 
 
 @dataclass
@@ -29,12 +29,12 @@ class Workload:
         return sum(p.numel() for p in self.model.parameters())
 
 
-def load_workload(params: Params, device: torch.device, dtype: str | None = None) -> Workload:
-    """The reference's initial model, the trial's first update's micro-batches and (with ``dtype``) the scaler
-    state the trial of ``dtype`` ended with (read from the stages' outputs).
+def load_workload(params: Params, device: torch.device, variant: str | None = None) -> Workload:
+    """The reference's initial model, the trial's first update's micro-batches and (with ``variant``) the scaler
+    state the trial of ``variant`` ended with (read from the stages' outputs).
 
     Raises:
-        UserError: prepare, freeze or trial@DTYPE has not run.
+        UserError: prepare, freeze or trial@NAME has not run.
     """
     from pipeline.artifacts import trial_tensors
 
@@ -47,8 +47,8 @@ def load_workload(params: Params, device: torch.device, dtype: str | None = None
     model = task.build_model(params.task, params.seed)
     checkpoint.restore(checkpoint.load(paths.REF_INIT), model, rng=False)
     scaler_state = {}
-    if dtype is not None and Policy(dtype=dtype).uses_scaler:  # bfloat16 runs no scaler: nothing to read
-        scaler_state = trial_tensors.load(dtype).checkpoint().meta.get("grad_scaler") or {}
+    if variant is not None and params.trial.policy(variant).uses_scaler:  # bfloat16 runs no scaler: nothing to read
+        scaler_state = trial_tensors.load(variant).checkpoint().meta.get("grad_scaler") or {}
     return Workload(model.to(device).train(), micro, params, device, scaler_state)
 
 

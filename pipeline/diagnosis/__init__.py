@@ -16,7 +16,7 @@ fails, ``flow.run`` does, in order:
    ``diagnose.search_budget`` trial re-runs.
 
 ``wording`` turns all of it into the lines a reviewer reads. The result is a suggestion
-(``trial.fp32_modules``), written beside the report and never applied. Every computing path starts with
+(the variant's ``fp32_modules``), written beside the report and never applied. Every computing path starts with
 ``precision.strict_fp32()``: the FP32 side of a comparison is never TF32.
 
 This file imports nothing, so ``pipeline.diagnosis.triage`` stays torch-free.

@@ -19,7 +19,7 @@ from pipeline.diagnosis.triage import triage
 from pipeline.task import to_device
 
 
-def run(params: Params, dtype: str, stats: Stats, trajectory: Trajectory, decision: RuleResult) -> Diagnosis:
+def run(params: Params, variant: str, stats: Stats, trajectory: Trajectory, decision: RuleResult) -> Diagnosis:
     """Triage, then probe, replays and search as ``params.diagnose`` allows. ``decision`` is the rule's
     verdict on the trial (computed once, by the stage). ``work`` counts what it cost, in units of the
     trial's own work (deterministic, unlike seconds).
@@ -29,7 +29,8 @@ def run(params: Params, dtype: str, stats: Stats, trajectory: Trajectory, decisi
     """
     precision.strict_fp32()  # first: the probe, the replays and the FP32 side of every comparison are exact FP32, never TF32
     triaged = triage(stats, trajectory.steps, decision.reasons)
-    ctx, trial_run, trial = load(params, dtype, stats, decision)
+    ctx, trial_run, trial = load(params, variant, stats, decision)
+    dtype = trial_run.policy.dtype
     cfg = params.diagnose
     pmap = under = None
     probe_found: list[str] = []
@@ -54,7 +55,7 @@ def run(params: Params, dtype: str, stats: Stats, trajectory: Trajectory, decisi
             order = [r.module for r in outcome.ranking] or reduced_modules(ctx, trial_run.policy)
             unflipped = unflip(ctx, trial_run, flips, order)
             findings += wording.unflip_lines(unflipped, ctx.params.diagnose.search_budget)
-    file = str(paths.diagnose(dtype) / "suggested_params.yaml")
+    file = str(paths.diagnose(variant) / "suggested_params.yaml")
     findings += wording.suggestion_lines(outcome, file, dtype)
     recorded = triaged.findings
     if located:  # the located cases say it better than the recorded counts

@@ -25,7 +25,7 @@ from pipeline.artifacts import trial_tensors
 from pipeline.config import Params
 from pipeline.diagnosis.trace import finite, trace
 from pipeline.diagnosis.triage import first_nonfinite_step
-from pipeline.precision import Policy
+from pipeline.config import Policy
 
 FP32 = Policy()
 
@@ -55,7 +55,7 @@ class Run:
 @dataclass
 class Context:
     params: Params
-    dtype: str
+    variant: str
     device: torch.device
     ref: reference_tensors.Reference
     train: task.TrainSource
@@ -127,13 +127,13 @@ class Located:
         return LocatedCase(c.label, tuple(c.ids), c.step, c.scale, c.replay_matches_trial, self.amp, self.fp32, self.unscaled)
 
 
-def load(params: Params, dtype: str, stats: Stats, decision: rule.RuleResult) -> tuple[Context, Run, trial_tensors.Trial]:
+def load(params: Params, variant: str, stats: Stats, decision: rule.RuleResult) -> tuple[Context, Run, trial_tensors.Trial]:
     """The reference, the training data and the trial's own results, each checked against its manifest.
     ``decision`` is the rule's verdict on the trial, computed once by the stage."""
     ref = reference_tensors.load(params)
-    ctx = Context(params, dtype, devices.resolve(params.device), ref, ref.train_data(params))
-    trial = trial_tensors.load(dtype, ref.manifest)
-    policy = Policy(dtype=dtype, fp32_modules=tuple(trial.manifest.policy["fp32_modules"]))  # what ran, not what params say now
+    ctx = Context(params, variant, devices.resolve(params.device), ref, ref.train_data(params))
+    trial = trial_tensors.load(variant, ref.manifest)
+    policy = Policy.from_dict(trial.manifest.policy)  # what ran, not what params say now
     return ctx, Run(policy, trial.outputs(), trial.trajectory.steps, stats, decision), trial
 
 
@@ -167,7 +167,7 @@ def training_case(ctx: Context, run: Run, step: int) -> Case:
         run.policy,
         ctx.device,
         ctx.params.seed,
-        label=f"diagnose replay {ctx.dtype}",
+        label=f"diagnose replay {ctx.variant}",
         stop=step,
     )
     ctx.spend(replayed_steps=step)
@@ -211,7 +211,7 @@ def rerun(ctx: Context, policy: Policy) -> Run:
         policy,
         ctx.device,
         params.seed,
-        label=f"diagnose re-run {ctx.dtype}",
+        label=f"diagnose re-run {ctx.variant}",
     )
     steps = [asdict(r) for r in run.training.records]
     aligned = [asdict(r) for r in run.aligned] if run.aligned is not None else None

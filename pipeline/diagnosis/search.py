@@ -26,7 +26,7 @@ from pipeline.artifacts.diagnosis import FixStep, LocalFix, Ranked, Rerun, Unfli
 from pipeline.diagnosis.precision_map import ModuleScope, Recorder, forward_backward
 from pipeline.diagnosis.trace import culprit, finite
 from pipeline.diagnosis.replay import Context, Located, Run, locate, rerun
-from pipeline.precision import Policy
+from pipeline.config import Policy
 
 
 @dataclass
@@ -71,7 +71,7 @@ def search(ctx: Context, run: Run, located: list[Located], reference_fails: bool
             out.suggestion = policy
             return out
         out.findings.append(
-            f"a re-run with trial.fp32_modules {list(policy.fp32_modules)} still fails: {'; '.join(current.decision.reasons[:2])}"
+            f"a re-run with fp32_modules {list(policy.fp32_modules)} still fails: {'; '.join(current.decision.reasons[:2])}"
         )
         located = locate(ctx, current) if current.has_nonfinite else []
     if reference_fails or not ctx.budget_left:

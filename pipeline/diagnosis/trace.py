@@ -13,7 +13,7 @@ import torch
 
 from pipeline.artifacts.diagnosis import FirstNonFinite, ModuleStat, Trace
 from pipeline.diagnosis.precision_map import ModuleScope, Recorder, forward_backward, max_abs
-from pipeline.precision import Policy
+from pipeline.config import Policy
 from pipeline.task import tensors_of, to_device
 
 

@@ -5,13 +5,15 @@ Pure functions of the structured results (traces, precision map, underflow table
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from pipeline.artifacts.diagnosis import PrecisionMap, Suggestion, Underflow, Unflip
 from pipeline.diagnosis.trace import finite
 from pipeline.diagnosis.replay import Located
 from pipeline.diagnosis.search import Outcome
-from pipeline.precision import Policy
+from pipeline.config import Policy
 
 
 def probe_findings(pmap: PrecisionMap, under: Underflow, policy: Policy, device: torch.device) -> tuple[list[str], list[str]]:
@@ -27,7 +29,7 @@ def probe_findings(pmap: PrecisionMap, under: Underflow, policy: Policy, device:
         findings.append(
             f"op {m.op} has no {'/'.join(m.dtypes)} kernel on {device.type} (module '{m.module}', {m.module_type}, "
             f"{m.phase}): {m.error}; the diagnosis ran it in float32, the trial cannot: keep '{m.module}' in "
-            f"trial.fp32_modules or trial another dtype"
+            f"the variant's fp32_modules or trial another dtype"
         )
     if pmap.error:
         findings.append(f"precision map stopped: {pmap.error}")
@@ -134,7 +136,7 @@ def suggestion_lines(outcome: Outcome, file: str, dtype: str) -> list[str]:
             else "not checked by a re-run (diagnose.search_budget)"
         )
         lines.append(
-            f"suggested trial.fp32_modules: {list(chosen.fp32_modules)} ({checked}), in {file}; "
+            f"suggested fp32_modules: {list(chosen.fp32_modules)} ({checked}), in {file}; "
             f"not applied: a changed policy is a new trial"
         )
     if suggestion is not None and ranking and all(r.module in suggestion.fp32_modules for r in ranking):
@@ -157,19 +159,22 @@ def reference_fails_line(own: list[str]) -> str:
     )
 
 
-def snippet(s: Suggestion, dtype: str) -> str:
-    """The suggestion as a params.yaml fragment, with how to trial it."""
-    modules = "[" + ", ".join(s.fp32_modules) + "]"
+def snippet(s: Suggestion, variant: str, policy: Policy) -> str:
+    """The suggestion as a params.yaml fragment (the variant's whole policy, its fp32_modules changed), with how to trial it."""
+    modules = json.dumps(list(s.fp32_modules))  # quoted: a module named 5 is the string '5', not YAML's integer
+    entry = f"dtype: {policy.dtype}, compile: {policy.compile}, float8: {policy.float8}, fp32_modules: {modules}"
+    if policy.compiled:
+        entry += f", compile_mode: {policy.compile_mode}"
     checked = (
         "a re-run of the trial under it passes the acceptance rule"
         if s.rule_passes
         else "NOT checked (diagnose.search_budget ran out)"
     )
     return (
-        f"# Suggested by diagnose@{dtype}; not applied. Checked: {checked}.\n"
-        f"# A changed policy is a new trial: put this in params.yaml (it applies to every dtype in trial.dtypes),\n"
-        f"# or try it as an experiment: dvc exp run -S 'trial.fp32_modules={modules}'\n"
-        f"trial:\n  fp32_modules: {modules}\n"
+        f"# Suggested by diagnose@{variant}; not applied. Checked: {checked}.\n"
+        f"# A changed policy is a new trial of {variant}: put this in params.yaml,\n"
+        f"# or try it as an experiment: dvc exp run -S 'trial.policies.{variant}.fp32_modules={modules}'\n"
+        f"trial:\n  policies:\n    {variant}: {{{entry}}}\n"
     )
 
 

@@ -31,7 +31,7 @@ PLOTS = (
 def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
     """The side-by-side table: one (label, [cell per variant]) row per key figure.
 
-    Each variant is a mapping with ``dtype``, ``decision`` (decision.json), ``metrics`` (compare's
+    Each variant is a mapping with ``variant``, ``decision`` (decision.json), ``metrics`` (compare's
     stats.json, flattened by ``files.flatten``), ``diagnosis`` (diagnosis.json) and ``benchmark`` (benchmark.json).
     """
 
@@ -94,7 +94,7 @@ def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
 def verdicts_of(variants: Sequence[Mapping[str, Any]]) -> list[verdict.Verdict]:
     """The verdict of every variant from its outputs (publish passes its own, with the loosened-rule flag)."""
     return [
-        verdict.verdict(v["dtype"], v["decision"], v.get("stats"), v.get("diagnosis"), v.get("benchmark"))
+        verdict.verdict(v["variant"], v["decision"], v.get("stats"), v.get("diagnosis"), v.get("benchmark"))
         for v in variants
     ]
 
@@ -104,10 +104,10 @@ def markdown(
 ) -> str:
     """The summary as Markdown (MLflow run description, pull-request comments): verdict, table, footer."""
     verdicts = verdicts_of(variants) if verdicts is None else verdicts
-    dtypes = [v["dtype"] for v in variants]
+    names = [v["variant"] for v in variants]
     # The headline first: MLflow shows a description's first lines only, until "Show more".
     out = [verdict.headline(verdicts), "# AMP validation", "", verdict.markdown(verdicts), "## Key figures", ""]
-    out += ["| | " + " | ".join(dtypes) + " |", "|---|" + "---|" * len(dtypes)]
+    out += ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     out += [f"| {_cell(label)} | " + " | ".join(_cell(c) for c in cells) + " |" for label, cells in rows(variants)]
     out += ["", "---", "", f"Reference: {_env(reference['env'])}; {_cases(reference.get('cases', {}))}.  ",
             f"Acceptance rule sha256 `{reference['rule_sha256']}`; reference run key `{reference['run_key']}`."]
@@ -120,11 +120,10 @@ def html(
     images: Mapping[str, Mapping[str, bytes]],
     verdicts: Sequence[verdict.Verdict] | None = None,
 ) -> str:
-    """The self-contained HTML report; ``images[dtype][plot]`` are PNG bytes (see ``PLOTS``)."""
+    """The self-contained HTML report; ``images[variant][plot]`` are PNG bytes (see ``PLOTS``)."""
     e = _html.escape
     verdicts = verdicts_of(variants) if verdicts is None else verdicts
-    dtypes = [v["dtype"] for v in variants]
-    head = "".join(f"<th>{e(d)}</th>" for d in dtypes)
+    head = "".join(f"<th>{e(v['variant'])}</th>" for v in variants)
     body = []
     for label, cells in rows(variants):
         css = [f' class="{c.lower()}"' if c in ("ACCEPT", "ROLLBACK") else "" for c in cells]
@@ -141,7 +140,7 @@ def html(
         "</table>",
     ]
     for v in variants:
-        d, decision = v["dtype"], v["decision"]
+        d, decision = v["variant"], v["decision"]
         parts.append(
             f'<h2 id="{e(d)}">{e(d)}: <span class="{e(decision["decision"])}">{e(decision["decision"].upper())}</span></h2>'
         )

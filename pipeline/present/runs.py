@@ -1,14 +1,14 @@
-"""What publish mirrors to MLflow, as data: one parent run per pipeline execution, one child run per dtype.
+"""What publish mirrors to MLflow, as data: one parent run per pipeline execution, one child run per variant.
 
 Pure: the loaded stage outputs in (``pipeline.artifacts.variant``), ``tracking.RunSpec`` out; no MLflow, no
 file reads (files to upload are named by path, and only those that exist are named).
 
 The parent holds the verdict block first (its description, report.html), the reference and the params.
-Under it, ONE child run per dtype, named by its decision ("ROLLBACK bfloat16"), with the decision and the
+Under it, ONE child run per variant, named by its decision ("ROLLBACK bfloat16"), with the decision and the
 key figures as metric columns (units in the names), the per-step curves (FP32 and AMP loss, their gap and
 the band the rule allows), the figures, the per-case table, the suggested params and the rollback package.
-The stages' own JSON outputs ride along as artifacts under ``stages/``: a reviewer compares dtypes and
-executions in the runs table, one row per dtype, and opens the details when needed; a run per stage
+The stages' own JSON outputs ride along as artifacts under ``stages/``: a reviewer compares variants and
+executions in the runs table, one row per variant, and opens the details when needed; a run per stage
 variant made 12 rows per execution, most of them with nothing to compare.
 """
 
@@ -30,8 +30,8 @@ KEY_COLUMNS = (
     "accepted", "flips", "near_boundary_flips", "boundary_flips", "max_abs_gap", "quality_trial", "quality_trained",
     "max_loss_gap", "speedup_median", "working_memory_ratio",
 )
-"""The key figures: the children's columns the parent repeats, per dtype, so that executions compare in one
-table; and the metrics linked to each dtype's model."""
+"""The key figures: the children's columns the parent repeats, per variant, so that executions compare in one
+table; and the metrics linked to each variant's model."""
 
 
 SHORT = {"float16": "fp16", "bfloat16": "bf16"}
@@ -41,9 +41,9 @@ about 15 characters; each child's name keeps the words ("ROLLBACK bfloat16")."""
 
 
 def run_name(verdicts_: Sequence[verdict.Verdict], suffix: str = "") -> str:
-    """Every dtype's verdict within the characters the runs table shows, rollbacks first: "✗ bf16, ✓ fp16 3e85c902"."""
+    """Every variant's verdict within the characters the runs table shows, rollbacks first: "✗ bf16, ✓ fp16 3e85c902"."""
     order = sorted(verdicts_, key=lambda v: v.decision == "accept")
-    return " ".join([", ".join(f"{MARK[v.decision]} {SHORT[v.dtype]}" for v in order), suffix]).strip()
+    return " ".join([", ".join(f"{MARK[v.decision]} {SHORT.get(v.variant, v.variant)}" for v in order), suffix]).strip()
 
 
 def common_tags(commit: str, manifest: Manifest, dvc_experiment: str | None) -> dict[str, str]:
@@ -74,7 +74,7 @@ def loosened(decision: Mapping[str, Any], earlier_rollbacks: Sequence[EarlierRul
 
 
 def verdicts(variants: Mapping[str, Mapping[str, Any]], loosened_by_dtype: Mapping[str, list[str]]) -> list[verdict.Verdict]:
-    """Every dtype's verdict, with what publish alone knows: how the rule was loosened since a rollback."""
+    """Every variant's verdict, with what publish alone knows: how the rule was loosened since a rollback."""
     return [
         verdict.verdict(d, v["decision"], v["stats"], v["diagnosis"], v["benchmark"], loosened_by_dtype.get(d, []))
         for d, v in variants.items()
@@ -95,7 +95,7 @@ def parent(
     }
     return RunSpec(
         name=run_name(verdicts_, suffix),
-        tags={**common, **env_tags(manifest.env), "stage": "pipeline", "dtypes": ",".join(variants),
+        tags={**common, **env_tags(manifest.env), "stage": "pipeline", "variants": ",".join(variants),
               **{f"decision.{d}": v["decision"]["decision"] for d, v in variants.items()},
               **{f"reasons_count.{d}": str(len(v["decision"]["reasons"])) for d, v in variants.items()}},
         params=flat,
@@ -119,8 +119,8 @@ def parent(
 
 def child(v: Mapping[str, Any], verdict_: verdict.Verdict, loosened_: list[str], ref_steps: list[dict],
           replicate_steps: list[dict] | None, common: Mapping[str, str], flat: dict) -> RunSpec:
-    """One dtype: decision and key figures as columns, curves, figures, table, suggestion, rollback package."""
-    d, decision = v["dtype"], v["decision"]
+    """One variant: decision and key figures as columns, curves, figures, table, suggestion, rollback package."""
+    d, decision = v["variant"], v["decision"]
     rule_ = decision.get("rule") or {}
     return RunSpec(
         name=f"{decision['decision'].upper()} {d}",
@@ -137,9 +137,9 @@ def child(v: Mapping[str, Any], verdict_: verdict.Verdict, loosened_: list[str],
 
 
 def model(v: Mapping[str, Any], loosened_: list[str], common: Mapping[str, str]) -> ModelSpec:
-    """The dtype's trained checkpoint, named and tagged as its run, so that a query finds "the accepted bfloat16
-    model" (``tags.dtype = 'bfloat16' AND tags.decision = 'accept'``); the rule as params, the key figures linked."""
-    d, decision = v["dtype"], v["decision"]
+    """The variant's trained checkpoint, named and tagged as its run, so that a query finds "the accepted bfloat16
+    model" (``tags.variant = 'bfloat16' AND tags.decision = 'accept'``); the rule as params, the key figures linked."""
+    d, decision = v["variant"], v["decision"]
     return ModelSpec(
         name=f"{decision['decision'].upper()} {d}",
         files=[paths.trial(d) / paths.TRIAL_CHECKPOINT],
@@ -154,7 +154,8 @@ def child_tags(v: Mapping[str, Any], loosened_: list[str], common: Mapping[str, 
     decision, bench = v["decision"], v["benchmark"]
     rule_ = decision.get("rule") or {}
     return {
-        **common, **env_tags(v["manifest"]["env"]), "stage": "variant", "dtype": v["dtype"], "decision": decision["decision"],
+        **common, **env_tags(v["manifest"]["env"]), "stage": "variant", "variant": v["variant"],
+        "dtype": v["manifest"]["policy"]["dtype"], "decision": decision["decision"],
         **{f"decision.{part}": decision[part] for part in ("inference", "training") if part in decision},
         "reasons_count": str(len(decision["reasons"])), "benchmarked": str(bool(bench.get("benchmarked"))).lower(),
         "gradscaler": "on" if (v["stats"].get("training") or {}).get("scaler_enabled") else "off (no GradScaler)",
@@ -166,7 +167,7 @@ def child_tags(v: Mapping[str, Any], loosened_: list[str], common: Mapping[str, 
 
 
 def child_artifacts(d: str) -> list[tuple[Path, str]]:
-    """The files of one dtype's run: figures, the decision, the suggestion, the rollback package, stage JSON."""
+    """The files of one variant's run: figures, the decision, the suggestion, the rollback package, stage JSON."""
     artifacts = [(paths.report_plot(d, name), "plots") for name, _ in page.PLOTS if paths.report_plot(d, name).is_file()]
     artifacts.append((paths.decision(d) / "decision.json", ""))
     suggested = paths.diagnose(d) / "suggested_params.yaml"
@@ -182,7 +183,7 @@ def child_artifacts(d: str) -> list[tuple[Path, str]]:
 
 
 def columns(v: Mapping[str, Any]) -> dict:
-    """The runs table's columns for one dtype: decision, flips, gaps, quality, training, speed and memory."""
+    """The runs table's columns for one variant: decision, flips, gaps, quality, training, speed and memory."""
     stats, bench = v["stats"], v["benchmark"]
     flips, training, quality = stats.get("flips") or {}, stats.get("training") or {}, stats.get("quality") or {}
     values = (stats.get("values") or {}).values()

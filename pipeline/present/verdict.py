@@ -1,8 +1,8 @@
-"""The verdict block: what a reviewer reads first, per dtype, wherever they land.
+"""The verdict block: what a reviewer reads first, per variant, wherever they land.
 
 Pure: the loaded stage outputs in, text out (no torch, no MLflow, no clock). The same ``Verdict`` is
 rendered as Markdown (MLflow descriptions), HTML (report.html), plain text (a stage's terminal note) and
-one line (publish's last line). Per dtype it says:
+one line (publish's last line). Per variant it says:
 
 - the decision in one sentence, with the gain in words ("accepted numerically; x0.32 slower on this
   CPU: keep FP32 here");
@@ -18,6 +18,8 @@ Hashes and environment go to a footer, not here.
 
 from __future__ import annotations
 
+import json
+
 import html as _html
 import math
 from collections.abc import Mapping, Sequence
@@ -25,14 +27,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 MAX_FLIPS = 10
-"""Flipped cases listed per dtype; the rest are counted (every one is in compare's cases.json)."""
+"""Flipped cases listed per variant; the rest are counted (every one is in compare's cases.json)."""
 FASTER, SLOWER = 1.05, 0.95
 """Speedups between these are "no measurable speed difference" (benchmark noise on a shared machine)."""
 
 
 @dataclass
 class Verdict:
-    dtype: str
+    variant: str
     decision: str
     """``accept`` or ``rollback``."""
     sentence: str
@@ -50,18 +52,18 @@ class Verdict:
     @property
     def short(self) -> str:
         """The decision and its gain in a few words, for run names and one-line summaries."""
-        return f"{self.decision.upper()} {self.dtype}"
+        return f"{self.decision.upper()} {self.variant}"
 
 
 def verdict(
-    dtype: str,
+    variant: str,
     decision: Mapping[str, Any],
     stats: Mapping[str, Any] | None = None,
     diagnosis: Mapping[str, Any] | None = None,
     benchmark: Mapping[str, Any] | None = None,
     loosened: Sequence[str] = (),
 ) -> Verdict:
-    """The verdict of one dtype from its outputs: ``decision.json``, compare's ``stats.json``,
+    """The verdict of one variant from its outputs: ``decision.json``, compare's ``stats.json``,
     ``diagnosis.json`` and ``benchmark.json`` (each may be absent: decide runs before the benchmark).
     ``loosened``: how the rule was loosened since an earlier rollback of the same reference (publish)."""
     stats, diagnosis = stats or {}, diagnosis or {}
@@ -71,24 +73,25 @@ def verdict(
     criteria = [str(r) for r in decision.get("reasons", [])]
     failed = ""
     if accepted:
-        sentence = f"{dtype}: ACCEPT: the rule passed, {gain}" if gain else f"{dtype}: ACCEPT: every criterion of the rule passed"
+        passed = f"the rule passed, {gain}" if gain else "every criterion of the rule passed"
+        sentence = f"{variant}: ACCEPT: {passed}"
     else:
         failed = f"{len(criteria)} criteria failed" if len(criteria) != 1 else "1 criterion failed"
         parts = {p: decision.get(p) for p in ("inference", "training") if decision.get(p)}
         split = f" (inference {parts['inference'].upper()}, training {parts['training'].upper()})" if len(parts) == 2 else ""
-        sentence = f"{dtype}: ROLLBACK: {failed}{split}; keep FP32 for {dtype} (the reference state is restorable exactly)"
-    out = Verdict(dtype=dtype, decision=str(decision.get("decision", "?")), sentence=sentence, failed=failed)
+        sentence = f"{variant}: ROLLBACK: {failed}{split}; keep FP32 for {variant} (the reference state is restorable exactly)"
+    out = Verdict(variant=variant, decision=str(decision.get("decision", "?")), sentence=sentence, failed=failed)
     out.reasons = criteria + [f"diagnosis: {f}" for f in decision.get("findings", [])]
     out.flips = _flips(stats, decision.get("rule") or {})
-    out.training = _training(stats, dtype)
+    out.training = _training(stats, (decision.get("policy") or {}).get("dtype", variant))
     out.gain = gain
     if not accepted:
-        out.commands = _commands(dtype, diagnosis)
+        out.commands = _commands(variant, diagnosis)
     for note in decision.get("notes", []):  # e.g. the trial ran with other threads than the reference: said beside the verdict
         out.warnings.append(str(note))
     if loosened:
         out.warnings.append(
-            f"the rule was loosened since this reference was rolled back for {dtype}: {'; '.join(loosened)}"
+            f"the rule was loosened since this reference was rolled back for {variant}: {'; '.join(loosened)}"
             + (" - this accept may exist only because of it" if accepted else "")
         )
     return out
@@ -169,14 +172,15 @@ def _training(stats: Mapping[str, Any], dtype: str) -> str:
     return f"training: worst loss gap {_g(gap)}{floor}, {drift}; {scaler}"
 
 
-def _commands(dtype: str, diagnosis: Mapping[str, Any]) -> list[str]:
-    cmds = [f"python -m pipeline restore --dtype {dtype}   # verified FP32 reference state -> restored/"]
+def _commands(variant: str, diagnosis: Mapping[str, Any]) -> list[str]:
+    cmds = [f"python -m pipeline restore --variant {variant}   # verified FP32 reference state -> restored/"]
     s = diagnosis.get("suggestion") or {}
     if s.get("fp32_modules"):
-        modules = "[" + ",".join(s["fp32_modules"]) + "]"
+        modules = json.dumps(s["fp32_modules"], separators=(",", ":"))  # quoted: module '5' stays a string
         checked = "passes the rule in a re-run" if s.get("rule_passes") else "not checked by a re-run"
         cmds.append(
-            f"dvc exp run -S 'trial.fp32_modules={modules}' -S 'trial.dtypes=[{dtype}]'   # suggested FP32 regions ({checked})"
+            f"dvc exp run -S 'trial.policies.{variant}.fp32_modules={modules}' -S 'trial.variants=[{variant}]'"
+            f"   # suggested FP32 regions ({checked})"
         )
     return cmds
 
@@ -211,7 +215,7 @@ def text(v: Verdict) -> str:
 
 
 def markdown(verdicts: Sequence[Verdict]) -> str:
-    """The block as Markdown: a heading per dtype, the sentence in bold, details as lists, commands in code."""
+    """The block as Markdown: a heading per variant, the sentence in bold, details as lists, commands in code."""
     out = ["## Verdict", ""]
     for v in verdicts:
         out += [f"**{_md(v.sentence)}**", ""]
@@ -233,10 +237,12 @@ def html(verdicts: Sequence[Verdict]) -> str:
     e = _html.escape
     parts = ['<section id="verdict"><h2>Verdict</h2>']
     for v in verdicts:
-        head = f"{v.dtype}: {v.decision.upper()}"
+        head = f"{v.variant}: {v.decision.upper()}"
         rest = v.sentence[len(head):] if v.sentence.startswith(head) else ""
         sentence = f'<span class="{e(v.decision)}">{e(head)}</span>{e(rest)}' if rest else e(v.sentence)
-        parts.append(f'<div class="verdict v-{e(v.decision)}" data-dtype="{e(v.dtype)}"><p class="sentence">{sentence}</p><ul>')
+        parts.append(
+            f'<div class="verdict v-{e(v.decision)}" data-variant="{e(v.variant)}"><p class="sentence">{sentence}</p><ul>'
+        )
         parts += [f'<li class="warning">{e(w)}</li>' for w in v.warnings]
         parts += [f"<li>{e(r)}</li>" for r in v.reasons]
         if v.training:
@@ -254,10 +260,10 @@ def html(verdicts: Sequence[Verdict]) -> str:
 
 
 def headline(verdicts: Sequence[Verdict]) -> str:
-    """One Markdown line per dtype, for the few lines MLflow shows of a description before "Show more"."""
+    """One Markdown line per variant, for the few lines MLflow shows of a description before "Show more"."""
     lines = []
     for v in verdicts:
-        head = f"{v.dtype}: {v.decision.upper()}"
+        head = f"{v.variant}: {v.decision.upper()}"
         rest = v.sentence[len(head):].lstrip(": ") if v.sentence.startswith(head) else v.sentence
         line = f"**{head}** - {_md(rest)}"
         if v.commands:
@@ -269,13 +275,13 @@ def headline(verdicts: Sequence[Verdict]) -> str:
 
 
 def one_line(verdicts: Sequence[Verdict]) -> str:
-    """Every dtype's decision and gain on one line (publish's last line)."""
+    """Every variant's decision and gain on one line (publish's last line)."""
     def detail(v: Verdict) -> str:
         if v.decision == "accept":
             return f" ({v.gain})" if v.gain else ""
         return f" ({v.failed}; next: {v.commands[0].split('#')[0].strip()})" if v.commands else f" ({v.failed})"
 
-    return printable("; ".join(f"{v.dtype} {v.decision.upper()}{detail(v)}" for v in verdicts))
+    return printable("; ".join(f"{v.variant} {v.decision.upper()}{detail(v)}" for v in verdicts))
 
 
 def _count(flips: Sequence[str]) -> str:

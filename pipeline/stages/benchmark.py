@@ -1,7 +1,7 @@
-"""Stage benchmark@DTYPE: time per training step and peak memory, strict FP32 (and TF32) vs AMP, accepted variants only.
+"""Stage benchmark@NAME: time per training step and peak memory, strict FP32 (and TF32) vs AMP, accepted variants only.
 
 ``pipeline.bench`` holds the method (``bench.measure`` runs it); ``pipeline.artifacts.benchmark`` writes the
-record (``benchmark.json``) and its two DVC metrics (``data/metrics/bench-DTYPE.json``: speedup, mem_ratio).
+record (``benchmark.json``) and its two DVC metrics (``data/metrics/bench-NAME.json``: speedup, mem_ratio).
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from pipeline.bench.measure import measure
 from pipeline.config import load_params
 
 
-def main(dtype: str, params_path: str = "params.yaml") -> None:
+def main(variant: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
-    if launch.relaunched("benchmark", params, params_path, dtype):
+    if launch.relaunched("benchmark", params, params_path, variant):
         return  # it ran on distributed.nproc_per_node ranks under torchrun
     device = distributed.init(devices.resolve(params.device))  # one process: unchanged; under torchrun: this rank's
-    if decision.read(dtype).accepted:
-        result = measure(params_path, params, dtype, device)  # every rank measures; rank 0 alone gets the record
+    if decision.read(variant).accepted:
+        result = measure(params_path, params, variant, device)  # every rank measures; rank 0 alone gets the record
     else:
-        result = benchmark.rolled_back(dtype)
+        result = benchmark.rolled_back(variant)
     if distributed.current().writes:
         benchmark.write(result)
         print(result.summary_line())

@@ -1,4 +1,4 @@
-"""Stage compare@DTYPE: value gaps, decision flips, distribution agreement, quality and training gap of one trial.
+"""Stage compare@NAME: value gaps, decision flips, distribution agreement, quality and training gap of one trial.
 
 Outputs are read one chunk of rows at a time (``params.compare.chunk_elements``): memory stays one chunk of
 the reference, the trial and the FP64 arbiter, whatever the fixed set's size.
@@ -13,10 +13,10 @@ from pipeline.compare import streams
 from pipeline.config import load_params
 
 
-def main(dtype: str, params_path: str = "params.yaml") -> None:
+def main(variant: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
     ref = reference_tensors.load(params)
-    run = trial_tensors.load(dtype, ref.manifest)
+    run = trial_tensors.load(variant, ref.manifest)
     fp64 = ref.fp64_reader()
     sources = streams.Sources(ref.cases.ids, ref.cases.y, ref.cases.has_target, ref.outputs_reader(), run.reader("outputs"),
                               run.reader("trained_outputs"), fp64, streams.token_mask_of(ref.cases.x))
@@ -25,10 +25,10 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     stats, table = streams.compare_streams(params.task.kind, params.acceptance, sources, runs,
                                            metric=streams.Metric.for_task(params.task), cfg=params.compare)
     stats = replace(stats, env_differs_from_reference=tuple(run.manifest.env_differs_from_reference))
-    comparison.write(dtype, stats, table)
+    comparison.write(variant, stats, table)
     f, d, q = stats.flips, stats.distribution, stats.quality
     print(
-        f"compare {dtype}: {f.flips} flip(s), {f.near_boundary_flips} near the boundary, {f.boundary_flips}/{f.boundary_cases} "
+        f"compare {variant}: {f.flips} flip(s), {f.near_boundary_flips} near the boundary, {f.boundary_flips}/{f.boundary_cases} "
         f"boundary flip(s) (per {f.unit}); quality {q.metric} {q.trial:.4f} vs {q.reference:.4f}"
         + (f"; KL mean {d.kl_mean:.3g}, top-1 agreement {d.top1_agreement:.4f}" if d else "")
     )

@@ -1,4 +1,4 @@
-"""Stage decide@DTYPE: apply the frozen rule; on rollback, package what restores the reference.
+"""Stage decide@NAME: apply the frozen rule; on rollback, package what restores the reference.
 
 The decision is a function of this stage's DVC deps alone: no MLflow, no clock, no torch. Whether a rule
 was loosened after an earlier rollback is history, read from versioned sources by publish, not here.
@@ -14,17 +14,17 @@ from pipeline.config import load_params
 from pipeline.present import verdict
 
 
-def main(dtype: str, params_path: str = "params.yaml") -> None:
+def main(variant: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
     ref = reference.read_manifest()
     ref.check_rule(params.acceptance)
-    stats = comparison.read(dtype)
-    found = diagnosis.read(dtype)
-    ran = trial.read_manifest(dtype)
+    stats = comparison.read(variant)
+    found = diagnosis.read(variant)
+    ran = trial.read_manifest(variant)
     judged = rule.decide(stats, params.acceptance)
     rolled_back = not judged.accepted
     result = decision.Decision(
-        dtype=dtype,
+        variant=variant,
         decision=judged.decision,
         reasons=list(judged.reasons),
         checks=list(judged.checks),
@@ -37,11 +37,11 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
         rule_sha256=params.acceptance.sha256(),
         policy=ran.policy,
         env=ran.env,
-        rollback_package=str(rollback.folder(dtype)) if rolled_back else None,
+        rollback_package=str(rollback.folder(variant)) if rolled_back else None,
     )
     if rolled_back:
-        rollback.write_package(params, ref, stats, dtype, result.cases)
+        rollback.write_package(params, ref, stats, variant, result.cases)
     decision.write(result)
     decision.write_metrics(result, stats)
     # the verdict block, as everywhere
-    print(verdict.text(verdict.verdict(dtype, result.as_dict(), stats.as_dict(), found.as_dict())))
+    print(verdict.text(verdict.verdict(variant, result.as_dict(), stats.as_dict(), found.as_dict())))

@@ -1,4 +1,4 @@
-"""Stage diagnose@DTYPE: why a trial failed and which FP32 regions would fix it (cheap when all is well).
+"""Stage diagnose@NAME: why a trial failed and which FP32 regions would fix it (cheap when all is well).
 
 Writes ``diagnosis.json`` (findings and notes as lines, the structured details beside them) and, when
 there is one, ``suggested_params.yaml``: a suggestion, never applied. A healthy trial costs three JSON reads:
@@ -14,22 +14,22 @@ from pipeline.artifacts import comparison, diagnosis, trial
 from pipeline.config import load_params
 
 
-def main(dtype: str, params_path: str = "params.yaml") -> None:
+def main(variant: str, params_path: str = "params.yaml") -> None:
     start = time.perf_counter()
     params = load_params(params_path)
-    stats = comparison.read(dtype)
-    trajectory = trial.read_trajectory(dtype)
+    stats = comparison.read(variant)
+    trajectory = trial.read_trajectory(variant)
     judged = rule.decide(stats, params.acceptance)  # once; the diagnosis is handed it
     found, suggested = diagnosis.Diagnosis(), None
     if judged.reasons or params.diagnose.probe == "always":
         from pipeline.diagnosis import flow, wording
 
-        found = flow.run(params, dtype, stats, trajectory, judged)
-        suggested = wording.snippet(found.suggestion, dtype) if found.suggestion else None
-    diagnosis.write(dtype, found, suggested)
+        found = flow.run(params, variant, stats, trajectory, judged)
+        suggested = wording.snippet(found.suggestion, variant, params.trial.policy(variant)) if found.suggestion else None
+    diagnosis.write(variant, found, suggested)
     work = found.work
     print(
-        f"diagnose {dtype}: {len(found.findings)} finding(s), {work.trial_reruns} trial re-run(s), "
+        f"diagnose {variant}: {len(found.findings)} finding(s), {work.trial_reruns} trial re-run(s), "
         f"{work.replayed_steps} replayed step(s), {time.perf_counter() - start:.1f}s"
         + "".join(f"\n  - {f}" for f in found.findings + found.notes)
     )

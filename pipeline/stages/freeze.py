@@ -14,7 +14,7 @@ from pipeline.artifacts import reference_tensors
 from pipeline.files import sha256_file
 from pipeline.config import load_params
 from pipeline.errors import UserError
-from pipeline.precision import Policy
+from pipeline.config import Policy
 
 FP32 = Policy()
 

@@ -1,6 +1,6 @@
 """Stage publish: mirror every stage's results to MLflow, once (the DVC outputs stay the source of truth).
 
-One parent run per pipeline execution, one child per dtype (``pipeline.present.runs``). Its key
+One parent run per pipeline execution, one child per variant (``pipeline.present.runs``). Its key
 (``provenance.publish_key``) hashes the reference, the git commit, the params and the bytes of every mirrored
 file, so publishing the same results again adds nothing while a rerun that changed anything (a
 `dvc exp run`, new benchmark timings) gets a run of its own.
@@ -27,12 +27,12 @@ from pipeline.present import runs, verdict
 def main(params_path: str = "params.yaml") -> None:
     started = time.monotonic()
     params = load_params(params_path)
-    dtypes = params.trial.dtypes
+    names = params.trial.variants
     manifest = reference.read_manifest()
     flat = flatten(asdict(params))
     commit = provenance.git_commit()
-    key = provenance.publish_key(manifest.run_key, manifest.rule_sha256, commit, flat, dtypes)
-    variants = {d: variant.load(d) for d in dtypes}
+    key = provenance.publish_key(manifest.run_key, manifest.rule_sha256, commit, flat, names)
+    variants = {d: variant.load(d) for d in names}
 
     already = tracking.published(tracking.tracking_uri(), params.tracking.experiment, key)
     if already is not None:  # the common no-op of `dvc repro`: answered without importing MLflow
@@ -40,7 +40,7 @@ def main(params_path: str = "params.yaml") -> None:
         print(f"publish: {verdict.one_line(runs.verdicts(variants, {}))}; review: {already.link}")
         return
     # Not before the lookup: a key that matches holds these very params, checked when they were published.
-    provenance.check_fresh(params_path, dtypes)
+    provenance.check_fresh(params_path, names)
 
     common = runs.common_tags(commit, manifest, provenance.dvc_experiment_name())
     publisher = tracking.Publisher(params.tracking.experiment)
@@ -48,7 +48,7 @@ def main(params_path: str = "params.yaml") -> None:
     verdicts = runs.verdicts(variants, loosened)
     ref_steps, replicate = reference.read_trajectory(manifest), reference.read_replicate(manifest)
     parent = runs.parent(manifest, variants, verdicts, ref_steps, common, flat, params_path)
-    children = [runs.child(variants[v.dtype], v, loosened[v.dtype], ref_steps, replicate, common, flat) for v in verdicts]
+    children = [runs.child(variants[v.variant], v, loosened[v.variant], ref_steps, replicate, common, flat) for v in verdicts]
     # A loosened rule is said at every publish: such a tree is not recorded for the no-op above.
     result = publisher.publish(key, parent, children, remember=not any(loosened.values()))
     for w in (w for v in verdicts for w in v.warnings):

@@ -19,8 +19,8 @@ def main(params_path: str = "params.yaml") -> None:
     ref_steps, noise = reference.read_trajectory(ref), reference.read_replicate(ref)
     ref_outputs = outputs.NumpyReader(paths.REF_OUTPUTS, ref.sha256(paths.REF_OUTPUTS), reference.PRODUCED_BY)
     band = params.acceptance
-    files = report.Files()
-    for d in params.trial.dtypes:
+    files = report.Files(params.trial.policies)
+    for d in params.trial.variants:
         ran = trial.read_manifest(d)
         steps = trial.read_trajectory(d, ran).steps
         trial_outputs = outputs.NumpyReader(
@@ -38,4 +38,4 @@ def main(params_path: str = "params.yaml") -> None:
         for family, curve in plots.curve_rows(ref_steps, steps, d, band, noise).items():
             files.curve(family, d, curve)
     files.prune()
-    print(f"report: {len(files.written)} figure and curve file(s) under {paths.REPORT} for {', '.join(params.trial.dtypes)}")
+    print(f"report: {len(files.written)} figure and curve file(s) under {paths.REPORT} for {', '.join(params.trial.variants)}")

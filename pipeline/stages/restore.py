@@ -1,4 +1,4 @@
-"""``python -m pipeline restore --dtype DTYPE``: restore the FP32 reference state from a rollback package.
+"""``python -m pipeline restore --variant NAME``: restore the FP32 reference state from a rollback package.
 
 Not a DVC stage: a command a user runs after a rollback. Every hash is checked before anything is loaded.
 """
@@ -13,12 +13,12 @@ from pipeline.artifacts import rollback
 from pipeline.config import load_params
 
 
-def main(dtype: str, params_path: str = "params.yaml") -> None:
+def main(variant: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
-    files = rollback.verified_files(dtype)
+    files = rollback.verified_files(variant)
     ckpt = checkpoint.load(paths.REF_CHECKPOINT, files[str(paths.REF_CHECKPOINT)])
     model = task.build_model(params.task, params.seed)
     checkpoint.restore(ckpt, model, rng=True)  # proves the state loads into the model
-    target = Path("restored") / f"reference-{dtype}.safetensors"
+    target = Path("restored") / f"reference-{variant}.safetensors"
     sha = checkpoint.save(target, ckpt)
-    print(f"restore {dtype}: verified {len(files)} file(s); reference state written to {target} (sha256 {sha[:12]}…)")
+    print(f"restore {variant}: verified {len(files)} file(s); reference state written to {target} (sha256 {sha[:12]}…)")

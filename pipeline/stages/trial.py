@@ -1,4 +1,4 @@
-"""Stage trial@DTYPE: the same reference under autocast, for inference and for training."""
+"""Stage trial@NAME: the same reference under autocast, for inference and for training."""
 
 from __future__ import annotations
 
@@ -10,20 +10,18 @@ from pipeline import checkpoint, devices, distributed, launch, paths, precision,
 from pipeline.artifacts import reference_tensors, trial, trial_tensors
 from pipeline.config import load_params
 from pipeline.errors import UserError
-from pipeline.precision import Policy
 
 
-def main(dtype: str, params_path: str = "params.yaml") -> None:
+def main(variant: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
-    if dtype not in params.trial.dtypes:
-        raise UserError(f"--dtype {dtype} is not in trial.dtypes {params.trial.dtypes}; add it there or pick one of them")
-    if launch.relaunched("trial", params, params_path, dtype):
+    policy = params.trial.policy(variant)
+    if launch.relaunched("trial", params, params_path, variant):
         return  # it ran on distributed.nproc_per_node ranks under torchrun
     device = distributed.init(devices.resolve(params.device))  # one process: unchanged; under torchrun: this rank's
     world = distributed.current()
-    devices.check_dtype_supported(device, precision.parse_dtype(dtype))
+    if policy.amp:
+        devices.check_dtype_supported(device, precision.parse_dtype(policy.dtype))
     ref = reference_tensors.load(params)
-    policy = Policy(dtype=dtype, fp32_modules=tuple(params.trial.fp32_modules))
 
     def initial():
         model = task.build_model(params.task, params.seed)
@@ -33,16 +31,16 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     trained = task.build_model(params.task, params.seed)
     checkpoint.restore(ref.checkpoint(), trained, rng=False)
     resume = checkpoint.ResumeFile(
-        paths.RESUME / f"trial-{dtype}.safetensors", world.key(trial.run_key(ref.manifest, policy)), device
+        paths.RESUME / f"trial-{variant}.safetensors", world.key(trial.run_key(ref.manifest, policy)), device
     )
     with (
-        trial_tensors.Writer(dtype, ref.cases.ids) as writer,
-        _missing_kernels(dtype, device),
+        trial_tensors.Writer(variant, ref.cases.ids) as writer,
+        _missing_kernels(variant, policy.dtype, device),
         precision.deterministic(params.reference.deterministic),
     ):
         run = training.run_trial(
             trained, initial, ref.train_data(params), ref.cases.x, params.reference, params.task, policy, device,
-            params.seed, resume=resume.load(), save_resume=resume.save, label=f"trial {dtype}",
+            params.seed, resume=resume.load(), save_resume=resume.save, label=f"trial {variant}",
             sink=writer.sink if world.writes else distributed.discard, expect_batches=ref.batch_hashes(world.size),
         )
     if not world.writes:
@@ -52,13 +50,13 @@ def main(dtype: str, params_path: str = "params.yaml") -> None:
     resume.clear()
     skipped = sum(r.skipped for r in result.records)
     print(
-        f"trial {dtype}: {len(result.records)} steps, {result.real_updates} real updates, {skipped} skipped; "
+        f"trial {variant}: {len(result.records)} steps, {result.real_updates} real updates, {skipped} skipped; "
         f"final loss {result.records[-1].loss:.4f}"
     )
 
 
 @contextlib.contextmanager
-def _missing_kernels(dtype: str, device) -> Iterator[None]:
+def _missing_kernels(variant: str, dtype: str, device) -> Iterator[None]:
     """An op without a kernel for the dtype on this device is a finding about the target, not a crash."""
     try:
         yield
@@ -67,6 +65,6 @@ def _missing_kernels(dtype: str, device) -> Iterator[None]:
         if "not implemented for" not in first and not isinstance(exc, NotImplementedError):
             raise
         raise UserError(
-            f"trial {dtype} on {device.type}: an op has no {dtype} kernel here ({first[:200]}); keep its module in FP32 "
-            f"with trial.fp32_modules, or trial another dtype"
+            f"trial {variant} on {device.type}: an op has no {dtype} kernel here ({first[:200]}); keep its module in FP32 "
+            f"with trial.policies.{variant}.fp32_modules, or trial another dtype"
         ) from None
