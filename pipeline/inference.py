@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from pipeline import precision
+from pipeline import precision, transforms
 from pipeline.errors import UserError
 from pipeline.config import Policy
 from pipeline.task import Inputs, call, iter_rows, map_floating, named_outputs, to_device
@@ -50,10 +50,11 @@ def infer_chunks(
     precision.strict_fp32()
     model.to(device)
     model.train(not eval_mode)
+    runnable = transforms.apply(model, policy, device).model  # float8 layers in place, the compiled wrapper; else model
     with precision.fp32_regions(model, policy, device), inference_rng(eval_mode, device):
         for _, _, part in iter_rows(x, batch_size):
             with precision.autocast(policy, device):
-                out = named_outputs(call(model, to_device(part, device)))
+                out = named_outputs(call(runnable, to_device(part, device)))
             yield {name: value.detach().float().cpu() for name, value in out.items()}
 
 

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from pipeline import checkpoint, distributed, precision, task
+from pipeline import checkpoint, distributed, precision, task, transforms
 from pipeline.config import ReferenceConfig, TaskConfig
 from pipeline.errors import UserError
 from pipeline.inference import infer, infer_chunks
@@ -309,8 +309,9 @@ def train(
     if not world.writes:
         save_resume = None
     progress = Progress(label, end, start)
+    runnable = transforms.apply(model, policy, device).model  # float8 layers in place, the compiled wrapper; else model
     with precision.fp32_regions(model, policy, device):
-        net = world.wrap(model, device)  # the model itself in one process
+        net = world.wrap(runnable, device)  # the model itself in one process
         for step in range(start, end):
             micro = _read_update(source, order[step], world, step)
             digest = batch_digest(micro)

@@ -74,8 +74,9 @@ class Applied:
 def apply(model: torch.nn.Module, policy: Policy, device: torch.device) -> Applied:
     """The model to run under ``policy``: float8 linear layers first (changed in place), then ``torch.compile``.
 
-    Call it once, after ``model.to(device)`` and before building the optimizer; autocast and fp32_regions are
-    entered around the calls as for an eager model (dynamo guards on both and recompiles when they change).
+    Call it after ``model.to(device)``; autocast and fp32_regions are entered around the calls as for an eager
+    model (dynamo guards on both and recompiles when they change). Calling it again on the same model converts
+    nothing twice (layers already float8 are kept and reported), so training and inference can each ask.
 
     Raises:
         UserError: float8 without torchao, float8 with no eligible linear layer, or inductor unusable here.
@@ -88,6 +89,7 @@ def apply(model: torch.nn.Module, policy: Policy, device: torch.device) -> Appli
     if not policy.compiled:
         return Applied(model=module, module=module, **float8)
     check_inductor(device)
+    _allow_recompiles()
     mode = None if policy.compile_mode == "default" else policy.compile_mode
     compiled = torch.compile(module, backend="inductor", mode=mode)
     return Applied(model=compiled, module=module, compiled=True, **float8)
@@ -116,14 +118,16 @@ def float8_kernels_available(device: torch.device) -> bool:
 def _convert_float8(model: torch.nn.Module, policy: Policy, device: torch.device) -> tuple[torch.nn.Module, dict]:
     api = _float8_api()
     eligible, skipped = _float8_plan(model, policy.fp32_modules)
-    if not eligible:
+    if not eligible and not policy.fp32_modules:  # every layer kept in FP32 on purpose (a diagnosis re-run) is no mistake
         why = "; ".join(f"{name}: {reason}" for name, reason in skipped) or "the model has no nn.Linear"
         raise UserError(f"float8: {policy.float8} found no linear layer it can convert ({why}); set float8: off for this model")
     kernels = "real" if float8_kernels_available(device) else "emulated"
     config = dataclasses.replace(api.Float8LinearConfig.from_recipe_name(policy.float8), emulate=kernels == "emulated")
-    keep = set(eligible)
-    # Returns a new module only when the model itself is an nn.Linear; children are swapped in place.
-    converted = api.convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, fqn: fqn in keep)
+    modules = dict(model.named_modules())
+    keep = {name for name in eligible if not isinstance(modules[name], api.float8_linear.Float8Linear)}  # once only
+    converted = model
+    if keep:  # a new module only when the model itself is an nn.Linear; children are swapped in place
+        converted = api.convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, fqn: fqn in keep)
     return converted, dict(
         float8=policy.float8, float8_kernels=kernels, float8_linears=tuple(eligible), float8_skipped=tuple(skipped)
     )
@@ -208,6 +212,19 @@ def check_inductor(device: torch.device) -> None:
             raise UserError(
                 f"compile: inductor on {device} needs triton, which is not importable; install torch's triton or set compile: off"
             )
+
+
+RECOMPILES = 64
+"""Graphs dynamo keeps per function before it falls back to eager. A trial meets a handful (training, inference
+in eval mode, the last smaller chunk, batch-of-one replays, autocast on and off in fp32_modules): at dynamo's
+default of 8 the rest would run eager, silently, and the verdict would not be about the compiled model."""
+
+
+def _allow_recompiles() -> None:
+    import torch._dynamo.config as dynamo
+
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"  # torch < 2.6: the old name
+    setattr(dynamo, name, max(getattr(dynamo, name), RECOMPILES))
 
 
 def compile_seconds(step: Callable[[], None], device: torch.device, steady_steps: int = 3) -> float:

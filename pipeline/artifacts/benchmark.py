@@ -133,8 +133,10 @@ class Benchmark(Record):
     speedup_vs_tf32: Spread | None
     """TF32 time / AMP time, where the GPU has TF32."""
     no_speedup_because: str | None
+    compile_seconds: float | None = None
+    """A compiled variant: what its first step spent compiling (dynamo and inductor), apart from the step times."""
 
-    ABSENT = ("seconds_per_step", "speedup", "speedup_vs_tf32", "no_speedup_because")
+    ABSENT = ("seconds_per_step", "speedup", "speedup_vs_tf32", "no_speedup_because", "compile_seconds")
 
     def as_dict(self) -> dict:
         out = {"benchmarked": True, **super().as_dict()}
@@ -169,6 +171,8 @@ class Benchmark(Record):
             line += f", peak memory x{m.median:.2f} of FP32 (IQR {m.q1:.2f}-{m.q3:.2f})"
         if dropped:
             line += f"; {len(dropped)} round(s) dropped: the GradScaler skipped an update"
+        if self.compile_seconds is not None:
+            line += f"; compile {self.compile_seconds:.1f} s once, not in the step times"
         if self.env["backend"] == "cpu":
             line += " [CPU: a short run, not a GPU figure]"
         return line

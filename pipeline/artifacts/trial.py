@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +43,9 @@ class TrialManifest:
     env_differs_from_reference: list[str]
     """Keys of the environment whose values differ from the reference's (``world_size``, ``threads``...)."""
     real_updates: int
+    transforms: dict = field(default_factory=dict)
+    """What the policy did to the model's code (``transforms.Applied.as_dict``): the float8 layers, whether their
+    kernels were real or emulated, whether it was compiled. Absent for a plain autocast trial."""
 
     def env_notes(self, reference_env: dict) -> list[str]:
         """Floating-point results differ across devices and execution paths: a trial run elsewhere than its
@@ -55,7 +58,10 @@ class TrialManifest:
         ]
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if not self.transforms:  # absent rather than empty: a plain autocast trial's manifest keeps its bytes
+            del out["transforms"]
+        return out
 
 
 @dataclass(frozen=True)

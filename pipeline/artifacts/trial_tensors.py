@@ -51,7 +51,8 @@ class Writer:
         self.pending[file] = self.folder / f".{file}.pending"
         self.files[file] = write_outputs(self.pending[file], chunks, self.ids)
 
-    def finish(self, result, policy, reference: ReferenceManifest, env: dict, aligned: list | None = None) -> TrialManifest:
+    def finish(self, result, policy, reference: ReferenceManifest, env: dict, aligned: list | None = None,
+               transforms: dict | None = None) -> TrialManifest:
         """Move the outputs into place, write the training state, the trajectory and (last) the manifest."""
         for file, path in sorted(self.pending.items()):
             os.replace(path, self.folder / file)
@@ -71,6 +72,7 @@ class Writer:
             env=env,
             env_differs_from_reference=env_differs(env, reference.env),
             real_updates=result.real_updates,
+            transforms=transforms or {},
         )
         write_json(self.folder / paths.TRIAL_MANIFEST, manifest.as_dict())
         return manifest

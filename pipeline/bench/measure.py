@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 
 import torch
 
-from pipeline import devices, distributed, precision
+from pipeline import devices, distributed, precision, transforms
 from pipeline.artifacts.benchmark import Benchmark, MemoryProbe, Method, RoundsDropped, Samples, WorkloadFacts
 from pipeline.bench.memory import memory_by_arm
 from pipeline.bench.sizing import Sizes, sizes
@@ -40,11 +41,24 @@ def measure(params_path: str, params: Params, variant: str, device: torch.device
             works.append(load_workload(params, device, variant if a.name == "amp" else None))
             stack.enter_context(precision.fp32_regions(works[-1].model, a.policy, device))
             steps[a.name] = (TrainingStep(works[-1], a.policy), a.tf32)
+        trial_step = steps["amp"][0]
+        compiled = transforms.compile_seconds(trial_step, device) if policy.compiled else None  # before any timed round
         load = os.getloadavg()[0] if device.type == "cpu" else None
         rounds = interleaved(steps, size.warmup, size.repeats, size.steps, device)
     if not distributed.current().writes:
         return None
-    return record(variant, policy, env.as_dict(), works[-1], size, tf32_note, memory, rounds, load)
+    out = record(variant, policy, env.as_dict(), works[-1], size, tf32_note, memory, rounds, load)
+    return replace(out, compile_seconds=compiled, **_unquoted(trial_step.applied))
+
+
+def _unquoted(applied: transforms.Applied) -> dict:
+    """Emulated float8 runs the casts in software: its times are kept, but no speedup is quoted from them."""
+    if applied.float8_kernels != "emulated":
+        return {}
+    return dict(
+        speedup=None, speedup_vs_tf32=None,
+        no_speedup_because="float8 ran emulated (no FP8 kernels on this device): its times are kept, no speedup is quoted",
+    )
 
 
 def record(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline import checkpoint, distributed, paths, precision, recipe, task, training
+from pipeline import checkpoint, distributed, paths, precision, recipe, task, training, transforms
 from pipeline.config import Params
 from pipeline.config import Policy
 
@@ -72,7 +72,8 @@ class TrainingStep:
         self.max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
         self.updates = 0
         self.optimizer.register_step_post_hook(self._count)
-        self.net = distributed.current().wrap(work.model, work.device)  # DDP under torchrun: all-reduce is timed
+        self.applied = transforms.apply(work.model, policy, work.device)  # float8 layers, the compiled wrapper
+        self.net = distributed.current().wrap(self.applied.model, work.device)  # DDP under torchrun: all-reduce is timed
 
     def _count(self, *_: object) -> None:
         self.updates += 1

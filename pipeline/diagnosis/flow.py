@@ -13,7 +13,7 @@ from pipeline.config import Params
 from pipeline.rule import RuleResult
 from pipeline.diagnosis import wording
 from pipeline.diagnosis.precision_map import gradient_underflow, precision_map
-from pipeline.diagnosis.replay import Context, Run, load, locate, reference_fails_itself
+from pipeline.diagnosis.replay import Context, Run, load, locate, reference_fails_itself, rerun
 from pipeline.diagnosis.search import Outcome, reduced_modules, search, unflip
 from pipeline.diagnosis.triage import triage
 from pipeline.task import to_device
@@ -42,13 +42,21 @@ def run(params: Params, variant: str, stats: Stats, trajectory: Trajectory, deci
     findings: list[str] = []
     outcome = Outcome()  # nothing searched: no fix, no re-run, no suggestion
     own = located = unflipped = None
-    if triaged.needed:
+    eager_passes = False
+    if triaged.needed and trial_run.policy.compiled and ctx.budget_left:  # compile or precision? the policy again, eager
+        eager = rerun(ctx, trial_run.policy.eager)
+        outcome.reruns.append(eager.summary())
+        findings.append(wording.compile_line(trial_run, eager))
+        eager_passes = eager.accepted
+    if triaged.needed and not eager_passes:  # eager passes: no FP32 region fixes what the compiler changed
         own = reference_fails_itself(ctx)
         if own:
             findings.append(wording.reference_fails_line(own))
         located = locate(ctx, trial_run)
         findings += [wording.describe(loc, dtype) for loc in located]
-        outcome = search(ctx, trial_run, located, reference_fails=bool(own))
+        searched = search(ctx, trial_run, located, reference_fails=bool(own))
+        searched.reruns[:0] = outcome.reruns  # the eager re-run first, then the search's
+        outcome = searched
         findings += outcome.findings
         flips = stats.flips.flip_list
         if any(not f.boundary for f in flips):  # each flipped real case: which module's FP32 replay un-flips it

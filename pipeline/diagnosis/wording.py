@@ -11,7 +11,7 @@ import torch
 
 from pipeline.artifacts.diagnosis import PrecisionMap, Suggestion, Underflow, Unflip
 from pipeline.diagnosis.trace import finite
-from pipeline.diagnosis.replay import Located
+from pipeline.diagnosis.replay import Located, Run
 from pipeline.diagnosis.search import Outcome
 from pipeline.config import Policy
 
@@ -193,3 +193,19 @@ def unflip_lines(unflipped: list[Unflip], budget: int) -> list[str]:
             + ", ".join(missing[:10])
         )
     return parts
+
+
+def compile_line(compiled: Run, eager: Run) -> str:
+    """Which of the two moved the decision: the compiler (eager passes the rule) or precision (eager fails too)."""
+    failed = "; ".join(compiled.decision.reasons[:2])
+    if eager.accepted:
+        return (
+            f"compile, not precision, moved the decision: the same policy run eager ({compiled.policy.dtype}, without "
+            f"torch.compile) passes the rule, compiled it fails ({failed}). Keep this model eager, or exclude the "
+            f"module that differs with torch.compiler.disable; TORCHINDUCTOR_EMULATE_PRECISION_CASTS=1 makes inductor "
+            f"round its fused intermediates as eager does, to check whether that is the difference"
+        )
+    return (
+        f"precision, not only compile: the same policy run eager ({compiled.policy.dtype}, without torch.compile) fails "
+        f"the rule too ({'; '.join(eager.decision.reasons[:2])}); the diagnosis below is of the precision policy"
+    )

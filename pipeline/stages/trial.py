@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from pipeline import checkpoint, devices, distributed, launch, paths, precision, task, training
+from pipeline import checkpoint, devices, distributed, launch, paths, precision, task, training, transforms
 
 from pipeline.artifacts import reference_tensors, trial, trial_tensors
 from pipeline.config import load_params
@@ -46,7 +46,8 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     if not world.writes:
         return  # rank 0 alone infers and writes
     result = run.training
-    writer.finish(result, policy, ref.manifest, devices.describe(device).as_dict(), run.aligned)
+    applied = transforms.apply(trained, policy, device).as_dict()  # what ran (its float8 layers are converted already)
+    writer.finish(result, policy, ref.manifest, devices.describe(device).as_dict(), run.aligned, applied)
     resume.clear()
     skipped = sum(r.skipped for r in result.records)
     print(
