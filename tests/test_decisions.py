@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pipeline.compare.decisions import DecisionStats, kl_and_lse, labels_of, regression_flips
+from pipeline.compare.decisions import DecisionStats, best_two, first_max, kl_and_lse, labels_of, regression_flips, top_k
 from pipeline.compare.gaps import value_gaps
 from pipeline.compare.quality import QualityStats
 from pipeline.task import IGNORE_INDEX
@@ -191,3 +191,29 @@ def test_kl_ignores_classes_the_reference_rules_out():
     assert bool((near >= 0).all()) and float(near.max()) < 1e-12
     # a class the reference gives mass to and the trial rules out: infinitely far, as KL says
     assert kl_and_lse(ref, torch.tensor([[0.0, -math.inf, 3.0], [2.0, 0.0, 0.5]]))[0][0] == math.inf
+
+
+@pytest.mark.parametrize("shape, k", [((300, 1000), 2), ((7, 65, 4000), 5), ((3, 5, 4003), 5), ((40, 2048), 2)])
+def test_fast_paths_give_topk_and_max(shape, k):
+    """``first_max`` is ``max(dim=-1)``, ``best_two`` and ``top_k`` give ``topk``'s values and set of indices, with
+    ties (bfloat16 scores), NaN and infinities."""
+    g = torch.Generator().manual_seed(3)
+    for variant in range(4):
+        s = torch.randn(shape, generator=g) * 3
+        if variant == 1:
+            s = s.to(torch.bfloat16).float()  # many ties among the best
+        if variant == 2:
+            s.view(-1)[::97] = math.nan
+        if variant == 3:
+            s[..., 5] = s.max()
+            s[..., -1] = math.inf
+        values, index = first_max(s)
+        want = s.max(dim=-1)
+        assert torch.equal(values.nan_to_num(7.0), want.values.nan_to_num(7.0))
+        assert torch.equal(index[~want.values.isnan()], want.indices[~want.values.isnan()])
+        fast = best_two(s) if k == 2 and s.ndim == 2 else top_k(s, k)
+        top = s.topk(k, dim=-1)
+        assert torch.equal(fast[0].nan_to_num(7.0), top.values.nan_to_num(7.0))
+        assert torch.equal(s.gather(-1, fast[1]).nan_to_num(7.0), fast[0].nan_to_num(7.0))
+        if k > 2:
+            assert torch.equal(fast[1].sort(-1).values, top.indices.sort(-1).values)

@@ -57,3 +57,19 @@ def test_histogram_quantile_bound_zeros_negatives_and_chunking():
     top = StreamQuantile(1.0, 1000, max_exact=0)
     top.update(torch.full((1000,), 0.3))
     assert top.result() <= float(torch.tensor(0.3)) and top.result() == pytest.approx(0.3, rel=SKETCH_ALPHA)
+
+
+def test_histogram_cut_gives_the_answer_of_the_whole_stream_at_once():
+    """Past ``keep`` values the histogram drops those below its cut: fed in small parts (the cut rises as they
+    come, small values first or last) it answers what one update of everything answers (no value dropped)."""
+    g = torch.Generator().manual_seed(5)
+    small, large = torch.rand(300_000, generator=g) * 1e-3, torch.rand(300_000, generator=g).pow(4) * 50
+    for v in (torch.cat([small, large]), torch.cat([large, small]), torch.cat([small, large])[torch.randperm(600_000, generator=g)]):
+        whole = StreamQuantile(0.99, v.numel(), max_exact=10)
+        whole.update(v.clone())
+        parts = StreamQuantile(0.99, v.numel(), max_exact=10)
+        for part in v.split(10_007):
+            parts.update(part, finite=True, vmax=float(part.max()), nonneg=True)
+        assert parts._cut > 0  # the cut did rise
+        assert (parts.result(), parts.upper()) == (whole.result(), whole.upper())
+        assert abs(parts.result() - quantile(v, 0.99)) <= SKETCH_ALPHA * quantile(v, 0.99)

@@ -167,3 +167,49 @@ def test_sources_refuse_outputs_of_another_set_and_metric_follows_the_task():
     assert (auto.name, auto.higher_is_better, auto.function) == ("neg_rmse", True, None)
     user = streams.Metric.for_task(TaskConfig(metric="math:fsum", metric_direction="lower"))
     assert user.function is math.fsum and not user.higher_is_better
+
+
+def _close(a, b, key=""):
+    """Equal numbers within float32 rounding (the tolerances a reviewer reads are rounded up to 4 digits: 1e-3);
+    counts, flags and names exactly."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), key
+        for k in a:
+            _close(a[k], b[k], f"{key}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), key
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{key}[{i}]")
+    elif isinstance(a, float) and not isinstance(b, bool):
+        rel = 1e-3 if "min_passing" in key else 1e-4
+        assert (math.isnan(a) and math.isnan(b)) or a == b or math.isclose(a, b, rel_tol=rel, abs_tol=1e-7), (key, a, b)
+    else:
+        assert a == b, (key, a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_token", [False, True])
+def test_compare_on_the_gpu_gives_the_cpu_statistics(tmp_path, per_token):
+    """Each chunk copied to the device and computed there: the statistics and the table of the CPU, within
+    float32 rounding, from files (mapped chunks) with an FP64 arbiter, a second head and non-finite trial rows."""
+    ids, y, has, ref, trial = _set(n=900, c=40, per_token=per_token)
+    trial["logits"] = trial["logits"].clone()
+    trial["logits"][3] = math.nan
+    aux = torch.randn(900, 5)
+    ref["aux"], trial["aux"] = aux, aux.half().float()
+    files = {}
+    for side, tensors in (("reference", ref), ("trial", trial)):
+        files[side] = tmp_path / f"{side}.safetensors"
+        outputs.write_outputs(files[side], iter([tensors]), ids)
+    fp64 = streams.InMemory({name: t.double() for name, t in ref.items()})
+    rule = AcceptanceConfig(boundary_margin=0.05, boundary_margin_kind="probability")
+    cfg = CompareConfig(chunk_elements=20_000, table_rows=7)
+    results = []
+    for device in ("cpu", "cuda"):
+        sources = streams.Sources(ids, y, has, outputs.OutputsReader(files["reference"]), outputs.OutputsReader(files["trial"]),
+                                  streams.InMemory(trial), fp64=fp64)
+        results.append(streams.compare_streams("classification", rule, sources, RUNS, cfg=cfg, device=device))
+    (cpu, cpu_table), (gpu, gpu_table) = results
+    assert cpu.flips.real_flips > 0 and cpu.nonfinite.trial.rows == 1
+    _close(cpu.as_dict(), gpu.as_dict())
+    _close(cpu_table, gpu_table)

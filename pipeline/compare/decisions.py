@@ -9,7 +9,7 @@ numbers per case; ``regression_flips`` compares the first output of each case wi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Sequence
 
 import numpy as np
@@ -29,7 +29,7 @@ def labels_of(scores: torch.Tensor, tie_rule: str) -> torch.Tensor:
     if s.dtype not in (torch.float32, torch.float64):
         s = s.float()
     if s.numel() == 0:
-        return torch.zeros(s.shape[:-1], dtype=torch.long)
+        return torch.zeros(s.shape[:-1], dtype=torch.long, device=s.device)
     values, labels = first_max(s)
     if tie_rule == "tie_is_flip":
         labels = torch.where((s == values.unsqueeze(-1)).sum(-1) > 1, torch.full_like(labels, -1), labels)
@@ -44,9 +44,10 @@ def _top(scores: torch.Tensor, k: int, tie_rule: str, need_lse: bool = False):
     if s.dtype not in (torch.float32, torch.float64):
         s = s.float()
     if s.numel() == 0:
-        empty = torch.zeros(s.shape[:-1], dtype=torch.long)
-        top = (torch.zeros(*s.shape[:-1], k, dtype=s.dtype), torch.zeros(*s.shape[:-1], k, dtype=torch.long))
-        return empty, top, (torch.zeros(s.shape[:-1], dtype=s.dtype) if need_lse else None)
+        empty = torch.zeros(s.shape[:-1], dtype=torch.long, device=s.device)
+        top = (torch.zeros(*s.shape[:-1], k, dtype=s.dtype, device=s.device),
+               torch.zeros(*s.shape[:-1], k, dtype=torch.long, device=s.device))
+        return empty, top, (torch.zeros(s.shape[:-1], dtype=s.dtype, device=s.device) if need_lse else None)
     values, indices = best_two(s) if k == 2 and s.ndim == 2 else top_k(s, min(k, s.shape[-1]))  # NaN above every number
     labels = indices[..., 0].clone()
     tied = values[..., 0] == values[..., 1]
@@ -91,10 +92,12 @@ CPU thread: 0.6x ``topk``'s time at 4,000 classes, 0.3x at 50,000, slower at 1,0
 
 
 def top_k(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s.topk(k, dim=-1)``: the same values and indices, faster on a CPU for many classes. The k + 1 best scores
-    of a row lie in the k + 1 groups of columns whose maxima are best (``GROUPS`` interleaved groups: one
-    vectorized max), so ``topk`` runs on those few candidates; a row with a tie or a NaN among its k + 1 best
-    takes ``topk`` itself (its order among equal values is its own), so every row's answer is ``topk``'s."""
+    """``s.topk(k, dim=-1)``, faster on a CPU for many classes: the same values, the same set of indices (in
+    ``topk``'s order where the values differ; among equal values within the k best, in another: only the values,
+    the set and a best index without a tie are read). The k + 1 best scores of a row lie in the k + 1 groups of
+    columns whose maxima are best (``GROUPS`` interleaved groups: one vectorized max), so ``topk`` runs on those
+    few candidates; a row whose k-th and (k + 1)-th best are equal, or with a NaN, takes ``topk`` itself (which of
+    the equal ones it keeps is its own rule)."""
     c = s.shape[-1]
     width = c // GROUPS
     if s.device.type != "cpu" or c < TOP_K_GROUPED or width < 8 * (k + 1) or s.numel() == 0:
@@ -107,7 +110,7 @@ def top_k(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         columns = torch.cat([columns, rest.expand(*columns.shape[:-1], rest.numel())], -1)
     values, where = s.gather(-1, columns).topk(k + 1, dim=-1)
     indices = columns.gather(-1, where)
-    again = (values[..., 1:] == values[..., :-1]).any(-1) | torch.isnan(values[..., 0])
+    again = (values[..., k - 1] == values[..., k]) | torch.isnan(values[..., 0])
     values, indices = values[..., :k].contiguous(), indices[..., :k].contiguous()
     if bool(again.any()):
         values[again], indices[again] = s[again].topk(k, dim=-1)
@@ -165,7 +168,7 @@ def kl_and_lse(ref_scores: torch.Tensor, trial_scores: torch.Tensor, diff: torch
         r, t = r.float(), t.float()
     t = t.to(r.dtype)
     if r.numel() == 0:
-        empty = torch.zeros(r.shape[:-1], dtype=torch.float64)
+        empty = torch.zeros(r.shape[:-1], dtype=torch.float64, device=r.device)
         return empty, (empty.clone() if ref_argmax is not None else None), (empty.clone() if ref_argmax is not None else None)
     d = torch.sub(t, r) if diff is None else diff
     p = torch.softmax(r, dim=-1)
@@ -227,12 +230,16 @@ class PerCase:
     worst_token: torch.Tensor
 
     @classmethod
-    def empty(cls, n: int) -> "PerCase":
+    def empty(cls, n: int, device: torch.device | None = None) -> "PerCase":
         """Before any slice: no flip, an infinite margin, class -3 (none yet)."""
-        return cls(flips=torch.zeros(n, dtype=torch.int64), margin=torch.full((n,), math.inf, dtype=torch.float64),
-                   reference_class=torch.full((n,), -3, dtype=torch.int64), trial_class=torch.full((n,), -3, dtype=torch.int64),
-                   kl_sum=torch.zeros(n, dtype=torch.float64), tokens=torch.zeros(n, dtype=torch.int64),
-                   kl_max=torch.zeros(n, dtype=torch.float64), worst_token=torch.zeros(n, dtype=torch.int64))
+        long, double = {"dtype": torch.int64, "device": device}, {"dtype": torch.float64, "device": device}
+        return cls(flips=torch.zeros(n, **long), margin=torch.full((n,), math.inf, **double),
+                   reference_class=torch.full((n,), -3, **long), trial_class=torch.full((n,), -3, **long),
+                   kl_sum=torch.zeros(n, **double), tokens=torch.zeros(n, **long),
+                   kl_max=torch.zeros(n, **double), worst_token=torch.zeros(n, **long))
+
+    def cpu(self) -> "PerCase":
+        return PerCase(**{f.name: getattr(self, f.name).cpu() for f in fields(self)})
 
     @property
     def kl_mean(self) -> torch.Tensor:
@@ -254,7 +261,7 @@ class DecisionStats:
     """
 
     def __init__(self, ids: Sequence[str], kinds: Sequence[str], tie_rule: str, boundary_margin: float, margin_kind: str,
-                 capacity_tokens: int, top_k: int = 5, max_listed: int = 10_000) -> None:
+                 capacity_tokens: int, top_k: int = 5, max_listed: int = 10_000, device: torch.device | None = None) -> None:
         self.ids, self.kinds = ids, kinds
         self.tie_rule, self.boundary_margin, self.margin_kind = tie_rule, boundary_margin, margin_kind
         self.top_k, self.max_listed = top_k, max_listed
@@ -269,8 +276,8 @@ class DecisionStats:
         self.kl_sum = 0.0
         self.kl_max = 0.0
         self.kl_q = StreamQuantile(0.99, max(capacity_tokens, 1))
-        self.constructed = torch.tensor([k == "boundary" for k in kinds], dtype=torch.bool)
-        self._case = PerCase.empty(len(ids))
+        self.constructed = torch.tensor([k == "boundary" for k in kinds], dtype=torch.bool, device=device)
+        self._case = PerCase.empty(len(ids), device)  # on the device the slices come from
 
     def update(self, row: int, ref: torch.Tensor, trial: torch.Tensor, targets: torch.Tensor | None = None,
                position: int = 0, diff: torch.Tensor | None = None) -> Labels:
@@ -293,10 +300,11 @@ class DecisionStats:
         rows = slice(row, row + n)
         constructed = self.constructed[rows]
         if per_token:
-            valid = (targets != IGNORE_INDEX) if targets is not None else torch.ones(r_lab.shape, dtype=torch.bool)
+            valid = (targets != IGNORE_INDEX) if targets is not None else torch.ones(r_lab.shape, dtype=torch.bool,
+                                                                                       device=r_lab.device)
             constructed_pos = constructed[:, None].expand_as(r_lab)
         else:
-            valid = torch.ones(n, dtype=torch.bool)
+            valid = torch.ones(n, dtype=torch.bool, device=r_lab.device)
             constructed_pos = constructed
         flipped = ((r_lab != t_lab) | _ties_differ(ref, trial, r_lab, t_lab)) & valid
         near = (r_margin < self.boundary_margin) & valid & ~constructed_pos  # NaN margins are never "near"
@@ -365,8 +373,8 @@ class DecisionStats:
                     position=position, **scores)
 
     def per_case(self) -> PerCase:
-        """Per case, in case order (``PerCase``): the classes read per case, KL's numbers per token."""
-        return self._case
+        """Per case, in case order (``PerCase``, on the CPU): the classes read per case, KL's numbers per token."""
+        return self._case.cpu()
 
     def result(self) -> Decisions:
         return Decisions(

@@ -48,7 +48,7 @@ class QualityStats:
             o, y = outputs.detach(), targets.detach()
             if o.ndim == 3:
                 o, y = o.reshape(-1, o.shape[-1]), y.reshape(-1)
-            self._kept.append((o.clone(), y.clone()))
+            self._kept.append((o.to("cpu", copy=True), y.to("cpu", copy=True)))
             return None
         if self.metric in ("accuracy", "top_k"):
             s = outputs.detach()

@@ -159,13 +159,17 @@ class Trajectories:
 
 
 def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, trajectories: Trajectories, *,
-                    metric: Metric | None = None, cfg: CompareConfig | None = None) -> tuple[Stats, list[dict]]:
+                    metric: Metric | None = None, cfg: CompareConfig | None = None,
+                    device: torch.device | str | None = None) -> tuple[Stats, list[dict]]:
     """Statistics and per-case table of one trial; each source read once, one chunk of rows at a time.
 
     Per-token outputs ignore positions whose target is -100 and, when ``sources.token_mask`` is given,
     positions where it is 0. ``metric`` defaults to the kind's built-in one (``TaskConfig.metric_name``).
+    ``device``: where the arithmetic runs (default the CPU); on a GPU each chunk is copied there and computed
+    whole, host memory still one chunk; the statistics are the CPU's within float32 rounding.
     """
     cfg = cfg or CompareConfig()
+    device = torch.device(device or "cpu")
     metric = metric or Metric.for_task(TaskConfig(kind=kind))
     ids, ref, trial, trained, fp64 = list(sources.ids), sources.reference, sources.trial, sources.trained, sources.fp64
     kinds = kinds_of(ids)
@@ -185,15 +189,17 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     if kind == "classification":
         tokens = main_shape[0] * (main_shape[1] if per_token else 1)
         decisions = DecisionStats(ids, kinds, rule.tie_rule, rule.boundary_margin, rule.boundary_margin_kind, tokens,
-                                           top_k=metric.top_k, max_listed=cfg.max_listed_flips)
+                                  top_k=metric.top_k, max_listed=cfg.max_listed_flips, device=device)
     head_stats = {name: DecisionStats(ids, kinds, rule.tie_rule, rule.boundary_margin, rule.boundary_margin_kind,
-                                               math.prod(shapes[name][:-1]), top_k=metric.top_k, max_listed=cfg.max_listed_flips)
+                                      math.prod(shapes[name][:-1]), top_k=metric.top_k, max_listed=cfg.max_listed_flips,
+                                      device=device)
                   for name in heads if name != main}
     quality = {side: QualityStats(metric.name, rule.tie_rule, metric.top_k, metric.function) for side in SIDES}
     row_gap = torch.zeros(n, dtype=torch.float64)
     first_values: dict[str, list[torch.Tensor]] = {side: [] for side in SIDES}
-    state = _State(names, main, kind, per_token, kinds, targets, has_target.bool(), gaps, arbiter, decisions, quality, row_gap,
-                   first_values, heads=head_stats,
+    state = _State(names, main, kind, per_token, kinds, targets.to(device), has_target.bool().to(device), gaps, arbiter,
+                   decisions, quality, row_gap, first_values, heads=head_stats, device=device,
+                   slice_elements=SLICE_ELEMENTS if device.type == "cpu" else max(cfg.chunk_elements, SLICE_ELEMENTS),
                    nonfinite={side: torch.zeros(n, dtype=torch.bool) for side in ("trial", "trained")},
                    nonfinite_elements={side: dict.fromkeys(names, 0) for side in ("trial", "trained")})
     for start in range(0, n, step):  # one chunk of every source in memory at a time
@@ -272,7 +278,10 @@ class _State:
     """Per side (trial, trained): [lost, gained] targets versus the reference, case by case (accuracy, top_k)."""
     merges: int = 0
     buffers: dict = field(default_factory=dict)
-
+    device: torch.device = torch.device("cpu")
+    """Where the arithmetic runs: each chunk read is copied there (the per-case records stay on the CPU)."""
+    slice_elements: int = 0
+    """Elements per computation slice (``SLICE_ELEMENTS`` on a CPU; a whole chunk on a GPU)."""
     mapped: list = field(default_factory=list)
 
     def read(self, source: Source, side: str, name: str, start: int, stop: int) -> torch.Tensor:
@@ -280,15 +289,15 @@ class _State:
         drops them from memory once used) or, where it cannot map, reads into one buffer per side and name,
         allocated at the first (largest) chunk and reused for every other."""
         if not isinstance(source, OutputsReader):
-            return source.read(name, start, stop)
+            return source.read(name, start, stop).to(self.device)
         view = source.view(name, start, stop)
         if view is not None:
             self.mapped.append((source, name, start, stop))
-            return view
+            return view.to(self.device)
         out = source.read(name, start, stop, self.buffers.get((side, name)))
         if (side, name) not in self.buffers:
             self.buffers[(side, name)] = out
-        return out
+        return out.to(self.device)
 
     def release(self) -> None:
         """Drop the chunk's mapped pages from resident memory."""
@@ -316,7 +325,7 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
     for name in st.names:
         r_all, t_all = chunk[name]
         main = name == st.main
-        for a, b, p, q in _slices(r_all.shape, start, st.per_token and main):
+        for a, b, p, q in _slices(r_all.shape, start, st.per_token and main, st.slice_elements):
             r, t = r_all[a - start : b - start], t_all[a - start : b - start]
             if p is not None:
                 r, t = r[:, p:q], t[:, p:q]
@@ -333,9 +342,9 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                 _note_nonfinite(st, "trial", name, a, t)
             if st.gaps[name].failing_so_far() > before:  # rare: which rows failed, for the rollback's cases
                 rows = st.failing_rows.setdefault(name, torch.zeros(len(st.kinds), dtype=torch.bool))
-                rows[a:b] |= st.gaps[name].failing_rows(r, t)
+                rows[a:b] |= st.gaps[name].failing_rows(r, t).cpu()
             if gap.numel():
-                worst = torch.nan_to_num(gap.reshape(b - a, -1).amax(1).double(), nan=math.inf)
+                worst = torch.nan_to_num(gap.reshape(b - a, -1).amax(1).double(), nan=math.inf).cpu()
                 st.row_gap[a:b] = torch.maximum(st.row_gap[a:b], worst)
             del gap
             if chunk_fp64 is not None:
@@ -370,7 +379,7 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                     pair[0] += int((ref_hits & ~hits).sum())
                     pair[1] += int((~ref_hits & hits).sum())
                 if st.kind != "classification":
-                    st.first_values[side].append(out.reshape(out.shape[0], -1)[:, :1].double().reshape(-1))
+                    st.first_values[side].append(out.reshape(out.shape[0], -1)[:, :1].double().reshape(-1).cpu())
             if st.quantile_merged():
                 _give_back_freed_memory()
 
@@ -410,7 +419,7 @@ def _note_nonfinite(st: _State, side: str, name: str, row: int, out: torch.Tenso
     if not out.numel() or all_finite(out):
         return True
     bad = ~torch.isfinite(out.reshape(out.shape[0], -1)).all(1)
-    st.nonfinite[side][row : row + out.shape[0]] |= bad
+    st.nonfinite[side][row : row + out.shape[0]] |= bad.cpu()
     st.nonfinite_elements[side][name] += int((~torch.isfinite(out)).sum())
     return False
 
@@ -437,19 +446,19 @@ SLICE_ELEMENTS = 1 << 18
 """Elements per computation slice: each temporary of the statistics is about 1 MiB (cache-resident), whatever the chunk."""
 
 
-def _slices(shape: tuple[int, ...], start: int, by_position: bool):
-    """(row_a, row_b, position_p, position_q) slices of a chunk whose first row is ``start``; positions are
-    None unless ``by_position`` (per-token scores [n, T, C]) and one row exceeds ``SLICE_ELEMENTS``."""
+def _slices(shape: tuple[int, ...], start: int, by_position: bool, limit: int = SLICE_ELEMENTS):
+    """(row_a, row_b, position_p, position_q) slices of at most about ``limit`` elements of a chunk whose first
+    row is ``start``; positions are None unless ``by_position`` (per-token scores [n, T, C]) and one row exceeds it."""
     rows = shape[0]
     per_row = max(math.prod(shape[1:]), 1)
-    if by_position and per_row > SLICE_ELEMENTS and len(shape) == 3:
+    if by_position and per_row > limit and len(shape) == 3:
         per_pos = max(math.prod(shape[2:]), 1)
-        width = max(1, SLICE_ELEMENTS // per_pos)
+        width = max(1, limit // per_pos)
         for i in range(rows):
             for p in range(0, shape[1], width):
                 yield start + i, start + i + 1, p, min(p + width, shape[1])
         return
-    height = max(1, SLICE_ELEMENTS // per_row)
+    height = max(1, limit // per_row)
     for i in range(0, rows, height):
         yield start + i, start + min(i + height, rows), None, None
 
