@@ -72,8 +72,10 @@ class GapStats:
         """Whether both sides of the last ``update`` were finite everywhere (known from its sum: callers skip
         their own element-wise test on it)."""
 
-    def update(self, ref: torch.Tensor, trial: torch.Tensor, group: str = "all") -> torch.Tensor:
-        """Add one chunk; return the absolute gap per element (shape of ``ref``, NaN/inf where non-finite)."""
+    def update(self, ref: torch.Tensor, trial: torch.Tensor, group: str = "all",
+               diff: torch.Tensor | None = None) -> torch.Tensor:
+        """Add one chunk; return the absolute gap per element (shape of ``ref``, NaN/inf where non-finite).
+        ``diff``: ``trial - ref`` when the caller has it already (of float32 or float64 sides of one dtype)."""
         if ref.shape != trial.shape:
             raise ValueError(f"shape mismatch: reference {tuple(ref.shape)} vs trial {tuple(trial.shape)}")
         r, t = _widen(ref), _widen(trial)
@@ -86,7 +88,7 @@ class GapStats:
         if r.numel() == 0:
             self.last_finite = True
             return torch.zeros(ref.shape, dtype=r.dtype, device=r.device)
-        gap = torch.sub(t, r).abs_()
+        gap = torch.sub(t, r).abs_() if diff is None else diff.reshape(-1).abs()
         full_gap = gap
         total = _sum(gap)
         failing = 0

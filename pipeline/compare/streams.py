@@ -331,11 +331,14 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                 r, t = r[:, p:q], t[:, p:q]
             runs = _runs(st.kinds, a, b)
             before, nonfinite_before = st.gaps[name].failing_so_far(), st.gaps[name].nonfinite_so_far()
+            same = r.dtype == t.dtype and r.dtype in (torch.float32, torch.float64)
+            diff = torch.sub(t, r) if main and st.per_token and same else None  # the gap's and KL's, computed once
             if len(runs) == 1:
-                gap = st.gaps[name].update(r, t, runs[0][2])
+                gap = st.gaps[name].update(r, t, runs[0][2], diff)
                 finite = st.gaps[name].last_finite
             else:
-                parts = [(st.gaps[name].update(r[x - a : y - a], t[x - a : y - a], k), st.gaps[name].last_finite)
+                parts = [(st.gaps[name].update(r[x - a : y - a], t[x - a : y - a], k,
+                                               diff[x - a : y - a] if diff is not None else None), st.gaps[name].last_finite)
                          for x, y, k in runs]
                 gap, finite = torch.cat([g for g, _ in parts]), all(f for _, f in parts)
             if st.gaps[name].nonfinite_so_far() > nonfinite_before:  # rare: which rows, for the rollback's cases
@@ -357,7 +360,7 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             y = st.targets[a:b] if not st.per_token else st.targets[a:b, p:q]
             labels = None
             if st.decisions is not None:
-                labels = st.decisions.update(a, r, t, y if st.per_token else None, position=p or 0)
+                labels = st.decisions.update(a, r, t, y if st.per_token else None, position=p or 0, diff=diff)
             trained_slice = trained_main[a - start : b - start]
             trained_slice = trained_slice[:, p:q] if p is not None else trained_slice
             with_target = st.has_target[a:b]
