@@ -10,7 +10,8 @@ example's) with overrides merged in, by the rule of ``dvc exp run -S``. Sizes an
 Which stages run, and how, is dvc.yaml's: ``plan`` expands its ``matrix`` stages over the params, so a run
 without dvc (a bare PyTorch image) runs what ``dvc repro`` would, in dvc.yaml's order.
 
-Needs only the standard library and pyyaml: gpu_check.py runs it in images that have nothing else.
+Needs only the standard library, pyyaml and pipeline/config.py (torch-free): gpu_check.py runs it in images that
+have nothing else.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # a script run from scripts/ without the package installed (gpu_check in an image)
+    sys.path.append(str(ROOT))
+from pipeline.config import ParamsLoader  # noqa: E402 - YAML 1.2, as the stages and DVC read params (`compile: off`)
 BIN = Path(sys.executable).parent
 PROJECT = ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore", "pipeline", "examples")
 """What a copy holds: what `dvc repro` reads, the package it runs, and the example params and sizes."""
@@ -48,17 +52,17 @@ def merge(base: dict, override: dict) -> dict:
 
 def params(root: Path = ROOT) -> dict:
     """params.yaml of ``root`` (this checkout by default)."""
-    return yaml.safe_load((root / "params.yaml").read_text())
+    return yaml.load((root / "params.yaml").read_text(), Loader=ParamsLoader)
 
 
 def example(name: str) -> dict:
     """``examples/NAME.params.yaml``: a complete params.yaml."""
-    return yaml.safe_load((ROOT / "examples" / f"{name}.params.yaml").read_text())
+    return yaml.load((ROOT / "examples" / f"{name}.params.yaml").read_text(), Loader=ParamsLoader)
 
 
 def size(name: str) -> dict:
     """``examples/sizes/NAME.yaml``: overrides that resize a run."""
-    return yaml.safe_load((ROOT / "examples" / "sizes" / f"{name}.yaml").read_text()) or {}
+    return yaml.load((ROOT / "examples" / "sizes" / f"{name}.yaml").read_text(), Loader=ParamsLoader) or {}
 
 
 def transformer(scale: str) -> dict:

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from _project import ROOT, env_for, merge, run
+from _project import params as read_params
 
 pytestmark = pytest.mark.integration
 
@@ -97,7 +98,7 @@ def project(dest: Path, source: str, override: dict) -> Path:
     dest.mkdir(parents=True)
     shutil.copytree(ROOT / "pipeline", dest / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
     (dest / "usermod.py").write_text(textwrap.dedent(source))
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params = read_params()  # YAML 1.2, as the stages read it (`compile: off` is a word)
     base = {"task": {"model": "usermod:build_model", "data": "usermod:load_data"}, "prepare": {"ordinary_cases": 8},
             "reference": {"train_steps": 2, "batch_size": 8, "checkpoint_every": 1, "noise_replicate": False},
             "acceptance": {"loss_noise_multiple": None, "loss_noise_atol": None}}
