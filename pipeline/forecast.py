@@ -6,8 +6,13 @@ module's output, and every parameter's gradient. It is conservative: every activ
 float16, although autocast keeps some ops (softmax, norms, the loss) in float32. The records, the file and the
 check against the trial are ``pipeline.artifacts.forecast``'s.
 
+``of_reference`` is what freeze writes (``data/reference/forecast.json``): the forecast at the reference's initial
+weights and at its trained weights, on the first micro-batch of its first ``BATCHES`` updates, at the initial scale of
+the GradScaler a float16 trial creates (``precision.make_scaler``).
+
 API:
     forecast(model, batches, loss_fn, device, initial_scale=65536.0) -> Forecast
+    of_reference(params, initial, trained, source, device) -> Headroom
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from pipeline import checkpoint, precision, recipe, task, training
 from pipeline.artifacts.forecast import (
     FP16_MAX,
     FP16_SMALLEST_SUBNORMAL,
@@ -25,12 +31,17 @@ from pipeline.artifacts.forecast import (
     UNDERFLOW_LIMIT,
     Forecast,
     GradientHeadroom,
+    Headroom,
     ModuleHeadroom,
+    headroom,
 )
-from pipeline.config import Policy
+from pipeline.config import Params, Policy
 from pipeline.diagnosis.precision_map import Loss, ModuleScope, forward_backward, max_abs, same_rng
 from pipeline.task import Inputs
 
+BATCHES = 4
+"""Updates whose first micro-batch the forecast reads: a few, as the GradScaler's first steps see them; each is one FP32
+pass per end of the reference's training, a fraction of its own steps."""
 _BINADES = 192  # halvings counted up to this many: 2**192 covers any finite float32 against 65504
 
 
@@ -208,3 +219,23 @@ def _recommend(f: Forecast, layers: int) -> Forecast:
         line=f"fp16 is safe: largest activation {f.largest_activation:.3g} (module {f.largest_activation_module!r}), "
         f"{100 * f.underflow_fraction_settled:.2f} % of the gradient elements underflow at {scaled}",
     )
+
+
+def of_reference(
+    params: Params, initial: checkpoint.Checkpoint, trained: checkpoint.Checkpoint, source: task.TrainSource,
+    device: torch.device,
+) -> Headroom:
+    """The forecast at the reference's ``initial`` and ``trained`` states, each on a model of its own in train mode (the
+    reference's model keeps its buffers: a BatchNorm pass in train mode would move them). Leaves the RNG as it found
+    it, so that what freeze does next draws what it drew before."""
+    with same_rng():
+        order = training.update_batches(len(source), params.reference, params.seed)[:BATCHES]
+        batches = [source.batch(update[0]) for update in order]
+        batches = [(task.to_device(x, device), y.to(device)) for x, y in batches]
+        scale = precision.make_scaler(Policy(dtype="float16"), device).get_scale()
+        ends = []
+        for state in (initial, trained):
+            model = task.build_model(params.task, params.seed)
+            checkpoint.restore(state, model, rng=False)
+            ends.append(forecast(model.to(device).train(), batches, recipe.make_loss(params.task), device, scale))
+    return headroom(*ends)

@@ -19,6 +19,7 @@ REF_OUTPUTS_FP64 = REFERENCE / "outputs_fp64.safetensors"
 REF_TRAJECTORY = REFERENCE / "trajectory.json"
 REF_REPLICATE_TRAJECTORY = REFERENCE / "replicate_trajectory.json"  # FP32 noise replicate (reference.noise_replicate)
 REF_MANIFEST = REFERENCE / "manifest.json"
+REF_FORECAST = REFERENCE / "forecast.json"  # the FP16 headroom forecast (pipeline/artifacts/forecast.py)
 
 METRICS = DATA / "metrics"  # DVC metrics, kept in git (cache: false) so `dvc metrics diff` works across commits
 RESUME = DATA / "resume"  # not a DVC output: DVC deletes outputs before a stage runs
@@ -34,6 +35,7 @@ TRIAL_TRAINED_OUTPUTS = "trained_outputs.safetensors"
 TRIAL_CHECKPOINT = "checkpoint.safetensors"
 TRIAL_TRAJECTORY = "trajectory.json"
 TRIAL_MANIFEST = "manifest.json"
+TRIAL_AUDIT = "audit.json"  # the "AMP engaged" audit (pipeline/artifacts/audit.py)
 
 
 def compare(variant: str) -> Path:

@@ -3,6 +3,8 @@ GradScaler, ``training.amp_step``) to see that what the forecast said is what fl
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 from torch import nn
@@ -58,6 +60,11 @@ def trial(model: nn.Module, data, loss, policy: Policy, steps: int, lr: float = 
     return records, finite
 
 
+def both(f: forecast_file.Forecast) -> forecast_file.Headroom:
+    """The file's record for a model whose forecast does not change with training (the same at both ends)."""
+    return forecast_file.headroom(f, f)
+
+
 def test_healthy_mlp_is_safe_and_the_trial_agrees():
     model, data = mlp(), batches()
     f = forecast(model, data, F.cross_entropy, CPU)
@@ -70,7 +77,7 @@ def test_healthy_mlp_is_safe_and_the_trial_agrees():
 
     steps, finite = trial(model, data, F.cross_entropy, FP16, steps=6)
     assert [s["skipped"] for s in steps] == [False] * 6 and finite
-    verdict = forecast_file.check(f, steps, finite, ())
+    verdict = forecast_file.check(both(f), steps, finite, ())
     assert verdict.held and verdict.line.startswith("forecast held:")
 
 
@@ -95,9 +102,9 @@ def test_layer_beyond_fp16_is_named_really_overflows_and_its_fp32_regions_fix_it
 
     steps, finite = trial(Loud(), data, F.cross_entropy, FP16, steps=6)
     assert all(s["skipped"] for s in steps) and not finite  # every loss inf: the scale collapses
-    assert forecast_file.check(f, steps, finite, ()).held
+    assert forecast_file.check(both(f), steps, finite, ()).held
     steps, finite = trial(Loud(), data, F.cross_entropy, fixed, steps=6)
-    assert finite and forecast_file.check(f, steps, finite, fixed.fp32_modules).held
+    assert finite and forecast_file.check(both(f), steps, finite, fixed.fp32_modules).held
 
 
 def tiny_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -116,7 +123,7 @@ def test_tiny_gradients_underflow_even_scaled_so_use_bf16():
     real = precision_map.gradient_underflow(model, x, y, tiny_loss, FP16, CPU, scale=65536.0)
     assert real.total.vanished_scaled / real.total.nonzero_fp32 > 0.99
     steps, finite = trial(model, data, tiny_loss, FP16, steps=4)
-    assert forecast_file.check(f, steps, finite, ()).held  # no skips: the scaler never sees a zero
+    assert forecast_file.check(both(f), steps, finite, ()).held  # no skips: the scaler never sees a zero
 
 
 def loud_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -133,11 +140,11 @@ def test_large_gradients_forecast_the_scalers_halvings():
     steps, finite = trial(model, data, loud_loss, FP16, steps=f.halvings + 4, lr=1e-7)  # the loss's 1e4 taken back
     leading = next(i for i, s in enumerate(steps) if not s["skipped"])
     assert abs(leading - f.halvings) <= 1, (leading, f.halvings)
-    verdict = forecast_file.check(f, steps, finite, ())
+    verdict = forecast_file.check(both(f), steps, finite, ())
     assert verdict.held, verdict.line
 
     healthy = forecast(mlp(), data, F.cross_entropy, CPU)
-    missed = forecast_file.check(healthy, steps, finite, ())
+    missed = forecast_file.check(both(healthy), steps, finite, ())
     assert not missed.held and missed.line.startswith("forecast missed: expected finite outputs and 0 leading skipped")
 
 
@@ -147,10 +154,42 @@ def test_halvings_to_fit():
     assert halvings_to_fit(100.0, 65536.0) == 7  # 6553600 / 2**7 = 51200
 
 
+def test_the_worse_end_of_training_recommends_and_the_check_reads_both_ends():
+    safe, loud = forecast(mlp(), batches(), F.cross_entropy, CPU), forecast(Loud(), batches(), F.cross_entropy, CPU)
+    grown = forecast_file.headroom(safe, loud)  # activations that leave float16's range as the weights grow
+    assert grown.worse == "trained" and grown.recommendation == "fp16 needs fp32_modules"
+    assert grown.fp32_modules == ("loud", "norm") and grown.beyond_fp16 == ("loud", "norm")
+    assert grown.line.endswith("(at the reference's trained weights; at its initial weights: fp16 is safe)")
+    assert forecast_file.headroom(loud, safe).worse == "initial" and forecast_file.headroom(safe, safe).worse == "initial"
+
+    clean = [{"skipped": False, "scale": 65536.0}] * 6
+    missed = forecast_file.check(grown, clean, True, ())  # the trained end's overflow was expected, and did not come
+    assert not missed.held and "activations beyond 65504 in ['loud', 'norm']" in missed.expected
+    held = forecast_file.check(grown, clean, True, ("loud", "norm"))  # kept in FP32: the initial end's 0 halvings hold
+    assert held.held and held.recommendation == "fp16 needs fp32_modules" and held.forecast == grown.line
+
+    loud_grads = forecast(mlp(), batches(n=1), loud_loss, CPU)
+    late = forecast_file.headroom(safe, loud_grads)  # only the trained end's gradients need halvings
+    assert late.worse == "trained" and late.initial.halvings == 0 < late.trained.halvings
+    assert forecast_file.check(late, clean, True, ()).held  # the trial starts from the initial end: no leading skips
+
+
+def test_both_ends_needing_fp32_modules_need_them_all():
+    loud = forecast(Loud(), batches(), F.cross_entropy, CPU)
+    quiet_norm = forecast_file.Forecast.from_dict({**loud.as_dict(), "beyond_fp16": ["loud"], "fp32_modules": ["loud"]})
+    h = forecast_file.headroom(quiet_norm, loud)
+    assert h.fp32_modules == ("loud", "norm") and h.line.startswith("fp16 needs fp32_modules ['loud', 'norm']: activations")
+    assert "initial weights (['loud'])" in h.line and "trained weights (['loud', 'norm'])" in h.line
+
+
 def test_forecast_file_reads_back_key_for_key(tmp_path):
-    f = forecast(Loud(), batches(n=1), F.cross_entropy, CPU)
+    f = both(forecast(Loud(), batches(n=1), F.cross_entropy, CPU))
     forecast_file.write(tmp_path, f)
     assert forecast_file.read(tmp_path) == f
+    digest = hashlib.sha256((tmp_path / forecast_file.FILE).read_bytes()).hexdigest()
+    assert forecast_file.read(tmp_path, "freeze", digest) == f
+    with pytest.raises(UserError, match="differs from"):
+        forecast_file.read(tmp_path, "freeze", "0" * 64)
     (tmp_path / forecast_file.FILE).write_text('{"halvings": 0}')
     with pytest.raises(UserError, match="is not a forecast of this version; rebuild it with `dvc repro forecast@x`"):
         forecast_file.read(tmp_path, "forecast@x")

@@ -20,7 +20,7 @@ from pipeline.config import AcceptanceConfig
 from pipeline.files import flatten
 from pipeline.present import plots
 
-from pipeline.present import page
+from pipeline.present import page, verdict
 
 DTYPES = ("float16", "bfloat16")
 
@@ -164,6 +164,43 @@ def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
         "next: `python -m pipeline restore --variant bfloat16`  ",
         "**float16-fast: ACCEPT** - the rule passed, x1.50 faster on this CPU, working memory x0.50: switch to AMP here",
     ]
+
+
+ENGAGED = {"flagged": False, "total": {"reduced_share": 0.994}, "stayed_fp32": [],
+           "line": "AMP engaged: 99.4 % of the matmul, convolution and attention FLOPs ran in reduced precision (float16 99.4 %)"}
+BARELY = {"flagged": True, "total": {"reduced_share": 0.02}, "line": "AMP did not engage: only 2.0 % ...; speedup claim unsupported",
+          "stayed_fp32": [{"op": "aten.mm.default", "shapes": [[64, 8], [8, 64]], "precision": "float64", "module": "",
+                           "phase": "forward", "share": 0.98}]}
+CHECKED = {"recommendation": "fp16 is safe", "forecast": "fp16 is safe: largest activation 12.3 (module '2')", "held": True,
+           "expected": "finite outputs", "observed": "skipped 0", "line": "forecast held: expected finite outputs; the trial ..."}
+
+
+def test_verdict_says_the_audit_and_the_forecast_and_a_flagged_audit_unsupports_the_speedup():
+    fp16, bf16, fast = variants()
+    fp16 = {**fp16, "audit": ENGAGED, "diagnosis": {"findings": [], "forecast": CHECKED}}
+    bf16, fast = {**bf16, "audit": ENGAGED}, {**fast, "audit": BARELY}
+    doc = page.html(REFERENCE, [fp16, bf16, fast], {})
+    shown = html.unescape(re.sub(r"<[^>]+>", "", doc[doc.index('<section id="verdict">'):doc.index("</section>")]))
+    assert ("float16-fast: ACCEPT: the rule passed, speedup claim unsupported: autocast barely engaged (share 2.0 %); "
+            "the benchmark measured x1.50") in shown and "switch to AMP here" not in shown
+    assert f"audit: {ENGAGED['line']}" in shown and f"audit: {BARELY['line']}" in shown
+    assert f"FP16 forecast: {CHECKED['forecast']}" in shown and CHECKED["line"] in shown
+    assert shown.count("FP16 forecast:") == 1  # float16 only: the others have no check
+    text = verdict.text(verdict.verdict("float16", fp16["decision"], fp16["stats"], fp16["diagnosis"], fp16["benchmark"],
+                                        audit=ENGAGED))
+    lines = text.splitlines()
+    assert lines.index(f"  audit: {ENGAGED['line']}") < lines.index(f"  FP16 forecast: {CHECKED['forecast']}") < lines.index(
+        f"  {CHECKED['line']}")
+    assert "x0.32 (3.1 times slower)" in lines[0]  # an engaged audit leaves the measured gain as it was
+    # The variant's section lists what stayed in FP32 unasked, and the table says the share and the flag.
+    assert "aten.mm.default [64,8] x [8,64] float64 in the model's own code (forward), 98.0 % of the FLOPs" in html.unescape(doc)
+    table = dict(page.rows([fp16, bf16, fast]))
+    engaged = "AMP engaged: matmul, convolution and attention FLOPs in reduced precision"
+    assert table[engaged] == ["99.4 %", "99.4 %", "2.0 %, FLAGGED: speedup claim unsupported"]
+    assert table["FP16 forecast (float16 variants)"] == ["fp16 is safe", "-", "-"]
+    assert table["FP16 forecast against the trial"] == ["held", "-", "-"]
+    md = verdict.markdown([verdict.verdict("float16-fast", fast["decision"], benchmark=fast["benchmark"], audit=BARELY)])
+    assert "speedup claim unsupported: autocast barely engaged (share 2.0 %)" in md
 
 
 @pytest.mark.integration

@@ -9,7 +9,8 @@ report and the benchmark read it without torch.
 
 API:
     write(folder, audit: Audit) -> None
-    read(folder) -> Audit            raises UserError when the file is missing or of another form
+    read(folder, produced_by="", sha256=None) -> Audit    raises UserError when the file is missing, differs from
+                                                          ``sha256`` or is of another form
     Audit.from_dict(raw) / Audit.as_dict()
 """
 
@@ -18,11 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import paths
 from pipeline.artifacts.record import Record
 from pipeline.errors import UserError
 from pipeline.files import read_json, rerun, write_json
 
-FILE = "audit.json"
+FILE = paths.TRIAL_AUDIT
 
 UNSUPPORTED_BELOW = 0.10
 """A variant whose reduced-precision share (beyond its FP32 reference's) is below this is flagged. Amdahl: when only
@@ -103,10 +105,12 @@ def write(folder: str | Path, audit: Audit) -> None:
     write_json(Path(folder) / FILE, audit.as_dict())
 
 
-def read(folder: str | Path, produced_by: str = "") -> Audit:
-    """Raises: UserError when the folder holds no audit, or one of another version."""
+def read(folder: str | Path, produced_by: str = "", sha256: str | None = None) -> Audit:
+    """``sha256``: what the folder's manifest records (``audit.json`` then must match it).
+
+    Raises: UserError when the folder holds no audit, one that differs from ``sha256``, or one of another version."""
     path = Path(folder) / FILE
-    raw = read_json(path, produced_by)
+    raw = read_json(path, produced_by, sha256)
     try:
         return Audit.from_dict(raw)
     except (ValueError, TypeError, AttributeError) as exc:

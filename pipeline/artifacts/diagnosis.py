@@ -3,9 +3,10 @@
 diagnose writes it; decide, publish and the verdict read it through ``read``. Torch-free: a healthy
 trial's diagnosis is written without torch, and read without it everywhere.
 
-The file says only what was done: triage's fields always; the probe's (``precision_map``, ``underflow``)
-when it ran; the search's (``local_fix``, ``reruns``, ``ranking``, ``suggestion``, null when nothing was
-chosen) whenever the full diagnosis ran; the located failure and the un-flips when the trial failed.
+The file says only what was done: triage's fields always; the forecast check (``forecast``) for a float16
+variant; the probe's (``precision_map``, ``underflow``) when it ran; the search's (``local_fix``, ``reruns``,
+``ranking``, ``suggestion``, null when nothing was chosen) whenever the full diagnosis ran; the located failure
+and the un-flips when the trial failed.
 
 Every part is a frozen record read by attribute (the diagnosis computes them: ``Trace`` and ``PrecisionMap``
 in ``pipeline.diagnosis``, the search's ``LocalFix``, ``Rerun``, ``Ranked``, ...); ``as_dict`` gives the
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pipeline import paths
+from pipeline.artifacts.forecast import ForecastCheck
 from pipeline.artifacts.record import Record, dump
 from pipeline.errors import UserError
 from pipeline.files import read_json, write_bytes, write_json
@@ -276,7 +278,7 @@ class Diagnosis(Record):
     """Why a trial failed and what would fix it, as lines (``findings``, ``notes``) and structured details."""
 
     ABSENT = ("precision_map", "underflow", "reference_fails_rule", "first_nonfinite", "unflipped_by", "local_fix", "reruns",
-              "ranking", "suggestion")
+              "ranking", "suggestion", "forecast")
 
     needed: bool = False
     """The rule failed the trial (or ``diagnose.probe: always`` asked for the probe anyway)."""
@@ -297,6 +299,8 @@ class Diagnosis(Record):
     ranking: tuple[Ranked, ...] | None = None
     suggestion: Suggestion | None = None
     """None when nothing was chosen (written as null whenever the search ran)."""
+    forecast: ForecastCheck | None = None
+    """The FP16 headroom forecast (``data/reference/forecast.json``) against this trial: float16 variants only."""
 
     def as_dict(self) -> dict:
         searched = self.ranking is not None  # the search's fields come together, its null suggestion included

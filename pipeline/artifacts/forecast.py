@@ -7,10 +7,16 @@ GradScaler's initial scale stays below 2**-24 (float16's smallest subnormal) van
 beyond 65504 at that scale make the scaler skip steps and halve its scale. ``pipeline.forecast`` computes it; this
 module holds the records, the file and ``check``, which the report runs against what the trial then did. Torch-free.
 
+The file holds a ``Headroom``: the forecast at the reference's initial weights (what a user has before any training,
+and what the trial's first steps meet: their GradScaler halvings) and at its trained weights (what the trial meets late
+in training, and what its inference runs on), with the recommendation of the worse of the two.
+
 API:
-    write(folder, forecast: Forecast) -> None
-    read(folder, produced_by="") -> Forecast        raises UserError when the file is missing or of another form
-    check(forecast, steps, outputs_finite, fp32_modules) -> ForecastCheck
+    headroom(initial: Forecast, trained: Forecast) -> Headroom
+    write(folder, headroom: Headroom) -> None
+    read(folder, produced_by="", sha256=None) -> Headroom   raises UserError when the file is missing, differs from
+                                                            ``sha256`` or is of another form
+    check(headroom, steps, outputs_finite, fp32_modules) -> ForecastCheck
 """
 
 from __future__ import annotations
@@ -19,11 +25,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import paths
 from pipeline.artifacts.record import Record
 from pipeline.errors import UserError
 from pipeline.files import read_json, rerun, write_json
 
-FILE = "forecast.json"
+FILE = paths.REF_FORECAST.name
 
 FP16_MAX = 65504.0
 FP16_SMALLEST_SUBNORMAL = 2.0**-24
@@ -97,10 +104,57 @@ class Forecast(Record):
     line: str
 
 
+SEVERITY = ("fp16 is safe", "fp16 needs fp32_modules", "use bf16")
+"""The recommendations, mildest first: the worse of two forecasts is the later one here."""
+
+
+@dataclass(frozen=True)
+class Headroom(Record):
+    """``forecast.json``: the forecast at the reference's initial and trained weights, and what to do about both."""
+
+    initial: Forecast
+    trained: Forecast
+    worse: str
+    """``initial`` or ``trained``: the forecast whose recommendation (then halvings, underflow, largest activation) is
+    the worse; ``initial`` on a tie."""
+    recommendation: str
+    fp32_modules: tuple[str, ...]
+    """With ``fp16 needs fp32_modules``: the modules either forecast names (the trial needs both kept in FP32)."""
+    line: str
+
+    @property
+    def beyond_fp16(self) -> tuple[str, ...]:
+        """The modules beyond 65504 at either end of the reference's training, in order, each once."""
+        return tuple(dict.fromkeys(self.initial.beyond_fp16 + self.trained.beyond_fp16))
+
+
+def _severity(f: Forecast) -> tuple:
+    return (SEVERITY.index(f.recommendation), f.halvings, f.underflow_fraction_settled, f.largest_activation)
+
+
+def headroom(initial: Forecast, trained: Forecast) -> Headroom:
+    """Both forecasts, and the recommendation of the worse: a model fp16 holds at the start may leave its range as its
+    weights grow, and one that settles may overflow in its first steps."""
+    later = _severity(trained) > _severity(initial)
+    worse, name, other, opposite = (trained, "trained", initial, "initial") if later else (initial, "initial", trained, "trained")
+    modules = tuple(dict.fromkeys(initial.fp32_modules + trained.fp32_modules)) if worse.fp32_modules else ()
+    line = f"{worse.line} (at the reference's {name} weights; at its {opposite} weights: {other.recommendation})"
+    if modules != worse.fp32_modules:
+        line = (
+            f"fp16 needs fp32_modules {list(modules)}: activations beyond 65504 at the reference's initial weights "
+            f"({list(initial.fp32_modules)}) and at its trained weights ({list(trained.fp32_modules)})"
+        )
+    return Headroom(initial=initial, trained=trained, worse=name, recommendation=worse.recommendation, fp32_modules=modules,
+                    line=line)
+
+
 @dataclass(frozen=True)
 class ForecastCheck(Record):
-    """The forecast against the float16 trial that followed it."""
+    """The forecast against the float16 trial that followed it (``Diagnosis.forecast``)."""
 
+    recommendation: str
+    forecast: str
+    """The forecast's own sentence (``Headroom.line``), said beside the check in the verdict."""
     held: bool
     expected: str
     observed: str
@@ -108,16 +162,17 @@ class ForecastCheck(Record):
     """``forecast held: ...`` or ``forecast missed: ...``: the report's sentence."""
 
 
-def write(folder: str | Path, forecast: Forecast) -> None:
-    write_json(Path(folder) / FILE, forecast.as_dict())
+def write(folder: str | Path, headroom: Headroom) -> None:
+    write_json(Path(folder) / FILE, headroom.as_dict())
 
 
-def read(folder: str | Path, produced_by: str = "") -> Forecast:
-    """Raises: UserError when the folder holds no forecast, or one of another version."""
+def read(folder: str | Path, produced_by: str = "", sha256: str | None = None) -> Headroom:
+    """Raises: UserError when the folder holds no forecast, one that differs from ``sha256`` (its manifest's), or one of
+    another version."""
     path = Path(folder) / FILE
-    raw = read_json(path, produced_by)
+    raw = read_json(path, produced_by, sha256)
     try:
-        return Forecast.from_dict(raw)
+        return Headroom.from_dict(raw)
     except (ValueError, TypeError, AttributeError) as exc:
         raise UserError(f"{path} is not a forecast of this version; rebuild it with {rerun(produced_by)}") from exc
 
@@ -126,15 +181,17 @@ def _covered(module: str, fp32_modules: Sequence[str]) -> bool:
     return any(m == "" or module == m or module.startswith(m + ".") for m in fp32_modules)
 
 
-def check(forecast: Forecast, steps: Sequence[Mapping], outputs_finite: bool, fp32_modules: Sequence[str]) -> ForecastCheck:
+def check(headroom: Headroom, steps: Sequence[Mapping], outputs_finite: bool, fp32_modules: Sequence[str]) -> ForecastCheck:
     """The forecast against a float16 trial: its trajectory's ``steps`` (each with ``skipped`` and ``scale``),
     whether its outputs stayed finite, and the ``fp32_modules`` it ran with.
 
-    Activations beyond 65504 in a module the trial did not keep in FP32 should overflow: non-finite outputs, or the
-    scale collapsing (no real update, or most steps after the first one skipped). Otherwise the outputs should stay
-    finite, the trial skip about ``halvings`` steps at its start (``HALVING_SLACK``), and its scale not collapse. Underflow is not
-    visible in a trajectory (the scaler does not see a zero); compare's gradient check judges it.
+    Activations beyond 65504 (at either end of the reference's training) in a module the trial did not keep in FP32
+    should overflow: non-finite outputs, or the scale collapsing (no real update, or most steps after the first one
+    skipped). Otherwise the outputs should stay finite, the trial skip about the initial weights' ``halvings`` steps at
+    its start (it starts from them; ``HALVING_SLACK``), and its scale not collapse. Underflow is not visible in a
+    trajectory (the scaler does not see a zero); compare's gradient check judges it.
     """
+    halvings = headroom.initial.halvings
     n = len(steps)
     skipped = sum(bool(s["skipped"]) for s in steps)
     leading = next((i for i, s in enumerate(steps) if not s["skipped"]), n)
@@ -143,14 +200,15 @@ def check(forecast: Forecast, steps: Sequence[Mapping], outputs_finite: bool, fp
         f"skipped {leading} leading and {skipped} of {n} steps{settled}, outputs {'finite' if outputs_finite else 'non-finite'}"
     )
     collapsed = leading == n or 2 * (skipped - leading) > n - leading
-    exposed = [m for m in forecast.beyond_fp16 if not _covered(m, fp32_modules)]
+    exposed = [m for m in headroom.beyond_fp16 if not _covered(m, fp32_modules)]
     if exposed:
         expected = f"activations beyond 65504 in {exposed} to overflow (non-finite outputs, or the scale collapsing)"
         held = not outputs_finite or collapsed
     else:
-        expected = f"finite outputs and {forecast.halvings} leading skipped step(s) (±{HALVING_SLACK}), then mostly real updates"
-        held = outputs_finite and abs(leading - forecast.halvings) <= HALVING_SLACK and not collapsed
+        expected = f"finite outputs and {halvings} leading skipped step(s) (±{HALVING_SLACK}), then mostly real updates"
+        held = outputs_finite and abs(leading - halvings) <= HALVING_SLACK and not collapsed
     line = f"forecast held: expected {expected}; the trial {observed}" if held else (
         f"forecast missed: expected {expected}, but the trial {observed}"
     )
-    return ForecastCheck(held=held, expected=expected, observed=observed, line=line)
+    return ForecastCheck(recommendation=headroom.recommendation, forecast=headroom.line, held=held, expected=expected,
+                         observed=observed, line=line)

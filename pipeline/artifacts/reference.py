@@ -1,4 +1,4 @@
-"""The frozen FP32 reference's manifest and trajectories (``data/reference/``), typed and verified.
+"""The frozen FP32 reference's manifest, trajectories and FP16 forecast (``data/reference/``), typed and verified.
 
 ``Manifest`` says what the reference is, under which rule, and every file's sha256; ``check_rule`` is the
 one refusal of a rule edited after freeze. decide, report and publish read the reference through this
@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from pipeline import paths
+from pipeline.artifacts import forecast
 from pipeline.config import AcceptanceConfig
 from pipeline.errors import UserError
 from pipeline.files import read_json
@@ -86,3 +87,17 @@ def read_replicate(manifest: Manifest | None = None) -> list[dict] | None:
     if manifest.sha256(paths.REF_REPLICATE_TRAJECTORY) is None:
         return None
     return _steps(paths.REF_REPLICATE_TRAJECTORY, manifest)
+
+
+def read_forecast(manifest: Manifest | None = None) -> forecast.Headroom:
+    """The FP16 headroom forecast freeze wrote beside the reference (verified against ``manifest``, read when not given).
+
+    Raises: UserError when the reference has none (frozen by an earlier version: re-freeze).
+    """
+    manifest = manifest or read_manifest()
+    sha = manifest.sha256(paths.REF_FORECAST)
+    if sha is None:
+        raise UserError(
+            f"{paths.REF_MANIFEST} names no {paths.REF_FORECAST}; rebuild the reference with `dvc repro --force {PRODUCED_BY}`"
+        )
+    return forecast.read(paths.REFERENCE, PRODUCED_BY, sha)

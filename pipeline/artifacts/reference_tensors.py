@@ -2,10 +2,10 @@
 
 ``write`` lays out ``data/reference/`` (initial and trained training states, the fixed set with its
 boundary cases, the outputs on it, the FP64 arbiter's where the model allows, the trajectory, the FP32
-noise replicate's trajectory) and writes the manifest (``pipeline.artifacts.reference.Manifest``) last,
-with every file's sha256; ``load`` refuses a reference frozen under another rule or from other data, and
-any file whose sha256 differs. The stages that train, infer or replay read it here; the others read the
-manifest and trajectories through ``pipeline.artifacts.reference`` alone.
+noise replicate's trajectory, the FP16 headroom forecast) and writes the manifest
+(``pipeline.artifacts.reference.Manifest``) last, with every file's sha256; ``load`` refuses a reference frozen
+under another rule or from other data, and any file whose sha256 differs. The stages that train, infer or replay
+read it here; the others read the manifest, trajectories and forecast through ``pipeline.artifacts.reference`` alone.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Iterable, Iterator
 import torch
 
 from pipeline import cases, checkpoint, paths, task
+from pipeline.artifacts import forecast as forecast_file
 from pipeline.artifacts.outputs import OutputsReader, write_outputs
 from pipeline.artifacts.reference import PRODUCED_BY, Manifest, read_manifest, read_replicate, read_trajectory
 from pipeline.config import Params
@@ -44,6 +45,13 @@ class Reference:
     def checkpoint(self, name: str = "checkpoint") -> checkpoint.Checkpoint:
         path = paths.REF_CHECKPOINT if name == "checkpoint" else paths.REF_INIT
         return checkpoint.load(path, self.manifest.sha256(path))
+
+    def model(self, params: Params, name: str = "checkpoint") -> torch.nn.Module:
+        """The task's model in the reference's trained state (``checkpoint``: weights only) or at its start (``init``:
+        weights and the RNG its training started from)."""
+        model = task.build_model(params.task, params.seed)
+        checkpoint.restore(self.checkpoint(name), model, rng=name == "init")
+        return model
 
     def outputs_reader(self) -> OutputsReader:
         """The outputs read in slices of rows (bounded memory)."""
@@ -101,6 +109,7 @@ def write(
     fp64: Iterable[dict[str, torch.Tensor]] | None,
     replicate: list | None,
     policy: dict,
+    forecast: forecast_file.Headroom,
     scan=None,
 ) -> Manifest:
     """Write the reference (manifest last) and return the manifest. ``scan`` (``vetting.Scan``) sees the
@@ -146,6 +155,8 @@ def write(
             "perturbation": "data order: first samples of consecutive updates swapped",
         })
         files[str(paths.REF_REPLICATE_TRAJECTORY)] = sha256_file(paths.REF_REPLICATE_TRAJECTORY)
+    forecast_file.write(paths.REFERENCE, forecast)
+    files[str(paths.REF_FORECAST)] = sha256_file(paths.REF_FORECAST)
     manifest = Manifest(
         files=files,
         rule_sha256=params.acceptance.sha256(),

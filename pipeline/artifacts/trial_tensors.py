@@ -1,9 +1,9 @@
 """The trial of one variant with its tensors (``data/trial/<variant>/``): written here, read back here, verified.
 
 ``Writer`` streams the outputs as they are computed (``pipeline.artifacts.outputs``), then writes the
-training state, the trajectory and, last, the manifest with every file's sha256 (their types live in
-``pipeline.artifacts.trial``, which the torch-free stages read alone). ``load`` gives the manifest and
-trajectory verified, and the outputs and checkpoint on demand, verified too.
+training state, the trajectory, the "AMP engaged" audit (``pipeline.artifacts.audit``) and, last, the manifest
+with every file's sha256 (their types live in ``pipeline.artifacts.trial``, which the torch-free stages read
+alone). ``load`` gives the manifest and trajectory verified, and the outputs and checkpoint on demand, verified too.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Iterable
 import torch
 
 from pipeline import checkpoint, paths
+from pipeline.artifacts import audit as audit_file
 from pipeline.artifacts.outputs import OutputsReader, write_outputs
 from pipeline.artifacts.reference import Manifest as ReferenceManifest
 from pipeline.artifacts.trial import Trajectory, TrialManifest, env_differs, produced_by, read_manifest, read_trajectory
@@ -51,9 +52,9 @@ class Writer:
         self.pending[file] = self.folder / f".{file}.pending"
         self.files[file] = write_outputs(self.pending[file], chunks, self.ids)
 
-    def finish(self, result, policy, reference: ReferenceManifest, env: dict, aligned: list | None = None,
-               transforms: dict | None = None) -> TrialManifest:
-        """Move the outputs into place, write the training state, the trajectory and (last) the manifest."""
+    def finish(self, result, policy, reference: ReferenceManifest, env: dict, aligned: list | None,
+               transforms: dict, audit: audit_file.Audit) -> TrialManifest:
+        """Move the outputs into place, write the training state, the trajectory, the audit and (last) the manifest."""
         for file, path in sorted(self.pending.items()):
             os.replace(path, self.folder / file)
         self.pending.clear()
@@ -64,6 +65,8 @@ class Writer:
         )
         write_json(self.folder / paths.TRIAL_TRAJECTORY, trajectory.as_dict())
         self.files[paths.TRIAL_TRAJECTORY] = sha256_file(self.folder / paths.TRIAL_TRAJECTORY)
+        audit_file.write(self.folder, audit)
+        self.files[paths.TRIAL_AUDIT] = sha256_file(self.folder / paths.TRIAL_AUDIT)
         manifest = TrialManifest(
             files=dict(sorted(self.files.items())),
             policy=policy.as_dict(),
@@ -72,7 +75,7 @@ class Writer:
             env=env,
             env_differs_from_reference=env_differs(env, reference.env),
             real_updates=result.real_updates,
-            transforms=transforms or {},
+            transforms=transforms,
         )
         write_json(self.folder / paths.TRIAL_MANIFEST, manifest.as_dict())
         return manifest

@@ -9,19 +9,24 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline import paths
-from pipeline.artifacts import benchmark, comparison, decision, diagnosis, trial
+from pipeline.artifacts import audit, benchmark, comparison, decision, diagnosis, trial
+from pipeline.errors import UserError
 from pipeline.files import flatten
 
 
 def load(variant: str) -> dict[str, Any]:
-    """One variant's outputs: ``variant``, ``env``, ``manifest`` and ``trajectory`` (trial), ``stats``, ``metrics``
-    (stats flattened) and ``cases`` (the per-case table, or None) of compare, ``diagnosis``, ``decision``,
+    """One variant's outputs: ``variant``, ``env``, ``manifest``, ``trajectory`` and ``audit`` (trial), ``stats``,
+    ``metrics`` (stats flattened) and ``cases`` (the per-case table, or None) of compare, ``diagnosis`` (with, for a
+    float16 variant, the FP16 forecast and its check), ``decision``,
     ``benchmark`` (``{"benchmarked": False, "reason": ...}`` when absent) and ``plots`` (the report's figures, name -> PNG).
 
     Raises:
         UserError: a stage has not run (naming it and the command).
     """
     manifest = trial.read_manifest(variant)
+    if paths.TRIAL_AUDIT not in manifest.files:
+        raise UserError(f"{paths.trial(variant)} has no {paths.TRIAL_AUDIT} (an earlier version's trial); run `dvc repro --force "
+                        f"{trial.produced_by(variant)}`")
     stats = comparison.read(variant).as_dict()
     cases = paths.compare(variant) / comparison.TABLE
     figures = paths.report_plot(variant, "loss").parent  # every figure the report stage drew for this variant
@@ -30,6 +35,7 @@ def load(variant: str) -> dict[str, Any]:
         "env": manifest.env,
         "manifest": manifest.as_dict(),
         "trajectory": trial.read_trajectory(variant, manifest).as_dict(),
+        "audit": audit.read(paths.trial(variant), trial.produced_by(variant), manifest.files[paths.TRIAL_AUDIT]).as_dict(),
         "stats": stats,
         "metrics": flatten(stats),
         "cases": comparison.read_table(variant) if cases.is_file() else None,

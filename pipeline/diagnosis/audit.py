@@ -9,6 +9,9 @@ flagged when what the policy adds is below ``UNSUPPORTED_BELOW`` of the FLOPs: i
 
 Compile does not change which dtype autocast picks, so a compiled variant is audited eager (``Policy.eager``). A
 float8 variant is audited on the model as the trial runs it, its linear layers already converted.
+
+``of_trial`` is what trial@NAME writes (``data/trial/NAME/audit.json``): the trained reference weights, as the trial
+ran them, on the first micro-batch of the reference's first update (the batch the diagnosis probe reads too).
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from dataclasses import replace
 
 import torch
 
+from pipeline import recipe, task, training
 from pipeline.artifacts.audit import UNSUPPORTED_BELOW, Audit, AuditedOp, Share
-from pipeline.config import Policy
+from pipeline.config import Params, Policy
 from pipeline.diagnosis.precision_map import Loss, ModuleScope, Recorder, forward_backward, same_rng
 from pipeline.task import Inputs, rows
 
@@ -48,6 +52,14 @@ def audit(
     if policy.float8 == "off":
         reference = _total(_trace(model, x, y, loss_fn, Policy(), device)).reduced_share or 0.0
     return _audit(ops, policy, rows(x), reference, threshold)
+
+
+def of_trial(module: torch.nn.Module, source: task.TrainSource, params: Params, policy: Policy, device: torch.device) -> Audit:
+    """The trial's audit: ``module`` is the eager model as the trial ran it (``transforms.Applied.module``: its float8
+    layers converted), in train mode from here on; ``source`` the reference's training data."""
+    x, y = source.batch(training.update_batches(len(source), params.reference, params.seed)[0][0])
+    model = module.to(device).train()
+    return audit(model, task.to_device(x, device), y.to(device), recipe.make_loss(params.task), policy, device)
 
 
 def _trace(model, x, y, loss_fn, policy: Policy, device: torch.device) -> list[AuditedOp]:

@@ -32,7 +32,8 @@ def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
     """The side-by-side table: one (label, [cell per variant]) row per key figure.
 
     Each variant is a mapping with ``variant``, ``decision`` (decision.json), ``metrics`` (compare's
-    stats.json, flattened by ``files.flatten``), ``diagnosis`` (diagnosis.json) and ``benchmark`` (benchmark.json).
+    stats.json, flattened by ``files.flatten``), ``diagnosis`` (diagnosis.json), ``benchmark`` (benchmark.json) and,
+    optionally, ``audit`` (the trial's audit.json).
     """
 
     def metric(key: str) -> Callable[[Mapping], str]:
@@ -79,6 +80,9 @@ def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
         ("training: real updates", metric("training.real_updates")),
         ("training: final loss scale", metric("training.final_scale")),
         ("diagnosis findings", lambda v: str(len(v["diagnosis"].get("findings", [])))),
+        ("AMP engaged: matmul, convolution and attention FLOPs in reduced precision", _engaged),
+        ("FP16 forecast (float16 variants)", lambda v: (v["diagnosis"].get("forecast") or {}).get("recommendation", "-")),
+        ("FP16 forecast against the trial", _forecast_held),
         ("benchmark: speedup FP32 time / AMP time (median, IQR)", _speedup),
         ("benchmark: ms/step FP32 (median)", lambda v: _ms(v, "fp32")),
         ("benchmark: ms/step AMP (median)", lambda v: _ms(v, "amp")),
@@ -94,7 +98,7 @@ def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
 def verdicts_of(variants: Sequence[Mapping[str, Any]]) -> list[verdict.Verdict]:
     """The verdict of every variant from its outputs (publish passes its own, with the loosened-rule flag)."""
     return [
-        verdict.verdict(v["variant"], v["decision"], v.get("stats"), v.get("diagnosis"), v.get("benchmark"))
+        verdict.verdict(v["variant"], v["decision"], v.get("stats"), v.get("diagnosis"), v.get("benchmark"), audit=v.get("audit"))
         for v in variants
     ]
 
@@ -160,6 +164,7 @@ def html(
         findings = v["diagnosis"].get("findings", [])
         if findings:
             parts.append("<h3>Diagnosis</h3><ul>" + "".join(f"<li>{e(f)}</li>" for f in findings) + "</ul>")
+        parts.append(_precision(v))
         bench = v["benchmark"]
         if not bench.get("benchmarked"):
             parts.append(f"<p>Benchmark: {e(str(bench.get('reason', 'not benchmarked')))}</p>")
@@ -226,6 +231,45 @@ def _near(v: Mapping) -> str:
 def _constructed(v: Mapping) -> str:
     m = v["metrics"]
     return f"{number(m.get('flips.boundary_flips'))} of {number(m.get('flips.boundary_cases'))}"
+
+
+def _engaged(v: Mapping) -> str:
+    a = v.get("audit")
+    if not a:
+        return "-"
+    share = f"{100 * ((a.get('total') or {}).get('reduced_share') or 0.0):.1f} %"
+    return f"{share}, FLAGGED: speedup claim unsupported" if a.get("flagged") else share
+
+
+def _forecast_held(v: Mapping) -> str:
+    checked = v["diagnosis"].get("forecast")
+    return "-" if not checked else "held" if checked["held"] else "missed"
+
+
+def _precision(v: Mapping) -> str:
+    """What ran in reduced precision (the audit, with the ops left in FP32) and, for float16, the forecast and its check."""
+    e = _html.escape
+    a, checked = v.get("audit"), v["diagnosis"].get("forecast")
+    items = [f"<li>audit: {e(a['line'])}</li>"] if a else []
+    stayed = (a or {}).get("stayed_fp32") or []
+    if stayed:
+        items.append(
+            f"<li>ops left in FP32 that no fp32_modules asked for ({len(stayed)}, largest first):<ul>"
+            + "".join(f"<li>{e(_op(o))}</li>" for o in stayed[:MAX_OPS]) + "</ul></li>"
+        )
+    if checked:
+        items += [f"<li>FP16 forecast: {e(checked['forecast'])}</li>", f"<li>{e(checked['line'])}</li>"]
+    return "<h3>Precision</h3><ul>" + "".join(items) + "</ul>" if items else ""
+
+
+MAX_OPS = 10
+"""Ops left in FP32 listed per variant on the page; every one is in the trial's audit.json."""
+
+
+def _op(o: Mapping) -> str:
+    shapes = " x ".join("[" + ",".join(map(str, s)) + "]" for s in o["shapes"])
+    where = f"module {o['module']!r}" if o["module"] else "the model's own code"
+    return f"{o['op']} {shapes} {o['precision']} in {where} ({o['phase']}), {100 * o['share']:.1f} % of the FLOPs"
 
 
 def _speedup(v: Mapping) -> str:

@@ -76,7 +76,7 @@ def loosened(decision: Mapping[str, Any], earlier_rollbacks: Sequence[EarlierRul
 def verdicts(variants: Mapping[str, Mapping[str, Any]], loosened_by_dtype: Mapping[str, list[str]]) -> list[verdict.Verdict]:
     """Every variant's verdict, with what publish alone knows: how the rule was loosened since a rollback."""
     return [
-        verdict.verdict(d, v["decision"], v["stats"], v["diagnosis"], v["benchmark"], loosened_by_dtype.get(d, []))
+        verdict.verdict(d, v["decision"], v["stats"], v["diagnosis"], v["benchmark"], loosened_by_dtype.get(d, []), v["audit"])
         for d, v in variants.items()
     ]
 
@@ -162,6 +162,9 @@ def child_tags(v: Mapping[str, Any], loosened_: list[str], common: Mapping[str, 
         # the rule itself, so that a later accept under a looser rule is flagged by publish
         **({"rule_json": json.dumps(rule_, sort_keys=True)} if rule_ else {}),
         **({"rule_loosened": "true"} if loosened_ else {}),
+        "amp_engaged": v["audit"]["speedup_claim"],  # supported, unsupported (flagged) or not a precision claim
+        **({"fp16_forecast": v["diagnosis"]["forecast"]["recommendation"],
+            "fp16_forecast_held": str(v["diagnosis"]["forecast"]["held"]).lower()} if v["diagnosis"].get("forecast") else {}),
         **{f"decision_tag.{k}": x for k, x in decision.get("tags", {}).items()},
     }
 
@@ -203,6 +206,7 @@ def columns(v: Mapping[str, Any]) -> dict:
         "skipped_steps": training.get("skipped_steps"),
         "real_updates": training.get("real_updates"),
         "final_loss_scale": training.get("final_scale"),
+        "amp_engaged_share": (v["audit"].get("total") or {}).get("reduced_share"),
     }
     distribution = stats.get("distribution") or {}
     for key in ("kl_mean", "kl_p99", "top1_agreement"):  # per-token outputs (language models)

@@ -11,6 +11,9 @@ one line (publish's last line). Per variant it says:
 - the flipped cases, reference -> trial class and margin, calling out real samples that the rule counted
   as boundary cases only because their reference margin is small;
 - whether training drifted (worst loss gap against its band; "no GradScaler" for bfloat16);
+- whether AMP engaged (the trial's audit: the share of matmul, convolution and attention FLOPs in reduced
+  precision); a flagged audit marks the speedup claim unsupported, whatever the benchmark measured;
+- for a float16 variant, freeze's FP16 headroom forecast and whether the trial bore it out;
 - on rollback, the next commands, ready to paste.
 
 Hashes and environment go to a footer, not here.
@@ -45,9 +48,18 @@ class Verdict:
     """The failed criteria, then the diagnosis' findings (each said as ``diagnosis: ...``)."""
     flips: list[str] = field(default_factory=list)
     training: str = ""
+    audit: str = ""
+    """The "AMP engaged" audit's sentence (``audit: ...``), when the trial's audit was given."""
+    forecast: list[str] = field(default_factory=list)
+    """Float16 only: the FP16 forecast's sentence, then its check against the trial (``forecast held: ...``)."""
     gain: str = ""
     commands: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def details(self) -> list[str]:
+        """The lines said after the reasons and flips: training, the audit, the forecast and its check."""
+        return [line for line in (self.training, self.audit, *self.forecast) if line]
 
     @property
     def short(self) -> str:
@@ -62,14 +74,15 @@ def verdict(
     diagnosis: Mapping[str, Any] | None = None,
     benchmark: Mapping[str, Any] | None = None,
     loosened: Sequence[str] = (),
+    audit: Mapping[str, Any] | None = None,
 ) -> Verdict:
     """The verdict of one variant from its outputs: ``decision.json``, compare's ``stats.json``,
-    ``diagnosis.json`` and ``benchmark.json`` (each may be absent: decide runs before the benchmark).
-    ``loosened``: how the rule was loosened since an earlier rollback of the same reference (publish)."""
+    ``diagnosis.json``, ``benchmark.json`` and the trial's ``audit.json`` (each may be absent: decide runs before the
+    benchmark). ``loosened``: how the rule was loosened since an earlier rollback of the same reference (publish)."""
     stats, diagnosis = stats or {}, diagnosis or {}
     accepted = decision.get("decision") == "accept"
     env = decision.get("env") or {}
-    gain = _gain(benchmark, env) if accepted else ""
+    gain = (_unsupported(audit, benchmark) if audit and audit.get("flagged") else _gain(benchmark, env)) if accepted else ""
     criteria = [str(r) for r in decision.get("reasons", [])]
     failed = ""
     if accepted:
@@ -84,6 +97,9 @@ def verdict(
     out.reasons = criteria + [f"diagnosis: {f}" for f in decision.get("findings", [])]
     out.flips = _flips(stats, decision.get("rule") or {})
     out.training = _training(stats, (decision.get("policy") or {}).get("dtype", variant))
+    out.audit = f"audit: {audit['line']}" if audit else ""
+    checked = diagnosis.get("forecast")
+    out.forecast = [f"FP16 forecast: {checked['forecast']}", str(checked["line"])] if checked else []
     out.gain = gain
     if not accepted:
         out.commands = _commands(variant, diagnosis)
@@ -120,6 +136,14 @@ def _gain(bench: Mapping[str, Any] | None, env: Mapping[str, Any]) -> str:
         f"no measurable speed difference (x{s:.2f}) on {where}" + (f", {memory}" if memory else "")
         + ": AMP gains nothing here but memory"
     )
+
+
+def _unsupported(audit: Mapping[str, Any], bench: Mapping[str, Any] | None) -> str:
+    """A speedup measured on a variant whose reduced-precision work is negligible comes from something else."""
+    share = (audit.get("total") or {}).get("reduced_share") or 0.0
+    s = ((bench or {}).get("speedup") or {}).get("median") if (bench or {}).get("benchmarked") else None
+    measured = f"; the benchmark measured x{s:.2f}" if isinstance(s, (int, float)) and math.isfinite(s) else ""
+    return f"speedup claim unsupported: autocast barely engaged (share {100 * share:.1f} %){measured}"
 
 
 def _flips(stats: Mapping[str, Any], rule: Mapping[str, Any]) -> list[str]:
@@ -199,15 +223,15 @@ def _g(value: Any) -> str:
 def text(v: Verdict) -> str:
     """Plain text for a terminal: the sentence, then indented details (every piece printable: an id with a
     newline or an ANSI escape cannot forge a line or reach the terminal)."""
-    v = replace(v, **{k: _printable_all(getattr(v, k)) for k in ("sentence", "reasons", "flips", "training", "warnings")})
+    v = replace(v, **{k: _printable_all(getattr(v, k)) for k in ("sentence", "reasons", "flips", "training", "audit", "forecast",
+                                                                   "warnings")})
     lines = [v.sentence]
     lines += [f"  ! {w}" for w in v.warnings]
     lines += [f"  - {r}" for r in v.reasons]
     if v.flips:
         lines.append(f"  flipped cases ({_count(v.flips)}):")
         lines += [f"    {f}" for f in v.flips]
-    if v.training:
-        lines.append(f"  {v.training}")
+    lines += [f"  {d}" for d in v.details]
     if v.commands:
         lines.append("  next:")
         lines += [f"    {c}" for c in v.commands]
@@ -221,8 +245,7 @@ def markdown(verdicts: Sequence[Verdict]) -> str:
         out += [f"**{_md(v.sentence)}**", ""]
         out += [f"- :warning: {_md(w)}" for w in v.warnings]
         out += [f"- {_md(r)}" for r in v.reasons]
-        if v.training:
-            out.append(f"- {_md(v.training)}")
+        out += [f"- {_md(d)}" for d in v.details]
         if v.flips:
             out.append(f"- flipped cases ({_count(v.flips)}):")
             out += [f"    - {_md(f)}" for f in v.flips]
@@ -245,8 +268,7 @@ def html(verdicts: Sequence[Verdict]) -> str:
         )
         parts += [f'<li class="warning">{e(w)}</li>' for w in v.warnings]
         parts += [f"<li>{e(r)}</li>" for r in v.reasons]
-        if v.training:
-            parts.append(f"<li>{e(v.training)}</li>")
+        parts += [f"<li>{e(d)}</li>" for d in v.details]
         if v.flips:
             parts.append(
                 f"<li>flipped cases ({_count(v.flips)}):<ul>" + "".join(f"<li>{e(f)}</li>" for f in v.flips) + "</ul></li>"

@@ -1,24 +1,27 @@
 """Stage diagnose@NAME: why a trial failed and which FP32 regions would fix it (cheap when all is well).
 
-Writes ``diagnosis.json`` (findings and notes as lines, the structured details beside them) and, when
-there is one, ``suggested_params.yaml``: a suggestion, never applied. A healthy trial costs three JSON reads:
-torch and the task's model load only when there is something to replay or probe.
+Writes ``diagnosis.json`` (findings and notes as lines, the structured details beside them, and for a float16
+variant freeze's FP16 forecast checked against the trial) and, when there is one, ``suggested_params.yaml``: a
+suggestion, never applied. A healthy trial costs a few JSON reads: torch and the task's model load only when there
+is something to replay or probe.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from pipeline import rule
-from pipeline.artifacts import comparison, diagnosis, trial
-from pipeline.config import load_params
+from pipeline.artifacts import comparison, diagnosis, forecast, reference, trial
+from pipeline.config import Policy, load_params
 
 
 def main(variant: str, params_path: str = "params.yaml") -> None:
     start = time.perf_counter()
     params = load_params(params_path)
     stats = comparison.read(variant)
-    trajectory = trial.read_trajectory(variant)
+    ran = trial.read_manifest(variant)
+    trajectory = trial.read_trajectory(variant, ran)
     judged = rule.decide(stats, params.acceptance)  # once; the diagnosis is handed it
     found, suggested = diagnosis.Diagnosis(), None
     if judged.reasons or params.diagnose.probe == "always":
@@ -26,10 +29,20 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
 
         found = flow.run(params, variant, stats, trajectory, judged)
         suggested = wording.snippet(found.suggestion, variant, params.trial.policy(variant)) if found.suggestion else None
+    found = dataclasses.replace(found, forecast=_forecast_check(Policy.from_dict(ran.policy), stats, trajectory))
     diagnosis.write(variant, found, suggested)
     work = found.work
     print(
         f"diagnose {variant}: {len(found.findings)} finding(s), {work.trial_reruns} trial re-run(s), "
         f"{work.replayed_steps} replayed step(s), {time.perf_counter() - start:.1f}s"
         + "".join(f"\n  - {f}" for f in found.findings + found.notes)
+        + (f"\n  {found.forecast.line}" if found.forecast else "")
     )
+
+
+def _forecast_check(policy: Policy, stats: comparison.Stats, trajectory: trial.Trajectory) -> forecast.ForecastCheck | None:
+    """freeze's FP16 forecast against what the float16 trial did (its policy as it ran); None for other variants."""
+    if not policy.uses_scaler:
+        return None
+    finite = stats.nonfinite.trial.rows == 0 and stats.nonfinite.trained.rows == 0
+    return forecast.check(reference.read_forecast(), trajectory.steps, finite, policy.fp32_modules)

@@ -1,4 +1,5 @@
-"""Stage freeze: train the FP32 reference (and its noise replicate), build boundary cases, record its outputs."""
+"""Stage freeze: train the FP32 reference (and its noise replicate), build boundary cases, record its outputs, and
+forecast FP16's headroom from it before any trial."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from dataclasses import asdict
 
 import torch
 
-from pipeline import cases, checkpoint, devices, distributed, inference, launch, paths, precision, probe, task, training, vetting
+from pipeline import cases, checkpoint, devices, distributed, forecast, inference, launch, paths, precision, probe, task, training
+from pipeline import vetting
 
 from pipeline.artifacts import reference_tensors
 from pipeline.files import sha256_file
@@ -50,7 +52,7 @@ def main(params_path: str = "params.yaml") -> None:
                 trained=result.state, records=result.records, real_updates=result.real_updates, fixed=fixed,
                 outputs=inference.infer_chunks(model, fixed.x, FP32, device, cfg.eval_mode),
                 fp64=inference.fp64_chunks(model, fixed.x, cfg.eval_mode), replicate=replicate, policy=FP32.as_dict(),
-                scan=vetting.Scan(params, fixed),
+                forecast=forecast.of_reference(params, init, result.state, source, device), scan=vetting.Scan(params, fixed),
             )
         except reference_tensors.NonFinite as bad:
             resume.clear()  # nothing of a refused reference is kept

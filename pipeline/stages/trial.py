@@ -1,13 +1,15 @@
-"""Stage trial@NAME: the same reference under autocast, for inference and for training."""
+"""Stage trial@NAME: the same reference under autocast, for inference and for training, and how much of its work
+ran in reduced precision (the "AMP engaged" audit)."""
 
 from __future__ import annotations
 
 import contextlib
 from typing import Iterator
 
-from pipeline import checkpoint, devices, distributed, launch, paths, precision, task, training, transforms
+from pipeline import checkpoint, devices, distributed, launch, paths, precision, training, transforms
 
 from pipeline.artifacts import reference_tensors, trial, trial_tensors
+from pipeline.diagnosis import audit
 from pipeline.config import load_params
 from pipeline.errors import UserError
 
@@ -22,14 +24,7 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     if policy.amp:
         devices.check_dtype_supported(device, precision.parse_dtype(policy.dtype))
     ref = reference_tensors.load(params)
-
-    def initial():
-        model = task.build_model(params.task, params.seed)
-        checkpoint.restore(ref.checkpoint("init"), model)  # weights and RNG of the reference's start
-        return model
-
-    trained = task.build_model(params.task, params.seed)
-    checkpoint.restore(ref.checkpoint(), trained, rng=False)
+    trained, source = ref.model(params), ref.train_data(params)
     resume = checkpoint.ResumeFile(
         paths.RESUME / f"trial-{variant}.safetensors", world.key(trial.run_key(ref.manifest, policy)), device
     )
@@ -39,20 +34,21 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
         precision.deterministic(params.reference.deterministic),
     ):
         run = training.run_trial(
-            trained, initial, ref.train_data(params), ref.cases.x, params.reference, params.task, policy, device,
+            trained, lambda: ref.model(params, "init"), source, ref.cases.x, params.reference, params.task, policy, device,
             params.seed, resume=resume.load(), save_resume=resume.save, label=f"trial {variant}",
             sink=writer.sink if world.writes else distributed.discard, expect_batches=ref.batch_hashes(world.size),
         )
     if not world.writes:
         return  # rank 0 alone infers and writes
     result = run.training
-    applied = transforms.apply(trained, policy, device).as_dict()  # what ran (its float8 layers are converted already)
-    writer.finish(result, policy, ref.manifest, devices.describe(device).as_dict(), run.aligned, applied)
+    applied = transforms.apply(trained, policy, device)  # what ran (its float8 layers are converted already)
+    found = audit.of_trial(applied.module, source, params, policy, device)  # after inference: it moves BatchNorm's buffers
+    writer.finish(result, policy, ref.manifest, devices.describe(device).as_dict(), run.aligned, applied.as_dict(), found)
     resume.clear()
     skipped = sum(r.skipped for r in result.records)
     print(
         f"trial {variant}: {len(result.records)} steps, {result.real_updates} real updates, {skipped} skipped; "
-        f"final loss {result.records[-1].loss:.4f}"
+        f"final loss {result.records[-1].loss:.4f}\n  audit: {found.line}"
     )
 
 
