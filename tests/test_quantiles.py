@@ -64,7 +64,8 @@ def test_histogram_cut_gives_the_answer_of_the_whole_stream_at_once():
     come, small values first or last) it answers what one update of everything answers (no value dropped)."""
     g = torch.Generator().manual_seed(5)
     small, large = torch.rand(300_000, generator=g) * 1e-3, torch.rand(300_000, generator=g).pow(4) * 50
-    for v in (torch.cat([small, large]), torch.cat([large, small]), torch.cat([small, large])[torch.randperm(600_000, generator=g)]):
+    shuffled = torch.cat([small, large])[torch.randperm(600_000, generator=g)]
+    for v in (torch.cat([small, large]), torch.cat([large, small]), shuffled):
         whole = StreamQuantile(0.99, v.numel(), max_exact=10)
         whole.update(v.clone())
         parts = StreamQuantile(0.99, v.numel(), max_exact=10)

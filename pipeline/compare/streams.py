@@ -8,8 +8,11 @@ whatever the fixed set's size. Kinds (ordinary, edge, boundary) are computed onc
 Speed (``scripts/bench_compare.py``): a file's chunk is mapped, not copied, and its pages released once
 used; statistics run on slices of ``SLICE_ELEMENTS`` (cache-sized temporaries), the failing count in
 float32 (float64 only near the threshold), p99s from a bit-pattern histogram past 6.5e6 elements
-(``quantiles.StreamQuantile``), no copy of a slice whose cases all have a target, KL's dot products as a
-product and a sum (not ``bmm``), NLL from ``log_softmax`` (one fused pass).
+(``quantiles.StreamQuantile``, past its cut only the values that can still be the answer), no copy of a slice
+whose cases all have a target, finiteness from a sum (element-wise only where it is not finite), labels and the
+best two per case from numpy's ``argmax`` (``decisions.first_max``), trial - reference once for the gap and KL,
+KL's dot products as a product and a sum (not ``bmm``), NLL from ``log_softmax`` (one fused pass). On a GPU
+(``device``) each chunk is copied there and computed whole.
 
 Out: the statistics, typed (``artifacts.comparison.Stats``: what decide reads; ``comparison.write`` writes
 them) and the per-case table,
