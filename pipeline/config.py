@@ -667,6 +667,8 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _coerce(inner[0], value, key)
     if origin is Literal:
+        if value is False and "off" in args:  # `off` read by a YAML 1.1 tool (PyYAML's safe_load) and written back
+            return "off"
         if value not in args:
             choices = ", ".join(repr(a) for a in args)
             raise UserError(f"params.yaml: {key} is {_show(value)}; use one of {choices}")

@@ -234,6 +234,9 @@ def compile_seconds(step: Callable[[], None], device: torch.device, steady_steps
     backward, and again for each new autocast state or input shape); the ``steady_steps`` that follow are
     extra warm-up for the benchmark, not counted in its step times.
     """
+    import torch._dynamo
+
+    torch._dynamo.reset()  # compiled already in this process (the memory probe): compile again, as a fresh run does
     first = time_steps(step, 1, torch.device(device))
     steady = time_steps(step, steady_steps, torch.device(device))
     return max(first - steady, 0.0)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -84,7 +84,7 @@ class Trajectory:
 def _typed(cls, raw, path: Path, variant: str):
     """``cls`` from a JSON object holding exactly its fields (the optional ones may be absent)."""
     names = {f.name for f in fields(cls)}
-    required = {f.name for f in fields(cls) if f.default is not None}
+    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
     if not isinstance(raw, dict) or not required <= set(raw) <= names:
         raise UserError(f"{path} is not a trial file of this version; rebuild it with `dvc repro --force {produced_by(variant)}`")
     return cls(**raw)

@@ -12,7 +12,12 @@ from a seeded generator: nothing is downloaded, the same options always give the
   scale, so the gradient that reaches ``body`` is around 1e-10: below float16's smallest subnormal
   (6e-8) it becomes zero without loss scaling, and survives with the GradScaler's 65536.
 
-Run them with the params files in ``examples/`` (see README, "Diagnostics").
+- Compiler drift (classification, the blobs above): ``DriftNet`` adds ``compile_drift`` to class 0's logit when
+  it runs compiled in reduced precision, and nowhere else. It stands for a compiler that changes a model's
+  reduced-precision numerics (pytorch#168126: compiled bf16 against eager, rtol up to 1e5): eager bf16 and
+  compiled FP32 are the model itself, compiled bf16 is not. The diagnosis must blame compile, not precision.
+
+Run them with the params files in ``examples/`` (see README, "Diagnostics" and "Variants").
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ def _blobs(n: int, features: int, classes: int, gen: torch.Generator, centers: t
 
 
 def load_overflow_data(
-    n_train: int = 1024, n_eval: int = 256, features: int = 16, classes: int = 4, seed: int = 0, **_: object
+    n_train: int = 1024, n_eval: int = 256, features: int = 16, classes: int = 4, seed: int = 0, separation: float = 3.0,
+    **_: object,
 ) -> dict:
-    """Gaussian blobs around well-separated centres: an easy task, so any failure is numerical."""
+    """Gaussian blobs around well-separated centres (``separation`` times a standard normal draw): an easy task, so
+    any failure is numerical."""
     gen = torch.Generator().manual_seed(seed)
-    centers = 3.0 * torch.randn(classes, features, generator=gen)
+    centers = separation * torch.randn(classes, features, generator=gen)
     train_x, train_y = _blobs(n_train, features, classes, gen, centers)
     eval_x, eval_y = _blobs(n_eval, features, classes, gen, centers)
     return {
@@ -103,3 +110,29 @@ class UnderflowNet(torch.nn.Module):
 
 def build_underflow_model(features: int = 16, hidden: int = 64, target_scale: float = 1.0e-3, **_: object) -> torch.nn.Module:
     return UnderflowNet(features, hidden, target_scale)
+
+
+class DriftNet(torch.nn.Module):
+    """embed -> ReLU -> hidden -> ReLU -> head; under torch.compile in float16/bfloat16, class 0 gains ``drift``."""
+
+    def __init__(self, features: int = 16, hidden: int = 64, classes: int = 4, drift: float = 0.0) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(features, hidden)
+        self.hidden = torch.nn.Linear(hidden, hidden)
+        self.head = torch.nn.Linear(hidden, classes)
+        self.drift = drift
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.relu(self.hidden(torch.relu(self.embed(x)))))
+        reduced = logits.dtype in (torch.float16, torch.bfloat16)  # a property of the traced graph, fixed per compile
+        if self.drift and reduced and torch.compiler.is_compiling():
+            first = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+            first[0] = self.drift
+            logits = logits + first
+        return logits
+
+
+def build_drift_model(
+    features: int = 16, hidden: int = 64, classes: int = 4, compile_drift: float = 0.0, **_: object
+) -> torch.nn.Module:
+    return DriftNet(features, hidden, classes, compile_drift)
