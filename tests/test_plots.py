@@ -168,7 +168,8 @@ def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
 
 ENGAGED = {"flagged": False, "total": {"reduced_share": 0.994}, "stayed_fp32": [],
            "line": "AMP engaged: 99.4 % of the matmul, convolution and attention FLOPs ran in reduced precision (float16 99.4 %)"}
-BARELY = {"flagged": True, "total": {"reduced_share": 0.02}, "line": "AMP did not engage: only 2.0 % ...; speedup claim unsupported",
+BARELY = {"flagged": True, "total": {"reduced_share": 0.02},
+          "line": "AMP did not engage: only 2.0 % ...; speedup claim unsupported",
           "stayed_fp32": [{"op": "aten.mm.default", "shapes": [[64, 8], [8, 64]], "precision": "float64", "module": "",
                            "phase": "forward", "share": 0.98}]}
 CHECKED = {"recommendation": "fp16 is safe", "forecast": "fp16 is safe: largest activation 12.3 (module '2')", "held": True,
