@@ -41,7 +41,8 @@ def test_per_sample_classifier_has_no_distribution_rows():
 
 def test_precision_rows_say_the_audit_share_and_the_forecast_only_where_there_is_one():
     audited = {**_variant("float16", {}), "audit": {"flagged": False, "total": {"reduced_share": None}, "line": "no FLOPs"}}
-    audited["diagnosis"] = {"forecast": {"recommendation": "use bf16", "held": False, "forecast": "use bf16: ...", "line": "missed"}}
+    checked = {"recommendation": "use bf16", "held": False, "forecast": "use bf16: ...", "line": "missed"}
+    audited["diagnosis"] = {"forecast": checked}
     table = dict(page.rows([audited, _variant("bfloat16", {})]))
     assert table["AMP engaged: matmul, convolution and attention FLOPs in reduced precision"] == ["0.0 %", "-"]
     assert table["FP16 forecast (float16 variants)"] == ["use bf16", "-"]
