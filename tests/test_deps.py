@@ -49,7 +49,10 @@ def imported_modules(path: Path) -> set[Path]:
     if path.name == "__init__.py":
         package = package.rsplit(".", 1)[0] + ".__init__"
     names: set[str] = set()
+    typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking(block) for n in ast.walk(block)}
     for node in ast.walk(tree):
+        if id(node) in typing_only:  # `if TYPE_CHECKING:` imports never run: annotations only, no dependency
+            continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
@@ -64,6 +67,13 @@ def imported_modules(path: Path) -> set[Path]:
             names.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
             names.update(f"{module}.{alias.name}" for alias in node.names)  # `from pipeline import numerics`
     return {f for n in names if (f := module_file(n)) is not None and f != path}
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def closure(start: list[Path]) -> set[Path]:
@@ -194,3 +204,10 @@ def test_the_import_graph_of_the_package_has_no_circle() -> None:
 
     for path in sorted(graph):
         visit(path, [])
+
+
+def test_imports_under_type_checking_are_not_dependencies() -> None:
+    """rule.py names the loop's StepRecord for annotations only (`if TYPE_CHECKING:`): decide never imports training."""
+    source = (PACKAGE / "rule.py").read_text()
+    assert "if TYPE_CHECKING:" in source and "pipeline.training" in source, "the case this test covers is gone"
+    assert PACKAGE / "training.py" not in imported_modules(PACKAGE / "rule.py")
