@@ -1,13 +1,15 @@
 """Stage compare@NAME: value gaps, decision flips, distribution agreement, quality and training gap of one trial.
 
 Outputs are read one chunk of rows at a time (``params.compare.chunk_elements``): memory stays one chunk of
-the reference, the trial and the FP64 arbiter, whatever the fixed set's size.
+the reference, the trial and the FP64 arbiter, whatever the fixed set's size. Where ``device`` resolves to a GPU,
+each chunk's arithmetic runs there (host memory is still one chunk).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from pipeline import devices
 from pipeline.artifacts import comparison, reference_tensors, trial_tensors
 from pipeline.compare import streams
 from pipeline.config import load_params
@@ -23,7 +25,8 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     t = run.trajectory
     runs = streams.Trajectories(ref.trajectory, t.steps, t.final_scale, t.scaler_enabled, ref.replicate, t.aligned_fp32)
     stats, table = streams.compare_streams(params.task.kind, params.acceptance, sources, runs,
-                                           metric=streams.Metric.for_task(params.task), cfg=params.compare)
+                                           metric=streams.Metric.for_task(params.task), cfg=params.compare,
+                                           device=devices.resolve(params.device))  # a GPU computes its chunks
     stats = replace(stats, env_differs_from_reference=tuple(run.manifest.env_differs_from_reference))
     comparison.write(variant, stats, table)
     f, d, q = stats.flips, stats.distribution, stats.quality

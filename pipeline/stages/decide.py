@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline import rule
-from pipeline.artifacts import comparison, decision, diagnosis, reference, rollback, trial
+from pipeline import paths, rule
+from pipeline.artifacts import audit, comparison, decision, diagnosis, reference, rollback, trial
 from pipeline.config import load_params
 from pipeline.present import verdict
 
@@ -21,6 +21,7 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     stats = comparison.read(variant)
     found = diagnosis.read(variant)
     ran = trial.read_manifest(variant)
+    engaged = audit.read(paths.trial(variant), trial.produced_by(variant), ran.files[paths.TRIAL_AUDIT])
     judged = rule.decide(stats, params.acceptance)
     rolled_back = not judged.accepted
     result = decision.Decision(
@@ -32,7 +33,7 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
         training=judged.training,
         cases={k: list(v) for k, v in judged.cases.items()},
         findings=found.findings if rolled_back else [],  # where the rollback starts and what would fix it
-        notes=ran.env_notes(ref.env),
+        notes=ran.env_notes(ref.env) + ([engaged.line] if engaged.flagged else []),  # a speedup claim it cannot back
         rule=dataclasses.asdict(params.acceptance),
         rule_sha256=params.acceptance.sha256(),
         policy=ran.policy,
@@ -44,4 +45,4 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     decision.write(result)
     decision.write_metrics(result, stats)
     # the verdict block, as everywhere
-    print(verdict.text(verdict.verdict(variant, result.as_dict(), stats.as_dict(), found.as_dict())))
+    print(verdict.text(verdict.verdict(variant, result.as_dict(), stats.as_dict(), found.as_dict(), audit=engaged.as_dict())))
