@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
-"""GPU check: run the default pipeline and a compute-bound transformer benchmark, and write the figures.
+"""GPU check: run the default pipeline, a compute-bound transformer benchmark and its compiled and float8 variants.
 
-    python3 scripts/gpu_check.py OUT [--no-dvc] [--size auto|gpu|cpu|tiny] [--only default|transformer]
+    python3 scripts/gpu_check.py OUT [--no-dvc] [--size auto|gpu|cpu|tiny] [--only default|transformer|variants]
                                      [--task transformer] [--dtypes float16,bfloat16]
 
-Two runs, each in a fresh temporary copy of the project (this checkout's data/, dvc.lock and MLflow are
+Three runs, each in a fresh temporary copy of the project (this checkout's data/, dvc.lock and MLflow are
 never touched):
 
 - ``default``: the pipeline on params.yaml as committed, the figures every user gets first;
 - ``transformer``: the same pipeline on examples/transformer.params.yaml, sized by ``--size`` (on a GPU:
   that file as it is, ~57M parameters, 64 x 256 tokens a step, so a step is compute-bound and AMP's gain is
-  visible; ``cpu`` and ``tiny`` merge examples/sizes/transformer-SIZE.yaml into it).
+  visible; ``cpu`` and ``tiny`` merge examples/sizes/transformer-SIZE.yaml into it);
+- ``variants``: the same transformer as variants beyond autocast (README "Variants"): ``bfloat16_inductor``
+  (torch.compile) and ``float8_tensorwise`` (torchao; real FP8 kernels on capability 8.9+, emulated below, and left
+  out with a note where torch or torchao cannot run it: the ROCm image's torch 2.10).
 
 OUT/figures.json holds everything (per-stage wall time, decisions and reasons, benchmark figures with
 their spread, the machine) and OUT/figures.md a summary to paste into the README.
@@ -145,8 +148,28 @@ def profiles(size: str, only: str | None, force_transformer: bool, dtypes: list[
         default = _project.merge(_project.transformer(small), chosen)
         why = "--task transformer" if force_transformer else "scikit-learn is not installed (the digits example needs it)"
         notes["default"] = f"{why}: ran the transformer example at {small} size instead of params.yaml's task"
-    runs = {"default": default, "transformer": transformer}
+    variants, why = variant_names()
+    if why:
+        notes["variants"] = why
+    runs = {"default": default, "transformer": transformer,
+            "variants": _project.merge(_project.transformer(size), {"trial": {"variants": variants}})}
     return ({only: runs[only]} if only else runs), notes
+
+
+def variant_names() -> tuple[list[str], str]:
+    """The variants run beyond autocast here, and why float8 is left out where it is."""
+    names = ["bfloat16_inductor", "float8_tensorwise"]
+    try:
+        import torch
+
+        from pipeline.transforms import FLOAT8_MIN_TORCH
+    except ImportError:
+        return names, ""
+    if tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2]) < FLOAT8_MIN_TORCH:
+        return names[:1], f"float8_tensorwise left out: torch {torch.__version__} is older than torchao 0.18 supports"
+    if importlib.util.find_spec("torchao") is None:
+        return names[:1], "float8_tensorwise left out: torchao is not installed (pip install '.[fp8]')"
+    return names, ""
 
 
 def detect_size() -> str:
@@ -158,9 +181,9 @@ def detect_size() -> str:
 
 
 def markdown(figures: dict) -> str:
-    """The figures as a short Markdown summary: one table per run, one row per dtype."""
+    """The figures as a short Markdown summary: one table per run, one row per variant."""
     lines = [f"GPU check, {figures['mode']} mode, size {figures['size']}, {figures['total_seconds']:.0f} s in all.", ""]
-    columns = ["dtype", "decision", "FP32 s/step", "AMP s/step", "speedup vs FP32 (IQR)", "vs TF32 (IQR)"]
+    columns = ["variant", "decision", "FP32 s/step", "AMP s/step", "speedup vs FP32 (IQR)", "vs TF32 (IQR)"]
     header = "| " + " | ".join([*columns, "peak memory AMP/FP32 (IQR)", "rounds"]) + " |"
     for name, run in figures["runs"].items():
         env = run.get("env") or {}
@@ -175,6 +198,10 @@ def markdown(figures: dict) -> str:
             if not b.get("benchmarked"):
                 lines.append(f"| {dtype} | {dec['decision']} | | | not benchmarked | | | |")
                 continue
+            if not b.get("speedup"):
+                why = b.get("no_speedup_because") or "no speedup"
+                lines.append(f"| {dtype} | {dec['decision']} | | | {why} | | | |")
+                continue
             sec, method = b["seconds_per_step"], b["method"]
             cells = [
                 dtype,
@@ -184,7 +211,8 @@ def markdown(figures: dict) -> str:
                 _ratio(b.get("speedup")),
                 _ratio(b.get("speedup_vs_tf32")),
                 _ratio(b.get("memory_ratio")),
-                f"{method['repeats']} x {method['steps_per_repeat']} steps",
+                f"{method['repeats']} x {method['steps_per_repeat']} steps"
+                + (f", compile {b['compile_seconds']:.1f} s apart" if b.get("compile_seconds") is not None else ""),
             ]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
@@ -207,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="transformer size (auto: gpu if CUDA/ROCm is visible)",
     )
-    parser.add_argument("--only", choices=("default", "transformer"), help="run one of the two runs")
+    parser.add_argument("--only", choices=("default", "transformer", "variants"), help="run one of the three runs")
     parser.add_argument(
         "--task", choices=("transformer",), help="default run on the transformer example even where scikit-learn exists"
     )

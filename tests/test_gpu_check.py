@@ -42,6 +42,9 @@ def test_the_runs_are_the_example_files_at_each_size() -> None:
     assert reference["train_steps"] == 40 and reference["checkpoint_every"] == 0 and reference["optimizer"] == "adam"
     assert tiny["transformer"]["prepare"]["ordinary_cases"] == _project.size("tiny")["prepare"]["ordinary_cases"]
     assert tiny["transformer"]["acceptance"]["min_quality"] == 0.5, "the example's rule, not params.yaml's"
+    # the variants beyond autocast, on the same transformer: compiled and float8 (torch 2.13 and torchao 0.18 here)
+    assert runs["variants"]["trial"]["variants"] == ["bfloat16_inductor", "float8_tensorwise"] and "variants" not in notes
+    assert runs["variants"]["task"] == runs["transformer"]["task"]
 
 
 def test_a_copy_holds_the_working_tree_as_git_sees_it(tmp_path: Path) -> None:

@@ -166,3 +166,36 @@ def test_compiled_matches_eager_keeps_eager_keys_and_times_its_compile() -> None
     torch.testing.assert_close(applied.model(x), ref, rtol=1e-5, atol=1e-6)
     grads = [p.grad / 4 for p in applied.module.parameters()]  # 1 + 3 steady steps accumulated
     torch.testing.assert_close(grads, [p.grad for p in eager.parameters()], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_float8_runs_real_kernels_from_capability_8_9_and_compile_matches_eager() -> None:
+    """The GPU CI's check of the two variants beyond autocast: which float8 kernels ran (real on Ada/Hopper and
+    newer, emulated below), a float8 step that trains, and an inductor-compiled bf16 forward close to eager."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64)).to(device)
+    x = torch.randn(32, 64, device=device)
+    float8 = Policy(dtype="bfloat16", float8="tensorwise")
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < transforms.FLOAT8_MIN_TORCH:  # the ROCm image's torch
+        with pytest.raises(UserError, match="float8 needs torch"):
+            transforms.apply(model, float8, device)
+    else:
+        applied = transforms.apply(model, float8, device)
+        assert applied.float8_kernels == ("real" if transforms.float8_kernels_available(device) else "emulated")
+        if not torch.version.hip:
+            assert (applied.float8_kernels == "real") == (torch.cuda.get_device_capability(device) >= (8, 9))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(5):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = applied.model(x).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0]
+    eager = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(device)
+    compiled = transforms.apply(eager, Policy(dtype="bfloat16", compile="inductor"), device)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        assert torch.allclose(compiled.model(x).float(), eager(x).float(), atol=0.05, rtol=0.05)
