@@ -6,6 +6,7 @@ Pure functions of the structured results (traces, precision map, underflow table
 from __future__ import annotations
 
 import json
+import textwrap
 
 import torch
 
@@ -197,7 +198,7 @@ def unflip_lines(unflipped: list[Unflip], budget: int) -> list[str]:
 
 def compile_line(compiled: Run, eager: Run) -> str:
     """Which of the two moved the decision: the compiler (eager passes the rule) or precision (eager fails too)."""
-    failed = "; ".join(compiled.decision.reasons[:2])
+    failed = "; ".join(textwrap.shorten(r, 160, placeholder=" …") for r in compiled.decision.reasons[:2])
     if eager.accepted:
         return (
             f"compile, not precision, moved the decision: the same policy run eager ({compiled.policy.dtype}, without "
@@ -207,5 +208,6 @@ def compile_line(compiled: Run, eager: Run) -> str:
         )
     return (
         f"precision, not only compile: the same policy run eager ({compiled.policy.dtype}, without torch.compile) fails "
-        f"the rule too ({'; '.join(eager.decision.reasons[:2])}); the diagnosis below is of the precision policy"
+        f"the rule too ({'; '.join(textwrap.shorten(r, 160, placeholder=' …') for r in eager.decision.reasons[:2])}); "
+        f"the diagnosis below is of the precision policy"
     )
