@@ -23,6 +23,12 @@ REF_FORECAST = REFERENCE / "forecast.json"  # the FP16 headroom forecast (pipeli
 
 METRICS = DATA / "metrics"  # DVC metrics, kept in git (cache: false) so `dvc metrics diff` works across commits
 RESUME = DATA / "resume"  # not a DVC output: DVC deletes outputs before a stage runs
+SYSTEM_METRICS = DATA / "system-metrics"  # not a DVC output: GPU samples of a stage's last run (pipeline/sysmetrics.py)
+
+
+def system_metrics(stage: str, variant: str) -> Path:
+    """The GPU samples of ``stage`` (trial, benchmark) for ``variant``; publish logs them into its child run."""
+    return SYSTEM_METRICS / f"{stage}-{variant}.json"
 
 
 def trial(variant: str) -> Path:

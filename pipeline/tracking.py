@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline import sysmetrics
 from pipeline.artifacts.record import Record
 from pipeline.config import AcceptanceConfig, build
 from pipeline.errors import UserError
@@ -115,6 +116,8 @@ class RunSpec:
     """Markdown shown as the run's description."""
     models: list[ModelSpec] = field(default_factory=list)
     """Checkpoints logged as models of this run."""
+    system_metrics: list[Path] = field(default_factory=list)
+    """Side files of GPU samples (``pipeline.sysmetrics``) of the stages behind this run; absent ones are skipped."""
 
 
 @dataclass
@@ -597,6 +600,7 @@ class Publisher:
         for model in spec.models:
             self._log_model(run_id, model, now)
             self._beat(beat)
+        log_system_metrics(self.client, run_id, spec.system_metrics)
         self._beat(beat)
 
     def _log_model(self, run_id: str, model: ModelSpec, now: int) -> None:
@@ -621,6 +625,19 @@ class Publisher:
             self.client.log_batch(run_id, metrics=chunk)
         self.client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, 0)])
         self.client.finalize_logged_model(logged.model_id, "READY")
+
+
+def log_system_metrics(client: Any, run_id: str, files: list[Path]) -> int:
+    """The GPU samples of ``files`` as the run's system metrics (its System metrics tab), with their wall-clock
+    times, and steps counted across the files in time order (a trial's samples, then its benchmark's), as MLflow's
+    own monitor numbers them. Returns how many values were logged: 0 where no file exists (a CPU run)."""
+    from mlflow.entities import Metric
+
+    samples = sorted((s for f in files for s in sysmetrics.read(f)), key=lambda s: s.timestamp_ms)
+    metrics = [Metric(k, v, s.timestamp_ms, step) for step, s in enumerate(samples) for k, v in sorted(s.metrics.items())]
+    for chunk in _chunks(metrics, _BATCH_METRICS):
+        client.log_batch(run_id, metrics=chunk)
+    return len(metrics)
 
 
 FIRST_CALL_TIMEOUT_S = _HEALTH_TIMEOUT_S
