@@ -197,6 +197,11 @@ class ReferenceConfig:
     loss curve (acceptance.loss_noise_multiple). Costs one more FP32 training in freeze."""
     deterministic: bool = False
     """Ask PyTorch for deterministic kernels in freeze and trial (slower on GPU; CPU results already are)."""
+    fp64_arbiter: int | None = None
+    """Cases of the fixed set (its first N, in order) that freeze re-runs in float64, the FP64 check's arbiter: a full
+    float64 forward, on the CPU. 0: none; null (auto): every case while their float64 outputs hold at most
+    ``inference.FP64_AUTO_ELEMENTS`` elements, else the first cases that fit. Not part of the reference's run key:
+    it changes no training."""
 
     def check(self, key: str) -> None:
         _positive(self.train_steps, f"{key}.train_steps")
@@ -216,6 +221,8 @@ class ReferenceConfig:
         _non_negative(self.checkpoint_every, f"{key}.checkpoint_every")
         _non_negative(self.boundary_cases, f"{key}.boundary_cases")
         _positive(self.boundary_epsilon, f"{key}.boundary_epsilon")
+        if self.fp64_arbiter is not None:
+            _non_negative(self.fp64_arbiter, f"{key}.fp64_arbiter")
         self.lr_schedule.check(f"{key}.lr_schedule")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from pipeline import precision, transforms
 from pipeline.errors import UserError
 from pipeline.config import Policy
-from pipeline.task import Inputs, call, iter_rows, map_floating, named_outputs, to_device
+from pipeline.task import Inputs, call, iter_rows, map_floating, named_outputs, rows, to_device
 
 INFERENCE_SEED = 0
 """The random state every inference pass in train mode starts from (``reference.eval_mode: false``)."""
@@ -74,25 +75,48 @@ def infer(
     return {name: torch.cat(parts) for name, parts in chunks.items()}
 
 
+FP64_AUTO_ELEMENTS = 16_000_000
+"""``reference.fp64_arbiter: null`` (auto): the arbiter covers every case while their float64 outputs hold at most
+this many elements (128 MB, a float64 forward of seconds for the examples), else the fixed set's first cases up to
+it: an LLM's full float64 forward would cost another training's time and 8 bytes per logit."""
+
+
+@dataclass(frozen=True)
+class Fp64Outputs:
+    """The FP64 arbiter's outputs on the fixed set's first ``cases`` rows, chunk by chunk."""
+
+    cases: int
+    chunks: Iterator[dict[str, torch.Tensor]]
+
+
 def fp64_chunks(
-    model: torch.nn.Module, x: Inputs, eval_mode: bool, batch_size: int = 256
-) -> Iterator[dict[str, torch.Tensor]] | None:
-    """The FP64 arbiter's outputs on CPU, chunk by chunk (floating inputs in float64, ids as they are);
-    None when the model does not run in float64."""
+    model: torch.nn.Module, x: Inputs, eval_mode: bool, cases: int | None = None, batch_size: int = 256
+) -> Fp64Outputs | None:
+    """The FP64 arbiter's outputs on CPU (floating inputs in float64, ids as they are) for the first ``cases`` rows
+    of ``x`` (``reference.fp64_arbiter``; None: auto, see ``FP64_AUTO_ELEMENTS``); None when ``cases`` is 0 or the
+    model does not run in float64."""
+    if cases == 0:
+        return None
     try:
         arbiter = copy.deepcopy(model).to("cpu").double()
         arbiter.train(not eval_mode)
         with torch.no_grad(), inference_rng(eval_mode, torch.device("cpu")):
             first_part = next(iter(iter_rows(x, batch_size)), None)
-            if first_part is not None:
-                named_outputs(call(arbiter, map_floating(first_part[2], torch.Tensor.double)))  # does it run in float64 at all?
+            if first_part is None:
+                return None
+            probe = named_outputs(call(arbiter, map_floating(first_part[2], torch.Tensor.double)))  # float64 at all?
     except (RuntimeError, TypeError, NotImplementedError, UserError):
         return None
+    total = rows(x)
+    if cases is None:
+        per_case = sum(v[0].numel() for v in probe.values())
+        cases = total if per_case * total <= FP64_AUTO_ELEMENTS else max(1, FP64_AUTO_ELEMENTS // per_case)
+    covered = x[: min(cases, total)]
 
     def chunks() -> Iterator[dict[str, torch.Tensor]]:
         with torch.no_grad(), inference_rng(eval_mode, torch.device("cpu")):
-            for _, _, part in iter_rows(x, batch_size):
+            for _, _, part in iter_rows(covered, batch_size):
                 named = named_outputs(call(arbiter, map_floating(part, torch.Tensor.double)))
                 yield {k: v.double().contiguous() for k, v in named.items()}
 
-    return chunks()
+    return Fp64Outputs(rows(covered), chunks())

@@ -1,8 +1,8 @@
 """The frozen FP32 reference with its tensors: written here, read back here, every file verified.
 
 ``write`` lays out ``data/reference/`` (initial and trained training states, the fixed set with its
-boundary cases, the outputs on it, the FP64 arbiter's where the model allows, the trajectory, the FP32
-noise replicate's trajectory, the FP16 headroom forecast) and writes the manifest
+boundary cases, the outputs on it, the FP64 arbiter's on its first ``reference.fp64_arbiter`` cases where the
+model allows, the trajectory, the FP32 noise replicate's trajectory, the FP16 headroom forecast) and writes the manifest
 (``pipeline.artifacts.reference.Manifest``) last, with every file's sha256; ``load`` refuses a reference frozen
 under another rule or from other data, and any file whose sha256 differs. The stages that train, infer or replay
 read it here; the others read the manifest, trajectories and forecast through ``pipeline.artifacts.reference`` alone.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
@@ -24,6 +24,9 @@ from pipeline.artifacts.reference import PRODUCED_BY, Manifest, read_manifest, r
 from pipeline.config import Params
 from pipeline.errors import UserError
 from pipeline.files import read_tensors, sha256_file, write_json
+
+if TYPE_CHECKING:  # the stages that only load a reference need none of inference's imports
+    from pipeline.inference import Fp64Outputs
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ def write(
     real_updates: int,
     fixed: cases.Cases,
     outputs: Iterable[dict[str, torch.Tensor]],
-    fp64: Iterable[dict[str, torch.Tensor]] | None,
+    fp64: Fp64Outputs | None,
     replicate: list | None,
     policy: dict,
     forecast: forecast_file.Headroom,
@@ -134,7 +137,9 @@ def write(
         if problem:
             raise UserError(problem)
         if fp64 is not None:
-            files[str(paths.REF_OUTPUTS_FP64)] = write_outputs(pending[paths.REF_OUTPUTS_FP64], fp64, fixed.ids)
+            files[str(paths.REF_OUTPUTS_FP64)] = write_outputs(
+                pending[paths.REF_OUTPUTS_FP64], fp64.chunks, fixed.ids[: fp64.cases]
+            )  # the fixed set's first cases (reference.fp64_arbiter), each under its id
     except BaseException:
         for path in pending.values():
             path.unlink(missing_ok=True)

@@ -3,9 +3,13 @@ forecast FP16's headroom from it before any trial."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
+import time
 from dataclasses import asdict
+from typing import Iterable, Iterator
 
 import torch
 
@@ -36,24 +40,33 @@ def main(params_path: str = "params.yaml") -> None:
     probe.check(model, source, params.task, device)
     checkpoint.restore(init, model)  # the probe must not move the RNG the training starts from
     run_key = _run_key(params, inputs, init)
+    phases = Phases()
     resume = checkpoint.ResumeFile(paths.RESUME / "reference.safetensors", world.key(run_key), device)
     with precision.deterministic(cfg.deterministic):  # training and inference alike
-        result = training.train(
-            model, source, cfg, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save,
-            label="freeze FP32",
-        )
-        replicate = _replicate(params, init, source, device, run_key) if cfg.noise_replicate else None
+        with phases("reference training"):
+            result = training.train(
+                model, source, cfg, params.task, FP32, device, params.seed, resume=resume.load(), save_resume=resume.save,
+                label="freeze FP32",
+            )
+        with phases("replicate training"):
+            replicate = _replicate(params, init, source, device, run_key) if cfg.noise_replicate else None
         if not world.writes:
             return  # rank 0 alone infers and writes
-        fixed = _with_boundary(params, prepared, model, device)
+        with phases("boundary cases"):
+            fixed = _with_boundary(params, prepared, model, device)
+        with phases("fp64 arbiter"):  # its probe: does the model run in float64?
+            fp64 = inference.fp64_chunks(model, fixed.x, cfg.eval_mode, cfg.fp64_arbiter)
+        with phases("forecast"):
+            headroom = forecast.of_reference(params, init, result.state, source, device)
         try:
-            manifest = reference_tensors.write(
-                params=params, inputs=inputs, run_key=run_key, env=devices.describe(device).as_dict(), init=init,
-                trained=result.state, records=result.records, real_updates=result.real_updates, fixed=fixed,
-                outputs=inference.infer_chunks(model, fixed.x, FP32, device, cfg.eval_mode),
-                fp64=inference.fp64_chunks(model, fixed.x, cfg.eval_mode), replicate=replicate, policy=FP32.as_dict(),
-                forecast=forecast.of_reference(params, init, result.state, source, device), scan=vetting.Scan(params, fixed),
-            )
+            with phases("writing"):
+                manifest = reference_tensors.write(
+                    params=params, inputs=inputs, run_key=run_key, env=devices.describe(device).as_dict(), init=init,
+                    trained=result.state, records=result.records, real_updates=result.real_updates, fixed=fixed,
+                    outputs=phases.stream("inference", inference.infer_chunks(model, fixed.x, FP32, device, cfg.eval_mode)),
+                    fp64=fp64 and dataclasses.replace(fp64, chunks=phases.stream("fp64 arbiter", fp64.chunks)),
+                    replicate=replicate, policy=FP32.as_dict(), forecast=headroom, scan=vetting.Scan(params, fixed),
+                )
         except reference_tensors.NonFinite as bad:
             resume.clear()  # nothing of a refused reference is kept
             raise UserError(
@@ -64,8 +77,42 @@ def main(params_path: str = "params.yaml") -> None:
     noise = f"; FP32 replicate final loss {replicate[-1].loss:.4f}" if replicate else ""
     print(
         f"freeze: reference trained {len(result.records)} steps, final loss {result.records[-1].loss:.4f}{noise}; "
-        f"{manifest.cases['total']} cases"
+        f"{manifest.cases['total']} cases; FP64 arbiter on {fp64.cases if fp64 else 'none'} of them\n  {phases.line()}"
     )
+
+
+class Phases:
+    """Wall seconds per phase of freeze, printed on its last line for scripts/timings.py (the cost of a verdict):
+    stdout only, never a DVC output, since timings differ run to run. What ``stream`` times inside the write
+    counts under its own name, not under ``writing``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.streamed = 0.0
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def stream(self, name: str, chunks: Iterable[dict]) -> Iterator[dict]:
+        """``chunks`` passed on, the time spent producing each counted as ``name``."""
+        it = iter(chunks)
+        while True:
+            t0 = time.perf_counter()
+            with self(name):
+                chunk = next(it, None)
+            self.streamed += time.perf_counter() - t0
+            if chunk is None:
+                return
+            yield chunk
+
+    def line(self) -> str:
+        own = dict(self.seconds, writing=self.seconds.get("writing", 0.0) - self.streamed)
+        return "freeze seconds: " + ", ".join(f"{name} {s:.2f}" for name, s in own.items())
 
 
 def _with_boundary(params, prepared: cases.Cases, model, device) -> cases.Cases:
@@ -103,6 +150,12 @@ def _run_key(params, inputs: dict[str, str], init) -> str:
     and the source of the task's own modules. The resume state adds the pipeline's code, the thread counts
     and the world size (``checkpoint.ResumeFile``)."""
     code = task.source_digest(task.entry_points(params.task, params.reference.optimizer))
-    blob = json.dumps({"seed": params.seed, "task": asdict(params.task), "reference": asdict(params.reference), "inputs": inputs,
-                       "init": checkpoint.tensors_digest(init.tensors), "code": code}, sort_keys=True)
+    blob = json.dumps({"seed": params.seed, "task": asdict(params.task), "reference": _trained_by(params.reference),
+                       "inputs": inputs, "init": checkpoint.tensors_digest(init.tensors), "code": code}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _trained_by(cfg) -> dict:
+    """The reference params that shape its training and fixed set, for its run key: the FP64 arbiter's size
+    changes neither, so resizing it keeps the trials' resume states."""
+    return {k: v for k, v in asdict(cfg).items() if k != "fp64_arbiter"}
