@@ -474,6 +474,10 @@ class CompareConfig:
     """The per-case table keeps every flipped case and this many worst others (largest gap, or KL per token)."""
     max_listed_flips: int = 10_000
     """Per-token outputs: most flipped tokens listed one by one in stats.json (their count stays exact)."""
+    store: Literal["full", "compact", "auto"] = "auto"
+    """How freeze and trial@NAME store per-token float32 scores [N, T, V]: ``full`` (4 bytes per entry), ``compact``
+    (2 bytes: ``artifacts.compact``; decisions exact, KL within the bound stats.json gives, which the rule adds) or
+    ``auto`` (compact above 1 GiB per source). Other outputs are always stored full; compare reads either."""
 
     def check(self, key: str) -> None:
         _positive(self.chunk_elements, f"{key}.chunk_elements")

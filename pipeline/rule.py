@@ -11,7 +11,9 @@ of both sides may be too much, this is what a reduced store would have to keep):
   per case / token, each side's argmax and the reference's top-2 scores (``boundary_margin_kind:
   probability`` also needs the reference's log-sum-exp; ``relative`` the spread of its scores);
 - ``max_kl_mean``, ``max_kl_p99``: both full distributions per token (top-k logits plus log-sum-exp
-  give only a bound: the probability mass outside the top k is known, its shape is not);
+  give only a bound: the probability mass outside the top k is known, its shape is not). The compact store
+  (``artifacts.compact``, 2 bytes per entry) keeps every decision above exactly and KL within a stated bound;
+  the gates below add that bound (0 for the full store);
 - ``min_quality``, ``max_quality_drop``: the primary output on the cases with a target (accuracy and
   top-k need the argmax / top-k indices; perplexity the log-sum-exp and the target's logit);
 - training criteria: the per-step trajectories only (and the FP32 replicate's for the noise floor).
@@ -20,6 +22,7 @@ of both sides may be too much, this is what a reduced store would have to keep):
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -273,7 +276,13 @@ def _training(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
 
 
 def _distribution(dist: Distribution | None, rule: AcceptanceConfig, j: _Judge) -> None:
-    """KL and top-1 agreement of per-token outputs, each applied when the rule sets it."""
+    """KL and top-1 agreement of per-token outputs, each applied when the rule sets it, on its conservative side.
+
+    The fixed set's tokens are a sample: ``max_kl_mean`` holds the one-sided upper bound of the mean at
+    ``rule.confidence`` (mean + z SE, z = 1.645 at 0.95: the same confidence as the flip rate's bound) plus the
+    store's bound; ``max_kl_p99`` the p99's upper edge plus the store's bound; ``min_top1_agreement`` the
+    Clopper-Pearson lower bound of the agreement at ``rule.confidence`` (exact for a rate near 1, where
+    mean - z SE is not). With full stores and many tokens these move by the SE alone."""
     wanted = [rule.max_kl_mean, rule.max_kl_p99, rule.min_top1_agreement]
     if all(w is None for w in wanted):
         return
@@ -288,8 +297,13 @@ def _distribution(dist: Distribution | None, rule: AcceptanceConfig, j: _Judge) 
                 "masked); give eval targets, or remove max_kl_mean / max_kl_p99 / min_top1_agreement")
         return
     exact = "" if dist.kl_p99_exact else " (upper edge of a streamed estimate)"
+    z = statistics.NormalDist().inv_cdf(rule.confidence)
+    store = f" + store bound {dist.kl_mean_bound:.2g}" if dist.kl_mean_bound else ""
+    mean_more = f" (mean {dist.kl_mean:.4g} + {z:.3g} SE {dist.kl_mean_se:.2g}{store}: {rule.confidence:g}-confidence upper)"
+    p99_more = exact + (f" + store bound {dist.kl_p99_bound:.2g}" if dist.kl_p99_bound else "")
     for value, limit, label, more in (
-        (dist.kl_mean, rule.max_kl_mean, "mean", ""), (dist.kl_p99_upper, rule.max_kl_p99, "p99", exact),
+        (dist.kl_mean + z * dist.kl_mean_se + dist.kl_mean_bound, rule.max_kl_mean, "mean", mean_more),
+        (dist.kl_p99_upper + dist.kl_p99_bound, rule.max_kl_p99, "p99", p99_more),
     ):
         if limit is not None:
             j.check(
@@ -299,10 +313,13 @@ def _distribution(dist: Distribution | None, rule: AcceptanceConfig, j: _Judge) 
                 f"(max {dist.kl_max:.4g})",
             )
     if rule.min_top1_agreement is not None:
-        value = dist.top1_agreement
+        differ = dist.tokens - round(dist.top1_agreement * dist.tokens)
+        value = 1.0 - bounds.binomial_upper(differ, dist.tokens, rule.confidence)
+        words = (f"top-1 agreement {dist.top1_agreement:.6f} +- {dist.top1_agreement_se:.2g} "
+                 f"({rule.confidence:g}-confidence lower bound {value:.6f})")
         j.check("inference", value >= rule.min_top1_agreement,
-                f"distribution: top-1 agreement {value:.6f} >= {rule.min_top1_agreement:g}",
-                f"distribution: top-1 agreement {value:.6f} below minimum {rule.min_top1_agreement:g}")
+                f"distribution: {words} >= {rule.min_top1_agreement:g}",
+                f"distribution: {words} below minimum {rule.min_top1_agreement:g}")
 
 
 def _noise_floor(noise: Noise | None, rule: AcceptanceConfig, j: _Judge) -> None:

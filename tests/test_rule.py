@@ -158,10 +158,22 @@ def test_real_flips_near_the_boundary_fail_by_default_and_an_explicit_null_is_sa
 def test_distribution_criteria():
     stats = healthy_stats()
     stats["distribution"] = {"tokens": 1000, "kl_mean": 1e-3, "kl_p99": 2e-2, "kl_p99_upper": 2e-2, "kl_p99_exact": True,
-                             "kl_max": 0.3, "top1_agreement": 0.995, "top_k": 5, "top_k_overlap": 0.98}
+                             "kl_max": 0.3, "top1_agreement": 0.995, "top_k": 5, "top_k_overlap": 0.98, "kl_mean_se": 1e-4,
+                             "kl_quantiles": {"max": 0.3, "p99.9": 0.1, "p99": 2e-2, "p95": 1e-2, "p90": 5e-3, "median": 1e-4},
+                             "kl_quantiles_exact": True, "top1_agreement_se": 0.0022, "rms_delta_p": 0.01,
+                             "store": {"reference": "full", "trial": "full"}, "logit_error": 0.0, "kl_mean_bound": 0.0,
+                             "kl_p99_bound": 0.0, "kl_max_bound": 0.0}
     assert judge(stats).decision == "accept"  # null criteria: not applied
-    ok = dataclasses.replace(RULE, max_kl_mean=1e-2, max_kl_p99=0.05, min_top1_agreement=0.99)
+    ok = dataclasses.replace(RULE, max_kl_mean=1e-2, max_kl_p99=0.05, min_top1_agreement=0.985)
     assert judge(stats, ok).decision == "accept"
+    # the conservative side: the mean's upper bound (1e-3 + 1.645 SE), the store's bound, agreement's lower bound
+    assert judge(stats, dataclasses.replace(RULE, max_kl_mean=1.1e-3)).decision == "rollback"
+    assert judge(stats, dataclasses.replace(RULE, max_kl_mean=1.2e-3)).decision == "accept"
+    assert judge(stats, dataclasses.replace(RULE, min_top1_agreement=0.994)).decision == "rollback"  # 5 of 1000 differ
+    assert judge(stats, dataclasses.replace(RULE, min_top1_agreement=0.988)).decision == "accept"
+    compact = {**stats, "distribution": {**stats["distribution"], "kl_mean_bound": 2e-4, "kl_p99_bound": 1e-3}}
+    d = judge(compact, dataclasses.replace(RULE, max_kl_mean=1.2e-3, max_kl_p99=0.0205))
+    assert d.decision == "rollback" and sum("store bound" in r for r in d.reasons) == 2, d.reasons
     for strict, word in ((dict(max_kl_mean=1e-4), "KL(reference || trial) mean"), (dict(max_kl_p99=1e-2), "p99"),
                          (dict(min_top1_agreement=0.999), "top-1 agreement")):
         d = judge(stats, dataclasses.replace(RULE, **strict))

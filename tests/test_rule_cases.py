@@ -275,7 +275,9 @@ def test_reference_that_is_not_a_baseline_is_refused_at_freeze():
 
 def test_vacuous_passes_become_named_reasons():
     nothing = Distribution(tokens=0, kl_mean=0.0, kl_p99=0.0, kl_p99_upper=0.0, kl_p99_exact=True, kl_max=0.0, top1_agreement=1.0,
-                           top_k=5, top_k_overlap=1.0)
+                           top_k=5, top_k_overlap=1.0, kl_mean_se=0.0, kl_quantiles={}, kl_quantiles_exact=True,
+                           top1_agreement_se=0.0, rms_delta_p=None, store={}, logit_error=0.0, kl_mean_bound=0.0,
+                           kl_p99_bound=0.0, kl_max_bound=0.0)
     j = rule._Judge()
     rule._distribution(nothing, AcceptanceConfig(max_kl_mean=0.01), j)
     assert j.failed["inference"] and "no valid token" in j.reasons[0]

@@ -193,6 +193,25 @@ class Distribution(Record):
     top1_agreement: float
     top_k: int
     top_k_overlap: float
+    kl_mean_se: float
+    """Standard error of ``kl_mean`` (the tokens' sample standard deviation over sqrt(tokens))."""
+    kl_quantiles: dict[str, float]
+    """The KL quantiles llama.cpp reports: max, p99.9, p99, p95, p90, median (nearest rank)."""
+    kl_quantiles_exact: bool
+    """Whether every quantile is exact (else some is a streamed estimate, within 2**-11 relative)."""
+    top1_agreement_se: float
+    """Binomial standard error of ``top1_agreement``: sqrt(a (1 - a) / tokens)."""
+    rms_delta_p: float | None
+    """RMS over the tokens with a target of the change of its probability, trial - reference (None: no targets)."""
+    store: dict[str, str]
+    """Per side (reference, trial): the store its scores were read from, ``full`` or ``compact``."""
+    logit_error: float
+    """Largest error of a decoded score in a compact store (0.0 when both sides are full: every number is exact)."""
+    kl_mean_bound: float
+    """Largest error of ``kl_mean`` that the stores allow (``compare.decisions.kl_bound``); the rule adds it."""
+    kl_p99_bound: float
+    """Largest error of KL's p99 (at ``kl_p99_upper``) that the stores allow; the rule adds it."""
+    kl_max_bound: float
 
 
 @dataclass(frozen=True)
@@ -348,7 +367,11 @@ def summary(stats: Stats) -> dict:
     out |= {"quality.reference": q.reference, "quality.trial": q.trial, "quality.trained": q.trained}
     if (d := stats.distribution) is not None:
         out |= {"distribution.kl_mean": d.kl_mean, "distribution.kl_p99": d.kl_p99, "distribution.kl_max": d.kl_max,
-                "distribution.top1_agreement": d.top1_agreement, "distribution.top_k_overlap": d.top_k_overlap}
+                "distribution.top1_agreement": d.top1_agreement, "distribution.top_k_overlap": d.top_k_overlap,
+                "distribution.kl_mean_se": d.kl_mean_se, "distribution.top1_agreement_se": d.top1_agreement_se,
+                "distribution.kl_mean_bound": d.kl_mean_bound}
+        if d.rms_delta_p is not None:
+            out["distribution.rms_delta_p"] = d.rms_delta_p
     t = stats.training
     out |= {"training.max_loss_gap": t.max_loss_gap, "training.band_violations": t.band_violations,
             "training.skipped_fraction": t.skipped_fraction, "training.real_updates": t.real_updates,

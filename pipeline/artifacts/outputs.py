@@ -17,7 +17,8 @@ over its vocabulary at every position: the outputs of freeze and trial need not 
   (``MADV_DONTNEED``), and memory stays one chunk. Files written by ``files.write_tensors`` read the
   same way.
 
-Metadata holds ``ids`` (one string per row) as a JSON string, as ``files.write_tensors`` writes it.
+Metadata holds ``ids`` (one string per row) as a JSON string, as ``files.write_tensors`` writes it, and, in the
+compact store (``store=compact``), ``compact``: the outputs kept as ``artifacts.compact`` parts, decoded on read.
 
 Torch-free at import: ``NumpyReader`` reads the same files with safetensors' numpy loader, for the report
 stage, which never imports torch; the torch paths import it inside.
@@ -32,6 +33,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
+from pipeline.artifacts import compact
 from pipeline.errors import UserError
 from pipeline.files import atomic_file, from_jsonable, rerun, sha256_file, to_jsonable, verify
 
@@ -68,12 +70,16 @@ def _torch_dtype(code: str) -> torch.dtype:
 
 
 def write_outputs(
-    path: str | Path, chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], meta: dict[str, Any] | None = None
+    path: str | Path, chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], meta: dict[str, Any] | None = None,
+    store: compact.Store = "full",
 ) -> str:
     """Write the row-wise concatenation of ``chunks`` to one safetensors file, atomically; return its sha256.
 
     Every chunk names the same tensors, with the same dtype and the same shape past dim 0; their rows
     add up to ``len(ids)``. At most one chunk is held (plus the header). ``meta`` adds metadata keys.
+    ``store`` (``compare.store``): ``compact`` writes per-token float32 scores in the compact form
+    (``artifacts.compact``; metadata ``compact`` names them), ``auto`` does so above ``compact.AUTO_BYTES``;
+    a file with none compacted is the full store's, byte for byte.
 
     Raises:
         ValueError: no chunk, chunks that disagree in names, dtype or shape, or rows that do not add up.
@@ -85,6 +91,11 @@ def write_outputs(
     first = next(iterator, None)
     if first is None:
         raise ValueError(f"{path}: write_outputs got no chunk; give at least one (it may have 0 rows)")
+    squeezed = compact.chosen(store, {k: (n_rows, *v.shape[1:]) for k, v in first.items()},
+                              {k: str(v.dtype).removeprefix("torch.") for k, v in first.items()})
+    if squeezed:
+        meta = {**(meta or {}), "compact": squeezed}
+        first, iterator = _encoded(first, squeezed), (_encoded(c, squeezed) for c in iterator)
     layout = _layout(first, n_rows)
     metadata = {k: json.dumps(to_jsonable(v), sort_keys=True) for k, v in {**(meta or {}), "ids": ids}.items()}
     header_obj: dict[str, Any] = {"__metadata__": metadata}
@@ -114,6 +125,20 @@ def write_outputs(
         if row != n_rows:
             raise ValueError(f"{path}: the chunks hold {row} rows for {n_rows} ids; give one row per id")
     return sha256_file(path)
+
+
+def _encoded(chunk: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """``chunk`` with each of ``names`` replaced by its compact parts (``compact.encode``)."""
+    import torch
+
+    out = {k: v for k, v in chunk.items() if k not in names}
+    for name in names:
+        scores = chunk[name].detach().to("cpu")
+        if tuple(scores.shape[1:]) != tuple(chunk[name].shape[1:]) or scores.dtype != torch.float32:
+            raise ValueError(f"write_outputs: output '{name}' changed dtype or shape between chunks")
+        for what, x in compact.encode(scores.contiguous().numpy()).items():
+            out[compact.part(name, what)] = torch.from_numpy(x)
+    return out
 
 
 def _layout(first: dict[str, torch.Tensor], n_rows: int) -> dict[str, tuple[torch.dtype, list[int], int]]:
@@ -201,7 +226,12 @@ class OutputsReader:
             )
         self._dtypes = {name: _torch_dtype(entry["dtype"]) for name, entry in header.items()}
         self._offsets = {name: 8 + size + entry["data_offsets"][0] for name, entry in header.items()}
-        self.names: list[str] = sorted(self._shapes)
+        self.compact: list[str] = [str(n) for n in self.meta.get("compact") or []]
+        """Outputs stored compact (``artifacts.compact``): ``read`` decodes them, ``view`` gives None."""
+        parts = {compact.part(n, w) for n in self.compact for w in compact.PARTS}
+        if not parts <= set(self._shapes):
+            raise UserError(f"{self.path} names compact outputs without their parts; rebuild it with {hint}")
+        self.names: list[str] = sorted([n for n in self._shapes if n not in parts] + self.compact)
         ids = self.meta.get("ids")
         self.ids: list[str] | None = [str(i) for i in ids] if isinstance(ids, list) else None
         row_counts = {s[0] if s else 0 for s in self._shapes.values()}
@@ -214,12 +244,34 @@ class OutputsReader:
         self._unmappable = False
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._shapes[name]
+        return self._shapes[compact.part(name, "codes") if name in self.compact else name]
+
+    @property
+    def store(self) -> str:
+        """``compact`` when some output is stored compact, else ``full``."""
+        return "compact" if self.compact else "full"
+
+    def logit_error(self, name: str) -> float:
+        """The largest error of a decoded finite score of ``name`` (``compact.logit_error``); 0.0 when stored full."""
+        if name not in self.compact:
+            return 0.0
+        top, step = (self._read_raw(compact.part(name, w)).numpy() for w in ("top", "step"))
+        return compact.logit_error(top, step)
 
     def read(self, name: str, start: int = 0, stop: int | None = None, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``start:stop`` of output ``name``: a new CPU tensor of the stored dtype, or a view of the front
         of ``buffer`` (contiguous, that dtype, large enough; reused chunk after chunk, so that no new memory
-        is touched per chunk: a fresh chunk costs a page fault every 4 KiB)."""
+        is touched per chunk: a fresh chunk costs a page fault every 4 KiB). A compact output is decoded
+        (float32; ``buffer`` unused)."""
+        import torch
+
+        if name in self.compact:
+            parts = {w: self._read_raw(compact.part(name, w), start, stop).numpy() for w in compact.PARTS}
+            return torch.from_numpy(compact.decode(parts))
+        return self._read_raw(name, start, stop, buffer)
+
+    def _read_raw(self, name: str, start: int = 0, stop: int | None = None, buffer: torch.Tensor | None = None):
+        """``read`` of a tensor as stored in the file."""
         import torch
 
         stop = self.rows if stop is None else min(stop, self.rows)
@@ -255,7 +307,7 @@ class OutputsReader:
 
         stop = min(stop, self.rows)
         start = min(max(start, 0), stop)
-        mapped = self._mapping()
+        mapped = self._mapping() if name not in self.compact else None
         if mapped is None:
             return None
         shape, dtype = self._shapes[name], self._dtypes[name]
@@ -312,7 +364,7 @@ class OutputsReader:
 
     def row_bytes(self) -> int:
         """Bytes of one row of every output together (to size chunks by memory)."""
-        return sum(math.prod(self._row(name)) for name in self.names)
+        return sum(math.prod(self._row(name)) for name in self._shapes)
 
     def _row(self, name: str) -> tuple[int, int]:
         """Elements in one row of output ``name``, and bytes per element."""
@@ -335,9 +387,14 @@ class NumpyReader:
         self.path = Path(path)
         verify(self.path, expected_sha256, produced_by)
         with safe_open(str(self.path), framework="np") as handle:
-            self.ids: list[str] = json.loads((handle.metadata() or {}).get("ids", "[]"))
-            self.elements_per_case = sum(math.prod(handle.get_slice(name).get_shape()[1:]) for name in handle.keys())
-            """Output elements in one case, summed over the named outputs."""
+            meta = handle.metadata() or {}
+            self.ids: list[str] = json.loads(meta.get("ids", "[]"))
+            self.compact: list[str] = json.loads(meta.get("compact", "[]"))
+            shapes = {name: handle.get_slice(name).get_shape() for name in handle.keys()}
+        parts = {compact.part(n, w) for n in self.compact for w in compact.PARTS}
+        shapes |= {n: shapes[compact.part(n, "codes")] for n in self.compact}
+        self.elements_per_case = sum(math.prod(s[1:]) for name, s in shapes.items() if name not in parts)
+        """Output elements in one case, summed over the named outputs (a compact one counted decoded)."""
 
     def read(self, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Every named output, all rows or only ``rows`` (sorted; read by runs of consecutive rows, never the whole file)."""
@@ -346,10 +403,13 @@ class NumpyReader:
 
         with safe_open(str(self.path), framework="np") as handle:
             if rows is None:
-                return {name: handle.get_tensor(name) for name in handle.keys()}
-            runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)
-            out = {}
-            for name in handle.keys():
-                view = handle.get_slice(name)
-                out[name] = np.concatenate([view[int(r[0]) : int(r[-1]) + 1] for r in runs])
-            return out
+                out = {name: handle.get_tensor(name) for name in handle.keys()}
+            else:
+                runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)
+                out = {}
+                for name in handle.keys():
+                    view = handle.get_slice(name)
+                    out[name] = np.concatenate([view[int(r[0]) : int(r[-1]) + 1] for r in runs])
+        for name in self.compact:  # decoded: the reader sees scores, whichever store wrote them
+            out[name] = compact.decode({w: out.pop(compact.part(name, w)) for w in compact.PARTS})
+        return out

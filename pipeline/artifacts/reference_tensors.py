@@ -23,7 +23,7 @@ from pipeline.artifacts.outputs import OutputsReader, write_outputs
 from pipeline.artifacts.reference import PRODUCED_BY, Manifest, read_manifest, read_replicate, read_trajectory
 from pipeline.config import Params
 from pipeline.errors import UserError
-from pipeline.files import read_tensors, sha256_file, write_json
+from pipeline.files import sha256_file, write_json
 
 if TYPE_CHECKING:  # the stages that only load a reference need none of inference's imports
     from pipeline.inference import Fp64Outputs
@@ -43,7 +43,7 @@ class Reference:
     def outputs(self) -> dict[str, torch.Tensor]:
         """The reference outputs whole (sha256 verified), read on first access only: diagnosis and replay use
         it; compare reads through ``outputs_reader`` and never holds them whole."""
-        return read_tensors(paths.REF_OUTPUTS, self.manifest.sha256(paths.REF_OUTPUTS), PRODUCED_BY)[0]
+        return self.outputs_reader().read_all()  # decoded, whichever store (``compare.store``) wrote them
 
     def checkpoint(self, name: str = "checkpoint") -> checkpoint.Checkpoint:
         path = paths.REF_CHECKPOINT if name == "checkpoint" else paths.REF_INIT
@@ -114,6 +114,7 @@ def write(
     policy: dict,
     forecast: forecast_file.Headroom,
     scan=None,
+    store: str = "full",
 ) -> Manifest:
     """Write the reference (manifest last) and return the manifest. ``scan`` (``vetting.Scan``) sees the
     outputs as they stream and vets the rule against them before anything replaces the previous reference.
@@ -129,8 +130,8 @@ def write(
     pending = {path: path.with_name(f".{path.name}.pending") for path in (paths.REF_OUTPUTS, paths.REF_OUTPUTS_FP64)}
     try:  # outputs stream to pending files: a refused reference leaves the previous one untouched
         files[str(paths.REF_OUTPUTS)] = write_outputs(
-            pending[paths.REF_OUTPUTS], _checked(outputs, fixed.ids, bad, scan), fixed.ids
-        )
+            pending[paths.REF_OUTPUTS], _checked(outputs, fixed.ids, bad, scan), fixed.ids, store=store
+        )  # the FP64 arbiter's are always full: its differences are far below a compact store's step
         if bad:
             raise NonFinite(sorted(set(bad)))
         problem = scan.problem(records) if scan is not None else None

@@ -32,9 +32,11 @@ class Writer:
     context manager, pending files are removed when the block raises.
     """
 
-    def __init__(self, variant: str, ids: list[str]) -> None:
+    def __init__(self, variant: str, ids: list[str], store: str = "full") -> None:
         self.folder = paths.trial(variant)
         self.ids = ids
+        self.store = store
+        """``compare.store``: how per-token scores are stored (``outputs.write_outputs``)."""
         self.files: dict[str, str] = {}
         self.pending: dict[str, Path] = {}
 
@@ -50,7 +52,7 @@ class Writer:
         """``name`` is ``outputs`` or ``trained_outputs`` (what ``training.run_trial`` streams)."""
         file = f"{name}.safetensors"
         self.pending[file] = self.folder / f".{file}.pending"
-        self.files[file] = write_outputs(self.pending[file], chunks, self.ids)
+        self.files[file] = write_outputs(self.pending[file], chunks, self.ids, store=self.store)
 
     def finish(self, result, policy, reference: ReferenceManifest, env: dict, aligned: list | None,
                transforms: dict, audit: audit_file.Audit) -> TrialManifest:

@@ -20,6 +20,8 @@ from pipeline.compare.quantiles import StreamQuantile
 from pipeline.task import IGNORE_INDEX
 
 MARGIN_KINDS = ("logit", "probability", "relative")
+KL_QUANTILES = {"median": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99, "p99.9": 0.999}
+"""The KL quantiles llama.cpp reports (with the max), by name."""
 
 
 def labels_of(scores: torch.Tensor, tie_rule: str) -> torch.Tensor:
@@ -196,6 +198,25 @@ def kl_and_lse(ref_scores: torch.Tensor, trial_scores: torch.Tensor, diff: torch
     return kl.clamp_(min=0.0), lse_ref, lse_trial
 
 
+def kl_bound(kl: float, alpha: float, beta: float) -> float:
+    """Largest |KL(p || q) - KL(p' || q')| of one token whose log-probabilities are known within ``alpha``
+    (reference) and ``beta`` (trial), given the computed KL(p' || q') = ``kl``; concave and increasing in ``kl``,
+    so that at the mean KL it bounds the error of the mean, and at a quantile that of the quantile.
+
+    With a = e^alpha - 1, b = e^beta - 1 and s = min(2, sqrt(2 kl)) (Pinsker: the total variation of p', q'):
+    KL - KL' = sum (p - p') X' + KL(p || p') - sum (p - q)(t - t') - KL(q || q') with X' = log p'/q', where
+    |p - p'| <= a p', E_p'|X'| <= kl + s, KL(. || .') <= chi^2 <= a^2 (b^2) and ||p - q||_1 <= a + s + b:
+    the bound is a (kl + s) + a^2 + b^2 + beta (a + s + b). A decoded score within e of its own gives
+    log-probabilities within 2e (the log-sum-exp moves by at most e): ``alpha`` = 2 ``logit_error``.
+    """
+    if alpha == 0.0 and beta == 0.0:
+        return 0.0
+    if not math.isfinite(kl):
+        return math.inf
+    a, b, s = math.expm1(alpha), math.expm1(beta), min(2.0, math.sqrt(2.0 * max(kl, 0.0)))
+    return a * (kl + s) + a * a + b * b + beta * (a + s + b)
+
+
 @dataclass(frozen=True)
 class Labels:
     """Both sides' decisions of one slice and, per token, their log-sum-exps: for the quality to reuse."""
@@ -274,8 +295,17 @@ class DecisionStats:
         self.top1_agree = 0
         self.overlap_sum = 0.0
         self.kl_sum = 0.0
+        self.kl_m2 = 0.0
         self.kl_max = 0.0
         self.kl_q = StreamQuantile(0.99, max(capacity_tokens, 1))
+        self.kl_quantiles = {name: self.kl_q if q == 0.99 else StreamQuantile(q, max(capacity_tokens, 1))
+                             for name, q in KL_QUANTILES.items()}
+        self.dp_sq = 0.0
+        self.dp_tokens = 0
+        self.logit_error = (0.0, 0.0)
+        """Largest error of a decoded score of the reference and of the trial (compact store; 0 when full)."""
+        self.stores: dict[str, str] = {}
+        """Which store each side was read from (``full``, ``compact``): for the record."""
         self.constructed = torch.tensor([k == "boundary" for k in kinds], dtype=torch.bool, device=device)
         self._case = PerCase.empty(len(ids), device)  # on the device the slices come from
 
@@ -331,10 +361,9 @@ class DecisionStats:
             return Labels(r_lab, t_lab)
         kl, lse_r, lse_t = kl_and_lse(ref, trial, diff, ref_argmax=r_top[1][..., 0])
         kl_v = kl[valid]
-        self.tokens += kl_v.numel()
-        self.kl_sum += float(kl_v.sum())
-        self.kl_max = max(self.kl_max, float(kl_v.max()) if kl_v.numel() else 0.0)
-        self.kl_q.update(kl_v)
+        self._add_kl(kl_v)
+        if targets is not None:
+            self._add_delta_p(ref, trial, targets, valid, lse_r, lse_t)
         self.top1_agree += int((~flipped & valid).sum())
         ov = (r_top[1][..., :, None] == t_top[1][..., None, :]).any(-1).sum(-1).double() / k
         self.overlap_sum += float(ov[valid].sum())
@@ -359,6 +388,33 @@ class DecisionStats:
                                float(t_margin[i, j]), ref[i, j], trial[i, j])
             self.flip_list.append(replace(rec, kl=float(kl[i, j])))
         return Labels(r_lab, t_lab, lse_r, lse_t)
+
+    def _add_kl(self, kl_v: torch.Tensor) -> None:
+        """Count, sum, spread (Chan's merge of the slice's mean and squared deviations), max and quantiles of KL."""
+        n = kl_v.numel()
+        if n:
+            mean = float(kl_v.mean())
+            m2 = float(((kl_v - mean) ** 2).sum())
+            total = self.tokens + n
+            delta = mean - (self.kl_sum / self.tokens if self.tokens else 0.0)
+            self.kl_m2 += m2 + delta * delta * self.tokens * n / total
+            self.kl_sum += float(kl_v.sum())
+            self.tokens = total
+            self.kl_max = max(self.kl_max, float(kl_v.max()))
+        for q in self.kl_quantiles.values():
+            q.update(kl_v)
+
+    def _add_delta_p(self, ref, trial, targets, valid, lse_r, lse_t) -> None:
+        """Squared change of the probability of each valid token's target (llama.cpp's delta p), summed."""
+        keep = valid & (targets >= 0)
+        if not bool(keep.any()):
+            return
+        y = targets.clamp(min=0).unsqueeze(-1)
+        p_r = torch.exp(ref.gather(-1, y).squeeze(-1).double() - lse_r)
+        p_t = torch.exp(trial.gather(-1, y).squeeze(-1).to(torch.float64) - lse_t)
+        dp = (p_t - p_r)[keep]
+        self.dp_sq += float(torch.nan_to_num(dp * dp, nan=1.0).sum())
+        self.dp_tokens += int(dp.numel())
 
     def _record(self, case: int, position, near, rc, tc, rm, tm, r_scores, t_scores) -> Flip:
         scores: dict = {}
@@ -398,16 +454,30 @@ class DecisionStats:
         if not self.per_token:
             return None
         n = self.tokens
+        mean = self.kl_sum / n if n else 0.0
+        agree = self.top1_agree / n if n else 1.0
+        alpha, beta = (2.0 * e for e in self.logit_error)
+        p99_upper = self.kl_q.upper()  # never below the exact value: what a gate reads
         return Distribution(
             tokens=n,
-            kl_mean=self.kl_sum / n if n else 0.0,
+            kl_mean=mean,
             kl_p99=self.kl_q.result(),
-            kl_p99_upper=self.kl_q.upper(),  # never below the exact value: what a gate reads
+            kl_p99_upper=p99_upper,
             kl_p99_exact=self.kl_q.exact,
             kl_max=self.kl_max,
-            top1_agreement=self.top1_agree / n if n else 1.0,
+            top1_agreement=agree,
             top_k=self.top_k,
             top_k_overlap=self.overlap_sum / n if n else 1.0,
+            kl_mean_se=math.sqrt(self.kl_m2 / (n - 1) / n) if n > 1 else 0.0,
+            kl_quantiles={"max": self.kl_max, **{name: q.result() for name, q in self.kl_quantiles.items()}},
+            kl_quantiles_exact=all(q.exact for q in self.kl_quantiles.values()),
+            top1_agreement_se=math.sqrt(agree * (1.0 - agree) / n) if n else 0.0,
+            rms_delta_p=math.sqrt(self.dp_sq / self.dp_tokens) if self.dp_tokens else None,
+            store=dict(sorted(self.stores.items())),
+            logit_error=max(self.logit_error),
+            kl_mean_bound=kl_bound(mean, alpha, beta),
+            kl_p99_bound=kl_bound(p99_upper, alpha, beta),
+            kl_max_bound=kl_bound(self.kl_max, alpha, beta),
         )
 
 

@@ -183,7 +183,9 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     shapes = {name: tuple(ref.shape(name)) for name in names}
     per_row = max(sum(math.prod(s[1:]) for s in shapes.values()), 1)
     step = max(1, cfg.chunk_elements // per_row)
-    gaps = {name: GapStats(rule.tolerance(name).atol, rule.tolerance(name).rtol, math.prod(shapes[name])) for name in names}
+    errors = {name: (logit_error(ref, name), logit_error(trial, name)) for name in names}
+    gaps = {name: GapStats(conservative_atol(rule.tolerance(name).atol, rule.tolerance(name).rtol, *errors[name]),
+                           rule.tolerance(name).rtol, math.prod(shapes[name])) for name in names}
     heads = decided_heads(kind, rule, shapes, main)
     arbiter = {name: ArbiterStats() for name in names} if fp64 is not None else None
     main_shape = shapes[main]
@@ -193,6 +195,8 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
         tokens = main_shape[0] * (main_shape[1] if per_token else 1)
         decisions = DecisionStats(ids, kinds, rule.tie_rule, rule.boundary_margin, rule.boundary_margin_kind, tokens,
                                   top_k=metric.top_k, max_listed=cfg.max_listed_flips, device=device)
+        decisions.logit_error = errors[main]
+        decisions.stores = {"reference": store_of(ref), "trial": store_of(trial)}
     head_stats = {name: DecisionStats(ids, kinds, rule.tie_rule, rule.boundary_margin, rule.boundary_margin_kind,
                                       math.prod(shapes[name][:-1]), top_k=metric.top_k, max_listed=cfg.max_listed_flips,
                                       device=device)
@@ -238,6 +242,25 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     table = case_table_rows(ids, kinds, flips, row_gap, decisions.per_case() if decisions is not None else None,
                             (ref_first, trial_first) if decisions is None else None, cfg.table_rows)
     return stats, table
+
+
+def store_of(source: Source) -> str:
+    """``compact`` for a file in the compact store (``artifacts.compact``), else ``full``."""
+    return source.store if isinstance(source, OutputsReader) else "full"
+
+
+def logit_error(source: Source, name: str) -> float:
+    """The largest error of a decoded score of ``name`` in ``source`` (0.0 unless it is stored compact)."""
+    return source.logit_error(name) if isinstance(source, OutputsReader) else 0.0
+
+
+def conservative_atol(atol: float, rtol: float, ref_error: float, trial_error: float) -> float:
+    """The atol applied to decoded scores known within ``ref_error`` and ``trial_error`` (compact stores): an
+    element within it, |t' - r'| <= atol' + rtol |r'|, is within the rule's on the original scores, since
+    |t - r| <= |t' - r'| + ref_error + trial_error and rtol |r| >= rtol (|r'| - ref_error). ``atol`` itself when full."""
+    if not ref_error and not trial_error:
+        return atol
+    return max(atol - trial_error - ref_error * (1.0 + rtol), 0.0)
 
 
 def quality_stats(metric: Metric, per_token: bool, quality: dict[str, QualityStats], paired: dict[str, list[int]]) -> Quality:
@@ -311,7 +334,7 @@ class _State:
     def quantile_merged(self) -> bool:
         """Whether a quantile buffer merged since the last call (its freed memory is worth giving back)."""
         now = sum(g.p_abs.merges + g.p_rel.merges for g in self.gaps.values())
-        now += self.decisions.kl_q.merges if self.decisions else 0
+        now += sum(q.merges for q in self.decisions.kl_quantiles.values()) if self.decisions else 0
         changed, self.merges = now != self.merges, now
         return changed
 

@@ -66,6 +66,7 @@ def main(params_path: str = "params.yaml") -> None:
                     outputs=phases.stream("inference", inference.infer_chunks(model, fixed.x, FP32, device, cfg.eval_mode)),
                     fp64=fp64 and dataclasses.replace(fp64, chunks=phases.stream("fp64 arbiter", fp64.chunks)),
                     replicate=replicate, policy=FP32.as_dict(), forecast=headroom, scan=vetting.Scan(params, fixed),
+                    store=params.compare.store,
                 )
         except reference_tensors.NonFinite as bad:
             resume.clear()  # nothing of a refused reference is kept

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from pipeline import checkpoint, devices, distributed, launch, paths, precision, training, transforms
+from pipeline import checkpoint, devices, distributed, launch, paths, precision, sysmetrics, training, transforms
 
 from pipeline.artifacts import reference_tensors, trial, trial_tensors
 from pipeline.diagnosis import audit
@@ -29,9 +29,10 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
         paths.RESUME / f"trial-{variant}.safetensors", world.key(trial.run_key(ref.manifest, policy)), device
     )
     with (
-        trial_tensors.Writer(variant, ref.cases.ids) as writer,
+        trial_tensors.Writer(variant, ref.cases.ids, params.compare.store) as writer,
         _missing_kernels(variant, policy.dtype, device),
         precision.deterministic(params.reference.deterministic),
+        sysmetrics.sampling(paths.system_metrics("trial", variant), devices.backend(device), world.writes),
     ):
         run = training.run_trial(
             trained, lambda: ref.model(params, "init"), source, ref.cases.x, params.reference, params.task, policy, device,
