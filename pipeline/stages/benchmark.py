@@ -6,7 +6,7 @@ record (``benchmark.json``) and its two DVC metrics (``data/metrics/bench-NAME.j
 
 from __future__ import annotations
 
-from pipeline import devices, distributed, launch
+from pipeline import devices, distributed, launch, paths, sysmetrics
 from pipeline.artifacts import benchmark, decision
 from pipeline.bench.measure import measure
 from pipeline.config import load_params
@@ -17,10 +17,11 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     if launch.relaunched("benchmark", params, params_path, variant):
         return  # it ran on distributed.nproc_per_node ranks under torchrun
     device = distributed.init(devices.resolve(params.device))  # one process: unchanged; under torchrun: this rank's
-    if decision.read(variant).accepted:
-        result = measure(params_path, params, variant, device)  # every rank measures; rank 0 alone gets the record
-    else:
-        result = benchmark.rolled_back(variant)
+    with sysmetrics.sampling(paths.system_metrics("benchmark", variant), devices.backend(device), distributed.current().writes):
+        if decision.read(variant).accepted:
+            result = measure(params_path, params, variant, device)  # every rank measures; rank 0 alone gets the record
+        else:
+            result = benchmark.rolled_back(variant)
     if distributed.current().writes:
         benchmark.write(result)
         print(result.summary_line())

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from pipeline import provenance, tracking
+from pipeline import paths, provenance, tracking
 from pipeline.artifacts import reference, variant
 from pipeline.config import load_params
 from pipeline.files import flatten
@@ -49,6 +49,8 @@ def main(params_path: str = "params.yaml") -> None:
     ref_steps, replicate = reference.read_trajectory(manifest), reference.read_replicate(manifest)
     parent = runs.parent(manifest, variants, verdicts, ref_steps, common, flat, params_path)
     children = [runs.child(variants[v.variant], v, loosened[v.variant], ref_steps, replicate, common, flat) for v in verdicts]
+    for v, child in zip(verdicts, children):  # GPU samples of its trial and benchmark (none on the CPU)
+        child.system_metrics = [paths.system_metrics(stage, v.variant) for stage in ("trial", "benchmark")]
     # A loosened rule is said at every publish: such a tree is not recorded for the no-op above.
     result = publisher.publish(key, parent, children, remember=not any(loosened.values()))
     for w in (w for v in verdicts for w in v.warnings):
