@@ -1,7 +1,9 @@
 """Assemble the comparison of one trial against the reference from the pure numerics, chunk by chunk.
 
 Reference, trial, trained-trial and FP64 outputs are read one chunk of rows at a time (``Source``:
-an ``outputs.OutputsReader`` on a file, or ``InMemory`` on tensors already loaded); the accumulators of
+an ``outputs.OutputsReader`` on a file, full or compact (``compare.store``: decoded as read; the distribution
+section records each side's store, and the bounds its errors allow, which the rule adds; the value gap of a compact
+output is counted at ``conservative_atol``), or ``InMemory`` on tensors already loaded); the accumulators of
 ``gaps``, ``decisions`` and ``quality`` keep the statistics, so memory is one chunk of each source plus a few numbers per case,
 whatever the fixed set's size. Kinds (ordinary, edge, boundary) are computed once from the ids.
 
