@@ -235,8 +235,10 @@ def compile_seconds(step: Callable[[], None], device: torch.device, steady_steps
     extra warm-up for the benchmark, not counted in its step times.
     """
     import torch._dynamo
+    import torch._inductor.config
 
     torch._dynamo.reset()  # compiled already in this process (the memory probe): compile again, as a fresh run does
-    first = time_steps(step, 1, torch.device(device))
+    with torch._inductor.config.patch(fx_graph_cache=False):  # cold: inductor's on-disk cache would hide the codegen
+        first = time_steps(step, 1, torch.device(device))
     steady = time_steps(step, steady_steps, torch.device(device))
     return max(first - steady, 0.0)

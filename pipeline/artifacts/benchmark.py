@@ -134,7 +134,8 @@ class Benchmark(Record):
     """TF32 time / AMP time, where the GPU has TF32."""
     no_speedup_because: str | None
     compile_seconds: float | None = None
-    """A compiled variant: what its first step spent compiling (dynamo and inductor), apart from the step times."""
+    """A compiled variant: what its first step spent compiling (dynamo and inductor, cold: without inductor's on-disk
+    cache), apart from the step times."""
 
     ABSENT = ("seconds_per_step", "speedup", "speedup_vs_tf32", "no_speedup_because", "compile_seconds")
 
