@@ -273,7 +273,7 @@ class Policy:
         if self.compiled:
             out.update(compile=self.compile, compile_mode=self.compile_mode)
         if self.float8 != "off":
-            out["float8"] = self.float8
+            out.update(float8=self.float8)
         return out
 
     @classmethod

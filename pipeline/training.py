@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
 from pipeline import checkpoint, distributed, precision, task, transforms
+from pipeline.artifacts.record import Record
 from pipeline.config import ReferenceConfig, TaskConfig
 from pipeline.errors import UserError
 from pipeline.inference import infer, infer_chunks
@@ -28,8 +29,10 @@ from pipeline.recipe import make_loss, make_optimizer, make_scheduler
 from pipeline.task import Inputs, TrainSource, to_device
 
 
-@dataclass
-class StepRecord:
+@dataclass(frozen=True)
+class StepRecord(Record):
+    """One optimizer update of the loop, as the trajectories and the resume state hold it (key for key)."""
+
     step: int
     loss: float
     grad_norm: float
@@ -170,16 +173,13 @@ def amp_step(
     return StepOutcome(loss=mean, grad_norm=grad_norm, scale=float(scale), skipped=skipped)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainResult:
     records: list[StepRecord]
     real_updates: int
     state: checkpoint.Checkpoint
-
-    @property
-    def final_scale(self) -> float:
-        """The GradScaler's scale after the last update; 1.0 when no scaler ran (FP32, bfloat16)."""
-        return self.state.meta["grad_scaler"].get("scale", 1.0)
+    final_scale: float
+    """The GradScaler's scale after the last update; 1.0 when no scaler ran (FP32, bfloat16)."""
 
 
 @dataclass
@@ -298,9 +298,9 @@ def train(
     start = 0
     if resume is not None:
         checkpoint.restore(resume, model, optimizer, scaler, scheduler)
-        records = [StepRecord(**r) for r in resume.meta["records"]]
-        real_updates = resume.meta["real_updates"]
-        start = resume.meta["step"]
+        saved = resume.info  # ``ResumeFile.load`` checked its counters
+        records = [StepRecord.from_dict(r) for r in saved.records]
+        real_updates, start = saved.real_updates, saved.step
         if records and start and world.rank == 0:  # the data read after a resume is the data read before it
             again = [source.batch(world.shard(idx)) for idx in order[start - 1]]
             _check_batch(start - 1, batch_digest(again), records[-1].batch_sha256, "the one recorded before the resume")
@@ -343,7 +343,8 @@ def train(
             if on_step is not None:
                 on_step(step + 1)
     state = _snapshot(model, optimizer, scaler, scheduler, records, real_updates, end, policy)
-    return TrainResult(records=records, real_updates=real_updates, state=state)
+    final_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+    return TrainResult(records=records, real_updates=real_updates, state=state, final_scale=final_scale)
 
 
 def _read_update(
@@ -367,7 +368,7 @@ def _snapshot(model, optimizer, scaler, scheduler, records, real_updates, step, 
         scheduler,
         step=step,
         real_updates=real_updates,
-        records=[asdict(r) for r in records],
+        records=[r.as_dict() for r in records],
         policy=policy.as_dict(),
     )
 

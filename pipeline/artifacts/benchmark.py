@@ -18,6 +18,10 @@ from pipeline.files import read_json, write_json
 
 FILE = "benchmark.json"
 
+FP32, TF32, AMP = "fp32", "tf32", "amp"
+"""The arms measured (``pipeline.bench.arms``): strict FP32, TF32 where the GPU has it, the variant's policy. They key
+every per-arm mapping of the record."""
+
 
 @dataclass(frozen=True)
 class Spread(Record):
@@ -105,10 +109,12 @@ class Samples(Record):
 class MemorySummary(Record):
     """Peak and working memory (peak minus baseline) per variant, and the AMP / FP32 ratios of both."""
 
+    ABSENT = ("memory_rounds_dropped", "memory_ratio", "working_memory_ratio")  # readers that find a figure can trust it
+
     peak_memory_bytes: dict[str, Spread]
     working_memory_bytes: dict[str, Spread]
-    memory_rounds_dropped: dict[str, tuple[int, ...]]
-    """Per variant, the memory rounds dropped for a skipped update (absent from the file when none)."""
+    memory_rounds_dropped: dict[str, tuple[int, ...]] | None
+    """Per variant that had any, the memory rounds dropped for a skipped update (None when none)."""
     memory_ratio: Spread | None
     working_memory_ratio: Spread | None
 
@@ -140,18 +146,14 @@ class Benchmark(Record):
     ABSENT = ("seconds_per_step", "speedup", "speedup_vs_tf32", "no_speedup_because", "compile_seconds")
 
     def as_dict(self) -> dict:
-        out = {"benchmarked": True, **super().as_dict()}
-        memory = out.pop("memory")  # the memory figures sit at the top level of the file, beside the timings
-        if not memory["memory_rounds_dropped"]:
-            del memory["memory_rounds_dropped"]
-        # absent rather than null: readers that find a figure can trust it
-        return out | {key: value for key, value in memory.items() if value is not None}
+        """The memory figures sit at the top level of the file, after the timings."""
+        top = {key: value for key, value in super().as_dict().items() if key != "memory"}
+        return {"benchmarked": True, **top, **self.memory.as_dict()}
 
     @classmethod
     def from_dict(cls, d: dict) -> Benchmark:
         inner = {f.name for f in fields(MemorySummary)}
-        memory = {"memory_rounds_dropped": {}, "memory_ratio": None, "working_memory_ratio": None}
-        memory |= {key: value for key, value in d.items() if key in inner}
+        memory = {key: value for key, value in d.items() if key in inner}
         rest = {key: value for key, value in d.items() if key not in inner and key != "benchmarked"}
         return super().from_dict({**rest, "memory": memory})
 

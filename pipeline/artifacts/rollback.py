@@ -7,14 +7,16 @@ optimizer state, RNG) and of its inputs, and the cases that motivated the rollba
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
 
 from pipeline import paths
+from pipeline.artifacts.record import Record
 from pipeline.config import Params
+from pipeline.errors import UserError
 from pipeline.files import read_json, verify, write_bytes, write_json
 
 if TYPE_CHECKING:
@@ -24,6 +26,18 @@ if TYPE_CHECKING:
 
 def folder(variant: str) -> Path:
     return paths.decision(variant) / "rollback"
+
+
+@dataclass(frozen=True)
+class Package(Record):
+    """The package's ``manifest.json``: the rolled-back variant, the rule and reference it was judged under, and the
+    sha256 of every file a restore needs."""
+
+    variant: str
+    rule_sha256: str
+    reference_run_key: str
+    files: dict[str, str]
+    """Path (from the repository root) -> sha256."""
 
 
 def write_package(params: Params, reference: Manifest, stats: Stats, variant: str, cases: dict | None = None) -> None:
@@ -39,12 +53,8 @@ def write_package(params: Params, reference: Manifest, stats: Stats, variant: st
         ("# FP32 reference configuration to restore\n" + yaml.safe_dump(snippet, sort_keys=True)).encode(),
     )
     keep = (paths.REF_CHECKPOINT, paths.REF_INIT, paths.PREPARED_CASES, paths.PREPARED_TRAIN, paths.REF_CASES)
-    write_json(out / "manifest.json", {
-        "variant": variant,
-        "rule_sha256": reference.rule_sha256,
-        "reference_run_key": reference.run_key,
-        "files": {str(p): reference.sha256(p) for p in keep},
-    })
+    files = {str(p): reference.sha256(p) for p in keep}
+    write_json(out / "manifest.json", Package(variant, reference.rule_sha256, reference.run_key, files).as_dict())
     flips = stats.flips.flip_list
     per_kind = {
         name: {k: g.as_dict() for k, g in gap.per_kind.items() if g.failing or g.nonfinite_trial_only}
@@ -62,9 +72,15 @@ def verified_files(variant: str) -> dict[str, str]:
     """The package's files (path -> sha256), each checked on disk against the package first.
 
     Raises:
-        UserError: no package, or a file missing or whose hash differs from the package.
+        UserError: no package, one of another version, or a file missing or whose hash differs from the package.
     """
-    manifest = read_json(folder(variant) / "manifest.json", f"decide@{variant}")
-    for name, expected in manifest["files"].items():
+    path = folder(variant) / "manifest.json"
+    try:
+        package = Package.from_dict(read_json(path, f"decide@{variant}"))
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise UserError(
+            f"{path} is not a rollback package of this version ({exc}); run `dvc repro -f decide@{variant}`"
+        ) from None
+    for name, expected in package.files.items():
         verify(name, expected, "freeze", recorded_in="the rollback package")
-    return manifest["files"]
+    return package.files

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline import paths
+from pipeline.artifacts.record import Record
 from pipeline.errors import UserError
 from pipeline.files import read_json
 
@@ -31,8 +32,10 @@ def produced_by(variant: str) -> str:
 
 
 @dataclass(frozen=True)
-class TrialManifest:
+class TrialManifest(Record):
     """``data/trial/NAME/manifest.json``: the policy that ran, where, from which reference, every file's sha256."""
+
+    ABSENT = ("transforms",)
 
     files: dict[str, str]
     """File name in the trial folder -> sha256."""
@@ -43,9 +46,13 @@ class TrialManifest:
     env_differs_from_reference: list[str]
     """Keys of the environment whose values differ from the reference's (``world_size``, ``threads``...)."""
     real_updates: int
-    transforms: dict = field(default_factory=dict)
+    transforms: dict | None = None
     """What the policy did to the model's code (``transforms.Applied.as_dict``): the float8 layers, whether their
-    kernels were real or emulated, whether it was compiled. Absent for a plain autocast trial."""
+    kernels were real or emulated, whether it was compiled. None (absent from the file) for a plain autocast trial,
+    which ``transforms.Applied.as_dict`` gives as ``{}``."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "transforms", self.transforms or None)  # absent rather than empty: the bytes of before
 
     def env_notes(self, reference_env: dict) -> list[str]:
         """Floating-point results differ across devices and execution paths: a trial run elsewhere than its
@@ -57,16 +64,13 @@ class TrialManifest:
             f"{reference_env} vs {self.env}"
         ]
 
-    def as_dict(self) -> dict:
-        out = asdict(self)
-        if not self.transforms:  # absent rather than empty: a plain autocast trial's manifest keeps its bytes
-            del out["transforms"]
-        return out
-
 
 @dataclass(frozen=True)
-class Trajectory:
-    """``data/trial/NAME/trajectory.json``: what training under the policy did, step by step."""
+class Trajectory(Record):
+    """``data/trial/NAME/trajectory.json``: what training under the policy did, step by step (``training.StepRecord``
+    as dicts: the readers in compare, diagnosis and the renderers are torch-free, the record is not yet)."""
+
+    ABSENT = ("aligned_fp32",)  # absent rather than null: the file says only what happened
 
     steps: list[dict]
     final_scale: float
@@ -74,20 +78,15 @@ class Trajectory:
     aligned_fp32: list[dict] | None = None
     """FP32 with this trial's GradScaler skips skipped too (``training.aligned_fp32``), or None without skips."""
 
-    def as_dict(self) -> dict:
-        out = asdict(self)
-        if self.aligned_fp32 is None:  # absent rather than null: the file says only what happened
-            del out["aligned_fp32"]
-        return out
 
-
-def _typed(cls, raw, path: Path, variant: str):
+def _typed(cls: type[Record], raw, path: Path, variant: str):
     """``cls`` from a JSON object holding exactly its fields (the optional ones may be absent)."""
-    names = {f.name for f in fields(cls)}
-    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-    if not isinstance(raw, dict) or not required <= set(raw) <= names:
-        raise UserError(f"{path} is not a trial file of this version; rebuild it with `dvc repro --force {produced_by(variant)}`")
-    return cls(**raw)
+    try:
+        return cls.from_dict(raw)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise UserError(
+            f"{path} is not a trial file of this version ({exc}); rebuild it with `dvc repro --force {produced_by(variant)}`"
+        ) from None
 
 
 def read_manifest(variant: str) -> TrialManifest:

@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 
 from pipeline import devices, distributed, precision, transforms
-from pipeline.artifacts.benchmark import Benchmark, MemoryProbe, Method, RoundsDropped, Samples, WorkloadFacts
+from pipeline.artifacts.benchmark import AMP, FP32, TF32, Benchmark, MemoryProbe, Method, RoundsDropped, Samples, WorkloadFacts
 from pipeline.bench.memory import memory_by_arm
 from pipeline.bench.sizing import Sizes, sizes
 from pipeline.bench.stats import memory_summary, ratio_spread, spread
@@ -38,10 +38,10 @@ def measure(params_path: str, params: Params, variant: str, device: torch.device
     with contextlib.ExitStack() as stack:
         steps, works = {}, []
         for a in chosen:  # each arm its own model, optimizer and scaler
-            works.append(load_workload(params, device, variant if a.name == "amp" else None))
+            works.append(load_workload(params, device, variant if a.name == AMP else None))
             stack.enter_context(precision.fp32_regions(works[-1].model, a.policy, device))
             steps[a.name] = (TrainingStep(works[-1], a.policy), a.tf32)
-        trial_step = steps["amp"][0]
+        trial_step = steps[AMP][0]
         compiled = transforms.compile_seconds(trial_step, device) if policy.compiled else None  # before any timed round
         load = os.getloadavg()[0] if device.type == "cpu" else None
         rounds = interleaved(steps, size.warmup, size.repeats, size.steps, device)
@@ -76,7 +76,7 @@ def record(
     device = work.device
     dropped, times = rounds.dropped(), rounds.kept_times()
     memory_method = next(iter(memory.values())).method
-    timed = bool(times["fp32"])
+    timed = bool(times[FP32])
     return Benchmark(
         variant=variant,
         env=env,
@@ -101,8 +101,8 @@ def record(
         samples=Samples({n: tuple(t) for n, t in rounds.times.items()}, memory),
         memory=memory_summary(memory),
         seconds_per_step={name: spread(t) for name, t in times.items()} if timed else None,
-        speedup=ratio_spread(times["fp32"], times["amp"]) if timed else None,
-        speedup_vs_tf32=ratio_spread(times["tf32"], times["amp"]) if timed and "tf32" in times else None,
+        speedup=ratio_spread(times[FP32], times[AMP]) if timed else None,
+        speedup_vs_tf32=ratio_spread(times[TF32], times[AMP]) if timed and TF32 in times else None,
         no_speedup_because=None if timed else (
             f"every timed round had an update the GradScaler skipped ({len(dropped)} of {size.repeats}); the scale "
             f"had not settled: raise bench.warmup"

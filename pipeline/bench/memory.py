@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from pipeline import distributed, precision
-from pipeline.artifacts.benchmark import MemoryProbe
+from pipeline.artifacts.benchmark import AMP, TF32, MemoryProbe
 from pipeline.bench.sizing import sizes
 from pipeline.bench.timing import skipped_since, update_count
 from pipeline.bench.arms import Arm
@@ -80,7 +80,7 @@ def peak_memory(step: Callable[[], None], warmup: int, repeats: int, steps: int,
 
 def arm_memory(params: Params, variant: str, arm: Arm, device: torch.device) -> MemoryProbe:
     """One arm's ``peak_memory``: its workload built, stepped under its policy, measured."""
-    work = load_workload(params, device, variant if arm.name == "amp" else None)
+    work = load_workload(params, device, variant if arm.name == AMP else None)
     step = TrainingStep(work, arm.policy)
     size = sizes(params.bench, device.type)
     with precision.fp32_regions(work.model, arm.policy, device), precision.tf32(arm.tf32):
@@ -96,7 +96,7 @@ def memory_by_arm(
     other, each freed before the next is built; under torchrun every rank measures, so that DDP's
     collectives pair up.
     """
-    chosen = [v for v in chosen if v.name != "tf32"]
+    chosen = [v for v in chosen if v.name != TF32]
     if device.type == "cuda":
         if not distributed.current().writes:
             return {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from pipeline.artifacts.benchmark import MemoryProbe, MemorySummary, Spread
+from pipeline.artifacts.benchmark import AMP, FP32, MemoryProbe, MemorySummary, Spread
 from pipeline.compare.quantiles import quantile
 
 
@@ -36,15 +36,15 @@ def memory_summary(by_variant: Mapping[str, MemoryProbe]) -> MemorySummary:
     peaks = {name: v for name, v in peaks.items() if v}
     finite = {name: w for name, w in working.items() if name in peaks and all(math.isfinite(x) for x in w)}
     memory_ratio = working_ratio = None
-    if {"fp32", "amp"} <= set(peaks):
-        n = min(len(peaks["fp32"]), len(peaks["amp"]))
-        memory_ratio = ratio_spread(peaks["amp"][:n], peaks["fp32"][:n])
-        if {"fp32", "amp"} <= set(finite) and all(w > 0 for w in finite["fp32"][:n]):
-            working_ratio = ratio_spread(finite["amp"][:n], finite["fp32"][:n])
+    if {FP32, AMP} <= set(peaks):
+        n = min(len(peaks[FP32]), len(peaks[AMP]))
+        memory_ratio = ratio_spread(peaks[AMP][:n], peaks[FP32][:n])
+        if {FP32, AMP} <= set(finite) and all(w > 0 for w in finite[FP32][:n]):
+            working_ratio = ratio_spread(finite[AMP][:n], finite[FP32][:n])
     return MemorySummary(
         peak_memory_bytes={name: spread(v) for name, v in peaks.items()},
         working_memory_bytes={name: spread(w) for name, w in finite.items()},
-        memory_rounds_dropped={name: d for name, d in dropped.items() if d},
+        memory_rounds_dropped={name: d for name, d in dropped.items() if d} or None,
         memory_ratio=memory_ratio,
         working_memory_ratio=working_ratio,
     )

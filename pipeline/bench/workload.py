@@ -48,7 +48,7 @@ def load_workload(params: Params, device: torch.device, variant: str | None = No
     checkpoint.restore(checkpoint.load(paths.REF_INIT), model, rng=False)
     scaler_state = {}
     if variant is not None and params.trial.policy(variant).uses_scaler:  # bfloat16 runs no scaler: nothing to read
-        scaler_state = trial_tensors.load(variant).checkpoint().meta.get("grad_scaler") or {}
+        scaler_state = trial_tensors.load(variant).checkpoint().info.grad_scaler
     return Workload(model.to(device).train(), micro, params, device, scaler_state)
 
 

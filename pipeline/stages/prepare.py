@@ -12,7 +12,7 @@ def main(params_path: str = "params.yaml") -> None:
     fixed = cases.build(data, params.prepare)
     task.save_train(paths.PREPARED_TRAIN, data.train)
     cases.save(paths.PREPARED_CASES, fixed)
-    asked, available = fixed.meta["ordinary_requested"], fixed.meta["ordinary_available"]
+    asked, available = params.prepare.ordinary_cases, task.rows(data.eval_x)  # what ``cases.build`` took the ordinary cases from
     if available < asked:
         print(
             f"prepare: prepare.ordinary_cases is {asked} but task.data gives {available} eval samples: "
