@@ -392,12 +392,11 @@ class Progress:
         )
 
     def tick(self, done: int, loss: float, scale: float = 1.0, skipped: int = 0) -> None:
-        if not self.enabled:
-            return
         now = time.monotonic()
-        if now - self.last < 0.5 and done < self.total:
-            return
-        self.last = now
-        end = "\n" if done == self.total else ""
-        # \x1b[K clears the rest of the line: a shorter line ("ETA 9s" after "ETA 10s") leaves no residue.
-        print(f"\r{self.line(done, loss, scale, skipped, now)}\x1b[K", end=end, file=sys.stderr, flush=True)
+        if self.enabled and (now - self.last >= 0.5 or done == self.total):
+            self.last = now
+            end = "\n" if done == self.total else ""
+            # \x1b[K clears the rest of the line: a shorter line ("ETA 9s" after "ETA 10s") leaves no residue.
+            print(f"\r{self.line(done, loss, scale, skipped, now)}\x1b[K", end=end, file=sys.stderr, flush=True)
+        if done == self.total:  # the training's time, on stdout (never a DVC output): scripts/timings.py reads it
+            print(f"{self.label}: {done - self.start} steps in {now - self.t0:.2f} s", flush=True)
