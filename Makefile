@@ -21,11 +21,13 @@ run: $(VENV)/.installed
 	@echo "Results: $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db  (then open http://127.0.0.1:5000)"
 
 # Every test (what CI runs; 15 min on 2 cores, the goal is 8): gpu-marked tests skip themselves where no GPU is visible.
-# One worker per core (pytest-xdist), a test file per worker at a time: most tests wait on one single-threaded
-# subprocess (dvc repro, a stage, a server), so a second worker uses the core the first leaves idle.
+# One worker per core (pytest-xdist): most tests wait on one single-threaded subprocess (dvc repro, a stage, a
+# server), so a second worker uses the core the first leaves idle. A test is a unit of work of its own, except that
+# the tests sharing a module-scoped fixture go to one worker together (loadgroup: tests/conftest.py groups them and
+# hands the long units out first, so that the short unit tests fill both workers at the end).
 WORKERS ?= auto
 test: $(VENV)/.installed
-	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=10 -n $(WORKERS) --dist loadfile tests
+	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=10 -n $(WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
 # Pure and unit tests only (under a minute on 2 cores): no dvc repro, no server, no GPU.
 test-fast: $(VENV)/.installed

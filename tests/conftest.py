@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,9 +55,9 @@ def make_project(dest: Path, override: dict | None = None) -> Path:
 
 # --- test lanes ----------------------------------------------------------------------------------------------
 # `make test-fast` runs `-m "not integration and not gpu"`. A test is integration when it, or any fixture it
-# uses (transitively), copies the project (make_project: then it runs dvc or a stage) or starts a server
-# (Popen): marked here from the code itself, so a new test cannot slip into the fast lane by forgetting a mark.
-_INTEGRATION_CALLS = {"make_project", "Popen"}
+# uses (transitively), copies the project (make_project, or reproduce: then it runs dvc or a stage) or starts a
+# server (Popen): marked here from the code itself, so a new test cannot slip into the fast lane by forgetting a mark.
+_INTEGRATION_CALLS = {"make_project", "reproduce", "Popen"}
 
 
 def _runs_the_real_thing(item: pytest.Item) -> bool:
@@ -77,6 +78,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if not item.get_closest_marker("integration") and _runs_the_real_thing(item):
             item.add_marker(pytest.mark.integration)
+    _schedule(items)
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if gpu and not _gpu_visible():
         skip = pytest.mark.skip(reason="needs a CUDA or ROCm GPU: torch.cuda.is_available() is False here")
@@ -84,25 +86,85 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def reproduced(tmp_path_factory) -> Path:
-    """One tiny project after a full `dvc repro` (read-only for tests: copy it before changing anything).
+# --- scheduling under pytest-xdist ----------------------------------------------------------------------------
+# `make test` runs `-n auto --dist loadgroup --no-loadscope-reorder`: each test is a unit of work of its own,
+# except that the tests sharing a module-scoped fixture (one built project, one server) form one unit, so that
+# one worker builds it once. The units go out in the order set here, longest first: the units that build a
+# shared fixture, then the other integration tests, then the unit tests (seconds each), which fill both workers
+# at the end instead of one long file running alone on one worker while the other waits.
 
-    Built once per session: under pytest-xdist (`make test`) the first worker that needs it builds it in the
-    folder the workers share, and any other worker that needs it meanwhile waits for it.
-    """
+
+def _shares_a_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d.scope in ("class", "module", "package") for ds in defs for d in ds)
+
+
+def _schedule(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        if not item.get_closest_marker("integration"):
+            return 2
+        return 0 if item.get_closest_marker("xdist_group") else 1
+
+    for item in items:
+        if _shares_a_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts the same collection the same way
+        items.sort(key=rank)
+
+
+def _session_root(tmp_path_factory) -> Path:
+    """This session's temporary folder, the same in every worker: pytest-of-USER/pytest-N under pytest-xdist."""
     root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # pytest-of-USER/pytest-N: this session's, shared by its workers
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+def reproduce(root: Path) -> Path:
+    """``root``/reproduced/repo: one tiny project after a full `dvc repro`, built by whichever process gets here
+    first (a worker, or the early build) while any other waits on the lock."""
     repo, done = root / "reproduced" / "repo", root / "reproduced.done"
     with open(root / "reproduced.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            shutil.rmtree(repo.parent, ignore_errors=True)  # what a worker that failed midway left
+            shutil.rmtree(repo.parent, ignore_errors=True)  # what a process that failed midway left
             make_project(repo)
             _project.dvc(repo, "repro")
             done.touch()
     return repo
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reproduce_early(request, tmp_path_factory):
+    """Start building ``reproduced`` in a process of its own when the session begins, if a selected test needs
+    it: its ~15 stage processes then run beside the first tests instead of keeping a worker (and any other
+    worker that needs it meanwhile) waiting. One process per session (the first worker); a failed early build
+    leaves nothing behind, and the fixture then builds it itself and reports the error."""
+    needed = any("reproduced" in item.fixturenames for item in request.session.items)
+    if not needed or os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        yield
+        return
+    builder = _start_reproduce(_session_root(tmp_path_factory))
+    yield
+    if builder.poll() is None:  # the session ended before the build did (-x, a deselected lane)
+        os.killpg(builder.pid, signal.SIGKILL)
+    builder.wait()
+
+
+def _start_reproduce(root: Path) -> subprocess.Popen:
+    # Not inside _reproduce_early: every test uses that fixture, and a Popen in a fixture marks its tests integration.
+    code = "import sys; from pathlib import Path; import conftest; conftest.reproduce(Path(sys.argv[1]))"
+    with open(root / "reproduced.early.log", "w") as log:
+        return subprocess.Popen([sys.executable, "-c", code, str(root)], cwd=Path(__file__).parent, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.fixture(scope="session")
+def reproduced(tmp_path_factory) -> Path:
+    """One tiny project after a full `dvc repro` (read-only for tests: copy it before changing anything).
+
+    Built once per session (``reproduce``), in the folder the workers of pytest-xdist share; usually started
+    early (``_reproduce_early``)."""
+    return reproduce(_session_root(tmp_path_factory))
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ def wait_for_queue(repo: Path, env: dict, limit: float = 900) -> str:
             if not any(word in status for word in ("Queued", "Running")):
                 return status
             assert time.monotonic() < deadline, status
-            time.sleep(3)
+            time.sleep(10)  # each `dvc queue status` is a dvc start-up (~2 s of CPU), taken from the queue's workers
     finally:
         run([str(BIN / "dvc"), "queue", "stop"], repo, env=env, check=False)
 
