@@ -30,13 +30,20 @@ PAD = 0
 """Token id of padding (inputs after a sequence's end); its targets are -100."""
 
 
-def _chain(vocab: int, branching: int, order: int, gen: torch.Generator) -> torch.Tensor:
-    """Transition probabilities [vocab] * order + [vocab]: the next token given the ``order`` previous ones
-    (never PAD), spread over ``branching`` successors per context."""
+def _chain(vocab: int, branching: int, order: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transitions from each of the ``vocab ** order`` contexts: ``branching`` successors (never PAD) and their
+    logits, both [contexts, branching]. Kept sparse: a dense [contexts, vocab] table would be 4 GB at vocab 32,000."""
     contexts = vocab**order
-    logits = torch.full((contexts, vocab), -math.inf)
     succ = torch.randint(1, vocab, (contexts, branching), generator=gen)
-    logits.scatter_(1, succ, torch.randn(contexts, branching, generator=gen) * 1.5)
+    return succ, torch.randn(contexts, branching, generator=gen) * 1.5
+
+
+def _next_probs(chain: tuple[torch.Tensor, torch.Tensor], context: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The next-token probabilities [len(context), vocab] of each sequence's context: the dense table's rows, value
+    for value, built for the contexts drawn only."""
+    succ, weights = chain
+    logits = torch.full((len(context), vocab), -math.inf)
+    logits.scatter_(1, succ[context], weights[context])
     return torch.softmax(logits, dim=1)
 
 
@@ -65,13 +72,13 @@ def load_data(
             f"task.options: need seq_len >= 2 and 0 <= max_padding < seq_len; got seq_len={seq_len}, max_padding={max_padding}"
         )
     gen = torch.Generator().manual_seed(data_seed)
-    probs = _chain(vocab, branching, order, gen)
+    chain = _chain(vocab, branching, order, gen)
     n = n_train + n_eval
     tokens = torch.empty(n, seq_len + 1, dtype=torch.long)
     tokens[:, :order] = torch.randint(1, vocab, (n, order), generator=gen)
     for t in range(order, seq_len + 1):  # vectorised over sequences: one multinomial draw per position
         context = tokens[:, t - 1] if order == 1 else tokens[:, t - 2] * vocab + tokens[:, t - 1]
-        tokens[:, t] = torch.multinomial(probs[context], 1, generator=gen).squeeze(1)
+        tokens[:, t] = torch.multinomial(_next_probs(chain, context, vocab), 1, generator=gen).squeeze(1)
     x, y = tokens[:, :-1].clone(), tokens[:, 1:].clone()
     pads = torch.randint(0, max_padding + 1, (n,), generator=gen)
     padded = torch.arange(seq_len).unsqueeze(0) >= (seq_len - pads).unsqueeze(1)
