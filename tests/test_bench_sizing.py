@@ -6,11 +6,18 @@ from pipeline.bench.sizing import SIZES, sizes
 from pipeline.bench.arms import arms
 from pipeline.config import Policy
 from pipeline.config import BenchConfig
+from pipeline.devices import Environment
 
-CPU = {"backend": "cpu", "device": "cpu", "device_name": "Some CPU", "capability": "AVX2", "torch": "2.13.0"}
-A100 = {"backend": "cuda", "device": "cuda", "device_name": "NVIDIA A100", "capability": "8.0", "torch": "2.11.0"}
-T4 = {"backend": "cuda", "device": "cuda", "device_name": "Tesla T4", "capability": "7.5", "torch": "2.11.0"}
-MI300 = {"backend": "rocm", "device": "cuda", "device_name": "AMD Instinct MI300X", "capability": "9.4", "torch": "2.10.0"}
+
+
+def _env(backend: str, device: str, name: str, capability: str, torch: str) -> Environment:
+    return Environment(backend, device, torch, name, capability, threads=1, interop_threads=1, blas="n/a")
+
+
+CPU = _env("cpu", "cpu", "Some CPU", "AVX2", "2.13.0")
+A100 = _env("cuda", "cuda", "NVIDIA A100", "8.0", "2.11.0")
+T4 = _env("cuda", "cuda", "Tesla T4", "7.5", "2.11.0")
+MI300 = _env("rocm", "cuda", "AMD Instinct MI300X", "9.4", "2.10.0")
 
 
 def test_sizes_by_device_unless_params_set_them() -> None:
