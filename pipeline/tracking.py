@@ -410,19 +410,20 @@ class Publisher:
         except (OSError, UserError):
             return
 
-    def earlier_rollbacks(self, reference_run_key: str, dtype: str) -> list[EarlierRule]:
-        """Rules under which this reference was rolled back for ``dtype`` in runs published before, one per
+    def earlier_rollbacks(self, reference_run_key: str, variant: str) -> list[EarlierRule]:
+        """Rules under which this reference was rolled back for ``variant`` in runs published before, one per
         distinct rule, in a fixed order.
 
-        Variant runs carry ``rule_json``; so did the ``decide@DTYPE`` runs of earlier versions. A key this
-        version's rule lacks is filled with its default; a rule with a key it does not know (a criterion since
-        removed) cannot be compared and is left out.
+        Variant runs carry ``rule_json``; so did the ``decide@DTYPE`` runs of earlier versions. Runs are found by
+        their ``variant`` tag; runs of versions before named variants carry only ``dtype``, which was the name
+        then (a ``dtype`` tag beside a ``variant`` tag is the policy's dtype, shared by other variants: not a
+        match). A key this version's rule lacks is filled with its default; a rule with a key it does not know
+        (a criterion since removed) cannot be compared and is left out.
         """
+        rolled_back = f"tags.decision = 'rollback' AND tags.reference_run_key = '{reference_run_key}'"
         with self._lock, _failures(self.uri):
-            query = (
-                f"tags.dtype = '{dtype}' AND tags.decision = 'rollback' AND tags.reference_run_key = '{reference_run_key}'"
-            )
-            runs = self._search(query)
+            runs = self._search(f"tags.variant = '{variant}' AND {rolled_back}")
+            runs += [r for r in self._search(f"tags.dtype = '{variant}' AND {rolled_back}") if _tag(r, "variant") is None]
         out, seen = [], set()
         for run in runs:
             rule_json, sha = _tag(run, "rule_json"), _tag(run, "rule_sha256") or ""

@@ -489,6 +489,13 @@ def test_publish_flags_an_accept_under_a_rule_loosened_since_a_rollback(server):
     assert runs.loosened(accept, earlier) == [f"outputs.*.atol 0.001 -> 0.01 (rolled back under rule {'s' * 12})"]
     assert publisher.earlier_rollbacks("other reference", "bfloat16") == []
     assert publisher.earlier_rollbacks("R", "float16") == []
+    # Named variants: bfloat16_inductor's rollback (dtype bfloat16 too) is its own, never bfloat16's, and is found by name.
+    tighter = {**strict, "outputs": {"*": {"atol": 0.0001, "rtol": 0.0}}}
+    c.create_run(publisher.experiment_id, tags={"variant": "bfloat16_inductor", "dtype": "bfloat16", "decision": "rollback",
+                                               "reference_run_key": "R", "rule_json": json.dumps(tighter),
+                                               "rule_sha256": "u" * 64})
+    assert [e.rule_sha256 for e in publisher.earlier_rollbacks("R", "bfloat16")] == ["s" * 64]
+    assert [e.rule_sha256 for e in publisher.earlier_rollbacks("R", "bfloat16_inductor")] == ["u" * 64]
     assert runs.loosened({**accept, "rule": strict}, earlier) == []
     assert runs.loosened({**accept, "decision": "rollback"}, earlier) == []
 
