@@ -298,3 +298,12 @@ def test_diagnose_params_are_validated(tmp_path):
     with pytest.raises(UserError, match=r"diagnose\.probe"):
         load_params(path)
     assert math.isfinite(load_params(ROOT / "examples/stress_overflow.params.yaml").task.options["gain"])
+
+
+def test_max_abs_is_the_largest_finite_magnitude_whatever_else_the_tensor_holds() -> None:
+    t = torch.tensor([1.5, -3.0, 2.0])
+    assert precision_map.max_abs(t) == 3.0
+    assert precision_map.max_abs(torch.tensor([1.5, float("inf"), -3.0, float("nan")])) == 3.0  # the masked path
+    assert precision_map.max_abs(torch.tensor([float("nan"), float("-inf")])) == 0.0
+    assert precision_map.max_abs(torch.empty(0)) == 0.0
+    assert precision_map.max_abs(torch.tensor([65504.0, -1.0], dtype=torch.float16)) == 65504.0
