@@ -147,7 +147,7 @@ def build_report(repo: Path) -> str:
         "manifest = read_json(paths.REF_MANIFEST)\n"
         "reference = {k: manifest[k] for k in ('rule_sha256', 'run_key', 'env', 'cases')}\n"
         "variants = [variant.load(d) for d in load_params().trial.variants]\n"
-        "sys.stdout.write(page.html(reference, variants, {v['dtype']: v['plots'] for v in variants}))\n"
+        "sys.stdout.write(page.html(reference, variants, {v['variant']: v['plots'] for v in variants}))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(repo)}
     return subprocess.run([os.sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, check=True).stdout

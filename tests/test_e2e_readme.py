@@ -10,7 +10,7 @@ environment first on PATH, as after `. .venv/bin/activate`.
   run is both the quick start and the one example run to the end, its diagnosis checked against the lines the
   README quotes; then the `mlflow ui` line, and the Diagnostics line itself (again, and `--dry` for stress_overflow);
 - the DVC views (`### With DVC`) and the sweep block (`### Sweeps on DVC's queue`, on tests/test_sweep.py's params);
-- `python -m pipeline restore --variant DTYPE` after a rollback (in a copy of the session's `reproduced`);
+- `python -m pipeline restore --variant NAME` after a rollback (in a copy of the session's `reproduced`);
 - `python scripts/timings.py --venv .venv` and `make timings`: checked for the target and the arguments; the real
   run (three full runs of the default pipeline, minutes) only with AMP_README_TIMINGS=1.
 
@@ -224,7 +224,7 @@ def test_sweep_block_runs_as_written(tmp_path):
 def _dvc_views(repo):
     """`### With DVC`, line by line, in the sweep's repository (its experiments stand for the README's my-exp)."""
     commands = block("dvc metrics show")
-    assert inline(r"dvc exp run -S trial\.dtypes='\[bfloat16\]'") in commands  # "What dvc repro does" says the same
+    assert inline(r"dvc exp run -S trial\.variants='\[bfloat16\]'") in commands  # "What dvc repro does" says the same
     run(["git", "branch", "-M", "main"], repo)  # the README's `main`, whatever git's default branch name here
     sh(repo, "dvc exp apply keep0")  # a workspace holding results, as after a `dvc repro` (the sweep ran in the queue)
     before = experiment_names(repo)
@@ -244,14 +244,14 @@ def _dvc_views(repo):
 
 
 def test_restore_after_a_rollback_runs_as_written(reproduced, tmp_path):
-    command = inline(r"python -m pipeline restore --variant DTYPE")
+    command = inline(r"python -m pipeline restore --variant NAME")
     repo = copy(reproduced, tmp_path / "repo")
     decisions = {
         d: json.loads((repo / f"data/decision/{d}/decision.json").read_text())["decision"] for d in ("float16", "bfloat16")
     }
     rolled = [d for d, v in decisions.items() if v == "rollback"]
     assert rolled, f"TINY's rule rolls bfloat16 back: {decisions} ({TINY['acceptance']})"
-    done = sh(repo, command.replace("DTYPE", rolled[0]))
+    done = sh(repo, command.replace("NAME", rolled[0]))
     assert f"restore {rolled[0]}: verified" in done.stdout
     assert (repo / "restored" / f"reference-{rolled[0]}.safetensors").is_file()
 
