@@ -21,7 +21,6 @@ from pathlib import Path
 
 from pipeline import paths
 from pipeline.artifacts.record import Record
-from pipeline.errors import UserError
 from pipeline.files import read_json, rerun, write_json
 
 FILE = paths.TRIAL_AUDIT
@@ -110,8 +109,7 @@ def read(folder: str | Path, produced_by: str = "", sha256: str | None = None) -
 
     Raises: UserError when the folder holds no audit, one that differs from ``sha256``, or one of another version."""
     path = Path(folder) / FILE
-    raw = read_json(path, produced_by, sha256)
-    try:
-        return Audit.from_dict(raw)
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise UserError(f"{path} is not an audit of this version; rebuild it with {rerun(produced_by)}") from exc
+    return Audit.parse(
+        read_json(path, produced_by, sha256),
+        lambda _: f"{path} is not an audit of this version; rebuild it with {rerun(produced_by)}",
+    )

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field, replace
 from pipeline import paths
 from pipeline.artifacts.forecast import ForecastCheck
 from pipeline.artifacts.record import Record, dump
-from pipeline.errors import UserError
 from pipeline.files import read_json, write_bytes, write_json
 
 FILE = "diagnosis.json"
@@ -317,12 +316,9 @@ def write(variant: str, diagnosis: Diagnosis, suggested_params: str | None = Non
 
 def from_dict(raw: dict, where: str = FILE, variant: str = "NAME") -> Diagnosis:
     """Raises: UserError when ``raw`` is not a diagnosis of this version (a key it does not know, or one missing)."""
-    try:
-        return Diagnosis.from_dict(raw)
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise UserError(
-            f"{where} is not a diagnosis of this version; rebuild it with `dvc repro --force diagnose@{variant}`"
-        ) from exc
+    return Diagnosis.parse(
+        raw, lambda _: f"{where} is not a diagnosis of this version; rebuild it with `dvc repro --force diagnose@{variant}`"
+    )
 
 
 def read(variant: str) -> Diagnosis:

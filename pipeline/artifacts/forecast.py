@@ -27,7 +27,6 @@ from pathlib import Path
 
 from pipeline import paths
 from pipeline.artifacts.record import Record
-from pipeline.errors import UserError
 from pipeline.files import read_json, rerun, write_json
 
 FILE = paths.REF_FORECAST.name
@@ -170,11 +169,10 @@ def read(folder: str | Path, produced_by: str = "", sha256: str | None = None) -
     """Raises: UserError when the folder holds no forecast, one that differs from ``sha256`` (its manifest's), or one of
     another version."""
     path = Path(folder) / FILE
-    raw = read_json(path, produced_by, sha256)
-    try:
-        return Headroom.from_dict(raw)
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise UserError(f"{path} is not a forecast of this version; rebuild it with {rerun(produced_by)}") from exc
+    return Headroom.parse(
+        read_json(path, produced_by, sha256),
+        lambda _: f"{path} is not a forecast of this version; rebuild it with {rerun(produced_by)}",
+    )
 
 
 def _covered(module: str, fp32_modules: Sequence[str]) -> bool:

@@ -15,6 +15,8 @@ import typing
 from dataclasses import fields, is_dataclass
 from typing import ClassVar
 
+from pipeline.errors import UserError
+
 
 class Record:
     ABSENT: ClassVar[tuple[str, ...]] = ()
@@ -31,6 +33,15 @@ class Record:
         hints = _hints(cls)
         absent = {n: None for k, n in names.items() if k not in d}  # only ABSENT fields can be (checked above)
         return cls(**absent, **{names[k]: _load(hints[names[k]], v) for k, v in d.items()})
+
+    @classmethod
+    def parse(cls, d, refused: typing.Callable[[Exception], str]):
+        """``from_dict`` for a file a stage wrote: one of another version (a key unknown or missing, a value of
+        another type) is the one line ``refused(why)``, naming the file and the stage that rebuilds it."""
+        try:
+            return cls.from_dict(d)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise UserError(refused(exc)) from None
 
     def as_dict(self) -> dict:
         return {

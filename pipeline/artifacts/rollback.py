@@ -16,7 +16,6 @@ import yaml
 from pipeline import paths
 from pipeline.artifacts.record import Record
 from pipeline.config import Params
-from pipeline.errors import UserError
 from pipeline.files import read_json, verify, write_bytes, write_json
 
 if TYPE_CHECKING:
@@ -75,12 +74,10 @@ def verified_files(variant: str) -> dict[str, str]:
         UserError: no package, one of another version, or a file missing or whose hash differs from the package.
     """
     path = folder(variant) / "manifest.json"
-    try:
-        package = Package.from_dict(read_json(path, f"decide@{variant}"))
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise UserError(
-            f"{path} is not a rollback package of this version ({exc}); run `dvc repro -f decide@{variant}`"
-        ) from None
+    package = Package.parse(
+        read_json(path, f"decide@{variant}"),
+        lambda why: f"{path} is not a rollback package of this version ({why}); run `dvc repro -f decide@{variant}`",
+    )
     for name, expected in package.files.items():
         verify(name, expected, "freeze", recorded_in="the rollback package")
     return package.files

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 from pipeline import paths
 from pipeline.artifacts.record import Record
-from pipeline.errors import UserError
 from pipeline.files import read_json
 
 if TYPE_CHECKING:
@@ -81,12 +80,10 @@ class Trajectory(Record):
 
 def _typed(cls: type[Record], raw, path: Path, variant: str):
     """``cls`` from a JSON object holding exactly its fields (the optional ones may be absent)."""
-    try:
-        return cls.from_dict(raw)
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise UserError(
-            f"{path} is not a trial file of this version ({exc}); rebuild it with `dvc repro --force {produced_by(variant)}`"
-        ) from None
+    return cls.parse(
+        raw, lambda why: f"{path} is not a trial file of this version ({why}); rebuild it with "
+        f"`dvc repro --force {produced_by(variant)}`"
+    )
 
 
 def read_manifest(variant: str) -> TrialManifest:
