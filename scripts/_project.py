@@ -134,9 +134,11 @@ _TEMPLATE: list[Path] = []
 def _dvc_template() -> Path:
     """A folder holding what ``dvc init`` and this harness's ``dvc config`` write (.dvc/, .dvcignore), made once."""
     if not _TEMPLATE:
+        import atexit
         import tempfile
 
         folder = Path(tempfile.mkdtemp(prefix="amp-dvc-template-"))
+        atexit.register(shutil.rmtree, folder, True)  # one per process that makes projects: none left in /tmp
         run(["git", "init", "-q"], folder)
         run(dvc_cmd("init", "-q"), folder)
         run(dvc_cmd("config", "core.analytics", "false"), folder)

@@ -125,6 +125,17 @@ class Browser:
         self.wait(f"!!{find}")
         self.js(f"{find}.click() || true")
 
+    def click_until(self, selector: str, text: str, expression: str, tries: int = 4, timeout: float = 20.0):
+        """Click as ``click`` does until ``expression`` holds: a single-page app can render a link before its
+        router listens, or redraw the list under the click, and a reviewer then clicks again."""
+        for attempt in range(tries):
+            self.click(selector, text)
+            try:
+                return self.wait(expression, timeout)
+            except AssertionError:
+                if attempt == tries - 1:
+                    raise
+
     def screenshot(self, path: Path) -> None:
         path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", self.session, format="png")["data"]))
 

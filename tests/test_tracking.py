@@ -600,11 +600,11 @@ def test_from_mlflows_home_page_the_runs_list_reads_every_verdict_uncut(story, t
     with Browser(tmp_path / "profile") as page:
         page.go(f"{uri}/")
         page.wait("document.body.innerText.includes('Recent Experiments')")  # the home page
-        page.click("span", "Model training")
-        page.click("a", "Experiments")  # the sidebar's list of all: the home page shows the 5 most recent only
-        page.click("a", "amp-validation")
+        page.click_until("span", "Model training", "localStorage.getItem('mlflow.workflowType_v1') === '\"machine_learning\"'")
+        # the sidebar's list of all: the home page shows the 5 most recent only
+        page.click_until("a", "Experiments", "location.hash === '#/experiments'")
         runs_view = f"location.hash.startsWith('#/experiments/{exp}/runs')"
-        page.wait(f"{runs_view} && location.hash.includes('workflowType=machine_learning')")
+        page.click_until("a", "amp-validation", f"{runs_view} && location.hash.includes('workflowType=machine_learning')")
         shown = page.wait(VISIBLE % json.dumps(verdicts))
         assert shown["end"] + 12 <= shown["edge"], (verdicts, shown)  # room left for the ellipsis: nothing cut
         text = page.js("document.body.innerText")
