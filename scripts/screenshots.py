@@ -5,7 +5,8 @@ Usage, from a repository where `dvc repro` has run (Chromium installed: `apt-get
     python scripts/screenshots.py [--out docs]
 
 Starts a real `mlflow server` on 127.0.0.1 with a temporary store, publishes this repository's results to it
-(`python -m pipeline publish`), and takes headless-Chromium screenshots of: the report (docs/report.png), the
+(`python -m pipeline publish`), and takes headless-Chromium screenshots of: the report publish uploaded
+(docs/report.png), the
 parent run's page in model-training mode (docs/mlflow-parent-run.png), the experiment's runs table
 (docs/mlflow-runs.png) and its Models tab, one LoggedModel per checkpoint (docs/mlflow-models.png). Nothing under
 data/ is written.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,34 +25,24 @@ import time
 import urllib.request
 from pathlib import Path
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
+from _browser import Browser, find
+
+PREFERENCES = {  # what a reviewer's browser remembers after their first visit: the model-training view, no assistant panel
+    "mlflow.workflowType_v1": '"machine_learning"',
+    "mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": "true",
+    "mlflow.assistant.panelOpen_v1": "false",
+}
 
 
-def shoot(url: str, out: Path, size: str, wait_ms: int) -> None:
-    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if browser is None:
-        sys.exit("error: Chromium not found; install it (`apt-get install -y chromium`), then rerun")
-    with tempfile.TemporaryDirectory(prefix="amp-chromium-") as profile:
-        subprocess.run([browser, *FLAGS, f"--user-data-dir={profile}", f"--window-size={size}",
-                        f"--virtual-time-budget={wait_ms}", f"--screenshot={out}", url],
-                       capture_output=True, timeout=180, check=True)
+def shoot(page: Browser, url: str, out: Path, size: tuple[int, int], ready: str) -> None:
+    """``url`` at ``size``, once ``ready`` (a JavaScript expression) holds and the page has settled."""
+    page.resize(*size)
+    page.go("about:blank")  # a full load: MLflow's hash routes would otherwise keep the last page's state
+    page.go(url)
+    page.wait(ready)
+    time.sleep(3)  # figures and tables finish drawing after their data arrives
+    page.screenshot(out)
     print(f"screenshots: {out}")
-
-
-def report_html(repo: Path) -> str:
-    sys.path.insert(0, str(repo))
-    from pipeline import paths
-    from pipeline.present import page
-    from pipeline.files import read_json
-    from pipeline.artifacts import variant
-    from pipeline.config import load_params
-
-    dtypes = load_params().trial.variants
-    manifest = read_json(paths.REF_MANIFEST)
-    reference = {k: manifest[k] for k in ("rule_sha256", "run_key", "env", "cases")}
-    variants = [variant.load(d) for d in dtypes]
-    return page.html(reference, variants, {v["dtype"]: v["plots"] for v in variants})
 
 
 def main() -> None:
@@ -61,10 +51,9 @@ def main() -> None:
     args = parser.parse_args()
     repo, out = Path.cwd(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if find() is None:
+        sys.exit("error: Chromium not found; install it (`apt-get install -y chromium`), then rerun")
     with tempfile.TemporaryDirectory(prefix="amp-shots-") as tmp:
-        doc = Path(tmp) / "report.html"
-        doc.write_text(report_html(repo))
-        shoot(doc.as_uri(), out / "report.png", "1280,1700", 3000)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -93,9 +82,18 @@ def main() -> None:
             lines = done.stdout.strip().splitlines()
             run_page = next(w for w in lines[-2].split() if w.startswith(uri))
             runs_view = lines[-1].rsplit("review: ", 1)[1]
-            shoot(run_page, out / "mlflow-parent-run.png", "1600,1000", 20000)
-            shoot(runs_view, out / "mlflow-runs.png", "1600,900", 20000)
-            shoot(runs_view.replace("/runs?", "/models?"), out / "mlflow-models.png", "1600,700", 20000)
+            # the page a reviewer downloads from the parent run: the very file publish uploaded
+            report = next(Path(tmp, "artifacts").rglob("report.html"))
+            with Browser(Path(tmp) / "profile") as page:
+                shoot(page, report.as_uri(), out / "report.png", (1280, 1700), "document.readyState === 'complete'")
+                page.go(f"{uri}/")
+                page.wait("document.body.innerText.includes('Recent Experiments')")
+                page.js(" && ".join(f"(localStorage.setItem({k!r}, {v!r}) || true)" for k, v in PREFERENCES.items()))
+                shows = "document.body.innerText.includes({!r})".format
+                shoot(page, run_page, out / "mlflow-parent-run.png", (1600, 1000), shows("Parameters"))
+                shoot(page, runs_view, out / "mlflow-runs.png", (1600, 900), shows("matching runs"))
+                shoot(page, runs_view.replace("/runs?", "/models?"), out / "mlflow-models.png", (1600, 700),
+                      shows("reference float32"))
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=30)
