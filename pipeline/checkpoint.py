@@ -56,7 +56,7 @@ class Meta(Record):
 
     ``grad_scaler``, ``scheduler``, ``optim_param_groups`` and ``optim_scalars`` are torch's own state_dict
     parts as torch gives them (``{}``: no scaler, no scheduler), so they stay plain JSON. The loop's counters,
-    its records (``training.StepRecord`` as dicts) and its policy are written by training; ``run_key``,
+    its records (``artifacts.steps.StepRecord`` as dicts) and its policy are written by training; ``run_key``,
     ``resume_context`` and ``run_env`` by ``ResumeFile``; each is absent from a file that has none.
     """
 

@@ -35,7 +35,7 @@ from pipeline.config import AcceptanceConfig, Tolerance
 from pipeline.errors import UserError
 
 if TYPE_CHECKING:  # the loop's record: training imports torch, the rule does not
-    from pipeline.training import StepRecord
+    from pipeline.artifacts.steps import StepRecord
 
 Part = Literal["inference", "training"]
 

@@ -20,31 +20,13 @@ from typing import Callable, Iterator
 import torch
 
 from pipeline import checkpoint, distributed, precision, task, transforms
-from pipeline.artifacts.record import Record
+from pipeline.artifacts.steps import StepRecord
 from pipeline.config import ReferenceConfig, TaskConfig
 from pipeline.errors import UserError
 from pipeline.inference import infer, infer_chunks
 from pipeline.config import Policy
 from pipeline.recipe import make_loss, make_optimizer, make_scheduler
 from pipeline.task import Inputs, TrainSource, to_device
-
-
-@dataclass(frozen=True)
-class StepRecord(Record):
-    """One optimizer update of the loop, as the trajectories and the resume state hold it (key for key)."""
-
-    step: int
-    loss: float
-    grad_norm: float
-    scale: float
-    skipped: bool
-    real_updates: int
-    lr: float
-    nonfinite_grad: bool = False
-    """The gradient norm was not finite without a GradScaler to skip it (bfloat16, FP32): the update was not applied."""
-    batch_sha256: str = ""
-    """sha256 of the bytes of every micro-batch this step read (inputs and targets, as read): the trial and every
-    resume compare it with the reference's, so a non-deterministic Dataset cannot pass unseen."""
 
 
 def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[torch.Tensor]:

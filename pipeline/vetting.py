@@ -23,7 +23,7 @@ from pipeline.compare.quality import QualityStats
 from pipeline.config import Params
 
 if TYPE_CHECKING:
-    from pipeline.training import StepRecord
+    from pipeline.artifacts.steps import StepRecord
 
 
 class Scan:

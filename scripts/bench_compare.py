@@ -91,6 +91,7 @@ def measure_compare(case: str, folder: Path, chunk_elements: int, threads: int) 
     torch.set_num_threads(threads)
     from safetensors.torch import load_file
 
+    from pipeline.artifacts.steps import StepRecord
     from pipeline.compare import streams
     from pipeline.config import AcceptanceConfig, CompareConfig
     from pipeline.artifacts.outputs import OutputsReader
@@ -99,7 +100,7 @@ def measure_compare(case: str, folder: Path, chunk_elements: int, threads: int) 
     # tiny input (their one-time allocations are the interpreter's, not the chunk's).
     tiny = {"logits": torch.randn((4, 3, 8) if case == "per_token" else (4, 8))}
     tiny_y = torch.zeros((4, 3) if case == "per_token" else (4,), dtype=torch.long)
-    steps = [{"loss": 1.0, "skipped": False, "scale": 1.0}]
+    steps = (StepRecord(step=0, loss=1.0, grad_norm=1.0, scale=1.0, skipped=False, real_updates=1, lr=0.1),)
     runs = streams.Trajectories(steps, steps, 1.0)
     warm = streams.Sources([f"ordinary/{i}" for i in range(4)], tiny_y, torch.ones(4, dtype=torch.bool), streams.InMemory(tiny),
                            streams.InMemory(tiny), streams.InMemory(tiny))

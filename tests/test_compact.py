@@ -11,8 +11,9 @@ from pipeline.compare import streams
 from pipeline.compare.decisions import KL_QUANTILES, kl_bound
 from pipeline.compare.quantiles import quantile
 from pipeline.config import AcceptanceConfig, CompareConfig
+from _steps import step
 
-STEPS = [{"loss": 1.0 / (i + 1), "skipped": False, "scale": 2.0**16} for i in range(4)]
+STEPS = tuple(step(i, 1.0 / (i + 1), scale=2.0**16) for i in range(4))
 RUNS = streams.Trajectories(STEPS, STEPS, 2.0**16)
 V = 1000
 

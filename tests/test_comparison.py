@@ -17,9 +17,10 @@ from pipeline.compare import streams
 from pipeline.config import AcceptanceConfig, Tolerance
 from pipeline.errors import UserError
 from pipeline.files import dumps, from_jsonable
+from _steps import step
 
-STEPS = [{"step": i, "loss": 1.0 / (i + 1), "skipped": i == 3, "scale": 2.0**16, "grad_norm": 1.0} for i in range(12)]
-REPLICATE = [dict(s, loss=s["loss"] * 1.01) for s in STEPS]
+STEPS = [step(i, 1.0 / (i + 1), skipped=i == 3, scale=2.0**16) for i in range(12)]
+REPLICATE = [dataclasses.replace(s, loss=s.loss * 1.01) for s in STEPS]
 
 
 def _compare(kind, ids, y, has, ref, trial, trained=None, fp64=None, rule=AcceptanceConfig(), metric=None, replicate=REPLICATE,
@@ -64,8 +65,8 @@ def _regression():
     trial = {"output": ref["output"] + 0.2}
     rule = AcceptanceConfig(threshold=0.0, outputs={"*": Tolerance(atol=0.01, rtol=0.0)}, loss_noise_multiple=0.5)
     return _compare("regression", ids, ref["output"].clone(), torch.tensor([True] * 20 + [False]), ref, trial, rule=rule,
-                    metric=streams.Metric("neg_mae"), replicate=[dict(s, loss=s["loss"] + 0.001) for s in STEPS],
-                    trial_steps=[dict(s, loss=s["loss"] + 0.01) for s in STEPS])
+                    metric=streams.Metric("neg_mae"), replicate=[dataclasses.replace(s, loss=s.loss + 0.001) for s in STEPS],
+                    trial_steps=[dataclasses.replace(s, loss=s.loss + 0.01) for s in STEPS])
 
 
 @pytest.mark.parametrize("made", [_classification, _per_token, _regression])

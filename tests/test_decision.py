@@ -16,6 +16,7 @@ from pipeline.artifacts.comparison import Stats
 from pipeline.compare import streams
 from pipeline.config import AcceptanceConfig
 from pipeline.errors import UserError
+from _steps import step
 
 def compared() -> Stats:
     """Real statistics (compare_streams) of a 10-case classifier whose trial flips ordinary/0 with a clear margin."""
@@ -24,7 +25,7 @@ def compared() -> Stats:
     ref = torch.randn(10, 3, generator=g) * 3
     trial = ref.clone()
     trial[0] = -ref[0]
-    steps = [{"step": i, "loss": 1.0 / (i + 1), "skipped": False, "scale": 32768.0, "grad_norm": 1.0} for i in range(20)]
+    steps = [step(i, 1.0 / (i + 1), scale=32768.0) for i in range(20)]
     sources = streams.Sources(ids, ref.argmax(1), torch.ones(10, dtype=torch.bool), streams.InMemory({"logits": ref}),
                               streams.InMemory({"logits": trial}), streams.InMemory({"logits": ref}))
     return streams.compare_streams("classification", AcceptanceConfig(), sources, streams.Trajectories(steps, steps, 32768.0))[0]

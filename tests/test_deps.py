@@ -207,7 +207,7 @@ def test_the_import_graph_of_the_package_has_no_circle() -> None:
 
 
 def test_imports_under_type_checking_are_not_dependencies() -> None:
-    """rule.py names the loop's StepRecord for annotations only (`if TYPE_CHECKING:`): decide never imports training."""
-    source = (PACKAGE / "rule.py").read_text()
-    assert "if TYPE_CHECKING:" in source and "pipeline.training" in source, "the case this test covers is gone"
-    assert PACKAGE / "training.py" not in imported_modules(PACKAGE / "rule.py")
+    """artifacts/decision.py names compare's Stats for annotations only (`if TYPE_CHECKING:`): it never imports them."""
+    source = (PACKAGE / "artifacts" / "decision.py").read_text()
+    assert "if TYPE_CHECKING:" in source and "pipeline.artifacts.comparison" in source, "the case this test covers is gone"
+    assert PACKAGE / "artifacts" / "comparison.py" not in imported_modules(PACKAGE / "artifacts" / "decision.py")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 
+import _steps
 import pytest
 import torch
 from torch import nn
@@ -12,6 +13,7 @@ from torch.nn import functional as F
 
 from pipeline import precision, training
 from pipeline.artifacts import forecast as forecast_file
+from pipeline.artifacts.steps import StepRecord
 from pipeline.config import Policy
 from pipeline.diagnosis import precision_map
 from pipeline.errors import UserError
@@ -45,7 +47,7 @@ class Loud(nn.Module):
         return self.head(self.norm(self.loud(torch.relu(self.inp(x)))))
 
 
-def trial(model: nn.Module, data, loss, policy: Policy, steps: int, lr: float = 1e-3) -> tuple[list[dict], bool]:
+def trial(model: nn.Module, data, loss, policy: Policy, steps: int, lr: float = 1e-3) -> tuple[list[StepRecord], bool]:
     """A float16 trial in miniature: real amp_step updates, and whether the trained model's outputs are finite."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scaler = precision.make_scaler(policy, CPU)
@@ -54,7 +56,7 @@ def trial(model: nn.Module, data, loss, policy: Policy, steps: int, lr: float = 
         for step in range(steps):
             x, y = data[step % len(data)]
             out = training.amp_step(model, [(x, y)], lambda m, x, y: loss(m(x), y), optimizer, scaler, policy, CPU)
-            records.append({"skipped": out.skipped, "scale": out.scale})
+            records.append(_steps.step(step, out.loss, scale=out.scale, skipped=out.skipped))
         with torch.no_grad(), precision.autocast(policy, CPU):
             finite = bool(torch.isfinite(model(data[0][0])).all())
     return records, finite
@@ -76,7 +78,7 @@ def test_healthy_mlp_is_safe_and_the_trial_agrees():
     assert all(p.grad is None for p in model.parameters())
 
     steps, finite = trial(model, data, F.cross_entropy, FP16, steps=6)
-    assert [s["skipped"] for s in steps] == [False] * 6 and finite
+    assert [s.skipped for s in steps] == [False] * 6 and finite
     verdict = forecast_file.check(both(f), steps, finite, ())
     assert verdict.held and verdict.line.startswith("forecast held:")
 
@@ -101,7 +103,7 @@ def test_layer_beyond_fp16_is_named_really_overflows_and_its_fp32_regions_fix_it
         assert bool(torch.isfinite(model(data[0][0])).all())
 
     steps, finite = trial(Loud(), data, F.cross_entropy, FP16, steps=6)
-    assert all(s["skipped"] for s in steps) and not finite  # every loss inf: the scale collapses
+    assert all(s.skipped for s in steps) and not finite  # every loss inf: the scale collapses
     assert forecast_file.check(both(f), steps, finite, ()).held
     steps, finite = trial(Loud(), data, F.cross_entropy, fixed, steps=6)
     assert finite and forecast_file.check(both(f), steps, finite, fixed.fp32_modules).held
@@ -138,7 +140,7 @@ def test_large_gradients_forecast_the_scalers_halvings():
     assert f"the GradScaler halves 65536 {f.halvings} times" in f.line
 
     steps, finite = trial(model, data, loud_loss, FP16, steps=f.halvings + 4, lr=1e-7)  # the loss's 1e4 taken back
-    leading = next(i for i, s in enumerate(steps) if not s["skipped"])
+    leading = next(i for i, s in enumerate(steps) if not s.skipped)
     assert abs(leading - f.halvings) <= 1, (leading, f.halvings)
     verdict = forecast_file.check(both(f), steps, finite, ())
     assert verdict.held, verdict.line
@@ -162,7 +164,7 @@ def test_the_worse_end_of_training_recommends_and_the_check_reads_both_ends():
     assert grown.line.endswith("(at the reference's trained weights; at its initial weights: fp16 is safe)")
     assert forecast_file.headroom(loud, safe).worse == "initial" and forecast_file.headroom(safe, safe).worse == "initial"
 
-    clean = [{"skipped": False, "scale": 65536.0}] * 6
+    clean = [_steps.step(i, scale=65536.0) for i in range(6)]
     missed = forecast_file.check(grown, clean, True, ())  # the trained end's overflow was expected, and did not come
     assert not missed.held and "activations beyond 65504 in ['loud', 'norm']" in missed.expected
     held = forecast_file.check(grown, clean, True, ("loud", "norm"))  # kept in FP32: the initial end's 0 halvings hold

@@ -15,7 +15,9 @@ import sys
 import numpy as np
 import pytest
 from _project import ROOT, dvc, stage, write_params
+from _steps import step
 
+from pipeline.artifacts.steps import StepRecord
 from pipeline.config import AcceptanceConfig
 from pipeline.files import flatten
 from pipeline.present import plots
@@ -25,15 +27,12 @@ from pipeline.present import page, verdict
 DTYPES = ("float16", "bfloat16")
 
 
-def synthetic() -> tuple[list[dict], dict[str, list[dict]], dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
+def synthetic() -> tuple[list[StepRecord], dict[str, list[StepRecord]], dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
     """A reference and two trials: one with skipped steps and a non-finite loss, one with exact outputs."""
-    ref_steps = [{"step": i, "loss": 2.0 / (1 + i), "scale": 1.0, "skipped": False, "grad_norm": 1.0} for i in range(20)]
-    fp16 = [
-        {"step": i, "loss": 2.0 / (1 + i) + 0.01, "scale": 65536.0 / 2 ** (i // 7), "skipped": i in (7, 14), "grad_norm": 1.0}
-        for i in range(20)
-    ]
-    fp16[3]["loss"] = math.inf
-    bf16 = [{"step": i, "loss": 2.0 / (1 + i) - 0.02, "scale": 1.0, "skipped": False, "grad_norm": 1.0} for i in range(20)]
+    ref_steps = [step(i, 2.0 / (1 + i)) for i in range(20)]
+    fp16 = [step(i, math.inf if i == 3 else 2.0 / (1 + i) + 0.01, scale=65536.0 / 2 ** (i // 7), skipped=i in (7, 14))
+            for i in range(20)]
+    bf16 = [step(i, 2.0 / (1 + i) - 0.02) for i in range(20)]
     gen = np.random.default_rng(0)
     ref = {"output": gen.normal(size=(50, 10)).astype(np.float32), "aux": gen.normal(size=(50, 1)).astype(np.float32) * 100}
     trial = {
@@ -269,7 +268,7 @@ def test_one_dtype_leaves_no_stale_figures_and_plots_still_render(reproduced, tm
     assert "errors" not in rendered or not rendered["errors"], rendered.get("errors")
 
 
-@pytest.mark.parametrize("steps", [[], [{"step": 0, "loss": math.nan, "scale": math.nan, "skipped": True}]])
+@pytest.mark.parametrize("steps", [[], [step(0, math.nan, scale=math.nan, skipped=True)]])
 def test_degenerate_curves_still_render(steps):
     assert plots.loss_curves(steps, steps, "float16").startswith(b"\x89PNG")
     assert plots.loss_scale(steps, "float16").startswith(b"\x89PNG")

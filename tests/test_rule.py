@@ -13,6 +13,7 @@ from pipeline import rule
 from pipeline.artifacts.comparison import Stats
 from pipeline.compare import streams
 from pipeline.config import AcceptanceConfig, Tolerance
+from _steps import step
 
 RULE = AcceptanceConfig(min_quality=0.9)
 
@@ -28,8 +29,8 @@ def _compared() -> dict:
     trial = ref.clone()
     trial[40] = torch.tensor([1.001, 1.0, 0.0])
     has_target = torch.tensor([True] * 40 + [False] * 4)
-    steps = [{"step": i, "loss": 1.0 / (i + 1), "skipped": False, "scale": 32768.0, "grad_norm": 1.0} for i in range(60)]
-    replicate = [dict(s, loss=s["loss"] * 1.01) for s in steps]
+    steps = [step(i, 1.0 / (i + 1), scale=32768.0) for i in range(60)]
+    replicate = [dataclasses.replace(s, loss=s.loss * 1.01) for s in steps]
     sources = streams.Sources(ids, ref.argmax(1), has_target, streams.InMemory({"output": ref}),
                               streams.InMemory({"output": trial}), streams.InMemory({"output": ref}))
     stats, _ = streams.compare_streams(

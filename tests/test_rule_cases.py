@@ -8,7 +8,6 @@ by design).
 
 import dataclasses
 import math
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from pipeline import inference, recipe, training
 from pipeline import rule
 
 from pipeline.artifacts.comparison import Decisions, Distribution, Flip, Quality
+from pipeline.artifacts.steps import StepRecord
 from pipeline.compare import bounds
 
 from pipeline.compare import streams
@@ -28,10 +28,11 @@ from pipeline.compare.trajectory import trajectory_gap, update_health
 from pipeline.config import AcceptanceConfig, ReferenceConfig, TaskConfig, Tolerance
 from pipeline.config import Policy
 from pipeline.task import TensorSource
+from _steps import step
 
 # flat trajectories here: no replicate to measure FP32 noise on
 RULE = AcceptanceConfig(min_quality=None, loss_noise_multiple=None)
-FLAT = [{"step": i, "loss": 1.0, "skipped": False, "scale": 1.0, "grad_norm": 1.0} for i in range(12)]
+FLAT = [step(i) for i in range(12)]
 
 
 def _autocast(model, x, dtype):
@@ -222,9 +223,9 @@ def test_streamed_p99_gate_reads_the_upper_edge():
     assert not q.exact and q.upper() >= exact and q.upper() <= exact * (1 + 2**-9)
 
 
-def _step(step: int, loss: float, grad_norm: float) -> training.StepRecord:
+def _step(step: int, loss: float, grad_norm: float) -> StepRecord:
     """One step of the reference's training record, as freeze vets it."""
-    return training.StepRecord(step=step, loss=loss, grad_norm=grad_norm, scale=1.0, skipped=False, real_updates=step + 1, lr=0.1)
+    return StepRecord(step=step, loss=loss, grad_norm=grad_norm, scale=1.0, skipped=False, real_updates=step + 1, lr=0.1)
 
 
 def test_tiny_scale_regression_refuses_logit_tolerances_and_unknown_names():
@@ -316,7 +317,7 @@ def test_bfloat16_never_applies_a_non_finite_gradient():
     assert math.isfinite(float(out.loss)) and not math.isfinite(float(out.grad_norm))
     assert out.skipped and out.nonfinite_grad
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # before: the weights went NaN
-    steps = [{"step": 0, "loss": 1.0, "skipped": True, "scale": 1.0, "nonfinite_grad": True}] + FLAT[1:]
+    steps = [step(0, skipped=True, nonfinite_grad=True)] + FLAT[1:]
     ids, scores = ["ordinary/a", "ordinary/b"], {"output": torch.tensor([[2.0, 0.0], [0.0, 2.0]])}
     _, d = _judge(ids, torch.tensor([0, 1]), torch.ones(2, dtype=torch.bool), scores, scores, trial_steps=steps)
     assert d.training == "rollback" and d.inference == "accept" and d.cases == {"steps": (0,)}
@@ -339,19 +340,17 @@ def test_designed_gradscaler_skips_do_not_roll_back_but_a_divergence_does():
             _net(), TensorSource(x, y), cfg, TaskConfig(), policy, device, 0, skip_steps=skip, label="t"
         ).records
 
-    ref = [asdict(r) for r in run(Policy())]
+    ref = run(Policy())
     trial_records = run(Policy(dtype="float16"))
     skipped = [r.step for r in trial_records if r.skipped]
     assert 1 <= len(skipped) <= 3, skipped  # 65536 overflows float16's gradients once; the scale backs off
-    trial = [asdict(r) for r in trial_records]
-    aligned = [
-        asdict(r) for r in training.aligned_fp32(_net, TensorSource(x, y), cfg, TaskConfig(), device, 0, trial_records, "t")
-    ]
+    trial = trial_records
+    aligned = training.aligned_fp32(_net, TensorSource(x, y), cfg, TaskConfig(), device, 0, trial_records, "t")
     acc = dataclasses.replace(RULE, loss_atol=0.05, loss_rtol=0.0)
     naive = streams.training_stats(acc, streams.Trajectories(ref, trial, 1024.0))
     fair = streams.training_stats(acc, streams.Trajectories(ref, trial, 1024.0, aligned=aligned))
     assert naive.band_violations > 0 and fair.band_violations == 0, (naive.max_loss_gap, fair.max_loss_gap)
-    harmful = [asdict(r) for r in run(Policy(dtype="float16"), dataclasses.replace(cfg, lr=5.0))]
+    harmful = run(Policy(dtype="float16"), dataclasses.replace(cfg, lr=5.0))
     bad = streams.training_stats(acc, streams.Trajectories(ref, harmful, 1024.0, aligned=aligned))
     assert bad.band_violations > 0
 

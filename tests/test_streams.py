@@ -11,8 +11,9 @@ from pipeline.artifacts import comparison
 
 from pipeline.compare import streams
 from pipeline.config import AcceptanceConfig, CompareConfig, TaskConfig
+from _steps import step
 
-STEPS = [{"loss": 1.0 / (i + 1), "skipped": False, "scale": 2.0**16} for i in range(4)]
+STEPS = tuple(step(i, 1.0 / (i + 1), scale=2.0**16) for i in range(4))
 RUNS = streams.Trajectories(STEPS, STEPS, 2.0**16)
 
 

@@ -21,12 +21,13 @@ API:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import paths
 from pipeline.artifacts.record import Record
+from pipeline.artifacts.steps import Steps
 from pipeline.files import read_json, rerun, write_json
 
 FILE = paths.REF_FORECAST.name
@@ -179,9 +180,9 @@ def _covered(module: str, fp32_modules: Sequence[str]) -> bool:
     return any(m == "" or module == m or module.startswith(m + ".") for m in fp32_modules)
 
 
-def check(headroom: Headroom, steps: Sequence[Mapping], outputs_finite: bool, fp32_modules: Sequence[str]) -> ForecastCheck:
-    """The forecast against a float16 trial: its trajectory's ``steps`` (each with ``skipped`` and ``scale``),
-    whether its outputs stayed finite, and the ``fp32_modules`` it ran with.
+def check(headroom: Headroom, steps: Steps, outputs_finite: bool, fp32_modules: Sequence[str]) -> ForecastCheck:
+    """The forecast against a float16 trial: its trajectory's ``steps``, whether its outputs stayed finite, and the
+    ``fp32_modules`` it ran with.
 
     Activations beyond 65504 (at either end of the reference's training) in a module the trial did not keep in FP32
     should overflow: non-finite outputs, or the scale collapsing (no real update, or most steps after the first one
@@ -191,9 +192,9 @@ def check(headroom: Headroom, steps: Sequence[Mapping], outputs_finite: bool, fp
     """
     halvings = headroom.initial.halvings
     n = len(steps)
-    skipped = sum(bool(s["skipped"]) for s in steps)
-    leading = next((i for i, s in enumerate(steps) if not s["skipped"]), n)
-    settled = f", then ran at scale {steps[leading]['scale']:g}" if leading < n else ""
+    skipped = sum(s.skipped for s in steps)
+    leading = next((i for i, s in enumerate(steps) if not s.skipped), n)
+    settled = f", then ran at scale {steps[leading].scale:g}" if leading < n else ""
     observed = (
         f"skipped {leading} leading and {skipped} of {n} steps{settled}, outputs {'finite' if outputs_finite else 'non-finite'}"
     )

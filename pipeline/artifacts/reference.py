@@ -14,6 +14,8 @@ from pathlib import Path
 
 from pipeline import paths
 from pipeline.artifacts import forecast
+from pipeline.artifacts.record import Record
+from pipeline.artifacts.steps import Steps
 from pipeline.config import AcceptanceConfig
 from pipeline.errors import UserError
 from pipeline.files import read_json
@@ -69,19 +71,31 @@ def read_manifest() -> Manifest:
     return Manifest(**raw)
 
 
-def _steps(path: Path, manifest: Manifest) -> list[dict]:
+@dataclass(frozen=True)
+class Trajectory(Record):
+    """``data/reference/trajectory.json`` and the noise replicate's ``replicate_trajectory.json``: FP32 training's
+    updates, and for the replicate how its data order was perturbed."""
+
+    ABSENT = ("perturbation",)
+
+    steps: Steps
+    perturbation: str | None = None
+
+
+def _steps(path: Path, manifest: Manifest) -> Steps:
     sha = manifest.sha256(path)
     if sha is None:
         raise UserError(f"{paths.REF_MANIFEST} names no {path}; rebuild the reference with `dvc repro --force {PRODUCED_BY}`")
-    return read_json(path, PRODUCED_BY, sha)["steps"]
+    refused = f"{path} is not a trajectory of this version ({{}}); rebuild it with `dvc repro --force {PRODUCED_BY}`".format
+    return Trajectory.parse(read_json(path, PRODUCED_BY, sha), refused).steps
 
 
-def read_trajectory(manifest: Manifest | None = None) -> list[dict]:
+def read_trajectory(manifest: Manifest | None = None) -> Steps:
     """The reference's per-step training records (verified against ``manifest``, read when not given)."""
     return _steps(paths.REF_TRAJECTORY, manifest or read_manifest())
 
 
-def read_replicate(manifest: Manifest | None = None) -> list[dict] | None:
+def read_replicate(manifest: Manifest | None = None) -> Steps | None:
     """The FP32 noise replicate's per-step records (``reference.noise_replicate``), verified; None without one."""
     manifest = manifest or read_manifest()
     if manifest.sha256(paths.REF_REPLICATE_TRAJECTORY) is None:

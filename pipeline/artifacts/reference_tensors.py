@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
@@ -20,7 +20,8 @@ import torch
 from pipeline import cases, checkpoint, paths, task
 from pipeline.artifacts import forecast as forecast_file
 from pipeline.artifacts.outputs import OutputsReader, write_outputs
-from pipeline.artifacts.reference import PRODUCED_BY, Manifest, read_manifest, read_replicate, read_trajectory
+from pipeline.artifacts.steps import Steps
+from pipeline.artifacts.reference import PRODUCED_BY, Manifest, Trajectory, read_manifest, read_replicate, read_trajectory
 from pipeline.config import Params
 from pipeline.errors import UserError
 from pipeline.files import sha256_file, write_json
@@ -35,8 +36,8 @@ class Reference:
 
     manifest: Manifest
     cases: cases.Cases
-    trajectory: list[dict]
-    replicate: list[dict] | None = None
+    trajectory: Steps
+    replicate: Steps | None = None
     """Per-step records of the FP32 noise replicate (``reference.noise_replicate``), or None."""
 
     @functools.cached_property
@@ -70,7 +71,7 @@ class Reference:
         compare with its own; None for another world size, whose ranks draw other batches."""
         if self.manifest.env.get("world_size", 1) != world_size:
             return None
-        return [s.get("batch_sha256", "") for s in self.trajectory]
+        return [s.batch_sha256 for s in self.trajectory]
 
     def train_data(self, params: Params) -> task.TrainSource:
         """The training data the reference was trained on (tensors, or the verified Dataset)."""
@@ -153,13 +154,12 @@ def write(
     files[str(paths.REF_INIT)] = checkpoint.save(paths.REF_INIT, init)
     files[str(paths.REF_CHECKPOINT)] = checkpoint.save(paths.REF_CHECKPOINT, trained)
     files[str(paths.REF_CASES)] = cases.save(paths.REF_CASES, fixed)
-    write_json(paths.REF_TRAJECTORY, {"steps": [asdict(r) for r in records]})
+    write_json(paths.REF_TRAJECTORY, Trajectory(steps=tuple(records)).as_dict())
     files[str(paths.REF_TRAJECTORY)] = sha256_file(paths.REF_TRAJECTORY)
     if replicate is not None:
-        write_json(paths.REF_REPLICATE_TRAJECTORY, {
-            "steps": [asdict(r) for r in replicate],
-            "perturbation": "data order: first samples of consecutive updates swapped",
-        })
+        write_json(paths.REF_REPLICATE_TRAJECTORY, Trajectory(
+            steps=tuple(replicate), perturbation="data order: first samples of consecutive updates swapped",
+        ).as_dict())
         files[str(paths.REF_REPLICATE_TRAJECTORY)] = sha256_file(paths.REF_REPLICATE_TRAJECTORY)
     forecast_file.write(paths.REFERENCE, forecast)
     files[str(paths.REF_FORECAST)] = sha256_file(paths.REF_FORECAST)

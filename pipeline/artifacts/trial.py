@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from pipeline import paths
 from pipeline.artifacts.record import Record
+from pipeline.artifacts.steps import Steps
 from pipeline.files import read_json
 
 if TYPE_CHECKING:
@@ -66,15 +67,14 @@ class TrialManifest(Record):
 
 @dataclass(frozen=True)
 class Trajectory(Record):
-    """``data/trial/NAME/trajectory.json``: what training under the policy did, step by step (``training.StepRecord``
-    as dicts: the readers in compare, diagnosis and the renderers are torch-free, the record is not yet)."""
+    """``data/trial/NAME/trajectory.json``: what training under the policy did, step by step."""
 
     ABSENT = ("aligned_fp32",)  # absent rather than null: the file says only what happened
 
-    steps: list[dict]
+    steps: Steps
     final_scale: float
     scaler_enabled: bool
-    aligned_fp32: list[dict] | None = None
+    aligned_fp32: Steps | None = None
     """FP32 with this trial's GradScaler skips skipped too (``training.aligned_fp32``), or None without skips."""
 
 

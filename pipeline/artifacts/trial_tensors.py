@@ -9,7 +9,7 @@ alone). ``load`` gives the manifest and trajectory verified, and the outputs and
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -62,8 +62,8 @@ class Writer:
         self.pending.clear()
         self.files[paths.TRIAL_CHECKPOINT] = checkpoint.save(self.folder / paths.TRIAL_CHECKPOINT, result.state)
         trajectory = Trajectory(
-            steps=[asdict(r) for r in result.records], final_scale=result.final_scale, scaler_enabled=policy.uses_scaler,
-            aligned_fp32=[asdict(r) for r in aligned] if aligned is not None else None,
+            steps=tuple(result.records), final_scale=result.final_scale, scaler_enabled=policy.uses_scaler,
+            aligned_fp32=tuple(aligned) if aligned is not None else None,
         )
         write_json(self.folder / paths.TRIAL_TRAJECTORY, trajectory.as_dict())
         self.files[paths.TRIAL_TRAJECTORY] = sha256_file(self.folder / paths.TRIAL_TRAJECTORY)

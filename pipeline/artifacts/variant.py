@@ -34,7 +34,7 @@ def load(variant: str) -> dict[str, Any]:
         "variant": variant,
         "env": manifest.env,
         "manifest": manifest.as_dict(),
-        "trajectory": trial.read_trajectory(variant, manifest).as_dict(),
+        "trajectory": trial.read_trajectory(variant, manifest),
         "audit": audit.read(paths.trial(variant), trial.produced_by(variant), manifest.files[paths.TRIAL_AUDIT]).as_dict(),
         "stats": stats,
         "metrics": flatten(stats),

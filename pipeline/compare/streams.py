@@ -34,6 +34,7 @@ import torch
 
 from pipeline.artifacts.comparison import Decisions, NonFinite, NonFiniteSides, OutputsInfo, Paired, Quality, Stats, Training
 from pipeline.artifacts.outputs import OutputsReader
+from pipeline.artifacts.steps import Steps
 from pipeline.compare.decisions import DecisionStats, PerCase, regression_flips
 from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite
 from pipeline.compare.quality import QualityStats, regression_errors
@@ -151,14 +152,14 @@ class Sources:
 class Trajectories:
     """The training side: per-step records (``loss``, ``skipped``, ``scale``...) of the runs compared."""
 
-    reference: list[dict]
-    trial: list[dict]
+    reference: Steps
+    trial: Steps
     final_scale: float
     """The trial's loss scale after its last step."""
     scaler_enabled: bool = True
-    replicate: list[dict] | None = None
+    replicate: Steps | None = None
     """FP32 again on another data order: FP32's own run-to-run variation, the noise floor."""
-    aligned: list[dict] | None = None
+    aligned: Steps | None = None
     """FP32 with the trial's GradScaler skips skipped too (``training.aligned_fp32``): the trial is held against
     it instead of ``reference``, so that designed skips are not judged as precision."""
 
@@ -496,22 +497,21 @@ def _slices(shape: tuple[int, ...], start: int, by_position: bool, limit: int = 
 
 def training_stats(rule: AcceptanceConfig, runs: Trajectories) -> Training:
     """The trial's trajectory against the reference's; against ``runs.aligned`` instead when given, so that
-    designed skips are not judged as precision. The reference's own losses must be finite at every step too.
-    The runs' per-step records are dicts (the trajectory files' rows)."""
+    designed skips are not judged as precision. The reference's own losses must be finite at every step too."""
     base = runs.aligned if runs.aligned is not None else runs.reference
-    ref_loss = [s["loss"] for s in base]
-    trial_loss = [s["loss"] for s in runs.trial]
-    replicate = [s["loss"] for s in runs.replicate] if runs.replicate is not None else None
+    ref_loss = [s.loss for s in base]
+    trial_loss = [s.loss for s in runs.trial]
+    replicate = [s.loss for s in runs.replicate] if runs.replicate is not None else None
     gap = trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol, replicate, rule.loss_noise_multiple,
                          rule.loss_noise_atol)
     health = update_health(
-        [s["skipped"] for s in runs.trial],
-        [s["scale"] for s in runs.trial] + [runs.final_scale],
+        [s.skipped for s in runs.trial],
+        [s.scale for s in runs.trial] + [runs.final_scale],
         [not math.isfinite(v) for v in trial_loss],
         rule.stall_window,
-        [bool(s.get("nonfinite_grad", False)) for s in runs.trial],
+        [s.nonfinite_grad for s in runs.trial],
     )
-    first_bad_reference = next((i for i, s in enumerate(runs.reference) if not math.isfinite(s["loss"])), -1)
+    first_bad_reference = next((i for i, s in enumerate(runs.reference) if not math.isfinite(s.loss)), -1)
     return Training.of(gap, health, scaler_enabled=runs.scaler_enabled, aligned_on_skips=runs.aligned is not None,
                        first_nonfinite_reference_step=first_bad_reference)
 

@@ -8,7 +8,7 @@ replayable pass (model state, inputs, RNG state, loss scale), so that every poli
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -19,6 +19,7 @@ from pipeline import rule
 from pipeline.artifacts import reference_tensors
 from pipeline.artifacts.comparison import Stats
 from pipeline.artifacts.diagnosis import LocatedCase, Rerun, Trace, Work
+from pipeline.artifacts.steps import Steps
 
 from pipeline.compare import streams
 from pipeline.artifacts import trial_tensors
@@ -36,7 +37,7 @@ class Run:
 
     policy: Policy
     outputs: dict[str, torch.Tensor]
-    steps: list[dict]
+    steps: Steps
     stats: Stats
     decision: rule.RuleResult
 
@@ -172,7 +173,7 @@ def training_case(ctx: Context, run: Run, step: int) -> Case:
     )
     ctx.spend(replayed_steps=step)
     replayed = [r.loss for r in result.records]
-    recorded = [s["loss"] for s in run.steps[:step]]
+    recorded = [s.loss for s in run.steps[:step]]
     matches = all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(replayed, recorded))
     scale = float(result.final_scale) if run.policy.uses_scaler else 1.0
     x, y = ctx.first_batch_of_update(step)
@@ -213,8 +214,8 @@ def rerun(ctx: Context, policy: Policy) -> Run:
         params.seed,
         label=f"diagnose re-run {ctx.variant}",
     )
-    steps = [asdict(r) for r in run.training.records]
-    aligned = [asdict(r) for r in run.aligned] if run.aligned is not None else None
+    steps = tuple(run.training.records)
+    aligned = tuple(run.aligned) if run.aligned is not None else None
     stats = _compare(
         ctx, run.outputs, run.trained_outputs, steps, run.training.final_scale, policy.uses_scaler, ref.fp64_reader(), aligned
     )
@@ -229,8 +230,8 @@ def reference_fails_itself(ctx: Context) -> list[str]:
     return list(rule.decide(stats, ctx.params.acceptance).reasons)
 
 
-def _compare(ctx: Context, outputs: dict, trained: dict, steps: list[dict], final_scale: float, scaler: bool, fp64,
-             aligned: list[dict] | None = None) -> Stats:
+def _compare(ctx: Context, outputs: dict, trained: dict, steps: Steps, final_scale: float, scaler: bool, fp64,
+             aligned: Steps | None = None) -> Stats:
     """Statistics as the compare stage computes them (metric, chunking, token mask, FP64 arbiter, noise
     replicate), so that a re-run's verdict is the stage's rule."""
     params, ref = ctx.params, ctx.ref

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 from pipeline.artifacts.comparison import Stats
 from pipeline.artifacts.diagnosis import Diagnosis
+from pipeline.artifacts.steps import Steps
 
 
-def triage(stats: Stats, trial_steps: list[dict], failing: list[str]) -> Diagnosis:
+def triage(stats: Stats, trial_steps: Steps, failing: list[str]) -> Diagnosis:
     """Findings from the recorded statistics alone: non-finite outputs by case kind, first non-finite
     training step; ``failing`` is the rule's verdict on the trial (its reasons), computed once by the stage."""
     findings: list[str] = []
@@ -25,8 +27,7 @@ def triage(stats: Stats, trial_steps: list[dict], failing: list[str]) -> Diagnos
     return Diagnosis(needed=bool(failing), failing=list(failing), findings=findings)
 
 
-def first_nonfinite_step(steps: list[dict], key: str = "") -> int | None:
-    """The first step whose ``key`` (both loss and gradient norm when none is given) is not finite; ``steps``
-    are the trajectory's per-step records (``artifacts.trial.Trajectory.steps``)."""
+def first_nonfinite_step(steps: Steps, key: Literal["loss", "grad_norm", ""] = "") -> int | None:
+    """The first step whose ``key`` (both loss and gradient norm when none is given) is not finite."""
     keys = (key,) if key else ("loss", "grad_norm")
-    return next((s["step"] for s in steps if any(not math.isfinite(s[k]) for k in keys)), None)
+    return next((s.step for s in steps if any(not math.isfinite(getattr(s, k)) for k in keys)), None)

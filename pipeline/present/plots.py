@@ -12,12 +12,13 @@ from __future__ import annotations
 import functools
 import io
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 if TYPE_CHECKING:
+    from pipeline.artifacts.steps import Steps
     from pipeline.config import AcceptanceConfig
 
 # One size for every figure: readable in the MLflow artifact viewer and small inside the HTML report.
@@ -41,8 +42,8 @@ def _styled(draw: Callable[..., bytes]) -> Callable[..., bytes]:
 
 
 def curve_rows(
-    ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dtype: str = "", band: AcceptanceConfig | None = None,
-    noise_steps: Sequence[Mapping] | None = None,
+    ref_steps: Steps, trial_steps: Steps, dtype: str = "", band: AcceptanceConfig | None = None,
+    noise_steps: Steps | None = None,
 ) -> dict[str, list[dict]]:
     """Per-step rows for `dvc plots`, in long form (one value per row, named by ``series``), one list per family.
 
@@ -52,30 +53,30 @@ def curve_rows(
     carries ``dtype``: the plot templates title, colour and facet by these fields, so one template serves
     every dtype and `dvc plots diff` tells revisions apart by DVC's own ``rev``.
     """
-    ref_loss = {int(s["step"]): s["loss"] for s in ref_steps}
+    ref_loss = {s.step: s.loss for s in ref_steps}
     amp = f"AMP {dtype}".strip()
     loss: list[dict] = []
     for s in trial_steps:
-        step = int(s["step"])
+        step = s.step
         fp32 = ref_loss.get(step, math.nan)
         loss.append({"step": step, "dtype": dtype, "panel": "loss", "series": "FP32 reference", "value": fp32})
-        loss.append({"step": step, "dtype": dtype, "panel": "loss", "series": amp, "value": s["loss"]})
-        loss.append({"step": step, "dtype": dtype, "panel": "gap", "series": f"|{amp} - FP32|", "value": abs(s["loss"] - fp32)})
+        loss.append({"step": step, "dtype": dtype, "panel": "loss", "series": amp, "value": s.loss})
+        loss.append({"step": step, "dtype": dtype, "panel": "gap", "series": f"|{amp} - FP32|", "value": abs(s.loss - fp32)})
         if band is not None:
             loss.append({
                 "step": step, "dtype": dtype, "panel": "gap", "series": "band allowed by the rule", "value": band.loss_band(fp32),
             })
     for s in noise_steps or []:
-        step = int(s["step"])
+        step = s.step
         if step in ref_loss:
             loss.append({
                 "step": step, "dtype": dtype, "panel": "gap", "series": "FP32 noise floor",
-                "value": abs(s["loss"] - ref_loss[step]),
+                "value": abs(s.loss - ref_loss[step]),
             })
-    enabled = any(float(s["scale"]) != 1.0 for s in trial_steps) or dtype == "float16"
+    enabled = any(s.scale != 1.0 for s in trial_steps) or dtype == "float16"
     label = "loss scale" if enabled else "no GradScaler: scale fixed at 1"
     scale = [
-        {"step": int(s["step"]), "dtype": dtype, "series": label, "scale": s["scale"], "skipped": int(bool(s["skipped"]))}
+        {"step": s.step, "dtype": dtype, "series": label, "scale": s.scale, "skipped": int(s.skipped)}
         for s in trial_steps
     ]
     return {"loss": [_finite_row(r) for r in loss], "scale": [_finite_row(r) for r in scale]}
@@ -87,8 +88,8 @@ def _finite_row(row: dict) -> dict:
 
 
 @_styled
-def loss_curves(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dtype: str, band: AcceptanceConfig | None = None,
-                noise_steps: Sequence[Mapping] | None = None) -> bytes:
+def loss_curves(ref_steps: Steps, trial_steps: Steps, dtype: str, band: AcceptanceConfig | None = None,
+                noise_steps: Steps | None = None) -> bytes:
     """Training loss per step, FP32 reference against the AMP trial (top), and AMP's |gap| against the band
     the rule allows, ``atol + rtol*|FP32 loss|`` (bottom), with the FP32 noise floor when one was measured."""
     from matplotlib.figure import Figure
@@ -132,12 +133,12 @@ def loss_curves(ref_steps: Sequence[Mapping], trial_steps: Sequence[Mapping], dt
 
 
 @_styled
-def loss_scale(trial_steps: Sequence[Mapping], dtype: str) -> bytes:
+def loss_scale(trial_steps: Steps, dtype: str) -> bytes:
     """GradScaler loss scale per step (log scale), skipped updates marked with a red cross."""
     fig, ax = _figure()
     steps, scales = _series(trial_steps, "scale")
     ax.step(steps, scales, where="post", color=_AMP, label="loss scale")
-    skipped = [(int(s["step"]), float(s["scale"])) for s in trial_steps if s["skipped"]]
+    skipped = [(s.step, s.scale) for s in trial_steps if s.skipped]
     if skipped:
         ax.plot(
             [s for s, _ in skipped], [v for _, v in skipped], "x", color=_BAD, markersize=7,
@@ -297,8 +298,8 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def _series(steps: Sequence[Mapping], field: str) -> tuple[list[int], list[float]]:
-    return [int(s["step"]) for s in steps], [float(s[field]) for s in steps]
+def _series(steps: Steps, field: Literal["loss", "scale"]) -> tuple[list[int], list[float]]:
+    return [s.step for s in steps], [float(getattr(s, field)) for s in steps]
 
 
 def _flat(value) -> np.ndarray:

@@ -21,6 +21,7 @@ from typing import Any
 
 from pipeline import paths, rule
 from pipeline.artifacts.reference import Manifest
+from pipeline.artifacts.steps import Steps
 from pipeline.config import AcceptanceConfig, build
 from pipeline.files import flatten
 from pipeline.present import page, verdict
@@ -83,7 +84,7 @@ def verdicts(variants: Mapping[str, Mapping[str, Any]], loosened_by_dtype: Mappi
 
 def parent(
     manifest: Manifest, variants: Mapping[str, Mapping[str, Any]], verdicts_: Sequence[verdict.Verdict],
-    ref_steps: list[dict], common: Mapping[str, str], flat: dict, params_path: str,
+    ref_steps: Steps, common: Mapping[str, str], flat: dict, params_path: str,
 ) -> RunSpec:
     """The pipeline execution: the verdict block first (description, report.html), the reference, params."""
     reference = {"rule_sha256": manifest.rule_sha256, "run_key": manifest.run_key, "env": manifest.env, "cases": manifest.cases}
@@ -91,7 +92,7 @@ def parent(
     summary = page.markdown(reference, list(variants.values()), verdicts_)
     suffix = " ".join(filter(None, [common.get("dvc_experiment"), common["git_commit"][:8]]))
     ref_metrics = {
-        "reference.real_updates": manifest.real_updates, "reference.final_loss": ref_steps[-1]["loss"] if ref_steps else None,
+        "reference.real_updates": manifest.real_updates, "reference.final_loss": ref_steps[-1].loss if ref_steps else None,
     }
     return RunSpec(
         name=run_name(verdicts_, suffix),
@@ -103,7 +104,7 @@ def parent(
             **ref_metrics,
             **{f"{d}.{k}": x for d, v in variants.items() for k, x in columns(v).items() if k in KEY_COLUMNS},
         },
-        steps={"loss_fp32": series(ref_steps, "loss"), "grad_norm_fp32": series(ref_steps, "grad_norm")},
+        steps={"loss_fp32": [(s.step, s.loss) for s in ref_steps], "grad_norm_fp32": [(s.step, s.grad_norm) for s in ref_steps]},
         artifacts=[(p, "") for p in (Path(params_path), Path("dvc.lock")) if p.is_file()]
         + [(paths.REF_MANIFEST, "reference"), (paths.REF_TRAJECTORY, "reference")],
         # The report quotes benchmark timings: built here, not as a DVC output (those rerun byte for byte).
@@ -117,8 +118,8 @@ def parent(
     )
 
 
-def child(v: Mapping[str, Any], verdict_: verdict.Verdict, loosened_: list[str], ref_steps: list[dict],
-          replicate_steps: list[dict] | None, common: Mapping[str, str], flat: dict) -> RunSpec:
+def child(v: Mapping[str, Any], verdict_: verdict.Verdict, loosened_: list[str], ref_steps: Steps,
+          replicate_steps: Steps | None, common: Mapping[str, str], flat: dict) -> RunSpec:
     """One variant: decision and key figures as columns, curves, figures, table, suggestion, rollback package."""
     d, decision = v["variant"], v["decision"]
     rule_ = decision.get("rule") or {}
@@ -127,7 +128,7 @@ def child(v: Mapping[str, Any], verdict_: verdict.Verdict, loosened_: list[str],
         tags=child_tags(v, loosened_, common),
         params=flat,
         metrics=columns(v),
-        steps=curves(ref_steps, v["trajectory"]["steps"], build(AcceptanceConfig, rule_, "decision.rule"), replicate_steps),
+        steps=curves(ref_steps, v["trajectory"].steps, build(AcceptanceConfig, rule_, "decision.rule"), replicate_steps),
         artifacts=child_artifacts(d),
         # flipped cases first: the table opens on them, not after pages of unchanged cases
         tables={"cases.json": sorted(v["cases"], key=lambda r: not r.get("flipped"))} if v["cases"] is not None else {},
@@ -244,27 +245,25 @@ def _bench_columns(bench: Mapping[str, Any]) -> dict:
 
 
 def curves(
-    ref_steps: list[dict], steps: list[dict], rule_: AcceptanceConfig, replicate_steps: list[dict] | None = None
+    ref_steps: Steps, steps: Steps, rule_: AcceptanceConfig, replicate_steps: Steps | None = None
 ) -> dict[str, list[tuple[int, float]]]:
-    """Per-step histories: both losses, the AMP gap, the band the rule allows around FP32's loss and, when
-    the reference ran an FP32 replicate, its gap (the noise floor)."""
-    ref = {int(s["step"]): s["loss"] for s in ref_steps}
-    shared = [s for s in steps if int(s["step"]) in ref]
+    """Per-step histories: both losses, the AMP gap, the band the rule allows around FP32's loss, the trial's
+    scale, gradient norm, skips and learning rate and, when the reference ran an FP32 replicate, its gap (the
+    noise floor)."""
+    ref = {s.step: s.loss for s in ref_steps}
+    shared = [s for s in steps if s.step in ref]
     out = {
-        "loss_fp32": series(ref_steps, "loss"),
-        "loss_amp": series(steps, "loss"),
-        "loss_gap_abs": [(int(s["step"]), abs(s["loss"] - ref[int(s["step"])])) for s in shared],
-        "loss_band": [(int(s["step"]), rule_.loss_band(ref[int(s["step"])])) for s in shared],
-        "loss_scale": series(steps, "scale"),
-        "grad_norm": series(steps, "grad_norm"),
-        "skipped": [(int(s["step"]), float(bool(s["skipped"]))) for s in steps],
+        "loss_fp32": [(s.step, s.loss) for s in ref_steps],
+        "loss_amp": [(s.step, s.loss) for s in steps],
+        "loss_gap_abs": [(s.step, abs(s.loss - ref[s.step])) for s in shared],
+        "loss_band": [(s.step, rule_.loss_band(ref[s.step])) for s in shared],
+        "loss_scale": [(s.step, s.scale) for s in steps],
+        "grad_norm": [(s.step, s.grad_norm) for s in steps],
+        "skipped": [(s.step, float(s.skipped)) for s in steps],
+        "lr": [(s.step, s.lr) for s in steps],
     }
-    if steps and "lr" in steps[0]:
-        out["lr"] = series(steps, "lr")
     if replicate_steps is not None:
-        out["loss_noise_floor"] = [
-            (int(s["step"]), abs(s["loss"] - ref[int(s["step"])])) for s in replicate_steps if int(s["step"]) in ref
-        ]
+        out["loss_noise_floor"] = [(s.step, abs(s.loss - ref[s.step])) for s in replicate_steps if s.step in ref]
     return out
 
 
@@ -289,6 +288,3 @@ def env_tags(env: Mapping[str, Any]) -> dict[str, str]:
         "torch_version": env.get("torch", "unknown"),
     }
 
-
-def series(steps: list[dict], field: str) -> list[tuple[int, float]]:
-    return [(int(s["step"]), s[field]) for s in steps if field in s]
