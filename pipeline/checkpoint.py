@@ -9,11 +9,12 @@ the expected sha256 before opening the file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -408,6 +409,16 @@ class ResumeFile:
         info = replace(ckpt.info, run_key=self.key, resume_context=self.context, run_env=self.env)
         digest = save(self.path, replace(ckpt, info=info))
         write_bytes(self.sidecar, f"{digest}  {self.path.name}\n".encode())
+
+    @contextlib.contextmanager
+    def clear_on(self, *errors: type[BaseException]) -> Iterator[None]:
+        """Clear the saved state when the block raises one of ``errors`` (a run whose result is refused: resuming
+        it would reproduce the refusal), and re-raise; any other failure keeps it for the rerun."""
+        try:
+            yield
+        except errors:
+            self.clear()
+            raise
 
     def clear(self) -> None:
         check_inside_repository(self.path.parent)  # never delete through a symlinked data/resume

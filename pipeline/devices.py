@@ -6,6 +6,7 @@ two apart is ``torch.version.hip`` (set on ROCm builds) against ``torch.version.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import re
@@ -13,6 +14,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -248,3 +250,19 @@ def _main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
+
+
+@contextlib.contextmanager
+def missing_kernels(variant: str, dtype: str, device: torch.device) -> Iterator[None]:
+    """Around a trial: an op without a kernel for the dtype on this device is a finding about the target (one line
+    naming the fix), not a crash."""
+    try:
+        yield
+    except (NotImplementedError, RuntimeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "not implemented for" not in first and not isinstance(exc, NotImplementedError):
+            raise
+        raise UserError(
+            f"trial {variant} on {device.type}: an op has no {dtype} kernel here ({first[:200]}); keep its module in FP32 "
+            f"with trial.policies.{variant}.fp32_modules, or trial another dtype"
+        ) from None

@@ -14,10 +14,10 @@ from typing import Iterator
 
 import torch
 
-from pipeline import precision, transforms
+from pipeline import cases, precision, transforms
 from pipeline.errors import UserError
-from pipeline.config import Policy
-from pipeline.task import Inputs, call, iter_rows, map_floating, named_outputs, rows, to_device
+from pipeline.config import Params, Policy
+from pipeline.task import Inputs, call, iter_rows, map_floating, named_outputs, primary, rows, to_device
 
 INFERENCE_SEED = 0
 """The random state every inference pass in train mode starts from (``reference.eval_mode: false``)."""
@@ -120,3 +120,19 @@ def fp64_chunks(
                 yield {k: v.double().contiguous() for k, v in named.items()}
 
     return Fp64Outputs(rows(covered), chunks())
+
+
+def with_boundary_cases(params: Params, prepared: cases.Cases, model: torch.nn.Module, device: torch.device) -> cases.Cases:
+    """The prepared cases plus boundary cases placed by the trained reference ``model`` (classification only): freeze's
+    fixed set."""
+    cfg = params.reference
+    if params.task.kind != "classification" or not cfg.boundary_cases:
+        return prepared
+    ordinary = prepared.select(torch.tensor([i for i, k in enumerate(prepared.kinds) if k == "ordinary"]))
+
+    def score(x):
+        return primary(infer(model, x, Policy(), device, cfg.eval_mode))
+
+    return prepared + cases.boundary_cases(
+        score, ordinary, cfg.boundary_cases, cfg.boundary_epsilon, prepared.y, method=cfg.boundary_method
+    )

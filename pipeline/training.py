@@ -19,9 +19,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from pipeline import checkpoint, distributed, precision, task, transforms
+from pipeline import checkpoint, distributed, paths, precision, task, transforms
 from pipeline.artifacts.steps import StepRecord
-from pipeline.config import ReferenceConfig, TaskConfig
+from pipeline.config import Params, ReferenceConfig, TaskConfig
 from pipeline.errors import UserError
 from pipeline.inference import infer, infer_chunks
 from pipeline.config import Policy
@@ -382,3 +382,20 @@ class Progress:
             print(f"\r{self.line(done, loss, scale, skipped, now)}\x1b[K", end=end, file=sys.stderr, flush=True)
         if done == self.total:  # the training's time, on stdout (never a DVC output): scripts/timings.py reads it
             print(f"{self.label}: {done - self.start} steps in {now - self.t0:.2f} s", flush=True)
+
+
+def noise_replicate(params: Params, init: checkpoint.Checkpoint, source: TrainSource, device: torch.device,
+                    run_key: str) -> list[StepRecord]:
+    """freeze's FP32 noise replicate: the reference's start (weights and RNG, ``init``), another data order
+    (``neighbours_swapped``); its records. Resumable as the reference is."""
+    model = task.build_model(params.task, params.seed)
+    checkpoint.restore(init, model)
+    order = neighbours_swapped(update_batches(len(source), params.reference, params.seed))
+    resume = checkpoint.ResumeFile(paths.RESUME / "replicate.safetensors", distributed.current().key(run_key), device)
+    result = train(
+        model, source, params.reference, params.task, Policy(), device, params.seed, resume=resume.load(),
+        save_resume=resume.save, label="freeze FP32 replicate", batches=order,
+    )
+    if distributed.current().writes:
+        resume.clear()
+    return result.records

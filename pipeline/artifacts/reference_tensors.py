@@ -11,8 +11,10 @@ read it here; the others read the manifest, trajectories and forecast through ``
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
@@ -22,7 +24,7 @@ from pipeline.artifacts import forecast as forecast_file
 from pipeline.artifacts.outputs import OutputsReader, write_outputs
 from pipeline.artifacts.steps import Steps
 from pipeline.artifacts.reference import PRODUCED_BY, Manifest, Trajectory, read_manifest, read_replicate, read_trajectory
-from pipeline.config import Params
+from pipeline.config import Params, ReferenceConfig
 from pipeline.errors import UserError
 from pipeline.files import sha256_file, write_json
 
@@ -78,8 +80,15 @@ class Reference:
         return task.load_train(params.task, paths.PREPARED_TRAIN, self.manifest.sha256(paths.PREPARED_TRAIN))
 
 
-class NonFinite(Exception):
-    """Raised by ``write`` when the reference's outputs are not finite on some cases (ids in ``args[0]``)."""
+class NonFinite(UserError):
+    """Raised by ``write`` when the reference's outputs are not finite on some cases (``ids``)."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.ids = ids
+        super().__init__(
+            f"the FP32 reference is not finite on {len(ids)} case(s) ({', '.join(ids[:5])}); an incorrect FP32 run "
+            f"is no baseline: fix the model, data or prepare.edge_scales, then rerun"
+        )
 
 
 def _checked(
@@ -121,7 +130,7 @@ def write(
     outputs as they stream and vets the rule against them before anything replaces the previous reference.
 
     Raises:
-        NonFinite: the FP32 outputs are not finite on some case; nothing is left in ``data/reference``.
+        NonFinite: the FP32 outputs are not finite on some case (a UserError); nothing is left in ``data/reference``.
         UserError: ``scan`` finds that the rule cannot judge this reference (``verdict.vet_rule``: an output name
             the model lacks, a tolerance as large as the output, a reference below the rule's quality, a non-finite
             step); nothing is left either.
@@ -192,3 +201,19 @@ def load(params: Params) -> Reference:
             raise UserError(f"{key} differs from the data the reference was frozen on; run `dvc repro` to re-freeze")
     fixed = cases.load(paths.REF_CASES, manifest.sha256(paths.REF_CASES), PRODUCED_BY)
     return Reference(manifest=manifest, cases=fixed, trajectory=read_trajectory(manifest), replicate=read_replicate(manifest))
+
+
+def run_key(params: Params, inputs: dict[str, str], init: checkpoint.Checkpoint) -> str:
+    """The reference's identity: params, prepared inputs, the initial weights (a pretrained directory's too)
+    and the source of the task's own modules. The resume state adds the pipeline's code, the thread counts
+    and the world size (``checkpoint.ResumeFile``)."""
+    code = task.source_digest(task.entry_points(params.task, params.reference.optimizer))
+    blob = json.dumps({"seed": params.seed, "task": asdict(params.task), "reference": _trained_by(params.reference),
+                       "inputs": inputs, "init": checkpoint.tensors_digest(init.tensors), "code": code}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _trained_by(cfg: ReferenceConfig) -> dict:
+    """The reference params that shape its training and fixed set, for its run key: the FP64 arbiter's size
+    changes neither, so resizing it keeps the trials' resume states."""
+    return {k: v for k, v in asdict(cfg).items() if k != "fp64_arbiter"}

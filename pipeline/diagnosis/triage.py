@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+from pipeline.artifacts import forecast, reference
 from pipeline.artifacts.comparison import Stats
 from pipeline.artifacts.diagnosis import Diagnosis
 from pipeline.artifacts.steps import Steps
+from pipeline.config import Policy
 
 
 def triage(stats: Stats, trial_steps: Steps, failing: list[str]) -> Diagnosis:
@@ -31,3 +33,11 @@ def first_nonfinite_step(steps: Steps, key: Literal["loss", "grad_norm", ""] = "
     """The first step whose ``key`` (both loss and gradient norm when none is given) is not finite."""
     keys = (key,) if key else ("loss", "grad_norm")
     return next((s.step for s in steps if any(not math.isfinite(getattr(s, k)) for k in keys)), None)
+
+
+def forecast_check(policy: Policy, stats: Stats, steps: Steps) -> forecast.ForecastCheck | None:
+    """freeze's FP16 forecast against what a float16 trial did (``policy`` as it ran); None for other variants."""
+    if not policy.uses_scaler:
+        return None
+    finite = stats.nonfinite.trial.rows == 0 and stats.nonfinite.trained.rows == 0
+    return forecast.check(reference.read_forecast(), steps, finite, policy.fp32_modules)

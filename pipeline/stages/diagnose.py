@@ -12,8 +12,9 @@ import dataclasses
 import time
 
 from pipeline import rule
-from pipeline.artifacts import comparison, diagnosis, forecast, reference, trial
+from pipeline.artifacts import comparison, diagnosis, trial
 from pipeline.config import Policy, load_params
+from pipeline.diagnosis import triage
 
 
 def main(variant: str, params_path: str = "params.yaml") -> None:
@@ -29,7 +30,7 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
 
         found = flow.run(params, variant, stats, trajectory, judged)
         suggested = wording.snippet(found.suggestion, variant, params.trial.policy(variant)) if found.suggestion else None
-    found = dataclasses.replace(found, forecast=_forecast_check(Policy.from_dict(ran.policy), stats, trajectory))
+    found = dataclasses.replace(found, forecast=triage.forecast_check(Policy.from_dict(ran.policy), stats, trajectory.steps))
     diagnosis.write(variant, found, suggested)
     work = found.work
     print(
@@ -39,10 +40,3 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
         + (f"\n  {found.forecast.line}" if found.forecast else "")
     )
 
-
-def _forecast_check(policy: Policy, stats: comparison.Stats, trajectory: trial.Trajectory) -> forecast.ForecastCheck | None:
-    """freeze's FP16 forecast against what the float16 trial did (its policy as it ran); None for other variants."""
-    if not policy.uses_scaler:
-        return None
-    finite = stats.nonfinite.trial.rows == 0 and stats.nonfinite.trained.rows == 0
-    return forecast.check(reference.read_forecast(), trajectory.steps, finite, policy.fp32_modules)

@@ -3,15 +3,11 @@ ran in reduced precision (the "AMP engaged" audit)."""
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 from pipeline import checkpoint, devices, distributed, launch, paths, precision, sysmetrics, training, transforms
 
 from pipeline.artifacts import reference_tensors, trial, trial_tensors
 from pipeline.diagnosis import audit
 from pipeline.config import load_params
-from pipeline.errors import UserError
 
 
 def main(variant: str, params_path: str = "params.yaml") -> None:
@@ -30,7 +26,7 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     )
     with (
         trial_tensors.Writer(variant, ref.cases.ids, params.compare.store) as writer,
-        _missing_kernels(variant, policy.dtype, device),
+        devices.missing_kernels(variant, policy.dtype, device),
         precision.deterministic(params.reference.deterministic),
         sysmetrics.sampling(paths.system_metrics("trial", variant), devices.backend(device), world.writes),
     ):
@@ -51,18 +47,3 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
         f"trial {variant}: {len(result.records)} steps, {result.real_updates} real updates, {skipped} skipped; "
         f"final loss {result.records[-1].loss:.4f}\n  audit: {found.line}"
     )
-
-
-@contextlib.contextmanager
-def _missing_kernels(variant: str, dtype: str, device) -> Iterator[None]:
-    """An op without a kernel for the dtype on this device is a finding about the target, not a crash."""
-    try:
-        yield
-    except (NotImplementedError, RuntimeError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if "not implemented for" not in first and not isinstance(exc, NotImplementedError):
-            raise
-        raise UserError(
-            f"trial {variant} on {device.type}: an op has no {dtype} kernel here ({first[:200]}); keep its module in FP32 "
-            f"with trial.policies.{variant}.fp32_modules, or trial another dtype"
-        ) from None
