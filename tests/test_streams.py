@@ -170,6 +170,31 @@ def test_sources_refuse_outputs_of_another_set_and_metric_follows_the_task():
     assert user.function is math.fsum and not user.higher_is_better
 
 
+@pytest.mark.parametrize("per_token", [False, True])
+def test_an_fp64_rerun_of_the_first_cases_judges_those_cases_alone(per_token):
+    """reference.fp64_arbiter: N covers the fixed set's first N cases: the FP64 check over them is the check of those
+    cases alone, at any chunking, and says how many it covered; a full re-run says nothing more."""
+    ids, y, has, ref, trial = _set(n=90, per_token=per_token)
+    fp64 = {"logits": ref["logits"].double() + 1e-9}
+    rule = AcceptanceConfig()
+
+    def arbiter(n_ids, n_fp64, chunk):
+        sources = streams.Sources(ids[:n_ids], y[:n_ids], has[:n_ids], streams.InMemory({"logits": ref["logits"][:n_ids]}),
+                                  streams.InMemory({"logits": trial["logits"][:n_ids]}),
+                                  streams.InMemory({"logits": trial["logits"][:n_ids]}),
+                                  streams.InMemory({"logits": fp64["logits"][:n_fp64]}))
+        stats, _ = streams.compare_streams("classification", rule, sources, RUNS, cfg=CompareConfig(chunk_elements=chunk))
+        return stats.arbiter["logits"]
+
+    alone = arbiter(37, 37, 10**9)  # the first 37 cases, the FP64 re-run covering all of them
+    assert alone.cases is None and "cases" not in alone.as_dict()
+    for chunk in (10**9, 250, 61):  # chunks that end before, at and after the 37th case
+        partial = arbiter(90, 37, chunk)
+        assert partial.cases == 37
+        assert math.isclose(partial.amp_rmse_vs_fp64, alone.amp_rmse_vs_fp64, rel_tol=1e-12), chunk
+        assert math.isclose(partial.fp32_rmse_vs_fp64, alone.fp32_rmse_vs_fp64, rel_tol=1e-12), chunk
+
+
 def _close(a, b, key=""):
     """Equal numbers within float32 rounding (the tolerances a reviewer reads are rounded up to 4 digits: 1e-3);
     counts, flags and names exactly."""

@@ -82,9 +82,13 @@ class ValueGap(Record):
 class Arbiter(Record):
     """How far AMP is from FP64, against how far FP32 is (RMSE)."""
 
+    ABSENT = ("cases",)
+
     fp32_rmse_vs_fp64: float
     amp_rmse_vs_fp64: float
     amp_over_fp32: float
+    cases: int | None = None
+    """The fixed set's first cases the FP64 re-run covered (``reference.fp64_arbiter``), when not all of them."""
 
 
 @dataclass(frozen=True)

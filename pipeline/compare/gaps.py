@@ -245,12 +245,14 @@ class ArbiterStats:
             d = trial.detach().reshape(-1).double() - a
             self.amp_sq += float(torch.dot(d, d))
 
-    def result(self) -> Arbiter:
+    def result(self, cases: int | None = None) -> Arbiter:
+        """``cases``: how many of the fixed set's cases the FP64 outputs covered, when fewer than all."""
         ref_rmse = math.sqrt(self.ref_sq / self.n) if self.n else 0.0
         amp_rmse = math.sqrt(self.amp_sq / self.n) if self.n else 0.0
         return Arbiter(
             fp32_rmse_vs_fp64=ref_rmse,
             amp_rmse_vs_fp64=amp_rmse,
             amp_over_fp32=amp_rmse / ref_rmse if ref_rmse > 0 else (math.inf if amp_rmse > 0 else 1.0),
+            cases=cases,
         )
 

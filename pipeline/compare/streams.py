@@ -229,9 +229,10 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
         flips, distribution = regression_flips(ids, kinds, ref_first[:, None], trial_first[:, None], rule.threshold), None
         idx = torch.nonzero(has_target).flatten()
         regression = {side: regression_errors(first[idx][:, None], targets[idx]) for side, first in zip(SIDES, firsts)}
+    covered = fp64.rows if fp64 is not None and fp64.rows < n else None  # a partial FP64 re-run says how many cases
     stats = Stats(
         values=values,
-        arbiter={name: a.result() for name, a in arbiter.items()} if arbiter is not None else None,
+        arbiter=None if arbiter is None else {name: a.result(covered) for name, a in arbiter.items()},
         outputs=OutputsInfo(cases=n, primary=main, per_token=per_token, shapes=shapes, chunk_rows=step),
         nonfinite=NonFiniteSides(*(nonfinite_summary(ids, kinds, state.nonfinite[side], state.nonfinite_elements[side])
                                    for side in ("trial", "trained"))),
@@ -346,7 +347,8 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
     """Rows start:stop of every source read once, their statistics computed by slices (small temporaries)."""
     chunk = {name: (st.read(ref, "reference", name, start, stop), st.read(trial, "trial", name, start, stop))
              for name in st.names}
-    chunk_fp64 = {name: st.read(fp64, "fp64", name, start, stop) for name in st.names} if fp64 is not None else None
+    covered = min(fp64.rows, stop) if fp64 is not None else start  # the FP64 re-run holds the fixed set's first cases
+    chunk_fp64 = {name: st.read(fp64, "fp64", name, start, covered) for name in st.names} if covered > start else None
     chunk_trained = {name: st.read(trained, "trained", name, start, stop) for name in st.names}
     trained_main = chunk_trained[st.main]
     trained_finite = {name: _note_nonfinite(st, "trained", name, start, out)  # every output of the AMP-trained model
@@ -379,9 +381,10 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                 worst = torch.nan_to_num(gap.reshape(b - a, -1).amax(1).double(), nan=math.inf).cpu()
                 st.row_gap[a:b] = torch.maximum(st.row_gap[a:b], worst)
             del gap
-            if chunk_fp64 is not None:
-                f = chunk_fp64[name][a - start : b - start]
-                st.arbiter[name].update(r, t, f[:, p:q] if p is not None else f)
+            if chunk_fp64 is not None and a < covered:
+                k = min(b, covered) - a
+                f = chunk_fp64[name][a - start : a - start + k]
+                st.arbiter[name].update(r[:k], t[:k], f[:, p:q] if p is not None else f)
             if name in st.heads and p is None:
                 st.heads[name].update(a, r, t)
             if not main:

@@ -271,8 +271,9 @@ def fp64_note(stats: Mapping[str, Any]) -> str:
     """What the FP64 check (compare's "arbiter") measures, beside its figure."""
     lines = []
     for name, a in (stats.get("arbiter") or {}).items():
+        covered = f" (the fixed set's first {a['cases']} cases: reference.fp64_arbiter)" if a.get("cases") else ""
         lines.append(
-            f"- FP64 check, output '{name}': against an FP64 re-run of the same inputs, AMP's RMS error is "
+            f"- FP64 check, output '{name}': against an FP64 re-run of the same inputs{covered}, AMP's RMS error is "
             f"{page.number(a.get('amp_rmse_vs_fp64'))} and FP32's own is {page.number(a.get('fp32_rmse_vs_fp64'))}: "
             f"AMP's error is x{page.number(a.get('amp_over_fp32'))} FP32's rounding error. Large by nature "
             f"(float16 keeps 10 mantissa bits, bfloat16 7, float32 23); the tolerances decide, not this ratio."
