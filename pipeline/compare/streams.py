@@ -207,8 +207,9 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     quality = {side: QualityStats(metric.name, rule.tie_rule, metric.top_k, metric.function) for side in SIDES}
     row_gap = torch.zeros(n, dtype=torch.float64)
     first_values: dict[str, list[torch.Tensor]] = {side: [] for side in SIDES}
-    state = _State(names, main, kind, per_token, kinds, targets.to(device), has_target.bool().to(device), gaps, arbiter,
-                   decisions, quality, row_gap, first_values, heads=head_stats, device=device,
+    state = _State(names=names, main=main, kind=kind, per_token=per_token, kinds=kinds, targets=targets.to(device),
+                   has_target=has_target.bool().to(device), gaps=gaps, arbiter=arbiter, decisions=decisions, quality=quality,
+                   row_gap=row_gap, first_values=first_values, heads=head_stats, device=device,
                    slice_elements=SLICE_ELEMENTS if device.type == "cpu" else max(cfg.chunk_elements, SLICE_ELEMENTS),
                    nonfinite={side: torch.zeros(n, dtype=torch.bool) for side in ("trial", "trained")},
                    nonfinite_elements={side: dict.fromkeys(names, 0) for side in ("trial", "trained")})
@@ -282,8 +283,10 @@ def quality_stats(metric: Metric, per_token: bool, quality: dict[str, QualitySta
     )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _State:
+    """What one comparison accumulates chunk by chunk (built by keyword: ``compare_streams``)."""
+
     names: list[str]
     main: str
     kind: str
