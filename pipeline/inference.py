@@ -80,6 +80,13 @@ FP64_AUTO_ELEMENTS = 16_000_000
 this many elements (128 MB, a float64 forward of seconds for the examples), else the fixed set's first cases up to
 it: an LLM's full float64 forward would cost another training's time and 8 bytes per logit."""
 
+FP64_AUTO_MODEL_BYTES = 8 * 2**30
+"""Auto also runs no arbiter for a model whose float64 copy would exceed this (8 GiB: a 1e9-parameter model):
+the copy is made in host memory. Ask for cases explicitly (``reference.fp64_arbiter: N``) to run it anyway."""
+
+FP64_CHUNK_ELEMENTS = 4_000_000
+"""The most float64 output elements one arbiter batch holds (32 MB): a batch of LM cases stays this size."""
+
 
 @dataclass(frozen=True)
 class Fp64Outputs:
@@ -93,25 +100,26 @@ def fp64_chunks(
     model: torch.nn.Module, x: Inputs, eval_mode: bool, cases: int | None = None, batch_size: int = 256
 ) -> Fp64Outputs | None:
     """The FP64 arbiter's outputs on CPU (floating inputs in float64, ids as they are) for the first ``cases`` rows
-    of ``x`` (``reference.fp64_arbiter``; None: auto, see ``FP64_AUTO_ELEMENTS``); None when ``cases`` is 0 or the
-    model does not run in float64."""
-    if cases == 0:
+    of ``x`` (``reference.fp64_arbiter``; None: auto, see ``FP64_AUTO_ELEMENTS``), in batches of at most
+    ``FP64_CHUNK_ELEMENTS`` output elements; None when ``cases`` is 0, the model does not run in float64, or (auto)
+    its float64 copy would exceed ``FP64_AUTO_MODEL_BYTES``."""
+    if cases == 0 or (cases is None and 8 * sum(p.numel() for p in model.parameters()) > FP64_AUTO_MODEL_BYTES):
         return None
     try:
         arbiter = copy.deepcopy(model).to("cpu").double()
         arbiter.train(not eval_mode)
         with torch.no_grad(), inference_rng(eval_mode, torch.device("cpu")):
-            first_part = next(iter(iter_rows(x, batch_size)), None)
+            first_part = next(iter(iter_rows(x, 2)), None)  # two rows: a training-mode BatchNorm needs more than one
             if first_part is None:
                 return None
             probe = named_outputs(call(arbiter, map_floating(first_part[2], torch.Tensor.double)))  # float64 at all?
     except (RuntimeError, TypeError, NotImplementedError, UserError):
         return None
-    total = rows(x)
+    total, per_case = rows(x), max(1, sum(v[0].numel() for v in probe.values()))
     if cases is None:
-        per_case = sum(v[0].numel() for v in probe.values())
         cases = total if per_case * total <= FP64_AUTO_ELEMENTS else max(1, FP64_AUTO_ELEMENTS // per_case)
     covered = x[: min(cases, total)]
+    batch_size = max(1, min(batch_size, FP64_CHUNK_ELEMENTS // per_case))
 
     def chunks() -> Iterator[dict[str, torch.Tensor]]:
         with torch.no_grad(), inference_rng(eval_mode, torch.device("cpu")):

@@ -36,3 +36,27 @@ def test_auto_keeps_every_case_of_a_small_set_and_caps_a_large_one(monkeypatch):
     assert inference.fp64_chunks(model, x, eval_mode=True).cases == 50
     monkeypatch.setattr(inference, "FP64_AUTO_ELEMENTS", 1)  # fewer than one case's outputs: still one case
     assert inference.fp64_chunks(model, x, eval_mode=True).cases == 1
+
+
+def test_auto_runs_no_arbiter_for_a_model_too_large_to_copy_in_float64_and_asked_cases_still_run(monkeypatch):
+    model, x = _model(), torch.randn(30, 8)
+    monkeypatch.setattr(inference, "FP64_AUTO_MODEL_BYTES", 8 * (8 * 16 + 16 + 16 * 4 + 4) - 1)  # one byte short
+    assert inference.fp64_chunks(model, x, eval_mode=True) is None
+    assert inference.fp64_chunks(model, x, eval_mode=True, cases=30).cases == 30
+
+
+def test_a_batch_holds_at_most_the_chunk_elements_and_the_values_do_not_change(monkeypatch):
+    model, x = _model(), torch.randn(100, 8)
+    whole = _rows(inference.fp64_chunks(model, x, eval_mode=True))
+    monkeypatch.setattr(inference, "FP64_CHUNK_ELEMENTS", 4 * 7)  # 4 outputs per case: batches of 7 cases
+    run = inference.fp64_chunks(model, x, eval_mode=True)
+    sizes = [chunk["output"].shape[0] for chunk in run.chunks]
+    assert max(sizes) == 7 and sum(sizes) == 100
+    torch.testing.assert_close(_rows(inference.fp64_chunks(model, x, eval_mode=True)), whole, rtol=1e-12, atol=1e-14)
+
+
+def test_a_batchnorm_model_in_training_mode_gets_its_arbiter():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    run = inference.fp64_chunks(model, torch.randn(40, 8), eval_mode=False)  # the probe runs more than one row
+    assert run is not None and _rows(run).shape == (40, 4)

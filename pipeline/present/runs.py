@@ -270,8 +270,8 @@ def curves(
 def fp64_note(stats: Mapping[str, Any]) -> str:
     """What the FP64 check (compare's "arbiter") measures, beside its figure; that there was none, when none ran."""
     if not stats.get("arbiter"):
-        return ("- No FP64 check: the reference has no FP64 re-run (reference.fp64_arbiter is 0, or the model does not "
-                "run in float64); the tolerances alone judged the outputs.")
+        return ("- No FP64 check: the reference has no FP64 re-run (reference.fp64_arbiter is 0, the model does not run "
+                "in float64, or auto found it too large to copy in float64); the tolerances alone judged the outputs.")
     lines = []
     for name, a in (stats.get("arbiter") or {}).items():
         covered = f" (the fixed set's first {a['cases']} cases: reference.fp64_arbiter)" if a.get("cases") else ""
