@@ -155,7 +155,7 @@ def edge_cases(ordinary: Cases, train_x: Inputs, cfg: PrepareConfig, like_y: tor
 
 def margins(scores: torch.Tensor) -> torch.Tensor:
     """Top-2 margin per case; per token [N, T, C], the smallest over the tokens."""
-    top2 = scores.double().topk(2, dim=-1).values
+    top2 = scores.topk(2, dim=-1).values.double()  # the same two values as in float64: no float64 copy of the scores
     m = top2[..., 0] - top2[..., 1]
     return m.reshape(m.shape[0], -1).min(dim=1).values if m.ndim > 1 else m
 
@@ -179,23 +179,45 @@ def boundary_cases(
     Raises:
         UserError: ``bisect`` asked for inputs that cannot be interpolated.
     """
-    scores = score(ordinary.x)
-    can_bisect = task.is_floating(ordinary.x) and scores.ndim == 2
+    case_margins, scores = _scored(score, ordinary.x)
+    can_bisect = task.is_floating(ordinary.x) and scores is not None
     if method == "bisect" and not can_bisect:
         raise UserError(
             "reference.boundary_method is bisect but the inputs are not all floating (or scores are per token); "
             "use auto or select, which picks real samples nearest the boundary"
         )
     if method == "select" or not can_bisect:
-        return _select(scores, ordinary, count, like_y)
+        return _select(case_margins, ordinary, count, like_y)
     built = _bisect(score, scores, ordinary, count, epsilon, like_y, max_iter)
     if method == "auto" and len(built.ids) < count:  # too few pairs the reference tells apart: add real samples
-        built = built + _select(scores, ordinary, count - len(built.ids), like_y)
+        built = built + _select(case_margins, ordinary, count - len(built.ids), like_y)
     return built
 
 
-def _select(scores: torch.Tensor, ordinary: Cases, count: int, like_y: torch.Tensor) -> Cases:
-    m = margins(scores)
+SCORED_ELEMENTS = 4_000_000
+"""The most scores ``boundary_cases`` holds at once (16 MB of float32): per-token scores of an LM's fixed set,
+[N, T, V], are margins of a slice of rows at a time, never whole in memory."""
+
+
+def _scored(score: Callable[[Inputs], torch.Tensor], x: Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each case's margin (``margins``), and the scores themselves where they are per case [N, C] (bisection
+    needs them); ``score`` called on slices of rows of at most ``SCORED_ELEMENTS`` scores."""
+    n = task.rows(x)
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float64), score(x)
+    first = score(x[:1])
+    step = max(1, SCORED_ELEMENTS // max(1, first[0].numel()))
+    found, kept = [], []
+    for start in range(0, n, step):
+        s = score(x[start : start + step])
+        found.append(margins(s))
+        if s.ndim == 2:
+            kept.append(s)
+    return torch.cat(found), (torch.cat(kept) if kept else None)
+
+
+def _select(case_margins: torch.Tensor, ordinary: Cases, count: int, like_y: torch.Tensor) -> Cases:
+    m = case_margins
     order = sorted(range(len(ordinary.ids)), key=lambda i: (float(m[i]), i))[:count]
     idx = torch.tensor(order, dtype=torch.long)
     n = len(order)

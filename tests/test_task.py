@@ -97,6 +97,27 @@ def test_cases_for_token_ids_select_boundary_samples_and_keep_user_edges():
         cases.boundary_cases(lambda x: scores[: task.rows(x)], ordinary, 2, 1e-3, fixed.y, method="bisect")
 
 
+def test_per_token_boundary_cases_are_scored_a_slice_of_rows_at_a_time(monkeypatch):
+    """An LM's fixed set scores [N, T, V]: the nearest-to-the-boundary sequences are chosen from slices of rows,
+    never the whole scores at once, and the choice is the one the whole scores give."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(40, 6, 50, generator=gen)
+    ordinary = cases.Cases(ids=[f"ordinary/s{i}" for i in range(40)], x=torch.arange(40 * 6).reshape(40, 6),
+                           y=torch.zeros(40, 6, dtype=torch.long), has_target=torch.ones(40, dtype=torch.bool))
+    asked = []
+
+    def score(x):
+        asked.append(x.shape[0])
+        return scores[x[:, 0] // 6]
+
+    whole = cases.margins(scores).argsort()[:3].tolist()
+    monkeypatch.setattr(cases, "SCORED_ELEMENTS", 6 * 50 * 7)  # 7 sequences of scores at most
+    chosen = cases.boundary_cases(score, ordinary, 3, 1e-3, ordinary.y)
+    assert max(asked) == 7 and sum(asked) == 1 + 40  # one sequence to size the slices, then every row once
+    assert chosen.ids == [f"selected/s{i}" for i in whole]
+    assert chosen.y.shape == (3, 6) and not bool(chosen.has_target.any())
+
+
 def test_mixed_inputs_scale_only_floating_tensors():
     pixels = torch.rand(6, 3, 4, 4)
     x = task.Batch({"pixel_values": pixels, "ids": torch.arange(6).unsqueeze(1)})
