@@ -19,6 +19,7 @@ the median speed of each, the median of the paired ratios, and the worst peak RS
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -202,8 +203,12 @@ def main() -> None:
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPU(s); threads {args.threads}; "
           f"chunk {args.chunk_elements:,} elements")
-    with tempfile.TemporaryDirectory(prefix="bench-compare-", dir=args.keep) as tmp:
-        folder = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        if args.keep:  # the outputs stay there for another run or a profiler
+            folder = Path(args.keep)
+            folder.mkdir(parents=True, exist_ok=True)
+        else:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-compare-")))
         for case in args.cases.split(","):
             made = run_child("make", case, folder, args)
             runs = [(run_child("compare", case, folder, args), run_child("numpy", case, folder, args))
