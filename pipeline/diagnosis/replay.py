@@ -36,7 +36,8 @@ class Run:
     """One trial's results: the original (from its files) or a re-run under another policy."""
 
     policy: Policy
-    outputs: dict[str, torch.Tensor]
+    outputs: streams.Source
+    """Its outputs on the fixed set: the trial's file (read a slice of rows at a time), or a re-run's tensors."""
     steps: Steps
     stats: Stats
     decision: rule.RuleResult
@@ -135,15 +136,20 @@ def load(params: Params, variant: str, stats: Stats, decision: rule.RuleResult) 
     ctx = Context(params, variant, devices.resolve(params.device), ref, ref.train_data(params))
     trial = trial_tensors.load(variant, ref.manifest)
     policy = Policy.from_dict(trial.manifest.policy)  # what ran, not what params say now
-    return ctx, Run(policy, trial.outputs(), trial.trajectory.steps, stats, decision), trial
+    return ctx, Run(policy, trial.reader("outputs"), trial.trajectory.steps, stats, decision), trial
 
 
 def inference_case(ctx: Context, run: Run) -> Case | None:
-    """The fixed-set cases where the run's outputs are non-finite and the reference's are not."""
-    bad = torch.zeros(len(ctx.ref.cases.ids), dtype=torch.bool)
-    for name, out in run.outputs.items():
-        ref = ctx.ref.outputs[name].reshape(out.shape[0], -1)
-        bad |= (~torch.isfinite(out.reshape(out.shape[0], -1)) & torch.isfinite(ref)).any(dim=1)
+    """The fixed-set cases where the run's outputs are non-finite and the reference's are not (both read a slice of
+    rows at a time: an LM's outputs are never whole here)."""
+    n, reference = len(ctx.ref.cases.ids), ctx.ref.outputs_reader()
+    bad = torch.zeros(n, dtype=torch.bool)
+    for name in run.outputs.names:
+        step = max(1, ctx.params.compare.chunk_elements // max(1, math.prod(run.outputs.shape(name)[1:])))
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            out, ref = run.outputs.read(name, a, b).reshape(b - a, -1), reference.read(name, a, b).reshape(b - a, -1)
+            bad[a:b] |= (~torch.isfinite(out) & torch.isfinite(ref)).any(dim=1)
     idx = torch.nonzero(bad).flatten()[: ctx.params.diagnose.max_cases]
     if idx.numel() == 0:
         return None
@@ -216,28 +222,28 @@ def rerun(ctx: Context, policy: Policy) -> Run:
     )
     steps = tuple(run.training.records)
     aligned = tuple(run.aligned) if run.aligned is not None else None
-    stats = _compare(
-        ctx, run.outputs, run.trained_outputs, steps, run.training.final_scale, policy.uses_scaler, ref.fp64_reader(), aligned
-    )
+    outputs = streams.InMemory(run.outputs)
+    stats = _compare(ctx, outputs, streams.InMemory(run.trained_outputs), steps, run.training.final_scale,
+                     policy.uses_scaler, ref.fp64_reader(), aligned)
     ctx.spend(trial_reruns=1)
-    return Run(policy, run.outputs, steps, stats, rule.decide(stats, params.acceptance))
+    return Run(policy, outputs, steps, stats, rule.decide(stats, params.acceptance))
 
 
 def reference_fails_itself(ctx: Context) -> list[str]:
-    """Reasons the rule rejects the FP32 reference compared with itself: no precision policy can fix those."""
+    """Reasons the rule rejects the FP32 reference compared with itself: no precision policy can fix those. Its
+    outputs are read from their file a chunk at a time, as compare reads them (an LM's are never whole here)."""
     ref = ctx.ref
-    stats = _compare(ctx, ref.outputs, ref.outputs, ref.trajectory, math.inf, True, None)
+    stats = _compare(ctx, ref.outputs_reader(), ref.outputs_reader(), ref.trajectory, math.inf, True, None)
     return list(rule.decide(stats, ctx.params.acceptance).reasons)
 
 
-def _compare(ctx: Context, outputs: dict, trained: dict, steps: Steps, final_scale: float, scaler: bool, fp64,
-             aligned: Steps | None = None) -> Stats:
-    """Statistics as the compare stage computes them (metric, chunking, token mask, FP64 arbiter, noise
-    replicate), so that a re-run's verdict is the stage's rule."""
+def _compare(ctx: Context, outputs: streams.Source, trained: streams.Source, steps: Steps, final_scale: float, scaler: bool,
+             fp64, aligned: Steps | None = None) -> Stats:
+    """Statistics as the compare stage computes them (the reference's outputs read from their file, metric,
+    chunking, token mask, FP64 arbiter, noise replicate), so that a re-run's verdict is the stage's rule."""
     params, ref = ctx.params, ctx.ref
-    sources = streams.Sources(ref.cases.ids, ref.cases.y, ref.cases.has_target, streams.InMemory(ref.outputs),
-                              streams.InMemory(outputs),
-                              streams.InMemory(trained), fp64, streams.token_mask_of(ref.cases.x))
+    sources = streams.Sources(ref.cases.ids, ref.cases.y, ref.cases.has_target, ref.outputs_reader(), outputs, trained,
+                              fp64, streams.token_mask_of(ref.cases.x))
     runs = streams.Trajectories(ref.trajectory, steps, final_scale, scaler, ref.replicate, aligned)
     stats, _ = streams.compare_streams(params.task.kind, params.acceptance, sources, runs,
                                        metric=streams.Metric.for_task(params.task), cfg=params.compare)
