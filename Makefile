@@ -24,7 +24,8 @@ run: $(VENV)/.installed
 # One worker per core (pytest-xdist): most tests wait on one single-threaded subprocess (dvc repro, a stage, a
 # server), so a second worker uses the core the first leaves idle. A test is a unit of work of its own, except that
 # the tests sharing a module-scoped fixture go to one worker together (loadgroup: tests/conftest.py groups them and
-# hands the long units out first, so that the short unit tests fill both workers at the end).
+# hands the long units out first, so that the short unit tests fill both workers at the end). loadgroup needs pytest 8
+# (requirements-dev.lock): under pytest 9 it falls back to per-test units, and tests/test_scheduling.py fails.
 WORKERS ?= auto
 test: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=10 -n $(WORKERS) --dist loadgroup --no-loadscope-reorder tests

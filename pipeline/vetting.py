@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from pipeline.artifacts.steps import StepRecord
 
 
+SLICE_ELEMENTS = 4_000_000
+"""Elements squared in float64 at once (32 MB): a chunk of an LM's scores, [256, 64, 32000], would need 8 GB."""
+
+
 class Scan:
     """What the rule is vetted against at freeze, gathered while the outputs stream to disk: each output's
     name, shape and RMS, and the reference's quality on the fixed set (the metric compare uses)."""
@@ -41,15 +45,21 @@ class Scan:
         self.count: dict[str, int] = {}
 
     def update(self, row: int, chunk: dict[str, torch.Tensor]) -> None:
+        """The chunk's rows from ``row`` on, a slice of rows at a time (``SLICE_ELEMENTS``): an LM's chunk holds GBs
+        of scores, and its float64 squares or its rows with a target copied whole would hold as many again."""
+        out = task.primary(chunk)
         for name, v in chunk.items():
             self.shapes[name] = tuple(v.shape[1:])
-            self.squares[name] = self.squares.get(name, 0.0) + float(v.detach().double().square().sum())
             self.count[name] = self.count.get(name, 0) + v.numel()
-        out = task.primary(chunk)
-        n = out.shape[0]
-        keep = self.has_target[row : row + n]
-        if bool(keep.any()):
-            self.quality.update(out[keep], self.targets[row : row + n][keep])
+            self.squares.setdefault(name, 0.0)
+            rows = max(1, SLICE_ELEMENTS // max(1, math.prod(v.shape[1:])))
+            for a in range(0, v.shape[0], rows):
+                b = min(a + rows, v.shape[0])
+                self.squares[name] += float(v[a:b].detach().double().square().sum())
+                if v is out:
+                    keep = self.has_target[row + a : row + b]
+                    if bool(keep.any()):
+                        self.quality.update(out[a:b][keep], self.targets[row + a : row + b][keep])
 
     def rms(self) -> dict[str, float]:
         return {name: math.sqrt(self.squares[name] / self.count[name]) if self.count[name] else 0.0 for name in self.squares}
