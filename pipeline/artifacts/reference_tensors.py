@@ -60,11 +60,20 @@ class Reference:
         return model
 
     def outputs_reader(self) -> OutputsReader:
-        """The outputs read in slices of rows (bounded memory)."""
-        return OutputsReader(paths.REF_OUTPUTS, self.manifest.sha256(paths.REF_OUTPUTS), PRODUCED_BY)
+        """The outputs read in slices of rows (bounded memory): one reader, its file's sha256 verified once, for every
+        pass over them (diagnose compares again at each re-run; an LM's file is GBs)."""
+        return self._outputs_file
 
     def fp64_reader(self) -> OutputsReader | None:
-        """The FP64 arbiter's outputs read in slices of rows, or None when the reference has none."""
+        """The FP64 arbiter's outputs read in slices of rows, or None when the reference has none (verified once too)."""
+        return self._fp64_file
+
+    @functools.cached_property
+    def _outputs_file(self) -> OutputsReader:
+        return OutputsReader(paths.REF_OUTPUTS, self.manifest.sha256(paths.REF_OUTPUTS), PRODUCED_BY)
+
+    @functools.cached_property
+    def _fp64_file(self) -> OutputsReader | None:
         sha = self.manifest.sha256(paths.REF_OUTPUTS_FP64)
         return OutputsReader(paths.REF_OUTPUTS_FP64, sha, PRODUCED_BY) if sha else None
 
