@@ -206,7 +206,7 @@ def _scored(score: Callable[[Inputs], torch.Tensor], x: Inputs) -> tuple[torch.T
     if n == 0:
         return torch.zeros(0, dtype=torch.float64), score(x)
     first = score(x[:1])
-    step = max(1, SCORED_ELEMENTS // max(1, first[0].numel()))
+    step = task.rows_within(SCORED_ELEMENTS, first[0].numel())
     found, kept = [], []
     for start in range(0, n, step):
         s = score(x[start : start + step])

@@ -234,6 +234,22 @@ def _cpu_capability() -> str:
         return "unknown"
 
 
+@contextlib.contextmanager
+def missing_kernels(variant: str, dtype: str, device: torch.device) -> Iterator[None]:
+    """Around a trial: an op without a kernel for the dtype on this device is a finding about the target (one line
+    naming the fix), not a crash."""
+    try:
+        yield
+    except (NotImplementedError, RuntimeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "not implemented for" not in first and not isinstance(exc, NotImplementedError):
+            raise
+        raise UserError(
+            f"trial {variant} on {device.type}: an op has no {dtype} kernel here ({first[:200]}); keep its module in FP32 "
+            f"with trial.policies.{variant}.fp32_modules, or trial another dtype"
+        ) from None
+
+
 def _main(argv: list[str]) -> int:
     """``python -m pipeline.devices [auto|cpu|cuda]``: resolve the device and print what describes it, as JSON;
     one line and exit status 2 when it cannot (the GPU CI's first check that the GPU is reachable)."""
@@ -250,19 +266,3 @@ def _main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
-
-
-@contextlib.contextmanager
-def missing_kernels(variant: str, dtype: str, device: torch.device) -> Iterator[None]:
-    """Around a trial: an op without a kernel for the dtype on this device is a finding about the target (one line
-    naming the fix), not a crash."""
-    try:
-        yield
-    except (NotImplementedError, RuntimeError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if "not implemented for" not in first and not isinstance(exc, NotImplementedError):
-            raise
-        raise UserError(
-            f"trial {variant} on {device.type}: an op has no {dtype} kernel here ({first[:200]}); keep its module in FP32 "
-            f"with trial.policies.{variant}.fp32_modules, or trial another dtype"
-        ) from None

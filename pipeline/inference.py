@@ -17,7 +17,7 @@ import torch
 from pipeline import cases, precision, transforms
 from pipeline.errors import UserError
 from pipeline.config import Params, Policy
-from pipeline.task import Inputs, call, iter_rows, map_floating, named_outputs, primary, rows, to_device
+from pipeline.task import Inputs, call, iter_rows, map_floating, named_outputs, primary, rows, rows_within, to_device
 
 INFERENCE_SEED = 0
 """The random state every inference pass in train mode starts from (``reference.eval_mode: false``)."""
@@ -119,7 +119,7 @@ def fp64_chunks(
     if cases is None:
         cases = total if per_case * total <= FP64_AUTO_ELEMENTS else max(1, FP64_AUTO_ELEMENTS // per_case)
     covered = x[: min(cases, total)]
-    batch_size = max(1, min(batch_size, FP64_CHUNK_ELEMENTS // per_case))
+    batch_size = min(batch_size, rows_within(FP64_CHUNK_ELEMENTS, per_case))
 
     def chunks() -> Iterator[dict[str, torch.Tensor]]:
         with torch.no_grad(), inference_rng(eval_mode, torch.device("cpu")):

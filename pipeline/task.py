@@ -533,6 +533,11 @@ def check_outputs(outputs: dict[str, torch.Tensor], kind: str, rows: int, target
         )
 
 
+def rows_within(elements: int, per_row: int) -> int:
+    """How many rows of ``per_row`` elements one slice of at most ``elements`` holds (at least one row)."""
+    return max(1, elements // max(1, per_row))
+
+
 def iter_rows(x: Inputs, batch_size: int) -> Iterable[tuple[int, int, Inputs]]:
     """(start, stop, rows) chunks of ``x`` in order."""
     n = rows(x)

@@ -52,7 +52,7 @@ class Scan:
             self.shapes[name] = tuple(v.shape[1:])
             self.count[name] = self.count.get(name, 0) + v.numel()
             self.squares.setdefault(name, 0.0)
-            rows = max(1, SLICE_ELEMENTS // max(1, math.prod(v.shape[1:])))
+            rows = task.rows_within(SLICE_ELEMENTS, math.prod(v.shape[1:]))
             for a in range(0, v.shape[0], rows):
                 b = min(a + rows, v.shape[0])
                 self.squares[name] += float(v[a:b].detach().double().square().sum())

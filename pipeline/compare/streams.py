@@ -40,7 +40,7 @@ from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite
 from pipeline.compare.quality import QualityStats, regression_errors
 from pipeline.compare.trajectory import trajectory_gap, update_health
 from pipeline.config import METRICS, AcceptanceConfig, CompareConfig, TaskConfig
-from pipeline.task import IGNORE_INDEX, primary, resolve
+from pipeline.task import IGNORE_INDEX, primary, resolve, rows_within
 
 
 SIDES = ("reference", "trial", "trained")
@@ -184,8 +184,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     names = sorted(ref.names)
     main = _primary_name(names)
     shapes = {name: tuple(ref.shape(name)) for name in names}
-    per_row = max(sum(math.prod(s[1:]) for s in shapes.values()), 1)
-    step = max(1, cfg.chunk_elements // per_row)
+    step = rows_within(cfg.chunk_elements, sum(math.prod(s[1:]) for s in shapes.values()))
     errors = {name: (logit_error(ref, name), logit_error(trial, name)) for name in names}
     gaps = {name: GapStats(conservative_atol(rule.tolerance(name).atol, rule.tolerance(name).rtol, *errors[name]),
                            rule.tolerance(name).rtol, math.prod(shapes[name])) for name in names}
@@ -491,12 +490,12 @@ def _slices(shape: tuple[int, ...], start: int, by_position: bool, limit: int = 
     per_row = max(math.prod(shape[1:]), 1)
     if by_position and per_row > limit and len(shape) == 3:
         per_pos = max(math.prod(shape[2:]), 1)
-        width = max(1, limit // per_pos)
+        width = rows_within(limit, per_pos)
         for i in range(rows):
             for p in range(0, shape[1], width):
                 yield start + i, start + i + 1, p, min(p + width, shape[1])
         return
-    height = max(1, limit // per_row)
+    height = rows_within(limit, per_row)
     for i in range(0, rows, height):
         yield start + i, start + min(i + height, rows), None, None
 

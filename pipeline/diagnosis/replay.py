@@ -145,7 +145,7 @@ def inference_case(ctx: Context, run: Run) -> Case | None:
     n, reference = len(ctx.ref.cases.ids), ctx.ref.outputs_reader()
     bad = torch.zeros(n, dtype=torch.bool)
     for name in run.outputs.names:
-        step = max(1, ctx.params.compare.chunk_elements // max(1, math.prod(run.outputs.shape(name)[1:])))
+        step = task.rows_within(ctx.params.compare.chunk_elements, math.prod(run.outputs.shape(name)[1:]))
         for a in range(0, n, step):
             b = min(a + step, n)
             out, ref = run.outputs.read(name, a, b).reshape(b - a, -1), reference.read(name, a, b).reshape(b - a, -1)
