@@ -1,5 +1,6 @@
 """The LM case at an LLM's output size (issue 23 item 4): every stage of a verdict on 1e9 scores per source, each
-stage's wall time, peak RSS and bytes written under data/, then the verdict.
+stage's wall time, peak RSS and bytes written under data/, then the verdict and the cost of a verdict (the necessary
+trainings against the stages' time, and where the rest goes: scripts/timings.py's figures).
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/lm_scale.py [--size lm-1e9] [--sequences N] [--workdir DIR] [--keep]
                                                            [--max-rss-gib 24] [--threads N]
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import _project
+import timings
 
 STAGES = ("prepare", "freeze", "trial", "compare", "diagnose", "decide")
 """The stages of one variant's verdict, by dvc.yaml's names (benchmark, publish and report are not part of it)."""
@@ -110,7 +112,8 @@ def run_stage(stage: _project.Stage, repo: Path, log: Path, max_rss: int) -> Mea
     stopped: list[str] = []
     t0 = time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.Popen(stage.argv(), cwd=repo, env=_project.env_for(repo), stdout=out, stderr=subprocess.STDOUT)
+        env = dict(_project.env_for(repo), PYTHONPROFILEIMPORTTIME="1")  # its imports' times, for the cost of a verdict
+        proc = subprocess.Popen(stage.argv(), cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT)
         done = threading.Event()
 
         def watch() -> None:
@@ -190,8 +193,17 @@ def report_verdict(repo: Path, variant: str) -> None:
 
 
 def tail(log: Path, lines: int = 4) -> str:
-    text = log.read_text(errors="replace").rstrip().splitlines()
+    text = [line for line in log.read_text(errors="replace").rstrip().splitlines() if not timings.IMPORT_LINE.match(line)]
     return "\n".join(f"    | {line[:200]}" for line in text[-lines:])
+
+
+def print_cost(repo: Path, measured: list[Measured]) -> None:
+    """The cost of a verdict (timings.py's, from the stages' logs): the necessary trainings against the stages' time.
+    No DVC runs here, so its dvc.lock rewrites and output hashing are not in it."""
+    raw = {m.name: (repo / "logs" / f"{m.name}.log").read_text(errors="replace").splitlines() for m in measured}
+    run = timings.of_stages(sum(m.seconds for m in measured), {m.name: m.seconds for m in measured}, raw)
+    timings.print_cost(timings.cost_of_verdict(run, rewrite_s=0.0))
+    print("  (the stages run without DVC here: its dvc.lock rewrites and its hashing of the outputs are not counted)")
 
 
 def main() -> None:
@@ -225,10 +237,11 @@ def main() -> None:
         _project.copy(work, base=values)
         (work / "logs").mkdir(exist_ok=True)
         stages = [s for s in _project.plan(values, work) if s.name.split("@")[0] in STAGES]
-        started = time.perf_counter()
+        started, measured = time.perf_counter(), []
         print(f"{'stage':<20} {'wall s':>8} {'peak RSS GiB':>13} {'data/ GiB':>10}")
         for stage in stages:
             m = run_stage(stage, work, work / "logs" / f"{stage.name}.log", int(args.max_rss_gib * GIB))
+            measured.append(m)
             print(f"{m.name:<20} {m.seconds:8.1f} {m.peak_rss / GIB:13.2f} {m.data_bytes / GIB:10.2f}")
             print(tail(work / "logs" / f"{stage.name}.log"))
             if m.returncode != 0:
@@ -238,6 +251,7 @@ def main() -> None:
         print(f"all stages: {time.perf_counter() - started:.1f} s; data/ holds {tree_bytes(work / 'data') / GIB:.2f} GiB")
         report_outputs(work, variant)
         report_verdict(work, variant)
+        print_cost(work, measured)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

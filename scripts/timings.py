@@ -83,9 +83,7 @@ def staged(cmd: list[str], cwd: Path, env: dict[str, str]) -> Run:
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     stages: dict[str, float] = {}
-    lines: dict[str, list[str]] = {}
-    imports: dict[str, dict[str, float]] = {name: {} for name in FIXED_IMPORTS}
-    all_imports: dict[str, float] = {}
+    raw: dict[str, list[str]] = {}
     current, since, tail = None, t0, []
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -96,24 +94,35 @@ def staged(cmd: list[str], cwd: Path, env: dict[str, str]) -> Run:
             if current is not None:
                 stages[current] = now - since
             current, since = found.group(1), now
-            lines[current] = []
-            continue
-        timing = IMPORT_LINE.match(line)
-        if current is None:
-            continue
-        if not timing:
-            lines[current].append(line.rstrip("\n"))
-            continue
-        seconds, nested, module = int(timing.group(1)) / 1e6, timing.group(2), timing.group(3)
-        if not nested:  # top level: its cumulative time holds what it imports
-            all_imports[current] = all_imports.get(current, 0.0) + seconds
-        if module in imports:  # printed once per process, where first imported (torch.optim imports torch._dynamo)
-            imports[module][current] = imports[module].get(current, 0.0) + seconds
+            raw[current] = []
+        elif current is not None:
+            raw[current].append(line)
     if proc.wait() != 0:
         raise SystemExit(f"{' '.join(cmd)} failed in {cwd}:\n{''.join(tail)}")
     total = time.monotonic() - t0
     if current is not None:
         stages[current] = t0 + total - since
+    return of_stages(total, stages, raw)
+
+
+def of_stages(total: float, stages: dict[str, float], raw: dict[str, list[str]]) -> Run:
+    """A ``Run`` from each stage's wall seconds and the lines its process printed under PYTHONPROFILEIMPORTTIME=1:
+    the import lines are read into ``imports`` and ``all_imports``, the others kept as the stage's ``lines``."""
+    lines: dict[str, list[str]] = {}
+    imports: dict[str, dict[str, float]] = {name: {} for name in FIXED_IMPORTS}
+    all_imports: dict[str, float] = {}
+    for stage, printed in raw.items():
+        lines[stage] = []
+        for line in printed:
+            timing = IMPORT_LINE.match(line.rstrip("\n"))
+            if not timing:
+                lines[stage].append(line.rstrip("\n"))
+                continue
+            seconds, nested, module = int(timing.group(1)) / 1e6, timing.group(2), timing.group(3)
+            if not nested:  # top level: its cumulative time holds what it imports
+                all_imports[stage] = all_imports.get(stage, 0.0) + seconds
+            if module in imports:  # printed once per process, where first imported (torch.optim imports torch._dynamo)
+                imports[module][stage] = imports[module].get(stage, 0.0) + seconds
     return Run(total, stages, lines, imports, all_imports)
 
 

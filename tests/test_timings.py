@@ -56,3 +56,18 @@ def test_a_training_no_stage_timed_is_named_not_guessed(timings):
     cost = timings.cost_of_verdict(run, rewrite_s=0.0)
     assert cost.trainings == {"reference": 3.69, "replicate": 0.66}  # freeze's phases, setup included
     assert cost.missing == ("trial float16",) and cost.rest["trial: the rest"] == 4.0
+
+
+def test_a_stages_import_lines_are_its_imports_and_not_its_output(timings):
+    raw = {"freeze": ["import time: self [us] | cumulative | imported package\n",
+                      "import time:       120 |    1500000 | torch\n",
+                      "import time:        80 |      40000 |   torch._dynamo\n",
+                      "import time:        10 |     250000 | pipeline.stages.freeze\n",
+                      "freeze FP32: 60 steps in 0.26 s\n"],
+           "decide": ["decide: ACCEPT\n"]}
+    run = timings.of_stages(4.0, {"freeze": 3.0, "decide": 1.0}, raw)
+    assert run.lines == {"freeze": ["import time: self [us] | cumulative | imported package", "freeze FP32: 60 steps in 0.26 s"],
+                         "decide": ["decide: ACCEPT"]}
+    assert run.all_imports == {"freeze": pytest.approx(1.75)}  # top-level imports only: torch._dynamo is inside torch's
+    assert run.imports["torch"] == {"freeze": 1.5} and run.imports["torch._dynamo"] == {"freeze": 0.04}
+    assert timings.cost_of_verdict(run, rewrite_s=0.0).trainings == {"reference": 0.26}
