@@ -60,14 +60,14 @@ class _Gradients:
 
     def add(self, grad: torch.Tensor) -> None:
         g = grad.detach().float().abs().flatten().cpu()
-        g = g[torch.isfinite(g)]
-        live = g[g > 0]
         self.elements += grad.numel()
-        self.nonzero += live.numel()
-        self.max_abs = max(self.max_abs, float(live.max()) if live.numel() else 0.0)
+        if g.numel() and not math.isfinite(float(g.sum())):  # some element is not finite (or the sum overflowed)
+            g = g[torch.isfinite(g)]
+        nonzero = int(torch.count_nonzero(g))
+        self.nonzero += nonzero
+        self.max_abs = max(self.max_abs, float(g.max()) if nonzero else 0.0)  # g >= 0: the largest live element
         self.overflow += int((g * self.scale > FP16_MAX).sum())
-        above = torch.floor(torch.log2(live.double() * self.scale / FP16_SMALLEST_SUBNORMAL)) + 1
-        self.binades += torch.bincount(above.clamp(0, _BINADES).long(), minlength=_BINADES + 1)
+        self.binades += binades_of(g, self.scale, nonzero)
 
     def underflow(self, halvings: int) -> int:
         """Live elements below 2**-24 at the initial scale halved ``halvings`` times."""
@@ -82,6 +82,22 @@ class _Gradients:
             overflow_initial=self.overflow,
             underflow_settled=self.underflow(halvings),
         )
+
+
+def binades_of(g: torch.Tensor, scale: float, nonzero: int) -> torch.Tensor:
+    """Counts by ``_Gradients.binades``'s bins of the nonzero elements of ``g`` (finite, >= 0) at ``scale``: bin
+    floor(log2(v * scale / 2**-24)) + 1, clamped to [0, _BINADES]. For a power-of-two scale (the GradScaler's) it is
+    the float32 exponent field shifted, exactly (float32 subnormals and zeros fall in bin 0; the zeros are taken out
+    again): 5x less work than the float64 log2 of every element, which any other scale takes."""
+    mantissa, exponent = math.frexp(scale)
+    if mantissa == 0.5 and exponent <= 102:  # scale = 2**(exponent - 1); a subnormal's bin, <= exponent - 102, clamps to 0
+        key = torch.bitwise_right_shift(g.view(torch.int32), 23).add_(exponent - 1 + 25 - 127).clamp_(0, _BINADES)
+        counts = torch.bincount(key, minlength=_BINADES + 1)
+        counts[0] -= g.numel() - nonzero
+        return counts
+    live = g[g > 0]
+    above = torch.floor(torch.log2(live.double() * scale / FP16_SMALLEST_SUBNORMAL)) + 1
+    return torch.bincount(above.clamp(0, _BINADES).long(), minlength=_BINADES + 1)
 
 
 def halvings_to_fit(largest: float, scale: float) -> int:

@@ -193,7 +193,7 @@ def report_verdict(repo: Path, variant: str) -> None:
 
 
 def tail(log: Path, lines: int = 4) -> str:
-    text = [line for line in log.read_text(errors="replace").rstrip().splitlines() if not timings.IMPORT_LINE.match(line)]
+    text = [line for line in log.read_text(errors="replace").rstrip().splitlines() if not line.startswith("import time:")]
     return "\n".join(f"    | {line[:200]}" for line in text[-lines:])
 
 
@@ -202,7 +202,7 @@ def print_cost(repo: Path, measured: list[Measured]) -> None:
     No DVC runs here, so its dvc.lock rewrites and output hashing are not in it."""
     raw = {m.name: (repo / "logs" / f"{m.name}.log").read_text(errors="replace").splitlines() for m in measured}
     run = timings.of_stages(sum(m.seconds for m in measured), {m.name: m.seconds for m in measured}, raw)
-    timings.print_cost(timings.cost_of_verdict(run, rewrite_s=0.0))
+    timings.print_cost(timings.cost_of_verdict(run, rewrite_s=0.0), what="the stages, one after the other,")
     print("  (the stages run without DVC here: its dvc.lock rewrites and its hashing of the outputs are not counted)")
 
 

@@ -233,9 +233,9 @@ def _printed(lines: list[str]) -> Printed:
     return Printed(freeze, trainings)
 
 
-def print_cost(cost: Cost) -> None:
+def print_cost(cost: Cost, what: str = "dvc repro --force") -> None:
     necessary = sum(cost.trainings.values())
-    print(f"cost of a verdict: dvc repro --force {cost.total:.1f} s against {necessary:.1f} s of necessary training: "
+    print(f"cost of a verdict: {what} {cost.total:.1f} s against {necessary:.1f} s of necessary training: "
           f"ratio {cost.ratio:.2f} (goal on a real-sized model: <= 1.1)")
     for name, seconds in cost.trainings.items():
         print(f"  training {name:<36} {seconds:7.1f} s")

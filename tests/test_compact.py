@@ -122,6 +122,26 @@ def test_decoded_scores_are_within_the_stated_error_and_special_values_exact():
     assert np.array_equal(back[4], z[4])  # every class tied: exact
 
 
+def test_a_rows_codes_do_not_depend_on_a_non_finite_neighbour():
+    """Blocks of finite scores take a shorter path than blocks holding a NaN or an infinity: the same codes, bit for bit,
+    and the same decoded scores, for rows with ties of the top, many ties, a flat row, tiny and huge spreads."""
+    g = np.random.default_rng(3)
+    z = (g.standard_normal((3, 40, 300)) * g.choice([1e-6, 1.0, 30.0, 1e30], size=(3, 40, 1))).astype(np.float32)
+    z[0, 1, 7] = z[0, 1].max()  # a tie of the top
+    z[1] = np.round(g.standard_normal((40, 300)) * 5)  # many ties
+    for flat in (False, True):
+        finite = z.copy()
+        if flat:
+            finite[2, 5] = 1.5  # equal scores: no step
+        spoiled = finite.copy()
+        spoiled[2, 39, 0] = np.nan  # the same block (every row here fits one), one element not finite
+        a, b = compact.encode(finite), compact.encode(spoiled)
+        keep = (slice(None), slice(0, 39))
+        for name in compact.PARTS:
+            assert np.array_equal(a[name][keep], b[name][keep]), name
+        assert np.array_equal(compact.decode(a)[keep].view(np.uint32), compact.decode(b)[keep].view(np.uint32))
+
+
 def test_auto_compacts_only_above_its_size_and_full_bytes_are_unchanged(tmp_path):
     ref, _ = _realistic(n=2, t=4)
     a = outputs.write_outputs(tmp_path / "a.safetensors", [{"logits": ref}], ["x", "y"])

@@ -17,7 +17,7 @@ from pipeline.artifacts.steps import StepRecord
 from pipeline.config import Policy
 from pipeline.diagnosis import precision_map
 from pipeline.errors import UserError
-from pipeline.forecast import forecast, halvings_to_fit
+from pipeline.forecast import binades_of, forecast, halvings_to_fit
 
 CPU = torch.device("cpu")
 FP16 = Policy(dtype="float16")
@@ -154,6 +154,20 @@ def test_halvings_to_fit():
     assert halvings_to_fit(0.5, 65536.0) == 0  # 32768 fits
     assert halvings_to_fit(1.0, 65536.0) == 1  # 65536 > 65504 by a hair
     assert halvings_to_fit(100.0, 65536.0) == 7  # 6553600 / 2**7 = 51200
+
+
+def test_gradient_binades_are_the_float64_log2s_at_any_scale():
+    """The exponent-field shortcut of a power-of-two scale bins every element where floor(log2(v * scale / 2**-24)) + 1
+    does, float32 subnormals, binade edges and the largest floats included; another scale takes that log2 itself."""
+    g = torch.Generator().manual_seed(0)
+    spread = torch.randn(100_000, generator=g).abs() * torch.exp(torch.randn(100_000, generator=g) * 20)
+    edges = torch.tensor([0.0, 1e-45, 1e-40, 2.0**-126, 2.0**-25, 2.0**-24, 0.5, 1.0, 2.0, 3.9999998, 4.0, 65504.0, 1e30, 3.4e38])
+    for values in (spread[torch.isfinite(spread)], edges, torch.zeros(5)):
+        for scale in (65536.0, 1.0, 2.0**-10, 2.0**60, 2.0**101, 2.0**102, 3000.0):
+            live = values[values > 0]
+            expected = torch.floor(torch.log2(live.double() * scale / 2.0**-24)) + 1
+            expected = torch.bincount(expected.clamp(0, 192).long(), minlength=193)
+            assert torch.equal(binades_of(values, scale, live.numel()), expected), scale
 
 
 def test_the_worse_end_of_training_recommends_and_the_check_reads_both_ends():

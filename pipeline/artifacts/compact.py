@@ -84,6 +84,14 @@ def encode(z: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _encode_rows(z: np.ndarray):
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, or a sum that overflows: the general path
+        every_finite = z.size and np.isfinite(z.sum(dtype=np.float64))
+    if every_finite:  # every score finite (a sum's one pass): the common rows
+        return _encode_finite(z)
+    return _encode_general(z)
+
+
+def _encode_general(z: np.ndarray):
     finite = np.isfinite(z)
     any_finite = finite.any(-1)
     top = np.where(any_finite, np.where(finite, z, -np.inf).max(-1), 0).astype(np.float32)
@@ -109,6 +117,34 @@ def _encode_rows(z: np.ndarray):
     return codes, top, step, second, index
 
 
+def _encode_finite(z: np.ndarray):
+    """``_encode_rows`` of rows whose scores are all finite: the same codes, bit for bit (the same float64 operations
+    in the same order), without the masks non-finite scores need; about 2x faster."""
+    rows = np.arange(z.shape[0])
+    top = z.max(-1)
+    is_top = z == top[:, None]
+    below = np.where(is_top, np.float32(-np.inf), z)
+    index = below.argmax(-1).astype(np.int32)
+    second = below[rows, index]
+    index = np.where(np.isfinite(second), index, -1).astype(np.int32)
+    low = z.min(-1).astype(np.float64)
+    span = top.astype(np.float64) - low
+    step = (span / LEVELS).astype(np.float32)
+    short = step.astype(np.float64) * LEVELS < span
+    step = np.where(short, np.nextafter(step, np.float32(np.inf)), step).astype(np.float32)
+    s = step.astype(np.float64)[:, None]
+    if not (s > 0).all():  # a row of equal scores (no step): its j is 0, as the general path makes it
+        return _encode_general(z)
+    j = np.subtract(top.astype(np.float64)[:, None], z, dtype=np.float64)
+    np.divide(j, s, out=j)
+    np.rint(j, out=j)
+    np.clip(j, 0, LEVELS, out=j)
+    np.subtract(TOP - 1, j, out=j)
+    codes = j.astype(np.uint16)
+    np.putmask(codes, is_top, TOP)
+    return codes, top.astype(np.float32), step, second.astype(np.float32), index
+
+
 def decode(parts: dict[str, np.ndarray]) -> np.ndarray:
     """Float32 scores [n, T, V] from the compact parts (``encode``'s, any rows of them)."""
     codes = parts["codes"].view(np.uint16)
@@ -118,19 +154,25 @@ def decode(parts: dict[str, np.ndarray]) -> np.ndarray:
     second, index = parts["second"].reshape(-1), parts["second_index"].reshape(-1)
     out = np.empty((n * t, v), dtype=np.float32)
     rows = max(1, BLOCK_ELEMENTS // max(v, 1))
+    work = np.empty(rows * v, dtype=np.float64)  # one float64 buffer for every block
     for a in range(0, n * t, rows):
         b = min(a + rows, n * t)
         c = flat[a:b]
-        j = (TOP - 1) - c.astype(np.float64)
-        z = (top[a:b, None].astype(np.float64) - j * step[a:b, None].astype(np.float64)).astype(np.float32)
+        j = work[: c.size].reshape(c.shape)
+        np.subtract(TOP - 1, c, out=j, dtype=np.float64)  # j = (TOP - 1) - code, exact
+        np.multiply(j, step[a:b, None].astype(np.float64), out=j)
+        np.subtract(top[a:b, None].astype(np.float64), j, out=j)
+        z = out[a:b]
+        np.copyto(z, j, casting="same_kind")  # rounded to float32 once
         np.minimum(z, second[a:b, None], out=z)
-        z[c == TOP] = np.broadcast_to(top[a:b, None], z.shape)[c == TOP]
-        z[c == NEG_INF] = -np.inf
-        z[c == NAN] = np.nan
-        z[c == POS_INF] = np.inf
+        at_top = np.nonzero(c == TOP)
+        z[at_top] = top[a:b][at_top[0]]
+        if c.min() <= POS_INF:  # a code of -inf, NaN or +inf in the block (rare)
+            z[c == NEG_INF] = -np.inf
+            z[c == NAN] = np.nan
+            z[c == POS_INF] = np.inf
         has = np.flatnonzero(index[a:b] >= 0)
         z[has, index[a:b][has]] = second[a:b][has]
-        out[a:b] = z
     return out.reshape(n, t, v)
 
 
