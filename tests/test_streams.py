@@ -44,6 +44,7 @@ class Counting:
 
     def read(self, name, start, stop):
         self.most = max(self.most, stop - start)
+        self.calls = getattr(self, "calls", 0) + 1
         return self.source.read(name, start, stop)
 
 
@@ -68,6 +69,22 @@ def test_statistics_do_not_depend_on_the_chunking(per_token):
             assert s.distribution.kl_p99 == a.distribution.kl_p99
             assert s.distribution.kl_mean == pytest.approx(a.distribution.kl_mean, rel=1e-9)
     assert ta == tb == tc
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_a_source_compared_with_itself_is_read_once_a_chunk(per_token):
+    """Diagnose compares the reference with itself: one reader for the three sides is read (and decoded) once a chunk,
+    with the statistics of three readers of the same outputs."""
+    ids, y, has, ref, _ = _set(per_token=per_token)
+    cfg = CompareConfig(chunk_elements=700)
+    one = Counting(streams.InMemory(ref))
+    alone, _ = streams.compare_streams("classification", AcceptanceConfig(), streams.Sources(ids, y, has, one, one, one), RUNS,
+                                       cfg=cfg)
+    three = [Counting(streams.InMemory(ref)) for _ in range(3)]
+    apart, _ = streams.compare_streams("classification", AcceptanceConfig(), streams.Sources(ids, y, has, *three), RUNS, cfg=cfg)
+    assert alone == apart and alone.flips.real_flips == 0 and alone.values["logits"].max_abs == 0.0
+    chunks = math.ceil(len(ids) / alone.outputs.chunk_rows)
+    assert one.calls == chunks and [c.calls for c in three] == [chunks] * 3
 
 
 def test_table_keeps_every_flip_and_the_worst_others():

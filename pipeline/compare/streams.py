@@ -315,11 +315,20 @@ class _State:
     slice_elements: int = 0
     """Elements per computation slice (``SLICE_ELEMENTS`` on a CPU; a whole chunk on a GPU)."""
     mapped: list = field(default_factory=list)
+    read_here: dict = field(default_factory=dict)
+    """The chunk's tensors by (source, name): a source that is several sides (the reference compared with itself,
+    in diagnose) is read and decoded once a chunk. Nothing writes into them."""
 
     def read(self, source: Source, side: str, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows start:stop of ``name`` from ``source``. An ``OutputsReader`` maps them (no copy; ``release``
         drops them from memory once used) or, where it cannot map, reads into one buffer per side and name,
         allocated at the first (largest) chunk and reused for every other."""
+        key = (id(source), name, start, stop)
+        if key not in self.read_here:
+            self.read_here[key] = self._read(source, side, name, start, stop)
+        return self.read_here[key]
+
+    def _read(self, source: Source, side: str, name: str, start: int, stop: int) -> torch.Tensor:
         if not isinstance(source, OutputsReader):
             return source.read(name, start, stop).to(self.device)
         view = source.view(name, start, stop)
@@ -332,7 +341,8 @@ class _State:
         return out.to(self.device)
 
     def release(self) -> None:
-        """Drop the chunk's mapped pages from resident memory."""
+        """Drop the chunk's tensors, and its mapped pages from resident memory."""
+        self.read_here.clear()
         for source, name, start, stop in self.mapped:
             source.release(name, start, stop)
         self.mapped.clear()
