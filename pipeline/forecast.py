@@ -88,9 +88,9 @@ def binades_of(g: torch.Tensor, scale: float, nonzero: int) -> torch.Tensor:
     """Counts by ``_Gradients.binades``'s bins of the nonzero elements of ``g`` (finite, >= 0) at ``scale``: bin
     floor(log2(v * scale / 2**-24)) + 1, clamped to [0, _BINADES]. For a power-of-two scale (the GradScaler's) it is
     the float32 exponent field shifted, exactly (float32 subnormals and zeros fall in bin 0; the zeros are taken out
-    again): 5x less work than the float64 log2 of every element, which any other scale takes."""
+    again): 10x faster than the float64 log2 of every element (65e6 gradients, one thread), which any other scale takes."""
     mantissa, exponent = math.frexp(scale)
-    if mantissa == 0.5 and exponent <= 102:  # scale = 2**(exponent - 1); a subnormal's bin, <= exponent - 102, clamps to 0
+    if mantissa == 0.5 and exponent <= 102:  # scale = 2**(exponent - 1); a subnormal's bin, exponent - 103 < 0, clamps to 0
         key = torch.bitwise_right_shift(g.view(torch.int32), 23).add_(exponent - 1 + 25 - 127).clamp_(0, _BINADES)
         counts = torch.bincount(key, minlength=_BINADES + 1)
         counts[0] -= g.numel() - nonzero
