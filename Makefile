@@ -20,7 +20,7 @@ run: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" $(BIN)/dvc repro
 	@echo "Results: $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db  (then open http://127.0.0.1:5000)"
 
-# Every test (what CI runs; 16.6 min on 2 cores in the last clean-clone run, idle; the goal is 8): gpu-marked tests skip themselves where no GPU is visible.
+# Every test (what CI runs; 12.6 min on 2 cores in the last clean-clone run, idle, Intel Xeon; the goal is 8): gpu-marked tests skip themselves where no GPU is visible.
 # One worker per core (pytest-xdist): most tests wait on one single-threaded subprocess (dvc repro, a stage, a
 # server), so a second worker uses the core the first leaves idle. A test is a unit of work of its own, except that
 # the tests sharing a module-scoped fixture go to one worker together (loadgroup: tests/conftest.py groups them and
@@ -30,7 +30,7 @@ WORKERS ?= auto
 test: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=10 -n $(WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
-# Pure and unit tests only (under a minute on 2 cores): no dvc repro, no server, no GPU.
+# Pure and unit tests only (71 s on 2 cores in the last run; the goal is under a minute): no dvc repro, no server, no GPU.
 test-fast: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(WORKERS) -m "not integration and not gpu" tests
 
