@@ -136,16 +136,14 @@ def _encode_finite(z: np.ndarray):
     low = z.min(-1).astype(np.float64)
     step = _step(top, low)
     s = step.astype(np.float64)[:, None]
-    if not (s > 0).all():  # a row of equal scores (no step): its j is 0, as the general path makes it
-        return _encode_general(z)
     j = np.subtract(top.astype(np.float64)[:, None], z, dtype=np.float64)
-    np.divide(j, s, out=j)
+    np.divide(j, np.where(s > 0, s, 1.0), out=j)  # a row of equal scores has no step: its j stays 0, as the general path's
     np.rint(j, out=j)
     np.clip(j, 0, LEVELS, out=j)
     np.subtract(TOP - 1, j, out=j)
     codes = j.astype(np.uint16)
     np.putmask(codes, is_top, TOP)
-    return codes, top.astype(np.float32), step, second.astype(np.float32), index
+    return codes, top, step, second, index
 
 
 def decode(parts: dict[str, np.ndarray]) -> np.ndarray:
