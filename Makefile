@@ -20,19 +20,21 @@ run: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" $(BIN)/dvc repro
 	@echo "Results: $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db  (then open http://127.0.0.1:5000)"
 
-# Every test (what CI runs; 12.6 min on 2 cores in the last clean-clone run, idle, Intel Xeon; the goal is 8): gpu-marked tests skip themselves where no GPU is visible.
-# One worker per core (pytest-xdist): most tests wait on one single-threaded subprocess (dvc repro, a stage, a
-# server), so a second worker uses the core the first leaves idle. A test is a unit of work of its own, except that
-# the tests sharing a module-scoped fixture go to one worker together (loadgroup: tests/conftest.py groups them and
-# hands the long units out first, so that the short unit tests fill both workers at the end). loadgroup needs pytest 8
+# Every test (what CI runs): 9.9 min on 2 cores idle with 3 workers, 11.0 min with 2 (Intel Xeon, this version; the goal is 8).
+# pytest-xdist, one worker per core plus one: most tests wait on single-threaded subprocesses (dvc repro, a stage, a
+# server) and on servers starting, so with one worker per core the CPUs were idle 9 % of the time; a third worker fills
+# that (user + sys 1074 s over 592 s of wall time). A test is a unit of work of its own, except that the tests sharing
+# a module-scoped fixture go to one worker together (loadgroup: tests/conftest.py groups them and hands the long units
+# out first, so that the short unit tests fill the workers at the end). loadgroup needs pytest 8
 # (requirements-dev.lock): under pytest 9 it falls back to per-test units, and tests/test_scheduling.py fails.
-WORKERS ?= auto
+WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 test: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=10 -n $(WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
-# Pure and unit tests only (71 s on 2 cores in the last run; the goal is under a minute): no dvc repro, no server, no GPU.
+# Pure and unit tests only (47 s on 2 cores idle, one worker per core; 56 s with one more: these tests keep their CPU
+# busy): no dvc repro, no server, no GPU.
 test-fast: $(VENV)/.installed
-	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n $(WORKERS) -m "not integration and not gpu" tests
+	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n auto -m "not integration and not gpu" tests
 
 # Only the GPU tests, inside a GPU image (see .github/workflows/gpu.yml).
 test-gpu: $(VENV)/.installed
