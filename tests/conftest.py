@@ -121,16 +121,23 @@ def _session_root(tmp_path_factory) -> Path:
 
 def reproduce(root: Path) -> Path:
     """``root``/reproduced/repo: one tiny project after a full `dvc repro`, built by whichever process gets here
-    first (a worker, or the early build) while any other waits on the lock."""
+    first (a worker, or the early build) while any other waits on the lock. What `dvc repro` printed is kept
+    beside it (``repro_log``)."""
     repo, done = root / "reproduced" / "repo", root / "reproduced.done"
     with open(root / "reproduced.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
             shutil.rmtree(repo.parent, ignore_errors=True)  # what a process that failed midway left
             make_project(repo)
-            _project.dvc(repo, "repro")
+            made = _project.dvc(repo, "repro")
+            repro_log(repo).write_text(made.stdout)
             done.touch()
     return repo
+
+
+def repro_log(reproduced: Path) -> Path:
+    """The standard output of the `dvc repro` that built ``reproduced`` (outside the repository)."""
+    return reproduced.parent / "repro.log"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -165,9 +172,3 @@ def reproduced(tmp_path_factory) -> Path:
     Built once per session (``reproduce``), in the folder the workers of pytest-xdist share; usually started
     early (``_reproduce_early``)."""
     return reproduce(_session_root(tmp_path_factory))
-
-
-@pytest.fixture
-def project(tmp_path) -> Path:
-    """A fresh tiny project, not yet reproduced."""
-    return make_project(tmp_path / "repo")

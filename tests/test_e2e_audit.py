@@ -9,14 +9,14 @@ import json
 
 import pytest
 
-from _project import dvc
+from conftest import repro_log
 
 pytestmark = pytest.mark.integration
 
 
-def test_audit_and_forecast_reach_the_manifests_the_diagnosis_and_the_verdict(project, monkeypatch):
-    repo = project  # the tiny digits project (conftest: _project.copy with examples/sizes/tiny.yaml), not reproduced
-    done = dvc(repo, "repro", "decide@float16", "decide@bfloat16")
+def test_audit_and_forecast_reach_the_manifests_the_diagnosis_and_the_verdict(reproduced, monkeypatch):
+    repo = reproduced  # the tiny digits project after `dvc repro` (conftest: examples/sizes/tiny.yaml); read only
+    printed = repro_log(repo).read_text()
     data = repo / "data"
 
     def sha(path):
@@ -39,7 +39,7 @@ def test_audit_and_forecast_reach_the_manifests_the_diagnosis_and_the_verdict(pr
     checked = json.loads((data / "diagnose" / "float16" / "diagnosis.json").read_text())["forecast"]
     assert checked["held"] and checked["recommendation"] == "fp16 is safe" and checked["line"].startswith("forecast held:")
     assert "forecast" not in json.loads((data / "diagnose" / "bfloat16" / "diagnosis.json").read_text())
-    assert "FP16 forecast: fp16 is safe" in done.stdout and checked["line"] in done.stdout  # decide's verdict
+    assert "FP16 forecast: fp16 is safe" in printed and checked["line"] in printed  # decide's verdict, as dvc repro printed it
 
     monkeypatch.chdir(repo)  # the renderers read data/ relative to the project, as publish does
     from pipeline.artifacts import variant
