@@ -293,26 +293,30 @@ def test_gpu_resume_key_names_the_gpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_cpu_bytes_do_not_follow_omp_num_threads(tmp_path: Path) -> None:
+def test_cpu_bytes_do_not_follow_omp_num_threads(reproduced, tmp_path: Path) -> None:
     """Issue 15.3: with the default ``threads: 1`` the reference is byte-identical under OMP_NUM_THREADS 1 and 2,
-    and its manifest records the counts and the BLAS."""
+    and its manifest records the counts and the BLAS. Under 1: the session's ``reproduced`` (its stages ran with the
+    test session's OMP_NUM_THREADS, 1 unless set); under 2: prepare and freeze again, in a copy."""
     import hashlib
     import json
+    import shutil
 
     from _project import env_for
-    from conftest import make_project
 
-    repo = make_project(tmp_path / "repo")
-    digests = []
-    for omp in ("1", "2"):
-        env = {**env_for(repo), "OMP_NUM_THREADS": omp}
-        for stage in ("prepare", "freeze"):
-            proc = subprocess.run(
-                [sys.executable, "-m", "pipeline", stage], cwd=repo, env=env, capture_output=True, text=True, timeout=600
-            )
-            assert proc.returncode == 0, proc.stderr[-2000:]
-        files = sorted(p for p in (repo / "data").rglob("*") if p.is_file() and "resume" not in p.parts)
-        digests.append({str(p.relative_to(repo)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files})
-    assert digests[0] == digests[1]
+    repo = tmp_path / "repo"
+    shutil.copytree(reproduced, repo, symlinks=True)
+    folders = [repo / "data" / name for name in ("prepared", "reference")]
+
+    def digests() -> dict[str, str]:
+        files = sorted(p for f in folders for p in f.rglob("*") if p.is_file())
+        return {str(p.relative_to(repo)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+    before = digests()
+    env = {**env_for(repo), "OMP_NUM_THREADS": "2"}
+    for stage in ("prepare", "freeze"):
+        proc = subprocess.run([sys.executable, "-m", "pipeline", stage], cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(before) > 5 and digests() == before
     env = json.loads((repo / "data/reference/manifest.json").read_text())["env"]
     assert (env["threads"], env["interop_threads"]) == (1, 1) and env["blas"]
