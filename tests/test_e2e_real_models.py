@@ -68,7 +68,8 @@ CONV_DATASET = {
 
 
 def decisions(repo: Path) -> dict[str, str]:
-    return {d.name: json.loads((d / "decision.json").read_text())["decision"] for d in (repo / "data/decision").iterdir() if d.is_dir()}
+    folders = [d for d in (repo / "data/decision").iterdir() if d.is_dir()]
+    return {d.name: json.loads((d / "decision.json").read_text())["decision"] for d in folders}
 
 
 @pytest.fixture(scope="module")
