@@ -20,7 +20,7 @@ run: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" $(BIN)/dvc repro
 	@echo "Results: $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db  (then open http://127.0.0.1:5000)"
 
-# Every test (what CI runs): 9.9 min on 2 cores idle with 3 workers, 11.0 min with 2 (Intel Xeon, this version; the goal is 8).
+# Every test (what CI runs): 9.8 min on 2 cores in a clean-clone .ci/run, idle, Intel Xeon (the goal is 8; 11.0 min with 2 workers).
 # pytest-xdist, one worker per core plus one: most tests wait on single-threaded subprocesses (dvc repro, a stage, a
 # server) and on servers starting, so with one worker per core the CPUs were idle 9 % of the time; a third worker fills
 # that (user + sys 1074 s over 592 s of wall time). A test is a unit of work of its own, except that the tests sharing
