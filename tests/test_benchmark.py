@@ -1,6 +1,6 @@
 """The benchmark artifact (pipeline/artifacts/benchmark.py) and stage benchmark@DTYPE on a tiny project: the
-record it writes, the memory probe's own process and the workload it reads, all on one frozen project (prepare,
-freeze and a float16 trial, built once). Also scripts/gpu_check.py without dvc and scripts/gpu_proof.sh, which
+record it writes, the memory probe's own process and the workload it reads, all on one copy of the session's
+reproduced project (its prepare, freeze and float16 trial). Also scripts/gpu_check.py without dvc and scripts/gpu_proof.sh, which
 run the same stages."""
 
 from __future__ import annotations
@@ -58,10 +58,6 @@ def test_the_artifact_is_torch_free() -> None:
 # --- on a tiny project --------------------------------------------------------------------------------------
 
 
-# The sklearn-free transformer at its tiny size: same stages, less start-up per process than digits.
-TINY_TRANSFORMER = _project.size("transformer-tiny")
-
-
 def quiet_env(repo: Path) -> dict[str, str]:
     # One intra-op thread: these tensors are tiny, and on a shared 2-core machine a second OpenMP thread
     # waiting for a busy core makes each step many times slower. What is checked here is not speed.
@@ -73,12 +69,11 @@ def stage(repo: Path, *args: str):
 
 
 @pytest.fixture(scope="module")
-def frozen(tmp_path_factory) -> Path:
-    """A tiny project after prepare and freeze: what the benchmark reads besides the decision."""
-    repo = make_project(tmp_path_factory.mktemp("bench") / "repo", TINY_TRANSFORMER)
-    for args in (["prepare"], ["freeze"], ["trial", "--variant", "float16"]):
-        proc = stage(repo, *args)
-        assert proc.returncode == 0, proc.stderr
+def frozen(reproduced, tmp_path_factory) -> Path:
+    """A copy of the session's tiny project after `dvc repro` (prepare, freeze, the float16 trial: what the benchmark
+    reads besides the decision, which each test writes)."""
+    repo = tmp_path_factory.mktemp("bench") / "repo"
+    shutil.copytree(reproduced, repo, symlinks=True)
     return repo
 
 
