@@ -21,8 +21,8 @@ run: $(VENV)/.installed
 	@echo "Results: $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db  (then open http://127.0.0.1:5000)"
 
 # Every test (what CI runs): 9.8-12.4 min on 2 cores, idle, Intel Xeon, in three runs of one day (the goal is 8; this VM's
-# speed moves by 15 % from hour to hour: an unchanged test took 119 s in one run and 204 s in another). Paired, in one hour:
-# 592 s with three workers, 660 s with two.
+# speed moves from hour to hour: the unchanged sweep test took 119 s in one run, 204 s in another). Paired, within one
+# hour: 592 s with three workers, 660 s with two.
 # pytest-xdist, one worker per core plus one: most tests wait on single-threaded subprocesses (dvc repro, a stage, a
 # server) and on servers starting, so with one worker per core the CPUs were idle 9 % of the time; a third worker fills
 # that (user + sys 1074 s over 592 s of wall time). A test is a unit of work of its own, except that the tests sharing
