@@ -33,8 +33,8 @@ WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 test: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=10 -n $(WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
-# Pure and unit tests only (47 s on 2 cores idle, one worker per core; 56 s with one more: these tests keep their CPU
-# busy): no dvc repro, no server, no GPU.
+# Pure and unit tests only (46-57 s on 2 cores idle, one worker per core; 56-63 s with one more: these tests keep their
+# CPU busy): no dvc repro, no server, no GPU.
 test-fast: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n auto -m "not integration and not gpu" tests
 

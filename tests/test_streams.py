@@ -37,14 +37,15 @@ def _set(n=600, c=10, seed=0, per_token=False):
 
 
 class Counting:
-    """A source around another that remembers the most rows it was asked for at once."""
+    """A source around another that remembers the most rows it was asked for at once, and how many reads it served."""
 
     def __init__(self, source):
         self.source, self.names, self.rows, self.shape, self.most = source, source.names, source.rows, source.shape, 0
+        self.calls = 0
 
     def read(self, name, start, stop):
         self.most = max(self.most, stop - start)
-        self.calls = getattr(self, "calls", 0) + 1
+        self.calls += 1
         return self.source.read(name, start, stop)
 
 
