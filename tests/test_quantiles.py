@@ -74,3 +74,30 @@ def test_histogram_cut_gives_the_answer_of_the_whole_stream_at_once():
         assert parts._cut > 0  # the cut did rise
         assert (parts.result(), parts.upper()) == (whole.result(), whole.upper())
         assert abs(parts.result() - quantile(v, 0.99)) <= SKETCH_ALPHA * quantile(v, 0.99)
+
+
+@pytest.mark.parametrize("order", ["rising", "falling", "shuffled"])
+def test_past_the_cut_keying_every_value_and_selecting_first_count_the_same(order, monkeypatch):
+    """Past the cut an update either keys every value (junk bucket below the cut) or selects those at or above it
+    first, by the share the last update kept: either way the same histogram, so the same answer (zeros, negatives,
+    values on the cut's edge and an infinity included)."""
+    from pipeline.compare import quantiles
+
+    g = torch.Generator().manual_seed(11)
+    v = torch.cat([torch.rand(200_000, generator=g).pow(4) * 50, torch.zeros(5_000), -torch.rand(5_000, generator=g),
+                   torch.full((3,), math.inf)])
+    v = {"rising": v.sort().values, "falling": v.sort(descending=True).values,
+         "shuffled": v[torch.randperm(v.numel(), generator=g)]}[order]
+    hists, answers = [], []
+    for share in (2.0, -1.0, quantiles.KEEP_SHARE_FILTERED):  # always select, always key, the shipped switch
+        monkeypatch.setattr(quantiles, "KEEP_SHARE_FILTERED", share)
+        q = StreamQuantile(0.99, v.numel(), max_exact=10)
+        for part in v.split(4_099):
+            q.update(part.clone())
+            if q._cut:  # the edge of the cut's bucket itself, once there is a cut: counted, not junk
+                q.update(torch.tensor([q._cut_value]))
+        assert q._cut > 0
+        hists.append(q._hist.clone())
+        answers.append((q.result(), q.upper()))
+    assert torch.equal(hists[0], hists[1]) and torch.equal(hists[0], hists[2])
+    assert answers[0] == answers[1] == answers[2]

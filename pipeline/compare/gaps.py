@@ -111,9 +111,9 @@ class GapStats:
             total = _sum(gap)
         if gap.numel():
             mag = r.abs()
-            mx = float(gap.max())
+            mx = float(gap.amax())
             excess = torch.sub(gap, mag, alpha=self.rtol)  # gap - rtol |r|: fails where > atol
-            worst = float(excess.max())
+            worst = float(excess.amax())
             del excess
             # The float32 test errs by at most 3 * 2**-24 * gap on an element at the threshold (gap ~ atol +
             # rtol |r|): only a slice whose worst comes that close to atol is counted, again, in float64
@@ -124,7 +124,7 @@ class GapStats:
                 else:  # float32 inputs: their float64 difference is exact (unless 29 binades apart), |r| too
                     trial_kept = t if both is None else t[both]
                     exact = torch.sub(trial_kept.double(), r.double()).abs_().sub_(mag.double(), alpha=self.rtol)
-                worst = float(exact.max())
+                worst = float(exact.amax())
                 failing += int((exact > self.atol).sum(dtype=torch.int64))
                 del exact
             else:  # float32's worst may read low by its rounding: the reported need stays on the passing side
@@ -135,7 +135,7 @@ class GapStats:
             self.n_abs += gap.numel()
             self.p_abs.update(gap, finite=True, vmax=mx, nonneg=True)
             rel = gap / mag
-            rmax = float(rel.max())
+            rmax = float(rel.amax())
             gap_nz, mag_nz = gap, mag
             if not math.isfinite(rmax):  # a zero reference (0/0, x/0) has no relative error; it passes through atol alone
                 nz = mag > 0
@@ -143,7 +143,7 @@ class GapStats:
                     self.need_rtol = math.inf
                 if not bool(nz.all()):
                     rel, gap_nz, mag_nz = rel[nz], gap[nz], mag[nz]
-                    rmax = float(rel.max()) if rel.numel() else 0.0
+                    rmax = float(rel.amax()) if rel.numel() else 0.0
             if rel.numel():
                 g.max_rel = max(g.max_rel, rmax)
                 self.sum_rel += _sum(rel) if rmax * rel.numel() < 1e30 else float(rel.sum(dtype=torch.float64))
@@ -152,7 +152,7 @@ class GapStats:
                 if self.atol == 0.0:
                     self.need_rtol = max(self.need_rtol, rmax)
                 elif mx > self.atol:
-                    self.need_rtol = max(self.need_rtol, float(torch.sub(gap_nz, self.atol).div_(mag_nz).max()))
+                    self.need_rtol = max(self.need_rtol, float(torch.sub(gap_nz, self.atol).div_(mag_nz).amax()))
         g.failing += failing
         return full_gap.reshape(ref.shape)
 

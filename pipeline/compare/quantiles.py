@@ -28,6 +28,10 @@ SKETCH_ALPHA = 2.0**-11
 """Relative error bound of the histogram's answer: the middle of the bucket holding the exact nearest-rank
 value, clamped to the exact maximum (values below ``HIST_FLOOR``: 0, absolute error < ``HIST_FLOOR``)."""
 HIST_FLOOR = 2.0**-40
+KEEP_SHARE_FILTERED = 0.1
+"""Past the cut, an update whose predecessor kept more than this share of its values keys every value (one shift,
+one ``bincount``: ~2.3 ms per 1e6 on one CPU thread) instead of selecting the kept ones first (~0.5 ms at 1 %, ~7 ms
+at half: the selection's branches mispredict); both count exactly the values at or above the cut."""
 _KEY_FLOOR = (127 - 40) << (23 - HIST_SHIFT)  # key of HIST_FLOOR: smaller values share bucket 0
 _KEY_INF = 0x7F800000 >> HIST_SHIFT  # key of +inf, the largest
 
@@ -79,6 +83,8 @@ class StreamQuantile:
         already, so the answer's bucket is never below it (counts above a bucket never change by dropping
         values below it): the same answer, and most values of a long stream skip the ``bincount``."""
         self._cut_value = 0.0
+        self._kept_share = 1.0
+        """Share of the last update's values at or above the cut: it picks how the next one is counted (the same counts)."""
         self.merges = 0
 
     def update(self, values: torch.Tensor, finite: bool = False, vmax: float | None = None, nonneg: bool = False) -> None:
@@ -104,13 +110,21 @@ class StreamQuantile:
         if v.dtype != torch.float32:
             v = v.float()  # float64 (KL) rounded to float32: 2**-24 relative, far below the bucket width
         if self._cut:  # negatives are below the cut too
-            top = float(v.max()) if vmax is None else float(vmax)
+            top = float(v.amax()) if vmax is None else float(vmax)
             self._max = max(self._max, top)
             if top < self._cut_value:
                 return
-            v = values_above(v, self._cut_value, inclusive=True)
-            key = torch.bitwise_right_shift(v.contiguous().view(torch.int32), HIST_SHIFT)
-            counts = torch.bincount(key.sub_(_KEY_FLOOR + self._cut))
+            if self._kept_share > KEEP_SHARE_FILTERED:  # most values still pass: key every one, those below in a junk bucket
+                below = _KEY_FLOOR + self._cut - 1
+                key = torch.bitwise_right_shift(v.contiguous().view(torch.int32), HIST_SHIFT)
+                counts = torch.bincount(key.clamp_(min=below).sub_(below))[1:]
+                self._kept_share = float(counts.sum()) / v.numel()
+            else:  # few pass: select them first (a compaction costs less than keying every value)
+                n = v.numel()
+                v = values_above(v, self._cut_value, inclusive=True)
+                self._kept_share = v.numel() / n
+                key = torch.bitwise_right_shift(v.contiguous().view(torch.int32), HIST_SHIFT)
+                counts = torch.bincount(key.sub_(_KEY_FLOOR + self._cut))
             self._hist[self._cut : self._cut + counts.numel()] += counts.to(self._hist.device)
             self._raise_cut()
             return
@@ -120,7 +134,7 @@ class StreamQuantile:
             v = v[~negative]
             if v.numel() == 0:
                 return
-        self._max = max(self._max, float(v.max()) if vmax is None else float(vmax))
+        self._max = max(self._max, float(v.amax()) if vmax is None else float(vmax))
         key = torch.bitwise_right_shift(v.contiguous().view(torch.int32), HIST_SHIFT)  # >= 0: the order of the values
         counts = torch.bincount(key.clamp_(min=_KEY_FLOOR).sub_(_KEY_FLOOR))
         self._hist[: counts.numel()] += counts.to(self._hist.device)
