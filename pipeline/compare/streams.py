@@ -209,7 +209,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     state = _State(names=names, main=main, kind=kind, per_token=per_token, kinds=kinds, targets=targets.to(device),
                    has_target=has_target.bool().to(device), gaps=gaps, arbiter=arbiter, decisions=decisions, quality=quality,
                    row_gap=row_gap, first_values=first_values, heads=head_stats, device=device,
-                   slice_elements=slice_elements(device, per_token, cfg.chunk_elements),
+                   slice_elements=SLICE_ELEMENTS if device.type == "cpu" else max(cfg.chunk_elements, SLICE_ELEMENTS),
                    nonfinite={side: torch.zeros(n, dtype=torch.bool) for side in ("trial", "trained")},
                    nonfinite_elements={side: dict.fromkeys(names, 0) for side in ("trial", "trained")})
     for start in range(0, n, step):  # one chunk of every source in memory at a time
@@ -490,19 +490,7 @@ def _libc():
 
 
 SLICE_ELEMENTS = 1 << 18
-"""Elements per computation slice of per-token scores on a CPU: each temporary of their statistics (softmax, KL, top-k:
-some twenty passes) is about 1 MiB, cache-resident, whatever the chunk."""
-CASE_SLICE_ELEMENTS = 1 << 19
-"""Elements per slice of other outputs on a CPU (per case: fewer passes each, so fewer, larger slices cost less per
-element; at most an eighth of a chunk, so that the temporaries stay within one chunk)."""
-
-
-def slice_elements(device: torch.device, per_token: bool, chunk_elements: int) -> int:
-    """Elements per computation slice: a whole chunk on a GPU; on a CPU ``SLICE_ELEMENTS`` for per-token scores and
-    ``CASE_SLICE_ELEMENTS`` (at most an eighth of the chunk, at least ``SLICE_ELEMENTS``) for the others."""
-    if device.type != "cpu":
-        return max(chunk_elements, SLICE_ELEMENTS)
-    return SLICE_ELEMENTS if per_token else max(min(CASE_SLICE_ELEMENTS, chunk_elements // 8), SLICE_ELEMENTS)
+"""Elements per computation slice: each temporary of the statistics is about 1 MiB (cache-resident), whatever the chunk."""
 
 
 def _slices(shape: tuple[int, ...], start: int, by_position: bool, limit: int = SLICE_ELEMENTS):
