@@ -116,14 +116,14 @@ class StreamQuantile:
                 return
             if self._kept_share > KEEP_SHARE_FILTERED:  # most values still pass: key every one, those below in a junk bucket
                 below = _KEY_FLOOR + self._cut - 1
-                key = torch.bitwise_right_shift(v.contiguous().view(torch.int32), HIST_SHIFT)
+                key = _keys(v)
                 counts = torch.bincount(key.clamp_(min=below).sub_(below))[1:]
                 self._kept_share = float(counts.sum()) / v.numel()
             else:  # few pass: select them first (a compaction costs less than keying every value)
                 n = v.numel()
                 v = values_above(v, self._cut_value, inclusive=True)
                 self._kept_share = v.numel() / n
-                key = torch.bitwise_right_shift(v.contiguous().view(torch.int32), HIST_SHIFT)
+                key = _keys(v)
                 counts = torch.bincount(key.sub_(_KEY_FLOOR + self._cut))
             self._hist[self._cut : self._cut + counts.numel()] += counts.to(self._hist.device)
             self._raise_cut()
@@ -135,7 +135,7 @@ class StreamQuantile:
             if v.numel() == 0:
                 return
         self._max = max(self._max, float(v.amax()) if vmax is None else float(vmax))
-        key = torch.bitwise_right_shift(v.contiguous().view(torch.int32), HIST_SHIFT)  # >= 0: the order of the values
+        key = _keys(v)  # >= 0: the order of the values
         counts = torch.bincount(key.clamp_(min=_KEY_FLOOR).sub_(_KEY_FLOOR))
         self._hist[: counts.numel()] += counts.to(self._hist.device)
         self._raise_cut()
@@ -211,6 +211,12 @@ def values_above(v: torch.Tensor, floor: float, inclusive: bool = False) -> torc
         a = v.numpy()
         return torch.from_numpy(a[a >= floor] if inclusive else a[a > floor])
     return v[v >= floor] if inclusive else v[v > floor]
+
+
+def _keys(v: torch.Tensor) -> torch.Tensor:
+    """The histogram keys of float32 values (``HIST_SHIFT``): their bit patterns shifted, in the values' order for
+    values >= 0."""
+    return torch.bitwise_right_shift(v.contiguous().view(torch.int32), HIST_SHIFT)
 
 
 def _key_of(x: float) -> int:
