@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 BIN := $(abspath $(VENV))/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: run test test-fast test-gpu lint clean-venv timings
+.PHONY: run test test-fast test-gpu lint check-locks clean-venv timings
 
 $(VENV)/.installed: pyproject.toml requirements.lock requirements-dev.lock
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -47,6 +47,11 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check pipeline tests scripts
 	$(BIN)/hadolint Dockerfile.cuda Dockerfile.rocm
 	$(BIN)/actionlint
+
+# Every pinned package has a distribution for each image's declared Python (asks the package index: not a test, the
+# tests talk to 127.0.0.1 only). .ci/run runs it.
+check-locks: $(VENV)/.installed
+	$(PY) scripts/check_locks.py
 
 timings: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" $(PY) scripts/timings.py
