@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from pipeline import config, paths
+from pipeline.config import load_params
 from pipeline.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,3 +102,42 @@ def test_each_stage_declares_only_sections_that_exist():
 def test_shipped_example_params_are_valid(path):
     params = config.load_params(path)
     assert params.task.kind in ("classification", "regression")
+
+
+@pytest.mark.parametrize(
+    "text, field, value",
+    [
+        ("prepare: {edge_scales: [1.0e30, 1e-4, 1E5, .5e1, -2.5e-3, 1.0e+30]}", ("prepare", "edge_scales"),
+         [1e30, 1e-4, 1e5, 5.0, -2.5e-3, 1e30]),
+        ("reference: {lr: 1e-4, boundary_epsilon: 5e-3}", ("reference", "lr"), 1e-4),
+        ("reference: {train_steps: 1e2}", ("reference", "train_steps"), 100),
+        ("acceptance: {loss_atol: 5e-2}", ("acceptance", "loss_atol"), 0.05),
+    ],
+)
+def test_every_yaml_number_is_a_number(tmp_path, text, field, value):
+    if field == ("prepare", "edge_scales"):
+        text = text.replace("-2.5e-3, ", "")  # scales must be positive; the sign is tested below
+        value = [v for v in value if v > 0]
+    (tmp_path / "params.yaml").write_text(text + "\n")
+    params = load_params(tmp_path / "params.yaml")
+    got = getattr(getattr(params, field[0]), field[1])
+    assert got == value and type(got) is type(value)
+
+
+def test_yaml_numbers_agree_with_dvc_and_words_stay_refused(tmp_path):
+    """What DVC (ruamel, YAML 1.2) reads as a number, load_params reads as the same number."""
+    from ruamel.yaml import YAML
+
+    text = "reference: {lr: 1e-4, momentum: -0.0e0, train_steps: 12, grad_clip: 2.5E+1}\n"
+    (tmp_path / "params.yaml").write_text(text)
+    ours = load_params(tmp_path / "params.yaml").reference
+    dvcs = YAML(typ="safe", pure=True).load(text)["reference"]
+    assert (ours.lr, ours.momentum, ours.train_steps, ours.grad_clip) == (
+        dvcs["lr"], dvcs["momentum"], dvcs["train_steps"], dvcs["grad_clip"]
+    )
+    for bad, words in (
+        ("reference: {lr: 1e}", "number"), ("reference: {train_steps: 1.5e0}", "integer"), ("reference: {lr: .inf}", "finite"),
+    ):
+        (tmp_path / "params.yaml").write_text(bad + "\n")
+        with pytest.raises(UserError, match=words):
+            load_params(tmp_path / "params.yaml")

@@ -3,14 +3,17 @@ directory, through the task contract and one AMP update each (CPU, seconds)."""
 
 from __future__ import annotations
 
+import json
+import pickle
+from pathlib import Path
+
 import pytest
 import torch
 
 from pipeline import probe, task, training
-from pipeline.config import LrSchedule, ReferenceConfig, TaskConfig
+from pipeline.config import LrSchedule, Policy, ReferenceConfig, TaskConfig
 from pipeline.errors import UserError
 from pipeline.examples import huggingface as hf
-from pipeline.config import Policy
 
 CPU = torch.device("cpu")
 BERT = {"model_type": "bert", "vocab_size": 65, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -73,3 +76,69 @@ def test_adapter_mistakes_are_one_line():
         hf.build_model(architecture="NoSuchModel", config=BERT)
     with pytest.raises(UserError, match="needs model_type"):
         hf.build_model(architecture="BertModel", config={"hidden_size": 8})
+
+
+transformers = pytest.importorskip("transformers")
+
+
+PRETRAINED_BERT = {
+    "vocab_size": 65, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32,
+    "max_position_embeddings": 32, "num_labels": 2,
+}
+
+
+class _Payload:
+    """Unpickling this writes a file: proof that the pickle ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "pwned"))
+
+
+def _pickled_only(tmp_path: Path) -> tuple[Path, Path]:
+    """A save_pretrained directory whose weights are only a pickle (``pytorch_model.bin``) with a payload."""
+    folder, marker = tmp_path / "bert", tmp_path / "unpickled.txt"
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(**PRETRAINED_BERT))
+    model.save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    with open(folder / "pytorch_model.bin", "wb") as handle:
+        pickle.dump({"state": model.state_dict(), "payload": _Payload(marker)}, handle)
+    return folder, marker
+
+
+def _build(folder: Path):
+    cfg = TaskConfig(model="pipeline.examples.huggingface:build_model",
+                     options={"architecture": "BertForSequenceClassification", "pretrained": str(folder)})
+    return task.build_model(cfg, seed=0)
+
+
+def test_a_pretrained_directory_with_only_a_pickle_is_refused_in_one_line(tmp_path):
+    folder, marker = _pickled_only(tmp_path)
+    with pytest.raises(UserError) as err:
+        _build(folder)
+    line = str(err.value)
+    assert "\n" not in line and "pytorch_model.bin" in line and "safe_serialization=True" in line, line
+    assert not marker.exists()  # nothing was unpickled
+
+
+def test_a_pretrained_directory_with_safetensors_loads_and_its_remote_code_never_runs(tmp_path):
+    folder = tmp_path / "bert"
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(**PRETRAINED_BERT))
+    model.save_pretrained(folder)
+    # A config that asks for remote code: with trust_remote_code=False the named module is never imported.
+    (folder / "evil_r24.py").write_text(f"open({str(tmp_path / 'ran.txt')!r}, 'w').write('ran')\n")
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForSequenceClassification": "evil_r24.Evil"}
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = _build(folder)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    assert not (tmp_path / "ran.txt").exists()
+
+
+def test_a_pretrained_path_that_is_not_a_directory_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="is not a directory"):
+        _build(tmp_path / "missing")

@@ -183,3 +183,12 @@ def test_missing_inputs_and_non_finite_targets_are_one_line(tmp_path, monkeypatc
         task.load_data(TaskConfig(data="gaps:no_eval"))
     with pytest.raises(UserError, match="train_y holds NaN or inf"):
         task.load_data(TaskConfig(kind="regression", loss="mse", data="gaps:nan_target"))
+
+
+def test_class_targets_that_are_not_whole_numbers_or_complex_are_refused():
+    with pytest.raises(UserError, match=r"train_y: class targets must be whole numbers, found 0\.5"):
+        task.check_targets(torch.tensor([1.0, 0.5]), "classification", "train_y")
+    with pytest.raises(UserError, match="cannot be complex"):
+        task.check_targets(torch.tensor([1 + 0j]), "regression", "train_y")
+    task.check_targets(torch.tensor([1.0, 2.0]), "classification", "train_y")  # whole floats are exact classes
+    task.check_targets(torch.tensor([0.5]), "regression", "train_y")

@@ -21,3 +21,16 @@ def after_step(env: dict[str, str], step: int, stop: bool = False, rank: int | N
         out["PIPELINE_FAULT_RANK"] = str(rank)
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), env.get("PYTHONPATH", "")) if p)
     return out
+
+
+def flip_exponent_bit(path: Path, name: str = "model/0.weight") -> None:
+    """Damage on disk: the lowest exponent bit of tensor ``name``'s first float32 in the safetensors file ``path``
+    (the value doubles or halves; the file still parses)."""
+    import json
+
+    raw = bytearray(path.read_bytes())
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    start = 8 + size + header[name]["data_offsets"][0]
+    raw[start + 2] ^= 0x80  # bit 23 of the first float32
+    path.write_bytes(bytes(raw))

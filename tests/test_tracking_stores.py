@@ -1,5 +1,6 @@
-"""Publish's stuck or noisy failures (issue 24, items 6, 8, 9), against real MLflow stores: a sqlite file
-that another process holds locked, names MLflow refuses, a publish that fails midway."""
+"""The tracking store (pipeline/tracking.py) against real MLflow stores, no server: read-only or plain-path stores refused
+in one line, the default URI, a sqlite file another process holds locked, names MLflow refuses, a publish that fails
+midway, a server that hangs on its API, a project copied with `cp -a` (issue 15; issue 24, items 6, 8, 9, 11)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import blank_mlflow_db
 
-from pipeline import tracking
+from pipeline import files, provenance, tracking
 from pipeline.errors import UserError
 
 HOLD = """
@@ -228,21 +230,88 @@ def test_a_project_copied_with_cp_a_publishes_into_its_own_mlartifacts(tmp_path,
     assert tracking.Publisher("amp-validation").publish("k-copy", _spec("parent"), []).run_id == published.run_id
 
 
-def test_the_publish_key_ignores_files_of_dtypes_no_longer_configured(tmp_path, monkeypatch):
-    from pipeline import provenance
+@pytest.fixture
+def readonly(tmp_path) -> Iterator[Path]:
+    """A folder holding an existing file, that nobody (root included) can write into."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "m.db").write_bytes(b"")
+    if os.geteuid() != 0:
+        src.chmod(0o555)
+        yield src
+        src.chmod(0o755)
+        return
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "--bind", "-o", "ro", str(src), str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:  # a container without CAP_SYS_ADMIN: the one case where no read-only folder exists
+        pytest.skip(f"root without mount permission cannot make a read-only folder: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
 
-    monkeypatch.chdir(tmp_path)
-    for rel in ("data/reference/manifest.json", "data/report/plots/float16/loss.png", "data/report/curves/loss/float16.json",
-                "data/metrics/float16.json", "data/metrics/bench-float16.json",
-                *(f"data/{stage}/float16/x.json" for stage in ("trial", "compare", "diagnose", "decision", "benchmark"))):
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(rel)
-    before = provenance.publish_key("r", "s", "c", {}, ["float16"])
-    # What a `dvc exp apply` of an earlier experiment with both dtypes leaves behind:
-    for rel in ("data/report/plots/bfloat16/loss.png", "data/report/curves/loss/bfloat16.json", "data/metrics/bfloat16.json",
-                "data/metrics/bench-bfloat16.json"):
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text("stale")
-    assert provenance.publish_key("r", "s", "c", {}, ["float16"]) == before
-    (tmp_path / "data/metrics/float16.json").write_text("changed")
-    assert provenance.publish_key("r", "s", "c", {}, ["float16"]) != before  # a file of a configured dtype still counts
+
+@pytest.mark.parametrize("uri", ["sqlite:///{ro}/m.db", "sqlite:///{ro}/new.db", "{ro}/mlruns", "file://{ro}/mlruns", "{ro}"])
+def test_read_only_tracking_store_fails_fast_naming_the_path(readonly, uri):
+    uri = uri.format(ro=readonly)
+    start = time.monotonic()
+    with pytest.raises(UserError) as info:
+        tracking.Publisher("amp-validation", uri=uri)
+    took = time.monotonic() - start
+    message = str(info.value)
+    assert took < 5, f"{took:.1f} s to refuse {uri}"
+    assert "\n" not in message
+    assert str(readonly) in message and "not writable" in message and "MLFLOW_TRACKING_URI" in message, message
+    assert "maintenance mode" not in message and "fix the tracking server" not in message
+
+
+def test_plain_path_store_is_refused_with_the_sqlite_fix(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(UserError, match=rf"sqlite:///{tmp_path}/mlruns/mlflow.db"):
+        tracking.Publisher("amp-validation", uri=str(tmp_path / "mlruns"))
+
+
+def test_default_uri_is_the_repository_database_also_from_a_temp_copy(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    copy = tmp_path / "repo" / ".dvc" / "tmp" / "exps" / "tmpabc123"
+    copy.mkdir(parents=True)
+    assert provenance.repository_root(copy) == tmp_path / "repo"
+    monkeypatch.chdir(copy)
+    assert tracking.tracking_uri() == f"sqlite:///{(tmp_path / 'repo').resolve()}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
+    assert tracking.tracking_uri() == "http://127.0.0.1:1"
+
+
+def test_mlflow_keys():
+    assert tracking.mlflow_key("acceptance.outputs.*.atol") == "acceptance.outputs.default.atol"
+    assert tracking.mlflow_key("values.logits[0].max_abs") == "values.logits_0_.max_abs"
+    assert len(tracking.mlflow_key("x" * 400)) == 250
+    assert files.flatten({"a": {"b": 1, "c": {}}, "d": [1]}) == {"a.b": 1, "a.c": {}, "d": [1]}
+
+
+def test_a_sqlite_store_lock_held_too_long_is_one_line(tmp_path, monkeypatch):
+    """Publishers of one sqlite database take turns (its creation and migration are not safe to run twice at
+    once); one that waited past the limit says who holds the lock instead of a traceback."""
+    import sys
+
+    monkeypatch.setattr(tracking, "_LOCK_TIMEOUT_S", 0.5)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, filelock; from pipeline import tracking\n"
+         f"lock = tracking._store_lock({uri!r})\nlock.__enter__(); print('held', flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        with pytest.raises(UserError, match=r"another publish to .*mlflow\.db has held its lock"):
+            with tracking._store_lock(uri):
+                pass
+        assert time.monotonic() - start < 5
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = tracking._store_lock(uri)
+    with lock, lock:  # free again, and re-entrant (a Publisher enters its lock in __init__ and publish)
+        pass

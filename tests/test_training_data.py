@@ -7,10 +7,9 @@ only items 0, n/2 and n-1 were fingerprinted. Real torch Datasets, real training
 import pytest
 import torch
 
-from pipeline import training
-from pipeline.config import ReferenceConfig, TaskConfig
+from pipeline import task, training
+from pipeline.config import Policy, ReferenceConfig, TaskConfig
 from pipeline.errors import UserError
-from pipeline.config import Policy
 from pipeline.task import DatasetSource
 
 CFG = ReferenceConfig(train_steps=6, batch_size=8, lr=0.1, momentum=0.0, checkpoint_every=2, grad_clip=None)
@@ -69,3 +68,43 @@ def test_a_resume_rereads_the_last_batch_and_refuses_other_bytes():
     with pytest.raises(UserError) as err:
         training.train(_net(), _source(True), CFG, TASK, Policy(), CPU, 0, label="t", resume=state)
     assert "training step 2: the batch read differs from the one recorded before the resume" in str(err.value)
+
+
+class _Items(torch.utils.data.Dataset):
+    def __init__(self, bad: int, how: str) -> None:
+        self.bad, self.how = bad, how
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i):
+        x = torch.ones(3)
+        if i == self.bad and self.how == "raise":
+            raise KeyError("column 'pixels' missing")
+        if i == self.bad and self.how == "nan":
+            x[0] = float("nan")
+        y = {"complex": torch.tensor(1 + 2j), "float": torch.tensor(1.5)}.get(self.how if i == self.bad else "", torch.tensor(1))
+        return x, y
+
+
+@pytest.mark.parametrize(("how", "words"), [
+    ("raise", ["raised KeyError on item 5", "column 'pixels' missing", "__getitem__"]),
+    ("nan", ["training item 5 holds NaN or inf"]),
+    ("complex", ["training item 5", "cannot be complex"]),
+    ("float", ["training item 5", "whole numbers, found 1.5"]),
+])
+def test_a_bad_dataset_item_is_named_in_one_line_with_its_training_step(how, words):
+    from pipeline import training
+    from pipeline.config import Policy, ReferenceConfig, TaskConfig
+
+    source = task.DatasetSource(_Items(5, how), "labels", "mymod:load", "classification")
+    cfg = ReferenceConfig(train_steps=4, batch_size=4, checkpoint_every=0)
+    order = training.update_batches(len(source), cfg, 0)
+    step = next(s for s, batches in enumerate(order) if 5 in batches[0].tolist()) + 1
+    with pytest.raises(UserError) as err:
+        training.train(torch.nn.Linear(3, 3), source, cfg, TaskConfig(), Policy(), torch.device("cpu"), 0)
+    line = str(err.value)
+    assert (
+        "\n" not in line and line.startswith(f"training step {step}: task.data mymod:load: ")
+        and all(w in line for w in words)
+    ), line
