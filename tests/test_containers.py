@@ -17,10 +17,11 @@ from _project import BIN, ROOT
 
 from pipeline import devices
 
-DOCKERFILES = ("Dockerfile.cuda", "Dockerfile.rocm")
 sys.path.insert(0, str(ROOT / "scripts"))
 import check_locks
 import compare_decisions
+
+DOCKERFILES = check_locks.DOCKERFILES
 
 
 def tool(name: str) -> str:
