@@ -345,7 +345,7 @@ class Tolerance:
 
     def check(self, key: str) -> None:
         _non_negative(self.atol, f"{key}.atol")
-        _non_negative(self.rtol, f"{key}.rtol")
+        _relative(self.rtol, f"{key}.rtol", "an output of 0, or of twice the reference")
 
 
 @dataclass(frozen=True)
@@ -429,7 +429,7 @@ class AcceptanceConfig:
             raise UserError(
                 f"params.yaml: {key}.confidence is {self.confidence}; give a confidence in [0.5, 1), for example 0.95"
             )
-        _non_negative(self.loss_rtol, f"{key}.loss_rtol")
+        _relative(self.loss_rtol, f"{key}.loss_rtol", "a training loss of 0, or of twice FP32's")
         _non_negative(self.loss_atol, f"{key}.loss_atol")
         _fraction(self.max_skipped_fraction, f"{key}.max_skipped_fraction")
         _positive(self.stall_window, f"{key}.stall_window")
@@ -741,6 +741,14 @@ def _positive(value: float, key: str) -> None:
 def _non_negative(value: float, key: str) -> None:
     if value < 0:
         raise UserError(f"params.yaml: {key} is {value}; it must be 0 or more")
+
+
+def _relative(value: float, key: str, passes: str) -> None:
+    """A relative tolerance: 0 <= value < 1 (at 1, |t - r| <= |r| lets ``passes`` through: a criterion that cannot fail)."""
+    _non_negative(value, key)
+    if value >= 1:
+        raise UserError(f"params.yaml: {key} is {value:g}, so {passes} would pass; give a relative tolerance below 1, "
+                        f"for example 0.02")
 
 
 def _fraction(value: float, key: str) -> None:

@@ -41,6 +41,9 @@ def test_empty_file_gives_defaults(tmp_path):
         ("bench: {repeats: 0}", ["bench.repeats", "greater than 0"]),
         ("reference: {lr_schedule: {kind: exponential}}", ["reference.lr_schedule.kind", "'none', 'step', 'cosine', 'linear'"]),
         ("acceptance: {loss_atol: .nan}", ["acceptance.loss_atol", "finite"]),
+        # A relative tolerance of 1 cannot fail: |t - r| <= |r| passes a trial of 0, or of twice the reference.
+        ("acceptance: {outputs: {'*': {atol: 0.01, rtol: 1}}}", ["acceptance.outputs.*.rtol", "below 1", "twice"]),
+        ("acceptance: {loss_rtol: 1.5}", ["acceptance.loss_rtol", "below 1", "twice FP32's"]),
         ("device: tpu", ["device", "'auto', 'cpu', 'cuda'"]),
         ("task: [1, 2]", ["task must be a mapping"]),
         ("trial: {variants: [float16, float16]}", ["twice"]),

@@ -41,3 +41,28 @@ def test_update_health_detects_stall_and_skips():
     assert not update_health([True, False], [1.0, 1.0, 1.0], [False, False], window=2).stalled
     listed = update_health([False] * 3, [1.0] * 4, [False, True, False], window=2, nonfinite_grad=[False, True, True])
     assert listed.nonfinite_grad_steps == (1, 2) and listed.first_nonfinite_loss_step == 1
+
+
+def test_noise_floor_is_the_replicate_against_the_run_it_repeats_not_the_skip_aligned_one():
+    """The trial is held against FP32 aligned on its skips (designed skips are not precision), but FP32's noise is the
+    replicate against the reference it repeats: measured against the aligned run, the skip's own effect (0.3 here)
+    would count as noise and let an AMP run 30 times FP32's real noise (0.01) through."""
+
+    from _steps import step
+    from pipeline.compare.streams import Trajectories, training_stats
+    from pipeline.config import AcceptanceConfig
+
+    losses = [5.0 - 0.2 * i for i in range(12)]
+    reference = [step(i, v) for i, v in enumerate(losses)]
+    replicate = [step(i, v + 0.01 * (-1) ** i) for i, v in enumerate(losses)]
+    aligned = [step(i, v + (0.3 if i else 0.0)) for i, v in enumerate(losses)]  # FP32 with the trial's step-0 skip
+    off = [step(i, s.loss + (0.3 if i else 0.0), skipped=i == 0) for i, s in enumerate(aligned)]
+    rule = AcceptanceConfig(loss_noise_multiple=3.0, loss_atol=0.05, loss_rtol=0.1)
+    noise = training_stats(rule, Trajectories(reference, off, 1024.0, True, replicate, aligned)).noise
+    assert noise.max_replicate_gap == pytest.approx(0.01)
+    assert noise.violations == 2 and noise.over == ("mean", "max")
+    # The same trial, AMP within FP32's noise of the aligned run: passes.
+    close = [step(i, s.loss + 0.01 * (-1) ** i, skipped=i == 0) for i, s in enumerate(aligned)]
+    assert training_stats(rule, Trajectories(reference, close, 1024.0, True, replicate, aligned)).noise.violations == 0
+    with pytest.raises(ValueError, match="replicate_of"):
+        trajectory_gap(losses, losses, 1.0, 0.0, replicate_loss=losses, replicate_of=losses[:3])

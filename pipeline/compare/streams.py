@@ -512,13 +512,15 @@ def _slices(shape: tuple[int, ...], start: int, by_position: bool, limit: int = 
 
 def training_stats(rule: AcceptanceConfig, runs: Trajectories) -> Training:
     """The trial's trajectory against the reference's; against ``runs.aligned`` instead when given, so that
-    designed skips are not judged as precision. The reference's own losses must be finite at every step too."""
+    designed skips are not judged as precision. The noise floor is the replicate against the reference it
+    repeats, never against the aligned run (whose gap to the reference is the skips'). The reference's own losses
+    must be finite at every step too."""
     base = runs.aligned if runs.aligned is not None else runs.reference
     ref_loss = [s.loss for s in base]
     trial_loss = [s.loss for s in runs.trial]
     replicate = [s.loss for s in runs.replicate] if runs.replicate is not None else None
     gap = trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol, replicate, rule.loss_noise_multiple,
-                         rule.loss_noise_atol)
+                         rule.loss_noise_atol, replicate_of=[s.loss for s in runs.reference])
     health = update_health(
         [s.skipped for s in runs.trial],
         [s.scale for s in runs.trial] + [runs.final_scale],

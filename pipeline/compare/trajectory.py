@@ -22,13 +22,16 @@ def trajectory_gap(
     replicate_loss: Sequence[float] | None = None,
     noise_multiple: float | None = None,
     noise_atol: float | None = None,
+    replicate_of: Sequence[float] | None = None,
 ) -> LossGap:
     """Per-step loss band |trial - ref| <= atol + rtol * |ref|; non-finite trial losses violate it.
 
     With a replicate trajectory (FP32 again under a harmless change of the data order: FP32's own run-to-run
     variation), also the noise floor: per step the replicate's gap beside AMP's, and, when ``noise_multiple``
     is set, the band on the curves: AMP's mean gap and its largest gap each at most ``noise_multiple`` times
-    the replicate's, plus ``noise_atol``.
+    the replicate's, plus ``noise_atol``. ``replicate_of``: the run the replicate repeats, against which its
+    gap is FP32's noise (default ``ref_loss``; the reference itself when ``ref_loss`` is the skip-aligned FP32 run,
+    whose difference from the reference is the trial's skips, not noise).
     """
     if len(ref_loss) != len(trial_loss):
         raise ValueError(f"trajectories differ in length: {len(ref_loss)} vs {len(trial_loss)}")
@@ -44,7 +47,10 @@ def trajectory_gap(
     if replicate_loss is not None:
         if len(replicate_loss) != len(ref_loss):
             raise ValueError(f"replicate trajectory has {len(replicate_loss)} steps, the reference {len(ref_loss)}")
-        noise = _noise(gap, r, replicate_loss, noise_multiple, noise_atol)
+        if replicate_of is not None and len(replicate_of) != len(ref_loss):
+            raise ValueError(f"replicate_of has {len(replicate_of)} steps, the reference {len(ref_loss)}")
+        base = r if replicate_of is None else torch.tensor([float(v) for v in replicate_of], dtype=torch.float64)
+        noise = _noise(gap, base, replicate_loss, noise_multiple, noise_atol)
     return LossGap(
         steps=len(ref_loss),
         band_violations=violations,
