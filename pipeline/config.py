@@ -339,9 +339,9 @@ class Tolerance:
     rtol: float = 0.02
     """Relative tolerance."""
     decisions: bool | None = None
-    """Classification: judge this output's decisions (argmax, ties, flips) too. null: the primary output and
-    every other output shaped like class scores [N, C >= 2]; false: values only (an embedding, a regression
-    head); true: also per-token scores [N, T, C] of a second head."""
+    """Classification: judge this output's decisions (argmax, ties, flips) too. null or true: the primary output
+    and every other output shaped like class scores, [N, C >= 2] or per token [N, T, C >= 2]; false: values only
+    (an embedding, a regression head)."""
 
     def check(self, key: str) -> None:
         _non_negative(self.atol, f"{key}.atol")

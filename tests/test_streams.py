@@ -177,6 +177,42 @@ def test_attention_mask_excludes_padding_positions():
     assert streams.token_mask_of({"input_ids": torch.zeros(2, 3), "attention_mask": mask[:2, :3]}) is not None
 
 
+def test_ignored_positions_are_not_judged_on_values_or_finiteness_either():
+    """A position whose target is ignored (-100) or which is padding is no output the application uses: whatever the
+    trial or the AMP-trained model computes there (an fp16 overflow at a fully masked row, garbage) is judged by no
+    criterion, values and finiteness included, as the decisions and KL already ignore it. The same change at a kept
+    position still fails, and names its case."""
+    from pipeline import rule as acceptance
+
+    ids, y, has, ref, _ = _set(n=40, per_token=True)  # position 5 ignored everywhere (target -100)
+    ref = {"logits": ref["logits"], "tags": ref["logits"][..., :4].clone()}  # a second per-token head
+    mask = torch.ones(40, 6, dtype=torch.long)
+    mask[:, 3] = 0  # padding
+    strict = AcceptanceConfig(outputs={"*": comparison_tolerance()}, min_quality=None, loss_noise_multiple=None)
+    garbage = {k: v.clone() for k, v in ref.items()}
+    garbage["logits"][:, 5] = math.inf
+    garbage["logits"][:, 3] += 50.0
+    garbage["tags"][:, 3] = math.nan
+    stats, _ = streams.compare_streams("classification", strict, _sources(ids, y, has, ref, garbage, token_mask=mask), RUNS)
+    assert stats.values["logits"].elements == 40 * 4 * 10 and stats.values["tags"].elements == 40 * 5 * 4
+    assert stats.values["logits"].failing == 0 and stats.nonfinite.trial.rows == stats.nonfinite.trained.rows == 0
+    assert sorted(stats.heads) == ["tags"] and stats.heads["tags"].cases == 40 * 5  # decided by default, padding left out
+    assert acceptance.decide(stats, strict).decision == "accept"
+    kept = {k: v.clone() for k, v in garbage.items()}
+    kept["logits"][7, 1, 0] += 1.0  # one element at a kept position
+    kept["tags"][9, 0, 0] = math.inf
+    stats, _ = streams.compare_streams("classification", strict, _sources(ids, y, has, ref, kept, token_mask=mask), RUNS)
+    assert stats.values["logits"].failing == 1 and stats.values["logits"].failing_ids == ("ordinary/7",)
+    assert stats.nonfinite.trial.ids == ("ordinary/9",) and stats.nonfinite.trained.ids == ("ordinary/9",)
+    assert acceptance.decide(stats, strict).decision == "rollback"
+
+
+def comparison_tolerance():
+    from pipeline.config import Tolerance
+
+    return Tolerance(atol=1e-3, rtol=0.0)
+
+
 def test_sources_refuse_outputs_of_another_set_and_metric_follows_the_task():
     ids, y, has, ref, trial = _set(n=20)
     with pytest.raises(ValueError, match="outputs hold 20/19/20 rows"):

@@ -170,7 +170,10 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     """Statistics and per-case table of one trial; each source read once, one chunk of rows at a time.
 
     Per-token outputs ignore positions whose target is -100 and, when ``sources.token_mask`` is given,
-    positions where it is 0. ``metric`` defaults to the kind's built-in one (``TaskConfig.metric_name``).
+    positions where it is 0: in their decisions and distributions, and in their values and finiteness too (a
+    padding position is no output the application uses: whatever the trial computes there is not judged).
+    Other per-token outputs [N, T, ...] ignore the padding alone (``token_mask``).
+    ``metric`` defaults to the kind's built-in one (``TaskConfig.metric_name``).
     ``device``: where the arithmetic runs (default the CPU); on a GPU each chunk is copied there and computed
     whole, host memory still one chunk; the statistics are the CPU's within float32 rounding.
     """
@@ -209,6 +212,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     state = _State(names=names, main=main, kind=kind, per_token=per_token, kinds=kinds, targets=targets.to(device),
                    has_target=has_target.bool().to(device), gaps=gaps, arbiter=arbiter, decisions=decisions, quality=quality,
                    row_gap=row_gap, first_values=first_values, heads=head_stats, device=device,
+                   token_valid=None if sources.token_mask is None else sources.token_mask.bool().to(device),
                    slice_elements=SLICE_ELEMENTS if device.type == "cpu" else max(cfg.chunk_elements, SLICE_ELEMENTS),
                    nonfinite={side: torch.zeros(n, dtype=torch.bool) for side in ("trial", "trained")},
                    nonfinite_elements={side: dict.fromkeys(names, 0) for side in ("trial", "trained")})
@@ -312,6 +316,8 @@ class _State:
     buffers: dict = field(default_factory=dict)
     device: torch.device = torch.device("cpu")
     """Where the arithmetic runs: each chunk read is copied there (the per-case records stay on the CPU)."""
+    token_valid: torch.Tensor | None = None
+    """``Sources.token_mask`` as booleans [N, T]: the positions of per-token outputs that are not padding."""
     slice_elements: int = 0
     """Elements per computation slice (``SLICE_ELEMENTS`` on a CPU; a whole chunk on a GPU)."""
     mapped: list = field(default_factory=list)
@@ -363,8 +369,9 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
     chunk_fp64 = {name: st.read(fp64, "fp64", name, start, covered) for name in st.names} if covered > start else None
     chunk_trained = {name: st.read(trained, "trained", name, start, stop) for name in st.names}
     trained_main = chunk_trained[st.main]
-    trained_finite = {name: _note_nonfinite(st, "trained", name, start, out)  # every output of the AMP-trained model
-                      for name, out in chunk_trained.items()}  # (the trial's: below, from its gaps)
+    trained_finite = {name: _note_nonfinite(st, "trained", name, start, out,  # every output of the AMP-trained model
+                                            _valid_positions(st, name, out.shape, start, stop))  # (the trial's: below)
+                      for name, out in chunk_trained.items()}
     for name in st.names:
         r_all, t_all = chunk[name]
         main = name == st.main
@@ -376,29 +383,28 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             before, nonfinite_before = st.gaps[name].failing_so_far(), st.gaps[name].nonfinite_so_far()
             same = r.dtype == t.dtype and r.dtype in (torch.float32, torch.float64)
             diff = torch.sub(t, r) if main and st.per_token and same else None  # the gap's and KL's, computed once
-            if len(runs) == 1:
-                gap = st.gaps[name].update(r, t, runs[0][2], diff)
-                finite = st.gaps[name].last_finite
-            else:
-                parts = [(st.gaps[name].update(r[x - a : y - a], t[x - a : y - a], k,
-                                               diff[x - a : y - a] if diff is not None else None), st.gaps[name].last_finite)
-                         for x, y, k in runs]
-                gap, finite = torch.cat([g for g, _ in parts]), all(f for _, f in parts)
+            valid = _valid_positions(st, name, r.shape, a, b, p, q)  # None: every position counts
+            parts = [(st.gaps[name].update(_kept(r, x - a, y - a, valid), _kept(t, x - a, y - a, valid), k,
+                                           _kept(diff, x - a, y - a, valid)), st.gaps[name].last_finite) for x, y, k in runs]
+            gap = parts[0][0] if len(parts) == 1 else torch.cat([g for g, _ in parts])
+            finite = all(f for _, f in parts) and valid is None  # masked: the ignored positions' finiteness is unknown
             if st.gaps[name].nonfinite_so_far() > nonfinite_before:  # rare: which rows, for the rollback's cases
-                _note_nonfinite(st, "trial", name, a, t)
+                _note_nonfinite(st, "trial", name, a, t, valid)
             if st.gaps[name].failing_so_far() > before:  # rare: which rows failed, for the rollback's cases
                 rows = st.failing_rows.setdefault(name, torch.zeros(len(st.kinds), dtype=torch.bool))
-                rows[a:b] |= st.gaps[name].failing_rows(r, t).cpu()
+                failing = st.gaps[name].failing_rows(_kept(r, 0, b - a, valid), _kept(t, 0, b - a, valid))
+                rows[a:b] |= _per_row(failing, valid, b - a, False).cpu()
             if gap.numel():
-                worst = torch.nan_to_num(gap.reshape(b - a, -1).amax(1).double(), nan=math.inf).cpu()
-                st.row_gap[a:b] = torch.maximum(st.row_gap[a:b], worst)
+                worst = torch.nan_to_num(gap.reshape(gap.shape[0], -1).amax(1).double(), nan=math.inf)
+                st.row_gap[a:b] = torch.maximum(st.row_gap[a:b], _per_row(worst, valid, b - a, 0.0).cpu())
             del gap
             if chunk_fp64 is not None and a < covered:
                 k = min(b, covered) - a
                 f = chunk_fp64[name][a - start : a - start + k]
-                st.arbiter[name].update(r[:k], t[:k], f[:, p:q] if p is not None else f)
+                f = f[:, p:q] if p is not None else f
+                st.arbiter[name].update(*(v[:k] if valid is None else v[:k][valid[:k]] for v in (r, t, f)))
             if name in st.heads and p is None:
-                st.heads[name].update(a, r, t)
+                st.heads[name].update(a, r, t, None if valid is None or main else _ignored_where(valid))
             if not main:
                 continue
             y = st.targets[a:b] if not st.per_token else st.targets[a:b, p:q]
@@ -433,8 +439,8 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
 
 def decided_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
     """Outputs whose decisions (argmax, ties, flips) the rule judges: the primary of a classification task, and
-    every other output shaped like class scores [N, C >= 2] unless the rule's entry for it says
-    ``decisions: false``; ``decisions: true`` also takes per-token scores [N, T, C] of another head."""
+    every other output shaped like class scores, per case [N, C >= 2] or per token [N, T, C >= 2], unless the rule's
+    entry for it says ``decisions: false`` (an embedding, a regression head): an untested head is no accept."""
     if kind != "classification":
         return []
     out = []
@@ -442,9 +448,7 @@ def decided_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int
         wanted = rule.tolerance(name).decisions
         if name == main:
             out.append(name)
-        elif wanted is None and len(shape) == 2 and shape[1] >= 2:
-            out.append(name)
-        elif wanted and len(shape) in (2, 3) and shape[-1] >= 2:
+        elif wanted is not False and len(shape) in (2, 3) and shape[-1] >= 2:
             out.append(name)
     return out
 
@@ -460,11 +464,58 @@ def nonfinite_summary(ids: Sequence[str], kinds: Sequence[str], rows: torch.Tens
                      elements={k: v for k, v in sorted(elements.items()) if v})
 
 
-def _note_nonfinite(st: _State, side: str, name: str, row: int, out: torch.Tensor) -> bool:
+def _valid_positions(st: _State, name: str, shape: tuple[int, ...], a: int, b: int, p: int | None = None,
+                     q: int | None = None) -> torch.Tensor | None:
+    """The positions [b - a, q - p] of per-token output ``name`` (``shape``: [rows, T, ...]) that count, rows a:b: the
+    primary's where its target is not ignored (-100, padding included), another's where ``token_mask`` is not 0;
+    None when all of them count."""
+    if len(shape) != 3:
+        return None
+    if name == st.main and st.per_token:
+        keep = st.targets[a:b] != IGNORE_INDEX
+    elif st.token_valid is not None and st.token_valid.shape[1] == shape[1]:
+        keep = st.token_valid[a:b]
+    else:
+        return None
+    keep = keep[:, p:q] if p is not None else keep
+    return None if bool(keep.all()) else keep
+
+
+def _kept(v: torch.Tensor | None, x: int, y: int, valid: torch.Tensor | None) -> torch.Tensor | None:
+    """Rows x:y of ``v``; only their kept positions (``valid``, [rows, T]: then [kept, ...]) when some are ignored."""
+    if v is None:
+        return None
+    return v[x:y] if valid is None else v[x:y][valid[x:y]]
+
+
+def _per_row(per_position: torch.Tensor, valid: torch.Tensor | None, rows: int, empty) -> torch.Tensor:
+    """Per row, the largest (or, boolean, any) of the values of its kept positions ``valid`` (given row-major: the
+    order of ``t[valid]``); ``per_position`` itself, per row already, when ``valid`` is None."""
+    if valid is None:
+        return per_position
+    row_of = torch.nonzero(valid)[:, 0]
+    if per_position.dtype == torch.bool:
+        out = torch.zeros(rows, dtype=torch.bool, device=per_position.device)
+        out[row_of[per_position]] = True
+        return out
+    out = torch.full((rows,), empty, dtype=per_position.dtype, device=per_position.device)
+    return out.scatter_reduce_(0, row_of, per_position, reduce="amax", include_self=True)
+
+
+def _ignored_where(valid: torch.Tensor) -> torch.Tensor:
+    """Per-position targets that only say which positions are ignored (-100 where ``valid`` is False)."""
+    return torch.where(valid, 0, IGNORE_INDEX)
+
+
+def _note_nonfinite(st: _State, side: str, name: str, row: int, out: torch.Tensor, valid: torch.Tensor | None = None) -> bool:
     """Rows (from ``row``) of ``out`` with a non-finite element, into the side's tally, whatever the head;
-    whether every element was finite."""
+    whether every element was finite. ``valid``: the positions of a per-token output that count (others ignored)."""
     if not out.numel() or all_finite(out):
         return True
+    if valid is not None:
+        out = torch.where(valid[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+        if all_finite(out):
+            return False  # non-finite only where ignored: nothing tallied, but not every element was finite
     bad = ~torch.isfinite(out.reshape(out.shape[0], -1)).all(1)
     st.nonfinite[side][row : row + out.shape[0]] |= bad.cpu()
     st.nonfinite_elements[side][name] += int((~torch.isfinite(out)).sum())
