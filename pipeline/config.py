@@ -340,8 +340,8 @@ class Tolerance:
     """Relative tolerance."""
     decisions: bool | None = None
     """Classification: judge this output's decisions (argmax, ties, flips) too. null or true: the primary output
-    and every other output shaped like class scores, [N, C >= 2] or per token [N, T, C >= 2]; false: values only
-    (an embedding, a regression head)."""
+    and every other output shaped like class scores, [N, C >= 2] or per token [N, T, C >= 2] (argmax), or like one
+    logit, [N] or [N, 1] (a sigmoid's: logit >= 0); false: values only (an embedding, a regression head)."""
 
     def check(self, key: str) -> None:
         _non_negative(self.atol, f"{key}.atol")

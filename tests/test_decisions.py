@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from pipeline.compare.decisions import DecisionStats, best_two, first_max, kl_and_lse, labels_of, regression_flips, top_k
+from pipeline.compare.decisions import (DecisionStats, best_two, first_max, kl_and_lse, labels_of, regression_flips, sign_flips,
+                                        top_k)
 from pipeline.compare.gaps import value_gaps
 from pipeline.compare.quality import QualityStats
 from pipeline.task import IGNORE_INDEX
@@ -217,3 +218,19 @@ def test_fast_paths_give_topk_and_max(shape, k):
         assert torch.equal(s.gather(-1, fast[1]).nan_to_num(7.0), fast[0].nan_to_num(7.0))
         if k > 2:
             assert torch.equal(fast[1].sort(-1).values, top.indices.sort(-1).values)
+
+
+def test_sign_flips_count_like_class_scores():
+    """A single logit z is the two-class scores (0, z): its margin is |z| (|tanh(z / 2)| in probability), constructed
+    boundary cases are counted apart, and a real case crossing 0 within the margin is a near-boundary flip."""
+    ids = ["ordinary/0", "ordinary/1", "ordinary/2", "boundary/3", "edge/4"]
+    kinds = [i.split("/")[0] for i in ids]
+    ref = torch.tensor([2.0, 0.01, -1.0, 0.001, 0.0])
+    trial = torch.tensor([-0.1, -0.01, -1.2, -0.001, 0.0])  # case 4: 0 stays on the >= 0 side
+    d = sign_flips(ids, kinds, ref, trial, boundary_margin=0.05, margin_kind="logit")
+    assert (d.flips, d.near_boundary_flips, d.boundary_flips, d.real_flips) == (1, 1, 1, 2)
+    assert (d.cases, d.boundary_cases, d.near_boundary_cases) == (5, 1, 2)
+    assert [(f.id, f.reference_class, f.trial_class, f.near_boundary) for f in d.flip_list] == [
+        ("ordinary/0", 1, 0, False), ("ordinary/1", 1, 0, True), ("boundary/3", 1, 0, False)]
+    p = sign_flips(ids, kinds, ref, trial, boundary_margin=0.8, margin_kind="probability")  # tanh(1) = 0.76 < 0.8
+    assert (p.flips, p.near_boundary_flips) == (0, 2) and p.flip_list[0].reference_margin == pytest.approx(math.tanh(1.0))

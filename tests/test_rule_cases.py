@@ -155,6 +155,47 @@ def test_a_second_classification_head_is_decided_too():
     assert "outputs.aux.decisions None -> false" in rule.loosened(cfg, values_only)
 
 
+def test_a_single_logit_head_is_decided_by_its_sign():
+    """A sigmoid head ([N, 1] or [N]: class 1 where the logit is >= 0) beside the class scores: bf16 moves its
+    near-zero logits across 0 by less than the value tolerance. Its decisions changed, so the verdict rolls back
+    (an argmax over one column never changes); saying ``decisions: false`` (a value, not a decision) accepts."""
+
+    class WithFlag(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(4)
+            self.body, self.main, self.flag = torch.nn.Linear(16, 32), torch.nn.Linear(32, 3), torch.nn.Linear(32, 1)
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g))
+                self.main.weight.mul_(3.0)
+                self.flag.weight.mul_(0.01)  # logits of a few hundredths: bf16's rounding crosses 0 on some
+                self.flag.bias.zero_()
+
+        def forward(self, x):
+            h = torch.tanh(self.body(x))
+            return {"logits": self.main(h), "flag": self.flag(h)}
+
+    model = WithFlag()
+    x = torch.randn(400, 16, generator=torch.Generator().manual_seed(5))
+    ids = [f"ordinary/s{i}" for i in range(400)]
+    ref, trial = _fp32(model, x), _autocast(model, x, torch.bfloat16)
+    trial["logits"] = ref["logits"].clone()  # the class scores held as they were: the verdict is the flag's alone
+    y = ref["logits"].argmax(1)
+    crossed = int(((ref["flag"] >= 0) != (trial["flag"] >= 0)).sum())
+    assert crossed > 0
+    assert float((trial["flag"] - ref["flag"]).abs().max()) < 0.5
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.5, rtol=0.02)})
+    for shaped in (lambda v: v, lambda v: v[:, 0]):  # [N, 1] and [N]
+        r, t = ({**o, "flag": shaped(o["flag"])} for o in (ref, trial))
+        stats, d = _judge(ids, y, torch.ones(400, dtype=torch.bool), r, t, cfg=cfg)
+        assert stats.heads["flag"].real_flips == crossed and d.decision == "rollback", d.reasons
+        assert any(reason.startswith("decisions 'flag'") for reason in d.reasons) and d.cases["flips flag"]
+    values_only = dataclasses.replace(cfg, outputs={**cfg.outputs, "flag": Tolerance(atol=0.5, rtol=0.02, decisions=False)})
+    stats, d = _judge(ids, y, torch.ones(400, dtype=torch.bool), ref, trial, cfg=values_only)
+    assert "flag" not in stats.heads and d.decision == "accept", d.reasons
+
+
 def test_non_finite_outputs_of_the_amp_trained_model_roll_back_with_their_ids():
     """The AMP-trained model overflows float16 on the edge cases (scaled x1000) only: its ordinary quality is intact."""
     g = torch.Generator().manual_seed(3)

@@ -35,7 +35,7 @@ import torch
 from pipeline.artifacts.comparison import Decisions, NonFinite, NonFiniteSides, OutputsInfo, Paired, Quality, Stats, Training
 from pipeline.artifacts.outputs import OutputsReader
 from pipeline.artifacts.steps import Steps
-from pipeline.compare.decisions import DecisionStats, PerCase, regression_flips
+from pipeline.compare.decisions import DecisionStats, PerCase, regression_flips, sign_flips
 from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite
 from pipeline.compare.quality import QualityStats, regression_errors
 from pipeline.compare.trajectory import trajectory_gap, update_health
@@ -192,6 +192,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     gaps = {name: GapStats(conservative_atol(rule.tolerance(name).atol, rule.tolerance(name).rtol, *errors[name]),
                            rule.tolerance(name).rtol, math.prod(shapes[name])) for name in names}
     heads = decided_heads(kind, rule, shapes, main)
+    signs = {name: ([], []) for name in sign_heads(kind, rule, shapes, main)}
     arbiter = {name: ArbiterStats() for name in names} if fp64 is not None else None
     main_shape = shapes[main]
     per_token = kind == "classification" and len(main_shape) == 3
@@ -211,7 +212,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     first_values: dict[str, list[torch.Tensor]] = {side: [] for side in SIDES}
     state = _State(names=names, main=main, kind=kind, per_token=per_token, kinds=kinds, targets=targets.to(device),
                    has_target=has_target.bool().to(device), gaps=gaps, arbiter=arbiter, decisions=decisions, quality=quality,
-                   row_gap=row_gap, first_values=first_values, heads=head_stats, device=device,
+                   row_gap=row_gap, first_values=first_values, heads=head_stats, signs=signs, device=device,
                    token_valid=None if sources.token_mask is None else sources.token_mask.bool().to(device),
                    slice_elements=SLICE_ELEMENTS if device.type == "cpu" else max(cfg.chunk_elements, SLICE_ELEMENTS),
                    nonfinite={side: torch.zeros(n, dtype=torch.bool) for side in ("trial", "trained")},
@@ -240,7 +241,10 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
         outputs=OutputsInfo(cases=n, primary=main, per_token=per_token, shapes=shapes, chunk_rows=step),
         nonfinite=NonFiniteSides(*(nonfinite_summary(ids, kinds, state.nonfinite[side], state.nonfinite_elements[side])
                                    for side in ("trial", "trained"))),
-        heads={name: h.result() for name, h in sorted(head_stats.items())},
+        heads=dict(sorted({**{name: h.result() for name, h in head_stats.items()},
+                           **{name: sign_flips(ids, kinds, torch.cat(r), torch.cat(t), rule.boundary_margin,
+                                               rule.boundary_margin_kind, cfg.max_listed_flips)
+                              for name, (r, t) in signs.items()}}.items())),
         flips=flips,
         distribution=distribution,
         quality=quality_stats(metric, per_token, quality, state.paired),
@@ -305,6 +309,8 @@ class _State:
     first_values: dict
     heads: dict = field(default_factory=dict)
     """DecisionStats of every decided output other than the primary (``decided_heads``)."""
+    signs: dict = field(default_factory=dict)
+    """Per single-logit head (``sign_heads``): its reference and trial values, slice by slice (one number per case)."""
     nonfinite: dict = field(default_factory=dict)
     """Per side (trial, trained): rows with a non-finite element in any output."""
     nonfinite_elements: dict = field(default_factory=dict)
@@ -403,6 +409,9 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                 f = chunk_fp64[name][a - start : a - start + k]
                 f = f[:, p:q] if p is not None else f
                 st.arbiter[name].update(*(v[:k] if valid is None else v[:k][valid[:k]] for v in (r, t, f)))
+            if name in st.signs:
+                for side, v in zip(st.signs[name], (r, t)):
+                    side.append(v.detach().reshape(-1).double().cpu())
             if name in st.heads and p is None:
                 st.heads[name].update(a, r, t, None if valid is None or main else _ignored_where(valid))
             if not main:
@@ -451,6 +460,15 @@ def decided_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int
         elif wanted is not False and len(shape) in (2, 3) and shape[-1] >= 2:
             out.append(name)
     return out
+
+
+def sign_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
+    """Single-logit heads of a classification task ([N] or [N, 1]: a sigmoid's, decided by logit >= 0) other than the
+    primary, unless the rule's entry says ``decisions: false``: their decision flips where the logit crosses 0."""
+    if kind != "classification":
+        return []
+    return [name for name, shape in sorted(shapes.items())
+            if name != main and math.prod(shape[1:]) == 1 and rule.tolerance(name).decisions is not False]
 
 
 def nonfinite_summary(ids: Sequence[str], kinds: Sequence[str], rows: torch.Tensor, elements: dict[str, int],
