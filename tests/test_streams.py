@@ -293,3 +293,22 @@ def test_compare_on_the_gpu_gives_the_cpu_statistics(tmp_path, per_token):
     assert cpu.flips.real_flips > 0 and cpu.nonfinite.trial.rows == 1
     _close(cpu.as_dict(), gpu.as_dict())
     _close(cpu_table, gpu_table)
+
+
+def test_a_regression_without_any_target_is_compared_and_judged_without_quality():
+    """A fixed set whose cases carry no target (a rule with max_quality_drop and min_quality null judges it on values,
+    decisions and training alone): compare gives no quality, and the rule judges the rest."""
+    from pipeline import rule as acceptance
+
+    n = 30
+    ids = [f"ordinary/{i}" for i in range(n)]
+    ref = {"output": torch.randn(n, 4, generator=torch.Generator().manual_seed(0))}
+    no_target = torch.zeros(n, dtype=torch.bool)
+    rule = AcceptanceConfig(outputs={"*": comparison_tolerance()}, max_quality_drop=None, min_quality=None,
+                            loss_noise_multiple=None)
+    stats, _ = streams.compare_streams("regression", rule, _sources(ids, torch.zeros(n, 4), no_target, ref, ref), RUNS)
+    assert math.isnan(stats.regression["reference"].mae) and math.isnan(stats.quality.reference)
+    assert acceptance.decide(stats, rule).decision == "accept"
+    off = {"output": ref["output"] + 0.01}
+    stats, _ = streams.compare_streams("regression", rule, _sources(ids, torch.zeros(n, 4), no_target, ref, off), RUNS)
+    assert acceptance.decide(stats, rule).decision == "rollback"

@@ -126,11 +126,11 @@ class QualityStats:
 
 def regression_errors(pred: torch.Tensor, targets: torch.Tensor, extreme_quantile: float = 0.1) -> RegressionErrors:
     """MAE, RMSE, max error, and the error on the most extreme targets (top and bottom quantile)."""
-    p = pred.detach().double().reshape(pred.shape[0], -1)[:, 0]
-    y = targets.detach().double().reshape(targets.shape[0], -1)[:, 0]
-    if y.numel() == 0:
+    if targets.shape[0] == 0:  # no case carries a target (a rule without quality criteria judges such a set)
         return RegressionErrors(mae=math.nan, rmse=math.nan, max_error=math.nan, extreme_low_mae=math.nan,
                                 extreme_high_mae=math.nan)
+    p = pred.detach().double().reshape(pred.shape[0], -1)[:, 0]
+    y = targets.detach().double().reshape(targets.shape[0], -1)[:, 0]
     err = (p - y).abs()
     k = max(1, int(math.ceil(extreme_quantile * y.numel())))
     order = y.argsort(stable=True)
