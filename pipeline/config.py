@@ -339,9 +339,10 @@ class Tolerance:
     rtol: float = 0.02
     """Relative tolerance."""
     decisions: bool | None = None
-    """Classification: judge this output's decisions (argmax, ties, flips) too. null or true: the primary output
-    and every other output shaped like class scores, [N, C >= 2] or per token [N, T, C >= 2] (argmax), or like one
-    logit, [N] or [N, 1] (a sigmoid's: logit >= 0); false: values only (an embedding, a regression head)."""
+    """Classification: judge this output's decisions (argmax, ties, flips) too. true: if shaped like class scores,
+    [N, C >= 2] or per token [N, T, C >= 2] (argmax), or like one logit, [N] or [N, 1] (a sigmoid's: logit >= 0);
+    null: the same, except an output whose name says features (``hidden``, ``embedding``, ``pooler``...:
+    ``compare.streams.FEATURES``); false: values only (an embedding, a regression head). The primary is always decided."""
 
     def check(self, key: str) -> None:
         _non_negative(self.atol, f"{key}.atol")

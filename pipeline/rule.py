@@ -346,7 +346,7 @@ def _noise_floor(noise: Noise | None, rule: AcceptanceConfig, j: _Judge) -> None
 
 def vet_rule(
     rule: AcceptanceConfig, kind: str, shapes: dict[str, tuple], rms: dict[str, float], ref_quality: float, metric: str,
-    higher_is_better: bool, ref_steps: Sequence[StepRecord],
+    higher_is_better: bool, ref_steps: Sequence[StepRecord], columns: dict[str, Sequence[float]] | None = None,
 ) -> str | None:
     """The first reason the rule cannot judge trials of this FP32 reference, as one line, or None.
 
@@ -354,7 +354,8 @@ def vet_rule(
     bounds, a quality drop as large as the reference's own error, a loss band wider than the loss) would
     accept noise; a name the model does not output would silently fall under ``*``; a reference that is
     itself non-finite or below the rule's quality is no baseline (the guide: « Sorties finies et qualité
-    attendue »)."""
+    attendue »). ``columns``: the RMS of each column of a regression's outputs [N, D], when known: one atol
+    must be below the smallest (« des sorties d'échelles différentes peuvent nécessiter des critères distincts »)."""
     names = sorted(shapes)
     unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
     if unknown:
@@ -371,6 +372,14 @@ def vet_rule(
                     f"(RMS {scale:.3g} in the FP32 reference), so a trial off by the output's whole size would pass; "
                     f"give '{name}': {{atol: ..., rtol: ...}} in its own units, "
                     f"for example atol {0.01 * scale:.2g} (1% of its RMS)")
+        per_column = list((columns or {}).get(name, ()))
+        small = min(range(len(per_column)), key=per_column.__getitem__) if per_column else None
+        if small is not None and 0 < per_column[small] <= atol:
+            return (f"params.yaml: acceptance.outputs.{key}.atol {atol:g} is not below the scale of column {small} of "
+                    f"output '{name}' (RMS {per_column[small]:.3g} in the FP32 reference; its largest column "
+                    f"{max(per_column):.3g}), so a trial off by that column's whole size would pass; give '{name}' an atol "
+                    f"below it, for example {0.01 * per_column[small]:.2g}, and let rtol bound the larger columns, or return "
+                    f"the column as an output of its own")
     for step in ref_steps:
         if not math.isfinite(step.loss) or not math.isfinite(step.grad_norm):
             what = "loss" if not math.isfinite(step.loss) else "gradient norm"

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from pipeline.artifacts.steps import StepRecord
 
 
+COLUMNS = 1024
+"""A regression output of at most this many columns is vetted column by column too (``Scan.column_squares``)."""
+
 SLICE_ELEMENTS = 4_000_000
 """Elements squared in float64 at once (32 MB): a chunk of an LM's scores, [256, 64, 32000], would need 8 GB."""
 
@@ -43,6 +46,9 @@ class Scan:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.squares: dict[str, float] = {}
         self.count: dict[str, int] = {}
+        self.column_squares: dict[str, torch.Tensor] = {}
+        """Per column, for a regression's outputs [N, D] of a few columns (``COLUMNS``): columns of different scales
+        share one atol, which must bound the smallest too."""
 
     def update(self, row: int, chunk: dict[str, torch.Tensor]) -> None:
         """The chunk's rows from ``row`` on, a slice of rows at a time (``SLICE_ELEMENTS``): an LM's chunk holds GBs
@@ -55,7 +61,10 @@ class Scan:
             rows = task.rows_within(SLICE_ELEMENTS, math.prod(v.shape[1:]))
             for a in range(0, v.shape[0], rows):
                 b = min(a + rows, v.shape[0])
-                self.squares[name] += float(v[a:b].detach().double().square().sum())
+                squares = v[a:b].detach().double().square()
+                self.squares[name] += float(squares.sum())
+                if self.kind == "regression" and v.ndim == 2 and 2 <= v.shape[1] <= COLUMNS:
+                    self.column_squares[name] = self.column_squares.get(name, 0.0) + squares.sum(0)
                 if v is out:
                     keep = self.has_target[row + a : row + b]
                     if bool(keep.any()):
@@ -64,7 +73,11 @@ class Scan:
     def rms(self) -> dict[str, float]:
         return {name: math.sqrt(self.squares[name] / self.count[name]) if self.count[name] else 0.0 for name in self.squares}
 
+    def column_rms(self) -> dict[str, tuple[float, ...]]:
+        """Per output with ``column_squares``: the RMS of each column."""
+        return {name: tuple((sq * (sq.numel() / self.count[name])).sqrt().tolist()) for name, sq in self.column_squares.items()}
+
     def problem(self, ref_steps: Sequence[StepRecord]) -> str | None:
         """The first reason the rule cannot judge this reference (``rule.vet_rule``), or None."""
         return rule.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
-                                self.metric.higher_is_better, ref_steps)
+                             self.metric.higher_is_better, ref_steps, columns=self.column_rms())

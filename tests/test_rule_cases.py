@@ -155,6 +155,62 @@ def test_a_second_classification_head_is_decided_too():
     assert "outputs.aux.decisions None -> false" in rule.loosened(cfg, values_only)
 
 
+def test_which_heads_are_decided_by_default():
+    """Every output shaped like class scores or one logit is decided (an untested head is no accept), except those
+    whose name says features (hidden states, an embedding: their argmax means nothing, a flip there is no changed
+    decision); the rule's ``decisions`` says otherwise either way. The primary is always decided."""
+    shapes = {"logits": (3,), "aux": (5,), "tags": (6, 4), "flag": (1,), "box": (4,), "embedding": (64,),
+              "last_hidden_state": (6, 32), "pooler_output": (32,), "sentence_embeddings": (16,)}
+    shapes = {k: (10, *v) for k, v in shapes.items()}
+    plain = AcceptanceConfig()
+    assert streams.decided_heads("classification", plain, shapes, "logits") == ["aux", "box", "logits", "tags"]
+    assert streams.sign_heads("classification", plain, shapes, "logits") == ["flag"]
+    said = AcceptanceConfig(outputs={"*": Tolerance(), "embedding": Tolerance(decisions=True),
+                                     "aux": Tolerance(decisions=False), "flag": Tolerance(decisions=False)})
+    assert streams.decided_heads("classification", said, shapes, "logits") == ["box", "embedding", "logits", "tags"]
+    assert streams.sign_heads("classification", said, shapes, "logits") == []
+    assert streams.decided_heads("classification", plain, {"hidden": (10, 3)}, "hidden") == ["hidden"]  # the primary
+    assert streams.decided_heads("regression", plain, shapes, "logits") == []
+    assert streams.sign_heads("regression", plain, shapes, "logits") == []
+
+
+def test_columns_of_different_scales_need_an_atol_below_the_smallest():
+    """A regression [N, 2] whose columns are about 1000 and 1e-3: atol 0.05 is far below the output's RMS (~1000),
+    and yet above the small column's whole size, so a trial that negates that column would pass. freeze refuses,
+    naming the column and a fix; an atol below it, with rtol bounding the large column, is accepted and then
+    catches the negated column."""
+    from pipeline import cases, config
+    from pipeline.vetting import Scan
+
+    g = torch.Generator().manual_seed(6)
+    n = 200
+    ref = torch.stack([1000 + 10 * torch.randn(n, generator=g), 1e-3 * torch.randn(n, generator=g)], 1)
+    params = dataclasses.replace(config.Params(), task=TaskConfig(kind="regression"))
+    fixed = cases.Cases(ids=[f"ordinary/{i}" for i in range(n)], x=torch.zeros(n, 1), y=ref.clone(),
+                        has_target=torch.ones(n, dtype=torch.bool))
+    scan = Scan(dataclasses.replace(params, acceptance=AcceptanceConfig(max_quality_drop=None)), fixed)
+    scan.update(0, {"output": ref[:150]})
+    scan.update(150, {"output": ref[150:]})
+    columns = scan.column_rms()["output"]
+    assert columns == pytest.approx(tuple(ref.double().square().mean(0).sqrt().tolist()), rel=1e-12)
+    assert scan.rms()["output"] > 700 and columns[1] < 0.002
+    steps = [_step(0, loss=10.0, grad_norm=1.0)]
+    loose = AcceptanceConfig(max_quality_drop=None, min_quality=None, loss_noise_multiple=None)  # atol 0.05, rtol 0.02
+    line = scan.problem(steps)
+    assert "atol 0.05 is not below the scale of column 1 of output 'output'" in line and "rtol" in line, line
+    assert "\n" not in line
+    fitted = dataclasses.replace(loose, outputs={"*": Tolerance(atol=1e-5, rtol=0.02)})
+    assert rule.vet_rule(fitted, "regression", {"output": (2,)}, scan.rms(), -1.0, "neg_rmse", True, steps,
+                         columns={"output": columns}) is None
+    trial = ref.clone()
+    trial[:, 1] *= -10.0
+    ids = [f"ordinary/{i}" for i in range(n)]
+    every = torch.ones(n, dtype=torch.bool)
+    assert _judge(ids, ref, every, {"output": ref}, {"output": trial}, cfg=loose)[1].decision == "accept"
+    _, d = _judge(ids, ref, every, {"output": ref}, {"output": trial}, cfg=fitted)
+    assert d.decision == "rollback" and any(r.startswith("values 'output'") for r in d.reasons), d.reasons
+
+
 def test_a_single_logit_head_is_decided_by_its_sign():
     """A sigmoid head ([N, 1] or [N]: class 1 where the logit is >= 0) beside the class scores: bf16 moves its
     near-zero logits across 0 by less than the value tolerance. Its decisions changed, so the verdict rolls back

@@ -27,6 +27,7 @@ import ctypes
 import ctypes.util
 import functools
 import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
@@ -446,20 +447,26 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                 _give_back_freed_memory()
 
 
+FEATURES = re.compile(r"(^|_)(hidden|embed\w*|features?|states?|pooler\w*|pooled|attentions?|attn|latents?|"
+                      r"representations?)(_|$)", re.IGNORECASE)
+"""Output names that say features, not decisions (Hugging Face's ``last_hidden_state``, ``pooler_output``,
+``hidden_states``, an ``embedding``): values only unless the rule says ``decisions: true``."""
+
+
+def _decided_by_default(rule: AcceptanceConfig, name: str) -> bool:
+    wanted = rule.tolerance(name).decisions
+    return wanted if wanted is not None else not FEATURES.search(name)
+
+
 def decided_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
     """Outputs whose decisions (argmax, ties, flips) the rule judges: the primary of a classification task, and
-    every other output shaped like class scores, per case [N, C >= 2] or per token [N, T, C >= 2], unless the rule's
-    entry for it says ``decisions: false`` (an embedding, a regression head): an untested head is no accept."""
+    every other output shaped like class scores, per case [N, C >= 2] or per token [N, T, C >= 2] (an untested head
+    is no accept), unless the rule's entry for it says ``decisions: false``, or, with no entry saying
+    ``decisions: true``, its name says features (``FEATURES``: an embedding, hidden states)."""
     if kind != "classification":
         return []
-    out = []
-    for name, shape in sorted(shapes.items()):
-        wanted = rule.tolerance(name).decisions
-        if name == main:
-            out.append(name)
-        elif wanted is not False and len(shape) in (2, 3) and shape[-1] >= 2:
-            out.append(name)
-    return out
+    return [name for name, shape in sorted(shapes.items())
+            if name == main or (len(shape) in (2, 3) and shape[-1] >= 2 and _decided_by_default(rule, name))]
 
 
 def sign_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
@@ -468,7 +475,7 @@ def sign_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, .
     if kind != "classification":
         return []
     return [name for name, shape in sorted(shapes.items())
-            if name != main and math.prod(shape[1:]) == 1 and rule.tolerance(name).decisions is not False]
+            if name != main and math.prod(shape[1:]) == 1 and _decided_by_default(rule, name)]
 
 
 def nonfinite_summary(ids: Sequence[str], kinds: Sequence[str], rows: torch.Tensor, elements: dict[str, int],
