@@ -20,9 +20,9 @@ run: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" $(BIN)/dvc repro
 	@echo "Results: $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db  (then open http://127.0.0.1:5000)"
 
-# Every test (what CI runs): 9.8-12.4 min on 2 cores, idle, Intel Xeon, in three runs of one day (the goal is 8; this VM's
-# speed moves from hour to hour: the unchanged sweep test took 119 s in one run, 204 s in another). Paired, within one
-# hour: 592 s with three workers, 660 s with two.
+# Every test (what CI runs): 17.9-18.7 min on 2 cores, idle, AMD EPYC with AVX2 only (2026-12-03); 9.8-12.4 min on an
+# Intel Xeon with AVX-512 (2026-12-01). The goal is 8; about half the CPU time is `import torch` in stage processes.
+# Paired, within one hour on the Xeon: 592 s with three workers, 660 s with two.
 # pytest-xdist, one worker per core plus one: most tests wait on single-threaded subprocesses (dvc repro, a stage, a
 # server) and on servers starting, so with one worker per core the CPUs were idle 9 % of the time; a third worker fills
 # that (user + sys 1074 s over 592 s of wall time). A test is a unit of work of its own, except that the tests sharing
@@ -33,8 +33,8 @@ WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 test: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=10 -n $(WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
-# Pure and unit tests only (46-57 s on 2 cores idle, one worker per core; 56-63 s with one more: these tests keep their
-# CPU busy): no dvc repro, no server, no GPU.
+# Pure and unit tests only (71-106 s on the AVX2 EPYC, 46-57 s on the Xeon, 2 cores idle, one worker per core; 56-63 s
+# with one more on the Xeon: these tests keep their CPU busy): no dvc repro, no server, no GPU.
 test-fast: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n auto -m "not integration and not gpu" tests
 
