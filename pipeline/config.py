@@ -332,6 +332,14 @@ class TrialConfig:
             policy.check(f"{key}.policies.{name}")
 
 
+FEATURE_NAMES = re.compile(r"(^|_)(hidden|embed\w*|features?|states?|pooler\w*|pooled|attentions?|attn|latents?|"
+                           r"representations?)(_|$)", re.IGNORECASE)
+"""Output names that say features, not decisions (Hugging Face's ``last_hidden_state``, ``pooler_output``,
+``hidden_states``, an ``embedding``), unless they end like scores (``DECISION_NAMES``)."""
+DECISION_NAMES = re.compile(r"(logits?|scores?|probs|probabilities|classes|labels?|preds?|predictions?)$", re.IGNORECASE)
+"""Output names that say decisions whatever else they hold (``dialog_state_logits``, ``attention_scores``)."""
+
+
 @dataclass(frozen=True)
 class Tolerance:
     atol: float = 0.05
@@ -342,7 +350,15 @@ class Tolerance:
     """Classification: judge this output's decisions (argmax, ties, flips) too. true: if shaped like class scores,
     [N, C >= 2] or per token [N, T, C >= 2] (argmax), or like one logit, [N] or [N, 1] (a sigmoid's: logit >= 0);
     null: the same, except an output whose name says features (``hidden``, ``embedding``, ``pooler``...:
-    ``compare.streams.FEATURES``); false: values only (an embedding, a regression head). The primary is always decided."""
+    ``FEATURE_NAMES``, unless it ends like scores: ``DECISION_NAMES``; ``decides``); false: values only (an
+    embedding, a regression head). The primary is always decided."""
+
+    def decides(self, name: str) -> bool:
+        """Whether output ``name``, if shaped like class scores or one logit, is decided under this entry: as
+        ``decisions`` says, else unless its name says features (``FEATURE_NAMES``) and not scores (``DECISION_NAMES``)."""
+        if self.decisions is not None:
+            return self.decisions
+        return bool(DECISION_NAMES.search(name)) or not FEATURE_NAMES.search(name)
 
     def check(self, key: str) -> None:
         _non_negative(self.atol, f"{key}.atol")

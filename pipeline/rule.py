@@ -267,6 +267,14 @@ def _training(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
             f"training: {train.skipped_steps} of {train.steps} updates skipped, fraction "
             f"{train.skipped_fraction:.3g} > allowed {rule.max_skipped_fraction}")
     window = train.stall_window
+    # One skip at any time is the GradScaler's design (it grows the scale, then backs off once); more than the rule's
+    # fraction of the last window is a scale still falling when training ends, which the whole run's fraction dilutes.
+    recent = max(1, math.floor(rule.max_skipped_fraction * window + 1e-9)) if rule.max_skipped_fraction > 0 else 0
+    j.check("training", train.recent_skipped_steps <= recent,
+            f"training: {train.recent_skipped_steps} skipped update(s) in the last {window} steps (allowed {recent})",
+            f"training: {train.recent_skipped_steps} of the last {window} updates skipped > allowed {recent} "
+            f"(max_skipped_fraction {rule.max_skipped_fraction} of the window, at least one): the loss scale is still "
+            f"falling when training ends (final scale {train.final_scale:g})")
     j.check("training", not train.stalled, f"training: real updates still advancing in the last {window} steps",
             f"training: updates stopped advancing: no real update in the last {window} steps")
     if train.scaler_enabled:  # without a GradScaler (bfloat16) there is no scale to fall
@@ -373,8 +381,9 @@ def vet_rule(
                     f"give '{name}': {{atol: ..., rtol: ...}} in its own units, "
                     f"for example atol {0.01 * scale:.2g} (1% of its RMS)")
         per_column = list((columns or {}).get(name, ()))
-        small = min(range(len(per_column)), key=per_column.__getitem__) if per_column else None
-        if small is not None and 0 < per_column[small] <= atol:
+        scaled = [j for j, v in enumerate(per_column) if v > 0]  # a column of zeros has no scale to be below
+        small = min(scaled, key=per_column.__getitem__) if scaled else None
+        if small is not None and per_column[small] <= atol:
             return (f"params.yaml: acceptance.outputs.{key}.atol {atol:g} is not below the scale of column {small} of "
                     f"output '{name}' (RMS {per_column[small]:.3g} in the FP32 reference; its largest column "
                     f"{max(per_column):.3g}), so a trial off by that column's whole size would pass; give '{name}' an atol "
@@ -448,8 +457,8 @@ def loosened(old: AcceptanceConfig, new: AcceptanceConfig) -> list[str]:
         for key in ("atol", "rtol"):
             if o is not None and n is not None and getattr(n, key) > getattr(o, key):
                 out.append(f"outputs.{name}.{key} {getattr(o, key):g} -> {getattr(n, key):g}")
-        if (o is None or o.decisions is not False) and n is not None and n.decisions is False:
-            out.append(f"outputs.{name}.decisions {o.decisions if o else None} -> false")
+        if (o is None or o.decides(name)) and n is not None and not n.decides(name):  # false, or null on a feature name
+            out.append(f"outputs.{name}.decisions {o.decisions if o else None} -> {'false' if n.decisions is False else 'null'}")
     for key, sign in _LOOSER_WHEN.items():
         a, b = getattr(old, key), getattr(new, key)
         if a is None and b is None:

@@ -170,6 +170,15 @@ def test_which_heads_are_decided_by_default():
     assert streams.decided_heads("classification", said, shapes, "logits") == ["box", "embedding", "logits", "tags"]
     assert streams.sign_heads("classification", said, shapes, "logits") == []
     assert streams.decided_heads("classification", plain, {"hidden": (10, 3)}, "hidden") == ["hidden"]  # the primary
+    # A name that ends like scores is decided whatever else it says.
+    scores = {"logits": (10, 3), "dialog_state_logits": (10, 4), "attention_scores": (10, 4), "latent_class_probs": (10, 2)}
+    assert streams.decided_heads("classification", plain, scores, "logits") == sorted(scores)
+    # Taking decisions: true back on a feature name stops deciding it: a loosening, listed like decisions: false.
+    on = AcceptanceConfig(outputs={"*": Tolerance(), "hidden": Tolerance(decisions=True)})
+    assert rule.loosened(on, AcceptanceConfig(outputs={"*": Tolerance(), "hidden": Tolerance()})) == [
+        "outputs.hidden.decisions True -> null"]
+    assert rule.loosened(on, AcceptanceConfig()) == ["outputs.hidden.decisions True -> null"]  # the entry removed
+    assert rule.loosened(AcceptanceConfig(), on) == []
     assert streams.decided_heads("regression", plain, shapes, "logits") == []
     assert streams.sign_heads("regression", plain, shapes, "logits") == []
 
@@ -194,6 +203,10 @@ def test_columns_of_different_scales_need_an_atol_below_the_smallest():
     columns = scan.column_rms()["output"]
     assert columns == pytest.approx(tuple(ref.double().square().mean(0).sqrt().tolist()), rel=1e-12)
     assert scan.rms()["output"] > 700 and columns[1] < 0.002
+    # A column of zeros has no scale: the smallest column with one is still the one the atol must be below.
+    assert "column 1 of output" in rule.vet_rule(scan.rule, "regression", {"output": (3,)}, scan.rms(), -1.0, "neg_rmse",
+                                                 True, [_step(0, loss=10.0, grad_norm=1.0)],
+                                                 columns={"output": (*columns, 0.0)[::-1]})
     steps = [_step(0, loss=10.0, grad_norm=1.0)]
     loose = AcceptanceConfig(max_quality_drop=None, min_quality=None, loss_noise_multiple=None)  # atol 0.05, rtol 0.02
     line = scan.problem(steps)
@@ -209,6 +222,32 @@ def test_columns_of_different_scales_need_an_atol_below_the_smallest():
     assert _judge(ids, ref, every, {"output": ref}, {"output": trial}, cfg=loose)[1].decision == "accept"
     _, d = _judge(ids, ref, every, {"output": ref}, {"output": trial}, cfg=fitted)
     assert d.decision == "rollback" and any(r.startswith("values 'output'") for r in d.reasons), d.reasons
+
+
+def test_skips_bunched_at_the_end_are_a_falling_scale_not_a_designed_skip():
+    """200 updates, 16 of the last 18 skipped (the scale halving each time): 8 % of the run, within
+    max_skipped_fraction 0.1, and never 10 skips in a row, yet the updates have nearly stopped (the guide: « les mises
+    à jour cessent d'avancer »). The last stall_window steps allow one skip (the scaler's design: it grows the scale,
+    then backs off once), so early scale search and a back-off now and then still pass."""
+    ref_steps = tuple(step(i, 2.0 / (1 + i / 20)) for i in range(200))
+    x = torch.randn(20, 4, generator=torch.Generator().manual_seed(0)) * 3
+    ids = [f"ordinary/{i}" for i in range(20)]
+    rule_ = dataclasses.replace(RULE, loss_noise_multiple=None)
+
+    def judged(skips):
+        trial = tuple(step(i, s.loss, scale=2.0 ** (16 - sum(k < i for k in skips)), skipped=i in skips)
+                      for i, s in enumerate(ref_steps))
+        aligned = tuple(step(i, s.loss, skipped=i in skips) for i, s in enumerate(ref_steps))
+        return _judge(ids, x.argmax(1), torch.ones(20, dtype=torch.bool), {"output": x}, {"output": x.clone()}, cfg=rule_,
+                      steps=ref_steps, trial_steps=trial, aligned=aligned, scaler=True)
+
+    stats, d = judged(set(range(182, 190)) | set(range(191, 199)))
+    assert stats.training.skipped_fraction < 0.1 and not stats.training.stalled
+    assert stats.training.recent_skipped_steps == 8 and d.training == "rollback"  # steps 191-198
+    assert any("8 of the last 10 updates skipped > allowed 1" in r for r in d.reasons), d.reasons
+    for healthy in ({3, 150, 195}, {0, 1, 2, 199}):
+        stats, d = judged(healthy)
+        assert d.training == "accept", (healthy, d.reasons)
 
 
 def test_a_single_logit_head_is_decided_by_its_sign():

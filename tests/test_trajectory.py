@@ -66,3 +66,4 @@ def test_noise_floor_is_the_replicate_against_the_run_it_repeats_not_the_skip_al
     assert training_stats(rule, Trajectories(reference, close, 1024.0, True, replicate, aligned)).noise.violations == 0
     with pytest.raises(ValueError, match="replicate_of"):
         trajectory_gap(losses, losses, 1.0, 0.0, replicate_loss=losses, replicate_of=losses[:3])
+

@@ -304,6 +304,9 @@ class UpdateHealth(Record):
     """Steps whose gradient norm was not finite with no GradScaler to skip them (not applied)."""
     skipped_steps: int
     skipped_fraction: float
+    recent_skipped_steps: int
+    """Skipped updates among the last ``stall_window`` steps: skips bunched at the end, which the whole run's
+    fraction dilutes, are a scale still falling."""
     real_updates: int
     stalled: bool
     stall_window: int

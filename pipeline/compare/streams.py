@@ -27,7 +27,6 @@ import ctypes
 import ctypes.util
 import functools
 import math
-import re
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
@@ -447,26 +446,15 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                 _give_back_freed_memory()
 
 
-FEATURES = re.compile(r"(^|_)(hidden|embed\w*|features?|states?|pooler\w*|pooled|attentions?|attn|latents?|"
-                      r"representations?)(_|$)", re.IGNORECASE)
-"""Output names that say features, not decisions (Hugging Face's ``last_hidden_state``, ``pooler_output``,
-``hidden_states``, an ``embedding``): values only unless the rule says ``decisions: true``."""
-
-
-def _decided_by_default(rule: AcceptanceConfig, name: str) -> bool:
-    wanted = rule.tolerance(name).decisions
-    return wanted if wanted is not None else not FEATURES.search(name)
-
-
 def decided_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
     """Outputs whose decisions (argmax, ties, flips) the rule judges: the primary of a classification task, and
     every other output shaped like class scores, per case [N, C >= 2] or per token [N, T, C >= 2] (an untested head
     is no accept), unless the rule's entry for it says ``decisions: false``, or, with no entry saying
-    ``decisions: true``, its name says features (``FEATURES``: an embedding, hidden states)."""
+    ``decisions: true``, its name says features (``config.Tolerance.decides``: an embedding, hidden states)."""
     if kind != "classification":
         return []
     return [name for name, shape in sorted(shapes.items())
-            if name == main or (len(shape) in (2, 3) and shape[-1] >= 2 and _decided_by_default(rule, name))]
+            if name == main or (len(shape) in (2, 3) and shape[-1] >= 2 and rule.tolerance(name).decides(name))]
 
 
 def sign_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
@@ -475,7 +463,7 @@ def sign_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, .
     if kind != "classification":
         return []
     return [name for name, shape in sorted(shapes.items())
-            if name != main and math.prod(shape[1:]) == 1 and _decided_by_default(rule, name)]
+            if name != main and math.prod(shape[1:]) == 1 and rule.tolerance(name).decides(name)]
 
 
 def nonfinite_summary(ids: Sequence[str], kinds: Sequence[str], rows: torch.Tensor, elements: dict[str, int],

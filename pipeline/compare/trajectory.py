@@ -91,7 +91,7 @@ def _noise(gap: torch.Tensor, r: torch.Tensor, replicate_loss: Sequence[float], 
 
 def update_health(skipped: Sequence[bool], scales: Sequence[float], nonfinite_loss: Sequence[bool], window: int,
                   nonfinite_grad: Sequence[bool] | None = None) -> UpdateHealth:
-    """Skipped fraction, whether real updates stopped in the last ``window`` steps, final scale, and the steps
+    """Skipped fraction, skips and whether real updates stopped in the last ``window`` steps, final scale, and the steps
     whose gradient norm was not finite WITHOUT a GradScaler to skip them (bfloat16, FP32): not applied, listed."""
     n = len(skipped)
     window = min(window, n)  # a run shorter than the window stalls when none of its steps made a real update
@@ -102,6 +102,7 @@ def update_health(skipped: Sequence[bool], scales: Sequence[float], nonfinite_lo
         nonfinite_grad_steps=tuple(bad_grads),
         skipped_steps=int(sum(skipped)),
         skipped_fraction=sum(skipped) / n if n else 0.0,
+        recent_skipped_steps=int(sum(tail)),
         real_updates=n - int(sum(skipped)),
         stalled=bool(n and all(tail)),
         stall_window=window,
