@@ -530,3 +530,19 @@ def test_diagnosis_replay_keeps_the_schedule_of_the_run():
     ).records
     assert len(part) == 10 and [r.lr for r in part] == [r.lr for r in full[:10]]
     assert [r.loss for r in part] == [r.loss for r in full[:10]]
+
+
+def test_a_relative_margin_on_two_classes_is_refused_at_freeze():
+    """(z1 - z2) / std(z) over two classes is sqrt 2 for every case, however close to a tie: under
+    ``boundary_margin_kind: relative`` no two-class case could ever be near the boundary, and ties the guide calls
+    boundary cases (1,0000 against 1,0003) would count as clear flips. freeze refuses it in one line."""
+    steps = [_step(0, loss=1.0, grad_norm=1.0)]
+    relative = AcceptanceConfig(boundary_margin_kind="relative", boundary_margin=0.5, min_quality=None)
+    line = rule.vet_rule(relative, "classification", {"logits": (2,)}, {"logits": 3.0}, 0.9, "accuracy", True, steps)
+    assert "boundary_margin_kind relative" in line and "'logits' of 2 class score(s)" in line and "\n" not in line
+    assert rule.vet_rule(relative, "classification", {"logits": (5,)}, {"logits": 3.0}, 0.9, "accuracy", True, steps) is None
+    values_only = dataclasses.replace(relative, outputs={"*": Tolerance(), "flag": Tolerance(decisions=False)})
+    assert rule.vet_rule(values_only, "classification", {"logits": (5,), "flag": (1,)}, {"logits": 3.0, "flag": 1.0}, 0.9,
+                         "accuracy", True, steps) is None
+    assert "'flag' of 1 class score(s)" in rule.vet_rule(relative, "classification", {"logits": (5,), "flag": (1,)},
+                                                         {"logits": 3.0, "flag": 1.0}, 0.9, "accuracy", True, steps)
