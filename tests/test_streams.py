@@ -312,3 +312,26 @@ def test_a_regression_without_any_target_is_compared_and_judged_without_quality(
     off = {"output": ref["output"] + 0.01}
     stats, _ = streams.compare_streams("regression", rule, _sources(ids, torch.zeros(n, 4), no_target, ref, off), RUNS)
     assert acceptance.decide(stats, rule).decision == "rollback"
+
+
+def test_a_per_token_single_logit_head_is_decided_by_its_sign_at_the_kept_positions():
+    """A per-token head [N, T, 1] (a sigmoid per token: a tagger's yes/no) is decided per token by the sign of its
+    logit, padding left out: a crossing within the value tolerance is a changed decision, named case@position; the
+    same crossing at a padded position is not."""
+    from pipeline import rule as acceptance
+
+    ids, y, has, ref, _ = _set(n=40, per_token=True)
+    flag = torch.full((40, 6, 1), 0.5)
+    flag[3, 1, 0] = flag[4, 3, 0] = 0.01  # near 0 (position 3 is padding)
+    mask = torch.ones(40, 6, dtype=torch.long)
+    mask[:, 3] = 0
+    reference = {"logits": ref["logits"], "flag": flag}
+    crossed = {"logits": ref["logits"].clone(), "flag": flag.clone()}
+    crossed["flag"][3, 1, 0] = crossed["flag"][4, 3, 0] = -0.01
+    rule = AcceptanceConfig(min_quality=None, loss_noise_multiple=None)
+    stats, _ = streams.compare_streams("classification", rule, _sources(ids, y, has, reference, crossed, token_mask=mask), RUNS)
+    head = stats.heads["flag"]
+    assert head.unit == "token" and head.cases == 40 * 5 and head.real_flips == 1
+    assert [f.label for f in head.flip_list] == ["ordinary/3@1"] and head.flip_list[0].near_boundary
+    decision = acceptance.decide(stats, rule)
+    assert decision.decision == "rollback" and any(r.startswith("decisions 'flag'") for r in decision.reasons)

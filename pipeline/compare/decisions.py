@@ -482,10 +482,11 @@ class DecisionStats:
 
 
 def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, trial: torch.Tensor, boundary_margin: float,
-               margin_kind: str, max_listed: int = 1000) -> Decisions:
+               margin_kind: str, max_listed: int = 1000, positions: Sequence[int] | None = None) -> Decisions:
     """The decisions of a single-logit head (a sigmoid's: class 1 where the logit is >= 0), judged as DecisionStats
     judges class scores: its margin is |logit| (the two-class logits 0 and z), or |p1 - p0| = |tanh(z / 2)| for a
-    ``probability`` margin; constructed boundary cases are counted apart, real ones near the boundary too."""
+    ``probability`` margin; constructed boundary cases are counted apart, real ones near the boundary too.
+    ``ids``, ``kinds``: of each decision; ``positions``: per token, the position of each (the unit is then a token)."""
     r, t = ref.detach().double().reshape(-1), trial.detach().double().reshape(-1)
     r_margin, t_margin = (torch.tanh(v / 2).abs() if margin_kind == "probability" else v.abs() for v in (r, t))
     constructed = torch.tensor([k == "boundary" for k in kinds], dtype=torch.bool)
@@ -494,12 +495,14 @@ def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, tria
     listed = torch.nonzero(crossed).flatten().tolist()
     flips = tuple(Flip(id=ids[i], kind=kinds[i], boundary=bool(constructed[i]), near_boundary=bool(near[i]),
                        reference_class=int(r[i] >= 0), trial_class=int(t[i] >= 0), reference_margin=float(r_margin[i]),
-                       trial_margin=float(t_margin[i]), margin_kind=margin_kind, reference=float(r[i]), trial=float(t[i]))
+                       trial_margin=float(t_margin[i]), margin_kind=margin_kind, reference=float(r[i]), trial=float(t[i]),
+                       position=None if positions is None else int(positions[i]))
                   for i in listed[:max_listed])
     boundary_cases, boundary_flips = int(constructed.sum()), int((crossed & constructed).sum())
     far, near_flips = int((crossed & ~near & ~constructed).sum()), int((crossed & near).sum())
     return Decisions(cases=len(ids), boundary_cases=boundary_cases, near_boundary_cases=int(near.sum()), flips=far,
-                     near_boundary_flips=near_flips, boundary_flips=boundary_flips, unit="case", margin_kind=margin_kind,
+                     near_boundary_flips=near_flips, boundary_flips=boundary_flips,
+                     unit="case" if positions is None else "token", margin_kind=margin_kind,
                      boundary_margin=boundary_margin,
                      boundary_flip_fraction=boundary_flips / boundary_cases if boundary_cases else 0.0,
                      real_flips=far + near_flips, flip_list=flips, flip_list_dropped=max(len(listed) - max_listed, 0))

@@ -192,7 +192,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     gaps = {name: GapStats(conservative_atol(rule.tolerance(name).atol, rule.tolerance(name).rtol, *errors[name]),
                            rule.tolerance(name).rtol, math.prod(shapes[name])) for name in names}
     heads = decided_heads(kind, rule, shapes, main)
-    signs = {name: ([], []) for name in sign_heads(kind, rule, shapes, main)}
+    signs = {name: ([], [], [], []) for name in sign_heads(kind, rule, shapes, main)}
     arbiter = {name: ArbiterStats() for name in names} if fp64 is not None else None
     main_shape = shapes[main]
     per_token = kind == "classification" and len(main_shape) == 3
@@ -242,9 +242,8 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
         nonfinite=NonFiniteSides(*(nonfinite_summary(ids, kinds, state.nonfinite[side], state.nonfinite_elements[side])
                                    for side in ("trial", "trained"))),
         heads=dict(sorted({**{name: h.result() for name, h in head_stats.items()},
-                           **{name: sign_flips(ids, kinds, torch.cat(r), torch.cat(t), rule.boundary_margin,
-                                               rule.boundary_margin_kind, cfg.max_listed_flips)
-                              for name, (r, t) in signs.items()}}.items())),
+                           **{name: _sign_result(ids, kinds, shapes[name], sides, rule, cfg) for name, sides in signs.items()}
+                           }.items())),
         flips=flips,
         distribution=distribution,
         quality=quality_stats(metric, per_token, quality, state.paired),
@@ -310,7 +309,8 @@ class _State:
     heads: dict = field(default_factory=dict)
     """DecisionStats of every decided output other than the primary (``decided_heads``)."""
     signs: dict = field(default_factory=dict)
-    """Per single-logit head (``sign_heads``): its reference and trial values, slice by slice (one number per case)."""
+    """Per single-logit head (``sign_heads``): its reference and trial values, slice by slice, and per token the row
+    and position of each (the kept positions only)."""
     nonfinite: dict = field(default_factory=dict)
     """Per side (trial, trained): rows with a non-finite element in any output."""
     nonfinite_elements: dict = field(default_factory=dict)
@@ -410,8 +410,13 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                 f = f[:, p:q] if p is not None else f
                 st.arbiter[name].update(*(v[:k] if valid is None else v[:k][valid[:k]] for v in (r, t, f)))
             if name in st.signs:
-                for side, v in zip(st.signs[name], (r, t)):
-                    side.append(v.detach().reshape(-1).double().cpu())
+                r_side, t_side, rows_of, positions_of = st.signs[name]
+                r_side.append(_kept(r, 0, b - a, valid).detach().reshape(-1).double().cpu())
+                t_side.append(_kept(t, 0, b - a, valid).detach().reshape(-1).double().cpu())
+                if r.ndim == 3:  # per token: which case and position each kept value is
+                    where = torch.nonzero(valid if valid is not None else torch.ones(r.shape[:2], dtype=torch.bool)).cpu()
+                    rows_of.append(where[:, 0] + a)
+                    positions_of.append(where[:, 1])
             if name in st.heads and p is None:
                 st.heads[name].update(a, r, t, None if valid is None or main else _ignored_where(valid))
             if not main:
@@ -458,12 +463,26 @@ def decided_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int
 
 
 def sign_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
-    """Single-logit heads of a classification task ([N] or [N, 1]: a sigmoid's, decided by logit >= 0) other than the
-    primary, unless the rule's entry says ``decisions: false``: their decision flips where the logit crosses 0."""
+    """Single-logit heads of a classification task ([N], [N, 1], per token [N, T, 1]: a sigmoid's, decided by
+    logit >= 0) other than the primary, unless the rule's entry says ``decisions: false``: their decision flips where
+    the logit crosses 0."""
     if kind != "classification":
         return []
     return [name for name, shape in sorted(shapes.items())
-            if name != main and math.prod(shape[1:]) == 1 and rule.tolerance(name).decides(name)]
+            if name != main and (math.prod(shape[1:]) == 1 or len(shape) == 3 and shape[-1] == 1)
+            and rule.tolerance(name).decides(name)]
+
+
+def _sign_result(ids: Sequence[str], kinds: Sequence[str], shape: tuple[int, ...], sides: tuple[list, ...],
+                 rule: AcceptanceConfig, cfg: CompareConfig) -> Decisions:
+    """``sign_flips`` of one single-logit head from what ``_chunk`` kept of it (per token: each kept position)."""
+    r, t, rows, positions = sides
+    r, t = torch.cat(r), torch.cat(t)
+    if len(shape) != 3:
+        return sign_flips(ids, kinds, r, t, rule.boundary_margin, rule.boundary_margin_kind, cfg.max_listed_flips)
+    rows = torch.cat(rows).tolist() if rows else []
+    return sign_flips([ids[i] for i in rows], [kinds[i] for i in rows], r, t, rule.boundary_margin,
+                      rule.boundary_margin_kind, cfg.max_listed_flips, torch.cat(positions).tolist() if positions else [])
 
 
 def nonfinite_summary(ids: Sequence[str], kinds: Sequence[str], rows: torch.Tensor, elements: dict[str, int],
