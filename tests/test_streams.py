@@ -335,3 +335,33 @@ def test_a_per_token_single_logit_head_is_decided_by_its_sign_at_the_kept_positi
     assert [f.label for f in head.flip_list] == ["ordinary/3@1"] and head.flip_list[0].near_boundary
     decision = acceptance.decide(stats, rule)
     assert decision.decision == "rollback" and any(r.startswith("decisions 'flag'") for r in decision.reasons)
+
+
+def test_a_per_token_regression_is_judged_on_its_kept_positions_only():
+    """A per-token regression [N, T, 1] whose last two positions are padding: NaN or garbage there is no output
+    anyone uses, for its quality (RMSE against the targets) as for its values; a change at a kept position counts."""
+    from pipeline import rule as acceptance
+    from pipeline.config import Tolerance
+
+    g = torch.Generator().manual_seed(0)
+    n, t = 30, 5
+    ref = torch.randn(n, t, 1, generator=g)
+    y = ref + 0.01 * torch.randn(n, t, 1, generator=g)
+    mask = torch.ones(n, t, dtype=torch.long)
+    mask[:, -2:] = 0
+    ids, has = [f"ordinary/{i}" for i in range(n)], torch.ones(n, dtype=torch.bool)
+    rule = AcceptanceConfig(outputs={"*": Tolerance(atol=0.01, rtol=0.01)}, loss_noise_multiple=None)
+    verdicts = []
+    for padded in (math.nan, 1e3):
+        trial = ref.clone()
+        trial[:, -2:] = padded
+        stats, _ = streams.compare_streams("regression", rule, _sources(ids, y, has, {"output": ref}, {"output": trial},
+                                                                        token_mask=mask), RUNS)
+        assert stats.quality.trial == stats.quality.reference and math.isfinite(stats.quality.trial)
+        verdicts.append(acceptance.decide(stats, rule).decision)
+    assert verdicts == ["accept", "accept"]
+    trial = ref.clone()
+    trial[:, 0] += 1.0
+    stats, _ = streams.compare_streams("regression", rule, _sources(ids, y, has, {"output": ref}, {"output": trial},
+                                                                    token_mask=mask), RUNS)
+    assert stats.quality.trial < stats.quality.reference and acceptance.decide(stats, rule).decision == "rollback"

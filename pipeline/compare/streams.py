@@ -433,7 +433,11 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             for side, out, fin in zip(SIDES, (r, t, trained_slice), (finite, finite, trained_finite[name])):
                 known, lse = labels.of(side) if labels is not None else (None, None)
                 hits = None
-                if every:  # no copy of the slice
+                if valid is not None and not st.per_token:  # a per-token regression with padding: its kept positions
+                    keep = valid & with_target[:, None]
+                    if bool(keep.any()):
+                        st.quality[side].update(out[keep], y[keep], finite=False)
+                elif every:  # no copy of the slice
                     hits = st.quality[side].update(out, y, known, lse, finite=fin)
                 elif some:
                     hits = st.quality[side].update(out[with_target], y[with_target],
