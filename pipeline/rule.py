@@ -246,6 +246,9 @@ def _training(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
             f"training: the FP32 reference's loss is not finite from step {ref_bad}; "
             f"an incorrect FP32 run is no baseline: re-freeze",
             ("steps", [ref_bad]))
+    if train.excused_steps:  # said, never silent; the skip limits below judge how often
+        j.checks.append(f"training: loss not finite at step(s) {', '.join(map(str, train.excused_steps[:20]))}, each update "
+                        f"skipped by the GradScaler: an incident, judged by the skip limits, the stall check and quality")
     j.check("training", train.first_nonfinite_loss_step < 0, "training: every loss finite",
             f"training: loss not finite from step {train.first_nonfinite_loss_step}",
             ("steps", [train.first_nonfinite_loss_step]))

@@ -546,3 +546,29 @@ def test_a_relative_margin_on_two_classes_is_refused_at_freeze():
                          "accuracy", True, steps) is None
     assert "'flag' of 1 class score(s)" in rule.vet_rule(relative, "classification", {"logits": (5,), "flag": (1,)},
                                                          {"logits": 3.0, "flag": 1.0}, 0.9, "accuracy", True, steps)
+
+
+def test_one_overflowed_step_the_scaler_skipped_is_an_incident_not_a_rollback():
+    """float16: the forward of step 5 overflows (loss inf), the GradScaler skips its update, training goes on and
+    matches FP32 aligned on that skip. The guide: « un incident ponctuel ne suffit pas à déclarer un entraînement
+    inutilisable : examinez sa fréquence, la progression et la qualité ». The step is said in the checks and left out
+    of the band; the same overflow applied (no skip) still rolls back, and so do overflows every fifth step."""
+    ref_steps = tuple(step(i, 2.0 / (1 + i / 20)) for i in range(60))
+    x = torch.randn(20, 4, generator=torch.Generator().manual_seed(0)) * 3
+    ids, every = [f"ordinary/{i}" for i in range(20)], torch.ones(20, dtype=torch.bool)
+    cfg = dataclasses.replace(RULE, loss_noise_multiple=None)
+
+    def judged(overflow, skipped):
+        trial = tuple(step(i, math.inf if overflow(i) else s.loss, skipped=skipped and overflow(i))
+                      for i, s in enumerate(ref_steps))
+        aligned = tuple(step(i, s.loss, skipped=overflow(i)) for i, s in enumerate(ref_steps)) if skipped else None
+        return _judge(ids, x.argmax(1), every, {"output": x}, {"output": x.clone()}, cfg=cfg, steps=ref_steps,
+                      trial_steps=trial, aligned=aligned, scaler=True)
+
+    stats, d = judged(lambda i: i == 5, skipped=True)
+    assert d.decision == "accept" and stats.training.excused_steps == (5,), d.reasons
+    assert any("loss not finite at step(s) 5, each update skipped by the GradScaler" in c for c in d.checks)
+    _, d = judged(lambda i: i == 5, skipped=False)
+    assert d.training == "rollback" and any(r.startswith("training: loss not finite from step 5") for r in d.reasons)
+    _, d = judged(lambda i: i % 5 == 0, skipped=True)
+    assert d.training == "rollback" and any("updates skipped, fraction 0.2" in r for r in d.reasons), d.reasons

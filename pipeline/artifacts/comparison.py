@@ -294,6 +294,9 @@ class LossGap(Record):
     final_loss_trial: float
     noise: Noise | None = field(default=None, kw_only=True)
     """Set when a replicate trajectory (the noise floor) was compared too."""
+    excused_steps: tuple[int, ...] = field(default=(), kw_only=True)
+    """Steps whose loss was not finite and whose update the GradScaler skipped: one incident, not measured by the
+    band (the guide: « un incident ponctuel ne suffit pas »); the skip limits, the stall check and quality judge them."""
 
 
 @dataclass(frozen=True)

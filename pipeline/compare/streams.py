@@ -606,12 +606,15 @@ def training_stats(rule: AcceptanceConfig, runs: Trajectories) -> Training:
     ref_loss = [s.loss for s in base]
     trial_loss = [s.loss for s in runs.trial]
     replicate = [s.loss for s in runs.replicate] if runs.replicate is not None else None
+    # A step whose forward overflowed (loss not finite) and whose update the GradScaler skipped is an incident the
+    # scaler handled: not measured by the band; its frequency is (the skip limits), and what follows is.
+    excused = [runs.scaler_enabled and s.skipped and not math.isfinite(s.loss) for s in runs.trial]
     gap = trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol, replicate, rule.loss_noise_multiple,
-                         rule.loss_noise_atol, replicate_of=[s.loss for s in runs.reference])
+                         rule.loss_noise_atol, replicate_of=[s.loss for s in runs.reference], excused=excused)
     health = update_health(
         [s.skipped for s in runs.trial],
         [s.scale for s in runs.trial] + [runs.final_scale],
-        [not math.isfinite(v) for v in trial_loss],
+        [not math.isfinite(v) and not spared for v, spared in zip(trial_loss, excused)],
         rule.stall_window,
         [s.nonfinite_grad for s in runs.trial],
     )

@@ -23,6 +23,7 @@ def trajectory_gap(
     noise_multiple: float | None = None,
     noise_atol: float | None = None,
     replicate_of: Sequence[float] | None = None,
+    excused: Sequence[bool] | None = None,
 ) -> LossGap:
     """Per-step loss band |trial - ref| <= atol + rtol * |ref|; non-finite trial losses violate it.
 
@@ -31,7 +32,8 @@ def trajectory_gap(
     is set, the band on the curves: AMP's mean gap and its largest gap each at most ``noise_multiple`` times
     the replicate's, plus ``noise_atol``. ``replicate_of``: the run the replicate repeats, against which its
     gap is FP32's noise (default ``ref_loss``; the reference itself when ``ref_loss`` is the skip-aligned FP32 run,
-    whose difference from the reference is the trial's skips, not noise).
+    whose difference from the reference is the trial's skips, not noise). ``excused``: steps not measured (a
+    non-finite loss whose update the GradScaler skipped: an incident, judged by the skip limits, not by the band).
     """
     if len(ref_loss) != len(trial_loss):
         raise ValueError(f"trajectories differ in length: {len(ref_loss)} vs {len(trial_loss)}")
@@ -39,6 +41,8 @@ def trajectory_gap(
     t = torch.tensor([float(v) for v in trial_loss], dtype=torch.float64)
     # A non-finite loss on EITHER side is outside any band: a NaN reference step must not pass by comparison.
     gap = torch.where(torch.isfinite(t) & torch.isfinite(r), (t - r).abs(), torch.full_like(t, math.inf))
+    spared = torch.tensor([bool(v) for v in (excused if excused is not None else [False] * len(t))], dtype=torch.bool)
+    gap = torch.where(spared & torch.isfinite(r), torch.zeros_like(gap), gap)
     bad = ~(gap - (atol + rtol * r.abs()) <= 0)  # NaN (a non-finite reference step) is outside the band too
     violations = int(bad.sum())
     first = int(torch.nonzero(bad).flatten()[0]) if violations else -1
@@ -60,6 +64,7 @@ def trajectory_gap(
         final_loss_reference=float(r[-1]) if r.numel() else math.nan,
         final_loss_trial=float(t[-1]) if t.numel() else math.nan,
         noise=noise,
+        excused_steps=tuple(int(i) for i in torch.nonzero(spared).flatten().tolist()),
     )
 
 
