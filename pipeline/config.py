@@ -348,7 +348,7 @@ class Tolerance:
     """Relative tolerance."""
     decisions: bool | None = None
     """Classification: judge this output's decisions (argmax, ties, flips) too. true: if shaped like class scores,
-    [N, C >= 2] or per token [N, T, C >= 2] (argmax), or like one logit, [N] or [N, 1] (a sigmoid's: logit >= 0);
+    [N, C >= 2] or per token [N, T, C >= 2] (argmax), or like one logit, [N], [N, 1] or [N, T, 1] (a sigmoid's: logit >= 0);
     null: the same, except an output whose name says features (``hidden``, ``embedding``, ``pooler``...:
     ``FEATURE_NAMES``, unless it ends like scores: ``DECISION_NAMES``; ``decides``); false: values only (an
     embedding, a regression head). The primary is always decided."""
