@@ -393,7 +393,7 @@ def vet_rule(
                     f"below it, for example {0.01 * per_column[small]:.2g}, and let rtol bound the larger columns, or return "
                     f"the column as an output of its own")
     if kind == "classification" and rule.boundary_margin_kind == "relative":
-        few = [n for n in names if math.prod(shapes[n][-1:]) < 3 and _tolerance_of(rule, n).decides(n)]
+        few = [n for n in names if math.prod(shapes[n][-1:]) < 3 and rule.tolerance(n).decides(n)]  # entries checked above
         if few:
             return (f"params.yaml: acceptance.boundary_margin_kind relative divides the top-2 margin by the spread of the "
                     f"row's scores, which for output '{few[0]}' of {math.prod(shapes[few[0]][-1:])} class score(s) is the "
@@ -487,11 +487,6 @@ def loosened(old: AcceptanceConfig, new: AcceptanceConfig) -> list[str]:
         # Another unit: not comparable, so listed (a margin in logits of 0.05 may be 0.3 in probability).
         out.append(f"boundary_margin_kind {old.boundary_margin_kind} -> {new.boundary_margin_kind}")
     return out
-
-
-def _tolerance_of(rule: AcceptanceConfig, output: str) -> Tolerance:
-    """``output``'s entry, or ``*``'s (vet_rule has refused a name with neither before it asks)."""
-    return rule.outputs.get(output, rule.outputs.get("*"))
 
 
 def _tolerance(rule: AcceptanceConfig, output: str) -> Tolerance | None:
