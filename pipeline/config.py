@@ -333,9 +333,10 @@ class TrialConfig:
 
 
 FEATURE_NAMES = re.compile(r"(^|_)(hidden|embed\w*|features?|states?|pooler\w*|pooled|attentions?|attn|latents?|"
-                           r"representations?)(_|$)", re.IGNORECASE)
-"""Output names that say features, not decisions (Hugging Face's ``last_hidden_state``, ``pooler_output``,
-``hidden_states``, an ``embedding``), unless they end like scores (``DECISION_NAMES``)."""
+                           r"representations?|boxes|bbox\w*|coord\w*|depths?|offsets?)(_|$)", re.IGNORECASE)
+"""Output names that say features or coordinates, values and not decisions (Hugging Face's ``last_hidden_state``,
+``pooler_output``, ``hidden_states``, an ``embedding``, DETR's ``pred_boxes``), unless they end like scores
+(``DECISION_NAMES``)."""
 DECISION_NAMES = re.compile(r"(logits?|scores?|probs|probabilities|classes|labels?|preds?|predictions?)$", re.IGNORECASE)
 """Output names that say decisions whatever else they hold (``dialog_state_logits``, ``attention_scores``)."""
 

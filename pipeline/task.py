@@ -6,14 +6,16 @@ integers; autocast decides the compute precision). A dict is called ``model(**ba
 ``model(x)``. Training data may also be a map-style ``torch.utils.data.Dataset`` (larger than memory):
 batches are then read item by item in the same seeded order as tensors would be.
 
-Outputs may be a tensor, a dict of named tensors, or an object with ``.logits`` (a Hugging Face
-``ModelOutput``); ``named_outputs`` turns each into a dict.
+Outputs may be a tensor, a dict of named tensors, or a Hugging Face ``ModelOutput`` (every head it returns);
+``named_outputs`` turns each into a dict.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Union
 
@@ -21,7 +23,7 @@ import torch
 
 from pipeline.artifacts.record import Record
 from pipeline.files import read_tensors, sha256_file, write_tensors
-from pipeline.config import TaskConfig
+from pipeline.config import DECISION_NAMES, TaskConfig
 from pipeline.errors import UserError
 
 DEFAULT_OUTPUT = "output"
@@ -465,24 +467,53 @@ def build_model(cfg: TaskConfig, seed: int) -> torch.nn.Module:
     return model
 
 
+STATES = re.compile(r"(^|_)(hidden_states?|attentions?)$")
+"""Tensor fields of a Hugging Face ``ModelOutput`` that hold the model's inner states, not its predictions
+(``last_hidden_state``, ``encoder_last_hidden_state``): left out where the output has a head (a field named like
+scores: ``config.DECISION_NAMES``); a base model's (``BertModel``, no head) are its outputs and are kept."""
+
+
 def named_outputs(result: Any, entry: str = "task.model") -> dict[str, torch.Tensor]:
-    """A tensor, a dict of named tensors, or an object with a tensor ``.logits`` (Hugging Face
-    ``ModelOutput``: only its logits are compared); always give a dict.
+    """A tensor, a dict of named tensors, or a Hugging Face ``ModelOutput`` (or any dataclass, or an object with a
+    tensor ``.logits``); always give a dict, sorted by name.
+
+    A ``ModelOutput`` gives every tensor head it returns: DETR's or YOLOS's ``logits`` and ``pred_boxes``, CLIP's
+    ``logits_per_image`` and embeddings (an untested head is no accept), less ``loss`` and the inner states: what is
+    not a tensor (caches, tuples of per-layer states, a sub-model's output) and, beside a head, hidden states
+    (``STATES``). A plain dict must hold tensors only (``loss`` and ``None`` left out).
 
     Raises:
-        UserError: the model returned something else.
+        UserError: the model returned something else, or a field that is not a tensor.
     """
     if torch.is_tensor(result):
         return {DEFAULT_OUTPUT: result}
-    logits = getattr(result, "logits", None)
-    if torch.is_tensor(logits):
-        return {"logits": logits}
-    if isinstance(result, Mapping) and result and all(torch.is_tensor(v) for v in result.values()):
-        return {str(k): v for k, v in sorted(result.items())}
-    raise UserError(
-        f"{entry} returned {type(result).__name__} with no tensor and no .logits; return a tensor, a dict of named "
-        f"tensors, or an object with .logits"
-    )
+    if isinstance(result, Mapping):
+        fields = {str(k): v for k, v in result.items() if v is not None and k != "loss"}
+    elif dataclasses.is_dataclass(result):
+        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+        fields = {k: v for k, v in fields.items() if v is not None and k != "loss"}
+    elif torch.is_tensor(getattr(result, "logits", None)):
+        return {"logits": result.logits}
+    else:
+        raise UserError(
+            f"{entry} returned {type(result).__name__} with no tensor and no .logits; return a tensor, a dict of named "
+            f"tensors, or an object with .logits"
+        )
+    if type(result) is not dict:  # a ModelOutput: its caches, tuples and nested outputs are inner states, and so are
+        fields = {k: v for k, v in fields.items() if torch.is_tensor(v)}  # its hidden states where it has a head
+        if any(DECISION_NAMES.search(k) for k in fields):
+            fields = {k: v for k, v in fields.items() if not STATES.search(k)}
+    return _tensors(fields, type(result).__name__, entry)
+
+
+def _tensors(fields: dict[str, Any], what: str, entry: str) -> dict[str, torch.Tensor]:
+    wrong = next((k for k, v in fields.items() if not torch.is_tensor(v)), None)
+    if wrong is not None or not fields:
+        said = f"whose field '{wrong}' is {type(fields[wrong]).__name__}, not a tensor" if wrong else "with no tensor"
+        raise UserError(
+            f"{entry} returned a {what} {said}; return a tensor or a dict of tensors (wrap the model to pick its outputs)"
+        )
+    return dict(sorted(fields.items()))
 
 
 def primary(outputs: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -27,7 +27,7 @@ from pipeline.compare.quantiles import StreamQuantile, quantile
 from pipeline.compare.trajectory import trajectory_gap, update_health
 from pipeline.config import AcceptanceConfig, ReferenceConfig, TaskConfig, Tolerance
 from pipeline.config import Policy
-from pipeline.task import TensorSource
+from pipeline.task import Batch, TensorSource
 from _steps import step
 
 # flat trajectories here: no replicate to measure FP32 noise on
@@ -572,3 +572,30 @@ def test_one_overflowed_step_the_scaler_skipped_is_an_incident_not_a_rollback():
     assert d.training == "rollback" and any(r.startswith("training: loss not finite from step 5") for r in d.reasons)
     _, d = judged(lambda i: i % 5 == 0, skipped=True)
     assert d.training == "rollback" and any("updates skipped, fraction 0.2" in r for r in d.reasons), d.reasons
+
+
+def test_every_head_of_a_hugging_face_output_is_judged():
+    """YOLOS (transformers, random init) returns class ``logits`` and ``pred_boxes`` in one ``ModelOutput``. A trial
+    whose box head is off by far more than the tolerance, its class scores untouched, rolls back naming
+    ``pred_boxes``: an untested head is no accept. The boxes are coordinates, judged on their values, not argmaxed."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.YolosConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                      image_size=[32, 32], patch_size=8, num_detection_tokens=3, num_labels=3)
+    model = transformers.YolosForObjectDetection(config)
+    x = Batch(pixel_values=torch.randn(64, 3, 32, 32, generator=torch.Generator().manual_seed(1)))
+    cpu = torch.device("cpu")
+    ref = inference.infer(model, x, Policy(), cpu, eval_mode=True)
+    assert set(ref) == {"logits", "pred_boxes"}  # last_hidden_state, beside a head, is an inner state
+    with torch.no_grad():
+        model.bbox_predictor.layers[-1].bias.add_(2.0)  # sigmoid(z + 2): boxes moved by ~0.1-0.4, logits untouched
+    trial = inference.infer(model, x, Policy(), cpu, eval_mode=True)
+    assert torch.equal(trial["logits"], ref["logits"])
+    y = ref["logits"][:, :, :-1].argmax(-1)
+    ids = [f"ordinary/s{i}" for i in range(64)]
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.05, rtol=0.02)})
+    stats, d = _judge(ids, y, torch.ones(64, 3, dtype=torch.bool), ref, trial, cfg=cfg)
+    assert d.decision == "rollback" and any("pred_boxes" in reason for reason in d.reasons), d.reasons
+    assert "pred_boxes" not in stats.heads  # coordinates: values, never argmaxed
+    stats, d = _judge(ids, y, torch.ones(64, 3, dtype=torch.bool), ref, ref, cfg=cfg)
+    assert d.decision == "accept", d.reasons

@@ -192,3 +192,23 @@ def test_class_targets_that_are_not_whole_numbers_or_complex_are_refused():
         task.check_targets(torch.tensor([1 + 0j]), "regression", "train_y")
     task.check_targets(torch.tensor([1.0, 2.0]), "classification", "train_y")  # whole floats are exact classes
     task.check_targets(torch.tensor([0.5]), "regression", "train_y")
+
+
+def test_model_outputs_give_every_head_and_leave_inner_states_out():
+    """Hugging Face models (random init): T5's cache and encoder states are not outputs beside its logits; BERT's
+    pre-training heads are both outputs, its hidden states are not; a base model's hidden states are its output."""
+    transformers = pytest.importorskip("transformers")
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(0))
+    small = dict(num_attention_heads=2, intermediate_size=32, vocab_size=50)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                                                       num_heads=2, vocab_size=50)).eval()
+    out = t5(input_ids=ids, decoder_input_ids=ids)
+    assert "encoder_last_hidden_state" in out and set(task.named_outputs(out)) == {"logits"}
+    bert = transformers.BertConfig(hidden_size=16, num_hidden_layers=1, attn_implementation="eager", **small)
+    out = transformers.BertForPreTraining(bert).eval()(input_ids=ids, output_hidden_states=True, output_attentions=True)
+    assert set(task.named_outputs(out)) == {"prediction_logits", "seq_relationship_logits"}
+    out = transformers.BertModel(bert).eval()(input_ids=ids)
+    assert set(task.named_outputs(out)) == {"last_hidden_state", "pooler_output"}
+    with pytest.raises(UserError, match="field 'boxes' is list, not a tensor"):
+        task.named_outputs({"logits": torch.zeros(2, 3), "boxes": [torch.zeros(4)]})
+    assert task.named_outputs({"logits": torch.zeros(2, 3), "loss": None}).keys() == {"logits"}

@@ -357,7 +357,7 @@ def _forward_and_loss(
     if getattr(loss_fn, "of_output", True) is None:  # task.loss: model, the model computes its own loss from the labels
         result = call(model, x, **{loss_fn.label_key: y})
         loss = result.get("loss") if isinstance(result, dict) else getattr(result, "loss", None)
-        return {k: v for k, v in named_outputs(result).items() if k != "loss"}, loss
+        return named_outputs(result), loss  # less its loss
     outputs = named_outputs(call(model, x))
     phase("loss")
     return outputs, getattr(loss_fn, "of_output", loss_fn)(primary(outputs), y)

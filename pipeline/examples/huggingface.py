@@ -4,7 +4,7 @@ or from a local directory (``from_pretrained(path)``, offline), plus seeded toke
 Needs the optional extra: ``pip install 'amp-validation[hf]'`` (``transformers``).
 
 The model is called as Hugging Face models are, ``model(**batch)`` with ``input_ids``, ``attention_mask``
-(or ``pixel_values``), and returns a ``ModelOutput``: the pipeline compares its ``.logits``. With
+(or ``pixel_values``), and returns a ``ModelOutput``: the pipeline compares every head it returns (``task.named_outputs``). With
 ``task.loss: model`` the targets are passed as ``labels=...`` and the model's own ``.loss`` is trained.
 
     task:
