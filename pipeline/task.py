@@ -474,24 +474,29 @@ scores: ``config.DECISION_NAMES``); a base model's (``BertModel``, no head) are 
 
 
 def named_outputs(result: Any, entry: str = "task.model") -> dict[str, torch.Tensor]:
-    """A tensor, a dict of named tensors, or a Hugging Face ``ModelOutput`` (or any dataclass, or an object with a
-    tensor ``.logits``); always give a dict, sorted by name.
+    """A tensor, a dict of named tensors, a Hugging Face ``ModelOutput``, or an object with a tensor ``.logits``;
+    always give a dict, sorted by name.
 
-    A ``ModelOutput`` gives every tensor head it returns: DETR's or YOLOS's ``logits`` and ``pred_boxes``, CLIP's
-    ``logits_per_image`` and embeddings (an untested head is no accept), less ``loss`` and the inner states: what is
+    A ``ModelOutput`` (any dataclass) gives every tensor head it returns: YOLOS's ``logits`` and ``pred_boxes``,
+    CLIP's ``logits_per_image`` and embeddings (an untested head is no accept), less ``loss`` and the inner states: what is
     not a tensor (caches, tuples of per-layer states, a sub-model's output) and, beside a head, hidden states
-    (``STATES``). A plain dict must hold tensors only (``loss`` and ``None`` left out).
+    (``STATES``). A dict must hold tensors only (``loss`` and ``None`` left out).
 
     Raises:
         UserError: the model returned something else, or a field that is not a tensor.
     """
     if torch.is_tensor(result):
         return {DEFAULT_OUTPUT: result}
-    if isinstance(result, Mapping):
+    if dataclasses.is_dataclass(result):
+        # A ModelOutput is a dataclass. What is not a tensor in it is an inner state (a cache, per-layer tuples, a
+        # sub-model's output), and so are its hidden states beside a head.
+        items = result.items() if isinstance(result, Mapping) else ((f.name, getattr(result, f.name))
+                                                                    for f in dataclasses.fields(result))
+        fields = {str(k): v for k, v in items if torch.is_tensor(v) and k != "loss"}
+        if any(DECISION_NAMES.search(k) for k in fields):
+            fields = {k: v for k, v in fields.items() if not STATES.search(k)}
+    elif isinstance(result, Mapping):
         fields = {str(k): v for k, v in result.items() if v is not None and k != "loss"}
-    elif dataclasses.is_dataclass(result):
-        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
-        fields = {k: v for k, v in fields.items() if v is not None and k != "loss"}
     elif torch.is_tensor(getattr(result, "logits", None)):
         return {"logits": result.logits}
     else:
@@ -499,10 +504,6 @@ def named_outputs(result: Any, entry: str = "task.model") -> dict[str, torch.Ten
             f"{entry} returned {type(result).__name__} with no tensor and no .logits; return a tensor, a dict of named "
             f"tensors, or an object with .logits"
         )
-    if type(result) is not dict:  # a ModelOutput: its caches, tuples and nested outputs are inner states, and so are
-        fields = {k: v for k, v in fields.items() if torch.is_tensor(v)}  # its hidden states where it has a head
-        if any(DECISION_NAMES.search(k) for k in fields):
-            fields = {k: v for k, v in fields.items() if not STATES.search(k)}
     return _tensors(fields, type(result).__name__, entry)
 
 
