@@ -341,6 +341,16 @@ DECISION_NAMES = re.compile(r"(logits?|scores?|probs|probabilities|classes|label
 """Output names that say decisions whatever else they hold (``dialog_state_logits``, ``attention_scores``)."""
 
 
+DEFAULT_OUTPUT = "output"
+"""The name of an output the model returns as a bare tensor."""
+
+
+def primary_name(names) -> str:
+    """The output decisions and the loss are computed from: ``output``, ``logits``, or the first by name."""
+    names = list(names)
+    return next((n for n in (DEFAULT_OUTPUT, "logits") if n in names), names[0] if names else DEFAULT_OUTPUT)
+
+
 @dataclass(frozen=True)
 class Tolerance:
     atol: float = 0.05
@@ -348,17 +358,21 @@ class Tolerance:
     rtol: float = 0.02
     """Relative tolerance."""
     decisions: bool | None = None
-    """Classification: judge this output's decisions (argmax, ties, flips) too. true: if shaped like class scores,
-    [N, C >= 2] or per token [N, T, C >= 2] (argmax), or like one logit, [N], [N, 1] or [N, T, 1] (a sigmoid's: logit >= 0);
-    null: the same, except an output whose name says features (``hidden``, ``embedding``, ``pooler``...:
-    ``FEATURE_NAMES``, unless it ends like scores: ``DECISION_NAMES``; ``decides``); false: values only (an
-    embedding, a regression head). The primary is always decided."""
+    """Judge this output's decisions (argmax, ties, flips) too. true: if shaped like class scores, [N, C >= 2] or per
+    token [N, T, C >= 2] (argmax), or like one logit, [N], [N, 1] or [N, T, 1] (a sigmoid's: logit >= 0); null: the
+    same in a classification task, except an output whose name says features (``hidden``, ``embedding``,
+    ``pooler``...: ``FEATURE_NAMES``, unless it ends like scores: ``DECISION_NAMES``), and in a regression task
+    only an output named like scores (``logits``, ``class_scores``...); false: values only (an embedding, a
+    regression head). The primary of a classification is always decided, a regression's by ``threshold``. An
+    output decided here but of another shape (4 dims or more) is refused at freeze (``rule.vet_rule``)."""
 
-    def decides(self, name: str) -> bool:
-        """Whether output ``name``, if shaped like class scores or one logit, is decided under this entry: as
-        ``decisions`` says, else unless its name says features (``FEATURE_NAMES``) and not scores (``DECISION_NAMES``)."""
+    def decides(self, name: str, kind: str = "classification") -> bool:
+        """Whether output ``name`` of a ``kind`` task, if shaped like class scores or one logit, is decided under
+        this entry (``decisions``)."""
         if self.decisions is not None:
             return self.decisions
+        if kind != "classification":
+            return bool(DECISION_NAMES.search(name))
         return bool(DECISION_NAMES.search(name)) or not FEATURE_NAMES.search(name)
 
     def check(self, key: str) -> None:
@@ -405,7 +419,8 @@ class AcceptanceConfig:
     """Per-token outputs: smallest fraction of tokens whose top-1 class is the reference's; null: not applied.
     Needs only each side's argmax per token."""
     threshold: float | None = None
-    """Regression only: decision threshold; crossing it is a flip."""
+    """Regression only: decision threshold; a case flips where any value of its primary output (at a kept position)
+    is on the other side of it in the trial (each label of a multi-label head's logits, with threshold 0)."""
     min_quality: float | None = None
     """Minimum quality of the trial on the fixed set (accuracy, or -RMSE for regression); null: no minimum."""
     max_quality_drop: float | None = 0.01

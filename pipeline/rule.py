@@ -31,7 +31,7 @@ from pipeline.present import verdict
 
 from pipeline.artifacts.comparison import Decisions, Distribution, Noise, Quality, Stats
 from pipeline.compare import bounds
-from pipeline.config import AcceptanceConfig, Tolerance
+from pipeline.config import DECISION_NAMES, AcceptanceConfig, Tolerance, primary_name
 from pipeline.errors import UserError
 
 if TYPE_CHECKING:  # the loop's record: training imports torch, the rule does not
@@ -184,6 +184,11 @@ def _decisions(flips: Decisions, rule: AcceptanceConfig, j: _Judge, label: str, 
             ("boundary_flips" if key == "flips" else f"boundary_{key}", built_ids))
 
 
+NO_TARGET = ("no case of the fixed set carries a target (or every target is ignored), so the rule's quality criteria "
+             "cannot be applied; give eval targets, or set acceptance.max_quality_drop: null and min_quality: null to "
+             "judge without quality")
+
+
 def _quality(quality: Quality, rule: AcceptanceConfig, j: _Judge, part: Part, side: Literal["trial", "trained"]) -> None:
     """Quality of ``side`` against the reference on the same cases: counts where the metric has them."""
     label = "inference" if side == "trial" else "after training"
@@ -193,9 +198,7 @@ def _quality(quality: Quality, rule: AcceptanceConfig, j: _Judge, part: Part, si
         if not judged:
             j.checks.append(f"quality {label}: not judged: the rule sets max_quality_drop: null and min_quality: null")
             return
-        j.check(part, False, "", f"quality {label}: no case of the fixed set carries a target (or every target is ignored), "
-                                 f"so the rule's quality criteria cannot be applied; give eval targets, "
-                                 f"or set acceptance.max_quality_drop: null and min_quality: null to judge without quality")
+        j.check(part, False, "", f"quality {label}: {NO_TARGET}")
         return
     if not math.isfinite(q):
         j.check(part, False, "", f"quality {label}: not finite")
@@ -392,6 +395,14 @@ def vet_rule(
                     f"{max(per_column):.3g}), so a trial off by that column's whole size would pass; give '{name}' an atol "
                     f"below it, for example {0.01 * per_column[small]:.2g}, and let rtol bound the larger columns, or return "
                     f"the column as an output of its own")
+    scored = [n for n in names if len(shapes[n]) >= 3 and (n != primary_name(names) or kind == "classification")
+              and (rule.tolerance(n).decisions or rule.tolerance(n).decisions is None and DECISION_NAMES.search(n))]
+    if scored:  # [N, a, b, c...]: no decision check reads it (class scores are [N, C] or [N, T, C])
+        name = scored[0]
+        return (f"params.yaml: output '{name}' of shape [N, {', '.join(map(str, shapes[name]))}] is named like scores (or "
+                f"says decisions: true), but no decision check reads an output of {len(shapes[name]) + 1} dims, so its "
+                f"decisions would go untested; return it as [N, T, classes] (classes last), or give it "
+                f"'{name}': {{decisions: false}} under acceptance.outputs to judge its values only")
     if kind == "classification" and rule.boundary_margin_kind == "relative":
         few = [n for n in names if math.prod(shapes[n][-1:]) < 3 and rule.tolerance(n).decides(n)]  # entries checked above
         if few:
@@ -403,6 +414,8 @@ def vet_rule(
             what = "loss" if not math.isfinite(step.loss) else "gradient norm"
             return (f"the FP32 reference's {what} is not finite at step {step.step}: an incorrect FP32 run is no baseline; "
                     f"fix the model, the data or the recipe (reference.lr, reference.grad_clip), then rerun")
+    if not math.isfinite(ref_quality) and (rule.max_quality_drop is not None or rule.min_quality is not None):
+        return f"the FP32 reference has no quality to judge trials by: {NO_TARGET}"
     if math.isfinite(ref_quality):
         if rule.min_quality is not None and (
             ref_quality < rule.min_quality if higher_is_better else ref_quality > rule.min_quality

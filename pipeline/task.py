@@ -23,10 +23,9 @@ import torch
 
 from pipeline.artifacts.record import Record
 from pipeline.files import read_tensors, sha256_file, write_tensors
-from pipeline.config import DECISION_NAMES, TaskConfig
+from pipeline.config import DECISION_NAMES, DEFAULT_OUTPUT, TaskConfig, primary_name
 from pipeline.errors import UserError
 
-DEFAULT_OUTPUT = "output"
 IGNORE_INDEX = -100
 """Targets equal to this are ignored by cross_entropy and by per-token checks, as Hugging Face does."""
 
@@ -518,11 +517,8 @@ def _tensors(fields: dict[str, Any], what: str, entry: str) -> dict[str, torch.T
 
 
 def primary(outputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The output that decisions and the loss are computed from: ``output``, ``logits``, or the first by name."""
-    for name in (DEFAULT_OUTPUT, "logits"):
-        if name in outputs:
-            return outputs[name]
-    return next(iter(outputs.values()))
+    """The output that decisions and the loss are computed from (``config.primary_name``)."""
+    return outputs[primary_name(outputs)]
 
 
 def check_outputs(outputs: dict[str, torch.Tensor], kind: str, rows: int, targets: torch.Tensor, entry: str) -> None:

@@ -94,6 +94,17 @@ def test_regression_flips_across_threshold():
     assert regression_flips(["a"], ["ordinary"], ref[:1], trial[:1], None).flips == 0
 
 
+def test_a_regression_threshold_judges_every_value_of_a_case_not_its_first():
+    """A case of [N, 3] values (a multi-label head's logits, threshold 0) flips where any label crosses, whatever its
+    column: the verdict must not depend on the order of the columns. The flip shows the crossing value."""
+    ref = torch.tensor([[0.5, -0.2, 0.3], [0.5, 0.2, 0.3], [-1.0, -1.0, -1.0]])
+    trial = torch.tensor([[0.5, 0.1, 0.3], [0.4, 0.2, 0.3], [-1.0, -1.0, -0.9]])
+    for order in ([0, 1, 2], [2, 1, 0], [1, 0, 2]):
+        f = regression_flips(["a", "b", "c"], ["ordinary"] * 3, ref[:, order], trial[:, order], threshold=0.0)
+        assert f.flips == 1 and f.flip_list[0].id == "a"
+        assert (f.flip_list[0].reference, f.flip_list[0].trial) == pytest.approx((-0.2, 0.1))
+
+
 def test_margins_in_probability_mean_the_same_at_every_scale():
     base = torch.tensor([[2.0, 1.9, 0.0]])
 

@@ -179,8 +179,45 @@ def test_which_heads_are_decided_by_default():
         "outputs.hidden.decisions True -> null"]
     assert rule.loosened(on, AcceptanceConfig()) == ["outputs.hidden.decisions True -> null"]  # the entry removed
     assert rule.loosened(AcceptanceConfig(), on) == []
-    assert streams.decided_heads("regression", plain, shapes, "logits") == []
+    assert streams.decided_heads("regression", plain, shapes, "logits") == []  # a regression's primary: its threshold
     assert streams.sign_heads("regression", plain, shapes, "logits") == []
+    # A regression's other heads named like scores are decided too (an untested head is no accept); others only if said.
+    regression = {"output": (10, 1), "logits": (10, 4), "alarm_logit": (10, 1), "aux": (10, 3), "tags": (10, 6, 4)}
+    assert streams.decided_heads("regression", plain, regression, "output") == ["logits"]
+    assert streams.sign_heads("regression", plain, regression, "output") == ["alarm_logit"]
+    aux = AcceptanceConfig(outputs={"*": Tolerance(), "aux": Tolerance(decisions=True)})
+    assert streams.decided_heads("regression", aux, regression, "output") == ["aux", "logits"]
+
+
+def test_a_head_named_like_scores_that_no_decision_check_reads_is_refused_at_freeze():
+    """Segmentation-like heads [N, C, H, W] (4 dims): argmax over classes-last and the sign of one logit read [N, C],
+    [N, T, C] and [N], [N, 1], [N, T, 1] only. A 4-dim output named like scores, or said ``decisions: true``, would
+    go untested: freeze refuses it in one line naming the output and the two fixes; ``decisions: false`` (values
+    only) passes, and so does a 4-dim output that does not say scores (a mask of values)."""
+    steps = [step(i, 1.0) for i in range(4)]
+    shapes = {"logits": (3,), "seg_logits": (4, 8, 8), "pred_masks": (1, 8, 8)}
+    rms = {name: 1.0 for name in shapes}
+    line = rule.vet_rule(AcceptanceConfig(), "classification", shapes, rms, 0.9, "accuracy", True, steps)
+    assert "output 'seg_logits' of shape [N, 4, 8, 8] is named like scores" in line and "decisions: false" in line
+    assert "[N, T, classes]" in line
+    values = AcceptanceConfig(outputs={"*": Tolerance(), "seg_logits": Tolerance(decisions=False)})
+    assert rule.vet_rule(values, "classification", shapes, rms, 0.9, "accuracy", True, steps) is None
+    said = AcceptanceConfig(outputs={"*": Tolerance(), "seg_logits": Tolerance(decisions=False),
+                                     "pred_masks": Tolerance(decisions=True)})
+    assert "output 'pred_masks'" in rule.vet_rule(said, "regression", shapes, rms, -0.1, "neg_rmse", True, steps)
+
+
+def test_a_fixed_set_without_targets_is_refused_at_freeze_under_a_quality_criterion():
+    """No case carries a target: a rule that sets a quality criterion could never accept (every trial, even one
+    identical to the reference, would roll back on quality), so freeze refuses it before any trial is trained; the
+    same rule without quality criteria passes."""
+    steps = [step(i, 1.0) for i in range(4)]
+    shapes, rms = {"logits": (3,)}, {"logits": 1.0}
+    line = rule.vet_rule(AcceptanceConfig(), "classification", shapes, rms, math.nan, "accuracy", True, steps)
+    assert line.startswith("the FP32 reference has no quality to judge trials by: no case of the fixed set carries")
+    assert "max_quality_drop: null and min_quality: null" in line
+    without = AcceptanceConfig(max_quality_drop=None, min_quality=None)
+    assert rule.vet_rule(without, "classification", shapes, rms, math.nan, "accuracy", True, steps) is None
 
 
 def test_columns_of_different_scales_need_an_atol_below_the_smallest():

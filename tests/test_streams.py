@@ -147,6 +147,25 @@ def test_regression_and_typed_stats(tmp_path, monkeypatch):
     assert not math.isnan(s.training.max_loss_gap)
 
 
+def test_a_regression_threshold_is_judged_on_every_column_through_the_chunks():
+    """[N, 4] regression outputs, several chunks: a value of column 3 crossing the threshold is a flip of its case,
+    named, as a crossing in column 0 is; outputs that stay on their side flip nothing."""
+    g = torch.Generator().manual_seed(3)
+    ids = [f"ordinary/{i}" for i in range(40)]
+    ref = {"output": torch.randn(40, 4, generator=g) + 3.0}  # every value above the threshold 0
+    trial = {"output": ref["output"].clone()}
+    trial["output"][7, 3] = -0.5
+    trial["output"][21, 0] = -0.5
+    runs = streams.Trajectories(STEPS, STEPS, 1.0, replicate=STEPS)
+    rule = AcceptanceConfig(threshold=0.0, min_quality=None, max_quality_drop=None)
+    stats, _ = streams.compare_streams("regression", rule, _sources(ids, ref["output"], torch.ones(40, dtype=torch.bool),
+                                                                    ref, trial), runs, cfg=CompareConfig(chunk_elements=32))
+    assert stats.flips.flips == 2 and {f.id for f in stats.flips.flip_list} == {"ordinary/7", "ordinary/21"}
+    stats, _ = streams.compare_streams("regression", rule, _sources(ids, ref["output"], torch.ones(40, dtype=torch.bool),
+                                                                    ref, ref), runs, cfg=CompareConfig(chunk_elements=32))
+    assert stats.flips.flips == 0
+
+
 def test_user_metric_sees_the_target_rows_once_and_sets_the_direction():
     ids, y, has, ref, trial = _set(n=200)
     calls = []

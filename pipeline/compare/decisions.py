@@ -3,7 +3,7 @@
 Tie rule: ``lowest_index`` takes the lowest class index among the maxima; ``tie_is_flip`` marks a tie with
 -1, which never equals a reference class. A row with NaN decides -2 (no decision), margin NaN.
 ``DecisionStats`` is fed one chunk of rows (per token: one slice of positions) at a time and keeps a few
-numbers per case; ``regression_flips`` compares the first output of each case with a threshold.
+numbers per case; ``regression_flips`` compares each value of a case with a threshold.
 """
 
 from __future__ import annotations
@@ -508,18 +508,25 @@ def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, tria
                      real_flips=far + near_flips, flip_list=flips, flip_list_dropped=max(len(listed) - max_listed, 0))
 
 
+def crosses(ref: torch.Tensor, trial: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Where a value is on the other side of a regression's decision threshold in the trial (in float64)."""
+    return (ref.double() >= threshold) != (trial.double() >= threshold)
+
+
 def regression_flips(
     ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, trial: torch.Tensor, threshold: float | None
 ) -> Decisions:
-    """Cases whose first output crosses the decision threshold between reference and trial."""
+    """Cases one of whose values (``ref``, ``trial``: [N, ...]) crosses the decision threshold between reference and
+    trial; each flip shows its first crossing value."""
     flips = []
     if threshold is not None and ref.shape[0]:
-        r = ref.detach().double().reshape(ref.shape[0], -1)[:, 0]
-        t = trial.detach().double().reshape(trial.shape[0], -1)[:, 0]
-        crossed = (r >= threshold) != (t >= threshold)
-        for i in torch.nonzero(crossed).flatten().tolist():
-            flips.append(Flip(id=ids[i], kind=kinds[i], boundary=False, near_boundary=False, reference=float(r[i]),
-                              trial=float(t[i])))
+        r = ref.detach().double().reshape(ref.shape[0], -1)
+        t = trial.detach().double().reshape(trial.shape[0], -1)
+        crossed = crosses(r, t, threshold)
+        at = crossed.to(torch.uint8).argmax(1)
+        for i in torch.nonzero(crossed.any(1)).flatten().tolist():
+            flips.append(Flip(id=ids[i], kind=kinds[i], boundary=False, near_boundary=False, reference=float(r[i, at[i]]),
+                              trial=float(t[i, at[i]])))
     return Decisions(cases=len(ids), boundary_cases=0, near_boundary_cases=0, flips=len(flips), near_boundary_flips=0,
                      boundary_flips=0, boundary_flip_fraction=0.0, real_flips=len(flips), unit="case", flip_list=tuple(flips),
                      flip_list_dropped=0)

@@ -35,12 +35,12 @@ import torch
 from pipeline.artifacts.comparison import Decisions, NonFinite, NonFiniteSides, OutputsInfo, Paired, Quality, Stats, Training
 from pipeline.artifacts.outputs import OutputsReader
 from pipeline.artifacts.steps import Steps
-from pipeline.compare.decisions import DecisionStats, PerCase, regression_flips, sign_flips
+from pipeline.compare.decisions import DecisionStats, PerCase, crosses, regression_flips, sign_flips
 from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite
 from pipeline.compare.quality import QualityStats, regression_errors
 from pipeline.compare.trajectory import trajectory_gap, update_health
-from pipeline.config import METRICS, AcceptanceConfig, CompareConfig, TaskConfig
-from pipeline.task import IGNORE_INDEX, primary, resolve, rows_within
+from pipeline.config import METRICS, AcceptanceConfig, CompareConfig, TaskConfig, primary_name
+from pipeline.task import IGNORE_INDEX, resolve, rows_within
 
 
 SIDES = ("reference", "trial", "trained")
@@ -89,11 +89,6 @@ class Metric:
         name = task.metric_name
         function = None if name in METRICS else resolve(name, "task.metric")
         return cls(name=name, higher_is_better=task.higher_is_better, top_k=task.top_k, function=function)
-
-
-def _primary_name(names: Sequence[str]) -> str:
-    """The output decisions are made on, by ``task.primary``'s rule (it only looks at the names)."""
-    return primary({n: n for n in names})
 
 
 def token_mask_of(x) -> torch.Tensor | None:
@@ -185,7 +180,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     n = len(ids)
     targets, has_target = masked_targets(sources.targets, sources.token_mask), sources.has_target
     names = sorted(ref.names)
-    main = _primary_name(names)
+    main = primary_name(names)
     shapes = {name: tuple(ref.shape(name)) for name in names}
     step = rows_within(cfg.chunk_elements, sum(math.prod(s[1:]) for s in shapes.values()))
     errors = {name: (logit_error(ref, name), logit_error(trial, name)) for name in names}
@@ -213,6 +208,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     state = _State(names=names, main=main, kind=kind, per_token=per_token, kinds=kinds, targets=targets.to(device),
                    has_target=has_target.bool().to(device), gaps=gaps, arbiter=arbiter, decisions=decisions, quality=quality,
                    row_gap=row_gap, first_values=first_values, heads=head_stats, signs=signs, device=device,
+                   threshold=rule.threshold if kind != "classification" else None,
                    token_valid=None if sources.token_mask is None else sources.token_mask.bool().to(device),
                    slice_elements=SLICE_ELEMENTS if device.type == "cpu" else max(cfg.chunk_elements, SLICE_ELEMENTS),
                    nonfinite={side: torch.zeros(n, dtype=torch.bool) for side in ("trial", "trained")},
@@ -231,7 +227,9 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     if decisions is not None:
         flips, distribution = decisions.result(), decisions.distribution()
     else:
-        flips, distribution = regression_flips(ids, kinds, ref_first[:, None], trial_first[:, None], rule.threshold), None
+        picked = [torch.cat(state.crossing[side])[:, None] if state.crossing[side] else first[:, None]
+                  for side, first in (("reference", ref_first), ("trial", trial_first))]
+        flips, distribution = regression_flips(ids, kinds, *picked, rule.threshold), None
         idx = torch.nonzero(has_target).flatten()
         regression = {side: regression_errors(first[idx][:, None], targets[idx]) for side, first in zip(SIDES, firsts)}
     covered = fp64.rows if fp64 is not None and fp64.rows < n else None  # a partial FP64 re-run says how many cases
@@ -308,6 +306,10 @@ class _State:
     first_values: dict
     heads: dict = field(default_factory=dict)
     """DecisionStats of every decided output other than the primary (``decided_heads``)."""
+    threshold: float | None = None
+    """A regression's decision threshold (``AcceptanceConfig.threshold``)."""
+    crossing: dict = field(default_factory=lambda: {"reference": [], "trial": []})
+    """Per side, slice by slice: the value of each case judged against ``threshold`` (``_threshold_pick``)."""
     signs: dict = field(default_factory=dict)
     """Per single-logit head (``sign_heads``): its reference and trial values, slice by slice, and per token the row
     and position of each (the kept positions only)."""
@@ -421,6 +423,9 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                 st.heads[name].update(a, r, t, None if valid is None or main else _ignored_where(valid))
             if not main:
                 continue
+            if st.threshold is not None:
+                for side, value in zip(("reference", "trial"), _threshold_pick(r, t, st.threshold, valid)):
+                    st.crossing[side].append(value)
             y = st.targets[a:b] if not st.per_token else st.targets[a:b, p:q]
             labels = None
             if st.decisions is not None:
@@ -458,23 +463,31 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
 def decided_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
     """Outputs whose decisions (argmax, ties, flips) the rule judges: the primary of a classification task, and
     every other output shaped like class scores, per case [N, C >= 2] or per token [N, T, C >= 2] (an untested head
-    is no accept), unless the rule's entry for it says ``decisions: false``, or, with no entry saying
-    ``decisions: true``, its name says features (``config.Tolerance.decides``: an embedding, hidden states)."""
-    if kind != "classification":
-        return []
+    is no accept, in a regression task too), that its entry decides (``config.Tolerance.decides``: not an
+    embedding or hidden states, unless said; in a regression, what is named like scores)."""
     return [name for name, shape in sorted(shapes.items())
-            if name == main or (len(shape) in (2, 3) and shape[-1] >= 2 and rule.tolerance(name).decides(name))]
+            if (name == main and kind == "classification")
+            or (name != main and len(shape) in (2, 3) and shape[-1] >= 2 and rule.tolerance(name).decides(name, kind))]
 
 
 def sign_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
-    """Single-logit heads of a classification task ([N], [N, 1], per token [N, T, 1]: a sigmoid's, decided by
-    logit >= 0) other than the primary, unless the rule's entry says ``decisions: false``: their decision flips where
-    the logit crosses 0."""
-    if kind != "classification":
-        return []
+    """Single-logit heads other than the primary ([N], [N, 1], per token [N, T, 1]: a sigmoid's, decided by
+    logit >= 0) that their entry decides (``config.Tolerance.decides``): their decision flips where the logit
+    crosses 0."""
     return [name for name, shape in sorted(shapes.items())
             if name != main and (math.prod(shape[1:]) == 1 or len(shape) == 3 and shape[-1] == 1)
-            and rule.tolerance(name).decides(name)]
+            and rule.tolerance(name).decides(name, kind)]
+
+
+def _threshold_pick(r: torch.Tensor, t: torch.Tensor, threshold: float, valid: torch.Tensor | None):
+    """Per case, the reference and trial values judged against a regression's threshold: the first of its values (at
+    a kept position) that crosses it between the two, else its first value; a case flips where any value does (a
+    multi-label head of logits with threshold 0, per label)."""
+    crossed = crosses(r, t, threshold)
+    if valid is not None:
+        crossed &= valid.reshape(*valid.shape, *[1] * (r.ndim - valid.ndim))
+    at = crossed.reshape(r.shape[0], -1).to(torch.uint8).argmax(1, keepdim=True)  # 0 where none crosses
+    return (v.reshape(v.shape[0], -1).gather(1, at)[:, 0].double().cpu() for v in (r, t))
 
 
 def _sign_result(ids: Sequence[str], kinds: Sequence[str], shape: tuple[int, ...], sides: tuple[list, ...],
