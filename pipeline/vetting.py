@@ -47,8 +47,8 @@ class Scan:
         self.squares: dict[str, float] = {}
         self.count: dict[str, int] = {}
         self.column_squares: dict[str, torch.Tensor] = {}
-        """Per column, for a regression's outputs [N, D] of a few columns (``COLUMNS``): columns of different scales
-        share one atol, which must bound the smallest too."""
+        """Per column, for outputs of values of a few columns (``_by_column``): columns of different scales share one
+        atol, which must bound the smallest too."""
 
     def update(self, row: int, chunk: dict[str, torch.Tensor]) -> None:
         """The chunk's rows from ``row`` on, a slice of rows at a time (``SLICE_ELEMENTS``): an LM's chunk holds GBs
@@ -63,12 +63,21 @@ class Scan:
                 b = min(a + rows, v.shape[0])
                 squares = v[a:b].detach().double().square()
                 self.squares[name] += float(squares.sum())
-                if self.kind == "regression" and v.ndim == 2 and 2 <= v.shape[1] <= COLUMNS:
-                    self.column_squares[name] = self.column_squares.get(name, 0.0) + squares.sum(0)
+                if self._by_column(name, v):
+                    self.column_squares[name] = self.column_squares.get(name, 0.0) + squares.reshape(-1, v.shape[-1]).sum(0)
                 if v is out:
                     keep = self.has_target[row + a : row + b]
                     if bool(keep.any()):
                         self.quality.update(out[a:b][keep], self.targets[row + a : row + b][keep])
+
+    def _by_column(self, name: str, v: torch.Tensor) -> bool:
+        """Whether output ``name`` holds values of a few columns (``COLUMNS``, the last axis: [N, D] or per token
+        [N, T, D]) that one atol bounds: a regression's outputs, and any output said ``decisions: false``; not the
+        decided heads, whose class scores share one scale."""
+        if v.ndim < 2 or not 2 <= v.shape[-1] <= COLUMNS:
+            return False
+        return self.rule.tolerance(name).decisions is False or self.kind == "regression" and not self.rule.tolerance(
+            name).decides(name, self.kind)
 
     def rms(self) -> dict[str, float]:
         return {name: math.sqrt(self.squares[name] / self.count[name]) if self.count[name] else 0.0 for name in self.squares}

@@ -259,6 +259,16 @@ def test_columns_of_different_scales_need_an_atol_below_the_smallest():
     assert _judge(ids, ref, every, {"output": ref}, {"output": trial}, cfg=loose)[1].decision == "accept"
     _, d = _judge(ids, ref, every, {"output": ref}, {"output": trial}, cfg=fitted)
     assert d.decision == "rollback" and any(r.startswith("values 'output'") for r in d.reasons), d.reasons
+    # The same columns per token ([N, T, 2]) and as a classifier's values-only output: vetted column by column too.
+    per_token = torch.stack([ref, ref.roll(1, 0), ref.roll(2, 0)], 1)
+    scan = Scan(dataclasses.replace(params, acceptance=loose), fixed)
+    scan.update(0, {"output": per_token})
+    assert "column 1 of output 'output'" in scan.problem(steps)
+    said = dataclasses.replace(loose, outputs={"*": Tolerance(), "extra": Tolerance(decisions=False)})
+    classifier = dataclasses.replace(params, task=TaskConfig(), acceptance=said)
+    scan = Scan(classifier, cases.Cases(ids=ids, x=torch.zeros(n, 1), y=torch.zeros(n, dtype=torch.long), has_target=every))
+    scan.update(0, {"logits": 4.0 * torch.randn(n, 3, generator=g), "extra": ref})
+    assert set(scan.column_rms()) == {"extra"} and "column 1 of output 'extra'" in scan.problem(steps)
 
 
 def test_skips_bunched_at_the_end_are_a_falling_scale_not_a_designed_skip():
