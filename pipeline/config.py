@@ -369,11 +369,14 @@ class Tolerance:
     def decides(self, name: str, kind: str = "classification") -> bool:
         """Whether output ``name`` of a ``kind`` task, if shaped like class scores or one logit, is decided under
         this entry (``decisions``)."""
-        if self.decisions is not None:
-            return self.decisions
-        if kind != "classification":
-            return bool(DECISION_NAMES.search(name))
-        return bool(DECISION_NAMES.search(name)) or not FEATURE_NAMES.search(name)
+        if self.decisions is None and kind == "classification":
+            return bool(DECISION_NAMES.search(name)) or not FEATURE_NAMES.search(name)
+        return self.scored(name)
+
+    def scored(self, name: str) -> bool:
+        """Whether output ``name`` says it holds decisions: ``decisions: true``, or named like scores with nothing
+        said (``DECISION_NAMES``)."""
+        return self.decisions if self.decisions is not None else bool(DECISION_NAMES.search(name))
 
     def check(self, key: str) -> None:
         _non_negative(self.atol, f"{key}.atol")

@@ -31,7 +31,7 @@ from pipeline.present import verdict
 
 from pipeline.artifacts.comparison import Decisions, Distribution, Noise, Quality, Stats
 from pipeline.compare import bounds
-from pipeline.config import DECISION_NAMES, AcceptanceConfig, Tolerance, primary_name
+from pipeline.config import AcceptanceConfig, Tolerance, primary_name
 from pipeline.errors import UserError
 
 if TYPE_CHECKING:  # the loop's record: training imports torch, the rule does not
@@ -396,7 +396,7 @@ def vet_rule(
                     f"below it, for example {0.01 * per_column[small]:.2g}, and let rtol bound the larger columns, or return "
                     f"the column as an output of its own")
     scored = [n for n in names if len(shapes[n]) >= 3 and (n != primary_name(names) or kind == "classification")
-              and (rule.tolerance(n).decisions or rule.tolerance(n).decisions is None and DECISION_NAMES.search(n))]
+              and rule.tolerance(n).scored(n)]
     if scored:  # [N, a, b, c...]: no decision check reads it (class scores are [N, C] or [N, T, C])
         name = scored[0]
         return (f"params.yaml: output '{name}' of shape [N, {', '.join(map(str, shapes[name]))}] is named like scores (or "
