@@ -477,9 +477,9 @@ def named_outputs(result: Any, entry: str = "task.model") -> dict[str, torch.Ten
     always give a dict, sorted by name.
 
     A ``ModelOutput`` (any dataclass) gives every tensor head it returns: YOLOS's ``logits`` and ``pred_boxes``,
-    CLIP's ``logits_per_image`` and embeddings (an untested head is no accept), less ``loss`` and the inner states: what is
-    not a tensor (caches, tuples of per-layer states, a sub-model's output) and, beside a head, hidden states
-    (``STATES``). A dict must hold tensors only (``loss`` and ``None`` left out).
+    CLIP's ``logits_per_image`` and embeddings (an untested head is no accept), less its losses and scalars and its
+    inner states: what is not a tensor (caches, tuples of per-layer states, a sub-model's output) and, beside a
+    head, hidden states (``STATES``). A dict must hold tensors only (``loss`` and ``None`` left out).
 
     Raises:
         UserError: the model returned something else, or a field that is not a tensor.
@@ -488,10 +488,11 @@ def named_outputs(result: Any, entry: str = "task.model") -> dict[str, torch.Ten
         return {DEFAULT_OUTPUT: result}
     if dataclasses.is_dataclass(result):
         # A ModelOutput is a dataclass. What is not a tensor in it is an inner state (a cache, per-layer tuples, a
-        # sub-model's output), and so are its hidden states beside a head.
+        # sub-model's output), and so are its hidden states beside a head; a scalar is a statistic of the batch (a
+        # MoE's aux_loss, a quantizer's perplexity), not an output per case.
         items = result.items() if isinstance(result, Mapping) else ((f.name, getattr(result, f.name))
                                                                     for f in dataclasses.fields(result))
-        fields = {str(k): v for k, v in items if torch.is_tensor(v) and k != "loss"}
+        fields = {str(k): v for k, v in items if torch.is_tensor(v) and v.ndim > 0 and k != "loss"}
         if any(DECISION_NAMES.search(k) for k in fields):
             fields = {k: v for k, v in fields.items() if not STATES.search(k)}
     elif isinstance(result, Mapping):

@@ -209,6 +209,8 @@ def test_model_outputs_give_every_head_and_leave_inner_states_out():
     assert set(task.named_outputs(out)) == {"prediction_logits", "seq_relationship_logits"}
     out = transformers.BertModel(bert).eval()(input_ids=ids)
     assert set(task.named_outputs(out)) == {"last_hidden_state", "pooler_output"}
+    moe = transformers.modeling_outputs.MoeCausalLMOutputWithPast(logits=torch.zeros(2, 5, 50), aux_loss=torch.tensor(0.1))
+    assert set(task.named_outputs(moe)) == {"logits"}  # a scalar of the batch is no output per case
     with pytest.raises(UserError, match="field 'boxes' is list, not a tensor"):
         task.named_outputs({"logits": torch.zeros(2, 3), "boxes": [torch.zeros(4)]})
     assert task.named_outputs({"logits": torch.zeros(2, 3), "loss": None}).keys() == {"logits"}
