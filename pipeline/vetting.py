@@ -20,7 +20,7 @@ from pipeline import rule
 
 from pipeline.compare import streams
 from pipeline.compare.quality import QualityStats
-from pipeline.config import Params
+from pipeline.config import FEATURE_NAMES, Params
 
 if TYPE_CHECKING:
     from pipeline.artifacts.steps import StepRecord
@@ -72,12 +72,15 @@ class Scan:
 
     def _by_column(self, name: str, v: torch.Tensor) -> bool:
         """Whether output ``name`` holds values of a few columns (``COLUMNS``, the last axis: [N, D] or per token
-        [N, T, D]) that one atol bounds: a regression's outputs, and any output said ``decisions: false``; not the
-        decided heads, whose class scores share one scale."""
+        [N, T, D]) that one atol bounds: a regression's outputs, and a classifier's said ``decisions: false``; not
+        the decided heads, whose class scores share one scale, nor a classifier's features (an embedding's
+        dimensions are no quantities of their own: ``FEATURE_NAMES``)."""
         if v.ndim < 2 or not 2 <= v.shape[-1] <= COLUMNS:
             return False
-        return self.rule.tolerance(name).decisions is False or self.kind == "regression" and not self.rule.tolerance(
-            name).decides(name, self.kind)
+        tolerance = self.rule.tolerance(name)
+        if self.kind == "regression":
+            return not tolerance.decides(name, self.kind)
+        return tolerance.decisions is False and not FEATURE_NAMES.search(name)
 
     def rms(self) -> dict[str, float]:
         return {name: math.sqrt(self.squares[name] / self.count[name]) if self.count[name] else 0.0 for name in self.squares}
