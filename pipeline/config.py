@@ -339,6 +339,8 @@ FEATURE_NAMES = re.compile(r"(^|_)(hidden|embed\w*|features?|states?|pooler\w*|p
 (``DECISION_NAMES``)."""
 DECISION_NAMES = re.compile(r"(logits?|scores?|probs|probabilities|classes|labels?|preds?|predictions?)$", re.IGNORECASE)
 """Output names that say decisions whatever else they hold (``dialog_state_logits``, ``attention_scores``)."""
+CLASS_NAMES = re.compile(r"(logits?|probs|probabilities|classes)$", re.IGNORECASE)
+"""Output names that say class scores beside a regression's values (where a ``pred`` or a ``score`` may be a value)."""
 
 
 DEFAULT_OUTPUT = "output"
@@ -346,9 +348,14 @@ DEFAULT_OUTPUT = "output"
 
 
 def primary_name(names) -> str:
-    """The output decisions and the loss are computed from: ``output``, ``logits``, or the first by name."""
-    names = list(names)
-    return next((n for n in (DEFAULT_OUTPUT, "logits") if n in names), names[0] if names else DEFAULT_OUTPUT)
+    """The output decisions and the loss are computed from: ``output``, ``logits``, else the first by name that ends
+    like scores (``DECISION_NAMES``), else the first that does not say features (CLIP's ``logits_per_image``, not
+    its ``image_embeds``), else the first."""
+    names = sorted(names)
+    named = [n for n in (DEFAULT_OUTPUT, "logits") if n in names]
+    scores = [n for n in names if DECISION_NAMES.search(n)]
+    values = [n for n in names if not FEATURE_NAMES.search(n)]
+    return next(iter(named + scores + values + names), DEFAULT_OUTPUT)
 
 
 @dataclass(frozen=True)
@@ -362,7 +369,7 @@ class Tolerance:
     token [N, T, C >= 2] (argmax), or like one logit, [N], [N, 1] or [N, T, 1] (a sigmoid's: logit >= 0); null: the
     same in a classification task, except an output whose name says features (``hidden``, ``embedding``,
     ``pooler``...: ``FEATURE_NAMES``, unless it ends like scores: ``DECISION_NAMES``), and in a regression task
-    only an output named like scores (``logits``, ``class_scores``...); false: values only (an embedding, a
+    only an output named like class scores (``logits``, ``probs``: ``CLASS_NAMES``); false: values only (an embedding, a
     regression head). The primary of a classification is always decided, a regression's by ``threshold``. An
     output decided here but of another shape (4 dims or more) is refused at freeze (``rule.vet_rule``)."""
 
@@ -371,12 +378,14 @@ class Tolerance:
         this entry (``decisions``)."""
         if self.decisions is None and kind == "classification":
             return bool(DECISION_NAMES.search(name)) or not FEATURE_NAMES.search(name)
-        return self.scored(name)
+        return self.scored(name, kind)
 
-    def scored(self, name: str) -> bool:
-        """Whether output ``name`` says it holds decisions: ``decisions: true``, or named like scores with nothing
-        said (``DECISION_NAMES``)."""
-        return self.decisions if self.decisions is not None else bool(DECISION_NAMES.search(name))
+    def scored(self, name: str, kind: str = "classification") -> bool:
+        """Whether output ``name`` says it holds decisions: ``decisions: true``, or, with nothing said, named like
+        scores (``DECISION_NAMES``; in a regression task, like class scores: ``CLASS_NAMES``)."""
+        if self.decisions is not None:
+            return self.decisions
+        return bool((DECISION_NAMES if kind == "classification" else CLASS_NAMES).search(name))
 
     def check(self, key: str) -> None:
         _non_negative(self.atol, f"{key}.atol")

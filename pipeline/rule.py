@@ -396,7 +396,7 @@ def vet_rule(
                     f"below it, for example {0.01 * per_column[small]:.2g}, and let rtol bound the larger columns, or return "
                     f"the column as an output of its own")
     scored = [n for n in names if len(shapes[n]) >= 3 and (n != primary_name(names) or kind == "classification")
-              and rule.tolerance(n).scored(n)]
+              and rule.tolerance(n).scored(n, kind)]
     if scored:  # [N, a, b, c...]: no decision check reads it (class scores are [N, C] or [N, T, C])
         name = scored[0]
         return (f"params.yaml: output '{name}' of shape [N, {', '.join(map(str, shapes[name]))}] is named like scores (or "

@@ -466,10 +466,12 @@ def build_model(cfg: TaskConfig, seed: int) -> torch.nn.Module:
     return model
 
 
-STATES = re.compile(r"(^|_)(hidden_states?|attentions?)$")
+STATES = re.compile(r"(^|_)(hidden_states?|attentions?)$|^(intermediate|enc|init)_")
 """Tensor fields of a Hugging Face ``ModelOutput`` that hold the model's inner states, not its predictions
-(``last_hidden_state``, ``encoder_last_hidden_state``): left out where the output has a head (a field named like
-scores: ``config.DECISION_NAMES``); a base model's (``BertModel``, no head) are its outputs and are kept."""
+(``last_hidden_state``, ``encoder_last_hidden_state``; RT-DETR's and Deformable DETR's ``intermediate_logits``,
+``enc_topk_logits``, ``init_reference_points``: the decoder's per-layer and the encoder's proposals): left out where
+the output has a head (a field named like scores: ``config.DECISION_NAMES``); a base model's (``BertModel``, no
+head) are its outputs and are kept."""
 
 
 def named_outputs(result: Any, entry: str = "task.model") -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from pipeline import rule
 
 from pipeline.compare import streams
 from pipeline.compare.quality import QualityStats
-from pipeline.config import FEATURE_NAMES, Params
+from pipeline.config import FEATURE_NAMES, Params, primary_name
 
 if TYPE_CHECKING:
     from pipeline.artifacts.steps import StepRecord
@@ -53,7 +53,8 @@ class Scan:
     def update(self, row: int, chunk: dict[str, torch.Tensor]) -> None:
         """The chunk's rows from ``row`` on, a slice of rows at a time (``SLICE_ELEMENTS``): an LM's chunk holds GBs
         of scores, and its float64 squares or its rows with a target copied whole would hold as many again."""
-        out = task.primary(chunk)
+        main = primary_name(chunk)
+        out = chunk[main]
         for name, v in chunk.items():
             self.shapes[name] = tuple(v.shape[1:])
             self.count[name] = self.count.get(name, 0) + v.numel()
@@ -63,14 +64,14 @@ class Scan:
                 b = min(a + rows, v.shape[0])
                 squares = v[a:b].detach().double().square()
                 self.squares[name] += float(squares.sum())
-                if self._by_column(name, v):
+                if self._by_column(name, v, name == main):
                     self.column_squares[name] = self.column_squares.get(name, 0.0) + squares.reshape(-1, v.shape[-1]).sum(0)
                 if v is out:
                     keep = self.has_target[row + a : row + b]
                     if bool(keep.any()):
                         self.quality.update(out[a:b][keep], self.targets[row + a : row + b][keep])
 
-    def _by_column(self, name: str, v: torch.Tensor) -> bool:
+    def _by_column(self, name: str, v: torch.Tensor, primary: bool) -> bool:
         """Whether output ``name`` holds values of a few columns (``COLUMNS``, the last axis: [N, D] or per token
         [N, T, D]) that one atol bounds: a regression's outputs, and a classifier's said ``decisions: false``; not
         the decided heads, whose class scores share one scale, nor a classifier's features (an embedding's
@@ -78,8 +79,8 @@ class Scan:
         if v.ndim < 2 or not 2 <= v.shape[-1] <= COLUMNS:
             return False
         tolerance = self.rule.tolerance(name)
-        if self.kind == "regression":
-            return not tolerance.decides(name, self.kind)
+        if self.kind == "regression":  # its primary holds values whatever its name (a regression head's logits)
+            return primary or not tolerance.decides(name, self.kind)
         return tolerance.decisions is False and not FEATURE_NAMES.search(name)
 
     def rms(self) -> dict[str, float]:

@@ -105,6 +105,22 @@ def test_a_regression_threshold_judges_every_value_of_a_case_not_its_first():
         assert (f.flip_list[0].reference, f.flip_list[0].trial) == pytest.approx((-0.2, 0.1))
 
 
+def test_a_padded_position_crossing_the_threshold_is_no_flip():
+    """Per-token regression values [N, T, 1], left padding: only a padded position crosses (position 0 of the first
+    case), so no case flips; a kept position that crosses does."""
+    from pipeline.compare.streams import _threshold_pick
+
+    r = torch.tensor([[[0.4], [0.1], [0.2]], [[0.1], [0.2], [0.3]]])
+    t = torch.tensor([[[0.6], [0.1], [0.2]], [[0.1], [0.2], [0.3]]])
+    valid = torch.tensor([[False, True, True], [True, True, True]])
+    picked = [v[:, None] for v in _threshold_pick(r, t, 0.5, valid)]
+    assert regression_flips(["a", "b"], ["ordinary"] * 2, *picked, 0.5).flips == 0
+    t[1, 2, 0] = 0.7
+    picked = [v[:, None] for v in _threshold_pick(r, t, 0.5, valid)]
+    f = regression_flips(["a", "b"], ["ordinary"] * 2, *picked, 0.5)
+    assert f.flips == 1 and f.flip_list[0].id == "b" and f.flip_list[0].trial == pytest.approx(0.7)
+
+
 def test_margins_in_probability_mean_the_same_at_every_scale():
     base = torch.tensor([[2.0, 1.9, 0.0]])
 

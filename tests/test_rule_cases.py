@@ -269,6 +269,10 @@ def test_columns_of_different_scales_need_an_atol_below_the_smallest():
     scan = Scan(classifier, cases.Cases(ids=ids, x=torch.zeros(n, 1), y=torch.zeros(n, dtype=torch.long), has_target=every))
     scan.update(0, {"logits": 4.0 * torch.randn(n, 3, generator=g), "extra": ref})
     assert set(scan.column_rms()) == {"extra"} and "column 1 of output 'extra'" in scan.problem(steps)
+    # A regression's primary is values whatever its name (a Hugging Face regression head returns logits).
+    scan = Scan(dataclasses.replace(params, acceptance=loose), fixed)
+    scan.update(0, {"logits": ref})
+    assert "column 1 of output 'logits'" in scan.problem(steps)
     # An embedding said decisions: false is values, but its dimensions are no quantities of their own.
     said = dataclasses.replace(loose, outputs={"*": Tolerance(), "embedding": Tolerance(decisions=False)})
     scan = Scan(dataclasses.replace(classifier, acceptance=said),

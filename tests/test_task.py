@@ -211,6 +211,21 @@ def test_model_outputs_give_every_head_and_leave_inner_states_out():
     assert set(task.named_outputs(out)) == {"last_hidden_state", "pooler_output"}
     moe = transformers.modeling_outputs.MoeCausalLMOutputWithPast(logits=torch.zeros(2, 5, 50), aux_loss=torch.tensor(0.1))
     assert set(task.named_outputs(moe)) == {"logits"}  # a scalar of the batch is no output per case
+    # RT-DETR's decoder layers' and encoder's proposals are inner states beside its logits and boxes.
+    rt = transformers.models.rt_detr.modeling_rt_detr.RTDetrObjectDetectionOutput(
+        logits=torch.zeros(2, 10, 3), pred_boxes=torch.zeros(2, 10, 4), intermediate_logits=torch.zeros(2, 2, 10, 3),
+        enc_topk_logits=torch.zeros(2, 10, 3), init_reference_points=torch.zeros(2, 10, 4))
+    assert set(task.named_outputs(rt)) == {"logits", "pred_boxes"}
+
+
+def test_the_primary_output_is_named_output_or_logits_else_like_scores_else_not_features():
+    assert config.primary_name(["output", "logits"]) == "output" and config.primary_name(["aux", "logits"]) == "logits"
+    assert config.primary_name(["start_logits", "end_logits"]) == "end_logits"
+    clip = ["image_embeds", "logits_per_image", "logits_per_text", "text_embeds"]  # CLIP: the scores, not an embedding
+    assert config.primary_name(clip) == "logits_per_image"
+    assert config.primary_name(["embedding", "value"]) == "value" and config.primary_name(["b", "a"]) == "a"
+    outputs = {name: torch.zeros(1) for name in clip}
+    assert task.primary(outputs) is outputs["logits_per_image"]
     with pytest.raises(UserError, match="field 'boxes' is list, not a tensor"):
         task.named_outputs({"logits": torch.zeros(2, 3), "boxes": [torch.zeros(4)]})
     assert task.named_outputs({"logits": torch.zeros(2, 3), "loss": None}).keys() == {"logits"}

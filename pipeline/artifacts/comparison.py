@@ -124,7 +124,8 @@ class Flip(Record):
     """One changed decision: a case (per token, ``position``) whose class (or threshold side) differs.
 
     Classification flips carry the classes, margins and scores (the top 5 for a vocabulary); regression
-    flips the first output of each side. Fields that do not apply are absent from the file."""
+    flips the first value of the case that crossed the threshold, on each side. Fields that do not apply are
+    absent from the file."""
 
     ABSENT = ("reference_class", "trial_class", "reference_margin", "trial_margin", "margin_kind", "position",
               "reference_scores", "trial_scores", "reference_top", "trial_top", "kl", "reference", "trial")

@@ -481,13 +481,15 @@ def sign_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, .
 
 def _threshold_pick(r: torch.Tensor, t: torch.Tensor, threshold: float, valid: torch.Tensor | None):
     """Per case, the reference and trial values judged against a regression's threshold: the first of its values (at
-    a kept position) that crosses it between the two, else its first value; a case flips where any value does (a
-    multi-label head of logits with threshold 0, per label)."""
+    a kept position) that crosses it between the two, else the reference's first value on both sides; a case flips
+    where any value does (a multi-label head of logits with threshold 0, per label)."""
     crossed = crosses(r, t, threshold)
     if valid is not None:
         crossed &= valid.reshape(*valid.shape, *[1] * (r.ndim - valid.ndim))
-    at = crossed.reshape(r.shape[0], -1).to(torch.uint8).argmax(1, keepdim=True)  # 0 where none crosses
-    return (v.reshape(v.shape[0], -1).gather(1, at)[:, 0].double().cpu() for v in (r, t))
+    crossed = crossed.reshape(r.shape[0], -1)
+    at = crossed.to(torch.uint8).argmax(1, keepdim=True)  # 0 where none crosses
+    r_pick, t_pick = (v.reshape(v.shape[0], -1).gather(1, at)[:, 0].double().cpu() for v in (r, t))
+    return r_pick, torch.where(crossed.any(1).cpu(), t_pick, r_pick)  # no crossing: no flip, padding at 0 or not
 
 
 def _sign_result(ids: Sequence[str], kinds: Sequence[str], shape: tuple[int, ...], sides: tuple[list, ...],
