@@ -487,6 +487,11 @@ class AcceptanceConfig:
         if self.boundary_margin_kind == "probability":
             _fraction(self.boundary_margin, f"{key}.boundary_margin")
 
+    @property
+    def judges_quality(self) -> bool:
+        """Whether the rule sets a quality criterion (``max_quality_drop`` or ``min_quality``)."""
+        return self.max_quality_drop is not None or self.min_quality is not None
+
     def tolerance(self, output: str) -> Tolerance:
         """The entry for ``output``, else ``*``; no hidden default (``check_outputs`` refuses the gap at freeze)."""
         tol = self.outputs.get(output, self.outputs.get("*"))

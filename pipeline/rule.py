@@ -193,7 +193,7 @@ def _quality(quality: Quality, rule: AcceptanceConfig, j: _Judge, part: Part, si
     """Quality of ``side`` against the reference on the same cases: counts where the metric has them."""
     label = "inference" if side == "trial" else "after training"
     ref_q, q = quality.reference, quality.of(side)
-    judged = rule.max_quality_drop is not None or rule.min_quality is not None
+    judged = rule.judges_quality
     if not math.isfinite(ref_q):  # no ordinary case or token carries a target
         if not judged:
             j.checks.append(f"quality {label}: not judged: the rule sets max_quality_drop: null and min_quality: null")
@@ -414,7 +414,7 @@ def vet_rule(
             what = "loss" if not math.isfinite(step.loss) else "gradient norm"
             return (f"the FP32 reference's {what} is not finite at step {step.step}: an incorrect FP32 run is no baseline; "
                     f"fix the model, the data or the recipe (reference.lr, reference.grad_clip), then rerun")
-    if not math.isfinite(ref_quality) and (rule.max_quality_drop is not None or rule.min_quality is not None):
+    if not math.isfinite(ref_quality) and rule.judges_quality:
         return f"the FP32 reference has no quality to judge trials by: {NO_TARGET}"
     if math.isfinite(ref_quality):
         if rule.min_quality is not None and (

@@ -60,11 +60,12 @@ class Scan:
             self.count[name] = self.count.get(name, 0) + v.numel()
             self.squares.setdefault(name, 0.0)
             rows = task.rows_within(SLICE_ELEMENTS, math.prod(v.shape[1:]))
+            by_column = self._by_column(name, v, name == main)
             for a in range(0, v.shape[0], rows):
                 b = min(a + rows, v.shape[0])
                 squares = v[a:b].detach().double().square()
                 self.squares[name] += float(squares.sum())
-                if self._by_column(name, v, name == main):
+                if by_column:
                     self.column_squares[name] = self.column_squares.get(name, 0.0) + squares.reshape(-1, v.shape[-1]).sum(0)
                 if v is out:
                     keep = self.has_target[row + a : row + b]

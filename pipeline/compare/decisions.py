@@ -508,9 +508,14 @@ def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, tria
                      real_flips=far + near_flips, flip_list=flips, flip_list_dropped=max(len(listed) - max_listed, 0))
 
 
-def crosses(ref: torch.Tensor, trial: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Where a value is on the other side of a regression's decision threshold in the trial (in float64)."""
-    return (ref.double() >= threshold) != (trial.double() >= threshold)
+def first_crossing(ref: torch.Tensor, trial: torch.Tensor, threshold: float,
+                   keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per case (rows of [N, K]): whether one of its values (where ``keep``) is on the other side of a regression's
+    decision threshold in the trial (compared in float64), and the column of the first that is ([N, 1]; 0 where none)."""
+    crossed = (ref.double() >= threshold) != (trial.double() >= threshold)
+    if keep is not None:
+        crossed &= keep
+    return crossed.any(1), crossed.to(torch.uint8).argmax(1, keepdim=True)
 
 
 def regression_flips(
@@ -522,11 +527,11 @@ def regression_flips(
     if threshold is not None and ref.shape[0]:
         r = ref.detach().double().reshape(ref.shape[0], -1)
         t = trial.detach().double().reshape(trial.shape[0], -1)
-        crossed = crosses(r, t, threshold)
-        at = crossed.to(torch.uint8).argmax(1)
-        for i in torch.nonzero(crossed.any(1)).flatten().tolist():
-            flips.append(Flip(id=ids[i], kind=kinds[i], boundary=False, near_boundary=False, reference=float(r[i, at[i]]),
-                              trial=float(t[i, at[i]])))
+        crossed, at = first_crossing(r, t, threshold)
+        for i in torch.nonzero(crossed).flatten().tolist():
+            j = int(at[i, 0])
+            flips.append(Flip(id=ids[i], kind=kinds[i], boundary=False, near_boundary=False, reference=float(r[i, j]),
+                              trial=float(t[i, j])))
     return Decisions(cases=len(ids), boundary_cases=0, near_boundary_cases=0, flips=len(flips), near_boundary_flips=0,
                      boundary_flips=0, boundary_flip_fraction=0.0, real_flips=len(flips), unit="case", flip_list=tuple(flips),
                      flip_list_dropped=0)

@@ -35,7 +35,7 @@ import torch
 from pipeline.artifacts.comparison import Decisions, NonFinite, NonFiniteSides, OutputsInfo, Paired, Quality, Stats, Training
 from pipeline.artifacts.outputs import OutputsReader
 from pipeline.artifacts.steps import Steps
-from pipeline.compare.decisions import DecisionStats, PerCase, crosses, regression_flips, sign_flips
+from pipeline.compare.decisions import DecisionStats, PerCase, first_crossing, regression_flips, sign_flips
 from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite
 from pipeline.compare.quality import QualityStats, regression_errors
 from pipeline.compare.trajectory import trajectory_gap, update_health
@@ -483,13 +483,12 @@ def _threshold_pick(r: torch.Tensor, t: torch.Tensor, threshold: float, valid: t
     """Per case, the reference and trial values judged against a regression's threshold: the first of its values (at
     a kept position) that crosses it between the two, else the reference's first value on both sides; a case flips
     where any value does (a multi-label head of logits with threshold 0, per label)."""
-    crossed = crosses(r, t, threshold)
-    if valid is not None:
-        crossed &= valid.reshape(*valid.shape, *[1] * (r.ndim - valid.ndim))
-    crossed = crossed.reshape(r.shape[0], -1)
-    at = crossed.to(torch.uint8).argmax(1, keepdim=True)  # 0 where none crosses
-    r_pick, t_pick = (v.reshape(v.shape[0], -1).gather(1, at)[:, 0].double().cpu() for v in (r, t))
-    return r_pick, torch.where(crossed.any(1).cpu(), t_pick, r_pick)  # no crossing: no flip, padding at 0 or not
+    rows = r.shape[0]
+    keep = None if valid is None else valid.reshape(*valid.shape, *[1] * (r.ndim - valid.ndim)).expand(r.shape)
+    r2, t2 = r.reshape(rows, -1), t.reshape(rows, -1)
+    crossed, at = first_crossing(r2, t2, threshold, None if keep is None else keep.reshape(rows, -1))
+    r_pick, t_pick = (v.gather(1, at)[:, 0].double().cpu() for v in (r2, t2))
+    return r_pick, torch.where(crossed.cpu(), t_pick, r_pick)  # no crossing: no flip, padding at 0 or not
 
 
 def _sign_result(ids: Sequence[str], kinds: Sequence[str], shape: tuple[int, ...], sides: tuple[list, ...],
