@@ -444,7 +444,8 @@ class AcceptanceConfig:
     loss_atol: float = 0.05
     """Training: absolute part of the per-step loss band."""
     max_skipped_fraction: float = 0.1
-    """Training: largest fraction of steps whose update the GradScaler skipped."""
+    """Training: largest fraction of steps whose update the GradScaler skipped, after its calibration (the skips that open
+    a run before its first real update, at a finite loss, while the scale halves to one that fits: said, not counted)."""
     stall_window: int = 10
     """Training: updates stopped advancing if none of the last this many steps made a real update."""
     min_scale: float = 1.0

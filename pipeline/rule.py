@@ -267,10 +267,15 @@ def _training(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
             f"at {train.band_violations} of {train.steps} steps, first at step {train.first_violation_step}",
             ("steps", [train.first_violation_step]))
     _noise_floor(train.noise, rule, j)
+    calibration = train.calibration_steps
+    if calibration:  # said, never silent: the skips by which the GradScaler found its scale
+        j.checks.append(f"training: the first {calibration} update(s) skipped while the GradScaler calibrated its scale "
+                        f"(before the first real update, every loss finite): not counted in the skip limits")
+    after = f" after the {calibration} of its calibration" if calibration else ""
+    counted, of = train.skipped_steps - calibration, train.steps - calibration
     j.check("training", train.skipped_fraction <= rule.max_skipped_fraction,
-            f"training: {train.skipped_steps} skipped update(s) of {train.steps} "
-            f"(allowed fraction {rule.max_skipped_fraction})",
-            f"training: {train.skipped_steps} of {train.steps} updates skipped, fraction "
+            f"training: {counted} skipped update(s) of {of}{after} (allowed fraction {rule.max_skipped_fraction})",
+            f"training: {counted} of {of} updates skipped{after}, fraction "
             f"{train.skipped_fraction:.3g} > allowed {rule.max_skipped_fraction}")
     window = train.stall_window
     # One skip at any time is the GradScaler's design (it grows the scale, then backs off once); more than the rule's

@@ -548,6 +548,45 @@ def test_designed_gradscaler_skips_do_not_roll_back_but_a_divergence_does():
     assert bad.band_violations > 0
 
 
+def test_the_gradscalers_calibration_skips_at_the_start_are_no_rollback():
+    """float16 on inputs 256x larger: the scale starts at 65536 and halves at each of the first updates until the
+    scaled gradients fit (PyTorch's AMP docs: « infs/NaNs ... for the first few iterations as its value calibrates »).
+    Real training, 40 steps: 6 calibration skips and one more, 7 of 40 (0.175 > max_skipped_fraction 0.1), which rolled
+    this healthy run back. The calibration is said in the checks and the limits count the skips after it; the same
+    skips at any other time than the opening still roll back, and so does a run that never made a real update."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=g) * 256.0
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    cfg = ReferenceConfig(train_steps=40, batch_size=32, lr=0.5 / 256**2, momentum=0.0, checkpoint_every=0, grad_clip=None)
+    device, source = torch.device("cpu"), TensorSource(x, y)
+    ref = training.train(_net(), source, cfg, TaskConfig(), Policy(), device, 0, label="t").records
+    trial = training.train(_net(), source, cfg, TaskConfig(), Policy(dtype="float16"), device, 0, label="t").records
+    skipped = [r.step for r in trial if r.skipped]
+    assert skipped[:6] == list(range(6)) and len(skipped) / len(trial) > RULE.max_skipped_fraction, skipped
+    aligned = training.aligned_fp32(_net, source, cfg, TaskConfig(), device, 0, trial, "t")
+    ids, every = [f"ordinary/{i}" for i in range(20)], torch.ones(20, dtype=torch.bool)
+    scores = {"output": x[:20, :3] / 256.0}
+
+    def judged(trial_steps, aligned_steps):
+        return _judge(ids, scores["output"].argmax(1), every, scores, scores, cfg=RULE, steps=ref, trial_steps=trial_steps,
+                      aligned=aligned_steps, scaler=True)
+
+    stats, d = judged(trial, aligned)
+    assert stats.training.calibration_steps == 6 and stats.training.skipped_steps == len(skipped)
+    assert d.decision == "accept", d.reasons
+    assert any("the first 6 update(s) skipped while the GradScaler calibrated its scale" in c for c in d.checks), d.checks
+    # The same seven skips in the middle of the run: a scale falling while training, not a calibration.
+    moved = tuple(dataclasses.replace(r, skipped=r.step in range(20, 27)) for r in trial)
+    moved_aligned = tuple(step(i, r.loss, skipped=i in range(20, 27)) for i, r in enumerate(ref))
+    stats, d = judged(moved, moved_aligned)
+    assert stats.training.calibration_steps == 0 and d.training == "rollback"
+    assert any("7 of 40 updates skipped, fraction 0.175" in r for r in d.reasons), d.reasons
+    # Every update skipped: no real update ever came, so nothing calibrated; the run stalled.
+    never = tuple(dataclasses.replace(r, skipped=True) for r in trial)
+    stats, d = judged(never, tuple(step(i, r.loss, skipped=True) for i, r in enumerate(ref)))
+    assert stats.training.calibration_steps == 0 and stats.training.stalled and d.training == "rollback"
+
+
 def test_dropout_inference_draws_from_one_recorded_state():
     """reference.eval_mode: false: FP32 against FP32 must be identical, whatever the RNG did in between."""
     torch.manual_seed(6)

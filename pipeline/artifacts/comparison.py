@@ -317,6 +317,9 @@ class UpdateHealth(Record):
     final_scale: float
     min_scale: float
     first_nonfinite_loss_step: int
+    calibration_steps: int = field(default=0, kw_only=True)
+    """Skips that opened the run before its first real update, at a finite loss (the GradScaler calibrating its scale):
+    ``skipped_fraction`` and ``recent_skipped_steps`` count the skips after them; ``skipped_steps`` counts every skip."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -38,7 +38,7 @@ from pipeline.artifacts.steps import Steps
 from pipeline.compare.decisions import DecisionStats, PerCase, first_crossing, regression_flips, sign_flips
 from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite
 from pipeline.compare.quality import QualityStats, regression_errors
-from pipeline.compare.trajectory import trajectory_gap, update_health
+from pipeline.compare.trajectory import calibration_steps, trajectory_gap, update_health
 from pipeline.config import METRICS, AcceptanceConfig, CompareConfig, TaskConfig, primary_name
 from pipeline.task import IGNORE_INDEX, resolve, rows_within
 
@@ -625,12 +625,15 @@ def training_stats(rule: AcceptanceConfig, runs: Trajectories) -> Training:
     excused = [runs.scaler_enabled and s.skipped and not math.isfinite(s.loss) for s in runs.trial]
     gap = trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol, replicate, rule.loss_noise_multiple,
                          rule.loss_noise_atol, replicate_of=[s.loss for s in runs.reference], excused=excused)
+    skipped = [s.skipped for s in runs.trial]
+    calibration = calibration_steps(skipped, [not math.isfinite(v) for v in trial_loss]) if runs.scaler_enabled else 0
     health = update_health(
-        [s.skipped for s in runs.trial],
+        skipped,
         [s.scale for s in runs.trial] + [runs.final_scale],
         [not math.isfinite(v) and not spared for v, spared in zip(trial_loss, excused)],
         rule.stall_window,
         [s.nonfinite_grad for s in runs.trial],
+        calibration,
     )
     first_bad_reference = next((i for i, s in enumerate(runs.reference) if not math.isfinite(s.loss)), -1)
     return Training.of(gap, health, scaler_enabled=runs.scaler_enabled, aligned_on_skips=runs.aligned is not None,

@@ -95,23 +95,38 @@ def _noise(gap: torch.Tensor, r: torch.Tensor, replicate_loss: Sequence[float], 
 
 
 def update_health(skipped: Sequence[bool], scales: Sequence[float], nonfinite_loss: Sequence[bool], window: int,
-                  nonfinite_grad: Sequence[bool] | None = None) -> UpdateHealth:
+                  nonfinite_grad: Sequence[bool] | None = None, calibration: int = 0) -> UpdateHealth:
     """Skipped fraction, skips and whether real updates stopped in the last ``window`` steps, final scale, and the steps
-    whose gradient norm was not finite WITHOUT a GradScaler to skip them (bfloat16, FP32): not applied, listed."""
+    whose gradient norm was not finite WITHOUT a GradScaler to skip them (bfloat16, FP32): not applied, listed.
+
+    ``calibration``: the skips that open the run (``calibration_steps``); the fraction and the last window count the skips
+    after them; the stall check and the final scale still see every step."""
     n = len(skipped)
     window = min(window, n)  # a run shorter than the window stalls when none of its steps made a real update
-    tail = list(skipped[-window:]) if n else []
+    tail = list(skipped[max(n - window, calibration):]) if n else []
     first_nonfinite = next((i for i, bad in enumerate(nonfinite_loss) if bad), -1)
     bad_grads = [i for i, bad in enumerate(nonfinite_grad or []) if bad]
+    after = int(sum(skipped)) - calibration
     return UpdateHealth(
         nonfinite_grad_steps=tuple(bad_grads),
         skipped_steps=int(sum(skipped)),
-        skipped_fraction=sum(skipped) / n if n else 0.0,
+        skipped_fraction=after / (n - calibration) if n > calibration else 0.0,
         recent_skipped_steps=int(sum(tail)),
         real_updates=n - int(sum(skipped)),
-        stalled=bool(n and all(tail)),
+        stalled=bool(n and all(skipped[-window:])),
         stall_window=window,
         final_scale=scales[-1] if scales else 1.0,
         min_scale=min(scales) if scales else 1.0,
         first_nonfinite_loss_step=first_nonfinite,
+        calibration_steps=calibration,
     )
+
+
+def calibration_steps(skipped: Sequence[bool], nonfinite_loss: Sequence[bool]) -> int:
+    """How many skips of a GradScaler run open it, each at a finite loss, before a real update follows: its calibration,
+    the scale starting high and halving until the scaled gradients fit (PyTorch's AMP docs: the scale « often causes
+    infs/NaNs to appear in gradients for the first few iterations as its value calibrates »). 0 when no real update
+    follows (a run that never updated calibrated nothing) or when a loss was not finite (a forward that overflows is
+    no scale too high)."""
+    count = next((i for i, (skip, bad) in enumerate(zip(skipped, nonfinite_loss)) if not skip or bad), len(skipped))
+    return count if count < len(skipped) and not skipped[count] else 0

@@ -190,6 +190,7 @@ def _training(stats: Mapping[str, Any], dtype: str) -> str:
         "no GradScaler (bfloat16 keeps FP32's exponent range: the loss scale stays 1 by design)"
         if dtype == "bfloat16"
         else f"final loss scale {_g(t.get('final_scale'))}, {_g(100 * t.get('skipped_fraction', 0.0))}% of steps skipped"
+        + (f" after {t['calibration_steps']} calibration skip(s)" if t.get("calibration_steps") else "")
     )
     noise = t.get("noise_floor") or t.get("max_replicate_gap")
     floor = f" (FP32 noise floor {_g(noise)})" if isinstance(noise, (int, float)) else ""
