@@ -43,12 +43,17 @@ class Scan:
         self.quality = QualityStats(self.metric.name, params.acceptance.tie_rule, self.metric.top_k, self.metric.function)
         self.targets = streams.masked_targets(fixed.y, streams.token_mask_of(fixed.x))
         self.has_target = fixed.has_target.bool()
+        kinds = streams.kinds_of(fixed.ids)
+        ordinary = torch.tensor([k == "ordinary" for k in kinds], dtype=torch.bool)
+        self.ordinary = ordinary if bool(ordinary.any()) and not bool(ordinary.all()) else None
+        """The ordinary cases, when the set has others too: an output's scale is its scale there as well as over the
+        whole set (edge cases of inputs x100 would otherwise set it for an application whose outputs are 10x smaller)."""
         self.shapes: dict[str, tuple[int, ...]] = {}
-        self.squares: dict[str, float] = {}
-        self.count: dict[str, int] = {}
-        self.column_squares: dict[str, torch.Tensor] = {}
+        self.squares: dict[str, list] = {}
+        """Per output: [sum of squares, count] over the whole set, then over the ordinary cases (``ordinary``)."""
+        self.column_squares: dict[str, list] = {}
         """Per column, for outputs of values of a few columns (``_by_column``): columns of different scales share one
-        atol, which must bound the smallest too."""
+        atol, which must bound the smallest too. Over the whole set, then over the ordinary cases."""
 
     def update(self, row: int, chunk: dict[str, torch.Tensor]) -> None:
         """The chunk's rows from ``row`` on, a slice of rows at a time (``SLICE_ELEMENTS``): an LM's chunk holds GBs
@@ -57,16 +62,20 @@ class Scan:
         out = chunk[main]
         for name, v in chunk.items():
             self.shapes[name] = tuple(v.shape[1:])
-            self.count[name] = self.count.get(name, 0) + v.numel()
-            self.squares.setdefault(name, 0.0)
             rows = task.rows_within(SLICE_ELEMENTS, math.prod(v.shape[1:]))
             by_column = self._by_column(name, v, name == main)
             for a in range(0, v.shape[0], rows):
                 b = min(a + rows, v.shape[0])
                 squares = v[a:b].detach().double().square()
-                self.squares[name] += float(squares.sum())
-                if by_column:
-                    self.column_squares[name] = self.column_squares.get(name, 0.0) + squares.reshape(-1, v.shape[-1]).sum(0)
+                parts = [squares]
+                if self.ordinary is not None:
+                    parts.append(squares[self.ordinary[row + a : row + b]])
+                for i, part in enumerate(parts):
+                    total = self.squares.setdefault(name, [[0.0, 0], [0.0, 0]])[i]
+                    total[0], total[1] = total[0] + float(part.sum()), total[1] + part.numel()
+                    if by_column:
+                        columns = self.column_squares.setdefault(name, [0.0, 0.0])
+                        columns[i] = columns[i] + part.reshape(-1, v.shape[-1]).sum(0)
                 if v is out:
                     keep = self.has_target[row + a : row + b]
                     if bool(keep.any()):
@@ -85,13 +94,26 @@ class Scan:
         return tolerance.decisions is False and not FEATURE_NAMES.search(name)
 
     def rms(self) -> dict[str, float]:
-        return {name: math.sqrt(self.squares[name] / self.count[name]) if self.count[name] else 0.0 for name in self.squares}
+        """Per output, its RMS over the whole set or over the ordinary cases, whichever is smaller (the scale an atol must
+        be below)."""
+        return {name: min(_rms(total, count) for total, count in parts if count) if any(c for _, c in parts) else 0.0
+                for name, parts in self.squares.items()}
 
     def column_rms(self) -> dict[str, tuple[float, ...]]:
-        """Per output with ``column_squares``: the RMS of each column."""
-        return {name: tuple((sq * (sq.numel() / self.count[name])).sqrt().tolist()) for name, sq in self.column_squares.items()}
+        """Per output with ``column_squares``: the RMS of each column, the smaller of the whole set's and the ordinary
+        cases'."""
+        out = {}
+        for name, columns in self.column_squares.items():
+            width = self.shapes[name][-1]
+            scales = [(sq * (width / count)).sqrt() for sq, (_, count) in zip(columns, self.squares[name]) if count]
+            out[name] = tuple(torch.stack(scales).amin(0).tolist()) if scales else ()
+        return out
 
     def problem(self, ref_steps: Sequence[StepRecord]) -> str | None:
         """The first reason the rule cannot judge this reference (``rule.vet_rule``), or None."""
         return rule.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
                              self.metric.higher_is_better, ref_steps, columns=self.column_rms())
+
+
+def _rms(total: float, count: int) -> float:
+    return math.sqrt(total / count)

@@ -44,3 +44,39 @@ def test_the_scan_of_slices_of_rows_is_the_scan_of_whole_chunks(monkeypatch, per
     expected = float((out.argmax(-1) == y)[has_target].double().mean())
     assert math.isclose(whole.quality.result(), expected, rel_tol=1e-12)
     assert math.isclose(sliced.quality.result(), expected, rel_tol=1e-12)
+
+
+def test_an_outputs_scale_is_its_scale_on_the_ordinary_cases_too(monkeypatch):
+    """A regression whose outputs are about 0.01 on the application's cases, and the fixed set prepare builds around
+    them (``cases.edge_cases``: inputs x1e-4 and x100). Over the whole set the x100 cases give an RMS 7x larger, under
+    which the default atol 0.05 passed freeze, and a trial that answers 0 on every ordinary case was accepted. The scale
+    an atol must be below is also the ordinary cases' (the smaller of the two), whatever the slices."""
+    from pipeline.config import AcceptanceConfig, Params, PrepareConfig, TaskConfig
+
+    from _steps import step
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32, bias=False), torch.nn.ReLU(), torch.nn.Linear(32, 2, bias=False))
+    with torch.no_grad():
+        net[2].weight.mul_(0.05)
+    x = torch.randn(256, 8)
+    ordinary = cases.Cases(ids=[f"ordinary/{i}" for i in range(256)], x=x, y=torch.zeros(256, 2),
+                           has_target=torch.ones(256, dtype=torch.bool))
+    fixed = ordinary + cases.edge_cases(ordinary, torch.randn(1000, 8), PrepareConfig(), ordinary.y)
+    with torch.no_grad():
+        ref = net(fixed.x)
+    fixed = cases.Cases(ids=fixed.ids, x=fixed.x, y=ref + 0.02 * torch.randn(ref.shape), has_target=fixed.has_target)
+    on_ordinary = float(ref[:256].double().square().mean().sqrt())
+    assert float(ref.square().mean().sqrt()) > 5 * on_ordinary  # the case: edge cases set the pooled scale
+    params = Params(task=TaskConfig(kind="regression", loss="mse"),
+                    acceptance=AcceptanceConfig(min_quality=None, loss_noise_multiple=None))
+    for limit in (vetting.SLICE_ELEMENTS, 50):  # whole chunks, then slices of 25 rows that cut across the kinds
+        monkeypatch.setattr(vetting, "SLICE_ELEMENTS", limit)
+        scan = vetting.Scan(params, fixed)
+        scan.update(0, {"output": ref[:300]})
+        scan.update(300, {"output": ref[300:]})
+        assert math.isclose(scan.rms()["output"], on_ordinary, rel_tol=1e-9)
+        columns = ref[:256].double().square().mean(0).sqrt().tolist()
+        assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(scan.column_rms()["output"], columns))
+        line = scan.problem([step(0, 1.0)])
+        assert "atol 0.05 is not below the scale" in line and f"RMS {on_ordinary:.3g}" in line, line
