@@ -337,9 +337,10 @@ FEATURE_NAMES = re.compile(r"(^|_)(hidden|embed\w*|features?|states?|pooler\w*|p
 """Output names that say features or coordinates, values and not decisions (Hugging Face's ``last_hidden_state``,
 ``pooler_output``, ``hidden_states``, an ``embedding``, DETR's ``pred_boxes``), unless they end like scores
 (``DECISION_NAMES``)."""
-DECISION_NAMES = re.compile(r"(logits?|scores?|probs|probabilities|classes|labels?|preds?|predictions?)$", re.IGNORECASE)
+DECISION_NAMES = re.compile(r"(logits?|scores?|probs?|probas?|probabilit(y|ies)|class(es)?|labels?|preds?|predictions?)$",
+                            re.IGNORECASE)
 """Output names that say decisions whatever else they hold (``dialog_state_logits``, ``attention_scores``)."""
-CLASS_NAMES = re.compile(r"(logits?|probs|probabilities|classes)$", re.IGNORECASE)
+CLASS_NAMES = re.compile(r"(logits?|probs?|probas?|probabilit(y|ies)|class(es)?)$", re.IGNORECASE)
 """Output names that say class scores beside a regression's values (where a ``pred`` or a ``score`` may be a value)."""
 
 

@@ -366,6 +366,7 @@ def _noise_floor(noise: Noise | None, rule: AcceptanceConfig, j: _Judge) -> None
 def vet_rule(
     rule: AcceptanceConfig, kind: str, shapes: dict[str, tuple], rms: dict[str, float], ref_quality: float, metric: str,
     higher_is_better: bool, ref_steps: Sequence[StepRecord], columns: dict[str, Sequence[float]] | None = None,
+    distributions: Sequence[str] = (),
 ) -> str | None:
     """The first reason the rule cannot judge trials of this FP32 reference, as one line, or None.
 
@@ -374,7 +375,10 @@ def vet_rule(
     accept noise; a name the model does not output would silently fall under ``*``; a reference that is
     itself non-finite or below the rule's quality is no baseline (the guide: « Sorties finies et qualité
     attendue »). ``columns``: the RMS of each column of a regression's outputs [N, D], when known: one atol
-    must be below the smallest (« des sorties d'échelles différentes peuvent nécessiter des critères distincts »)."""
+    must be below the smallest (« des sorties d'échelles différentes peuvent nécessiter des critères distincts »).
+    ``distributions``: a regression's other outputs whose every reference row is a probability distribution while
+    neither their name nor their entry says whether they are decisions: class probabilities would go undecided
+    (« Une différence faible en valeur absolue peut changer l'action choisie »), proportions would not be; the user says."""
     names = sorted(shapes)
     unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
     if unknown:
@@ -400,6 +404,12 @@ def vet_rule(
                     f"{max(per_column):.3g}), so a trial off by that column's whole size would pass; give '{name}' an atol "
                     f"below it, for example {0.01 * per_column[small]:.2g}, and let rtol bound the larger columns, or return "
                     f"the column as an output of its own")
+    if distributions:
+        name = distributions[0]
+        return (f"params.yaml: output '{name}' of the regression holds, in every row of the FP32 reference, non-negative "
+                f"values summing to 1, like class probabilities, but neither its name nor acceptance.outputs says whether "
+                f"they are decisions; give '{name}': {{decisions: true}} under acceptance.outputs to judge the class each row "
+                f"picks too, or {{decisions: false}} to judge its values only (proportions)")
     scored = [n for n in names if len(shapes[n]) >= 3 and (n != primary_name(names) or kind == "classification")
               and rule.tolerance(n).scored(n, kind)]
     if scored:  # [N, a, b, c...]: no decision check reads it (class scores are [N, C] or [N, T, C])

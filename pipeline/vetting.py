@@ -48,6 +48,9 @@ class Scan:
         self.ordinary = ordinary if bool(ordinary.any()) and not bool(ordinary.all()) else None
         """The ordinary cases, when the set has others too: an output's scale is its scale there as well as over the
         whole set (edge cases of inputs x100 would otherwise set it for an application whose outputs are 10x smaller)."""
+        self.distributions: dict[str, bool] = {}
+        """Per output of a regression task other than its primary, shaped like class scores and not said decided or not
+        by its name or entry (``_undecided``): whether every row of the reference is a probability distribution."""
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.squares: dict[str, list] = {}
         """Per output: [sum of squares, count] over the whole set, then over the ordinary cases (``ordinary``)."""
@@ -64,6 +67,8 @@ class Scan:
             self.shapes[name] = tuple(v.shape[1:])
             rows = task.rows_within(SLICE_ELEMENTS, math.prod(v.shape[1:]))
             by_column = self._by_column(name, v, name == main)
+            if self._undecided(name, v, name == main) and self.distributions.get(name, True):
+                self.distributions[name] = _distributions(v)
             for a in range(0, v.shape[0], rows):
                 b = min(a + rows, v.shape[0])
                 squares = v[a:b].detach().double().square()
@@ -93,6 +98,12 @@ class Scan:
             return primary or not tolerance.decides(name, self.kind)
         return tolerance.decisions is False and not FEATURE_NAMES.search(name)
 
+    def _undecided(self, name: str, v: torch.Tensor, primary: bool) -> bool:
+        """Whether ``name`` is a regression's other output shaped like class scores ([N, C >= 2], [N, T, C]) that neither
+        its name (``config.CLASS_NAMES``) nor its entry (``decisions``) says decided or not."""
+        return (self.kind == "regression" and not primary and v.ndim in (2, 3) and v.shape[-1] >= 2
+                and self.rule.tolerance(name).decisions is None and not self.rule.tolerance(name).scored(name, self.kind))
+
     def rms(self) -> dict[str, float]:
         """Per output, its RMS over the whole set or over the ordinary cases, whichever is smaller (the scale an atol must
         be below)."""
@@ -112,8 +123,19 @@ class Scan:
     def problem(self, ref_steps: Sequence[StepRecord]) -> str | None:
         """The first reason the rule cannot judge this reference (``rule.vet_rule``), or None."""
         return rule.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
-                             self.metric.higher_is_better, ref_steps, columns=self.column_rms())
+                             self.metric.higher_is_better, ref_steps, columns=self.column_rms(),
+                             distributions=sorted(n for n, every in self.distributions.items() if every))
 
 
 def _rms(total: float, count: int) -> float:
     return math.sqrt(total / count)
+
+
+def _distributions(v: torch.Tensor) -> bool:
+    """Whether every row of ``v`` (over its last axis) is a probability distribution: finite, non-negative, summing to 1
+    (within float32 rounding of a softmax over many classes)."""
+    v = v.detach()
+    if not v.numel() or not bool(v.amin() >= 0):  # NaN compares False
+        return False
+    sums = v.sum(-1, dtype=torch.float64)  # a NaN or an infinity in a row makes its sum no 1
+    return bool(((sums - 1.0).abs() <= 1e-3).all())

@@ -187,6 +187,48 @@ def test_which_heads_are_decided_by_default():
     assert streams.sign_heads("regression", plain, regression, "output") == ["alarm_logit"]
     aux = AcceptanceConfig(outputs={"*": Tolerance(), "aux": Tolerance(decisions=True)})
     assert streams.decided_heads("regression", aux, regression, "output") == ["aux", "logits"]
+    # Class probabilities by their common names (scikit-learn's predict_proba, a class_prob head) are class scores.
+    named = {"output": (10, 1), "proba": (10, 3), "class_prob": (10, 3), "class_probability": (10, 2), "cls_class": (10, 4)}
+    assert streams.decided_heads("regression", plain, named, "output") == ["class_prob", "class_probability", "cls_class",
+                                                                           "proba"]
+
+
+def test_a_regressions_output_of_probability_rows_must_say_whether_it_is_decided():
+    """A regression with a second head of softmax rows that its name does not call class scores ('mix'): class
+    probabilities would go undecided, where a shift of 0.03 within atol flips the class of 43 of 300 cases (« Une
+    différence faible en valeur absolue peut changer l'action choisie »); proportions would be values. freeze asks,
+    in one line naming both fixes; either answer passes, and so does an output whose rows are not distributions."""
+    from pipeline import cases, vetting
+    from pipeline.config import Params
+
+    g = torch.Generator().manual_seed(0)
+    n = 300
+    head = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Softmax(dim=-1))
+    x = torch.randn(n, 4, generator=g)
+    with torch.no_grad():
+        value, mix = x[:, :1] * 3, head(x)
+    fixed = cases.Cases(ids=[f"ordinary/{i}" for i in range(n)], x=x, y=value + 0.1 * torch.randn(n, 1, generator=g),
+                        has_target=torch.ones(n, dtype=torch.bool))
+
+    def vetted(outputs, mix=mix):
+        params = Params(task=TaskConfig(kind="regression", loss="mse"), acceptance=dataclasses.replace(RULE, outputs=outputs))
+        scan = vetting.Scan(params, fixed)
+        scan.update(0, {"output": value[:100], "mix": mix[:100]})
+        scan.update(100, {"output": value[100:], "mix": mix[100:]})
+        return scan.problem([step(0, 1.0)])
+
+    line = vetted({"*": Tolerance()})
+    assert "output 'mix' of the regression holds" in line and "{decisions: true}" in line and "{decisions: false}" in line
+    assert "\n" not in line
+    assert vetted({"*": Tolerance(), "mix": Tolerance(decisions=True)}) is None
+    assert vetted({"*": Tolerance(), "mix": Tolerance(decisions=False)}) is None
+    assert vetted({"*": Tolerance()}, mix=mix * 2) is None  # rows summing to 2: no distribution
+    # Said decided, the shift within atol that flips classes rolls back.
+    shifted = mix + torch.tensor([0.03, -0.03, 0.0])
+    ids = fixed.ids
+    said = dataclasses.replace(RULE, outputs={"*": Tolerance(), "mix": Tolerance(decisions=True)})
+    _, d = _judge(ids, fixed.y, fixed.has_target, {"output": value, "mix": mix}, {"output": value, "mix": shifted}, cfg=said)
+    assert d.decision == "rollback" and any("decisions 'mix'" in r for r in d.reasons), d.reasons
 
 
 def test_a_head_named_like_scores_that_no_decision_check_reads_is_refused_at_freeze():
