@@ -366,7 +366,7 @@ def _noise_floor(noise: Noise | None, rule: AcceptanceConfig, j: _Judge) -> None
 def vet_rule(
     rule: AcceptanceConfig, kind: str, shapes: dict[str, tuple], rms: dict[str, float], ref_quality: float, metric: str,
     higher_is_better: bool, ref_steps: Sequence[StepRecord], columns: dict[str, Sequence[float]] | None = None,
-    distributions: Sequence[str] = (),
+    distributions: Sequence[str] = (), real_units: int | None = None,
 ) -> str | None:
     """The first reason the rule cannot judge trials of this FP32 reference, as one line, or None.
 
@@ -378,7 +378,9 @@ def vet_rule(
     must be below the smallest (« des sorties d'échelles différentes peuvent nécessiter des critères distincts »).
     ``distributions``: a regression's other outputs whose every reference row is a probability distribution while
     neither their name nor their entry says whether they are decisions: class probabilities would go undecided
-    (« Une différence faible en valeur absolue peut changer l'action choisie »), proportions would not be; the user says."""
+    (« Une différence faible en valeur absolue peut changer l'action choisie »), proportions would not be; the user says.
+    ``real_units``: the real cases (per token: the real, kept positions) of the primary's decisions, which
+    ``max_flip_rate``'s bound needs enough of to pass at all."""
     names = sorted(shapes)
     unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
     if unknown:
@@ -418,6 +420,24 @@ def vet_rule(
                 f"says decisions: true), but no decision check reads an output of {len(shapes[name]) + 1} dims, so its "
                 f"decisions would go untested; return it as [N, T, classes] (classes last), or give it "
                 f"'{name}': {{decisions: false}} under acceptance.outputs to judge its values only")
+    main = primary_name(names)
+    distribution = [key for key in ("max_kl_mean", "max_kl_p99", "min_top1_agreement") if getattr(rule, key) is not None]
+    if distribution and not (kind == "classification" and len(shapes[main]) == 2):
+        return (f"params.yaml: acceptance.{distribution[0]} judges per-token scores [N, T, classes], but the "
+                f"{'classifier' if kind == 'classification' else 'regression'}'s output '{main}' is "
+                f"[N, {', '.join(map(str, shapes[main]))}], so every trial would roll back; set "
+                f"{', '.join(distribution)} to null (flips, values and quality judge it)")
+    needed = bounds.cases_needed(rule.max_flip_rate, rule.confidence) if rule.max_flip_rate is not None else 0
+    if needed == math.inf:
+        return (f"params.yaml: acceptance.max_flip_rate {rule.max_flip_rate:g}: its upper bound is above 0 on any set, even "
+                f"with no flip, so every trial would roll back; for no flip at all use max_flip_rate: null and max_flips: 0")
+    if real_units is not None and kind == "classification" and real_units < needed:
+        unit = "position" if len(shapes[main]) == 2 else "case"
+        least = 1.0 - (1.0 - rule.confidence) ** (1.0 / real_units) if real_units else 1.0
+        return (f"params.yaml: acceptance.max_flip_rate {rule.max_flip_rate:g} at confidence {rule.confidence:g} needs at "
+                f"least {needed} real {unit}s to pass even with no flip (the Clopper–Pearson bound), and the fixed set has "
+                f"{real_units}, so every trial would roll back; give more cases (prepare), a max_flip_rate of at least "
+                f"{least:.3g}, or max_flip_rate: null to count flips (max_flips)")
     if kind == "classification" and rule.boundary_margin_kind == "relative":
         few = [n for n in names if math.prod(shapes[n][-1:]) < 3 and rule.tolerance(n).decides(n)]  # entries checked above
         if few:

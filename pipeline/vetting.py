@@ -45,6 +45,7 @@ class Scan:
         self.has_target = fixed.has_target.bool()
         kinds = streams.kinds_of(fixed.ids)
         ordinary = torch.tensor([k == "ordinary" for k in kinds], dtype=torch.bool)
+        self.boundary = torch.tensor([k == "boundary" for k in kinds], dtype=torch.bool)
         self.ordinary = ordinary if bool(ordinary.any()) and not bool(ordinary.all()) else None
         """The ordinary cases, when the set has others too: an output's scale is its scale there as well as over the
         whole set (edge cases of inputs x100 would otherwise set it for an application whose outputs are 10x smaller)."""
@@ -124,7 +125,16 @@ class Scan:
         """The first reason the rule cannot judge this reference (``rule.vet_rule``), or None."""
         return rule.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
                              self.metric.higher_is_better, ref_steps, columns=self.column_rms(),
-                             distributions=sorted(n for n, every in self.distributions.items() if every))
+                             distributions=sorted(n for n, every in self.distributions.items() if every),
+                             real_units=self.real_units())
+
+    def real_units(self) -> int:
+        """The real cases of the fixed set (not constructed at the boundary), per token their kept positions: what
+        ``max_flip_rate`` counts flips among."""
+        real = ~self.boundary
+        if self.shapes and len(self.shapes[primary_name(self.shapes)]) == 2 and self.targets.ndim == 2:
+            return int(((self.targets != task.IGNORE_INDEX) & real[:, None]).sum())
+        return int(real.sum())
 
 
 def _rms(total: float, count: int) -> float:

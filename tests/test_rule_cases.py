@@ -108,6 +108,23 @@ def test_flip_rate_bound_needs_enough_cases_and_does_not_roll_back_a_large_set_o
     j = rule._Judge()
     rule._decisions(big, cfg, j, "decisions", "flips")  # 0.5 % observed, upper bound 0.56 % < 1 %
     assert not j.failed["inference"], j.reasons
+    # Known at freeze: a rule that no trial of this set can pass is refused there, not learnt from a rolled-back trial.
+    steps, shapes = [step(0, 1.0)], {"logits": (3,)}
+
+    def vetted(cfg, real, shapes=shapes, kind="classification"):
+        return rule.vet_rule(cfg, kind, shapes, {n: 3.0 for n in shapes}, 0.9, "accuracy", True, steps, real_units=real)
+
+    line = vetted(cfg, 256)
+    assert "needs at least 299 real cases" in line and "has 256" in line and "at least 0.0116" in line, line
+    assert vetted(cfg, 299) is None and vetted(dataclasses.replace(cfg, max_flip_rate=0.0117), 256) is None
+    assert "upper bound is above 0 on any set" in vetted(dataclasses.replace(cfg, max_flip_rate=0.0), 10**9)
+    assert "needs at least 299 real positions" in vetted(cfg, 100, shapes={"logits": (8, 3)})
+    # KL and top-1 agreement judge per-token scores: on a per-case classifier or a regression they could never pass.
+    for said in ({"max_kl_mean": 0.01}, {"max_kl_p99": 0.05}, {"min_top1_agreement": 0.99}):
+        line = vetted(dataclasses.replace(RULE, **said), 256)
+        assert f"acceptance.{next(iter(said))} judges per-token scores" in line and "'logits' is [N, 3]" in line, line
+        assert "regression's output 'output'" in vetted(dataclasses.replace(RULE, **said), 256, {"output": (1,)}, "regression")
+        assert vetted(dataclasses.replace(RULE, **said), 256, {"logits": (8, 3)}) is None
     # Exactness: the bound is the Clopper–Pearson one (checked against the beta quantile, scipy's).
     scipy_stats = pytest.importorskip("scipy.stats")
     assert bounds.binomial_upper(250, 50_000, 0.95) == pytest.approx(scipy_stats.beta.ppf(0.95, 251, 50_000 - 250), rel=1e-9)
