@@ -179,7 +179,7 @@ def test_per_token_nonfinite_trial_is_infinite_kl_and_a_flip():
 def test_kl_is_accurate_for_tiny_divergences():
     g = torch.Generator().manual_seed(4)
     ref = torch.randn(64, 32000, generator=g) * 4 + 10  # logits far from 0: naive lse differences cancel
-    trial = (ref.half().float())  # real FP16 rounding of the logits
+    trial = (ref.half().float())  # allowed: real FP16 rounding of the logits (a tensor, not a model)
     kl = kl_and_lse(ref, trial)[0]
     lp_r = torch.log_softmax(ref.double(), -1)
     lp_t = torch.log_softmax(trial.double(), -1)

@@ -42,8 +42,8 @@ def test_targets_are_never_rounded_to_the_autocast_dtype(target):
     """300.3 is 300.25 in float16, so the old loss (target cast to the output's dtype) was exactly 0 for an
     output of 300.25; 1e5 is beyond float16's 65504, so the old loss was inf. Both are wrong."""
     x, y = torch.ones(4, 1), torch.full((4, 1), target)
-    out = Constant(300.25)(x).detach().half()
-    assert float(torch.tensor(target).half()) != target  # what the old code trained against
+    out = Constant(300.25)(x).detach().half()  # allowed: a tensor, not a model
+    assert float(torch.tensor(target).half()) != target  # allowed: what the old code trained against
     expected = (float(torch.tensor(target)) - 300.25) ** 2  # the float32 target
     loss = recipe.mse(out, y)
     assert loss.dtype == torch.float32
