@@ -227,12 +227,36 @@ def _quality(quality: Quality, rule: AcceptanceConfig, j: _Judge, part: Part, si
             j.check(part, drop <= rule.max_quality_drop,
                     f"quality {label}: {q:.4g} vs reference {ref_q:.4g} (drop {drop:.4g} <= {rule.max_quality_drop})",
                     f"quality {label}: {q:.4g} vs reference {ref_q:.4g}, drop {drop:.4g} > allowed {rule.max_quality_drop}")
+            _column_quality(quality, rule.max_quality_drop, j, part, side, label)
     if rule.min_quality is not None and higher:
         j.check(part, q >= rule.min_quality, f"quality {label}: {q:.4f} >= minimum {rule.min_quality}",
                 f"quality {label}: {q:.4f} below minimum {rule.min_quality}")
     elif rule.min_quality is not None:  # a smaller-is-better metric: the bound is its worst acceptable value
         j.check(part, q <= rule.min_quality, f"quality {label}: {q:.4f} <= worst acceptable {rule.min_quality}",
                 f"quality {label}: {q:.4f} worse than the worst acceptable {rule.min_quality}")
+
+
+def _column_quality(quality: Quality, max_drop: float, j: _Judge, part: Part, side: str, label: str) -> None:
+    """Each column of a regression output of a few columns against the reference's same column: the drop the rule allows
+    the whole output, as a share of the reference's error, applied to each column's own error. One RMSE pooled over
+    columns of different scales is the large column's: a small column destroyed would not move it (the guide: « des
+    sorties d'échelles différentes peuvent nécessiter des critères distincts »)."""
+    columns = quality.columns
+    if not columns or side not in columns or quality.reference == 0:  # a perfect reference: the pooled drop bounds all
+        return
+    share = max_drop / abs(quality.reference)
+    higher = quality.higher_is_better
+    failing = []
+    for c, (r, q) in enumerate(zip(columns["reference"], columns[side])):
+        drop = r - q if higher else q - r
+        allowed = share * abs(r)
+        if not math.isfinite(q) or drop > allowed + 1e-12 * abs(r):
+            failing.append(f"column {c}: {q:.4g} vs reference {r:.4g}, drop {drop:.4g} > allowed {allowed:.4g}")
+    share_words = f"{max_drop:g} of the reference's {abs(quality.reference):.4g}, {share:.3g} of each column's own error"
+    j.check(part, not failing,
+            f"quality {label}, per column: each of {len(columns['reference'])} columns within its share of the drop ({share_words})",
+            f"quality {label}, per column ({share_words}): {'; '.join(failing[:3])}"
+            + (f"; and {len(failing) - 3} more column(s)" if len(failing) > 3 else ""))
 
 
 def _training(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:

@@ -19,15 +19,12 @@ from pipeline import cases, task
 from pipeline import rule
 
 from pipeline.compare import streams
-from pipeline.compare.quality import QualityStats
+from pipeline.compare.quality import COLUMNS, QualityStats
 from pipeline.config import FEATURE_NAMES, Params, primary_name
 
 if TYPE_CHECKING:
     from pipeline.artifacts.steps import StepRecord
 
-
-COLUMNS = 1024
-"""A regression output of at most this many columns is vetted column by column too (``Scan.column_squares``)."""
 
 SLICE_ELEMENTS = 4_000_000
 """Elements squared in float64 at once (32 MB): a chunk of an LM's scores, [256, 64, 32000], would need 8 GB."""

@@ -340,6 +340,54 @@ def test_columns_of_different_scales_need_an_atol_below_the_smallest():
     assert scan.column_rms() == {} and scan.problem(steps) is None
 
 
+def test_a_destroyed_small_column_of_the_amp_trained_regression_rolls_back():
+    """A real two-column regression head (columns about 1000 and 1e-3) trained in FP32, and an AMP-trained model whose
+    small column never learned (the head's row for it left at its initial weights, as when float16 gradients of a
+    1e-3 target underflow): its error there grows ~100x, yet the RMSE pooled over both columns is the large column's and
+    moves less than the rule's drop. Quality is judged per column too (the drop the rule allows the output, as a share
+    of the reference's error, on each column's own error): rolled back, naming the column. A healthy retraining whose
+    columns both move a little is accepted."""
+    g = torch.Generator().manual_seed(11)
+    n = 300
+    x = torch.randn(n, 8, generator=g)
+    w = torch.randn(8, 2, generator=g) * torch.tensor([30.0, 1e-3])
+    y = x @ w + torch.tensor([1000.0, 0.0]) + torch.randn(n, 2, generator=g) * torch.tensor([1.0, 1e-5])
+    initial = torch.nn.Linear(8, 2)
+    with torch.no_grad():
+        initial.weight.copy_(0.1 * torch.randn(2, 8, generator=g))
+        initial.bias.zero_()
+    trained = torch.nn.Linear(8, 2)
+    with torch.no_grad():  # the least-squares fit: what FP32 training converges to
+        solution = torch.linalg.lstsq(torch.cat([x, torch.ones(n, 1)], 1).double(), y.double()).solution.float()
+        trained.weight.copy_(solution[:8].T)
+        trained.bias.copy_(solution[8])
+    stuck = torch.nn.Linear(8, 2)
+    stuck.load_state_dict(trained.state_dict())
+    with torch.no_grad():
+        stuck.weight[1].copy_(initial.weight[1])
+        stuck.bias[1].copy_(initial.bias[1])
+    ref = _fp32(trained, x)
+    trial = _autocast(trained, x, torch.float16)
+    ids = [f"ordinary/{i}" for i in range(n)]
+    every = torch.ones(n, dtype=torch.bool)
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=1e-5, rtol=0.02)}, max_quality_drop=0.2)
+    stats, d = _judge(ids, y, every, ref, ref, _fp32(stuck, x), cfg=cfg)
+    pooled = stats.quality.reference - stats.quality.trained
+    assert 0 <= pooled < 0.2, stats.quality  # the pooled RMSE alone would accept
+    assert stats.quality.columns["trained"][1] < 50 * stats.quality.columns["reference"][1]
+    assert d.decision == "rollback" and d.training == "rollback", d.reasons
+    assert any(r.startswith("quality after training, per column") and "column 1:" in r and "column 0:" not in r
+               for r in d.reasons), d.reasons
+    # A healthy retraining: each column a little off the fit, within the rule's share of its own error.
+    healthy = torch.nn.Linear(8, 2)
+    healthy.load_state_dict(trained.state_dict())
+    with torch.no_grad():
+        healthy.bias.add_(torch.tensor([0.05, 1e-7]))
+    stats, d = _judge(ids, y, every, ref, trial, _fp32(healthy, x), cfg=cfg)
+    assert stats.quality.columns is not None and d.decision == "accept", d.reasons
+    assert any(c.startswith("quality after training, per column: each of 2 columns") for c in d.checks), d.checks
+
+
 def test_skips_bunched_at_the_end_are_a_falling_scale_not_a_designed_skip():
     """200 updates, 16 of the last 18 skipped (the scale halving each time): 8 % of the run, within
     max_skipped_fraction 0.1, and never 10 skips in a row, yet the updates have nearly stopped (the guide: « les mises

@@ -229,7 +229,7 @@ class Paired(Record):
 
 @dataclass(frozen=True)
 class Quality(Record):
-    ABSENT = ("perplexity",)
+    ABSENT = ("perplexity", "columns")
 
     metric: str
     higher_is_better: bool
@@ -240,6 +240,8 @@ class Quality(Record):
     """Per side, (hits, targets) where the metric counts (accuracy, top_k)."""
     paired: dict[str, Paired]
     perplexity: dict[str, float | None] | None = None
+    columns: dict[str, tuple[float, ...]] | None = None
+    """Per side, the metric of each column of a regression output of a few columns (``quality.COLUMNS``), else absent."""
 
     def of(self, side: Literal["reference", "trial", "trained"]) -> float:
         return getattr(self, side)

@@ -17,6 +17,11 @@ from pipeline.compare.gaps import all_finite
 from pipeline.errors import UserError
 from pipeline.task import IGNORE_INDEX
 
+COLUMNS = 1024
+"""A regression output of at most this many columns (its last axis: [N, D], or per token [N, T, D]) is judged column by
+column too: each column's atol is vetted at freeze (``vetting``), and each column's quality is reported and judged
+(``QualityStats.columns``): columns of different scales pooled into one RMSE hide a destroyed small one."""
+
 
 class QualityStats:
     """Quality of one set of outputs on the cases with a target, accumulated chunk by chunk.
@@ -35,6 +40,9 @@ class QualityStats:
         self.nll = 0.0
         self.per_token = False
         self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._columns: torch.Tensor | None = None
+        """Per column of a regression output of a few columns (``COLUMNS``): the metric's sum (squared or absolute errors)."""
+        self._column_rows = 0
 
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor | None = None,
                lse: torch.Tensor | None = None, finite: bool = False) -> torch.Tensor | None:
@@ -89,8 +97,14 @@ class QualityStats:
                 p = outputs.detach().double().reshape(outputs.shape[0], -1)[:, 0]
                 y = targets.detach().double().reshape(targets.shape[0], -1)[:, 0]
             err = p - y
-            self.total += float(err.pow(2).sum() if self.metric == "neg_rmse" else err.abs().sum())
+            part = err.pow(2) if self.metric == "neg_rmse" else err.abs()
+            self.total += float(part.sum())
             self.n += err.numel()
+            width = outputs.shape[-1] if outputs.ndim >= 2 else 1
+            if p.numel() == outputs.numel() and 2 <= width <= COLUMNS:
+                sums = part.reshape(-1, width).sum(0)
+                self._columns = sums if self._columns is None else self._columns + sums
+                self._column_rows += part.numel() // width
         return None
 
     def result(self) -> float:
@@ -109,6 +123,14 @@ class QualityStats:
         if self.metric == "neg_rmse":
             return -math.sqrt(self.total / self.n)
         return -self.total / self.n
+
+    def columns(self) -> tuple[float, ...] | None:
+        """The metric of each column of a regression output of a few columns (``COLUMNS``); None for one column, a
+        classifier or a user metric."""
+        if self._columns is None or self._column_rows == 0:
+            return None
+        mean = self._columns / self._column_rows
+        return tuple(-math.sqrt(float(v)) if self.metric == "neg_rmse" else -float(v) for v in mean)
 
     def counts(self) -> tuple[int, int] | None:
         """(hits, targets) of ``accuracy`` / ``top_k`` (the quality criteria compare counts, not rounded fractions);

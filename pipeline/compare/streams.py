@@ -277,6 +277,7 @@ def quality_stats(metric: Metric, per_token: bool, quality: dict[str, QualitySta
     perplexity = None
     if per_token and quality["reference"].perplexity() is not None:
         perplexity = {side: q.perplexity() for side, q in quality.items()}
+    columns = {side: q.columns() for side, q in quality.items()}
     return Quality(
         metric=metric.name if not per_token or metric.name != "accuracy" else "token_accuracy",
         higher_is_better=metric.higher_is_better,
@@ -284,6 +285,7 @@ def quality_stats(metric: Metric, per_token: bool, quality: dict[str, QualitySta
         counts={side: q.counts() for side, q in quality.items() if q.counts() is not None},
         paired={side: Paired(lost=v[0], gained=v[1]) for side, v in paired.items()},
         perplexity=perplexity,
+        columns=columns if all(c is not None for c in columns.values()) else None,
     )
 
 
