@@ -273,12 +273,21 @@ def _training(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
             f"training: the FP32 reference's loss is not finite from step {ref_bad}; "
             f"an incorrect FP32 run is no baseline: re-freeze",
             ("steps", [ref_bad]))
-    if train.excused_steps:  # said, never silent; the skip limits below judge how often
-        j.checks.append(f"training: loss not finite at step(s) {', '.join(map(str, train.excused_steps[:20]))}, each update "
-                        f"skipped by the GradScaler: an incident, judged by the skip limits, the stall check and quality")
-    j.check("training", train.first_nonfinite_loss_step < 0, "training: every loss finite",
-            f"training: loss not finite from step {train.first_nonfinite_loss_step}",
-            ("steps", [train.first_nonfinite_loss_step]))
+    excused = train.excused_steps
+    if len(excused) == 1:  # said, never silent; the skip limits below judge how often
+        j.checks.append(f"training: loss not finite at step {excused[0]}, its update skipped by the GradScaler: an incident, "
+                        f"judged by the skip limits, the stall check and quality")
+    elif excused:  # the guide: « un incident ponctuel ne suffit pas... » but « une baisse répétée de l'échelle n'établit pas
+        # que le problème est résolu »: the loss overflows in the forward pass, before the GradScaler scales anything
+        j.check("training", False, "",
+                f"training: loss not finite at {len(excused)} steps ({', '.join(map(str, excused[:20]))}), each update skipped "
+                f"by the GradScaler: a forward overflow that repeats, which no loss scale can fix (it scales the loss after "
+                f"the forward pass); one such step is an incident, a repeated one is not", ("steps", list(excused)))
+    if len(excused) <= 1 or train.first_nonfinite_loss_step >= 0:  # repeated: the reason above says it
+        j.check("training", train.first_nonfinite_loss_step < 0,
+                f"training: every loss finite{f' but step {excused[0]}' if excused else ''}",
+                f"training: loss not finite from step {train.first_nonfinite_loss_step}",
+                ("steps", [train.first_nonfinite_loss_step]))
     bad_grads = train.nonfinite_grad_steps
     j.check("training", not bad_grads, "training: every gradient norm finite (or skipped by the GradScaler)",
             f"training: non-finite gradient norm at step(s) {', '.join(map(str, bad_grads[:20]))} "

@@ -755,7 +755,9 @@ def test_one_overflowed_step_the_scaler_skipped_is_an_incident_not_a_rollback():
     """float16: the forward of step 5 overflows (loss inf), the GradScaler skips its update, training goes on and
     matches FP32 aligned on that skip. The guide: « un incident ponctuel ne suffit pas à déclarer un entraînement
     inutilisable : examinez sa fréquence, la progression et la qualité ». The step is said in the checks and left out
-    of the band; the same overflow applied (no skip) still rolls back, and so do overflows every fifth step."""
+    of the band; the same overflow applied (no skip) still rolls back, and so do overflows every fifth step. Overflows
+    at 3 steps of 60, within the skip limit, are no incident but a forward overflow that repeats (« une baisse répétée
+    de l'échelle n'établit donc pas que le problème est résolu »), which no loss scale fixes: rolled back, naming them."""
     ref_steps = tuple(step(i, 2.0 / (1 + i / 20)) for i in range(60))
     x = torch.randn(20, 4, generator=torch.Generator().manual_seed(0)) * 3
     ids, every = [f"ordinary/{i}" for i in range(20)], torch.ones(20, dtype=torch.bool)
@@ -770,11 +772,17 @@ def test_one_overflowed_step_the_scaler_skipped_is_an_incident_not_a_rollback():
 
     stats, d = judged(lambda i: i == 5, skipped=True)
     assert d.decision == "accept" and stats.training.excused_steps == (5,), d.reasons
-    assert any("loss not finite at step(s) 5, each update skipped by the GradScaler" in c for c in d.checks)
+    assert any("loss not finite at step 5, its update skipped by the GradScaler" in c for c in d.checks), d.checks
+    assert "training: every loss finite but step 5" in d.checks
     _, d = judged(lambda i: i == 5, skipped=False)
     assert d.training == "rollback" and any(r.startswith("training: loss not finite from step 5") for r in d.reasons)
     _, d = judged(lambda i: i % 5 == 0, skipped=True)
     assert d.training == "rollback" and any("updates skipped, fraction 0.2" in r for r in d.reasons), d.reasons
+    stats, d = judged(lambda i: i in (10, 30, 50), skipped=True)
+    assert stats.training.skipped_fraction <= cfg.max_skipped_fraction  # the skip limits alone would accept
+    assert d.training == "rollback" and any(
+        r.startswith("training: loss not finite at 3 steps (10, 30, 50), each update skipped") for r in d.reasons), d.reasons
+    assert not any(c.startswith("training: every loss finite") for c in d.checks)
 
 
 def test_every_head_of_a_hugging_face_output_is_judged():
