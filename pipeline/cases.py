@@ -153,10 +153,13 @@ def edge_cases(ordinary: Cases, train_x: Inputs, cfg: PrepareConfig, like_y: tor
     return Cases(ids=[i for i, _ in items], x=x, y=y, has_target=torch.zeros(len(items), dtype=torch.bool))
 
 
-def margins(scores: torch.Tensor) -> torch.Tensor:
-    """Top-2 margin per case; per token [N, T, C], the smallest over the tokens."""
+def margins(scores: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """Top-2 margin per case; per token [N, T, C], the smallest over the tokens ``kept`` marks [N, T] (all when None:
+    a padded or ignored position is no decision anyone reads; a case with none kept has an infinite margin)."""
     top2 = scores.topk(2, dim=-1).values.double()  # the same two values as in float64: no float64 copy of the scores
     m = top2[..., 0] - top2[..., 1]
+    if m.ndim > 1 and kept is not None and tuple(kept.shape) == tuple(m.shape):
+        m = m.masked_fill(~kept, torch.inf)
     return m.reshape(m.shape[0], -1).min(dim=1).values if m.ndim > 1 else m
 
 
@@ -179,7 +182,8 @@ def boundary_cases(
     Raises:
         UserError: ``bisect`` asked for inputs that cannot be interpolated.
     """
-    case_margins, scores = _scored(score, ordinary.x)
+    kept = task.masked_targets(ordinary.y, task.token_mask_of(ordinary.x)) != task.IGNORE_INDEX  # per token: [N, T]
+    case_margins, scores = _scored(score, ordinary.x, kept)
     can_bisect = task.is_floating(ordinary.x) and scores is not None
     if method == "bisect" and not can_bisect:
         raise UserError(
@@ -199,9 +203,11 @@ SCORED_ELEMENTS = 4_000_000
 [N, T, V], are margins of a slice of rows at a time, never whole in memory."""
 
 
-def _scored(score: Callable[[Inputs], torch.Tensor], x: Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each case's margin (``margins``), and the scores themselves where they are per case [N, C] (bisection
-    needs them); ``score`` called on slices of rows of at most ``SCORED_ELEMENTS`` scores."""
+def _scored(
+    score: Callable[[Inputs], torch.Tensor], x: Inputs, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each case's margin (``margins`` over the kept ``positions``), and the scores themselves where they are per case
+    [N, C] (bisection needs them); ``score`` called on slices of rows of at most ``SCORED_ELEMENTS`` scores."""
     n = task.rows(x)
     if n == 0:
         return torch.zeros(0, dtype=torch.float64), score(x)
@@ -210,7 +216,7 @@ def _scored(score: Callable[[Inputs], torch.Tensor], x: Inputs) -> tuple[torch.T
     found, kept = [], []
     for start in range(0, n, step):
         s = score(x[start : start + step])
-        found.append(margins(s))
+        found.append(margins(s, positions[start : start + step]))
         if s.ndim == 2:
             kept.append(s)
     return torch.cat(found), (torch.cat(kept) if kept else None)
@@ -221,10 +227,10 @@ def _select(case_margins: torch.Tensor, ordinary: Cases, count: int, like_y: tor
     order = sorted(range(len(ordinary.ids)), key=lambda i: (float(m[i]), i))[:count]
     idx = torch.tensor(order, dtype=torch.long)
     n = len(order)
-    return Cases(
+    return Cases(  # the sample's own targets: per token, their ignored positions stay ignored (quality counts it once)
         ids=[f"selected/{ordinary.ids[i].split('/', 1)[1]}" for i in order],
         x=ordinary.x[idx],
-        y=torch.zeros((n,) + tuple(like_y.shape[1:]), dtype=like_y.dtype),
+        y=ordinary.y[idx].to(like_y.dtype) if n else torch.zeros((0,) + tuple(like_y.shape[1:]), dtype=like_y.dtype),
         has_target=torch.zeros(n, dtype=torch.bool),
     )
 

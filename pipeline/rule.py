@@ -254,7 +254,7 @@ def _column_quality(quality: Quality, max_drop: float, j: _Judge, part: Part, si
             failing.append(f"column {c}: {q:.4g} vs reference {r:.4g}, drop {drop:.4g} > allowed {allowed:.4g}")
     share_words = f"{max_drop:g} of the reference's {abs(quality.reference):.4g}, {share:.3g} of each column's own error"
     j.check(part, not failing,
-            f"quality {label}, per column: each of {len(columns['reference'])} columns within its share of the drop ({share_words})",
+            f"quality {label}, per column: each of {len(columns['reference'])} columns within its share ({share_words})",
             f"quality {label}, per column ({share_words}): {'; '.join(failing[:3])}"
             + (f"; and {len(failing) - 3} more column(s)" if len(failing) > 3 else ""))
 

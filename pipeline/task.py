@@ -574,3 +574,17 @@ def iter_rows(x: Inputs, batch_size: int) -> Iterable[tuple[int, int, Inputs]]:
     n = rows(x)
     for start in range(0, n, batch_size):
         yield start, min(start + batch_size, n), x[start : start + batch_size]
+
+
+def token_mask_of(x) -> torch.Tensor | None:
+    """The ``attention_mask`` of dict inputs (Hugging Face's name), if any: positions where it is 0 are padding."""
+    if isinstance(x, dict) and torch.is_tensor(x.get("attention_mask")) and x["attention_mask"].ndim == 2:
+        return x["attention_mask"]
+    return None
+
+
+def masked_targets(targets: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """Per-token targets with the padding positions of ``token_mask`` (``token_mask_of``) ignored (-100)."""
+    if token_mask is not None and tuple(token_mask.shape) == tuple(targets.shape) and targets.ndim == 2:
+        return targets.masked_fill(~token_mask.bool(), IGNORE_INDEX)
+    return targets

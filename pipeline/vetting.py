@@ -38,7 +38,7 @@ class Scan:
         self.rule, self.kind = params.acceptance, params.task.kind
         self.metric = streams.Metric.for_task(params.task)
         self.quality = QualityStats(self.metric.name, params.acceptance.tie_rule, self.metric.top_k, self.metric.function)
-        self.targets = streams.masked_targets(fixed.y, streams.token_mask_of(fixed.x))
+        self.targets = task.masked_targets(fixed.y, task.token_mask_of(fixed.x))
         self.has_target = fixed.has_target.bool()
         kinds = streams.kinds_of(fixed.ids)
         ordinary = torch.tensor([k == "ordinary" for k in kinds], dtype=torch.bool)

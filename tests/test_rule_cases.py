@@ -388,6 +388,57 @@ def test_a_destroyed_small_column_of_the_amp_trained_regression_rolls_back():
     assert any(c.startswith("quality after training, per column: each of 2 columns") for c in d.checks), d.checks
 
 
+def test_boundary_cases_selected_from_an_lm_keep_their_ignored_positions():
+    """Token inputs: boundary cases are real samples selected by their smallest reference margin (``selected/``). They
+    are copies of ordinary samples, so the positions the sample's targets ignore (-100: padding) stay ignored, and the
+    margin they are picked by is taken over the kept positions only. A real tiny LM whose padded positions are near
+    ties: under real bf16 autocast its decisions flip only at padding, so the verdict is the ordinary cases' (accept);
+    copies judged at their padding rolled it back."""
+    from pipeline import cases
+    from pipeline.task import IGNORE_INDEX
+
+    g = torch.Generator().manual_seed(7)
+    vocab, length, n = 8, 16, 200
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(vocab, vocab, padding_idx=0)  # padding: a zero vector, every score a tie
+            self.head = torch.nn.Linear(vocab, vocab)
+            with torch.no_grad():
+                self.emb.weight.copy_(2.0 * torch.eye(vocab) + 0.05 * torch.randn(vocab, vocab, generator=g))
+                self.emb.weight[0].zero_()
+                self.head.weight.copy_(5.0 * torch.eye(vocab))
+                self.head.bias.fill_(5.0)
+            self.register_buffer("noise", 0.003 * torch.randn(1, length, vocab, generator=g))
+
+        def forward(self, ids):
+            e = self.emb(ids)
+            return self.head(torch.tanh(e + 0.01 * e.cumsum(1) + self.noise[:, : ids.shape[1]]))
+
+    model = TinyLM()
+    lengths = torch.randint(6, length + 1, (n,), generator=g)
+    position = torch.arange(length)[None, :]
+    tokens = torch.randint(1, vocab, (n, length), generator=g)
+    tokens = torch.where(position < lengths[:, None], tokens, torch.zeros_like(tokens))
+    targets = torch.where(position < lengths[:, None] - 1, tokens.roll(-1, 1), torch.full_like(tokens, IGNORE_INDEX))
+    ordinary = cases.Cases(ids=[f"ordinary/{i}" for i in range(n)], x=tokens, y=targets,
+                           has_target=torch.ones(n, dtype=torch.bool))
+    selected = cases.boundary_cases(lambda x: _fp32(model, x)["output"], ordinary, 8, 1e-3, targets, method="auto")
+    source = torch.tensor([int(i.split("/")[1]) for i in selected.ids])
+    assert selected.ids[0].startswith("selected/") and torch.equal(selected.y, targets[source])
+    assert not bool(selected.has_target.any())  # quality counts each sample once
+    kept = targets != IGNORE_INDEX
+    per_case = cases.margins(_fp32(model, tokens)["output"], kept)
+    assert sorted(source.tolist()) == sorted(sorted(range(n), key=lambda i: (float(per_case[i]), i))[:8])
+    fixed = ordinary + selected
+    ref, trial = _fp32(model, fixed.x), _autocast(model, fixed.x, torch.bfloat16)
+    flips = ref["output"].argmax(-1) != trial["output"].argmax(-1)
+    assert bool((flips & (fixed.y == IGNORE_INDEX)).any()) and not bool((flips & (fixed.y != IGNORE_INDEX)).any())
+    _, d = _judge(fixed.ids, fixed.y, fixed.has_target, ref, trial)
+    assert d.decision == "accept", d.reasons
+
+
 def test_skips_bunched_at_the_end_are_a_falling_scale_not_a_designed_skip():
     """200 updates, 16 of the last 18 skipped (the scale halving each time): 8 % of the run, within
     max_skipped_fraction 0.1, and never 10 skips in a row, yet the updates have nearly stopped (the guide: « les mises

@@ -10,6 +10,7 @@ from pipeline.artifacts import outputs
 from pipeline.artifacts import comparison
 
 from pipeline.compare import streams
+from pipeline import task
 from pipeline.config import AcceptanceConfig, CompareConfig, TaskConfig
 from _steps import step
 
@@ -193,7 +194,7 @@ def test_attention_mask_excludes_padding_positions():
     assert with_mask.distribution.tokens == without.distribution.tokens - 60 + int((y[:, 2] == -100).sum())
     assert with_mask.flips.real_flips < without.flips.real_flips
     assert all(f.position != 2 for f in with_mask.flips.flip_list)
-    assert streams.token_mask_of({"input_ids": torch.zeros(2, 3), "attention_mask": mask[:2, :3]}) is not None
+    assert task.token_mask_of({"input_ids": torch.zeros(2, 3), "attention_mask": mask[:2, :3]}) is not None
 
 
 def test_ignored_positions_are_not_judged_on_values_or_finiteness_either():

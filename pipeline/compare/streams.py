@@ -40,7 +40,7 @@ from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite
 from pipeline.compare.quality import QualityStats, regression_errors
 from pipeline.compare.trajectory import calibration_steps, trajectory_gap, update_health
 from pipeline.config import METRICS, AcceptanceConfig, CompareConfig, TaskConfig, primary_name
-from pipeline.task import IGNORE_INDEX, resolve, rows_within
+from pipeline.task import IGNORE_INDEX, masked_targets, resolve, rows_within
 
 
 SIDES = ("reference", "trial", "trained")
@@ -89,20 +89,6 @@ class Metric:
         name = task.metric_name
         function = None if name in METRICS else resolve(name, "task.metric")
         return cls(name=name, higher_is_better=task.higher_is_better, top_k=task.top_k, function=function)
-
-
-def token_mask_of(x) -> torch.Tensor | None:
-    """The ``attention_mask`` of dict inputs (Hugging Face's name), if any: positions where it is 0 are padding."""
-    if isinstance(x, dict) and torch.is_tensor(x.get("attention_mask")) and x["attention_mask"].ndim == 2:
-        return x["attention_mask"]
-    return None
-
-
-def masked_targets(targets: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
-    """Per-token targets with the padding positions of ``token_mask`` (``token_mask_of``) ignored (-100)."""
-    if token_mask is not None and tuple(token_mask.shape) == tuple(targets.shape) and targets.ndim == 2:
-        return targets.masked_fill(~token_mask.bool(), IGNORE_INDEX)
-    return targets
 
 
 def kinds_of(ids: Sequence[str]) -> list[str]:

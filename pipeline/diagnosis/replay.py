@@ -245,7 +245,7 @@ def _compare(ctx: Context, outputs: streams.Source, trained: streams.Source, ste
     chunking, token mask, FP64 arbiter, noise replicate), so that a re-run's verdict is the stage's rule."""
     params, ref = ctx.params, ctx.ref
     sources = streams.Sources(ref.cases.ids, ref.cases.y, ref.cases.has_target, ref.outputs_reader(), outputs, trained,
-                              fp64, streams.token_mask_of(ref.cases.x))
+                              fp64, task.token_mask_of(ref.cases.x))
     runs = streams.Trajectories(ref.trajectory, steps, final_scale, scaler, ref.replicate, aligned)
     stats, _ = streams.compare_streams(params.task.kind, params.acceptance, sources, runs,
                                        metric=streams.Metric.for_task(params.task), cfg=params.compare)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipeline import devices
+from pipeline import devices, task
 from pipeline.artifacts import comparison, reference_tensors, trial_tensors
 from pipeline.compare import streams
 from pipeline.config import load_params
@@ -21,7 +21,7 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     run = trial_tensors.load(variant, ref.manifest)
     fp64 = ref.fp64_reader()
     sources = streams.Sources(ref.cases.ids, ref.cases.y, ref.cases.has_target, ref.outputs_reader(), run.reader("outputs"),
-                              run.reader("trained_outputs"), fp64, streams.token_mask_of(ref.cases.x))
+                              run.reader("trained_outputs"), fp64, task.token_mask_of(ref.cases.x))
     t = run.trajectory
     runs = streams.Trajectories(ref.trajectory, t.steps, t.final_scale, t.scaler_enabled, ref.replicate, t.aligned_fp32)
     stats, table = streams.compare_streams(params.task.kind, params.acceptance, sources, runs,
