@@ -501,6 +501,13 @@ def test_a_single_logit_head_is_decided_by_its_sign():
         stats, d = _judge(ids, y, torch.ones(400, dtype=torch.bool), r, t, cfg=cfg)
         assert stats.heads["flag"].real_flips == crossed and d.decision == "rollback", d.reasons
         assert any(reason.startswith("decisions 'flag'") for reason in d.reasons) and d.cases["flips flag"]
+    # The same head as its sigmoid's probability: decided at 0.5, not by sign (every probability is >= 0, so no sign
+    # ever flips): by its name, or, under a name that says neither, because every reference value lies in [0, 1].
+    for name in ("fraud_prob", "flag"):
+        r, t = ({"logits": o["logits"], name: torch.sigmoid(o["flag"])} for o in (ref, trial))
+        stats, d = _judge(ids, y, torch.ones(400, dtype=torch.bool), r, t, cfg=cfg)
+        assert stats.heads[name].real_flips == crossed and d.decision == "rollback", (name, d.reasons)
+        assert stats.heads[name].flip_list[0].reference in [float(v) for v in r[name][:, 0]]  # the probability itself
     values_only = dataclasses.replace(cfg, outputs={**cfg.outputs, "flag": Tolerance(atol=0.5, rtol=0.02, decisions=False)})
     stats, d = _judge(ids, y, torch.ones(400, dtype=torch.bool), ref, trial, cfg=values_only)
     assert "flag" not in stats.heads and d.decision == "accept", d.reasons

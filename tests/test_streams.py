@@ -342,6 +342,7 @@ def test_a_per_token_single_logit_head_is_decided_by_its_sign_at_the_kept_positi
 
     ids, y, has, ref, _ = _set(n=40, per_token=True)
     flag = torch.full((40, 6, 1), 0.5)
+    flag[::2] = -0.5  # logits of both signs (a head whose every value lies in [0, 1] is read as a probability)
     flag[3, 1, 0] = flag[4, 3, 0] = 0.01  # near 0 (position 3 is padding)
     mask = torch.ones(40, 6, dtype=torch.long)
     mask[:, 3] = 0

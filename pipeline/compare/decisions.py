@@ -9,6 +9,7 @@ numbers per case; ``regression_flips`` compares each value of a case with a thre
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields, replace
 from typing import Sequence
 
@@ -481,20 +482,37 @@ class DecisionStats:
         )
 
 
+def holds_probabilities(name: str, ref: torch.Tensor) -> bool:
+    """Whether a single-value head holds a probability (a sigmoid's output, decided at 0.5), not a logit (decided at 0):
+    its name says so (``prob``, ``proba``, ``probability``), or, unless its name says logit, every finite value of
+    the reference lies in [0, 1] (a logit head that never goes negative would decide class 1 for every case)."""
+    if PROBABILITY_NAMES.search(name):
+        return True
+    finite = ref[torch.isfinite(ref)]
+    return not LOGIT_NAMES.search(name) and finite.numel() > 0 and bool(((finite >= 0) & (finite <= 1)).all())
+
+
+PROBABILITY_NAMES = re.compile(r"(probs?|probas?|probabilit(y|ies))$", re.IGNORECASE)
+LOGIT_NAMES = re.compile(r"logits?$", re.IGNORECASE)
+
+
 def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, trial: torch.Tensor, boundary_margin: float,
-               margin_kind: str, max_listed: int = 1000, positions: Sequence[int] | None = None) -> Decisions:
-    """The decisions of a single-logit head (a sigmoid's: class 1 where the logit is >= 0), judged as DecisionStats
-    judges class scores: its margin is |logit| (the two-class logits 0 and z), or |p1 - p0| = |tanh(z / 2)| for a
+               margin_kind: str, max_listed: int = 1000, positions: Sequence[int] | None = None,
+               probability: bool = False) -> Decisions:
+    """The decisions of a single-value head, judged as DecisionStats judges class scores: a sigmoid's logit z (class 1
+    where z >= 0), or with ``probability`` its probability p (class 1 where p >= 0.5, the logit z = log(p / (1 - p))
+    read from it). Its margin is |z| (the two-class logits 0 and z), or |p1 - p0| = |tanh(z / 2)| for a
     ``probability`` margin; constructed boundary cases are counted apart, real ones near the boundary too.
     ``ids``, ``kinds``: of each decision; ``positions``: per token, the position of each (the unit is then a token)."""
     r, t = ref.detach().double().reshape(-1), trial.detach().double().reshape(-1)
-    r_margin, t_margin = (torch.tanh(v / 2).abs() if margin_kind == "probability" else v.abs() for v in (r, t))
+    zr, zt = (torch.logit(v.clamp(0.0, 1.0)) if probability else v for v in (r, t))
+    r_margin, t_margin = (torch.tanh(v / 2).abs() if margin_kind == "probability" else v.abs() for v in (zr, zt))
     constructed = torch.tensor([k == "boundary" for k in kinds], dtype=torch.bool)
-    crossed = (r >= 0) != (t >= 0)
+    crossed = (zr >= 0) != (zt >= 0)
     near = (r_margin < boundary_margin) & ~constructed
     listed = torch.nonzero(crossed).flatten().tolist()
     flips = tuple(Flip(id=ids[i], kind=kinds[i], boundary=bool(constructed[i]), near_boundary=bool(near[i]),
-                       reference_class=int(r[i] >= 0), trial_class=int(t[i] >= 0), reference_margin=float(r_margin[i]),
+                       reference_class=int(zr[i] >= 0), trial_class=int(zt[i] >= 0), reference_margin=float(r_margin[i]),
                        trial_margin=float(t_margin[i]), margin_kind=margin_kind, reference=float(r[i]), trial=float(t[i]),
                        position=None if positions is None else int(positions[i]))
                   for i in listed[:max_listed])

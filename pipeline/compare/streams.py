@@ -35,7 +35,7 @@ import torch
 from pipeline.artifacts.comparison import Decisions, NonFinite, NonFiniteSides, OutputsInfo, Paired, Quality, Stats, Training
 from pipeline.artifacts.outputs import OutputsReader
 from pipeline.artifacts.steps import Steps
-from pipeline.compare.decisions import DecisionStats, PerCase, first_crossing, regression_flips, sign_flips
+from pipeline.compare.decisions import DecisionStats, PerCase, first_crossing, holds_probabilities, regression_flips, sign_flips
 from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite
 from pipeline.compare.quality import QualityStats, regression_errors
 from pipeline.compare.trajectory import calibration_steps, trajectory_gap, update_health
@@ -226,8 +226,8 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
         nonfinite=NonFiniteSides(*(nonfinite_summary(ids, kinds, state.nonfinite[side], state.nonfinite_elements[side])
                                    for side in ("trial", "trained"))),
         heads=dict(sorted({**{name: h.result() for name, h in head_stats.items()},
-                           **{name: _sign_result(ids, kinds, shapes[name], sides, rule, cfg) for name, sides in signs.items()}
-                           }.items())),
+                           **{name: _sign_result(ids, kinds, name, shapes[name], sides, rule, cfg)
+                              for name, sides in signs.items()}}.items())),
         flips=flips,
         distribution=distribution,
         quality=quality_stats(metric, per_token, quality, state.paired),
@@ -479,16 +479,19 @@ def _threshold_pick(r: torch.Tensor, t: torch.Tensor, threshold: float, valid: t
     return r_pick, torch.where(crossed.cpu(), t_pick, r_pick)  # no crossing: no flip, padding at 0 or not
 
 
-def _sign_result(ids: Sequence[str], kinds: Sequence[str], shape: tuple[int, ...], sides: tuple[list, ...],
+def _sign_result(ids: Sequence[str], kinds: Sequence[str], name: str, shape: tuple[int, ...], sides: tuple[list, ...],
                  rule: AcceptanceConfig, cfg: CompareConfig) -> Decisions:
-    """``sign_flips`` of one single-logit head from what ``_chunk`` kept of it (per token: each kept position)."""
+    """``sign_flips`` of one single-value head from what ``_chunk`` kept of it (per token: each kept position); a
+    probability is decided at 0.5 (``holds_probabilities``), a logit at 0."""
     r, t, rows, positions = sides
     r, t = torch.cat(r), torch.cat(t)
+    probability = holds_probabilities(name, r)
     if len(shape) != 3:
-        return sign_flips(ids, kinds, r, t, rule.boundary_margin, rule.boundary_margin_kind, cfg.max_listed_flips)
+        return sign_flips(ids, kinds, r, t, rule.boundary_margin, rule.boundary_margin_kind, cfg.max_listed_flips,
+                          probability=probability)
     rows = torch.cat(rows).tolist() if rows else []
-    return sign_flips([ids[i] for i in rows], [kinds[i] for i in rows], r, t, rule.boundary_margin,
-                      rule.boundary_margin_kind, cfg.max_listed_flips, torch.cat(positions).tolist() if positions else [])
+    return sign_flips([ids[i] for i in rows], [kinds[i] for i in rows], r, t, rule.boundary_margin, rule.boundary_margin_kind,
+                      cfg.max_listed_flips, torch.cat(positions).tolist() if positions else [], probability=probability)
 
 
 def nonfinite_summary(ids: Sequence[str], kinds: Sequence[str], rows: torch.Tensor, elements: dict[str, int],
