@@ -400,6 +400,7 @@ def vet_rule(
     rule: AcceptanceConfig, kind: str, shapes: dict[str, tuple], rms: dict[str, float], ref_quality: float, metric: str,
     higher_is_better: bool, ref_steps: Sequence[StepRecord], columns: dict[str, Sequence[float]] | None = None,
     distributions: Sequence[str] = (), real_units: int | None = None,
+    spreads: dict[str, Sequence[tuple[float, float]]] | None = None,
 ) -> str | None:
     """The first reason the rule cannot judge trials of this FP32 reference, as one line, or None.
 
@@ -413,7 +414,9 @@ def vet_rule(
     neither their name nor their entry says whether they are decisions: class probabilities would go undecided
     (« Une différence faible en valeur absolue peut changer l'action choisie »), proportions would not be; the user says.
     ``real_units``: the real cases (per token: the real, kept positions) of the primary's decisions, which
-    ``max_flip_rate``'s bound needs enough of to pass at all."""
+    ``max_flip_rate``'s bound needs enough of to pass at all. ``spreads``: per output judged by its values alone, per
+    column, (mean, standard deviation) in the reference: the band atol + rtol·|mean| must be below the spread, or a
+    trial answering one value for every case would pass (an offset, 101325 Pa ± 59, makes rtol's band the offset's)."""
     names = sorted(shapes)
     unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
     if unknown:
@@ -439,6 +442,14 @@ def vet_rule(
                     f"{max(per_column):.3g}), so a trial off by that column's whole size would pass; give '{name}' an atol "
                     f"below it, for example {0.01 * per_column[small]:.2g}, and let rtol bound the larger columns, or return "
                     f"the column as an output of its own")
+        for c, (mean, std) in enumerate((spreads or {}).get(name, ())):
+            band = atol + rule.outputs[key].rtol * abs(mean)
+            if std > 0 and band >= std:
+                where = f"column {c} of output '{name}'" if len(spreads[name]) > 1 else f"output '{name}'"
+                return (f"params.yaml: acceptance.outputs.{key}: atol {atol:g} + rtol {rule.outputs[key].rtol:g} x |mean| "
+                        f"= {band:.3g} is not below the spread of {where} (mean {mean:.6g}, standard deviation {std:.3g} "
+                        f"in the FP32 reference), so a trial answering one value for every case would pass; give '{name}' "
+                        f"a tolerance below its spread, for example {{atol: {0.01 * std:.2g}, rtol: 0}}")
     if distributions:
         name = distributions[0]
         return (f"params.yaml: output '{name}' of the regression holds, in every row of the FP32 reference, non-negative "

@@ -52,6 +52,10 @@ class Scan:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.squares: dict[str, list] = {}
         """Per output: [sum of squares, count] over the whole set, then over the ordinary cases (``ordinary``)."""
+        self.moments: dict[str, list] = {}
+        """Per output judged by its values alone, of at most ``COLUMNS`` columns (one for [N] or [N, 1]:
+        ``_values_of``), per column: [sums, sums of squares, rows] over the whole set, then over the ordinary cases: its
+        mean and spread, which the tolerance at that mean must be below (``spreads``)."""
         self.column_squares: dict[str, list] = {}
         """Per column, for outputs of values of a few columns (``_by_column``): columns of different scales share one
         atol, which must bound the smallest too. Over the whole set, then over the ordinary cases."""
@@ -65,6 +69,7 @@ class Scan:
             self.shapes[name] = tuple(v.shape[1:])
             rows = task.rows_within(SLICE_ELEMENTS, math.prod(v.shape[1:]))
             by_column = self._by_column(name, v, name == main)
+            width = self._values_of(name, v, name == main)
             if self._undecided(name, v, name == main) and self.distributions.get(name, True):
                 self.distributions[name] = _distributions(v)
             for a in range(0, v.shape[0], rows):
@@ -73,6 +78,13 @@ class Scan:
                 parts = [squares]
                 if self.ordinary is not None:
                     parts.append(squares[self.ordinary[row + a : row + b]])
+                if width:
+                    raw = v[a:b].detach().double().reshape(-1, width)
+                    chosen = [raw] if self.ordinary is None else [raw, v[a:b][self.ordinary[row + a : row + b]]]
+                    for i, values in enumerate(chosen):
+                        values = values.detach().double().reshape(-1, width)
+                        m = self.moments.setdefault(name, [[0.0, 0.0, 0], [0.0, 0.0, 0]])[i]
+                        m[0], m[1], m[2] = m[0] + values.sum(0), m[1] + values.square().sum(0), m[2] + values.shape[0]
                 for i, part in enumerate(parts):
                     total = self.squares.setdefault(name, [[0.0, 0], [0.0, 0]])[i]
                     total[0], total[1] = total[0] + float(part.sum()), total[1] + part.numel()
@@ -95,6 +107,35 @@ class Scan:
         if self.kind == "regression":  # its primary holds values whatever its name (a regression head's logits)
             return primary or not tolerance.decides(name, self.kind)
         return tolerance.decisions is False and not FEATURE_NAMES.search(name)
+
+    def _values_of(self, name: str, v: torch.Tensor, primary: bool) -> int:
+        """The columns of output ``name`` when it is judged by its values alone (as ``_by_column`` says, one column
+        included: [N], [N, 1]), else 0."""
+        width = v.shape[-1] if v.ndim >= 2 else 1
+        if width > COLUMNS:
+            return 0
+        tolerance = self.rule.tolerance(name)
+        if self.kind == "regression":
+            return width if primary or not tolerance.decides(name, self.kind) else 0
+        return width if tolerance.decisions is False and not FEATURE_NAMES.search(name) else 0
+
+    def spreads(self) -> dict[str, tuple[tuple[float, float], ...]]:
+        """Per output judged by its values alone (``moments``), per column: (mean, standard deviation) over the whole
+        set or over the ordinary cases, whichever spreads less (the variation a tolerance at that mean must be below)."""
+        out = {}
+        for name, parts in self.moments.items():
+            found = []
+            for total, squares, rows in parts:
+                if rows:
+                    mean = total / rows
+                    found.append((mean, (squares / rows - mean.square()).clamp(min=0.0).sqrt()))
+            if found:
+                columns = []
+                for c in range(found[0][0].numel()):
+                    mean, std = min(((float(m[c]), float(sd[c])) for m, sd in found), key=lambda pair: pair[1])
+                    columns.append((mean, std))
+                out[name] = tuple(columns)
+        return out
 
     def _undecided(self, name: str, v: torch.Tensor, primary: bool) -> bool:
         """Whether ``name`` is a regression's other output shaped like class scores ([N, C >= 2], [N, T, C]) that neither
@@ -121,7 +162,7 @@ class Scan:
     def problem(self, ref_steps: Sequence[StepRecord]) -> str | None:
         """The first reason the rule cannot judge this reference (``rule.vet_rule``), or None."""
         return rule.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
-                             self.metric.higher_is_better, ref_steps, columns=self.column_rms(),
+                             self.metric.higher_is_better, ref_steps, columns=self.column_rms(), spreads=self.spreads(),
                              distributions=sorted(n for n, every in self.distributions.items() if every),
                              real_units=self.real_units())
 

@@ -439,6 +439,54 @@ def test_boundary_cases_selected_from_an_lm_keep_their_ignored_positions():
     assert d.decision == "accept", d.reasons
 
 
+def test_a_tolerance_wider_than_an_offset_outputs_spread_is_refused_at_freeze():
+    """A regression head with a large offset (pressure, ~101340 Pa, standard deviation ~60 Pa): rtol 0.02 of |ref| is
+    ~2000 Pa, wider than the whole variation of the output, and its RMS (~1e5, the offset's) lets any atol through.
+    Under real bf16 autocast every pressure comes out as one value, and so would a trial answering the mean: both
+    pass the values check. freeze refuses the rule, naming the output, its spread and a fix; with that fix, the bf16
+    trial rolls back."""
+    from pipeline import cases, config
+    from pipeline.vetting import Scan
+
+    g = torch.Generator().manual_seed(0)
+
+    class Weather(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.temp, self.pressure = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1), torch.nn.Linear(16, 1)
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g))
+                self.pressure.weight.mul_(20.0)
+                self.pressure.bias.fill_(101325.0)
+
+        def forward(self, x):
+            h = torch.tanh(self.body(x))
+            return {"output": self.temp(h), "pressure": self.pressure(h)}
+
+    model, n = Weather(), 300
+    x = torch.randn(n, 8, generator=g)
+    ids, every = [f"ordinary/s{i}" for i in range(n)], torch.ones(n, dtype=torch.bool)
+    ref, trial = _fp32(model, x), _autocast(model, x, torch.bfloat16)
+    y = ref["output"] + 0.05 * torch.randn(n, 1, generator=g)
+    assert trial["pressure"].unique().numel() == 1  # bf16 keeps 8 bits: one value for the whole spread
+    shipped = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.05, rtol=0.02)}, max_quality_drop=0.005)
+    assert _judge(ids, y, every, ref, trial, cfg=shipped)[1].decision == "accept"  # what freeze must not let run
+    params = dataclasses.replace(config.Params(), task=TaskConfig(kind="regression"), acceptance=shipped)
+    scan = Scan(params, cases.Cases(ids=ids, x=x, y=y, has_target=every))
+    scan.update(0, ref)
+    line = scan.problem([_step(0, loss=10.0, grad_norm=1.0)])
+    assert line.startswith("params.yaml: acceptance.outputs.*: atol 0.05 + rtol 0.02 x |mean|") and "'pressure'" in line, line
+    assert "standard deviation" in line and "rtol: 0}" in line and "\n" not in line
+    fitted = dataclasses.replace(shipped, outputs={"*": Tolerance(atol=0.05, rtol=0.02),
+                                                   "pressure": Tolerance(atol=0.6, rtol=0.0)})
+    scan = Scan(dataclasses.replace(params, acceptance=fitted), cases.Cases(ids=ids, x=x, y=y, has_target=every))
+    scan.update(0, ref)
+    assert scan.problem([_step(0, loss=10.0, grad_norm=1.0)]) is None
+    _, d = _judge(ids, y, every, ref, trial, cfg=fitted)
+    assert d.decision == "rollback" and any(r.startswith("values 'pressure'") for r in d.reasons), d.reasons
+
+
 def test_skips_bunched_at_the_end_are_a_falling_scale_not_a_designed_skip():
     """200 updates, 16 of the last 18 skipped (the scale halving each time): 8 % of the run, within
     max_skipped_fraction 0.1, and never 10 skips in a row, yet the updates have nearly stopped (the guide: « les mises
