@@ -53,12 +53,10 @@ class Scan:
         self.squares: dict[str, list] = {}
         """Per output: [sum of squares, count] over the whole set, then over the ordinary cases (``ordinary``)."""
         self.moments: dict[str, list] = {}
-        """Per output judged by its values alone, of at most ``COLUMNS`` columns (one for [N] or [N, 1]:
-        ``_values_of``), per column: [sums, sums of squares, rows] over the whole set, then over the ordinary cases: its
-        mean and spread, which the tolerance at that mean must be below (``spreads``)."""
-        self.column_squares: dict[str, list] = {}
-        """Per column, for outputs of values of a few columns (``_by_column``): columns of different scales share one
-        atol, which must bound the smallest too. Over the whole set, then over the ordinary cases."""
+        """Per output judged by its values alone, of at most ``COLUMNS`` columns (one for [N] or [N, 1]: ``_values_of``),
+        per column: [sums, sums of squares, rows] over the whole set, then over the ordinary cases. Columns of different
+        scales share one atol, which must bound the smallest too (``column_rms``), and the band at a column's mean
+        must be below its spread (``spreads``)."""
 
     def update(self, row: int, chunk: dict[str, torch.Tensor]) -> None:
         """The chunk's rows from ``row`` on, a slice of rows at a time (``SLICE_ELEMENTS``): an LM's chunk holds GBs
@@ -68,49 +66,34 @@ class Scan:
         for name, v in chunk.items():
             self.shapes[name] = tuple(v.shape[1:])
             rows = task.rows_within(SLICE_ELEMENTS, math.prod(v.shape[1:]))
-            by_column = self._by_column(name, v, name == main)
             width = self._values_of(name, v, name == main)
             if self._undecided(name, v, name == main) and self.distributions.get(name, True):
                 self.distributions[name] = _distributions(v)
             for a in range(0, v.shape[0], rows):
                 b = min(a + rows, v.shape[0])
-                squares = v[a:b].detach().double().square()
-                parts = [squares]
+                values = v[a:b].detach().double()
+                parts = [values]
                 if self.ordinary is not None:
-                    parts.append(squares[self.ordinary[row + a : row + b]])
-                if width:
-                    raw = v[a:b].detach().double().reshape(-1, width)
-                    chosen = [raw] if self.ordinary is None else [raw, v[a:b][self.ordinary[row + a : row + b]]]
-                    for i, values in enumerate(chosen):
-                        values = values.detach().double().reshape(-1, width)
-                        m = self.moments.setdefault(name, [[0.0, 0.0, 0], [0.0, 0.0, 0]])[i]
-                        m[0], m[1], m[2] = m[0] + values.sum(0), m[1] + values.square().sum(0), m[2] + values.shape[0]
+                    parts.append(values[self.ordinary[row + a : row + b]])
                 for i, part in enumerate(parts):
+                    squares = part.square()
                     total = self.squares.setdefault(name, [[0.0, 0], [0.0, 0]])[i]
-                    total[0], total[1] = total[0] + float(part.sum()), total[1] + part.numel()
-                    if by_column:
-                        columns = self.column_squares.setdefault(name, [0.0, 0.0])
-                        columns[i] = columns[i] + part.reshape(-1, v.shape[-1]).sum(0)
+                    total[0], total[1] = total[0] + float(squares.sum()), total[1] + squares.numel()
+                    if width:
+                        m = self.moments.setdefault(name, [[0.0, 0.0, 0], [0.0, 0.0, 0]])[i]
+                        m[0] = m[0] + part.reshape(-1, width).sum(0)
+                        m[1] = m[1] + squares.reshape(-1, width).sum(0)
+                        m[2] += part.numel() // width
                 if v is out:
                     keep = self.has_target[row + a : row + b]
                     if bool(keep.any()):
                         self.quality.update(out[a:b][keep], self.targets[row + a : row + b][keep])
 
-    def _by_column(self, name: str, v: torch.Tensor, primary: bool) -> bool:
-        """Whether output ``name`` holds values of a few columns (``COLUMNS``, the last axis: [N, D] or per token
-        [N, T, D]) that one atol bounds: a regression's outputs, and a classifier's said ``decisions: false``; not
-        the decided heads, whose class scores share one scale, nor a classifier's features (an embedding's
-        dimensions are no quantities of their own: ``FEATURE_NAMES``)."""
-        if v.ndim < 2 or not 2 <= v.shape[-1] <= COLUMNS:
-            return False
-        tolerance = self.rule.tolerance(name)
-        if self.kind == "regression":  # its primary holds values whatever its name (a regression head's logits)
-            return primary or not tolerance.decides(name, self.kind)
-        return tolerance.decisions is False and not FEATURE_NAMES.search(name)
-
     def _values_of(self, name: str, v: torch.Tensor, primary: bool) -> int:
-        """The columns of output ``name`` when it is judged by its values alone (as ``_by_column`` says, one column
-        included: [N], [N, 1]), else 0."""
+        """The columns of output ``name`` (its last axis: [N, D] or per token [N, T, D]; one for [N]) when it holds
+        values that atol and rtol bound, at most ``COLUMNS`` of them, else 0: a regression's outputs, and a classifier's
+        said ``decisions: false``; not the decided heads, whose class scores share one scale, nor a classifier's
+        features (an embedding's dimensions are no quantities of their own: ``FEATURE_NAMES``)."""
         width = v.shape[-1] if v.ndim >= 2 else 1
         if width > COLUMNS:
             return 0
@@ -150,13 +133,13 @@ class Scan:
                 for name, parts in self.squares.items()}
 
     def column_rms(self) -> dict[str, tuple[float, ...]]:
-        """Per output with ``column_squares``: the RMS of each column, the smaller of the whole set's and the ordinary
-        cases'."""
+        """Per output of values of several columns (``moments``): the RMS of each column, the smaller of the whole set's
+        and the ordinary cases'."""
         out = {}
-        for name, columns in self.column_squares.items():
-            width = self.shapes[name][-1]
-            scales = [(sq * (width / count)).sqrt() for sq, (_, count) in zip(columns, self.squares[name]) if count]
-            out[name] = tuple(torch.stack(scales).amin(0).tolist()) if scales else ()
+        for name, parts in self.moments.items():
+            scales = [(squares / rows).sqrt() for _, squares, rows in parts if rows]
+            if self.shapes[name] and self.shapes[name][-1] >= 2:
+                out[name] = tuple(torch.stack(scales).amin(0).tolist()) if scales else ()
         return out
 
     def problem(self, ref_steps: Sequence[StepRecord]) -> str | None:
