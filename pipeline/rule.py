@@ -400,7 +400,7 @@ def vet_rule(
     rule: AcceptanceConfig, kind: str, shapes: dict[str, tuple], rms: dict[str, float], ref_quality: float, metric: str,
     higher_is_better: bool, ref_steps: Sequence[StepRecord], columns: dict[str, Sequence[float]] | None = None,
     distributions: Sequence[str] = (), real_units: int | None = None,
-    spreads: dict[str, Sequence[tuple[float, float]]] | None = None,
+    spreads: dict[str, Sequence[tuple[float, float]]] | None = None, whole_numbers: dict[str, float] | None = None,
 ) -> str | None:
     """The first reason the rule cannot judge trials of this FP32 reference, as one line, or None.
 
@@ -416,7 +416,9 @@ def vet_rule(
     ``real_units``: the real cases (per token: the real, kept positions) of the primary's decisions, which
     ``max_flip_rate``'s bound needs enough of to pass at all. ``spreads``: per output judged by its values alone, per
     column, (mean, standard deviation) in the reference: the band atol + rtol·|mean| must be below the spread, or a
-    trial answering one value for every case would pass (an offset, 101325 Pa ± 59, makes rtol's band the offset's)."""
+    trial answering one value for every case would pass (an offset, 101325 Pa ± 59, makes rtol's band the offset's).
+    ``whole_numbers``: per output whose every reference value is a whole number (beyond 0 and 1), its largest magnitude:
+    a class index, a bin or a count, whose unit is 1; a band that reaches 1 there passes a changed class."""
     names = sorted(shapes)
     unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
     if unknown:
@@ -442,6 +444,12 @@ def vet_rule(
                     f"{max(per_column):.3g}), so a trial off by that column's whole size would pass; give '{name}' an atol "
                     f"below it, for example {0.01 * per_column[small]:.2g}, and let rtol bound the larger columns, or return "
                     f"the column as an output of its own")
+        top = (whole_numbers or {}).get(name)
+        if top is not None and atol + rule.outputs[key].rtol * top >= 1.0:
+            return (f"params.yaml: acceptance.outputs.{key}: atol {atol:g} + rtol {rule.outputs[key].rtol:g} x {top:g} "
+                    f"reaches 1 on output '{name}', whose every value in the FP32 reference is a whole number (a class, "
+                    f"a bin, a count: its unit is 1), so a trial one unit off would pass; give '{name}' "
+                    f"{{atol: 0.5, rtol: 0}} (any change fails), or return scores instead of the index")
         for c, (mean, std) in enumerate((spreads or {}).get(name, ())):
             band = atol + rule.outputs[key].rtol * abs(mean)
             if std > 0 and band >= std:

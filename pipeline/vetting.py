@@ -52,6 +52,9 @@ class Scan:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.squares: dict[str, list] = {}
         """Per output: [sum of squares, count] over the whole set, then over the ordinary cases (``ordinary``)."""
+        self.whole: dict[str, float] = {}
+        """Per output whose every finite reference value is a whole number (a class index, a bin, a count, a rounded
+        value: its unit is 1): the largest magnitude among them (``whole_numbers``)."""
         self.moments: dict[str, list] = {}
         """Per output judged by its values alone, of at most ``COLUMNS`` columns (one for [N] or [N, 1]: ``_values_of``),
         per column: [sums, sums of squares, rows] over the whole set, then over the ordinary cases. Columns of different
@@ -63,6 +66,7 @@ class Scan:
         of scores, and its float64 squares or its rows with a target copied whole would hold as many again."""
         main = primary_name(chunk)
         out = chunk[main]
+        scores = set(streams.decided_heads(self.kind, self.rule, {n: tuple(t.shape) for n, t in chunk.items()}, main))
         for name, v in chunk.items():
             self.shapes[name] = tuple(v.shape[1:])
             rows = task.rows_within(SLICE_ELEMENTS, math.prod(v.shape[1:]))
@@ -75,6 +79,11 @@ class Scan:
                 parts = [values]
                 if self.ordinary is not None:
                     parts.append(values[self.ordinary[row + a : row + b]])
+                if name not in scores and self.whole.get(name, 0.0) is not None:  # class scores: their argmax is judged
+                    finite = values[torch.isfinite(values)]
+                    whole = bool((finite == finite.round()).all())
+                    self.whole[name] = max(self.whole.get(name, 0.0), float(finite.abs().max()) if finite.numel() else 0.0) \
+                        if whole else None
                 for i, part in enumerate(parts):
                     squares = part.square()
                     total = self.squares.setdefault(name, [[0.0, 0], [0.0, 0]])[i]
@@ -132,6 +141,10 @@ class Scan:
         return {name: min(_rms(total, count) for total, count in parts if count) if any(c for _, c in parts) else 0.0
                 for name, parts in self.squares.items()}
 
+    def whole_numbers(self) -> dict[str, float]:
+        """Per output whose every reference value is a whole number, beyond 0 and 1: its largest magnitude."""
+        return {name: top for name, top in self.whole.items() if top is not None and top > 1}
+
     def column_rms(self) -> dict[str, tuple[float, ...]]:
         """Per output of values of several columns (``moments``): the RMS of each column, the smaller of the whole set's
         and the ordinary cases'."""
@@ -146,6 +159,7 @@ class Scan:
         """The first reason the rule cannot judge this reference (``rule.vet_rule``), or None."""
         return rule.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
                              self.metric.higher_is_better, ref_steps, columns=self.column_rms(), spreads=self.spreads(),
+                             whole_numbers=self.whole_numbers(),
                              distributions=sorted(n for n, every in self.distributions.items() if every),
                              real_units=self.real_units())
 

@@ -487,6 +487,57 @@ def test_a_tolerance_wider_than_an_offset_outputs_spread_is_refused_at_freeze():
     assert d.decision == "rollback" and any(r.startswith("values 'pressure'") for r in d.reasons), d.reasons
 
 
+def test_an_integer_head_whose_tolerance_reaches_one_unit_is_refused_at_freeze():
+    """An ordinal model returns its decision as an index (``age_bin``, the argmax over 100 bins, int64, 53..99): under
+    real bf16 autocast 1 bin in 4 moves by one, and rtol 0.02 x 99 is about 2 bins, so every change passes the values
+    check (and no sign of a non-negative index ever flips). A whole-number output's unit is 1: freeze refuses a band
+    that reaches it, naming the output and a fix; with that fix the bf16 trial rolls back naming the cases."""
+    from pipeline import cases, config
+    from pipeline.vetting import Scan
+
+    g = torch.Generator().manual_seed(4)
+
+    class AgeModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.main, self.age = torch.nn.Linear(16, 32), torch.nn.Linear(32, 3), torch.nn.Linear(32, 1)
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g))
+                self.main.weight.mul_(10.0)
+                self.age.weight.mul_(2.0)
+                self.age.bias.fill_(75.0)
+            self.register_buffer("bins", torch.arange(100.0))
+
+        def forward(self, x):
+            h = torch.tanh(self.body(x))
+            return {"logits": self.main(h), "age_bin": (-(self.bins - self.age(h)) ** 2 / 8.0).argmax(-1)}
+
+    model, n = AgeModel(), 400
+    x = torch.randn(n, 16, generator=g)
+    ids, every = [f"ordinary/s{i}" for i in range(n)], torch.ones(n, dtype=torch.bool)
+    ref, trial = _fp32(model, x), _autocast(model, x, torch.bfloat16)
+    ref["age_bin"] = ref["age_bin"].float()  # as inference records every output
+    y = ref["logits"].argmax(1)
+    moved = int((ref["age_bin"] != trial["age_bin"]).sum())
+    assert moved > 20 and float((ref["age_bin"] - trial["age_bin"]).abs().max()) == 1.0
+    shipped = dataclasses.replace(RULE, outputs={"*": Tolerance(), "logits": Tolerance(atol=1.0, rtol=0.02)})
+    assert _judge(ids, y, every, ref, trial, cfg=shipped)[1].decision == "accept"  # what freeze must not let run
+
+    def vetted(rule):
+        scan = Scan(dataclasses.replace(config.Params(), acceptance=rule), cases.Cases(ids=ids, x=x, y=y, has_target=every))
+        scan.update(0, ref)
+        return scan.problem([_step(0, loss=10.0, grad_norm=1.0)])
+
+    line = vetted(shipped)
+    assert line.startswith("params.yaml: acceptance.outputs.*: atol 0.05 + rtol 0.02 x 99 reaches 1 on output 'age_bin'"), line
+    assert "{atol: 0.5, rtol: 0}" in line
+    fitted = dataclasses.replace(shipped, outputs={**shipped.outputs, "age_bin": Tolerance(atol=0.5, rtol=0.0)})
+    assert vetted(fitted) is None
+    _, d = _judge(ids, y, every, ref, trial, cfg=fitted)
+    assert d.decision == "rollback" and any(r.startswith("values 'age_bin'") for r in d.reasons), d.reasons
+
+
 def test_skips_bunched_at_the_end_are_a_falling_scale_not_a_designed_skip():
     """200 updates, 16 of the last 18 skipped (the scale halving each time): 8 % of the run, within
     max_skipped_fraction 0.1, and never 10 skips in a row, yet the updates have nearly stopped (the guide: « les mises
