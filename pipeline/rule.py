@@ -444,6 +444,15 @@ def vet_rule(
                     f"{max(per_column):.3g}), so a trial off by that column's whole size would pass; give '{name}' an atol "
                     f"below it, for example {0.01 * per_column[small]:.2g}, and let rtol bound the larger columns, or return "
                     f"the column as an output of its own")
+    if distributions:
+        name = distributions[0]
+        return (f"params.yaml: output '{name}' of the regression holds, in every row of the FP32 reference, non-negative "
+                f"values summing to 1, like class probabilities, but neither its name nor acceptance.outputs says whether "
+                f"they are decisions; give '{name}': {{decisions: true}} under acceptance.outputs to judge the class each row "
+                f"picks too, or {{decisions: false}} to judge its values only (proportions)")
+    for name in names:  # after the question above, which names both of its fixes
+        key = name if name in rule.outputs else "*"
+        atol = rule.outputs[key].atol
         top = (whole_numbers or {}).get(name)
         if top is not None and atol + rule.outputs[key].rtol * top >= 1.0:
             return (f"params.yaml: acceptance.outputs.{key}: atol {atol:g} + rtol {rule.outputs[key].rtol:g} x {top:g} "
@@ -458,12 +467,6 @@ def vet_rule(
                         f"= {band:.3g} is not below the spread of {where} (mean {mean:.6g}, standard deviation {std:.3g} "
                         f"in the FP32 reference), so a trial answering one value for every case would pass; give '{name}' "
                         f"a tolerance below its spread, for example {{atol: {0.01 * std:.2g}, rtol: 0}}")
-    if distributions:
-        name = distributions[0]
-        return (f"params.yaml: output '{name}' of the regression holds, in every row of the FP32 reference, non-negative "
-                f"values summing to 1, like class probabilities, but neither its name nor acceptance.outputs says whether "
-                f"they are decisions; give '{name}': {{decisions: true}} under acceptance.outputs to judge the class each row "
-                f"picks too, or {{decisions: false}} to judge its values only (proportions)")
     scored = [n for n in names if len(shapes[n]) >= 3 and (n != primary_name(names) or kind == "classification")
               and rule.tolerance(n).scored(n, kind)]
     if scored:  # [N, a, b, c...]: no decision check reads it (class scores are [N, C] or [N, T, C])
