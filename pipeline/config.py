@@ -342,6 +342,10 @@ DECISION_NAMES = re.compile(r"(logits?|scores?|probs?|probas?|probabilit(y|ies)|
 """Output names that say decisions whatever else they hold (``dialog_state_logits``, ``attention_scores``)."""
 CLASS_NAMES = re.compile(r"(logits?|probs?|probas?|probabilit(y|ies)|class(es)?)$", re.IGNORECASE)
 """Output names that say class scores beside a regression's values (where a ``pred`` or a ``score`` may be a value)."""
+PROBABILITY_NAMES = re.compile(r"(probs?|probas?|probabilit(y|ies))$", re.IGNORECASE)
+"""Output names that say probabilities: a single-value head so named is decided at 0.5 (``decisions.holds_probabilities``)."""
+LOGIT_NAMES = re.compile(r"logits?$", re.IGNORECASE)
+"""Output names that say logits: a single-value head so named is decided at 0, whatever range its values span."""
 
 
 DEFAULT_OUTPUT = "output"

@@ -9,7 +9,6 @@ numbers per case; ``regression_flips`` compares each value of a case with a thre
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, fields, replace
 from typing import Sequence
 
@@ -18,6 +17,7 @@ import torch
 
 from pipeline.artifacts.comparison import Decisions, Distribution, Flip
 from pipeline.compare.quantiles import StreamQuantile
+from pipeline.config import LOGIT_NAMES, PROBABILITY_NAMES
 from pipeline.task import IGNORE_INDEX
 
 MARGIN_KINDS = ("logit", "probability", "relative")
@@ -490,10 +490,6 @@ def holds_probabilities(name: str, ref: torch.Tensor) -> bool:
         return True
     finite = ref[torch.isfinite(ref)]
     return not LOGIT_NAMES.search(name) and finite.numel() > 0 and bool(((finite >= 0) & (finite <= 1)).all())
-
-
-PROBABILITY_NAMES = re.compile(r"(probs?|probas?|probabilit(y|ies))$", re.IGNORECASE)
-LOGIT_NAMES = re.compile(r"logits?$", re.IGNORECASE)
 
 
 def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, trial: torch.Tensor, boundary_margin: float,
