@@ -81,9 +81,10 @@ class Scan:
                     parts.append(values[self.ordinary[row + a : row + b]])
                 if name not in scores and self.whole.get(name, 0.0) is not None:  # class scores: their argmax is judged
                     finite = values[torch.isfinite(values)]
-                    whole = bool((finite == finite.round()).all())
-                    self.whole[name] = max(self.whole.get(name, 0.0), float(finite.abs().max()) if finite.numel() else 0.0) \
-                        if whole else None
+                    if not bool((finite == finite.round()).all()):
+                        self.whole[name] = None  # not whole numbers: the rest of the output is not looked at
+                    elif finite.numel():
+                        self.whole[name] = max(self.whole.get(name, 0.0), float(finite.abs().max()))
                 for i, part in enumerate(parts):
                     squares = part.square()
                     total = self.squares.setdefault(name, [[0.0, 0], [0.0, 0]])[i]
