@@ -1,7 +1,7 @@
 """Throughput and peak memory of compare on large synthetic outputs, against a plain numpy pass.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_compare.py [--scale 1.0] [--threads 1] [--chunk-elements 4000000] \
-        [--repeats 3] [--keep DIR]
+        [--repeats 3] [--keep DIR] [--device cpu|cuda]
 
 Two cases, written once to a temporary folder with ``outputs.write_outputs`` (the format freeze and
 trial write), then compared by ``streams.compare_streams`` in a fresh process each:
@@ -14,6 +14,8 @@ floor), their ratio, the peak RSS, the interpreter's RSS after imports and the s
 measured in the same run. Each measurement runs in its own process, so that peak RSS is its own; compare
 and the floor alternate ``--repeats`` times (on a shared machine the load changes from second to second):
 the median speed of each, the median of the paired ratios, and the worst peak RSS of compare are printed.
+``--device cuda`` runs compare's arithmetic on the GPU (``compare_streams(device=)``: each chunk is read on the host
+and copied there), as the compare stage does where ``device`` resolves to a GPU; the numpy floor stays on the host.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def make(case: str, folder: Path, scale: float) -> dict:
     return {"rows": rows, "elements": rows * int(torch.Size(shape).numel())}
 
 
-def measure_compare(case: str, folder: Path, chunk_elements: int, threads: int) -> dict:
+def measure_compare(case: str, folder: Path, chunk_elements: int, threads: int, device: str = "cpu") -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -105,7 +107,7 @@ def measure_compare(case: str, folder: Path, chunk_elements: int, threads: int) 
     runs = streams.Trajectories(steps, steps, 1.0)
     warm = streams.Sources([f"ordinary/{i}" for i in range(4)], tiny_y, torch.ones(4, dtype=torch.bool), streams.InMemory(tiny),
                            streams.InMemory(tiny), streams.InMemory(tiny))
-    streams.compare_streams("classification", AcceptanceConfig(), warm, runs)
+    streams.compare_streams("classification", AcceptanceConfig(), warm, runs, device=device)
     base = _current_rss_mb()
     t = load_file(str(folder / f"{case}-targets.safetensors"))
     ref = OutputsReader(folder / f"{case}-reference.safetensors")
@@ -114,7 +116,7 @@ def measure_compare(case: str, folder: Path, chunk_elements: int, threads: int) 
     start = time.perf_counter()
     sources = streams.Sources(ref.ids, t["y"], t["has_target"], ref, trial, trained)
     stats, table = streams.compare_streams("classification", AcceptanceConfig(), sources, runs,
-                                           cfg=CompareConfig(chunk_elements=chunk_elements))
+                                           cfg=CompareConfig(chunk_elements=chunk_elements), device=device)
     seconds = time.perf_counter() - start
     n = stats.values["logits"].elements
     return {
@@ -164,7 +166,7 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "make":
         result = make(args.case, folder, args.scale)
     elif args.child == "compare":
-        result = measure_compare(args.case, folder, args.chunk_elements, args.threads)
+        result = measure_compare(args.case, folder, args.chunk_elements, args.threads, args.device)
     else:
         result = measure_numpy(args.case, folder, args.chunk_elements)
     print(json.dumps(result))
@@ -172,7 +174,7 @@ def child(args: argparse.Namespace) -> None:
 
 def run_child(kind: str, case: str, folder: Path, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", kind, "--case", case, "--folder", str(folder), "--scale", str(args.scale),
-           "--chunk-elements", str(args.chunk_elements), "--threads", str(args.threads)]
+           "--chunk-elements", str(args.chunk_elements), "--threads", str(args.threads), "--device", args.device]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -192,6 +194,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="compare and the numpy floor alternate this many times; medians of each and of the paired ratios")
     parser.add_argument("--keep", default=None, help="write the outputs here and keep them (default: a temporary folder)")
+    parser.add_argument("--device", default="cpu", help="where compare's arithmetic runs: cpu, or cuda (a GPU)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
@@ -202,7 +205,7 @@ def main() -> None:
     import platform
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPU(s); threads {args.threads}; "
-          f"chunk {args.chunk_elements:,} elements")
+          f"chunk {args.chunk_elements:,} elements; compare on {args.device}")
     with contextlib.ExitStack() as stack:
         if args.keep:  # the outputs stay there for another run or a profiler
             folder = Path(args.keep)

@@ -16,7 +16,7 @@ import torch
 import yaml
 import _project
 from _project import ROOT, env_for, run
-from conftest import make_project
+from conftest import TINY, make_project
 
 from pipeline import checkpoint, devices
 from pipeline.artifacts import benchmark
@@ -149,9 +149,13 @@ def test_benchmark_stage_skips_a_rolled_back_variant(frozen: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
-def test_gpu_benchmark_uses_events_and_reports_tf32_where_it_exists(frozen: Path, tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    shutil.copytree(frozen, repo)
+def test_gpu_benchmark_uses_events_and_reports_tf32_where_it_exists(tmp_path: Path) -> None:
+    """prepare, freeze and the float16 trial run on the GPU by the stages themselves (no dvc, git or MLflow: a bare
+    PyTorch image runs this too), then the benchmark of the accepted variant."""
+    repo = _project.copy(tmp_path / "repo", override=_project.merge(TINY, {"device": "cuda", "trial": {"variants": ["float16"]}}))
+    for step in _project.plan(_project.params(repo), repo):
+        if step.name in ("prepare", "freeze", "trial@float16"):
+            run(step.argv(), repo, env=quiet_env(repo))
     decide(repo, "float16", "accept")
     proc = stage(repo, "benchmark", "--variant", "float16")
     assert proc.returncode == 0, proc.stderr
