@@ -81,11 +81,16 @@ this many elements (128 MB, a float64 forward of seconds for the examples), else
 it: an LLM's full float64 forward would cost another training's time and 8 bytes per logit."""
 
 FP64_AUTO_MODEL_BYTES = 8 * 2**30
-"""Auto also runs no arbiter for a model whose float64 copy would exceed this (8 GiB: a 1e9-parameter model):
-the copy is made in host memory. Ask for cases explicitly (``reference.fp64_arbiter: N``) to run it anyway."""
+"""Auto also runs no arbiter for a model whose float64 copy would exceed this (8 GiB: a 1e9-parameter model).
+Ask for cases explicitly (``reference.fp64_arbiter: N``) to run it anyway."""
 
 FP64_CHUNK_ELEMENTS = 4_000_000
 """The most float64 output elements one arbiter batch holds (32 MB): a batch of LM cases stays this size."""
+
+FP64_DEVICE_HEADROOM = 3
+"""The arbiter runs on the model's GPU when that GPU has this many times the float64 copy's bytes free (the copy,
+and room for its activations), else on the CPU: a float64 forward of a GPU-sized model on one CPU thread takes
+minutes (the 57M-parameter transformer example: over 3 minutes, against about a second on an H200)."""
 
 
 @dataclass(frozen=True)
@@ -96,23 +101,39 @@ class Fp64Outputs:
     chunks: Iterator[dict[str, torch.Tensor]]
 
 
+def fp64_device(model: torch.nn.Module, device: torch.device) -> torch.device:
+    """Where the FP64 arbiter runs: ``device`` when it is a GPU with room for the float64 copy
+    (``FP64_DEVICE_HEADROOM``), else the CPU."""
+    if device.type != "cuda":
+        return torch.device("cpu")
+    copy_bytes = 8 * sum(t.numel() for t in (*model.parameters(), *model.buffers()) if t.is_floating_point())
+    free, _ = torch.cuda.mem_get_info(device)
+    return device if free >= FP64_DEVICE_HEADROOM * copy_bytes else torch.device("cpu")
+
+
 def fp64_chunks(
-    model: torch.nn.Module, x: Inputs, eval_mode: bool, cases: int | None = None, batch_size: int = 256
+    model: torch.nn.Module, x: Inputs, eval_mode: bool, cases: int | None = None, batch_size: int = 256,
+    device: torch.device = torch.device("cpu"),
 ) -> Fp64Outputs | None:
-    """The FP64 arbiter's outputs on CPU (floating inputs in float64, ids as they are) for the first ``cases`` rows
-    of ``x`` (``reference.fp64_arbiter``; None: auto, see ``FP64_AUTO_ELEMENTS``), in batches of at most
-    ``FP64_CHUNK_ELEMENTS`` output elements; None when ``cases`` is 0, the model does not run in float64, or (auto)
-    its float64 copy would exceed ``FP64_AUTO_MODEL_BYTES``."""
+    """The FP64 arbiter's outputs, float64 CPU tensors (floating inputs in float64, ids as they are), for the first
+    ``cases`` rows of ``x`` (``reference.fp64_arbiter``; None: auto, see ``FP64_AUTO_ELEMENTS``), in batches of at
+    most ``FP64_CHUNK_ELEMENTS`` output elements, computed on ``fp64_device(model, device)``; None when ``cases`` is 0,
+    the model does not run in float64, or (auto) its float64 copy would exceed ``FP64_AUTO_MODEL_BYTES``."""
     if cases == 0 or (cases is None and 8 * sum(p.numel() for p in model.parameters()) > FP64_AUTO_MODEL_BYTES):
         return None
+    where = fp64_device(model, device)
+
+    def run(arbiter: torch.nn.Module, part) -> dict[str, torch.Tensor]:
+        return named_outputs(call(arbiter, to_device(map_floating(part, torch.Tensor.double), where)))
+
     try:
-        arbiter = copy.deepcopy(model).to("cpu").double()
+        arbiter = copy.deepcopy(model).to(where).double()
         arbiter.train(not eval_mode)
-        with torch.no_grad(), inference_rng(eval_mode, torch.device("cpu")):
+        with torch.no_grad(), inference_rng(eval_mode, where):
             first_part = next(iter(iter_rows(x, 2)), None)  # two rows: a training-mode BatchNorm needs more than one
             if first_part is None:
                 return None
-            probe = named_outputs(call(arbiter, map_floating(first_part[2], torch.Tensor.double)))  # float64 at all?
+            probe = run(arbiter, first_part[2])  # float64 at all?
     except (RuntimeError, TypeError, NotImplementedError, UserError):
         return None
     total, per_case = rows(x), max(1, sum(v[0].numel() for v in probe.values()))
@@ -122,10 +143,9 @@ def fp64_chunks(
     batch_size = min(batch_size, rows_within(FP64_CHUNK_ELEMENTS, per_case))
 
     def chunks() -> Iterator[dict[str, torch.Tensor]]:
-        with torch.no_grad(), inference_rng(eval_mode, torch.device("cpu")):
+        with torch.no_grad(), inference_rng(eval_mode, where):
             for _, _, part in iter_rows(covered, batch_size):
-                named = named_outputs(call(arbiter, map_floating(part, torch.Tensor.double)))
-                yield {k: v.double().contiguous() for k, v in named.items()}
+                yield {k: v.double().cpu().contiguous() for k, v in run(arbiter, part).items()}
 
     return Fp64Outputs(rows(covered), chunks())
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from pipeline.compare.decisions import (DecisionStats, best_two, first_max, kl_and_lse, labels_of, regression_flips, sign_flips,
-                                        top_k)
+from pipeline.compare.decisions import (DecisionStats, best_two, first_max, kl_and_lse, labels_of, listed_top, regression_flips,
+                                        sign_flips, top_k)
 from pipeline.compare.gaps import value_gaps
 from pipeline.compare.quality import QualityStats
 from pipeline.task import IGNORE_INDEX
@@ -261,3 +261,17 @@ def test_sign_flips_count_like_class_scores():
         ("ordinary/0", 1, 0, False), ("ordinary/1", 1, 0, True), ("boundary/3", 1, 0, False)]
     p = sign_flips(ids, kinds, ref, trial, boundary_margin=0.8, margin_kind="probability")  # tanh(1) = 0.76 < 0.8
     assert (p.flips, p.near_boundary_flips) == (0, 2) and p.flip_list[0].reference_margin == pytest.approx(math.tanh(1.0))
+
+
+def test_a_listed_flip_names_its_best_classes_in_one_order_on_every_device():
+    """A flip's top 5 (a vocabulary's scores): NaN first, then by value, equal values by the lowest class; ``topk``'s
+    own order among equal values differs between the CPU and a GPU (an all-NaN row listed 28 first on one, 1 on the
+    other)."""
+    nan = math.nan
+    s = torch.tensor([1.0, 3.0, 3.0, nan, 2.0, 3.0, 0.0, nan] + [0.0] * 20)
+    values, classes = listed_top(s, 5)
+    assert classes.tolist() == [3, 7, 1, 2, 5] and values[2:].tolist() == [3.0, 3.0, 3.0]
+    assert listed_top(torch.full((30,), nan), 5)[1].tolist() == [0, 1, 2, 3, 4]
+    assert listed_top(torch.zeros(30), 5)[1].tolist() == [0, 1, 2, 3, 4]
+    x = torch.randn(40, generator=torch.Generator().manual_seed(0))
+    assert all(torch.equal(a, b) for a, b in zip(listed_top(x, 5), x.topk(5)))

@@ -129,3 +129,57 @@ def test_arbiter_compares_amp_with_fp32_against_fp64():
     assert b.fp32_rmse_vs_fp64 == pytest.approx(math.sqrt(0.25 / 3))
     assert b.amp_rmse_vs_fp64 == pytest.approx(math.sqrt(float(torch.tensor(1.1) - 1) ** 2 / 3))
     assert b.amp_over_fp32 == pytest.approx(b.amp_rmse_vs_fp64 / b.fp32_rmse_vs_fp64)
+
+
+def test_class_scores_at_softmax_probability_zero_on_both_sides_agree():
+    """A masked class (``finfo(dtype).min``: -3.4e38 under FP32, -65504 under float16) is at probability exactly 0 on
+    both sides: agreement, counted apart and left out of the statistics, for class scores decided through softmax
+    only. A pair where one side alone is at probability 0 is judged as any."""
+    low = torch.finfo(torch.float32).min
+    ref = torch.tensor([[2.0, 1.0, low, low], [0.5, -1.0, 3.0, low]])
+    trial = torch.tensor([[2.01, 1.0, -65504.0, -65504.0], [0.5, -1.01, 3.0, -65504.0]])
+    acc = GapStats(0.05, 0.02, ref.numel(), softmax=True)
+    gap = acc.update(ref, trial)
+    g = acc.result()
+    assert g.failing == 0 and g.zero_probability_both == 3 and g.elements == 8
+    assert g.max_abs == pytest.approx(0.01, rel=1e-3) and g.min_passing_atol < 0.05 and g.min_passing_rtol < 0.02
+    assert g.p99_abs < 0.05 and g.mean_abs < 0.01
+    assert gap[ref == low].eq(0).all() and gap[0, 0] == pytest.approx(0.01, rel=1e-3)
+    assert not acc.failing_rows(ref, trial).any()
+    assert g.as_dict()["zero_probability_both"] == 3 and type(g).from_dict(g.as_dict()) == g
+    # Values, or single-value heads, are no class scores: the same pairs fail there.
+    plain = value_gaps(ref, trial, 0.05, 0.02)
+    assert plain.failing == 3 and plain.zero_probability_both is None and "zero_probability_both" not in plain.as_dict()
+    column = GapStats(0.05, 0.02, 4, softmax=True)
+    column.update(ref[0][:, None], trial[0][:, None])
+    assert column.result().failing == 2 and column.result().zero_probability_both == 0
+    # One side alone at probability 0 (the trial unmasks a class, or masks a legal one): a real change, judged.
+    for r, t in (([0.0, low], [0.0, -3.0]), ([0.0, -3.0], [0.0, -65504.0]), ([0.0, -103.5], [0.0, -300.0])):
+        one = GapStats(0.05, 0.02, 2, softmax=True)
+        one.update(torch.tensor([r]), torch.tensor([t]))
+        assert one.failing_so_far() == 1 and one.result().zero_probability_both == 0, (r, t)
+        assert one.failing_rows(torch.tensor([r]), torch.tensor([t])).tolist() == [True]
+    # The constant: 104 nats below the row's maximum is probability 0 in float32, 103.5 is not.
+    assert torch.softmax(torch.tensor([0.0, -104.0]), -1)[1] == 0 and torch.softmax(torch.tensor([0.0, -103.5]), -1)[1] > 0
+    far = GapStats(0.05, 0.02, 2, softmax=True)
+    far.update(torch.tensor([[0.0, -104.5]]), torch.tensor([[0.0, -300.0]]))
+    assert far.failing_so_far() == 0 and far.result().zero_probability_both == 1
+
+
+def test_probability_zero_pairs_are_set_aside_in_passing_slices_with_large_gaps_and_per_token():
+    """bfloat16's minimum (-3.39e38) against float32's passes rtol 0.02, but its gap (1.3e36) would be the reported
+    max: set aside there too. Per-token scores [N, T, C] are judged per position, with non-finite pairs as before."""
+    low = torch.finfo(torch.float32).min
+    ref = torch.tensor([[[1.0, 0.0, low], [0.0, 2.0, low]]])
+    trial = torch.tensor([[[1.0, 0.0, torch.finfo(torch.bfloat16).min], [0.0, 2.0, low]]])
+    acc = GapStats(0.05, 0.02, ref.numel(), softmax=True)
+    acc.update(ref, trial)
+    g = acc.result()
+    assert g.failing == 0 and g.zero_probability_both == 2 and g.max_abs == 0.0
+    trial[0, 0, 0] = math.nan  # a non-finite trial element fails; its row's other pairs are still judged
+    trial[0, 1, 2] = -65504.0
+    acc = GapStats(0.05, 0.02, ref.numel(), softmax=True)
+    acc.update(ref, trial)
+    g = acc.result()
+    assert g.failing == 1 and g.nonfinite_trial_only == 1 and g.zero_probability_both == 1  # that row's max is NaN
+    assert acc.failing_rows(ref, trial).tolist() == [True]

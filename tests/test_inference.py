@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pipeline import inference
@@ -60,3 +61,23 @@ def test_a_batchnorm_model_in_training_mode_gets_its_arbiter():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
     run = inference.fp64_chunks(model, torch.randn(40, 8), eval_mode=False)  # the probe runs more than one row
     assert run is not None and _rows(run).shape == (40, 4)
+
+
+def test_on_the_cpu_the_arbiter_stays_on_the_cpu():
+    assert inference.fp64_device(_model(), torch.device("cpu")) == torch.device("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_on_a_gpu_the_arbiter_runs_there_and_gives_the_cpu_values():
+    """A model on the GPU: its float64 copy runs there (a GPU-sized model's float64 forward on one CPU thread takes
+    minutes), and the chunks come back as float64 CPU tensors equal to the CPU's within float64 rounding."""
+    device = torch.device("cuda")
+    model, x = _model(), torch.randn(300, 8)
+    on_cpu = _rows(inference.fp64_chunks(model, x, eval_mode=True))
+    model.to(device)
+    assert inference.fp64_device(model, device) == device
+    run = inference.fp64_chunks(model, x, eval_mode=True, device=device)
+    on_gpu = _rows(run)
+    assert run.cases == 300 and on_gpu.device.type == "cpu" and on_gpu.dtype == torch.float64
+    torch.testing.assert_close(on_gpu, on_cpu, rtol=1e-12, atol=1e-13)

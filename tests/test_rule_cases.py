@@ -948,6 +948,81 @@ def test_one_overflowed_step_the_scaler_skipped_is_an_incident_not_a_rollback():
     assert not any(c.startswith("training: every loss finite") for c in d.checks)
 
 
+class _MaskedActions(torch.nn.Module):
+    """A policy's action scores with illegal actions masked the Hugging Face / RL way,
+    ``masked_fill(~allowed, torch.finfo(logits.dtype).min)``: -3.4e38 under FP32, -65504 under a float16 autocast."""
+
+    def __init__(self, illegal=(4, 5)):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.body, self.head = torch.nn.Linear(16, 32), torch.nn.Linear(32, 6)
+        self.illegal = list(illegal)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+            self.head.weight.mul_(3.0)
+
+    def forward(self, x):
+        logits = self.head(torch.tanh(self.body(x)))
+        allowed = torch.ones_like(logits, dtype=torch.bool)
+        allowed[:, self.illegal] = False
+        return logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
+
+
+def test_a_class_masked_with_the_dtypes_minimum_on_both_sides_is_no_value_gap():
+    """Illegal actions masked with the dtype's minimum are at probability exactly 0 under FP32 (-3.4e38) and under the
+    float16 trial (-65504): no decision, no probability changes, yet their value gap (3.4e38) failed every rtol < 1,
+    and every float16 trial of such a model rolled back. Such pairs agree (counted in ``zero_probability_both``, out of
+    the gap figures); freeze accepts the reference. A trial that unmasks an action the reference masks, or masks a
+    legal one, changes a probability from or to 0: still a rollback."""
+    from pipeline import cases, config, vetting
+    from pipeline.artifacts import reference_tensors
+
+    model = _MaskedActions()
+    n = 300
+    x = torch.randn(n, 16, generator=torch.Generator().manual_seed(6))
+    ids, every = [f"ordinary/s{i}" for i in range(n)], torch.ones(n, dtype=torch.bool)
+    ref = _fp32(model, x)
+    y = ref["output"].argmax(1)
+    trial = _autocast(model, x, torch.float16)
+    assert float(ref["output"][0, 5]) == torch.finfo(torch.float32).min and float(trial["output"][0, 5]) == -65504.0
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.05, rtol=0.02)})
+    params = dataclasses.replace(config.Params(), task=TaskConfig(kind="classification"), acceptance=cfg)
+    scan, refused = vetting.Scan(params, cases.Cases(ids=ids, x=x, y=y, has_target=every)), []
+    list(reference_tensors._checked([ref], ids, refused, scan))
+    assert refused == [] and scan.problem(FLAT) is None  # finite, and a rule this reference can be judged by
+    stats, d = _judge(ids, y, every, ref, trial, cfg=cfg)
+    assert d.decision == "accept", d.reasons
+    gap = stats.values["output"]
+    assert gap.zero_probability_both == 2 * n and gap.failing == 0 and gap.elements == 6 * n
+    assert gap.max_abs < 0.1 and gap.min_passing_atol <= 0.05 and gap.failing_ids is None  # the legal scores alone
+    model.illegal = [5]  # the trial lets action 4 through: finite, and likely, where the reference says impossible
+    unmasked = _autocast(model, x, torch.float16)
+    model.illegal = [0, 4, 5]  # the trial rules out action 0, legal in the reference
+    masked = _autocast(model, x, torch.float16)
+    for changed, both_masked in ((unmasked, n), (masked, 2 * n)):
+        stats, d = _judge(ids, y, every, ref, changed, cfg=cfg)
+        gap = stats.values["output"]
+        assert d.decision == "rollback" and any(r.startswith("values 'output': 300 of 1800") for r in d.reasons), d.reasons
+        assert gap.failing == n and gap.zero_probability_both == both_masked and len(gap.failing_ids) == n
+
+
+def test_only_class_scores_decided_through_softmax_excuse_a_pair_at_probability_zero():
+    """The same far-below-the-row values, -1e5 against -2e5, are probability 0 in a classifier's scores (accepted,
+    counted) but a regression's quantities (a 100% error: rolled back): no other output is excused."""
+    g = torch.Generator().manual_seed(7)
+    n = 200
+    scores = torch.randn(n, 3, generator=g)
+    ref, trial = scores.clone(), scores.clone()
+    ref[:, 2], trial[:, 2] = -1e5, -2e5
+    ids, every = [f"ordinary/s{i}" for i in range(n)], torch.ones(n, dtype=torch.bool)
+    stats, d = _judge(ids, scores.argmax(1), every, {"output": ref}, {"output": trial})
+    assert d.decision == "accept" and stats.values["output"].zero_probability_both == n, d.reasons
+    stats, d = _judge(ids, scores[:, :1].clone(), every, {"output": ref}, {"output": trial})  # a regression
+    assert stats.regression is not None and stats.values["output"].zero_probability_both is None
+    assert d.decision == "rollback" and any(r.startswith(f"values 'output': {n} of {3 * n}") for r in d.reasons), d.reasons
+
+
 def test_every_head_of_a_hugging_face_output_is_judged():
     """YOLOS (transformers, random init) returns class ``logits`` and ``pred_boxes`` in one ``ModelOutput``. A trial
     whose box head is off by far more than the tolerance, its class scores untouched, rolls back naming

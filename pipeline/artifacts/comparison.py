@@ -52,7 +52,7 @@ class KindGap(Record):
 class ValueGap(Record):
     """One named output's element-wise gap against its tolerance (``|trial - ref| > atol + rtol * |ref|`` fails)."""
 
-    ABSENT = ("failing_ids",)
+    ABSENT = ("failing_ids", "zero_probability_both")
 
     elements: int
     failing: int
@@ -74,6 +74,11 @@ class ValueGap(Record):
     """The smallest atol (at this rtol) that would have passed, rounded up: reported, never applied."""
     min_passing_rtol: float
     per_kind: dict[str, KindGap]
+    zero_probability_both: int | None = None
+    """Class scores decided through softmax (``streams.decided_heads``): pairs at softmax probability exactly 0 on both
+    sides (each more than ``gaps.ZERO_PROBABILITY_NATS`` below its row's maximum: a masked class, ``finfo.min`` written
+    as -3.4e38 under FP32 and -65504 under float16): agreement, in ``elements`` but in no failing count and no gap
+    figure, set aside wherever a slice would fail or its largest gap exceeds that many nats; absent for other outputs."""
     failing_ids: tuple[str, ...] | None = None
     """Ids of the cases with a failing element (the first 1000); absent when none failed."""
 

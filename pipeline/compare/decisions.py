@@ -120,6 +120,22 @@ def top_k(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, indices
 
 
+def listed_top(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best of one row of scores and their classes, in one order on every device: NaN first, then by value,
+    equal values by the lowest class (``topk``'s order among equal values is its own, and differs between the CPU and
+    a GPU: an all-NaN row of a flip listed 28 first on one and 1 on the other)."""
+    nan = torch.isnan(s)
+    first = nan.nonzero().reshape(-1)[:k]
+    need = k - first.numel()
+    if need > 0:
+        rest = s.masked_fill(nan, -math.inf)
+        kth = rest.topk(need).values[-1]
+        candidates = ((rest >= kth) & ~nan).nonzero().reshape(-1)  # ascending classes: a stable sort keeps ties so
+        order = torch.sort(s[candidates], descending=True, stable=True).indices[:need]
+        first = torch.cat([first, candidates[order]])
+    return s[first], first
+
+
 def _ties_differ(ref: torch.Tensor, trial: torch.Tensor, r_lab: torch.Tensor, t_lab: torch.Tensor) -> torch.Tensor:
     """Under ``tie_is_flip`` both sides tied (label -1): a flip unless they tie among the same classes."""
     both = (r_lab == -1) & (t_lab == -1)
@@ -423,7 +439,7 @@ class DecisionStats:
             scores = {"reference_scores": tuple(r_scores.double().tolist()), "trial_scores": tuple(t_scores.double().tolist())}
         else:  # a vocabulary: the top 5 of each side
             for side, s in (("reference", r_scores), ("trial", t_scores)):
-                v, i = s.float().topk(5)
+                v, i = listed_top(s.float(), 5)
                 scores[f"{side}_top"] = tuple(zip(i.tolist(), v.double().tolist()))
         return Flip(id=self.ids[case], kind=self.kinds[case], boundary=bool(self.constructed[case]), near_boundary=near,
                     reference_class=rc, trial_class=tc, reference_margin=rm, trial_margin=tm, margin_kind=self.margin_kind,

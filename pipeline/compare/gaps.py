@@ -11,6 +11,12 @@ whose rounding errs by at most 3 * 2**-24 * |t - r| at the threshold, and any sl
 comes within 2**-21 (|t - r| + atol) of failing is counted again in float64 (so counts are those of the
 exact test; exact equality, atol = rtol = 0, is exact in float32 already: the float32 difference of two
 float32 numbers is 0 only when they are equal). The common, passing slice never leaves float32.
+
+Class scores decided through softmax (``softmax=True``: ``streams`` passes it for the decided heads): a pair whose
+two sides both lie more than ``ZERO_PROBABILITY_NATS`` below their own row's maximum is at probability exactly 0 on
+both sides (a masked class: ``finfo(dtype).min`` is -3.4e38 under FP32, -65504 under float16), so it agrees, is
+counted apart (``zero_probability_both``) and left out of every statistic. Looked for only in a slice that would
+fail, or whose largest gap exceeds that many nats (the common, passing slice does not pay for it).
 """
 
 from __future__ import annotations
@@ -22,6 +28,29 @@ import torch
 
 from pipeline.artifacts.comparison import Arbiter, KindGap, ValueGap
 from pipeline.compare.quantiles import StreamQuantile
+
+
+ZERO_PROBABILITY_NATS = 104.0
+"""How far below its row's maximum a class score is at softmax probability exactly 0 in float32, whatever the
+other scores: its probability is at most exp(-104) = 6.8e-46, below 2**-150 = 7.0e-46 (half the smallest float32
+subnormal, 1.4e-45 = exp(-103.28)), which round-to-nearest takes to 0 (``torch.softmax`` gives 0 from 103.98 below
+on). The margin over ln(2**-150) = -103.972, 0.028 nats, is 7000 times the float32 rounding of score - max near
+104 (3.8e-6). Float32 is the widest a score is compared in: inference records every output as float32, and the
+distributions (KL, margins) are its softmaxes."""
+
+
+def zero_probability(scores: torch.Tensor) -> torch.Tensor:
+    """Where a score of ``scores`` [..., C] is at softmax probability 0 over its last axis (``ZERO_PROBABILITY_NATS``
+    below its row's maximum; a row whose maximum is not finite has none). Exact: for a float32 or float64 score x and
+    row maximum m, x < fl(m - 104) exactly when x < m - 104."""
+    top = scores.amax(-1, keepdim=True)
+    bar = torch.where(torch.isfinite(top), top - ZERO_PROBABILITY_NATS, torch.full_like(top, -math.inf))
+    return scores < bar
+
+
+def zero_probability_both(ref: torch.Tensor, trial: torch.Tensor) -> torch.Tensor:
+    """Where both sides of [..., C] class scores are finite and at softmax probability 0 (``zero_probability``)."""
+    return zero_probability(ref) & zero_probability(trial) & torch.isfinite(ref) & torch.isfinite(trial)
 
 
 def _widen(t: torch.Tensor) -> torch.Tensor:
@@ -52,11 +81,13 @@ class GapStats:
     the reference is not (NaN in both counts as agreement, and is reported). Reported: max, mean and p99
     of absolute and relative error over finite pairs, and the smallest atol (at the given rtol) and rtol
     (at the given atol) that would have passed: reported, never applied. ``group`` (the case kind)
-    gives the ``per_kind`` counts.
+    gives the ``per_kind`` counts. ``softmax``: the output holds class scores over its last axis, decided
+    through softmax; a pair at probability 0 on both sides agrees, apart from the statistics (module docstring).
     """
 
-    def __init__(self, atol: float, rtol: float, capacity: int) -> None:
+    def __init__(self, atol: float, rtol: float, capacity: int, softmax: bool = False) -> None:
         self.atol, self.rtol = float(atol), float(rtol)
+        self.softmax = softmax
         self.p_abs = StreamQuantile(0.99, capacity)
         self.p_rel = StreamQuantile(0.99, capacity)
         self.groups: dict[str, _Tally] = {}
@@ -68,14 +99,16 @@ class GapStats:
         self.need_rtol = 0.0
         self.nonfinite_reference = 0
         self.nonfinite_both = 0
+        self.zero_probability_both = 0
         self.last_finite = True
         """Whether both sides of the last ``update`` were finite everywhere (known from its sum: callers skip
         their own element-wise test on it)."""
 
     def update(self, ref: torch.Tensor, trial: torch.Tensor, group: str = "all",
                diff: torch.Tensor | None = None) -> torch.Tensor:
-        """Add one chunk; return the absolute gap per element (shape of ``ref``, NaN/inf where non-finite).
-        ``diff``: ``trial - ref`` when the caller has it already (of float32 or float64 sides of one dtype)."""
+        """Add one chunk; return the absolute gap per element (shape of ``ref``, NaN/inf where non-finite, 0 where
+        set aside at probability 0 on both sides). ``diff``: ``trial - ref`` when the caller has it already (of
+        float32 or float64 sides of one dtype). A ``softmax`` output's chunk keeps its rows whole ([..., C])."""
         if ref.shape != trial.shape:
             raise ValueError(f"shape mismatch: reference {tuple(ref.shape)} vs trial {tuple(trial.shape)}")
         r, t = _widen(ref), _widen(trial)
@@ -93,6 +126,7 @@ class GapStats:
         total = _sum(gap)
         failing = 0
         both = None
+        rows = (r, t, ref.shape[-1]) if self.softmax and ref.ndim >= 2 and ref.shape[-1] >= 2 else None
         self.last_finite = True  # a NaN or inf on either side makes the sum non-finite
         if not math.isfinite(total):  # some element of either side is not finite: the slow path, rarely taken
             fr, ft = torch.isfinite(r), torch.isfinite(t)
@@ -107,60 +141,89 @@ class GapStats:
             failing += trial_only + (ref_bad - same)
             if trial_only:
                 self.need_atol = self.need_rtol = math.inf
-            gap, r = gap[both], r[both]
+            gap, r, t = gap[both], r[both], t[both]
             total = _sum(gap)
+        dead = None
         if gap.numel():
-            mag = r.abs()
-            mx = float(gap.amax())
-            excess = torch.sub(gap, mag, alpha=self.rtol)  # gap - rtol |r|: fails where > atol
-            worst = float(excess.amax())
-            del excess
-            # The float32 test errs by at most 3 * 2**-24 * gap on an element at the threshold (gap ~ atol +
-            # rtol |r|): only a slice whose worst comes that close to atol is counted, again, in float64
-            # (the common, passing slice skips it; exact equality, atol = rtol = 0, is exact either way).
-            if worst > self.atol - 2.0**-21 * (mx + self.atol):
-                if r.dtype == torch.float64:
-                    exact = torch.sub(gap, mag, alpha=self.rtol)
-                else:  # float32 inputs: their float64 difference is exact (unless 29 binades apart), |r| too
-                    trial_kept = t if both is None else t[both]
-                    exact = torch.sub(trial_kept.double(), r.double()).abs_().sub_(mag.double(), alpha=self.rtol)
-                worst = float(exact.amax())
-                failing += int((exact > self.atol).sum(dtype=torch.int64))
-                del exact
-            else:  # float32's worst may read low by its rounding: the reported need stays on the passing side
-                worst += 2.0**-21 * (mx + self.atol)
-            self.need_atol = max(self.need_atol, worst, 0.0)
-            g.max_abs = max(g.max_abs, mx)
-            self.sum_abs += total
-            self.n_abs += gap.numel()
-            self.p_abs.update(gap, finite=True, vmax=mx, nonneg=True)
-            rel = gap / mag
-            rmax = float(rel.amax())
-            gap_nz, mag_nz = gap, mag
-            if not math.isfinite(rmax):  # a zero reference (0/0, x/0) has no relative error; it passes through atol alone
-                nz = mag > 0
-                if bool((gap[~nz] > self.atol).any()):
-                    self.need_rtol = math.inf
-                if not bool(nz.all()):
-                    rel, gap_nz, mag_nz = rel[nz], gap[nz], mag[nz]
-                    rmax = float(rel.amax()) if rel.numel() else 0.0
-            if rel.numel():
-                g.max_rel = max(g.max_rel, rmax)
-                self.sum_rel += _sum(rel) if rmax * rel.numel() < 1e30 else float(rel.sum(dtype=torch.float64))
-                self.n_rel += rel.numel()
-                self.p_rel.update(rel, finite=True, vmax=rmax, nonneg=True)
-                if self.atol == 0.0:
-                    self.need_rtol = max(self.need_rtol, rmax)
-                elif mx > self.atol:
-                    self.need_rtol = max(self.need_rtol, float(torch.sub(gap_nz, self.atol).div_(mag_nz).amax()))
+            more, dead = self._finite_pairs(g, r, t, gap, total, rows, both)
+            failing += more
         g.failing += failing
+        if dead is not None:  # the pairs set aside show no gap either (the per-case table's)
+            full_gap = full_gap.masked_fill(dead, 0.0)
         return full_gap.reshape(ref.shape)
+
+    def _finite_pairs(self, g: _Tally, r: torch.Tensor, t: torch.Tensor, gap: torch.Tensor, total: float,
+                      rows: tuple | None = None, both: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
+        """The statistics of finite pairs (flat ``r``, ``t``, their ``gap`` and its sum ``total``); their failing
+        count, and where the chunk's pairs at probability 0 on both sides were set aside (None: none were).
+        ``rows``: the chunk's whole sides (flat) and its row width, for a ``softmax`` output; ``both``: which of
+        their elements ``r`` and ``t`` are (None: all)."""
+        failing = 0
+        mag = r.abs()
+        mx = float(gap.amax())
+        excess = torch.sub(gap, mag, alpha=self.rtol)  # gap - rtol |r|: fails where > atol
+        worst = float(excess.amax())
+        del excess
+        near = worst > self.atol - 2.0**-21 * (mx + self.atol)
+        if rows is not None and (near or mx > ZERO_PROBABILITY_NATS):  # rare: a class score may be masked on both sides
+            r_all, t_all, width = rows
+            dead_all = zero_probability_both(r_all.reshape(-1, width), t_all.reshape(-1, width)).reshape(-1)
+            dead = dead_all if both is None else dead_all[both]
+            n_dead = int(dead.sum())
+            if n_dead:
+                self.zero_probability_both += n_dead
+                keep = ~dead
+                gap = gap[keep]
+                if gap.numel():
+                    failing, _ = self._finite_pairs(g, r[keep], t[keep], gap, _sum(gap))
+                return failing, dead_all
+        # The float32 test errs by at most 3 * 2**-24 * gap on an element at the threshold (gap ~ atol +
+        # rtol |r|): only a slice whose worst comes that close to atol is counted, again, in float64
+        # (the common, passing slice skips it; exact equality, atol = rtol = 0, is exact either way).
+        if near:
+            if r.dtype == torch.float64:
+                exact = torch.sub(gap, mag, alpha=self.rtol)
+            else:  # float32 inputs: their float64 difference is exact (unless 29 binades apart), |r| too
+                exact = torch.sub(t.double(), r.double()).abs_().sub_(mag.double(), alpha=self.rtol)
+            worst = float(exact.amax())
+            failing += int((exact > self.atol).sum(dtype=torch.int64))
+            del exact
+        else:  # float32's worst may read low by its rounding: the reported need stays on the passing side
+            worst += 2.0**-21 * (mx + self.atol)
+        self.need_atol = max(self.need_atol, worst, 0.0)
+        g.max_abs = max(g.max_abs, mx)
+        self.sum_abs += total
+        self.n_abs += gap.numel()
+        self.p_abs.update(gap, finite=True, vmax=mx, nonneg=True)
+        rel = gap / mag
+        rmax = float(rel.amax())
+        gap_nz, mag_nz = gap, mag
+        if not math.isfinite(rmax):  # a zero reference (0/0, x/0) has no relative error; it passes through atol alone
+            nz = mag > 0
+            if bool((gap[~nz] > self.atol).any()):
+                self.need_rtol = math.inf
+            if not bool(nz.all()):
+                rel, gap_nz, mag_nz = rel[nz], gap[nz], mag[nz]
+                rmax = float(rel.amax()) if rel.numel() else 0.0
+        if rel.numel():
+            g.max_rel = max(g.max_rel, rmax)
+            self.sum_rel += _sum(rel) if rmax * rel.numel() < 1e30 else float(rel.sum(dtype=torch.float64))
+            self.n_rel += rel.numel()
+            self.p_rel.update(rel, finite=True, vmax=rmax, nonneg=True)
+            if self.atol == 0.0:
+                self.need_rtol = max(self.need_rtol, rmax)
+            elif mx > self.atol:
+                self.need_rtol = max(self.need_rtol, float(torch.sub(gap_nz, self.atol).div_(mag_nz).amax()))
+        return failing, None
 
     def failing_rows(self, ref: torch.Tensor, trial: torch.Tensor) -> torch.Tensor:
         """Rows with an element that fails (as ``update`` counts it, in float64): for naming the cases."""
         r, t = ref.detach().double().reshape(ref.shape[0], -1), trial.detach().double().reshape(trial.shape[0], -1)
         same_nonfinite = (torch.isnan(r) & torch.isnan(t)) | (torch.isinf(r) & (r == t))
         outside = (t - r).abs() - self.rtol * r.abs() > self.atol
+        if self.softmax and ref.ndim >= 2 and ref.shape[-1] >= 2:  # a pair at probability 0 on both sides agrees
+            width = ref.shape[-1]
+            outside &= ~zero_probability_both(r.reshape(-1, width), t.reshape(-1, width)).reshape(r.shape)
         bad = outside | (torch.isfinite(r) & ~torch.isfinite(t)) | (~torch.isfinite(r) & ~same_nonfinite)
         return bad.any(1)
 
@@ -182,6 +245,7 @@ class GapStats:
             nonfinite_trial_only=sum(g.nonfinite_trial_only for g in groups),
             nonfinite_reference=self.nonfinite_reference,
             nonfinite_both=self.nonfinite_both,
+            zero_probability_both=self.zero_probability_both if self.softmax else None,
             max_abs=max((g.max_abs for g in groups), default=0.0),
             mean_abs=self.sum_abs / self.n_abs if self.n_abs else 0.0,
             p99_abs=self.p_abs.result(),

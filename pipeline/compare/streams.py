@@ -170,9 +170,10 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     shapes = {name: tuple(ref.shape(name)) for name in names}
     step = rows_within(cfg.chunk_elements, sum(math.prod(s[1:]) for s in shapes.values()))
     errors = {name: (logit_error(ref, name), logit_error(trial, name)) for name in names}
-    gaps = {name: GapStats(conservative_atol(rule.tolerance(name).atol, rule.tolerance(name).rtol, *errors[name]),
-                           rule.tolerance(name).rtol, math.prod(shapes[name])) for name in names}
     heads = decided_heads(kind, rule, shapes, main)
+    gaps = {name: GapStats(conservative_atol(rule.tolerance(name).atol, rule.tolerance(name).rtol, *errors[name]),
+                           rule.tolerance(name).rtol, math.prod(shapes[name]), softmax=name in heads)  # class scores
+            for name in names}
     signs = {name: ([], [], [], []) for name in sign_heads(kind, rule, shapes, main)}
     arbiter = {name: ArbiterStats() for name in names} if fp64 is not None else None
     main_shape = shapes[main]

@@ -40,7 +40,7 @@ def main(params_path: str = "params.yaml") -> None:
         with phases("boundary cases"):
             fixed = inference.with_boundary_cases(params, cases.load(paths.PREPARED_CASES), model, device)
         with phases("fp64 arbiter"):  # its probe: does the model run in float64?
-            fp64 = inference.fp64_chunks(model, fixed.x, cfg.eval_mode, cfg.fp64_arbiter)
+            fp64 = inference.fp64_chunks(model, fixed.x, cfg.eval_mode, cfg.fp64_arbiter, device=device)
         with phases("forecast"):
             headroom = forecast.of_reference(params, init, result.state, source, device)
         with phases("writing"), resume.clear_on(reference_tensors.NonFinite):  # nothing of a refused reference is kept
