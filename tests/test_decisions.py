@@ -166,6 +166,20 @@ def test_per_token_flips_kl_and_agreement():
     assert 0.0 < d.top_k_overlap <= 1.0
 
 
+
+def test_a_token_whose_trial_scores_are_nan_overlaps_no_class_of_the_reference():
+    """Top-k overlap: a NaN among the trial's k best ranks no class (which NaNs ``topk`` keeps is its own, and differs
+    between the CPU and a GPU): a token of NaN scores overlaps nothing, a token with one NaN loses that slot alone."""
+    g = torch.Generator().manual_seed(4)
+    ref = torch.randn(2, 3, 40, generator=g) * 3
+    ref[0, 1, 25:30] += 20  # its best five are the classes topk keeps on this CPU from a row of NaNs
+    trial = ref.clone()
+    trial[0, 1] = math.nan
+    best = ref[1, 2].argsort(descending=True)
+    trial[1, 2, best[-1]] = math.nan  # the worst class becomes NaN: it enters the trial's top 5, pushing out its 5th
+    d = _decide(*_ordinary(2), ref, trial).distribution()
+    assert d.top_k_overlap == pytest.approx((4 * 1.0 + 0.0 + 4 / 5) / 6)
+
 def test_per_token_nonfinite_trial_is_infinite_kl_and_a_flip():
     ref = torch.tensor([[[2.0, 0.0, -1.0], [0.0, 1.0, 0.0]]])
     trial = ref.clone()

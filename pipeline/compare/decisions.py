@@ -382,7 +382,9 @@ class DecisionStats:
         if targets is not None:
             self._add_delta_p(ref, trial, targets, valid, lse_r, lse_t)
         self.top1_agree += int((~flipped & valid).sum())
-        ov = (r_top[1][..., :, None] == t_top[1][..., None, :]).any(-1).sum(-1).double() / k
+        # a NaN among the trial's k best ranks no class (which NaNs topk keeps differs between devices): no overlap
+        same = (r_top[1][..., :, None] == t_top[1][..., None, :]) & ~torch.isnan(t_top[0])[..., None, :]
+        ov = same.any(-1).sum(-1).double() / k
         self.overlap_sum += float(ov[valid].sum())
         if kl.shape[1]:
             kl_masked = torch.where(valid, kl, torch.zeros_like(kl))
