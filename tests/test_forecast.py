@@ -209,3 +209,21 @@ def test_forecast_file_reads_back_key_for_key(tmp_path):
     (tmp_path / forecast_file.FILE).write_text('{"halvings": 0}')
     with pytest.raises(UserError, match="is not a forecast of this version; rebuild it with `dvc repro forecast@x`"):
         forecast_file.read(tmp_path, "forecast@x")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_on_a_gpu_the_forecast_counts_gradients_there_with_the_cpu_counts():
+    """The gradients' histogram is counted on the device (a GPU-sized model's activation gradients, gigabytes a batch,
+    kept freeze busy for minutes when copied to one CPU thread): the same counts as the CPU's, maxima within float32
+    rounding of the two devices' kernels."""
+    cuda = torch.device("cuda")
+    on_cpu = forecast(Loud(), batches(), F.cross_entropy, CPU)
+    precision.strict_fp32()
+    on_gpu = forecast(Loud().to(cuda), [(x.to(cuda), y.to(cuda)) for x, y in batches()], F.cross_entropy, cuda)
+    assert (on_gpu.recommendation, on_gpu.fp32_modules, on_gpu.halvings) == (on_cpu.recommendation, on_cpu.fp32_modules,
+                                                                          on_cpu.halvings)
+    for side in ("parameter_gradients", "activation_gradients"):
+        a, b = getattr(on_cpu, side), getattr(on_gpu, side)
+        assert (a.elements, a.nonzero) == (b.elements, b.nonzero), side
+        assert b.max_abs == pytest.approx(a.max_abs, rel=1e-4), side
