@@ -287,9 +287,9 @@ def _sum(v: torch.Tensor) -> float:
     return float(v.sum())
 
 
-def value_gaps(ref: torch.Tensor, trial: torch.Tensor, atol: float, rtol: float) -> ValueGap:
+def value_gaps(ref: torch.Tensor, trial: torch.Tensor, atol: float, rtol: float, softmax: bool = False) -> ValueGap:
     """``GapStats`` over one pair of tensors (see there), as one kind (``per_kind`` holds ``all`` alone)."""
-    acc = GapStats(atol, rtol, ref.numel())
+    acc = GapStats(atol, rtol, ref.numel(), softmax=softmax)
     acc.update(ref, trial)
     return acc.result()
 
