@@ -47,3 +47,12 @@ def test_precision_rows_say_the_audit_share_and_the_forecast_only_where_there_is
     assert table["AMP engaged: matmul, convolution and attention FLOPs in reduced precision"] == ["0.0 %", "-"]
     assert table["FP16 forecast (float16 variants)"] == ["use bf16", "-"]
     assert table["FP16 forecast against the trial"] == ["missed", "-"]
+
+
+def test_masked_classes_get_a_row_only_where_some_were_set_aside():
+    values = {"values": {"logits": {"max_abs": 0.01, "zero_probability_both": 0}}}
+    label = "'logits': pairs at probability 0 on both sides (masked classes, set aside)"
+    assert label not in dict(page.rows([_variant("float16", flatten(values))]))
+    masked = {"values": {"logits": {"max_abs": 0.01, "zero_probability_both": 600}}}
+    table = dict(page.rows([_variant("float16", flatten(masked)), _variant("bfloat16", flatten(values))]))
+    assert table[label] == ["600", "0"]

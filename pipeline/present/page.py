@@ -59,6 +59,9 @@ def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
             (f"'{name}': fraction outside tolerance", metric(f"values.{name}.failing_fraction")),
             (f"'{name}': non-finite where FP32 is finite", metric(f"values.{name}.nonfinite_trial_only")),
         ]
+        if any(v["metrics"].get(f"values.{name}.zero_probability_both") for v in variants):  # masked classes, said once seen
+            table.append((f"'{name}': pairs at probability 0 on both sides (masked classes, set aside)",
+                          metric(f"values.{name}.zero_probability_both")))
     if any("distribution.kl_mean" in v["metrics"] for v in variants):  # per-token outputs (language models)
         table += [
             ("distribution: KL(reference || AMP) per token, mean (nats)", metric("distribution.kl_mean")),
