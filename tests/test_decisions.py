@@ -289,3 +289,16 @@ def test_a_listed_flip_names_its_best_classes_in_one_order_on_every_device():
     assert listed_top(torch.zeros(30), 5)[1].tolist() == [0, 1, 2, 3, 4]
     x = torch.randn(40, generator=torch.Generator().manual_seed(0))
     assert all(torch.equal(a, b) for a, b in zip(listed_top(x, 5), x.topk(5)))
+
+
+def test_a_listed_flip_without_a_tie_at_its_kth_best_takes_the_short_way_to_the_same_order():
+    """Rows rounded to bfloat16 (equal values among the 5 best, at the 5th and 6th, or neither): the classes by value,
+    equal values by the lowest class, whether the row takes ``topk``'s 5 directly or the candidates at the 5th best."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        s = (torch.randn(64, generator=g) * 3).to(torch.bfloat16).float()
+        values, classes = listed_top(s, 5)
+        expected = sorted(range(64), key=lambda c: (-float(s[c]), c))[:5]
+        assert classes.tolist() == expected and values.tolist() == [float(s[c]) for c in expected]
+    short = torch.tensor([5.0, 1.0, 5.0, 4.0, 3.0, 3.0, 2.0, 0.0])  # equal values within the 5 best, none at the 5th
+    assert listed_top(short, 5)[1].tolist() == [0, 2, 3, 4, 5]

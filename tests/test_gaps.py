@@ -183,3 +183,19 @@ def test_probability_zero_pairs_are_set_aside_in_passing_slices_with_large_gaps_
     g = acc.result()
     assert g.failing == 1 and g.nonfinite_trial_only == 1 and g.zero_probability_both == 1  # that row's max is NaN
     assert acc.failing_rows(ref, trial).tolist() == [True]
+
+
+def test_the_last_gaps_maximum_is_known_only_where_every_pair_counted():
+    """``last_max``: the returned gap's largest element when both sides were finite and no pair was set aside; None
+    otherwise (the caller takes the maximum itself)."""
+    acc = GapStats(0.05, 0.02, 100, softmax=True)
+    r = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    gap = acc.update(r, r + 0.01 * torch.arange(6.0))
+    assert acc.last_max == float(gap.amax())
+    acc.update(r, torch.where(torch.eye(4, 6, dtype=torch.bool), math.nan, r))
+    assert acc.last_max is None
+    masked = torch.full((2, 3), -1000.0)
+    masked[:, 0] = 0.0
+    before = acc.zero_probability_both
+    acc.update(masked, masked * 0.5)  # pairs at probability 0 on both sides, set aside
+    assert acc.zero_probability_both == before + 4 and acc.last_max is None

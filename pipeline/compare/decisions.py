@@ -124,6 +124,12 @@ def listed_top(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` best of one row of scores and their classes, in one order on every device: NaN first, then by value,
     equal values by the lowest class (``topk``'s order among equal values is its own, and differs between the CPU and
     a GPU: an all-NaN row of a flip listed 28 first on one and 1 on the other)."""
+    if 0 < k < s.shape[-1]:  # the common row, no NaN and its k-th best above the next: topk's k are the k best
+        values, classes = s.topk(k + 1)
+        if not bool(torch.isnan(values[0])) and bool(values[k - 1] > values[k]):
+            classes = classes[:k].sort().values  # ascending classes: a stable sort keeps equal values so
+            order = torch.sort(s[classes], descending=True, stable=True).indices
+            return s[classes[order]], classes[order]
     nan = torch.isnan(s)
     first = nan.nonzero().reshape(-1)[:k]
     need = k - first.numel()

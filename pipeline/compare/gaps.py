@@ -103,6 +103,10 @@ class GapStats:
         self.last_finite = True
         """Whether both sides of the last ``update`` were finite everywhere (known from its sum: callers skip
         their own element-wise test on it)."""
+        self.last_max: float | None = None
+        """The largest element of the gap the last ``update`` returned, when known without another pass (every
+        pair finite, none set aside); else None."""
+        self._max = 0.0
 
     def update(self, ref: torch.Tensor, trial: torch.Tensor, group: str = "all",
                diff: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,6 +122,7 @@ class GapStats:
         if g is None:
             g = self.groups[group] = _Tally()
         g.elements += r.numel()
+        self.last_max = None
         if r.numel() == 0:
             self.last_finite = True
             return torch.zeros(ref.shape, dtype=r.dtype, device=r.device)
@@ -150,6 +155,8 @@ class GapStats:
         g.failing += failing
         if dead is not None:  # the pairs set aside show no gap either (the per-case table's)
             full_gap = full_gap.masked_fill(dead, 0.0)
+        elif both is None:
+            self.last_max = self._max
         return full_gap.reshape(ref.shape)
 
     def _finite_pairs(self, g: _Tally, r: torch.Tensor, t: torch.Tensor, gap: torch.Tensor, total: float,
@@ -160,7 +167,7 @@ class GapStats:
         their elements ``r`` and ``t`` are (None: all)."""
         failing = 0
         mag = r.abs()
-        mx = float(gap.amax())
+        mx = self._max = float(gap.amax())
         excess = torch.sub(gap, mag, alpha=self.rtol)  # gap - rtol |r|: fails where > atol
         worst = float(excess.amax())
         del excess

@@ -13,8 +13,10 @@ float32 (float64 only near the threshold), p99s from a bit-pattern histogram pas
 (``quantiles.StreamQuantile``, past its cut only the values that can still be the answer), no copy of a slice
 whose cases all have a target, finiteness from a sum (element-wise only where it is not finite), labels and the
 best two per case from numpy's ``argmax`` (``decisions.first_max``), trial - reference once for the gap and KL,
-KL's dot products as a product and a sum (not ``bmm``), NLL from ``log_softmax`` (one fused pass). On a GPU
-(``device``) each chunk is copied there and computed whole.
+KL's dot products as a product and a sum (not ``bmm``), NLL from ``log_softmax`` (one fused pass), a one-row
+slice's largest gap taken from the gap's own maximum (``GapStats.last_max``), and the slices' temporaries kept on
+the heap between slices (``_keep_freed_memory``: no page fault per slice). On a GPU (``device``) each chunk is
+copied there and computed whole.
 
 Out: the statistics, typed (``artifacts.comparison.Stats``: what decide reads; ``comparison.write`` writes
 them) and the per-case table,
@@ -93,7 +95,7 @@ class Metric:
 
 def kinds_of(ids: Sequence[str]) -> list[str]:
     """Kind of every case id (``ordinary/...`` -> ``ordinary``), computed once."""
-    return [i.split("/", 1)[0] for i in ids]
+    return [i.partition("/")[0] for i in ids]
 
 
 def _runs(kinds: list[str], start: int, stop: int) -> list[tuple[int, int, str]]:
@@ -200,6 +202,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
                    slice_elements=SLICE_ELEMENTS if device.type == "cpu" else max(cfg.chunk_elements, SLICE_ELEMENTS),
                    nonfinite={side: torch.zeros(n, dtype=torch.bool) for side in ("trial", "trained")},
                    nonfinite_elements={side: dict.fromkeys(names, 0) for side in ("trial", "trained")})
+    _keep_freed_memory()
     for start in range(0, n, step):  # one chunk of every source in memory at a time
         _chunk(state, ref, trial, trained, fp64, start, min(start + step, n))
         state.release()
@@ -392,7 +395,10 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                 failing = st.gaps[name].failing_rows(_kept(r, 0, b - a, valid), _kept(t, 0, b - a, valid))
                 rows[a:b] |= _per_row(failing, valid, b - a, False).cpu()
             if gap.numel():
-                worst = torch.nan_to_num(gap.reshape(gap.shape[0], -1).amax(1).double(), nan=math.inf)
+                if gap.shape[0] == 1 and len(parts) == 1 and st.gaps[name].last_max is not None:  # one row: no pass
+                    worst = torch.tensor([st.gaps[name].last_max], dtype=torch.float64, device=gap.device)
+                else:
+                    worst = torch.nan_to_num(gap.reshape(gap.shape[0], -1).amax(1).double(), nan=math.inf)
                 st.row_gap[a:b] = torch.maximum(st.row_gap[a:b], _per_row(worst, valid, b - a, 0.0).cpu())
             del gap
             if chunk_fp64 is not None and a < covered:
@@ -562,6 +568,27 @@ def _note_nonfinite(st: _State, side: str, name: str, row: int, out: torch.Tenso
     st.nonfinite[side][row : row + out.shape[0]] |= bad.cpu()
     st.nonfinite_elements[side][name] += int((~torch.isfinite(out)).sum())
     return False
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+"""glibc's ``mallopt`` parameters (malloc.h)."""
+KEEP_FREED_BYTES = 32 << 20
+"""Within a chunk, freed heap up to this much stays with the process, and allocations up to this much come from the
+heap (``_keep_freed_memory``)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _keep_freed_memory() -> None:
+    """Let a slice's temporaries (about 1 MiB each, freed and allocated again slice after slice) reuse the heap's
+    pages: by default glibc maps an allocation of that size on its own and unmaps it when freed, or trims the heap's
+    top once 2 of them are free, so that every slice touched fresh pages (a page fault every 4 KiB: a fifth of
+    compare's time on one thread, ``scripts/bench_compare.py``). ``_give_back_freed_memory`` still trims the heap
+    after each chunk, so resident memory stays one chunk. Process-wide, set once: it changes where memory comes from,
+    never what is computed."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, KEEP_FREED_BYTES)
+        libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES)
 
 
 def _give_back_freed_memory() -> None:
