@@ -89,8 +89,8 @@ FP64_CHUNK_ELEMENTS = 4_000_000
 
 FP64_DEVICE_HEADROOM = 3
 """The arbiter runs on the model's GPU when that GPU has this many times the float64 copy's bytes free (the copy,
-and room for its activations), else on the CPU: a float64 forward of a GPU-sized model on one CPU thread takes
-minutes (the 57M-parameter transformer example: over 3 minutes, against about a second on an H200)."""
+and room for its activations), else on the CPU: a GPU-sized model's float64 forward is work for a GPU, not for one
+CPU thread (the 57M-parameter transformer example: about 7.7 TFLOP over its 264 cases of 256 tokens)."""
 
 
 @dataclass(frozen=True)

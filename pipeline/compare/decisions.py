@@ -127,7 +127,7 @@ def listed_top(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if 0 < k < s.shape[-1]:  # the common row, no NaN and its k-th best above the next: topk's k are the k best
         values, classes = s.topk(k + 1)
         if not bool(torch.isnan(values[0])) and bool(values[k - 1] > values[k]):
-            classes = classes[:k].sort().values  # ascending classes: a stable sort keeps equal values so
+            classes = classes[:k].sort().values  # ascending: the stable sort below orders equal values by class
             order = torch.sort(s[classes], descending=True, stable=True).indices
             return s[classes[order]], classes[order]
     nan = torch.isnan(s)
@@ -136,7 +136,7 @@ def listed_top(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if need > 0:
         rest = s.masked_fill(nan, -math.inf)
         kth = rest.topk(need).values[-1]
-        candidates = ((rest >= kth) & ~nan).nonzero().reshape(-1)  # ascending classes: a stable sort keeps ties so
+        candidates = ((rest >= kth) & ~nan).nonzero().reshape(-1)  # ascending: the stable sort orders ties by class
         order = torch.sort(s[candidates], descending=True, stable=True).indices[:need]
         first = torch.cat([first, candidates[order]])
     return s[first], first
