@@ -106,7 +106,6 @@ class GapStats:
         self.last_max: float | None = None
         """The largest element of the gap the last ``update`` returned, when known without another pass (every
         pair finite, none set aside); else None."""
-        self._max = 0.0
 
     def update(self, ref: torch.Tensor, trial: torch.Tensor, group: str = "all",
                diff: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,24 +149,25 @@ class GapStats:
             total = _sum(gap)
         dead = None
         if gap.numel():
-            more, dead = self._finite_pairs(g, r, t, gap, total, rows, both)
+            more, dead, mx = self._finite_pairs(g, r, t, gap, total, rows, both)
             failing += more
         g.failing += failing
         if dead is not None:  # the pairs set aside show no gap either (the per-case table's)
             full_gap = full_gap.masked_fill(dead, 0.0)
         elif both is None:
-            self.last_max = self._max
+            self.last_max = mx
         return full_gap.reshape(ref.shape)
 
     def _finite_pairs(self, g: _Tally, r: torch.Tensor, t: torch.Tensor, gap: torch.Tensor, total: float,
-                      rows: tuple | None = None, both: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
+                      rows: tuple | None = None, both: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None, float]:
         """The statistics of finite pairs (flat ``r``, ``t``, their ``gap`` and its sum ``total``); their failing
-        count, and where the chunk's pairs at probability 0 on both sides were set aside (None: none were).
+        count, where the chunk's pairs at probability 0 on both sides were set aside (None: none were), and the
+        largest of ``gap``.
         ``rows``: the chunk's whole sides (flat) and its row width, for a ``softmax`` output; ``both``: which of
         their elements ``r`` and ``t`` are (None: all)."""
         failing = 0
         mag = r.abs()
-        mx = self._max = float(gap.amax())
+        mx = float(gap.amax())
         excess = torch.sub(gap, mag, alpha=self.rtol)  # gap - rtol |r|: fails where > atol
         worst = float(excess.amax())
         del excess
@@ -182,8 +182,8 @@ class GapStats:
                 keep = ~dead
                 gap = gap[keep]
                 if gap.numel():
-                    failing, _ = self._finite_pairs(g, r[keep], t[keep], gap, _sum(gap))
-                return failing, dead_all
+                    failing, _, _ = self._finite_pairs(g, r[keep], t[keep], gap, _sum(gap))
+                return failing, dead_all, mx
         # The float32 test errs by at most 3 * 2**-24 * gap on an element at the threshold (gap ~ atol +
         # rtol |r|): only a slice whose worst comes that close to atol is counted, again, in float64
         # (the common, passing slice skips it; exact equality, atol = rtol = 0, is exact either way).
@@ -221,7 +221,7 @@ class GapStats:
                 self.need_rtol = max(self.need_rtol, rmax)
             elif mx > self.atol:
                 self.need_rtol = max(self.need_rtol, float(torch.sub(gap_nz, self.atol).div_(mag_nz).amax()))
-        return failing, None
+        return failing, None, mx
 
     def failing_rows(self, ref: torch.Tensor, trial: torch.Tensor) -> torch.Tensor:
         """Rows with an element that fails (as ``update`` counts it, in float64): for naming the cases."""
