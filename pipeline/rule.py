@@ -401,6 +401,8 @@ def vet_rule(
     higher_is_better: bool, ref_steps: Sequence[StepRecord], columns: dict[str, Sequence[float]] | None = None,
     distributions: Sequence[str] = (), real_units: int | None = None,
     spreads: dict[str, Sequence[tuple[float, float]]] | None = None, whole_numbers: dict[str, float] | None = None,
+    masked: dict[str, float] | None = None, channels_first: dict[str, tuple[int, str]] | None = None,
+    unit_heads: Sequence[str] = (),
 ) -> str | None:
     """The first reason the rule cannot judge trials of this FP32 reference, as one line, or None.
 
@@ -418,7 +420,14 @@ def vet_rule(
     column, (mean, standard deviation) in the reference: the band atol + rtol·|mean| must be below the spread, or a
     trial answering one value for every case would pass (an offset, 101325 Pa ± 59, makes rtol's band the offset's).
     ``whole_numbers``: per output whose every reference value is a whole number (beyond 0 and 1), its largest magnitude:
-    a class index, a bin or a count, whose unit is 1; a band that reaches 1 there passes a changed class."""
+    a class index, a bin or a count, whose unit is 1; a band that reaches 1 there passes a changed class.
+    ``masked``: a regression's other outputs shaped like class scores, undecided as ``distributions`` are, whose reference
+    holds masking values (their lowest: ``vetting.masking_value``): judged by values, a float16 trial's -65504 against
+    FP32's -3.4e38 always fails; decided, pairs masked on both sides agree. ``channels_first``: per decided output
+    [N, a, L] whose last axis, where its argmax is taken, is the task's positions (L, and where it is known from) and its
+    axis 1 is not: a class flip there would go uncounted. ``unit_heads``: decided single-value heads whose name says
+    neither probability nor logit and whose reference lies in [0, 1]: read as probabilities (decided at 0.5), though a
+    logit is decided at 0 (« Une différence faible en valeur absolue peut changer l'action choisie »)."""
     names = sorted(shapes)
     unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
     if unknown:
@@ -450,7 +459,21 @@ def vet_rule(
                 f"values summing to 1, like class probabilities, but neither its name nor acceptance.outputs says whether "
                 f"they are decisions; give '{name}': {{decisions: true}} under acceptance.outputs to judge the class each row "
                 f"picks too, or {{decisions: false}} to judge its values only (proportions)")
-    for name in names:  # after the question above, which names both of its fixes
+    if masked:
+        name = min(masked)
+        return (f"params.yaml: output '{name}' of the regression holds masked scores like logits ({masked[name]:.3g} in its "
+                f"FP32 reference: classes ruled out with masked_fill), but neither its name nor acceptance.outputs says "
+                f"whether they are decisions; give '{name}': {{decisions: true}} under acceptance.outputs to judge the class "
+                f"each row picks and let pairs masked on both sides agree, or {{decisions: false}} to judge its values only, "
+                f"which a float16 trial's -65504 against FP32's -3.4e38 never passes")
+    if unit_heads:
+        name = unit_heads[0]
+        return (f"params.yaml: output '{name}' holds one decision per case (or token) as a single value, every one of "
+                f"them in [0, 1] in the FP32 reference, so compare would read it as a probability decided at 0.5, where a "
+                f"logit is decided at 0, but its name says neither; name the output so that it says which ('{name}_prob' "
+                f"for a sigmoid's probability, '{name}_logit' for a logit), or give '{name}': {{decisions: false}} under "
+                f"acceptance.outputs to judge its values only")
+    for name in names:  # after the questions above, which name both of their fixes
         key = name if name in rule.outputs else "*"
         atol = rule.outputs[key].atol
         top = (whole_numbers or {}).get(name)
@@ -475,6 +498,14 @@ def vet_rule(
                 f"says decisions: true), but no decision check reads an output of {len(shapes[name]) + 1} dims, so its "
                 f"decisions would go untested; return it as [N, T, classes] (classes last), or give it "
                 f"'{name}': {{decisions: false}} under acceptance.outputs to judge its values only")
+    if channels_first:
+        name = min(channels_first)
+        length, where = channels_first[name]
+        return (f"params.yaml: output '{name}' of shape [N, {', '.join(map(str, shapes[name]))}] is decided by the argmax "
+                f"of its last axis, but that axis is the task's {length} positions ({where}) and its axis 1 is not, like a "
+                f"Conv1d's scores [N, classes, L], so its class flips would go uncounted; return it as [N, T, classes] "
+                f"(.transpose(1, 2)), each pointer over positions (start, end logits) as an [N, T] output of its own, or "
+                f"give '{name}': {{decisions: false}} under acceptance.outputs to judge its values only")
     main = primary_name(names)
     distribution = [key for key in ("max_kl_mean", "max_kl_p99", "min_top1_agreement") if getattr(rule, key) is not None]
     if distribution and not (kind == "classification" and len(shapes[main]) == 2):

@@ -588,3 +588,19 @@ def masked_targets(targets: torch.Tensor, token_mask: torch.Tensor | None) -> to
     if token_mask is not None and tuple(token_mask.shape) == tuple(targets.shape) and targets.ndim == 2:
         return targets.masked_fill(~token_mask.bool(), IGNORE_INDEX)
     return targets
+
+
+def judged_positions(shape: tuple[int, ...], primary_per_token: bool, targets: torch.Tensor,
+                     token_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The positions [N, T] of a per-token output of ``shape`` [N, T, ...] whose values and finiteness are judged (at
+    freeze and in compare): those the batch's ``token_mask`` keeps, when it has one of that length (padding is no output
+    the application uses; a real position whose target is -100, a sequence's last, which generation reads next, is
+    one); else, for the per-token primary, those with a target (without a mask, -100 is all that is known of padding);
+    None: every position counts (an output that is not per token, or no mask for another output)."""
+    if len(shape) != 3:
+        return None
+    if token_mask is not None and token_mask.ndim == 2 and token_mask.shape[1] == shape[1]:
+        return token_mask.bool()
+    if primary_per_token:
+        return targets != IGNORE_INDEX
+    return None

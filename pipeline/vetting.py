@@ -20,7 +20,7 @@ from pipeline import rule
 
 from pipeline.compare import streams
 from pipeline.compare.quality import COLUMNS, QualityStats
-from pipeline.config import FEATURE_NAMES, Params, primary_name
+from pipeline.config import FEATURE_NAMES, LOGIT_NAMES, PROBABILITY_NAMES, Params, primary_name
 
 if TYPE_CHECKING:
     from pipeline.artifacts.steps import StepRecord
@@ -49,6 +49,13 @@ class Scan:
         self.distributions: dict[str, bool] = {}
         """Per output of a regression task other than its primary, shaped like class scores and not said decided or not
         by its name or entry (``_undecided``): whether every row of the reference is a probability distribution."""
+        self.masked: dict[str, float] = {}
+        """Per such output (``_undecided``) whose reference holds masking values (``masking_value``): the lowest."""
+        self.unit: dict[str, list] = {}
+        """Per decided single-value head whose name says neither probability nor logit (``_guessed``): [smallest, largest
+        finite reference value, whether one lies strictly between 0 and 1], at the positions compare keeps."""
+        self.token_mask = task.token_mask_of(fixed.x)
+        self.lengths, self.channels = _positions(fixed.x)
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.squares: dict[str, list] = {}
         """Per output: [sum of squares, count] over the whole set, then over the ordinary cases (``ordinary``)."""
@@ -66,13 +73,21 @@ class Scan:
         of scores, and its float64 squares or its rows with a target copied whole would hold as many again."""
         main = primary_name(chunk)
         out = chunk[main]
-        scores = set(streams.decided_heads(self.kind, self.rule, {n: tuple(t.shape) for n, t in chunk.items()}, main))
+        shapes = {n: tuple(t.shape) for n, t in chunk.items()}
+        scores = set(streams.decided_heads(self.kind, self.rule, shapes, main))
+        signs = set(streams.sign_heads(self.kind, self.rule, shapes, main))
         for name, v in chunk.items():
             self.shapes[name] = tuple(v.shape[1:])
             rows = task.rows_within(SLICE_ELEMENTS, math.prod(v.shape[1:]))
             width = self._values_of(name, v, name == main)
-            if self._undecided(name, v, name == main) and self.distributions.get(name, True):
-                self.distributions[name] = _distributions(v)
+            if self._undecided(name, v, name == main):
+                if self.distributions.get(name, True):
+                    self.distributions[name] = _distributions(v)
+                lowest = masking_value(v)
+                if lowest is not None:
+                    self.masked[name] = min(lowest, self.masked.get(name, lowest))
+            if name in signs and _guessed(name):
+                self._note_unit(name, v, row)
             for a in range(0, v.shape[0], rows):
                 b = min(a + rows, v.shape[0])
                 values = v[a:b].detach().double()
@@ -136,6 +151,41 @@ class Scan:
         return (self.kind == "regression" and not primary and v.ndim in (2, 3) and v.shape[-1] >= 2
                 and self.rule.tolerance(name).decisions is None and not self.rule.tolerance(name).scored(name, self.kind))
 
+    def _note_unit(self, name: str, v: torch.Tensor, row: int) -> None:
+        """The range of single-value head ``name`` in rows ``row`` on (per token: at the positions the batch's
+        ``attention_mask`` keeps, as compare reads them), into ``unit``."""
+        values = v.detach()
+        if v.ndim == 3 and self.token_mask is not None and self.token_mask.shape[1] == v.shape[1]:
+            values = values[self.token_mask[row : row + v.shape[0]].bool()]
+        finite = values[torch.isfinite(values)].double()
+        if finite.numel():
+            lo, hi, between = self.unit.setdefault(name, [math.inf, -math.inf, False])
+            self.unit[name] = [min(lo, float(finite.min())), max(hi, float(finite.max())),
+                               between or bool(((finite > 0) & (finite < 1)).any())]
+
+    def unit_heads(self) -> list[str]:
+        """The decided single-value heads whose name says neither probability nor logit and whose every finite reference
+        value lies in [0, 1], some strictly between: compare would guess a probability (``holds_probabilities``), decided
+        at 0.5, where a logit is decided at 0. Only 0s and 1s (a decision already, or a bool) read the same either way."""
+        return sorted(name for name, (lo, hi, between) in self.unit.items() if 0 <= lo and hi <= 1 and between)
+
+    def channels_first(self) -> dict[str, tuple[int, str]]:
+        """Per decided output [N, a, L] whose last axis is a length of the task's positions (``lengths``; besides the
+        primary, a per-token primary's T) and whose axis 1 is none (nor the input's channels: ``channels``): its argmax
+        over L, where the classes are its axis 1 (a Conv1d's scores, channels first), would count no class flip. The
+        length and where it is known from. No length known (a per-case primary, no mask, no token ids, no sequence input):
+        [N, T, C] and [N, C, T] cannot be told apart, and nothing is refused."""
+        main = primary_name(self.shapes)
+        out = {}
+        for name in streams.decided_heads(self.kind, self.rule, {n: (0, *s) for n, s in self.shapes.items()}, main):
+            lengths = dict(self.lengths)
+            if name != main and self.kind == "classification" and len(self.shapes[main]) == 2:
+                lengths.setdefault(self.shapes[main][0], f"the tokens of the primary '{main}'")
+            shape = self.shapes[name]
+            if len(shape) == 2 and shape[-1] in lengths and shape[0] not in lengths and shape[0] not in self.channels:
+                out[name] = (shape[-1], lengths[shape[-1]])
+        return out
+
     def rms(self) -> dict[str, float]:
         """Per output, its RMS over the whole set or over the ordinary cases, whichever is smaller (the scale an atol must
         be below)."""
@@ -156,13 +206,19 @@ class Scan:
                 out[name] = tuple(torch.stack(scales).amin(0).tolist()) if scales else ()
         return out
 
+    def nonfinite_rows(self, row: int, chunk: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Rows of ``chunk`` (from ``row``) whose outputs are not finite where compare judges them
+        (``streams.nonfinite_rows``): what freeze refuses in the reference."""
+        return streams.nonfinite_rows(self.kind, self.rule, chunk, row, self.targets, self.token_mask)
+
     def problem(self, ref_steps: Sequence[StepRecord]) -> str | None:
         """The first reason the rule cannot judge this reference (``rule.vet_rule``), or None."""
         return rule.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
                              self.metric.higher_is_better, ref_steps, columns=self.column_rms(), spreads=self.spreads(),
                              whole_numbers=self.whole_numbers(),
                              distributions=sorted(n for n, every in self.distributions.items() if every),
-                             real_units=self.real_units())
+                             real_units=self.real_units(), masked=self.masked, channels_first=self.channels_first(),
+                             unit_heads=self.unit_heads())
 
     def real_units(self) -> int:
         """The real cases of the fixed set (not constructed at the boundary), per token their kept positions: what
@@ -185,3 +241,42 @@ def _distributions(v: torch.Tensor) -> bool:
         return False
     sums = v.sum(-1, dtype=torch.float64)  # a NaN or an infinity in a row makes its sum no 1
     return bool(((sums - 1.0).abs() <= 1e-3).all())
+
+
+MASKING = -1e30
+"""At or below this, a class score is a masking value, not a score: ``masked_fill(~allowed, torch.finfo(dtype).min)``
+writes -3.4e38 under FP32 (-65504 under a float16 trial), far below any score a layer computes."""
+
+
+def masking_value(v: torch.Tensor) -> float | None:
+    """The lowest masking value of class scores ``v`` (over its last axis), or None where it holds none: a finite score
+    at or below ``MASKING`` (``finfo(float32).min``), or -inf in a row whose maximum is finite (``masked_fill`` with
+    -inf; a row of -inf alone masks nothing to tell apart)."""
+    v = v.detach()
+    low = v <= MASKING  # NaN compares False
+    if not v.numel() or not bool(low.any()):
+        return None
+    low &= torch.isfinite(v) | torch.isfinite(v.amax(-1, keepdim=True))
+    return float(v[low].min()) if bool(low.any()) else None
+
+
+def _guessed(name: str) -> bool:
+    """Whether a single-value head's name says neither probability nor logit (``holds_probabilities`` then guesses)."""
+    return not PROBABILITY_NAMES.search(name) and not LOGIT_NAMES.search(name)
+
+
+def _positions(x) -> tuple[dict[int, str], set[int]]:
+    """The lengths the task's positions may have, each with where it is known from (the batch's ``attention_mask`` [N, T];
+    token ids [N, T], the bare input or ``input_ids``; a sequence [N, channels, L], the bare input's last axis), and the
+    channels of such a sequence (an output's axis 1 of that size is no channels-first head: ``Scan.channels_first``)."""
+    lengths, channels = {}, set()
+    mask = task.token_mask_of(x)
+    if mask is not None:
+        lengths[mask.shape[1]] = "the batch's attention_mask"
+    ids = x.get("input_ids") if isinstance(x, dict) else x
+    if torch.is_tensor(ids) and ids.ndim == 2 and not ids.is_floating_point():
+        lengths.setdefault(ids.shape[1], "the input's token ids")
+    if torch.is_tensor(x) and x.ndim == 3 and x.is_floating_point():
+        lengths.setdefault(x.shape[2], f"the input's length, [N, {x.shape[1]}, {x.shape[2]}]")
+        channels.add(x.shape[1])
+    return lengths, channels

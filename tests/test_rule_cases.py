@@ -952,11 +952,11 @@ class _MaskedActions(torch.nn.Module):
     """A policy's action scores with illegal actions masked the Hugging Face / RL way,
     ``masked_fill(~allowed, torch.finfo(logits.dtype).min)``: -3.4e38 under FP32, -65504 under a float16 autocast."""
 
-    def __init__(self, illegal=(4, 5)):
+    def __init__(self, illegal=(4, 5), fill="finfo"):
         super().__init__()
         g = torch.Generator().manual_seed(5)
         self.body, self.head = torch.nn.Linear(16, 32), torch.nn.Linear(32, 6)
-        self.illegal = list(illegal)
+        self.illegal, self.fill = list(illegal), fill
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g))
@@ -966,6 +966,10 @@ class _MaskedActions(torch.nn.Module):
         logits = self.head(torch.tanh(self.body(x)))
         allowed = torch.ones_like(logits, dtype=torch.bool)
         allowed[:, self.illegal] = False
+        if self.fill == "-inf":  # torch.distributions.Categorical's docs, Hugging Face's logits processors
+            return logits.masked_fill(~allowed, -math.inf)
+        if self.fill == "-1e9":  # CleanRL's CategoricalMasked: -inf under a float16 autocast (-1e9 overflows float16)
+            return torch.where(allowed, logits, torch.tensor(-1e9))
         return logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
 
 
@@ -1005,6 +1009,114 @@ def test_a_class_masked_with_the_dtypes_minimum_on_both_sides_is_no_value_gap():
         gap = stats.values["output"]
         assert d.decision == "rollback" and any(r.startswith("values 'output': 300 of 1800") for r in d.reasons), d.reasons
         assert gap.failing == n and gap.zero_probability_both == both_masked and len(gap.failing_ids) == n
+
+
+def test_a_class_masked_with_minus_inf_or_with_a_constant_float16_overflows_is_no_fault():
+    """-inf is how PyTorch's and Hugging Face's docs mask a class (probability exactly 0, as ``torch.softmax`` gives it),
+    and ``torch.where(allowed, logits, -1e9)`` writes -inf under a float16 autocast: neither is a non-finite output while
+    the row's maximum is finite. Freeze accepts such a reference, and a healthy float16 trial is accepted on inference
+    and training (its AMP-trained model's outputs hold the same masks; its accuracy is the reference's). A legal class
+    sent to -inf, or an illegal one let through, is still a rollback, and so is a row masked whole (no finite maximum:
+    softmax gives NaN)."""
+    from pipeline import cases, config, vetting
+    from pipeline.artifacts import reference_tensors
+
+    n = 300
+    x = torch.randn(n, 16, generator=torch.Generator().manual_seed(6))
+    ids, every = [f"ordinary/s{i}" for i in range(n)], torch.ones(n, dtype=torch.bool)
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.05, rtol=0.02)}, min_quality=0.5)
+    for fill, masked_in_trial in (("-inf", -math.inf), ("-1e9", -math.inf)):
+        model = _MaskedActions(fill=fill)
+        ref = _fp32(model, x)
+        y = ref["output"].argmax(1)
+        trial = _autocast(model, x, torch.float16)
+        assert float(trial["output"][0, 5]) == masked_in_trial
+        params = dataclasses.replace(config.Params(), task=TaskConfig(kind="classification"), acceptance=cfg)
+        scan, refused = vetting.Scan(params, cases.Cases(ids=ids, x=x, y=y, has_target=every)), []
+        list(reference_tensors._checked([ref], ids, refused, scan))
+        assert refused == [] and scan.problem(FLAT) is None, (fill, refused)
+        stats, d = _judge(ids, y, every, ref, trial, cfg=cfg)
+        assert d.decision == "accept" and d.training == "accept", (fill, d.reasons)
+        gap = stats.values["output"]
+        assert gap.zero_probability_both == 2 * n and gap.nonfinite_trial_only == 0 and gap.failing == 0, (fill, gap)
+        assert stats.nonfinite.trained.rows == 0 and stats.quality.trained == stats.quality.reference == 1.0
+        model.illegal = [0, 4, 5]  # the trial rules out action 0, legal in the reference
+        masked = _autocast(model, x, torch.float16)
+        model.illegal = [5]  # the trial lets action 4 through
+        unmasked = _autocast(model, x, torch.float16)
+        for changed in (masked, unmasked):
+            stats, d = _judge(ids, y, every, ref, changed, cfg=cfg)
+            assert d.decision == "rollback" and any(r.startswith("values 'output': 300 of 1800") for r in d.reasons), (
+                fill, d.reasons)
+    whole = {"output": ref["output"].clone()}
+    whole["output"][:3] = -math.inf  # three rows with every class masked: no distribution at all
+    stats, d = _judge(ids, y, every, ref, whole, cfg=cfg)
+    assert stats.nonfinite.trained.rows == 3 and stats.values["output"].nonfinite_trial_only == 3 * 6
+    assert d.decision == "rollback" and any("AMP-trained model: 3 case(s)" in r for r in d.reasons), d.reasons
+
+
+class _LeftPaddedTagger(torch.nn.Module):
+    """One causal attention layer over left-padded sequences, written by hand as models often are
+    (``masked_fill(~allowed, -inf).softmax(-1)``): a padded query sees no key, and its row of weights is NaN, on every
+    side, FP32 included. ``attention_mask`` says those positions are padding."""
+
+    def __init__(self, vocab=16, width=32):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb, self.qkv, self.out = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, 3 * width), torch.nn.Linear(
+            width, vocab)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, batch):
+        h = self.emb(batch["input_ids"])
+        q, k, v = self.qkv(h).chunk(3, -1)
+        length = h.shape[1]
+        allowed = torch.ones(length, length, dtype=torch.bool).tril()[None] & batch["attention_mask"].bool()[:, None, :]
+        w = (q @ k.transpose(1, 2) / q.shape[-1] ** 0.5).masked_fill(~allowed, -math.inf).softmax(-1)
+        return {"logits": self.out(h + w @ v)}
+
+
+def test_non_finite_scores_at_padding_only_are_no_reason_to_refuse_the_reference():
+    """Freeze refuses a reference that is not finite where compare judges it, and only there: NaN at the padded positions
+    of a left-padded batch (their attention rows see nothing) is no output the application uses, on any side. Freeze
+    accepts the reference; float16 and bfloat16 trials are judged on the real positions. The same NaN at a real position
+    is refused, naming the case."""
+    from pipeline import cases, config, vetting
+    from pipeline.artifacts import reference_tensors
+
+    n, length = 120, 10
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(4, length + 1, (n,), generator=g)
+    pos = torch.arange(length)[None]
+    mask = (pos >= length - lengths[:, None]).long()  # left padding
+    tokens = torch.randint(1, 16, (n, length), generator=g) * mask
+    targets = torch.where(mask.bool() & (pos < length - 1), tokens.roll(-1, 1), torch.full_like(tokens, -100))
+    x = {"input_ids": tokens, "attention_mask": mask}
+    ids, every = [f"ordinary/s{i}" for i in range(n)], torch.ones(n, dtype=torch.bool)
+    model = _LeftPaddedTagger().eval()
+    ref = _fp32(model, x)
+    padded = ~mask.bool()
+    assert bool(torch.isnan(ref["logits"][padded]).all()) and bool(torch.isfinite(ref["logits"][~padded]).all())
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.1, rtol=0.05)}, max_near_boundary_flips=None)
+    params = dataclasses.replace(config.Params(), task=TaskConfig(kind="classification"), acceptance=cfg)
+    fixed = cases.Cases(ids=ids, x=x, y=targets, has_target=every)
+    refused = []
+    list(reference_tensors._checked([ref], ids, refused, vetting.Scan(params, fixed)))
+    assert refused == []
+    for dtype in (torch.float16, torch.bfloat16):
+        trial = _autocast(model, x, dtype)
+        sources = streams.Sources(ids, targets, every, streams.InMemory(ref), streams.InMemory(trial), streams.InMemory(trial),
+                                  token_mask=mask)
+        stats, _ = streams.compare_streams("classification", cfg, sources, streams.Trajectories(FLAT, FLAT, 1.0))
+        assert stats.values["logits"].nonfinite_trial_only == stats.nonfinite.trained.rows == 0, dtype
+        assert stats.values["logits"].elements == int(mask.sum()) * 16
+    broken = {"logits": ref["logits"].clone()}
+    broken["logits"][7, -1, 3] = math.nan  # the last position is real in every sequence
+    refused = []
+    list(reference_tensors._checked([broken], ids, refused, vetting.Scan(params, fixed)))
+    assert refused == ["ordinary/s7"]
 
 
 def test_only_class_scores_decided_through_softmax_excuse_a_pair_at_probability_zero():

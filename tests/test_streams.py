@@ -197,27 +197,31 @@ def test_attention_mask_excludes_padding_positions():
     assert task.token_mask_of({"input_ids": torch.zeros(2, 3), "attention_mask": mask[:2, :3]}) is not None
 
 
-def test_ignored_positions_are_not_judged_on_values_or_finiteness_either():
-    """A position whose target is ignored (-100) or which is padding is no output the application uses: whatever the
-    trial or the AMP-trained model computes there (an fp16 overflow at a fully masked row, garbage) is judged by no
-    criterion, values and finiteness included, as the decisions and KL already ignore it. The same change at a kept
-    position still fails, and names its case."""
+def test_padding_is_not_judged_on_values_or_finiteness_either():
+    """A padding position (token mask 0) is no output the application uses: whatever the trial or the AMP-trained model
+    computes there (an fp16 overflow at a fully masked row, garbage) is judged by no criterion, values and finiteness
+    included, as the decisions and KL already ignore it. Without a token mask the positions whose target is -100 are all
+    that is known of padding. The same change at a kept position still fails, and names its case."""
     from pipeline import rule as acceptance
 
     ids, y, has, ref, _ = _set(n=40, per_token=True)  # position 5 ignored everywhere (target -100)
     ref = {"logits": ref["logits"], "tags": ref["logits"][..., :4].clone()}  # a second per-token head
     mask = torch.ones(40, 6, dtype=torch.long)
     mask[:, 3] = 0  # padding
+    mask[:, 5] = 0  # padding too: its target is -100 already
     strict = AcceptanceConfig(outputs={"*": comparison_tolerance()}, min_quality=None, loss_noise_multiple=None)
     garbage = {k: v.clone() for k, v in ref.items()}
     garbage["logits"][:, 5] = math.inf
     garbage["logits"][:, 3] += 50.0
     garbage["tags"][:, 3] = math.nan
     stats, _ = streams.compare_streams("classification", strict, _sources(ids, y, has, ref, garbage, token_mask=mask), RUNS)
-    assert stats.values["logits"].elements == 40 * 4 * 10 and stats.values["tags"].elements == 40 * 5 * 4
+    assert stats.values["logits"].elements == 40 * 4 * 10 and stats.values["tags"].elements == 40 * 4 * 4
     assert stats.values["logits"].failing == 0 and stats.nonfinite.trial.rows == stats.nonfinite.trained.rows == 0
-    assert sorted(stats.heads) == ["tags"] and stats.heads["tags"].cases == 40 * 5  # decided by default, padding left out
+    assert sorted(stats.heads) == ["tags"] and stats.heads["tags"].cases == 40 * 4  # decided by default, padding left out
     assert acceptance.decide(stats, strict).decision == "accept"
+    unmasked = {"logits": garbage["logits"]}  # no mask: the -100 targets (position 5) are the padding known
+    stats, _ = streams.compare_streams("classification", strict, _sources(ids, y, has, {"logits": ref["logits"]}, unmasked), RUNS)
+    assert stats.values["logits"].elements == 40 * 5 * 10 and stats.values["logits"].nonfinite_trial_only == 0
     kept = {k: v.clone() for k, v in garbage.items()}
     kept["logits"][7, 1, 0] += 1.0  # one element at a kept position
     kept["tags"][9, 0, 0] = math.inf
@@ -225,6 +229,26 @@ def test_ignored_positions_are_not_judged_on_values_or_finiteness_either():
     assert stats.values["logits"].failing == 1 and stats.values["logits"].failing_ids == ("ordinary/7",)
     assert stats.nonfinite.trial.ids == ("ordinary/9",) and stats.nonfinite.trained.ids == ("ordinary/9",)
     assert acceptance.decide(stats, strict).decision == "rollback"
+
+
+def test_a_real_position_without_a_target_is_still_judged_on_values_and_finiteness():
+    """A sequence's last real position has no next token (target -100), yet generation reads its scores next: where the
+    token mask says it is real, an fp16 overflow there is a non-finite output (a linear recurrence's activations grow
+    along the sequence and overflow there first). Its decisions stay out of the flips and KL (no target)."""
+    from pipeline import rule as acceptance
+
+    ids, y, has, ref, trial = _set(n=40, per_token=True)  # position 5: target -100 in every case
+    mask = torch.ones(40, 6, dtype=torch.long)  # ... but real
+    rule = AcceptanceConfig(min_quality=None, loss_noise_multiple=None)
+    healthy, _ = streams.compare_streams("classification", rule, _sources(ids, y, has, ref, trial, token_mask=mask), RUNS)
+    assert healthy.values["logits"].elements == 40 * 6 * 10 and healthy.distribution.tokens == 40 * 5
+    overflow = {"logits": trial["logits"].clone()}
+    overflow["logits"][:4, 5, 2] = math.inf
+    stats, _ = streams.compare_streams("classification", rule, _sources(ids, y, has, ref, overflow, token_mask=mask), RUNS)
+    assert stats.values["logits"].nonfinite_trial_only == 4 and stats.nonfinite.trained.rows == 4
+    assert stats.distribution.tokens == 40 * 5 and stats.flips.real_flips == healthy.flips.real_flips
+    decided = acceptance.decide(stats, rule)
+    assert decided.decision == "rollback" and any("4 non-finite element(s)" in r for r in decided.reasons), decided.reasons
 
 
 def comparison_tolerance():

@@ -103,13 +103,19 @@ class NonFinite(UserError):
 def _checked(
     chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], bad: list[str], scan=None
 ) -> Iterator[dict[str, torch.Tensor]]:
+    """The chunks, the ids of their rows with a non-finite output gathered into ``bad``: where compare judges it
+    (``scan.nonfinite_rows``: a padding position, or -inf beside a finite maximum of class scores, a masked class, is no
+    fault), every element without a ``scan``."""
     row = 0
     for chunk in chunks:
         n = next(iter(chunk.values())).shape[0]
-        finite = torch.ones(n, dtype=torch.bool)
-        for v in chunk.values():
-            finite &= torch.isfinite(v.reshape(n, -1)).all(dim=1)
-        bad.extend(ids[row + i] for i in torch.nonzero(~finite).flatten().tolist())
+        if scan is not None:
+            broken = scan.nonfinite_rows(row, chunk)
+        else:
+            broken = torch.zeros(n, dtype=torch.bool)
+            for v in chunk.values():
+                broken |= ~torch.isfinite(v.reshape(n, -1)).all(dim=1)
+        bad.extend(ids[row + i] for i in torch.nonzero(broken).flatten().tolist())
         if scan is not None and not bad:
             scan.update(row, chunk)
         row += n

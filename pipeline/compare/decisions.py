@@ -509,7 +509,9 @@ class DecisionStats:
 def holds_probabilities(name: str, ref: torch.Tensor) -> bool:
     """Whether a single-value head holds a probability (a sigmoid's output, decided at 0.5), not a logit (decided at 0):
     its name says so (``prob``, ``proba``, ``probability``), or, unless its name says logit, every finite value of
-    the reference lies in [0, 1] (a logit head that never goes negative would decide class 1 for every case)."""
+    the reference lies in [0, 1] (a logit head that never goes negative would decide class 1 for every case). That guess
+    never decides alone: freeze refuses a head whose name says neither and whose values lie in [0, 1], some strictly
+    between (``vetting.Scan.unit_heads``), so the user names it."""
     if PROBABILITY_NAMES.search(name):
         return True
     finite = ref[torch.isfinite(ref)]

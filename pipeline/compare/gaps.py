@@ -16,7 +16,10 @@ Class scores decided through softmax (``softmax=True``: ``streams`` passes it fo
 two sides both lie more than ``ZERO_PROBABILITY_NATS`` below their own row's maximum is at probability exactly 0 on
 both sides (a masked class: ``finfo(dtype).min`` is -3.4e38 under FP32, -65504 under float16), so it agrees, is
 counted apart (``zero_probability_both``) and left out of every statistic. Looked for only in a slice that would
-fail, or whose largest gap exceeds that many nats (the common, passing slice does not pay for it).
+fail, or whose largest gap exceeds that many nats (the common, passing slice does not pay for it). -inf is such a
+score too, beside a finite maximum (``broken``: a masked class, ``masked_fill(~allowed, -inf)``, or a float16
+trial's overflow of ``where(allowed, x, -1e9)``), not a non-finite output: masked on both sides it agrees; masked on
+one side only, a probability from or to 0, it fails (a value change, not a non-finite element).
 """
 
 from __future__ import annotations
@@ -49,8 +52,19 @@ def zero_probability(scores: torch.Tensor) -> torch.Tensor:
 
 
 def zero_probability_both(ref: torch.Tensor, trial: torch.Tensor) -> torch.Tensor:
-    """Where both sides of [..., C] class scores are finite and at softmax probability 0 (``zero_probability``)."""
-    return zero_probability(ref) & zero_probability(trial) & torch.isfinite(ref) & torch.isfinite(trial)
+    """Where both sides of [..., C] class scores are at softmax probability 0 (``zero_probability``), -inf included
+    (a class masked out: ``masked_fill(~allowed, -inf)``, or a float16 trial's overflow of ``where(allowed, x, -1e9)``)."""
+    return zero_probability(ref) & zero_probability(trial)
+
+
+def broken(scores: torch.Tensor, softmax: bool = False) -> torch.Tensor:
+    """Where an output's element is not finite as an output: NaN or an infinity; of class scores decided through
+    softmax (``softmax``, [..., C]), -inf only in a row without a finite maximum: -inf beside a finite maximum is a
+    class masked out, at probability exactly 0, as ``torch.softmax`` gives it (``zero_probability``)."""
+    bad = ~torch.isfinite(scores)
+    if softmax and scores.ndim >= 2 and scores.shape[-1] >= 2 and bool(bad.any()):
+        bad &= ~(torch.isneginf(scores) & torch.isfinite(scores.amax(-1, keepdim=True)))
+    return bad
 
 
 def _widen(t: torch.Tensor) -> torch.Tensor:
@@ -132,10 +146,21 @@ class GapStats:
         both = None
         rows = (r, t, ref.shape[-1]) if self.softmax and ref.ndim >= 2 and ref.shape[-1] >= 2 else None
         self.last_finite = True  # a NaN or inf on either side makes the sum non-finite
+        aside = None
         if not math.isfinite(total):  # some element of either side is not finite: the slow path, rarely taken
             fr, ft = torch.isfinite(r), torch.isfinite(t)
             both = fr & ft
             self.last_finite = bool(both.all())  # else the sum overflowed
+            if rows is not None:  # class scores: -inf beside a finite maximum is a masked class (``broken``), no fault
+                r2, t2 = rows[0].reshape(-1, rows[2]), rows[1].reshape(-1, rows[2])
+                fr, ft = ~broken(r2, True).reshape(-1), ~broken(t2, True).reshape(-1)
+                masking = fr & ft & ~both  # a class masked on one side at least
+                aside = zero_probability_both(r2, t2).reshape(-1) & masking  # at probability 0 on both: they agree
+                self.zero_probability_both += int(aside.sum())
+                changed = int((masking & ~aside).sum())  # masked on one side only: a probability from or to 0
+                failing += changed
+                if changed:
+                    self.need_atol = self.need_rtol = math.inf
             trial_only = int((fr & ~ft).sum())
             ref_bad = int((~fr).sum())
             same = int((~fr & ~ft & ((r == t) | (torch.isnan(r) & torch.isnan(t)))).sum())
@@ -152,6 +177,8 @@ class GapStats:
             more, dead, mx = self._finite_pairs(g, r, t, gap, total, rows, both)
             failing += more
         g.failing += failing
+        if aside is not None:
+            dead = aside if dead is None else dead | aside
         if dead is not None:  # the pairs set aside show no gap either (the per-case table's)
             full_gap = full_gap.masked_fill(dead, 0.0)
         elif both is None:
@@ -228,10 +255,10 @@ class GapStats:
         r, t = ref.detach().double().reshape(ref.shape[0], -1), trial.detach().double().reshape(trial.shape[0], -1)
         same_nonfinite = (torch.isnan(r) & torch.isnan(t)) | (torch.isinf(r) & (r == t))
         outside = (t - r).abs() - self.rtol * r.abs() > self.atol
+        bad = outside | (torch.isfinite(r) & ~torch.isfinite(t)) | (~torch.isfinite(r) & ~same_nonfinite)
         if self.softmax and ref.ndim >= 2 and ref.shape[-1] >= 2:  # a pair at probability 0 on both sides agrees
             width = ref.shape[-1]
-            outside &= ~zero_probability_both(r.reshape(-1, width), t.reshape(-1, width)).reshape(r.shape)
-        bad = outside | (torch.isfinite(r) & ~torch.isfinite(t)) | (~torch.isfinite(r) & ~same_nonfinite)
+            bad &= ~zero_probability_both(r.reshape(-1, width), t.reshape(-1, width)).reshape(r.shape)
         return bad.any(1)
 
     def failing_so_far(self) -> int:

@@ -13,7 +13,7 @@ import torch
 
 from pipeline.artifacts.comparison import RegressionErrors
 from pipeline.compare.decisions import labels_of
-from pipeline.compare.gaps import all_finite
+from pipeline.compare.gaps import all_finite, broken
 from pipeline.errors import UserError
 from pipeline.task import IGNORE_INDEX
 
@@ -76,8 +76,8 @@ class QualityStats:
             else:
                 idx = s.float().topk(min(self.top_k, s.shape[-1]), dim=-1).indices
                 hit = (idx == y.unsqueeze(-1)).any(-1)
-            if not (finite or all_finite(s)):  # a row with any non-finite score is a miss, whatever the metric
-                hit = hit & torch.isfinite(s).all(-1)
+            if not (finite or all_finite(s)):  # a row with a non-finite score is a miss, whatever the metric (-inf beside
+                hit = hit & ~broken(s, softmax=True).any(-1)  # a finite maximum is a masked class: ``gaps.broken``)
             hit = hit & valid
             self.total += float(hit.sum())
             self.n += int(valid.sum())

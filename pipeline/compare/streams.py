@@ -38,11 +38,11 @@ from pipeline.artifacts.comparison import Decisions, NonFinite, NonFiniteSides, 
 from pipeline.artifacts.outputs import OutputsReader
 from pipeline.artifacts.steps import Steps
 from pipeline.compare.decisions import DecisionStats, PerCase, first_crossing, holds_probabilities, regression_flips, sign_flips
-from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite
+from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite, broken
 from pipeline.compare.quality import QualityStats, regression_errors
 from pipeline.compare.trajectory import calibration_steps, trajectory_gap, update_health
 from pipeline.config import METRICS, AcceptanceConfig, CompareConfig, TaskConfig, primary_name
-from pipeline.task import IGNORE_INDEX, masked_targets, resolve, rows_within
+from pipeline.task import IGNORE_INDEX, judged_positions, masked_targets, resolve, rows_within
 
 
 SIDES = ("reference", "trial", "trained")
@@ -152,10 +152,11 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
                     device: torch.device | str | None = None) -> tuple[Stats, list[dict]]:
     """Statistics and per-case table of one trial; each source read once, one chunk of rows at a time.
 
-    Per-token outputs ignore positions whose target is -100 and, when ``sources.token_mask`` is given,
-    positions where it is 0: in their decisions and distributions, and in their values and finiteness too (a
-    padding position is no output the application uses: whatever the trial computes there is not judged).
-    Other per-token outputs [N, T, ...] ignore the padding alone (``token_mask``).
+    Per-token outputs ignore the padding, positions where ``sources.token_mask`` is 0, in everything (a padding
+    position is no output the application uses: whatever the trial computes there is not judged). The per-token
+    primary's decisions and distributions also ignore the positions whose target is -100, and, without a token mask,
+    so do its values and finiteness (``task.judged_positions``): with one, a real position without a target (a
+    sequence's last, which generation reads next) is still judged by its values and finiteness.
     ``metric`` defaults to the kind's built-in one (``TaskConfig.metric_name``).
     ``device``: where the arithmetic runs (default the CPU); on a GPU each chunk is copied there and computed
     whole, host memory still one chunk; the statistics are the CPU's within float32 rounding.
@@ -198,7 +199,8 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
                    has_target=has_target.bool().to(device), gaps=gaps, arbiter=arbiter, decisions=decisions, quality=quality,
                    row_gap=row_gap, first_values=first_values, heads=head_stats, signs=signs, device=device,
                    threshold=rule.threshold if kind != "classification" else None,
-                   token_valid=None if sources.token_mask is None else sources.token_mask.bool().to(device),
+                   judged={name: _to(judged_positions(shapes[name], per_token and name == main, targets, sources.token_mask),
+                                     device) for name in names},
                    slice_elements=SLICE_ELEMENTS if device.type == "cpu" else max(cfg.chunk_elements, SLICE_ELEMENTS),
                    nonfinite={side: torch.zeros(n, dtype=torch.bool) for side in ("trial", "trained")},
                    nonfinite_elements={side: dict.fromkeys(names, 0) for side in ("trial", "trained")})
@@ -316,8 +318,8 @@ class _State:
     buffers: dict = field(default_factory=dict)
     device: torch.device = torch.device("cpu")
     """Where the arithmetic runs: each chunk read is copied there (the per-case records stay on the CPU)."""
-    token_valid: torch.Tensor | None = None
-    """``Sources.token_mask`` as booleans [N, T]: the positions of per-token outputs that are not padding."""
+    judged: dict = field(default_factory=dict)
+    """Per output, the positions [N, T] whose values and finiteness count (``task.judged_positions``), or None: all."""
     slice_elements: int = 0
     """Elements per computation slice (``SLICE_ELEMENTS`` on a CPU; a whole chunk on a GPU)."""
     mapped: list = field(default_factory=list)
@@ -514,19 +516,17 @@ def nonfinite_summary(ids: Sequence[str], kinds: Sequence[str], rows: torch.Tens
 
 def _valid_positions(st: _State, name: str, shape: tuple[int, ...], a: int, b: int, p: int | None = None,
                      q: int | None = None) -> torch.Tensor | None:
-    """The positions [b - a, q - p] of per-token output ``name`` (``shape``: [rows, T, ...]) that count, rows a:b: the
-    primary's where its target is not ignored (-100, padding included), another's where ``token_mask`` is not 0;
-    None when all of them count."""
-    if len(shape) != 3:
+    """The positions [b - a, q - p] of per-token output ``name`` (``shape``: [rows, T, ...]) that count, rows a:b
+    (``task.judged_positions``: the token mask's, else the primary's targets'); None when all of them count."""
+    keep = st.judged.get(name)
+    if keep is None or len(shape) != 3:
         return None
-    if name == st.main and st.per_token:
-        keep = st.targets[a:b] != IGNORE_INDEX
-    elif st.token_valid is not None and st.token_valid.shape[1] == shape[1]:
-        keep = st.token_valid[a:b]
-    else:
-        return None
-    keep = keep[:, p:q] if p is not None else keep
+    keep = keep[a:b, p:q] if p is not None else keep[a:b]
     return None if bool(keep.all()) else keep
+
+
+def _to(v: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if v is None else v.to(device)
 
 
 def _kept(v: torch.Tensor | None, x: int, y: int, valid: torch.Tensor | None) -> torch.Tensor | None:
@@ -556,18 +556,44 @@ def _ignored_where(valid: torch.Tensor) -> torch.Tensor:
 
 
 def _note_nonfinite(st: _State, side: str, name: str, row: int, out: torch.Tensor, valid: torch.Tensor | None = None) -> bool:
-    """Rows (from ``row``) of ``out`` with a non-finite element, into the side's tally, whatever the head;
-    whether every element was finite. ``valid``: the positions of a per-token output that count (others ignored)."""
-    if not out.numel() or all_finite(out):
+    """Rows (from ``row``) of ``out`` with a non-finite element (``broken_where_judged``), into the side's tally,
+    whatever the head; whether every element was finite. ``valid``: the positions of a per-token output that count."""
+    bad = broken_where_judged(out, valid, st.gaps[name].softmax)
+    if bad is None:
         return True
+    st.nonfinite[side][row : row + out.shape[0]] |= bad.reshape(out.shape[0], -1).any(1).cpu()
+    st.nonfinite_elements[side][name] += int(bad.sum())
+    return False
+
+
+def broken_where_judged(out: torch.Tensor, valid: torch.Tensor | None, softmax: bool) -> torch.Tensor | None:
+    """Where an element of ``out`` is not finite as an output (``gaps.broken``: of class scores decided through softmax,
+    -inf beside a finite maximum is a masked class, no fault) at the positions ``valid`` keeps (per token [n, T]; None:
+    all); None when every element of ``out`` is finite (the common case: one sum)."""
+    if not out.numel() or all_finite(out):
+        return None
     if valid is not None:
         out = torch.where(valid[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
-        if all_finite(out):
-            return False  # non-finite only where ignored: nothing tallied, but not every element was finite
-    bad = ~torch.isfinite(out.reshape(out.shape[0], -1)).all(1)
-    st.nonfinite[side][row : row + out.shape[0]] |= bad.cpu()
-    st.nonfinite_elements[side][name] += int((~torch.isfinite(out)).sum())
-    return False
+    return broken(out, softmax)
+
+
+def nonfinite_rows(kind: str, rule: AcceptanceConfig, chunk: dict[str, torch.Tensor], row: int, targets: torch.Tensor,
+                   token_mask: torch.Tensor | None) -> torch.Tensor:
+    """Rows of ``chunk`` (every output of the fixed set's rows from ``row`` on) with an element not finite where compare
+    judges it (``broken_where_judged``, at ``task.judged_positions``; ``targets`` and ``token_mask`` the whole set's):
+    what freeze refuses in the reference."""
+    shapes = {name: tuple(v.shape) for name, v in chunk.items()}
+    main = primary_name(shapes)
+    heads = decided_heads(kind, rule, shapes, main)
+    per_token = kind == "classification" and len(shapes[main]) == 3
+    n = shapes[main][0]
+    out = torch.zeros(n, dtype=torch.bool)
+    for name, v in chunk.items():
+        keep = judged_positions(shapes[name], per_token and name == main, targets, token_mask)
+        bad = broken_where_judged(v, None if keep is None else keep[row : row + n].to(v.device), name in heads)
+        if bad is not None:
+            out |= bad.reshape(n, -1).any(1).cpu()
+    return out
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3

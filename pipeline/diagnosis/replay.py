@@ -140,21 +140,13 @@ def load(params: Params, variant: str, stats: Stats, decision: rule.RuleResult) 
 
 
 def inference_case(ctx: Context, run: Run) -> Case | None:
-    """The fixed-set cases where the run's outputs are non-finite and the reference's are not (both read a slice of
-    rows at a time: an LM's outputs are never whole here)."""
-    if run.stats.nonfinite.trial.rows == 0:  # compare found every output of these finite, whatever the head: none
+    """The fixed-set cases where compare found the run's outputs non-finite (``stats.nonfinite.trial``: where it judges
+    them; a masked class's -inf is no fault), the first ``diagnose.max_cases`` of them."""
+    listed = set(run.stats.nonfinite.trial.ids)
+    if not listed:
         return None
-    n, reference = len(ctx.ref.cases.ids), ctx.ref.outputs_reader()
-    bad = torch.zeros(n, dtype=torch.bool)
-    for name in run.outputs.names:
-        step = task.rows_within(ctx.params.compare.chunk_elements, math.prod(run.outputs.shape(name)[1:]))
-        for a in range(0, n, step):
-            b = min(a + step, n)
-            out, ref = run.outputs.read(name, a, b).reshape(b - a, -1), reference.read(name, a, b).reshape(b - a, -1)
-            bad[a:b] |= (~torch.isfinite(out) & torch.isfinite(ref)).any(dim=1)
-    idx = torch.nonzero(bad).flatten()[: ctx.params.diagnose.max_cases]
-    if idx.numel() == 0:
-        return None
+    idx = torch.tensor([i for i, case in enumerate(ctx.ref.cases.ids) if case in listed][: ctx.params.diagnose.max_cases],
+                       dtype=torch.long)
     model = ctx.model("trained")
     model.train(not ctx.params.reference.eval_mode)
     ids = [ctx.ref.cases.ids[i] for i in idx.tolist()]
