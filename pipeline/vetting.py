@@ -19,6 +19,7 @@ from pipeline import cases, task
 from pipeline import rule
 
 from pipeline.compare import streams
+from pipeline.compare.gaps import zero_probability
 from pipeline.compare.quality import COLUMNS, QualityStats
 from pipeline.config import FEATURE_NAMES, LOGIT_NAMES, PROBABILITY_NAMES, Params, primary_name
 
@@ -88,12 +89,16 @@ class Scan:
                     self.masked[name] = min(lowest, self.masked.get(name, lowest))
             if name in signs and _guessed(name):
                 self._note_unit(name, v, row)
+            judged = task.judged_positions(tuple(v.shape), self.kind == "classification" and name == main and out.ndim == 3,
+                                           self.targets, self.token_mask)
             for a in range(0, v.shape[0], rows):
                 b = min(a + rows, v.shape[0])
                 values = v[a:b].detach().double()
                 parts = [values]
+                scaled = [_scaled(values, None if judged is None else judged[row + a : row + b], name in scores)]
                 if self.ordinary is not None:
                     parts.append(values[self.ordinary[row + a : row + b]])
+                    scaled.append(scaled[0][self.ordinary[row + a : row + b]])
                 if name not in scores and self.whole.get(name, 0.0) is not None:  # class scores: their argmax is judged
                     finite = values[torch.isfinite(values)]
                     if not bool((finite == finite.round()).all()):
@@ -103,7 +108,8 @@ class Scan:
                 for i, part in enumerate(parts):
                     squares = part.square()
                     total = self.squares.setdefault(name, [[0.0, 0], [0.0, 0]])[i]
-                    total[0], total[1] = total[0] + float(squares.sum()), total[1] + squares.numel()
+                    counted = scaled[i].square()
+                    total[0], total[1] = total[0] + float(counted.nansum()), total[1] + int((~torch.isnan(counted)).sum())
                     if width:
                         m = self.moments.setdefault(name, [[0.0, 0.0, 0], [0.0, 0.0, 0]])[i]
                         m[0] = m[0] + part.reshape(-1, width).sum(0)
@@ -241,6 +247,17 @@ def _distributions(v: torch.Tensor) -> bool:
         return False
     sums = v.sum(-1, dtype=torch.float64)  # a NaN or an infinity in a row makes its sum no 1
     return bool(((sums - 1.0).abs() <= 1e-3).all())
+
+
+def _scaled(values: torch.Tensor, judged: torch.Tensor | None, scores: bool) -> torch.Tensor:
+    """``values`` as their scale is measured (``Scan.rms``): NaN where compare judges nothing (a padding position: ``judged``,
+    [rows, T]) and, in class scores (``scores``), at a class of probability 0 (``gaps.zero_probability``: a masked class,
+    finfo.min, -1e9 or -inf): no score of the model's."""
+    if judged is not None and values.ndim == 3:
+        values = values.masked_fill(~judged[..., None], math.nan)
+    if scores and values.ndim >= 2 and values.shape[-1] >= 2:
+        values = values.masked_fill(zero_probability(values), math.nan)
+    return values
 
 
 MASKING = -1e30

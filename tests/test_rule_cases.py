@@ -1035,6 +1035,7 @@ def test_a_class_masked_with_minus_inf_or_with_a_constant_float16_overflows_is_n
         scan, refused = vetting.Scan(params, cases.Cases(ids=ids, x=x, y=y, has_target=every)), []
         list(reference_tensors._checked([ref], ids, refused, scan))
         assert refused == [] and scan.problem(FLAT) is None, (fill, refused)
+        assert scan.rms()["output"] < 100.0  # the legal scores' scale: a masked class is no score
         stats, d = _judge(ids, y, every, ref, trial, cfg=cfg)
         assert d.decision == "accept" and d.training == "accept", (fill, d.reasons)
         gap = stats.values["output"]
@@ -1102,9 +1103,9 @@ def test_non_finite_scores_at_padding_only_are_no_reason_to_refuse_the_reference
     cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.1, rtol=0.05)}, max_near_boundary_flips=None)
     params = dataclasses.replace(config.Params(), task=TaskConfig(kind="classification"), acceptance=cfg)
     fixed = cases.Cases(ids=ids, x=x, y=targets, has_target=every)
-    refused = []
-    list(reference_tensors._checked([ref], ids, refused, vetting.Scan(params, fixed)))
-    assert refused == []
+    refused, scan = [], vetting.Scan(params, fixed)
+    list(reference_tensors._checked([ref], ids, refused, scan))
+    assert refused == [] and 1.0 < scan.rms()["logits"] < 10.0  # the scale of the real positions' scores (atol's bar)
     for dtype in (torch.float16, torch.bfloat16):
         trial = _autocast(model, x, dtype)
         sources = streams.Sources(ids, targets, every, streams.InMemory(ref), streams.InMemory(trial), streams.InMemory(trial),
