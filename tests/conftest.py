@@ -35,12 +35,24 @@ _BLANK_DB: list[Path] = []
 
 
 def blank_mlflow_db() -> Path:
-    """An empty MLflow sqlite database, made once per session: creating the tables takes ~10 s."""
+    """An empty MLflow sqlite database, made once per session (creating the tables imports MLflow, seconds): under
+    pytest-xdist, once for all the workers of the run (and the early build of ``reproduced``), by whichever process
+    gets there first while the others wait on the lock; else once per process."""
     if not _BLANK_DB:
-        folder = Path(tempfile.mkdtemp(prefix="mlflow-blank-"))
-        db = folder / "mlflow.db"
-        code = f"import mlflow; mlflow.MlflowClient(tracking_uri='sqlite:///{db}').search_experiments()"
-        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300)
+        run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run, and their children
+        if run_id:
+            folder = Path(tempfile.gettempdir()) / f"amp-mlflow-blank-{run_id}"
+            folder.mkdir(exist_ok=True)
+        else:
+            folder = Path(tempfile.mkdtemp(prefix="mlflow-blank-"))
+        db, done = folder / "mlflow.db", folder / "done"
+        with open(folder / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not done.exists():
+                db.unlink(missing_ok=True)  # what a process that failed midway left
+                code = f"import mlflow; mlflow.MlflowClient(tracking_uri='sqlite:///{db}').search_experiments()"
+                subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300)
+                done.touch()
         _BLANK_DB.append(db)
     return _BLANK_DB[0]
 
