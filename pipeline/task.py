@@ -576,11 +576,21 @@ def iter_rows(x: Inputs, batch_size: int) -> Iterable[tuple[int, int, Inputs]]:
         yield start, min(start + batch_size, n), x[start : start + batch_size]
 
 
+DECODER_INPUTS = ("decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask")
+"""Inputs of an encoder-decoder's decoder (Hugging Face's names): its per-token outputs are the decoder's positions."""
+
+
 def token_mask_of(x) -> torch.Tensor | None:
-    """The ``attention_mask`` of dict inputs (Hugging Face's name), if any: positions where it is 0 are padding."""
-    if isinstance(x, dict) and torch.is_tensor(x.get("attention_mask")) and x["attention_mask"].ndim == 2:
-        return x["attention_mask"]
-    return None
+    """The padding mask [N, T] of the per-token outputs of dict inputs (Hugging Face's names), if any: positions where it
+    is 0 are padding. An encoder-decoder's outputs are its decoder's (``DECODER_INPUTS``): their mask is the
+    ``decoder_attention_mask``, or none (its targets' -100 then say where padding is), never the ``attention_mask``,
+    which is the encoder's, even where padding both to one ``max_length`` gives it the decoder's length. Else the
+    ``attention_mask``."""
+    if not isinstance(x, dict):
+        return None
+    key = "decoder_attention_mask" if any(k in x for k in DECODER_INPUTS) else "attention_mask"
+    mask = x.get(key)
+    return mask if torch.is_tensor(mask) and mask.ndim == 2 else None
 
 
 def masked_targets(targets: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
@@ -596,7 +606,11 @@ def judged_positions(shape: tuple[int, ...], primary_per_token: bool, targets: t
     freeze and in compare): those the batch's ``token_mask`` keeps, when it has one of that length (padding is no output
     the application uses; a real position whose target is -100, a sequence's last, which generation reads next, is
     one); else, for the per-token primary, those with a target (without a mask, -100 is all that is known of padding);
-    None: every position counts (an output that is not per token, or no mask for another output)."""
+    None: every position counts (an output that is not per token, or no mask for another output). A per-token
+    output squeezed to [N, T] (a value per position, as a regression per token or a value head returns it) is per token
+    where the targets are per token [N, T] and the mask has its shape; any other [N, D] output is columns."""
+    if len(shape) == 2 and token_mask is not None and targets.ndim == 2 and tuple(token_mask.shape) == tuple(targets.shape):
+        return token_mask.bool() if tuple(targets.shape[1:]) == tuple(shape[1:]) else None
     if len(shape) != 3:
         return None
     if token_mask is not None and token_mask.ndim == 2 and token_mask.shape[1] == shape[1]:

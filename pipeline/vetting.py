@@ -99,7 +99,7 @@ class Scan:
                 if self.ordinary is not None:
                     parts.append(values[self.ordinary[row + a : row + b]])
                     scaled.append(scaled[0][self.ordinary[row + a : row + b]])
-                if name not in scores and self.whole.get(name, 0.0) is not None:  # class scores: their argmax is judged
+                if self.whole.get(name, 0.0) is not None:  # decided heads too: bins, ids or votes decided by argmax
                     finite = values[torch.isfinite(values)]
                     if not bool((finite == finite.round()).all()):
                         self.whole[name] = None  # not whole numbers: the rest of the output is not looked at
@@ -117,6 +117,8 @@ class Scan:
                         m[2] += part.numel() // width
                 if v is out:
                     keep = self.has_target[row + a : row + b]
+                    if judged is not None and self.kind != "classification":  # a regression per token: compare's
+                        keep = judged[row + a : row + b] & keep[:, None]  # quality, over the kept positions alone
                     if bool(keep.any()):
                         self.quality.update(out[a:b][keep], self.targets[row + a : row + b][keep])
 
@@ -253,8 +255,8 @@ def _scaled(values: torch.Tensor, judged: torch.Tensor | None, scores: bool) -> 
     """``values`` as their scale is measured (``Scan.rms``): NaN where compare judges nothing (a padding position: ``judged``,
     [rows, T]) and, in class scores (``scores``), at a class of probability 0 (``gaps.zero_probability``: a masked class,
     finfo.min, -1e9 or -inf): no score of the model's."""
-    if judged is not None and values.ndim == 3:
-        values = values.masked_fill(~judged[..., None], math.nan)
+    if judged is not None and values.ndim in (2, 3):  # per token [rows, T, ...], or a value per position [rows, T]
+        values = values.masked_fill(~judged.reshape(*judged.shape, *[1] * (values.ndim - judged.ndim)), math.nan)
     if scores and values.ndim >= 2 and values.shape[-1] >= 2:
         values = values.masked_fill(zero_probability(values), math.nan)
     return values

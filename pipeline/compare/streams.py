@@ -519,7 +519,7 @@ def _valid_positions(st: _State, name: str, shape: tuple[int, ...], a: int, b: i
     """The positions [b - a, q - p] of per-token output ``name`` (``shape``: [rows, T, ...]) that count, rows a:b
     (``task.judged_positions``: the token mask's, else the primary's targets'); None when all of them count."""
     keep = st.judged.get(name)
-    if keep is None or len(shape) != 3:
+    if keep is None or len(shape) not in (2, 3):  # per token [N, T, ...], or a value per position [N, T]
         return None
     keep = keep[a:b, p:q] if p is not None else keep[a:b]
     return None if bool(keep.all()) else keep
@@ -573,7 +573,8 @@ def broken_where_judged(out: torch.Tensor, valid: torch.Tensor | None, softmax: 
     if not out.numel() or all_finite(out):
         return None
     if valid is not None:
-        out = torch.where(valid[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+        keep = valid.reshape(*valid.shape, *[1] * (out.ndim - valid.ndim))  # [n, T] over [n, T, ...] or [n, T]
+        out = torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return broken(out, softmax)
 
 
