@@ -601,16 +601,19 @@ def masked_targets(targets: torch.Tensor, token_mask: torch.Tensor | None) -> to
 
 
 def judged_positions(shape: tuple[int, ...], primary_per_token: bool, targets: torch.Tensor,
-                     token_mask: torch.Tensor | None) -> torch.Tensor | None:
+                     token_mask: torch.Tensor | None, primary: bool = False) -> torch.Tensor | None:
     """The positions [N, T] of a per-token output of ``shape`` [N, T, ...] whose values and finiteness are judged (at
     freeze and in compare): those the batch's ``token_mask`` keeps, when it has one of that length (padding is no output
     the application uses; a real position whose target is -100, a sequence's last, which generation reads next, is
     one); else, for the per-token primary, those with a target (without a mask, -100 is all that is known of padding);
-    None: every position counts (an output that is not per token, or no mask for another output). A per-token
-    output squeezed to [N, T] (a value per position, as a regression per token or a value head returns it) is per token
-    where the targets are per token [N, T] and the mask has its shape; any other [N, D] output is columns."""
-    if len(shape) == 2 and token_mask is not None and targets.ndim == 2 and tuple(token_mask.shape) == tuple(targets.shape):
-        return token_mask.bool() if tuple(targets.shape[1:]) == tuple(shape[1:]) else None
+    None: every position counts (an output that is not per token, or no mask for another output). The ``primary``
+    output squeezed to [N, T] (a regression per token returns a value per position so) is per token where its targets
+    are [N, T] and the mask has their shape; any other [N, D] output is columns, judged whole (an embedding of T
+    dimensions cannot be told from T positions by its shape: judging padding is the safe side)."""
+    if len(shape) == 2:
+        per_position = (primary and token_mask is not None and targets.ndim == 2
+                        and tuple(token_mask.shape) == tuple(targets.shape) == tuple(shape))
+        return token_mask.bool() if per_position else None
     if len(shape) != 3:
         return None
     if token_mask is not None and token_mask.ndim == 2 and token_mask.shape[1] == shape[1]:

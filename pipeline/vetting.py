@@ -90,7 +90,7 @@ class Scan:
             if name in signs and _guessed(name):
                 self._note_unit(name, v, row)
             judged = task.judged_positions(tuple(v.shape), self.kind == "classification" and name == main and out.ndim == 3,
-                                           self.targets, self.token_mask)
+                                           self.targets, self.token_mask, primary=name == main)
             for a in range(0, v.shape[0], rows):
                 b = min(a + rows, v.shape[0])
                 values = v[a:b].detach().double()

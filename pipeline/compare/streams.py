@@ -199,7 +199,8 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
                    has_target=has_target.bool().to(device), gaps=gaps, arbiter=arbiter, decisions=decisions, quality=quality,
                    row_gap=row_gap, first_values=first_values, heads=head_stats, signs=signs, device=device,
                    threshold=rule.threshold if kind != "classification" else None,
-                   judged={name: _to(judged_positions(shapes[name], per_token and name == main, targets, sources.token_mask),
+                   judged={name: _to(judged_positions(shapes[name], per_token and name == main, targets, sources.token_mask,
+                                                        primary=name == main),
                                      device) for name in names},
                    slice_elements=SLICE_ELEMENTS if device.type == "cpu" else max(cfg.chunk_elements, SLICE_ELEMENTS),
                    nonfinite={side: torch.zeros(n, dtype=torch.bool) for side in ("trial", "trained")},
@@ -590,7 +591,7 @@ def nonfinite_rows(kind: str, rule: AcceptanceConfig, chunk: dict[str, torch.Ten
     n = shapes[main][0]
     out = torch.zeros(n, dtype=torch.bool)
     for name, v in chunk.items():
-        keep = judged_positions(shapes[name], per_token and name == main, targets, token_mask)
+        keep = judged_positions(shapes[name], per_token and name == main, targets, token_mask, primary=name == main)
         bad = broken_where_judged(v, None if keep is None else keep[row : row + n].to(v.device), name in heads)
         if bad is not None:
             out |= bad.reshape(n, -1).any(1).cpu()
