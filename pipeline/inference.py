@@ -17,7 +17,8 @@ import torch
 from pipeline import cases, precision, transforms
 from pipeline.errors import UserError
 from pipeline.config import Params, Policy
-from pipeline.task import Inputs, call, iter_rows, map_floating, named_outputs, primary, rows, rows_within, to_device
+from pipeline.task import (FLOAT32_EXACT_WHOLE, Inputs, call, iter_rows, map_floating, named_outputs, primary, rows, rows_within,
+                           to_device)
 
 INFERENCE_SEED = 0
 """The random state every inference pass in train mode starts from (``reference.eval_mode: false``)."""
@@ -56,7 +57,26 @@ def infer_chunks(
         for _, _, part in iter_rows(x, batch_size):
             with precision.autocast(policy, device):
                 out = named_outputs(call(runnable, to_device(part, device)))
-            yield {name: value.detach().float().cpu() for name, value in out.items()}
+            yield {name: recorded(name, value) for name, value in out.items()}
+
+
+def recorded(name: str, value: torch.Tensor) -> torch.Tensor:
+    """Output ``name`` as it is recorded: float32 on the CPU (exact for float16 and bfloat16 values, and for integers
+    below 2**24).
+
+    Raises:
+        UserError: an integer output beyond 2**24 (an item id of 1.2e8), where float32 cannot tell n from n + 1, so that
+            no tolerance would see a trial pick the next id.
+    """
+    value = value.detach()
+    integer = not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
+    if integer and value.numel() and int(value.abs().max()) >= FLOAT32_EXACT_WHOLE:
+        raise UserError(
+            f"output '{name}' holds integers up to {int(value.abs().max()):,}, beyond 2**24 = {FLOAT32_EXACT_WHOLE:,}, "
+            "which float32 (outputs are recorded in it) cannot hold exactly, so no tolerance would see a trial pick the "
+            "next one; return an index below 2**24 (into your own table of ids), or the scores it is picked from"
+        )
+    return value.float().cpu()
 
 
 def infer(

@@ -396,10 +396,6 @@ def _noise_floor(noise: Noise | None, rule: AcceptanceConfig, j: _Judge) -> None
     )
 
 
-FLOAT32_EXACT_WHOLE = 2**24
-"""Whole numbers from here on are not all exact in float32 (the recorded outputs' dtype): 2**24 + 1 rounds to 2**24."""
-
-
 def vet_rule(
     rule: AcceptanceConfig, kind: str, shapes: dict[str, tuple], rms: dict[str, float], ref_quality: float, metric: str,
     higher_is_better: bool, ref_steps: Sequence[StepRecord], columns: dict[str, Sequence[float]] | None = None,
@@ -481,11 +477,6 @@ def vet_rule(
         key = name if name in rule.outputs else "*"
         atol = rule.outputs[key].atol
         top = (whole_numbers or {}).get(name)
-        if top is not None and top >= FLOAT32_EXACT_WHOLE:
-            return (f"output '{name}': every value in the FP32 reference is a whole number (an id, a class, a count), up to "
-                    f"{top:.6g}, beyond 2**24 = {FLOAT32_EXACT_WHOLE:,}, where float32, which outputs are recorded in, cannot "
-                    f"tell n from n + 1, so a trial one unit off would pass any tolerance; return them below 2**24 (an index "
-                    f"into your own table of ids) or return scores instead")
         if top is not None and atol + rule.outputs[key].rtol * top >= 1.0:
             return (f"params.yaml: acceptance.outputs.{key}: atol {atol:g} + rtol {rule.outputs[key].rtol:g} x {top:g} "
                     f"reaches 1 on output '{name}', whose every value in the FP32 reference is a whole number (a class, "

@@ -576,6 +576,11 @@ def iter_rows(x: Inputs, batch_size: int) -> Iterable[tuple[int, int, Inputs]]:
         yield start, min(start + batch_size, n), x[start : start + batch_size]
 
 
+FLOAT32_EXACT_WHOLE = 2**24
+"""Whole numbers from here on are not all exact in float32, the dtype outputs are recorded in (2**24 + 1 rounds to
+2**24), and every float32 there is whole."""
+
+
 DECODER_INPUTS = ("decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask")
 """Inputs of an encoder-decoder's decoder (Hugging Face's names): its per-token outputs are the decoder's positions."""
 

@@ -99,11 +99,12 @@ class Scan:
                 if self.ordinary is not None:
                     parts.append(values[self.ordinary[row + a : row + b]])
                     scaled.append(scaled[0][self.ordinary[row + a : row + b]])
-                if self.whole.get(name, 0.0) is not None:  # decided heads too: bins, ids or votes decided by argmax
+                if self.whole.get(name, 0.0) is not None:  # decided heads too: bins or votes decided by argmax
                     finite = values[torch.isfinite(values)]
-                    if not bool((finite == finite.round()).all()):
+                    small = finite[finite.abs() < task.FLOAT32_EXACT_WHOLE]  # from 2**24 on, every float32 is whole: no sign
+                    if not bool((small == small.round()).all()):
                         self.whole[name] = None  # not whole numbers: the rest of the output is not looked at
-                    elif finite.numel():
+                    elif small.numel():
                         self.whole[name] = max(self.whole.get(name, 0.0), float(finite.abs().max()))
                 for i, part in enumerate(parts):
                     squares = part.square()
