@@ -402,7 +402,7 @@ def vet_rule(
     distributions: Sequence[str] = (), real_units: int | None = None,
     spreads: dict[str, Sequence[tuple[float, float]]] | None = None, whole_numbers: dict[str, float] | None = None,
     masked: dict[str, float] | None = None, channels_first: dict[str, tuple[int, str]] | None = None,
-    unit_heads: Sequence[str] = (),
+    unit_heads: Sequence[str] = (), misnamed: Sequence[str] = (), probability_rows: Sequence[str] = (),
 ) -> str | None:
     """The first reason the rule cannot judge trials of this FP32 reference, as one line, or None.
 
@@ -427,7 +427,11 @@ def vet_rule(
     [N, a, L] whose last axis, where its argmax is taken, is the task's positions (L, and where it is known from) and its
     axis 1 is not: a class flip there would go uncounted. ``unit_heads``: decided single-value heads whose name says
     neither probability nor logit and whose reference lies in [0, 1]: read as probabilities (decided at 0.5), though a
-    logit is decided at 0 (« Une différence faible en valeur absolue peut changer l'action choisie »)."""
+    logit is decided at 0 (« Une différence faible en valeur absolue peut changer l'action choisie »). ``misnamed``:
+    decided single-value heads named like a probability whose reference leaves [0, 1] (a ``log_prob``): decided at 0.5,
+    none of their decisions could flip. ``probability_rows``: decided outputs whose every reference row is a probability
+    distribution: KL (per token) and probability margins take class scores through softmax, which measures nothing on
+    probabilities."""
     names = sorted(shapes)
     unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
     if unknown:
@@ -466,6 +470,22 @@ def vet_rule(
                 f"whether they are decisions; give '{name}': {{decisions: true}} under acceptance.outputs to judge the class "
                 f"each row picks and let pairs masked on both sides agree, or {{decisions: false}} to judge its values only, "
                 f"which a float16 trial's -65504 against FP32's -3.4e38 never passes")
+    if misnamed:
+        name = misnamed[0]
+        return (f"params.yaml: output '{name}' holds one decision per case (or token) as a single value, named like a "
+                f"probability, so compare decides it at 0.5, but the FP32 reference holds values outside [0, 1] (a "
+                f"log-probability, a logit), so no decision of it could ever flip; return the probability or the logit "
+                f"under a name that says which ('..._prob', '..._logit'), or give '{name}': {{decisions: false}} under "
+                f"acceptance.outputs to judge its values only")
+    softmaxed = [name for name in probability_rows
+                 if rule.boundary_margin_kind == "probability"
+                 or (len(shapes.get(name, ())) == 2 and (rule.max_kl_mean is not None or rule.max_kl_p99 is not None))]
+    if softmaxed:
+        name = softmaxed[0]
+        return (f"params.yaml: output '{name}' holds probabilities (every row of the FP32 reference sums to 1), but the "
+                f"rule reads class scores through softmax (max_kl_mean / max_kl_p99 per token, boundary_margin_kind "
+                f"probability), which on probabilities measures almost nothing; return the logits, or the log-probabilities "
+                f"(softmax of log p is p), or judge '{name}' without those criteria")
     if unit_heads:
         name = unit_heads[0]
         return (f"params.yaml: output '{name}' holds one decision per case (or token) as a single value, every one of "

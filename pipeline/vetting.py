@@ -52,6 +52,8 @@ class Scan:
         by its name or entry (``_undecided``): whether every row of the reference is a probability distribution."""
         self.masked: dict[str, float] = {}
         """Per such output (``_undecided``) whose reference holds masking values (``masking_value``): the lowest."""
+        self.softmaxed: dict[str, bool] = {}
+        """Per decided output (class scores): whether every row of the reference so far is a probability distribution."""
         self.unit: dict[str, list] = {}
         """Per decided single-value head whose name says neither probability nor logit (``_guessed``): [smallest, largest
         finite reference value, whether one lies strictly between 0 and 1], at the positions compare keeps."""
@@ -87,8 +89,10 @@ class Scan:
                 lowest = masking_value(v)
                 if lowest is not None:
                     self.masked[name] = min(lowest, self.masked.get(name, lowest))
-            if name in signs and _guessed(name):
+            if name in signs and not LOGIT_NAMES.search(name):  # named neither, or like a probability
                 self._note_unit(name, v, row)
+            if name in scores and self.softmaxed.get(name, True):
+                self.softmaxed[name] = _distributions(v)
             judged = task.judged_positions(tuple(v.shape), self.kind == "classification" and name == main and out.ndim == 3,
                                            self.targets, self.token_mask, primary=name == main)
             for a in range(0, v.shape[0], rows):
@@ -116,8 +120,8 @@ class Scan:
                         m[0] = m[0] + part.reshape(-1, width).sum(0)
                         m[1] = m[1] + squares.reshape(-1, width).sum(0)
                         m[2] += part.numel() // width
-                if v is out:
-                    keep = self.has_target[row + a : row + b]
+                if v is out and (self.kind != "classification" or out.shape[1:-1] == self.targets.shape[1:]):  # else refused
+                    keep = self.has_target[row + a : row + b]  # (``rule.vet_rule``: no decision check reads it)
                     if judged is not None and self.kind != "classification":  # a regression per token: compare's
                         keep = judged[row + a : row + b] & keep[:, None]  # quality, over the kept positions alone
                     if bool(keep.any()):
@@ -172,11 +176,21 @@ class Scan:
             self.unit[name] = [min(lo, float(finite.min())), max(hi, float(finite.max())),
                                between or bool(((finite > 0) & (finite < 1)).any())]
 
+    def probability_rows(self) -> list[str]:
+        """The decided outputs whose every reference row is a probability distribution (a softmax's output): compare
+        takes class scores through softmax for KL and probability margins, where probabilities would be softmaxed again."""
+        return sorted(name for name, every in self.softmaxed.items() if every)
+
+    def misnamed_probabilities(self) -> list[str]:
+        """The decided single-value heads named like a probability (``holds_probabilities``: decided at 0.5) whose
+        reference holds a finite value outside [0, 1] (a log-probability, a logit): no probability, and no flip counted."""
+        return sorted(name for name, (lo, hi, _) in self.unit.items() if not _guessed(name) and (lo < 0 or hi > 1))
+
     def unit_heads(self) -> list[str]:
         """The decided single-value heads whose name says neither probability nor logit and whose every finite reference
         value lies in [0, 1], some strictly between: compare would guess a probability (``holds_probabilities``), decided
         at 0.5, where a logit is decided at 0. Only 0s and 1s (a decision already, or a bool) read the same either way."""
-        return sorted(name for name, (lo, hi, between) in self.unit.items() if 0 <= lo and hi <= 1 and between)
+        return sorted(name for name, (lo, hi, between) in self.unit.items() if _guessed(name) and 0 <= lo and hi <= 1 and between)
 
     def channels_first(self) -> dict[str, tuple[int, str]]:
         """Per decided output [N, a, L] whose last axis is a length of the task's positions (``lengths``; besides the
@@ -227,7 +241,8 @@ class Scan:
                              whole_numbers=self.whole_numbers(),
                              distributions=sorted(n for n, every in self.distributions.items() if every),
                              real_units=self.real_units(), masked=self.masked, channels_first=self.channels_first(),
-                             unit_heads=self.unit_heads())
+                             unit_heads=self.unit_heads(), misnamed=self.misnamed_probabilities(),
+                             probability_rows=self.probability_rows())
 
     def real_units(self) -> int:
         """The real cases of the fixed set (not constructed at the boundary), per token their kept positions: what

@@ -1319,3 +1319,59 @@ def test_whole_numbers_a_trial_cannot_change_by_one_are_refused_at_freeze():
     assert bool((recorded["pressure"] == recorded["pressure"].round()).all())  # float32 beyond 2**24
     relative = Tolerance(atol=0.0, rtol=0.001, decisions=False)
     assert vetted({"*": Tolerance(), "pressure": relative}, ("logits", "pressure")) is None
+
+
+def test_outputs_the_rule_would_read_wrongly_are_refused_at_freeze():
+    """Three outputs whose decisions or distributions compare would misread, each refused at freeze in one line:
+    - a single-value head named like a probability that holds log-probabilities (``log_prob`` = logsigmoid, all <= 0):
+      decided at 0.5, none of its decisions could flip (the probe that found it: 4 real bfloat16 flips in 3,000 cases);
+    - per-token probabilities [N, T, V] (``probs``, a softmax's output) under the LM rule's KL criteria: KL is taken
+      through softmax, and softmax of probabilities is nearly uniform, so a trial that moves the tail's mass (true KL about
+      0.5 nats a token, every argmax and every element within tolerance) passed max_kl_mean 0.01;
+    - a segmentation head [N, C, H, W] (channels first): freeze's quality raised a shape error, a traceback."""
+    from pipeline import cases, config
+    from pipeline.vetting import Scan
+
+    g = torch.Generator().manual_seed(3)
+    n, length, vocab = 300, 8, 32
+    body, head = torch.nn.Linear(16, 3), torch.nn.Linear(16, 1)
+    tokens = torch.nn.Linear(16, vocab)
+    seg = torch.nn.Conv2d(3, 5, 1)
+    with torch.no_grad():
+        for p in [*body.parameters(), *head.parameters(), *tokens.parameters(), *seg.parameters()]:
+            p.copy_(torch.randn(p.shape, generator=g))
+        tokens.weight.mul_(2.0)
+        tokens.bias.zero_()
+        tokens.bias[0] = 4.0
+    x = torch.randn(n, 16, generator=g)
+    ids, every = [f"ordinary/s{i}" for i in range(n)], torch.ones(n, dtype=torch.bool)
+    steps = [_step(0, loss=10.0, grad_norm=1.0)]
+
+    def vetted(outputs, y, inputs, rule_=RULE):
+        params = dataclasses.replace(config.Params(), task=TaskConfig(kind="classification"), acceptance=rule_)
+        scan = Scan(params, cases.Cases(ids=ids, x=inputs, y=y, has_target=every))
+        scan.update(0, outputs)
+        return scan.problem(steps)
+
+    with torch.no_grad():
+        logits, z = body(x), head(torch.tanh(x))
+        log_prob = torch.nn.functional.logsigmoid(z)
+    assert bool((log_prob >= math.log(0.5)).any()) and not bool((log_prob >= 0.5).any())  # class 1 seen by no 0.5
+    line = vetted({"logits": logits, "log_prob": log_prob}, logits.argmax(1), x)
+    assert line is not None and "output 'log_prob'" in line and "outside [0, 1]" in line, line
+    assert vetted({"logits": logits, "log_logit": log_prob}, logits.argmax(1), x) is None  # a logit may be negative
+
+    sequences = torch.randn(n, length, 16, generator=g)
+    with torch.no_grad():
+        probs = torch.softmax(tokens(sequences), -1)
+    lm = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.05, rtol=0.02)}, max_kl_mean=0.01, max_kl_p99=0.05)
+    batch = {"values": sequences, "attention_mask": torch.ones(n, length, dtype=torch.long)}
+    line = vetted({"probs": probs}, probs.argmax(-1), batch, lm)
+    assert line is not None and "output 'probs' holds probabilities" in line and "log-probabilities" in line, line
+    assert vetted({"probs": probs.log()}, probs.argmax(-1), batch, lm) is None  # log p: softmax gives p back
+
+    images = torch.randn(n, 3, 6, 6, generator=g)
+    with torch.no_grad():
+        scores = seg(images)
+    line = vetted({"logits": scores}, scores.argmax(1), images)
+    assert line is not None and "[N, 5, 6, 6]" in line, line
