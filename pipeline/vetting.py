@@ -55,8 +55,9 @@ class Scan:
         self.softmaxed: dict[str, bool] = {}
         """Per decided output (class scores): whether every row of the reference so far is a probability distribution."""
         self.unit: dict[str, list] = {}
-        """Per decided single-value head whose name says neither probability nor logit (``_guessed``): [smallest, largest
-        finite reference value, whether one lies strictly between 0 and 1], at the positions compare keeps."""
+        """Per decided single-value head whose name does not say logit (it says neither, ``_guessed``, or probability):
+        [smallest, largest finite reference value, whether one lies strictly between 0 and 1], at the positions compare
+        keeps."""
         self.token_mask = task.token_mask_of(fixed.x)
         self.lengths, self.channels = _positions(fixed.x)
         self.shapes: dict[str, tuple[int, ...]] = {}
