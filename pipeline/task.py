@@ -463,6 +463,18 @@ def build_model(cfg: TaskConfig, seed: int) -> torch.nn.Module:
     model = resolve(cfg.model, "task.model")(**cfg.options)
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"task.model {cfg.model} returned {type(model).__name__}; return a torch.nn.Module")
+    other = sorted({str(t.dtype).replace("torch.", "") for t in model.parameters() if t.is_floating_point()
+                    and t.dtype != torch.float32} | {str(t.dtype).replace("torch.", "") for t in model.buffers()
+                                                       if t.dtype in (torch.float16, torch.bfloat16)})
+    if other:
+        # A model already in bfloat16 (torch_dtype=torch.bfloat16, .half(), .to(...)) runs the same ops under every
+        # policy: its "FP32 reference" would be the trial itself, and every trial an accept; one in float64 is no FP32
+        # either, and autocast leaves float64 alone.
+        raise UserError(
+            f"task.model {cfg.model} returned a model with {' and '.join(other)} weights; the reference is the model in "
+            "float32 and each trial sets its own precision: build it in float32 (no torch_dtype=..., .half() or "
+            ".to(dtype); call .float() on it)"
+        )
     return model
 
 

@@ -229,3 +229,31 @@ def test_the_primary_output_is_named_output_or_logits_else_like_scores_else_not_
     with pytest.raises(UserError, match="field 'boxes' is list, not a tensor"):
         task.named_outputs({"logits": torch.zeros(2, 3), "boxes": [torch.zeros(4)]})
     assert task.named_outputs({"logits": torch.zeros(2, 3), "loss": None}).keys() == {"logits"}
+
+
+def test_a_model_not_in_float32_is_no_reference(tmp_path, monkeypatch):
+    """A model built in bfloat16 (Hugging Face's torch_dtype=torch.bfloat16, .half(), .to(dtype)) runs the same ops with
+    autocast or without: its "FP32 reference" is the trial itself, and every trial would be accepted, the verdict saying
+    FP32 -> bfloat16 changes nothing. One in float64 is no FP32 reference either (autocast leaves float64 alone). Both
+    are refused in one line where the model is built; float32 weights with integer buffers pass."""
+    transformers = pytest.importorskip("transformers")
+    config_ = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config_).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 50, (4, 8))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            amp = model(input_ids=ids).logits
+    assert torch.equal(plain, amp)  # no trial could differ from such a reference
+    (tmp_path / "dtype_models_t.py").write_text(
+        "import torch, transformers\n"
+        "def gpt2(dtype='float32'):\n"
+        "    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16)\n"
+        "    return transformers.GPT2LMHeadModel(cfg).to(getattr(torch, dtype))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for dtype in ("bfloat16", "float16", "float64"):
+        with pytest.raises(UserError, match=rf"returned a model with {dtype} weights; the reference is the model in float32"):
+            task.build_model(TaskConfig(model="dtype_models_t:gpt2", options={"dtype": dtype}), seed=0)
+    assert isinstance(task.build_model(TaskConfig(model="dtype_models_t:gpt2"), seed=0), torch.nn.Module)
