@@ -399,7 +399,7 @@ def _noise_floor(noise: Noise | None, rule: AcceptanceConfig, j: _Judge) -> None
 def vet_rule(
     rule: AcceptanceConfig, kind: str, shapes: dict[str, tuple], rms: dict[str, float], ref_quality: float, metric: str,
     higher_is_better: bool, ref_steps: Sequence[StepRecord], columns: dict[str, Sequence[float]] | None = None,
-    distributions: Sequence[str] = (), real_units: int | None = None,
+    distributions: Sequence[str] = (), real_units: int | None = None, tokens: int | None = None,
     spreads: dict[str, Sequence[tuple[float, float]]] | None = None, whole_numbers: dict[str, float] | None = None,
     masked: dict[str, float] | None = None, channels_first: dict[str, tuple[int, str]] | None = None,
     unit_heads: Sequence[str] = (), misnamed: Sequence[str] = (), probability_rows: Sequence[str] = (),
@@ -537,13 +537,21 @@ def vet_rule(
     if needed == math.inf:
         return (f"params.yaml: acceptance.max_flip_rate {rule.max_flip_rate:g}: its upper bound is above 0 on any set, even "
                 f"with no flip, so every trial would roll back; for no flip at all use max_flip_rate: null and max_flips: 0")
-    if real_units is not None and kind == "classification" and real_units < needed:
-        unit = "position" if len(shapes[main]) == 2 else "case"
+    if real_units is not None and real_units < needed:  # every decided output is judged against it on its own
+        per_case = [n for n, shape in shapes.items() if n != main and len(shape) <= 1 and rule.tolerance(n).decides(n, kind)]
+        unit = "position" if kind == "classification" and len(shapes[main]) == 2 and not per_case else "case"
         least = 1.0 - (1.0 - rule.confidence) ** (1.0 / real_units) if real_units else 1.0
         return (f"params.yaml: acceptance.max_flip_rate {rule.max_flip_rate:g} at confidence {rule.confidence:g} needs at "
                 f"least {needed} real {unit}s to pass even with no flip (the Clopper–Pearson bound), and the fixed set has "
                 f"{real_units}, so every trial would roll back; give more cases (prepare), a max_flip_rate of at least "
                 f"{least:.3g}, or max_flip_rate: null to count flips (max_flips)")
+    if rule.min_top1_agreement is not None and tokens is not None and rule.min_top1_agreement > 0:
+        reach = 1.0 - bounds.binomial_upper(0, tokens, rule.confidence)
+        if reach < rule.min_top1_agreement:
+            return (f"params.yaml: acceptance.min_top1_agreement {rule.min_top1_agreement:g} at confidence "
+                    f"{rule.confidence:g}: over the fixed set's {tokens} tokens the Clopper–Pearson lower bound is at most "
+                    f"{reach:.6f} even when every token agrees, so every trial would roll back; give more cases (prepare), "
+                    f"a min_top1_agreement of at most {reach:.4g}, or null")
     if kind == "classification" and rule.boundary_margin_kind == "relative":
         few = [n for n in names if math.prod(shapes[n][-1:]) < 3 and rule.tolerance(n).decides(n)]  # entries checked above
         if few:

@@ -241,17 +241,34 @@ class Scan:
                              self.metric.higher_is_better, ref_steps, columns=self.column_rms(), spreads=self.spreads(),
                              whole_numbers=self.whole_numbers(),
                              distributions=sorted(n for n, every in self.distributions.items() if every),
-                             real_units=self.real_units(), masked=self.masked, channels_first=self.channels_first(),
+                             real_units=self.real_units(), tokens=self.tokens(),
+                             masked=self.masked, channels_first=self.channels_first(),
                              unit_heads=self.unit_heads(), misnamed=self.misnamed_probabilities(),
                              probability_rows=self.probability_rows())
 
     def real_units(self) -> int:
-        """The real cases of the fixed set (not constructed at the boundary), per token their kept positions: what
-        ``max_flip_rate`` counts flips among."""
+        """The fewest real units (cases not constructed at the boundary; per token, their kept positions) among the
+        decisions the rule judges one by one, each against ``max_flip_rate``: the primary's (a regression's too), and every
+        other decided output's, per case where it is one value or one row of scores per case."""
         real = ~self.boundary
-        if self.shapes and len(self.shapes[primary_name(self.shapes)]) == 2 and self.targets.ndim == 2:
+        cases = int(real.sum())
+        if not self.shapes:
+            return cases
+        main = primary_name(self.shapes)
+        shapes = {n: (0, *s) for n, s in self.shapes.items()}
+        per_case_heads = [n for n in (*streams.decided_heads(self.kind, self.rule, shapes, main),
+                                      *streams.sign_heads(self.kind, self.rule, shapes, main))
+                          if n != main and len(self.shapes[n]) <= 1]
+        if self.kind == "classification" and len(self.shapes[main]) == 2 and self.targets.ndim == 2 and not per_case_heads:
             return int(((self.targets != task.IGNORE_INDEX) & real[:, None]).sum())
-        return int(real.sum())
+        return cases
+
+    def tokens(self) -> int | None:
+        """The tokens with a target of a per-token classifier (what top-1 agreement is counted over), else None."""
+        if self.kind == "classification" and self.shapes and len(self.shapes[primary_name(self.shapes)]) == 2 \
+                and self.targets.ndim == 2:
+            return int((self.targets != task.IGNORE_INDEX).sum())
+        return None
 
 
 def _rms(total: float, count: int) -> float:

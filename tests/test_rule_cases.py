@@ -119,6 +119,27 @@ def test_flip_rate_bound_needs_enough_cases_and_does_not_roll_back_a_large_set_o
     assert vetted(cfg, 299) is None and vetted(dataclasses.replace(cfg, max_flip_rate=0.0117), 256) is None
     assert "upper bound is above 0 on any set" in vetted(dataclasses.replace(cfg, max_flip_rate=0.0), 10**9)
     assert "needs at least 299 real positions" in vetted(cfg, 100, shapes={"logits": (8, 3)})
+    # Every decided output is judged against the rate on its own: a regression's decisions, and a per-case head beside
+    # per-token scores, are counted in cases (freeze accepted both, and every trial then rolled back).
+    assert "needs at least 299 real cases" in vetted(cfg, 200, shapes={"output": (1,), "logits": (3,)}, kind="regression")
+    assert "needs at least 299 real cases" in vetted(cfg, 200, shapes={"logits": (8, 16), "cls_logits": (3,)})
+    from pipeline import cases, config
+    from pipeline.vetting import Scan
+
+    n_cases, length = 200, 8
+    tokens = torch.randint(0, 16, (n_cases, length))
+    scan = Scan(dataclasses.replace(config.Params(), task=TaskConfig(kind="classification"), acceptance=cfg),
+                cases.Cases(ids=[f"ordinary/s{i}" for i in range(n_cases)], x=tokens, y=tokens,
+                            has_target=torch.ones(n_cases, dtype=torch.bool)))
+    scan.update(0, {"logits": torch.randn(n_cases, length, 16), "cls_logits": torch.randn(n_cases, 3)})
+    assert (scan.real_units(), scan.tokens()) == (n_cases, n_cases * length)  # the per-case head's count, the fewest
+    # So is top-1 agreement's lower bound: 600 tokens cannot show 0.999 at 0.95, even when every one agrees.
+    agreement = dataclasses.replace(RULE, min_top1_agreement=0.999)
+    line = rule.vet_rule(agreement, "classification", {"logits": (6, 10)}, {"logits": 3.0}, 0.9, "accuracy", True, steps,
+                         real_units=600, tokens=600)
+    assert "min_top1_agreement 0.999" in line and "600 tokens" in line and "at most 0.995" in line, line
+    assert rule.vet_rule(agreement, "classification", {"logits": (6, 10)}, {"logits": 3.0}, 0.9, "accuracy", True, steps,
+                         real_units=3000, tokens=3000) is None
     # KL and top-1 agreement judge per-token scores: on a per-case classifier or a regression they could never pass.
     for said in ({"max_kl_mean": 0.01}, {"max_kl_p99": 0.05}, {"min_top1_agreement": 0.99}):
         line = vetted(dataclasses.replace(RULE, **said), 256)
