@@ -463,9 +463,9 @@ def build_model(cfg: TaskConfig, seed: int) -> torch.nn.Module:
     model = resolve(cfg.model, "task.model")(**cfg.options)
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"task.model {cfg.model} returned {type(model).__name__}; return a torch.nn.Module")
-    other = sorted({str(t.dtype).replace("torch.", "") for t in model.parameters() if t.is_floating_point()
-                    and t.dtype != torch.float32} | {str(t.dtype).replace("torch.", "") for t in model.buffers()
-                                                       if t.dtype in (torch.float16, torch.bfloat16)})
+    weights = [t.dtype for t in model.parameters() if t.is_floating_point() and t.dtype != torch.float32]
+    weights += [t.dtype for t in model.buffers() if t.dtype in (torch.float16, torch.bfloat16)]
+    other = sorted({str(dtype).replace("torch.", "") for dtype in weights})
     if other:
         # A model already in bfloat16 (torch_dtype=torch.bfloat16, .half(), .to(...)) runs the same ops under every
         # policy: its "FP32 reference" would be the trial itself, and every trial an accept; one in float64 is no FP32
