@@ -403,6 +403,7 @@ def vet_rule(
     spreads: dict[str, Sequence[tuple[float, float]]] | None = None, whole_numbers: dict[str, float] | None = None,
     masked: dict[str, float] | None = None, channels_first: dict[str, tuple[int, str]] | None = None,
     unit_heads: Sequence[str] = (), misnamed: Sequence[str] = (), probability_rows: Sequence[str] = (),
+    top_k: int | None = None,
 ) -> str | None:
     """The first reason the rule cannot judge trials of this FP32 reference, as one line, or None.
 
@@ -431,7 +432,7 @@ def vet_rule(
     decided single-value heads named like a probability whose reference leaves [0, 1] (a ``log_prob``): decided at 0.5,
     none of their decisions could flip. ``probability_rows``: decided outputs whose every reference row is a probability
     distribution: KL (per token) and probability margins take class scores through softmax, which measures nothing on
-    probabilities."""
+    probabilities. ``top_k``: the k of metric ``top_k``: with as many classes or fewer, every target is a hit."""
     names = sorted(shapes)
     unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
     if unknown:
@@ -563,6 +564,11 @@ def vet_rule(
             what = "loss" if not math.isfinite(step.loss) else "gradient norm"
             return (f"the FP32 reference's {what} is not finite at step {step.step}: an incorrect FP32 run is no baseline; "
                     f"fix the model, the data or the recipe (reference.lr, reference.grad_clip), then rerun")
+    classes = shapes[main][-1] if kind == "classification" and shapes.get(main) else None
+    if metric == "top_k" and top_k is not None and classes is not None and top_k >= classes and rule.judges_quality:
+        return (f"params.yaml: task.top_k {top_k} is not below the {classes} classes output '{main}' scores, so every target "
+                f"is among the top {top_k} and the quality criteria (min_quality, max_quality_drop) cannot fail; give "
+                f"task.top_k below {classes}, or metric: accuracy")
     if not math.isfinite(ref_quality) and rule.judges_quality:
         return f"the FP32 reference has no quality to judge trials by: {NO_TARGET}"
     if math.isfinite(ref_quality):

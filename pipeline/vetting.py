@@ -244,7 +244,7 @@ class Scan:
                              real_units=self.real_units(), tokens=self.tokens(),
                              masked=self.masked, channels_first=self.channels_first(),
                              unit_heads=self.unit_heads(), misnamed=self.misnamed_probabilities(),
-                             probability_rows=self.probability_rows())
+                             probability_rows=self.probability_rows(), top_k=self.metric.top_k)
 
     def real_units(self) -> int:
         """The fewest real units (cases not constructed at the boundary; per token, their kept positions) among the

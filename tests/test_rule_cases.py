@@ -1396,3 +1396,33 @@ def test_outputs_the_rule_would_read_wrongly_are_refused_at_freeze():
         scores = seg(images)
     line = vetted({"logits": scores}, scores.argmax(1), images)
     assert line is not None and "[N, 5, 6, 6]" in line, line
+
+
+def test_a_top_k_metric_with_k_not_below_the_classes_is_refused_at_freeze():
+    """metric ``top_k`` with k 5 on a 3-class classifier: every target is among the top 5 of every case, reference and
+    trial alike, so quality is 1.0 whatever the trial answers and min_quality / max_quality_drop cannot fail. Freeze
+    refuses it in one line naming k, the classes and the fix; k 2 passes, and so does k 5 once no quality criterion is
+    set (nothing depends on it then)."""
+    steps = [step(i, 1.0) for i in range(4)]
+    shapes, rms = {"logits": (3,)}, {"logits": 3.0}
+    line = rule.vet_rule(AcceptanceConfig(), "classification", shapes, rms, 1.0, "top_k", True, steps, top_k=5)
+    assert line is not None and "task.top_k 5 is not below the 3 classes" in line and "metric: accuracy" in line, line
+    assert rule.vet_rule(AcceptanceConfig(), "classification", shapes, rms, 0.95, "top_k", True, steps, top_k=2) is None
+    without = AcceptanceConfig(max_quality_drop=None, min_quality=None)
+    assert rule.vet_rule(without, "classification", shapes, rms, 1.0, "top_k", True, steps, top_k=5) is None
+    per_token = {"logits": (7, 4)}  # [N, T, 4]: the classes are the last axis
+    line = rule.vet_rule(AcceptanceConfig(), "classification", per_token, rms, 1.0, "top_k", True, steps, top_k=4)
+    assert line is not None and "4 classes" in line, line
+
+    from pipeline import cases, config
+    from pipeline.vetting import Scan
+
+    g = torch.Generator().manual_seed(0)  # and through freeze's scan, with the task's own top_k
+    x = torch.randn(40, 4, generator=g)
+    logits = x[:, :3] * 3
+    params = dataclasses.replace(config.Params(), task=TaskConfig(kind="classification", metric="top_k", top_k=3),
+                                 acceptance=dataclasses.replace(RULE, min_quality=0.5))
+    scan = Scan(params, cases.Cases(ids=[f"ordinary/s{i}" for i in range(40)], x=x, y=logits.argmax(1),
+                                    has_target=torch.ones(40, dtype=torch.bool)))
+    scan.update(0, {"logits": logits})
+    assert "task.top_k 3 is not below the 3 classes" in scan.problem(steps)
