@@ -123,7 +123,8 @@ def init_repo(repo: Path, who: str = "test") -> None:
     run(["git", "config", "user.name", who], repo)
     template = _dvc_template()
     shutil.copytree(template / ".dvc", repo / ".dvc", dirs_exist_ok=True)
-    shutil.copy2(template / ".dvcignore", repo / ".dvcignore")
+    if not (repo / ".dvcignore").exists():  # the project's own (it keeps bytecode out of directory deps)
+        shutil.copy2(template / ".dvcignore", repo / ".dvcignore")
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "copy"], repo)
 
