@@ -403,7 +403,7 @@ def vet_rule(
     spreads: dict[str, Sequence[tuple[float, float]]] | None = None, whole_numbers: dict[str, float] | None = None,
     masked: dict[str, float] | None = None, channels_first: dict[str, tuple[int, str]] | None = None,
     unit_heads: Sequence[str] = (), misnamed: Sequence[str] = (), probability_rows: Sequence[str] = (),
-    top_k: int | None = None,
+    top_k: int | None = None, replicate: Sequence[StepRecord] | None = None, with_target: bool = False,
 ) -> str | None:
     """The first reason the rule cannot judge trials of this FP32 reference, as one line, or None.
 
@@ -432,7 +432,9 @@ def vet_rule(
     decided single-value heads named like a probability whose reference leaves [0, 1] (a ``log_prob``): decided at 0.5,
     none of their decisions could flip. ``probability_rows``: decided outputs whose every reference row is a probability
     distribution: KL (per token) and probability margins take class scores through softmax, which measures nothing on
-    probabilities. ``top_k``: the k of metric ``top_k``: with as many classes or fewer, every target is a hit."""
+    probabilities. ``top_k``: the k of metric ``top_k``: with as many classes or fewer, every target is a hit. ``replicate``: the FP32
+    replicate's steps, the noise floor of ``loss_noise_multiple``. ``with_target``: some case with a target was scored (a
+    non-finite ``ref_quality`` is then the metric's own)."""
     names = sorted(shapes)
     unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
     if unknown:
@@ -569,6 +571,13 @@ def vet_rule(
         return (f"params.yaml: task.top_k {top_k} is not below the {classes} classes output '{main}' scores, so every target "
                 f"is among the top {top_k} and the quality criteria (min_quality, max_quality_drop) cannot fail; give "
                 f"task.top_k below {classes}, or metric: accuracy")
+    noise = _replicate_problem(rule, ref_steps, replicate)
+    if noise:
+        return noise
+    if not math.isfinite(ref_quality) and rule.judges_quality and with_target:
+        return (f"the FP32 reference's quality ({metric}) is {ref_quality} over the cases with a target, so the rule's "
+                f"quality criteria cannot judge any trial; fix task.metric (R2 of a constant target, for one, is undefined), "
+                f"or set acceptance.max_quality_drop: null and min_quality: null to judge without quality")
     if not math.isfinite(ref_quality) and rule.judges_quality:
         return f"the FP32 reference has no quality to judge trials by: {NO_TARGET}"
     if math.isfinite(ref_quality):
@@ -591,6 +600,30 @@ def vet_rule(
         return (f"params.yaml: acceptance.loss_atol {rule.loss_atol:g} is not below the reference's mean training loss "
                 f"({mean_loss:.3g}), so the training band cannot fail; give it in the loss's units, "
                 f"for example {0.05 * mean_loss:.2g}")
+    return None
+
+
+
+def _replicate_problem(rule: AcceptanceConfig, ref_steps: Sequence[StepRecord],
+                       replicate: Sequence[StepRecord] | None) -> str | None:
+    """Why the FP32 replicate gives the noise floor (``loss_noise_multiple``, ``loss_noise_atol``) nothing to judge by,
+    or None: a non-finite loss (an infinite gap there: any multiple of it passes every trial) or, without an atol, a run
+    identical to the reference (a gap of 0: any multiple of it rolls back every trial that differs at all; one update
+    has no pair of updates to swap samples between)."""
+    if replicate is None or (rule.loss_noise_multiple is None and rule.loss_noise_atol is None):
+        return None
+    for step in replicate:
+        if not math.isfinite(step.loss):
+            return (f"the FP32 replicate's loss is not finite at step {step.step}, so FP32's own run-to-run noise is "
+                    f"unknown and the noise floor would judge no trial; fix the model, the data or the recipe so "
+                    f"that FP32 trains on another data order too, or set acceptance.loss_noise_multiple: null, "
+                    f"loss_noise_atol: null and reference.noise_replicate: false")
+    same = len(replicate) == len(ref_steps) and all(a.loss == b.loss for a, b in zip(replicate, ref_steps))
+    if same and not rule.loss_noise_atol:
+        return (f"the FP32 replicate repeats the reference's losses exactly over its {len(ref_steps)} step(s) (another data "
+                f"order needs two updates or more to swap samples between), so FP32's run-to-run gap is 0 and "
+                f"loss_noise_multiple would roll back every trial whose loss differs at all; train more steps "
+                f"(reference.train_steps), or set acceptance.loss_noise_multiple: null and reference.noise_replicate: false")
     return None
 
 

@@ -235,8 +235,9 @@ class Scan:
         (``streams.nonfinite_rows``): what freeze refuses in the reference."""
         return streams.nonfinite_rows(self.kind, self.rule, chunk, row, self.targets, self.token_mask)
 
-    def problem(self, ref_steps: Sequence[StepRecord]) -> str | None:
-        """The first reason the rule cannot judge this reference (``rule.vet_rule``), or None."""
+    def problem(self, ref_steps: Sequence[StepRecord], replicate: Sequence[StepRecord] | None = None) -> str | None:
+        """The first reason the rule cannot judge this reference (``rule.vet_rule``; ``replicate``: the FP32 noise
+        replicate's steps), or None."""
         return rule.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
                              self.metric.higher_is_better, ref_steps, columns=self.column_rms(), spreads=self.spreads(),
                              whole_numbers=self.whole_numbers(),
@@ -244,7 +245,8 @@ class Scan:
                              real_units=self.real_units(), tokens=self.tokens(),
                              masked=self.masked, channels_first=self.channels_first(),
                              unit_heads=self.unit_heads(), misnamed=self.misnamed_probabilities(),
-                             probability_rows=self.probability_rows(), top_k=self.metric.top_k)
+                             probability_rows=self.probability_rows(), top_k=self.metric.top_k,
+                             replicate=replicate, with_target=self.quality.scored())
 
     def real_units(self) -> int:
         """The fewest real units (cases not constructed at the boundary; per token, their kept positions) among the

@@ -104,13 +104,39 @@ def copy(dest: Path, base: dict | None = None, override: dict | None = None, roo
     """The project at ``root`` in ``dest`` (not a repository yet: ``init_repo``), params.yaml = ``base``
     (default: the project's params.yaml) with ``override`` merged in."""
     dest.mkdir(parents=True, exist_ok=True)
-    for name in project_files(root):
-        if not name.startswith(PLOTS + "/"):
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(root / name, dest / name)
+    names = [name for name in project_files(root) if not name.startswith(PLOTS + "/")]
+    for name in names:
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, dest / name)
+    copy_bytecode(root, dest, names)
     merged = merge(params(root) if base is None else base, override or {})
     (dest / "params.yaml").write_text(yaml.safe_dump(merged, sort_keys=False))
     return dest
+
+
+_COMPILED: set[Path] = set()
+
+
+def copy_bytecode(root: Path, dest: Path, names: list[str]) -> None:
+    """This interpreter's compiled modules of the copied sources ``names`` (``pipeline/**/__pycache__``) beside the
+    copy's: compiled once per process (compileall: only what is stale) and copied; the sources kept their mtimes
+    (``copy2``), which is what Python checks a .pyc against, so every process of the copy loads them instead of
+    compiling the package again where PYTHONDONTWRITEBYTECODE is set (a source edited in the copy is compiled afresh).
+    .dvcignore keeps them out of DVC's hashes, .gitignore out of git's."""
+    import compileall
+    import importlib.util
+
+    package = root / "pipeline"
+    if sys.pycache_prefix or not package.is_dir():  # bytecode kept elsewhere, by path: nothing to copy
+        return
+    if package not in _COMPILED:
+        compileall.compile_dir(package, quiet=2)
+        _COMPILED.add(package)
+    for name in names:
+        cached = Path(importlib.util.cache_from_source(str(root / name))) if name.endswith(".py") else None
+        if cached is not None and cached.is_file():
+            (dest / cached.relative_to(root)).parent.mkdir(exist_ok=True)
+            shutil.copy2(cached, dest / cached.relative_to(root))
 
 
 def init_repo(repo: Path, who: str = "test") -> None:

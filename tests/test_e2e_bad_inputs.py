@@ -204,6 +204,8 @@ CASES = [
     ("module does not import", params_case("task.data", "no_such_module:load"), ["prepare"], ["does not import", "PYTHONPATH"]),
     ("function missing", params_case("task.data", "pipeline.examples.digits:nope"), ["prepare"], ["has no function 'nope'"]),
     ("loss does not fit kind", params_case("task.loss", "mse"), ["prepare"], ["task.loss", "cross_entropy"]),
+    ("one training step: a replicate that repeats the reference", params_case("reference.train_steps", 1), ["freeze"],
+     ["FP32 replicate repeats the reference's losses exactly", "loss_noise_multiple: null"]),
     ("model returns wrong shape",
      both(user_module(WRONG_SHAPE), params_case("task.model", "badmods.m:build_model"),
           params_case("task.data", "badmods.m:load_data"), lambda r: (stage(r, "prepare"), None)[1]),

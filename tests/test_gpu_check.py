@@ -48,7 +48,8 @@ def test_the_runs_are_the_example_files_at_each_size() -> None:
 
 
 def test_a_copy_holds_the_working_tree_as_git_sees_it(tmp_path: Path) -> None:
-    """Tracked and untracked files of the project's folders go, ignored ones and everything else stay."""
+    """Tracked and untracked files of the project's folders go, with the bytecode of their modules (compiled here, so
+    that the copy's processes need not compile them); ignored ones and everything else stay."""
     src = tmp_path / "src"
     (src / "pipeline" / "__pycache__").mkdir(parents=True)
     (src / "params.yaml").write_text(
@@ -64,7 +65,9 @@ def test_a_copy_holds_the_working_tree_as_git_sees_it(tmp_path: Path) -> None:
     (src / "pipeline" / "__pycache__" / "tracked.cpython.pyc").write_bytes(b"ignored")
     repo = _project.copy(tmp_path / "repo", override={"seed": 7, "trial": {"variants": ["float16"]}}, root=src)
     files = sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*") if p.is_file())
-    assert files == [".gitignore", "dvc.yaml", "params.yaml", "pipeline/tracked.py", "pipeline/untracked.py"]
+    tag = sys.implementation.cache_tag  # and this interpreter's bytecode of the copied modules, compiled afresh
+    assert files == [".gitignore", "dvc.yaml", "params.yaml", f"pipeline/__pycache__/tracked.{tag}.pyc",
+                     f"pipeline/__pycache__/untracked.{tag}.pyc", "pipeline/tracked.py", "pipeline/untracked.py"]
     params = _project.params(repo)
     assert params == {"seed": 7, "trial": {"variants": ["float16"], "fp32_modules": []}}, "a mapping merges key by key"
     # Without git (a folder copied into a bare image): the same folders, less Python's caches.

@@ -1426,3 +1426,46 @@ def test_a_top_k_metric_with_k_not_below_the_classes_is_refused_at_freeze():
                                     has_target=torch.ones(40, dtype=torch.bool)))
     scan.update(0, {"logits": logits})
     assert "task.top_k 3 is not below the 3 classes" in scan.problem(steps)
+
+
+def test_a_replicate_that_gives_the_noise_floor_nothing_to_judge_by_is_refused_at_freeze():
+    """The curve criterion bounds AMP's loss gap by ``loss_noise_multiple`` x the FP32 replicate's gap to the reference.
+    A replicate identical to the reference (one update: no pair of updates to swap samples between) has a gap of 0,
+    and 3 x 0 rolls back every trial whose loss moves at all; a replicate whose loss is not finite has an infinite gap,
+    and 3 x inf passes any trial. Freeze refuses both in one line; an atol on the floor (``loss_noise_atol``) makes the
+    identical replicate judge something, and without the noise criterion nothing depends on it."""
+    shapes, rms = {"logits": (3,)}, {"logits": 3.0}
+    ref = [step(i, 2.0 - 0.1 * i) for i in range(6)]
+
+    def vet(replicate, acceptance=AcceptanceConfig()):
+        return rule.vet_rule(acceptance, "classification", shapes, rms, 0.95, "accuracy", True, ref, replicate=replicate)
+
+    line = vet(list(ref))
+    assert line is not None and "FP32 replicate repeats the reference's losses exactly over its 6 step(s)" in line, line
+    assert "loss_noise_multiple: null" in line
+    assert vet([step(i, r.loss + 0.01) for i, r in enumerate(ref)]) is None  # a real replicate
+    assert vet(list(ref), AcceptanceConfig(loss_noise_atol=0.01)) is None
+    assert vet(list(ref), AcceptanceConfig(loss_noise_multiple=None)) is None
+    broken = [step(i, math.nan if i == 4 else r.loss + 0.01) for i, r in enumerate(ref)]
+    line = vet(broken)
+    assert line is not None and "the FP32 replicate's loss is not finite at step 4" in line, line
+    assert vet(broken, AcceptanceConfig(loss_noise_multiple=None)) is None
+
+    # And the verdict such a replicate would give, for the record: an inf floor accepts a trial 0.15 above FP32.
+    off = [step(i, r.loss + 0.15) for i, r in enumerate(ref)]
+    noise = trajectory_gap([r.loss for r in ref], [r.loss for r in off], 0.5, 0.1, [r.loss for r in broken], 3.0).noise
+    assert noise.violations == 0 and math.isinf(noise.mean_replicate_gap)
+
+
+def test_a_metric_that_is_not_finite_on_the_reference_is_named_as_such_not_as_missing_targets():
+    """A user metric (R2 of constant targets) that returns NaN over cases that do carry targets: freeze refuses, and
+    its line names the metric, not "no case of the fixed set carries a target", which sends the user looking for
+    targets they gave."""
+    steps = [step(i, 1.0) for i in range(4)]
+    shapes, rms = {"output": (1,)}, {"output": 3.0}
+    said = rule.vet_rule(AcceptanceConfig(min_quality=None), "regression", shapes, rms, math.nan, "mymod:r2", True, steps,
+                         with_target=True)
+    assert said is not None and "quality (mymod:r2) is nan over the cases with a target" in said, said
+    assert "no case of the fixed set carries" not in said
+    none = rule.vet_rule(AcceptanceConfig(min_quality=None), "regression", shapes, rms, math.nan, "mymod:r2", True, steps)
+    assert none is not None and "no case of the fixed set carries a target" in none

@@ -159,7 +159,7 @@ def write(
         )  # the FP64 arbiter's are always full: its differences are far below a compact store's step
         if bad:
             raise NonFinite(sorted(set(bad)))
-        problem = scan.problem(records) if scan is not None else None
+        problem = scan.problem(records, replicate) if scan is not None else None
         if problem:
             raise UserError(problem)
         if fp64 is not None:

@@ -107,6 +107,10 @@ class QualityStats:
                 self._column_rows += part.numel() // width
         return None
 
+    def scored(self) -> bool:
+        """Whether any case (or token) with a target was scored: a NaN ``result`` then comes from the metric itself."""
+        return bool(self._kept) if self.user is not None else self.n > 0
+
     def result(self) -> float:
         if self.user is not None:
             if not self._kept:
