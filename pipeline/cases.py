@@ -65,6 +65,19 @@ class Cases:
         )
 
 
+def aligned(fixed: Cases, shifted: bool) -> Cases:
+    """``fixed`` with its targets where the model's own loss reads them. ``shifted`` (``probe.check`` found it): per
+    token, as a causal LM reads its labels, position t is scored against the token at t + 1 and the last position
+    against none (-100); Hugging Face's ``...ForCausalLM`` shifts the labels it is given inside its loss, so its
+    logits at t are judged against the next token, as it was trained. Else ``fixed`` itself."""
+    if not shifted:
+        return fixed
+    y = torch.full_like(fixed.y, task.IGNORE_INDEX)
+    y[:, :-1] = fixed.y[:, 1:]
+    return Cases(ids=fixed.ids, x=fixed.x, y=y, has_target=fixed.has_target,
+                 meta={**fixed.meta, "targets": "next token: the model's own loss shifts its labels by one position"})
+
+
 @dataclass(frozen=True)
 class Header(Record):
     """A cases file's metadata: the ids in row order, and ``Cases.meta`` where it is not empty."""

@@ -406,14 +406,15 @@ class AcceptanceConfig:
     max_failing_fraction: float = 0.0
     """Largest fraction of output elements allowed outside tolerance, per output."""
     tie_rule: Literal["lowest_index", "tie_is_flip"] = "lowest_index"
-    """Classification ties: take the lowest class index, or count any tie the reference lacks as a flip."""
+    """Classification ties: take the lowest class index, or count any tie the reference lacks as a flip (a
+    single-value head's tie: a logit of exactly 0, a probability of exactly 0.5)."""
     boundary_margin: float = 0.05
     """A real case (ordinary, edge) whose reference top-2 margin is below this is near the boundary: its
     flips are counted apart (``max_near_boundary_flips``), in the unit of ``boundary_margin_kind``."""
     boundary_margin_kind: Literal["logit", "probability", "relative"] = "logit"
     """Unit of ``boundary_margin``: ``logit`` (z1 - z2, depends on the scores' scale), ``probability``
     (p1 - p2 of the softmax, in [0, 1]: means the same for every model) or ``relative`` ((z1 - z2) / std
-    of the row's scores)."""
+    of the row's live scores: a class more than 104 below the maximum, at probability 0, masked or not, is left out)."""
     max_flips: int = 0
     """Decision flips allowed among real cases that are not near the boundary (per token for [N, T, C])."""
     max_near_boundary_flips: int | None = 0

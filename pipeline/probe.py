@@ -9,13 +9,14 @@ from pipeline.errors import UserError
 from pipeline.inference import infer
 from pipeline.config import Policy
 from pipeline.recipe import make_loss
-from pipeline.task import TensorSource, TrainSource, check_outputs, rows, to_device
+from pipeline.task import IGNORE_INDEX, TensorSource, TrainSource, call, check_outputs, named_outputs, primary, rows, to_device
 
 
-def check(model: torch.nn.Module, source: TrainSource, task_cfg: TaskConfig, device: torch.device) -> None:
+def check(model: torch.nn.Module, source: TrainSource, task_cfg: TaskConfig, device: torch.device) -> bool:
     """Run the model on two training samples: it must take the inputs, give outputs that can be compared,
     and (``loss: model``) compute its own loss. Why first: a model that does not fit the task contract
-    should cost one line, not a training run that fails at its end.
+    should cost one line, not a training run that fails at its end. Returns whether the model's own loss reads
+    per-token labels one position ahead (``labels_shifted``).
 
     Raises:
         UserError: the model fails on the inputs, or its outputs or loss do not fit the task.
@@ -38,3 +39,36 @@ def check(model: torch.nn.Module, source: TrainSource, task_cfg: TaskConfig, dev
         ) from None
     targets = source.y if isinstance(source, TensorSource) else y
     check_outputs(out, task_cfg.kind, rows(x), targets, task_cfg.model)
+    return labels_shifted(model, source, task_cfg, device)
+
+
+def labels_shifted(model: torch.nn.Module, source: TrainSource, task_cfg: TaskConfig, device: torch.device) -> bool:
+    """Whether the model's own loss (``loss: model``) scores per-token scores [N, T, C] against the labels one position
+    ahead, as a Hugging Face causal LM does (``GPT2LMHeadModel`` and every ``...ForCausalLM`` shift the labels they are
+    given: position t predicts token t + 1). Measured, not guessed from a class name: on a few training samples, in
+    eval mode, the model's loss is compared with the cross-entropy of its scores against the labels as given and one
+    position ahead; ahead must match to float rounding and better than as given. The fixed set is then judged the same
+    way (``cases.aligned``): scored against the labels as given, a causal LM predicts none of them."""
+    if task_cfg.loss != "model" or task_cfg.kind != "classification":
+        return False
+    x, y = source.batch(torch.arange(min(8, len(source))))
+    if y.ndim != 2 or y.shape[1] < 2 or y.is_floating_point():
+        return False
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            result = call(model, to_device(x, device), **{task_cfg.label_key: y.to(device)})
+    finally:
+        model.train(was)
+    loss = getattr(result, "loss", None)
+    if loss is None and isinstance(result, dict):
+        loss = result.get("loss")
+    scores = primary(named_outputs(result, f"task.model {task_cfg.model}"))
+    if not torch.is_tensor(loss) or loss.numel() != 1 or scores.ndim != 3 or tuple(scores.shape[:2]) != tuple(y.shape):
+        return False
+    s, labels, own = scores.double(), y.to(scores.device), float(loss)
+    ce = torch.nn.functional.cross_entropy
+    as_given = float(ce(s.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX))
+    ahead = float(ce(s[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX))
+    return abs(own - ahead) < abs(own - as_given) and abs(own - ahead) <= 1e-4 * max(1.0, abs(own))

@@ -142,3 +142,46 @@ def test_a_pretrained_directory_with_safetensors_loads_and_its_remote_code_never
 def test_a_pretrained_path_that_is_not_a_directory_is_one_line(tmp_path):
     with pytest.raises(UserError, match="is not a directory"):
         _build(tmp_path / "missing")
+
+
+GPT2 = {"model_type": "gpt2", "vocab_size": 32, "n_positions": 16, "n_embd": 16, "n_layer": 1, "n_head": 2}
+
+
+def test_a_causal_lms_own_loss_reads_the_next_token_and_the_fixed_set_is_judged_so():
+    """GPT2LMHeadModel given labels = input_ids (Hugging Face's way) shifts them inside its loss: its logits at t are
+    trained on the token at t + 1. Scored against the labels as given, the reference would predict none of them (its
+    accuracy 0: freeze refuses a healthy model, or, with quality loosened, a trial that changes next tokens passes on
+    0 vs 0). The probe measures the shift from the model's own loss, and the fixed set is judged one position ahead;
+    a token classifier's own loss (no shift) and a task loss leave the targets as given."""
+    from pipeline import cases
+    from pipeline.compare.quality import QualityStats
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32, (16, 12), generator=g)
+    ids[3, 8:] = 0
+    labels = ids.clone()
+    labels[3, 8:] = -100  # padding, as Hugging Face labels it
+    x = task.check_inputs({"input_ids": ids}, "train_x", "hf")
+    src = task.TensorSource(x, labels)
+    gpt2 = build("GPT2LMHeadModel", GPT2)
+    own = TaskConfig(model="pipeline.examples.huggingface:build_model", loss="model",
+                     options={"architecture": "GPT2LMHeadModel", "config": GPT2})
+    assert probe.check(gpt2, src, own, CPU) is True
+    assert probe.check(gpt2, src, TaskConfig(model=own.model, loss="cross_entropy", options=own.options), CPU) is False
+    tags = hf.load_tagging_data(n_train=16, n_eval=4)
+    bert = TaskConfig(model=own.model, loss="model",
+                      options={"architecture": "BertForTokenClassification", "config": {**BERT, "num_labels": 5}})
+    assert probe.check(build("BertForTokenClassification", {**BERT, "num_labels": 5}), source(tags), bert, CPU) is False
+
+    fixed = cases.Cases(ids=[f"ordinary/{i}" for i in range(16)], x=x, y=labels,
+                        has_target=torch.ones(16, dtype=torch.bool))
+    judged = cases.aligned(fixed, True)
+    assert torch.equal(judged.y[:, :-1], labels[:, 1:]) and bool((judged.y[:, -1] == -100).all())
+    assert judged.meta["targets"].startswith("next token") and cases.aligned(fixed, False) is fixed
+    with torch.no_grad():
+        logits = gpt2(input_ids=ids).logits
+    quality = QualityStats("accuracy", "lowest_index")
+    quality.update(logits, judged.y)
+    keep = labels[:, 1:] != -100  # Hugging Face's own next-token accuracy
+    expected = (logits[:, :-1].argmax(-1) == labels[:, 1:])[keep].double().mean()
+    assert quality.result() == pytest.approx(float(expected))

@@ -78,3 +78,20 @@ def test_an_eval_target_outside_the_classes_is_one_line_not_an_index_error():
     with pytest.raises(UserError, match="eval target is 7 but the model scores 5 classes"):
         stats.update(scores, torch.tensor([[1, -100, 7], [0, 2, 4]]))
     stats.update(scores, torch.tensor([[1, -100, 4], [0, 2, 4]]))  # -100 is ignored, not out of range
+
+
+def test_a_user_metric_may_return_a_numpy_scalar_but_not_a_list_or_a_bool():
+    """``f(scores, targets)`` written with numpy returns np.float32, np.int64 or a 0-d array: one number each, read
+    as such (they were refused with "returned float32 (); return one number"); a list or a bool is no metric value."""
+    import numpy as np
+
+    scores, y = torch.tensor([[2.0, 1.0], [0.0, 3.0]]), torch.tensor([0, 1])
+    for value, expected in ((np.float32(0.75), 0.75), (np.int64(2), 2.0), (np.array(0.5), 0.5), (torch.tensor([0.25]), 0.25)):
+        q = QualityStats("accuracy", "lowest_index", user=lambda o, t, v=value: v)
+        q.update(scores, y)
+        assert q.result() == expected
+    for value in ([0.5], True, np.bool_(True)):
+        q = QualityStats("accuracy", "lowest_index", user=lambda o, t, v=value: v)
+        q.update(scores, y)
+        with pytest.raises(UserError, match="return one number"):
+            q.result()

@@ -21,7 +21,7 @@ from pipeline.artifacts.steps import StepRecord
 from pipeline.compare import bounds
 
 from pipeline.compare import streams
-from pipeline.compare.decisions import DecisionStats
+from pipeline.compare.decisions import DecisionStats, margins
 from pipeline.compare.quality import QualityStats
 from pipeline.compare.quantiles import StreamQuantile, quantile
 from pipeline.compare.trajectory import trajectory_gap, update_health
@@ -1469,3 +1469,85 @@ def test_a_metric_that_is_not_finite_on_the_reference_is_named_as_such_not_as_mi
     assert "no case of the fixed set carries" not in said
     none = rule.vet_rule(AcceptanceConfig(min_quality=None), "regression", shapes, rms, math.nan, "mymod:r2", True, steps)
     assert none is not None and "no case of the fixed set carries a target" in none
+
+
+@pytest.mark.parametrize("masked", [torch.finfo(torch.float32).min, -1e9, -math.inf])
+def test_a_masked_class_does_not_put_every_case_near_the_boundary_under_relative_margins(masked):
+    """``boundary_margin_kind: relative`` divides the top-2 margin by the spread of the row's scores. A class masked
+    out (probability 0: ``finfo.min``, ``where(allowed, x, -1e9)``, -inf) is no score of the row: counted, it set the
+    spread at 1e38 (or NaN), every margin at 0 and every case near the boundary, so that with
+    ``max_near_boundary_flips: null`` a real flip far from the boundary was accepted. The margins are those of the
+    live classes alone: the far flip rolls back, masked or not."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(200, 4, generator=g) * 2
+    trial = scores.clone()
+    far = int((scores.topk(2).values[:, 0] - scores.topk(2).values[:, 1]).argmax())  # the widest margin: far from any tie
+    first, second = scores[far].topk(2).indices.tolist()
+    trial[far, second] = scores[far, first] + 0.01  # one decision changed, far from the boundary
+    y = scores.argmax(1)
+    ids, every = [f"ordinary/s{i}" for i in range(200)], torch.ones(200, dtype=torch.bool)
+    cfg = dataclasses.replace(RULE, boundary_margin_kind="relative", boundary_margin=0.05, max_near_boundary_flips=None,
+                              outputs={"*": Tolerance(atol=100.0, rtol=0.0)})
+    with_mask = torch.cat([scores, torch.full((200, 1), masked)], 1)
+    relative = [margins(s.topk(2), "relative", None, s) for s in (with_mask, scores)]
+    assert torch.allclose(relative[0], relative[1], rtol=1e-12, atol=0)
+    for ref, tri in ((scores, trial), (with_mask, torch.cat([trial, torch.full((200, 1), masked)], 1))):
+        stats, d = _judge(ids, y, every, {"logits": ref}, {"logits": tri}, cfg=cfg)
+        assert stats.flips.flips == 1 and stats.flips.near_boundary_cases < 200, stats.flips
+        assert d.decision == "rollback" and any("away from the boundary" in r for r in d.reasons), d.reasons
+
+
+def test_tie_is_flip_holds_for_a_one_logit_head_as_for_class_scores():
+    """A sigmoid's logit that a float16 or bfloat16 trial rounds to exactly 0 (p = 0.5) ties its two classes. Under
+    ``tie_rule: tie_is_flip`` a tie the reference lacks is a flip for class scores [N, 2]; the same head returned as
+    one logit [N, 1] was decided by ``z >= 0`` alone, and its ties passed. Both forms now count the same flips; under
+    ``lowest_index`` the one logit keeps its documented ``z >= 0``, and a tie on both sides is no flip."""
+    g = torch.Generator().manual_seed(0)
+    n = 300
+    scores = torch.randn(n, 3, generator=g) * 3
+    z = torch.randn(n, 1, generator=g) * 3
+    z[:5] = torch.tensor([0.3, 0.2, 1.5, -0.4, 2.0]).unsqueeze(1)  # rounded to 0 by the trial: far from the boundary
+    z[5] = 0.0
+    tz = z.clone()
+    tz[:6] = 0.0  # and case 5 ties on both sides
+    y, ids, every = scores.argmax(1), [f"ordinary/s{i}" for i in range(n)], torch.ones(n, dtype=torch.bool)
+    ties = dataclasses.replace(RULE, tie_rule="tie_is_flip", outputs={"*": Tolerance(atol=100.0, rtol=0.0)})
+    pair = lambda v: torch.cat([torch.zeros_like(v), v], 1)  # noqa: E731 - the same decisions as two class scores
+    one, _ = _judge(ids, y, every, {"logits": scores, "match_logit": z}, {"logits": scores, "match_logit": tz}, cfg=ties)
+    two, _ = _judge(ids, y, every, {"logits": scores, "match_logits": pair(z)}, {"logits": scores, "match_logits": pair(tz)},
+                    cfg=ties)
+    counted = [(s.heads[h].flips, s.heads[h].near_boundary_flips) for s, h in ((one, "match_logit"), (two, "match_logits"))]
+    assert counted[0] == counted[1] and sum(counted[0]) == 5, counted
+    plain, _ = _judge(ids, y, every, {"logits": scores, "match_logit": z}, {"logits": scores, "match_logit": tz},
+                      cfg=dataclasses.replace(ties, tie_rule="lowest_index"))
+    assert plain.heads["match_logit"].real_flips == 1  # z = -0.4 to 0: class 0 to class 1; the others stay at class 1
+
+
+def test_the_top_k_metric_ranks_equal_scores_by_class_not_by_topks_own_order():
+    """Saturated scores (hardtanh at 6: several classes equal) with the target among them. ``topk`` keeps which of the
+    equal ones its own way, and that depends on the other values of the row: a trial with the same saturated scores
+    and the same decisions, its other scores moved by rounding, was counted hits lost and gained, and rolled back on
+    quality. The target's rank now orders equal scores by class index (as ``lowest_index`` does): the same hits."""
+    g = torch.Generator().manual_seed(8)
+    n, classes = 600, 8
+    scores = (torch.randn(n, classes, generator=g) * 10).clamp(-6.0, 6.0)
+    trial = scores.clone()
+    free = scores.abs() < 6.0
+    trial[free] = (scores[free] + 0.01 * torch.randn(int(free.sum()), generator=g)).clamp(-5.99, 5.99)
+    y = torch.randint(0, classes, (n,), generator=g)
+    ties = (scores == 6.0).sum(1) >= 2
+    assert int(ties.sum()) > 50
+    for out in (scores, trial):
+        q = QualityStats("top_k", "lowest_index", top_k=2)
+        hit = q.update(out, y)
+        saturated = out == 6.0
+        above = (out > out.gather(1, y[:, None])).sum(1) + (saturated & (out == out.gather(1, y[:, None]))
+                                                           & (torch.arange(classes) < y[:, None])).sum(1)
+        assert torch.equal(hit[ties], (above < 2)[ties])
+    ids, every = [f"ordinary/s{i}" for i in range(n)], torch.ones(n, dtype=torch.bool)
+    cfg = dataclasses.replace(RULE, max_quality_drop=0.0, outputs={"*": Tolerance(atol=0.05, rtol=0.0)})
+    stats, d = _judge(ids, y, every, {"logits": scores}, {"logits": trial}, cfg=cfg)
+    assert stats.flips.real_flips == 0 and d.decision == "accept", d.reasons
+    q_ref = QualityStats("top_k", "lowest_index", top_k=2)
+    q_trial = QualityStats("top_k", "lowest_index", top_k=2)
+    assert torch.equal(q_ref.update(scores, y), q_trial.update(trial, y))

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pipeline.artifacts.comparison import Decisions, Distribution, Flip
+from pipeline.compare.gaps import ZERO_PROBABILITY_NATS
 from pipeline.compare.quantiles import StreamQuantile
 from pipeline.config import LOGIT_NAMES, PROBABILITY_NAMES
 from pipeline.task import IGNORE_INDEX
@@ -167,9 +168,26 @@ def margins(top, kind: str, lse: torch.Tensor | None, scores: torch.Tensor | Non
         lse = lse.double()
         return torch.exp(values[..., 0] - lse) - torch.exp(values[..., 1] - lse)
     if kind == "relative":
-        spread = scores.detach().double().std(dim=-1) if scores.shape[-1] > 1 else torch.ones_like(gap)
+        spread = live_spread(scores.detach().double()) if scores.shape[-1] > 1 else torch.ones_like(gap)
         return torch.where(spread > 0, gap / spread, torch.zeros_like(gap))
     raise ValueError(f"unknown margin kind {kind!r}; use one of {MARGIN_KINDS}")
+
+
+def live_spread(s: torch.Tensor) -> torch.Tensor:
+    """The standard deviation of each row's scores over its live classes: those within ``ZERO_PROBABILITY_NATS`` of
+    the row's maximum. A class masked out (``finfo.min``, -inf, ``where(allowed, x, -1e9)``: probability 0) is no
+    score of the row: counted, its -3.4e38 would set the spread at 1e38, every relative margin at 0 and every case
+    near the boundary, and -inf would give NaN. A row with one live class has no second score to be near: inf. A row
+    with no finite maximum: NaN. Rows without a masked class: ``std`` itself."""
+    top = s.amax(-1, keepdim=True)
+    live = s >= top - ZERO_PROBABILITY_NATS
+    if bool(live.all()):
+        return s.std(dim=-1)
+    count = live.sum(-1)
+    mean = torch.where(live, s, 0.0).sum(-1, keepdim=True) / count.clamp(min=1).unsqueeze(-1)
+    var = torch.where(live, (s - mean).square(), 0.0).sum(-1) / (count - 1).clamp(min=1)
+    spread = torch.where(count > 1, var.sqrt(), torch.full_like(var, math.inf))
+    return torch.where(torch.isfinite(top.squeeze(-1)), spread, torch.full_like(spread, math.nan))
 
 
 def kl_and_lse(ref_scores: torch.Tensor, trial_scores: torch.Tensor, diff: torch.Tensor | None = None,
@@ -520,21 +538,26 @@ def holds_probabilities(name: str, ref: torch.Tensor) -> bool:
 
 def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, trial: torch.Tensor, boundary_margin: float,
                margin_kind: str, max_listed: int = 1000, positions: Sequence[int] | None = None,
-               probability: bool = False) -> Decisions:
+               probability: bool = False, tie_rule: str = "lowest_index") -> Decisions:
     """The decisions of a single-value head, judged as DecisionStats judges class scores: a sigmoid's logit z (class 1
     where z >= 0), or with ``probability`` its probability p (class 1 where p >= 0.5, the logit z = log(p / (1 - p))
     read from it). Its margin is |z| (the two-class logits 0 and z), or |p1 - p0| = |tanh(z / 2)| for a
-    ``probability`` margin; constructed boundary cases are counted apart, real ones near the boundary too.
-    ``ids``, ``kinds``: of each decision; ``positions``: per token, the position of each (the unit is then a token)."""
+    ``probability`` margin; constructed boundary cases are counted apart, real ones near the boundary too. Under
+    ``tie_is_flip``, z = 0 exactly (p = 0.5) is a tie of the two classes, class -1, as ``labels_of`` marks a tie:
+    a tie on one side only is a flip. ``ids``, ``kinds``: of each decision; ``positions``: per token, the position of
+    each (the unit is then a token)."""
     r, t = ref.detach().double().reshape(-1), trial.detach().double().reshape(-1)
     zr, zt = (torch.logit(v.clamp(0.0, 1.0)) if probability else v for v in (r, t))
     r_margin, t_margin = (torch.tanh(v / 2).abs() if margin_kind == "probability" else v.abs() for v in (zr, zt))
     constructed = torch.tensor([k == "boundary" for k in kinds], dtype=torch.bool)
-    crossed = (zr >= 0) != (zt >= 0)
+    cr, ct = ((z >= 0).long() for z in (zr, zt))
+    if tie_rule == "tie_is_flip":
+        cr, ct = (torch.where(z == 0, torch.full_like(c, -1), c) for z, c in ((zr, cr), (zt, ct)))
+    crossed = cr != ct
     near = (r_margin < boundary_margin) & ~constructed
     listed = torch.nonzero(crossed).flatten().tolist()
     flips = tuple(Flip(id=ids[i], kind=kinds[i], boundary=bool(constructed[i]), near_boundary=bool(near[i]),
-                       reference_class=int(zr[i] >= 0), trial_class=int(zt[i] >= 0), reference_margin=float(r_margin[i]),
+                       reference_class=int(cr[i]), trial_class=int(ct[i]), reference_margin=float(r_margin[i]),
                        trial_margin=float(t_margin[i]), margin_kind=margin_kind, reference=float(r[i]), trial=float(t[i]),
                        position=None if positions is None else int(positions[i]))
                   for i in listed[:max_listed])

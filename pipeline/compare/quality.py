@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import numpy as np
 import torch
 
 from pipeline.artifacts.comparison import RegressionErrors
@@ -27,7 +28,7 @@ class QualityStats:
     """Quality of one set of outputs on the cases with a target, accumulated chunk by chunk.
 
     ``metric``: ``accuracy`` (per token: token accuracy over targets != -100), ``top_k`` (target among
-    the k best scores), ``neg_rmse``, ``neg_mae`` (regression, over every output value). Per-token
+    the k best scores, equal scores ranked by class index), ``neg_rmse``, ``neg_mae`` (regression, over every output value). Per-token
     classification also gives the perplexity exp(mean token NLL) (a language model's). A user metric
     (``module:function``) is not streamed: ``QualityStats`` then keeps the target rows and calls it once
     (per-token scores as tokens: ``f(scores [M, C], targets [M])``, -100 targets included).
@@ -73,9 +74,12 @@ class QualityStats:
                 if labels is None:
                     labels = labels_of(s, self.tie_rule)
                 hit = labels == y
-            else:
-                idx = s.float().topk(min(self.top_k, s.shape[-1]), dim=-1).indices
-                hit = (idx == y.unsqueeze(-1)).any(-1)
+            else:  # the target's rank: the classes scored above it, and those equal to it of a lower index (equal
+                sf = s if s.dtype in (torch.float32, torch.float64) else s.float()  # scores in one order, as
+                target = sf.gather(-1, y.clamp(min=0).unsqueeze(-1))  # lowest_index: topk's order among them is its own)
+                lower = torch.arange(sf.shape[-1], device=sf.device) < y.unsqueeze(-1)
+                ahead = (sf > target).sum(-1) + ((sf == target) & lower).sum(-1)
+                hit = ahead < min(self.top_k, sf.shape[-1])
             if not (finite or all_finite(s)):  # a row with a non-finite score is a miss, whatever the metric (-inf beside
                 hit = hit & ~broken(s, softmax=True).any(-1)  # a finite maximum is a masked class: ``gaps.broken``)
             hit = hit & valid
@@ -116,8 +120,10 @@ class QualityStats:
             if not self._kept:
                 return math.nan
             value = self.user(torch.cat([o for o, _ in self._kept]), torch.cat([t for _, t in self._kept]))
-            number = isinstance(value, (int, float)) or (torch.is_tensor(value) and value.numel() == 1)
-            if isinstance(value, bool) or not number:
+            number = (isinstance(value, (int, float, np.number))  # a numpy scalar too (np.float32, np.int64)
+                      or (torch.is_tensor(value) and value.numel() == 1)
+                      or (isinstance(value, np.ndarray) and value.size == 1 and value.dtype != np.bool_))
+            if isinstance(value, (bool, np.bool_)) or not number:
                 raise UserError(f"task.metric returned {type(value).__name__} {getattr(value, 'shape', '')}; return one number")
             return float(value)
         if self.n == 0:

@@ -498,10 +498,11 @@ def _sign_result(ids: Sequence[str], kinds: Sequence[str], name: str, shape: tup
     probability = holds_probabilities(name, r)
     if len(shape) != 3:
         return sign_flips(ids, kinds, r, t, rule.boundary_margin, rule.boundary_margin_kind, cfg.max_listed_flips,
-                          probability=probability)
+                          probability=probability, tie_rule=rule.tie_rule)
     rows = torch.cat(rows).tolist() if rows else []
     return sign_flips([ids[i] for i in rows], [kinds[i] for i in rows], r, t, rule.boundary_margin, rule.boundary_margin_kind,
-                      cfg.max_listed_flips, torch.cat(positions).tolist() if positions else [], probability=probability)
+                      cfg.max_listed_flips, torch.cat(positions).tolist() if positions else [], probability=probability,
+                      tie_rule=rule.tie_rule)
 
 
 def nonfinite_summary(ids: Sequence[str], kinds: Sequence[str], rows: torch.Tensor, elements: dict[str, int],

@@ -25,7 +25,7 @@ def main(params_path: str = "params.yaml") -> None:
     inputs = {str(p): sha256_file(p) for p in (paths.PREPARED_CASES, paths.PREPARED_TRAIN)}
     source = task.load_train(params.task, paths.PREPARED_TRAIN, inputs[str(paths.PREPARED_TRAIN)])
     init = checkpoint.capture(model := task.build_model(params.task, params.seed))
-    probe.check(model, source, params.task, device)
+    shifted = probe.check(model, source, params.task, device)  # and whether its own loss reads the next token's label
     checkpoint.restore(init, model)  # the probe must not move the RNG the training starts from
     run_key, phases = reference_tensors.run_key(params, inputs, init), Phases()
     resume = checkpoint.ResumeFile(paths.RESUME / "reference.safetensors", distributed.current().key(run_key), device)
@@ -38,7 +38,7 @@ def main(params_path: str = "params.yaml") -> None:
         if not distributed.current().writes:
             return  # rank 0 alone infers and writes
         with phases("boundary cases"):
-            fixed = inference.with_boundary_cases(params, cases.load(paths.PREPARED_CASES), model, device)
+            fixed = inference.with_boundary_cases(params, cases.aligned(cases.load(paths.PREPARED_CASES), shifted), model, device)
         with phases("fp64 arbiter"):  # its probe: does the model run in float64?
             fp64 = inference.fp64_chunks(model, fixed.x, cfg.eval_mode, cfg.fp64_arbiter, device=device)
         with phases("forecast"):
@@ -53,6 +53,6 @@ def main(params_path: str = "params.yaml") -> None:
                 store=params.compare.store,
             )
     resume.clear()
-    noise = f"; FP32 replicate final loss {replicate[-1].loss:.4f}" if replicate else ""
+    noise = (f"; FP32 replicate final loss {replicate[-1].loss:.4f}" if replicate else "") + "; next-token targets" * shifted
     print(f"freeze: reference trained {len(result.records)} steps, final loss {result.records[-1].loss:.4f}{noise}; "
           f"{manifest.cases['total']} cases; FP64 arbiter on {fp64.cases if fp64 else 'none'} of them\n  {phases.line()}")
