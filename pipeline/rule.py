@@ -432,9 +432,9 @@ def vet_rule(
     decided single-value heads named like a probability whose reference leaves [0, 1] (a ``log_prob``): decided at 0.5,
     none of their decisions could flip. ``probability_rows``: decided outputs whose every reference row is a probability
     distribution: KL (per token) and probability margins take class scores through softmax, which measures nothing on
-    probabilities. ``top_k``: the k of metric ``top_k``: with as many classes or fewer, every target is a hit. ``replicate``: the FP32
-    replicate's steps, the noise floor of ``loss_noise_multiple``. ``with_target``: some case with a target was scored (a
-    non-finite ``ref_quality`` is then the metric's own)."""
+    probabilities. ``top_k``: the k of metric ``top_k``: with as many classes or fewer, every target is a hit.
+    ``replicate``: the FP32 replicate's steps, the noise floor of ``loss_noise_multiple``. ``with_target``: some case
+    with a target was scored (a non-finite ``ref_quality`` is then the metric's own)."""
     names = sorted(shapes)
     unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
     if unknown:

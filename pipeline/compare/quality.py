@@ -28,8 +28,8 @@ class QualityStats:
     """Quality of one set of outputs on the cases with a target, accumulated chunk by chunk.
 
     ``metric``: ``accuracy`` (per token: token accuracy over targets != -100), ``top_k`` (target among
-    the k best scores, equal scores ranked by class index), ``neg_rmse``, ``neg_mae`` (regression, over every output value). Per-token
-    classification also gives the perplexity exp(mean token NLL) (a language model's). A user metric
+    the k best scores, equal scores ranked by class index), ``neg_rmse``, ``neg_mae`` (regression, over every output
+    value). Per-token classification also gives the perplexity exp(mean token NLL) (a language model's). A user metric
     (``module:function``) is not streamed: ``QualityStats`` then keeps the target rows and calls it once
     (per-token scores as tokens: ``f(scores [M, C], targets [M])``, -100 targets included).
     """
