@@ -141,3 +141,23 @@ def test_the_initial_weights_hash_sees_one_bit():
     b = {"w": torch.ones(3)}
     b["w"][1] = torch.nextafter(b["w"][1], torch.tensor(2.0))
     assert checkpoint.tensors_digest(a) != checkpoint.tensors_digest(b)
+
+
+def test_a_trials_resume_key_follows_the_recipe_and_the_task_modules_params_name_now(tmp_path, monkeypatch):
+    """The trial's resume key holds ``reference_tensors.recipe_key``: an lr edited after freeze, or the source of a
+    custom loss module (imported only once training starts, after the resume state was opened), changes it; a change
+    of the FP64 arbiter's size, which trains nothing, does not."""
+    import dataclasses
+
+    from pipeline.artifacts import reference_tensors
+    from pipeline.config import Params, ReferenceConfig, TaskConfig
+
+    (tmp_path / "mylosses.py").write_text("import torch\n\ndef loss(out, y):\n    return torch.nn.functional.cross_entropy(out, y)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    params = dataclasses.replace(Params(), task=dataclasses.replace(TaskConfig(), loss="mylosses:loss"))
+    key = reference_tensors.recipe_key(params)
+    assert reference_tensors.recipe_key(dataclasses.replace(params, reference=ReferenceConfig(lr=0.2))) != key
+    arbiter = dataclasses.replace(params, reference=dataclasses.replace(params.reference, fp64_arbiter=7))
+    assert reference_tensors.recipe_key(arbiter) == key
+    (tmp_path / "mylosses.py").write_text((tmp_path / "mylosses.py").read_text().replace("(out, y)", "(out, y, label_smoothing=0.2)"))
+    assert reference_tensors.recipe_key(params) != key

@@ -87,6 +87,20 @@ def test_a_model_code_change_after_a_kill_restarts_and_matches_a_clean_run(kille
     assert digests(repo / "data/trial/float16") == after_kill
 
 
+def test_a_recipe_edit_after_a_kill_restarts_and_matches_a_clean_run(killed_trial):
+    """params' recipe edited after the kill (reference.lr), the trial run alone (the reference is not refrozen): the
+    state trained at the old lr is another run's (restoring its optimizer would even bring the old lr back), so the
+    trial restarts and ends as an uninterrupted run at the new lr does."""
+    repo, _ = killed_trial
+    write_params(repo, {"reference": {"lr": 0.2}})
+    resumed = run(TRIAL, repo)
+    assert "was saved by another run" in resumed.stderr, resumed.stderr
+    after_kill = digests(repo / "data/trial/float16")
+    shutil.rmtree(repo / "data/trial/float16")
+    run(TRIAL, repo)
+    assert digests(repo / "data/trial/float16") == after_kill
+
+
 def test_a_thread_count_change_after_a_kill_restarts_and_matches_a_clean_run(killed_trial):
     repo, _ = killed_trial
     write_params(repo, {"threads": 2})

@@ -222,10 +222,21 @@ def run_key(params: Params, inputs: dict[str, str], init: checkpoint.Checkpoint)
     """The reference's identity: params, prepared inputs, the initial weights (a pretrained directory's too)
     and the source of the task's own modules. The resume state adds the pipeline's code, the thread counts
     and the world size (``checkpoint.ResumeFile``)."""
-    code = task.source_digest(task.entry_points(params.task, params.reference.optimizer))
-    blob = json.dumps({"seed": params.seed, "task": asdict(params.task), "reference": _trained_by(params.reference),
-                       "inputs": inputs, "init": checkpoint.tensors_digest(init.tensors), "code": code}, sort_keys=True)
+    blob = json.dumps({**_recipe(params), "inputs": inputs, "init": checkpoint.tensors_digest(init.tensors)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def recipe_key(params: Params) -> str:
+    """What trains a run besides its inputs and initial weights, as params say now: the seed, the task (its own
+    modules' source: the model, the data, a custom loss, metric or optimizer) and the recipe. A trial's resume key
+    holds it: params edited after freeze (an lr, a loss module) and the trial run alone must not resume a state that
+    was trained under the old ones."""
+    return hashlib.sha256(json.dumps(_recipe(params), sort_keys=True).encode()).hexdigest()
+
+
+def _recipe(params: Params) -> dict:
+    code = task.source_digest(task.entry_points(params.task, params.reference.optimizer))
+    return {"seed": params.seed, "task": asdict(params.task), "reference": _trained_by(params.reference), "code": code}
 
 
 def _trained_by(cfg: ReferenceConfig) -> dict:

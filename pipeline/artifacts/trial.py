@@ -99,9 +99,11 @@ def read_trajectory(variant: str, manifest: TrialManifest | None = None) -> Traj
     return _typed(Trajectory, read_json(path, produced_by(variant), manifest.files[paths.TRIAL_TRAJECTORY]), path, variant)
 
 
-def run_key(reference: ReferenceManifest, policy) -> str:
-    """The trial's identity: its reference and its policy (a resume state of another trial is not this one's)."""
-    return hashlib.sha256(json.dumps({"ref": reference.run_key, "policy": policy.as_dict()}, sort_keys=True).encode()).hexdigest()
+def run_key(reference: ReferenceManifest, policy, recipe: str) -> str:
+    """The trial's identity: its reference, its policy and the recipe params give now (``reference_tensors.recipe_key``):
+    a resume state of another trial, or of this one under an edited recipe or loss, is not this one's."""
+    blob = {"ref": reference.run_key, "policy": policy.as_dict(), "recipe": recipe}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
 
 ENV_DEFAULTS = {"world_size": 1, "process_group_backend": None}

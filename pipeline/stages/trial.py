@@ -21,9 +21,8 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
         devices.check_dtype_supported(device, precision.parse_dtype(policy.dtype))
     ref = reference_tensors.load(params)
     trained, source = ref.model(params), ref.train_data(params)
-    resume = checkpoint.ResumeFile(
-        paths.RESUME / f"trial-{variant}.safetensors", world.key(trial.run_key(ref.manifest, policy)), device
-    )
+    run_key = trial.run_key(ref.manifest, policy, reference_tensors.recipe_key(params))
+    resume = checkpoint.ResumeFile(paths.RESUME / f"trial-{variant}.safetensors", world.key(run_key), device)
     with (
         trial_tensors.Writer(variant, ref.cases.ids, params.compare.store) as writer,
         devices.missing_kernels(variant, policy.dtype, device),
