@@ -632,6 +632,8 @@ class Params:
 
     def check(self, key: str = "") -> None:
         _non_negative(self.seed, "seed")
+        if self.seed >= 2**63:  # torch's generators take 64 bits, and the runs derive seeds from it (seed + 1...)
+            raise UserError(f"params.yaml: seed is {self.seed}; give one below 2**63 (9223372036854775808)")
         if self.threads is not None:
             _positive(self.threads, "threads")
         for f in dataclasses.fields(self):
@@ -698,6 +700,10 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raw = yaml.load(path.read_text(), Loader=ParamsLoader)  # noqa: S506 - a SafeLoader
     except FileNotFoundError:
         raise UserError(f"{path} not found; run from the repository root or pass --params PATH") from None
+    except IsADirectoryError:
+        raise UserError(f"{path} is a folder, not a params file; pass --params PATH of a YAML file") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path} is not UTF-8 text (byte {exc.start}); save it as UTF-8 YAML") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

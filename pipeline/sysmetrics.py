@@ -24,7 +24,7 @@ from typing import Iterator, Protocol
 
 from pipeline.artifacts.record import Record
 from pipeline.errors import UserError
-from pipeline.files import read_json, write_json
+from pipeline.files import check_inside_repository, read_json, write_json
 
 PREFIX = "system/"
 """MLflow's prefix of system metrics: its UI shows them in the run's System metrics tab, drawn against time."""
@@ -195,6 +195,7 @@ def sampling(
         yield
         return
     path = Path(path)
+    check_inside_repository(path.parent)  # no delete through a symlink (data/system-metrics linked elsewhere)
     path.unlink(missing_ok=True)
     monitor = backend if backend is not None else open_backend(device_backend)
     if monitor is None:

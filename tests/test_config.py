@@ -144,3 +144,20 @@ def test_yaml_numbers_agree_with_dvc_and_words_stay_refused(tmp_path):
         (tmp_path / "params.yaml").write_text(bad + "\n")
         with pytest.raises(UserError, match=words):
             load_params(tmp_path / "params.yaml")
+
+
+def test_a_params_file_that_cannot_be_read_or_a_seed_torch_cannot_take_is_one_line(tmp_path):
+    """A folder passed as --params, a file that is not UTF-8 text, and a seed of 2**64 (torch's generators take 64
+    bits: it crashed freeze with "ValueError: Overflow") are refused when params load, each with its fix."""
+    with pytest.raises(UserError, match="is a folder, not a params file"):
+        load_params(tmp_path)
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("seed: 0  # caf\xe9\n".encode("latin-1"))
+    with pytest.raises(UserError, match="is not UTF-8 text"):
+        load_params(latin)
+    big = tmp_path / "big.yaml"
+    big.write_text(f"seed: {2**64}\n")
+    with pytest.raises(UserError, match=r"seed is 18446744073709551616; give one below 2\*\*63"):
+        load_params(big)
+    big.write_text(f"seed: {2**63 - 1}\n")
+    assert load_params(big).seed == 2**63 - 1

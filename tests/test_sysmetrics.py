@@ -13,6 +13,7 @@ import pytest
 from conftest import blank_mlflow_db
 
 from pipeline import sysmetrics, tracking
+from pipeline.errors import UserError
 
 UTIL = "system/gpu_0_utilization_percentage"
 MEMORY = "system/gpu_0_memory_usage_megabytes"
@@ -147,3 +148,19 @@ def test_the_real_monitor_samples_a_busy_gpu(tmp_path: Path) -> None:
     assert max(s.metrics[UTIL] for s in samples) > 0
     memory = "system/gpu_0_memory_usage_" + ("gigabytes" if backend == "rocm" else "megabytes")
     assert min(s.metrics[memory] for s in samples) > 0  # x alone holds 64 MB
+
+
+def test_sampling_deletes_nothing_through_a_symlink(tmp_path, monkeypatch):
+    """``data/system-metrics`` linked to a folder outside the repository: the stage's earlier file is not removed
+    there (a CPU run removed it before), and the stage stops with one line before any work."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "trial-float16.json").write_text("{}")
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    (repo / "data" / "system-metrics").symlink_to(outside)
+    monkeypatch.chdir(repo)
+    with pytest.raises(UserError, match="is a symlink"):
+        with sysmetrics.sampling(Path("data/system-metrics/trial-float16.json"), "cpu"):
+            pass
+    assert (outside / "trial-float16.json").read_text() == "{}"
