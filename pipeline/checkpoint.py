@@ -384,6 +384,13 @@ class ResumeFile:
             return self._restart(f"has another checkpoint format than {FORMAT_VERSION!r} ({info})")
         if info.run_key != self.key:
             return self._restart(f"was saved by another run ({self._what_differs(info.resume_context)} differ)", damaged=False)
+        expected = self._expected_sha256()  # before the environment: a damaged byte there is damage
+        if expected is None:
+            return self._restart(f"has no valid sha256 record ({self.sidecar.name} missing or unreadable)")
+        if actual != expected:
+            return self._restart(
+                f"does not match its sha256 in {self.sidecar.name} (damaged or edited: {actual[:12]}… != {expected[:12]}…)"
+            )
         saved = info.run_env
         if saved != self.env:
             was = ", ".join(f"{k} {v}" for k, v in saved.as_dict().items()) if saved else "an unrecorded environment"
@@ -391,13 +398,6 @@ class ResumeFile:
             raise UserError(
                 f"{self.path} holds this run's interrupted state from {was}, not {now}; resume it there, "
                 f"or delete {self.path} to restart from step 0 here"
-            )
-        expected = self._expected_sha256()
-        if expected is None:
-            return self._restart(f"has no valid sha256 record ({self.sidecar.name} missing or unreadable)")
-        if actual != expected:
-            return self._restart(
-                f"does not match its sha256 in {self.sidecar.name} (damaged or edited: {actual[:12]}… != {expected[:12]}…)"
             )
         problem = scaler_problem(info.grad_scaler) or _counters_problem(info)
         if problem:

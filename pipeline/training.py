@@ -278,6 +278,10 @@ def train(
     records: list[StepRecord] = []
     real_updates = 0
     start = 0
+    if resume is not None and not resume.info.step < cfg.train_steps:  # states are saved before the last step only
+        print(f"warning: {label}: the resume state is at step {resume.info.step} of a {cfg.train_steps}-step run "
+              f"(edited?); restarts from step 0", file=sys.stderr)
+        resume = None
     if resume is not None:
         checkpoint.restore(resume, model, optimizer, scaler, scheduler)
         saved = resume.info  # ``ResumeFile.load`` checked its counters

@@ -184,15 +184,24 @@ def test_resume_state_from_another_torch_or_device_is_refused_in_one_line(tmp_pa
     resume.save(checkpoint.capture(torch.nn.Linear(2, 2), step=4))
     assert resume.load().meta["step"] == 4
     assert checkpoint.ResumeFile(path, "run-2", CPU).load() is None, "another run's state is ignored"
-    # The same run's state, as written by another torch (or on a GPU): refused, never resumed.
+    # The same run's state, as written by another torch (or on a GPU), its sha256 with it: refused, never resumed.
     for other in ({"torch": "2.4.0"}, {"backend": "cuda", "device_name": "NVIDIA H200"}):
         ckpt = checkpoint.load(path)
         ckpt = dataclasses.replace(ckpt, info=dataclasses.replace(ckpt.info, run_env=dataclasses.replace(resume.env, **other)))
-        checkpoint.save(path, ckpt)
+        digest = checkpoint.save(path, ckpt)
+        resume.sidecar.write_text(f"{digest}  {path.name}\n")
         with pytest.raises(UserError) as err:
             checkpoint.ResumeFile(path, "run-1", CPU).load()
         line = str(err.value)
         assert "\n" not in line and f"delete {path}" in line and list(other.values())[0] in line
+    # One byte of the environment damaged (the sidecar still the state's): damage, a warning and a restart, not a
+    # refusal that no rerun gets past.
+    resume.save(checkpoint.capture(torch.nn.Linear(2, 2), step=4))
+    raw = bytearray(path.read_bytes())
+    at = raw.find(resume.env.device_name.encode())
+    raw[at] ^= 1
+    path.write_bytes(bytes(raw))
+    assert checkpoint.ResumeFile(path, "run-1", CPU).load() is None
 
 
 # --- threads and what manifests record -----------------------------------------------------------------------

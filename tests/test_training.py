@@ -216,3 +216,27 @@ def test_progress_line_names_step_loss_scale_skipped_and_eta():
     p = training.Progress("trial float16", 10)
     line = p.line(4, 1.25, 32768.0, 2, p.t0 + 2.0)
     assert "step 4/10" in line and "loss 1.2500" in line and "scale 32768" in line and "skipped 2" in line and "ETA 3s" in line
+
+
+def test_a_resume_state_at_the_last_step_or_beyond_is_a_restart_not_a_finished_run(tmp_path, capsys):
+    """States are saved before the last step only. A state edited to say step 12 of a 12-step run (its sidecar
+    recomputed) was taken as a finished run, its step-4 weights written as the trained model; step 20 crashed. Both
+    now cost one warning and a run from step 0 that ends as an uninterrupted one."""
+    source = data()
+    c = cfg(checkpoint_every=1)
+    policy = Policy(dtype="float16")
+    torch.manual_seed(0)
+    full = training.train(Loud(), source, c, TASK, policy, CPU, seed=0)
+    saved = {}
+
+    def keep(ckpt):
+        saved.setdefault(ckpt.meta["step"], ckpt)
+
+    training.train(Loud(), source, c, TASK, policy, CPU, seed=0, save_resume=keep)
+    early = saved[4]
+    for step in (c.train_steps, c.train_steps + 8):
+        forged = dataclasses.replace(early, info=dataclasses.replace(early.info, step=step))
+        torch.manual_seed(0)
+        again = training.train(Loud(), source, c, TASK, policy, CPU, seed=0, resume=forged)
+        assert f"the resume state is at step {step} of a {c.train_steps}-step run" in capsys.readouterr().err
+        assert [repr(r) for r in again.records] == [repr(r) for r in full.records]
