@@ -152,12 +152,13 @@ def test_a_trials_resume_key_follows_the_recipe_and_the_task_modules_params_name
     from pipeline.artifacts import reference_tensors
     from pipeline.config import Params, ReferenceConfig, TaskConfig
 
-    (tmp_path / "mylosses.py").write_text("import torch\n\ndef loss(out, y):\n    return torch.nn.functional.cross_entropy(out, y)\n")
+    module = tmp_path / "mylosses.py"
+    module.write_text("import torch\n\ndef loss(out, y):\n    return torch.nn.functional.cross_entropy(out, y)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     params = dataclasses.replace(Params(), task=dataclasses.replace(TaskConfig(), loss="mylosses:loss"))
     key = reference_tensors.recipe_key(params)
     assert reference_tensors.recipe_key(dataclasses.replace(params, reference=ReferenceConfig(lr=0.2))) != key
     arbiter = dataclasses.replace(params, reference=dataclasses.replace(params.reference, fp64_arbiter=7))
     assert reference_tensors.recipe_key(arbiter) == key
-    (tmp_path / "mylosses.py").write_text((tmp_path / "mylosses.py").read_text().replace("(out, y)", "(out, y, label_smoothing=0.2)"))
+    module.write_text(module.read_text().replace("(out, y)", "(out, y, label_smoothing=0.2)"))
     assert reference_tensors.recipe_key(params) != key
