@@ -8,7 +8,7 @@ from pipeline.config import TaskConfig
 from pipeline.errors import UserError
 from pipeline.inference import infer
 from pipeline.config import Policy
-from pipeline.recipe import make_loss
+from pipeline.recipe import make_loss, own_loss
 from pipeline.task import IGNORE_INDEX, TensorSource, TrainSource, call, check_outputs, named_outputs, primary, rows, to_device
 
 
@@ -61,11 +61,9 @@ def labels_shifted(model: torch.nn.Module, source: TrainSource, task_cfg: TaskCo
             result = call(model, to_device(x, device), **{task_cfg.label_key: y.to(device)})
     finally:
         model.train(was)
-    loss = getattr(result, "loss", None)
-    if loss is None and isinstance(result, dict):
-        loss = result.get("loss")
+    loss = own_loss(result)
     scores = primary(named_outputs(result, f"task.model {task_cfg.model}"))
-    if not torch.is_tensor(loss) or loss.numel() != 1 or scores.ndim != 3 or tuple(scores.shape[:2]) != tuple(y.shape):
+    if loss is None or scores.ndim != 3 or tuple(scores.shape[:2]) != tuple(y.shape):
         return False
     s, labels, own = scores.double(), y.to(scores.device), float(loss)
     ce = torch.nn.functional.cross_entropy

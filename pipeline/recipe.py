@@ -77,15 +77,21 @@ class Loss:
                 f"task.label_key {self.label_key!r} is also an input name; give the targets as train_y only, or rename one"
             )
         result = call(model, x, **{self.label_key: y})
-        loss = getattr(result, "loss", None)
-        if loss is None and isinstance(result, dict):
-            loss = result.get("loss")
-        if not torch.is_tensor(loss) or loss.numel() != 1:
+        loss = own_loss(result)
+        if loss is None:
             raise UserError(
                 f"{self.entry} returned no scalar .loss although task.loss is model; make it compute the loss when given "
                 f"{self.label_key}=..., or pick another task.loss"
             )
         return _wide(loss.reshape(()))
+
+
+def own_loss(result) -> torch.Tensor | None:
+    """The scalar loss a model returned with its outputs (``.loss``, or ``["loss"]`` of a dict), else None."""
+    loss = getattr(result, "loss", None)
+    if loss is None and isinstance(result, dict):
+        loss = result.get("loss")
+    return loss if torch.is_tensor(loss) and loss.numel() == 1 else None
 
 
 def make_loss(task: TaskConfig) -> Loss:

@@ -603,7 +603,6 @@ def vet_rule(
     return None
 
 
-
 def _replicate_problem(rule: AcceptanceConfig, ref_steps: Sequence[StepRecord],
                        replicate: Sequence[StepRecord] | None) -> str | None:
     """Why the FP32 replicate gives the noise floor (``loss_noise_multiple``, ``loss_noise_atol``) nothing to judge by,

@@ -75,16 +75,21 @@ def test_a_flipped_bit_in_the_resume_state_costs_a_restart_not_a_wrong_result(ki
     assert not resume.exists() and not resume.with_name(resume.name + ".sha256").exists()
 
 
+def assert_as_uninterrupted(repo):
+    """The trial the rerun after the kill wrote is the one an uninterrupted run of the same code and params writes."""
+    after_kill = digests(repo / "data/trial/float16")
+    shutil.rmtree(repo / "data/trial/float16")
+    run(TRIAL, repo)
+    assert digests(repo / "data/trial/float16") == after_kill
+
+
 def test_a_model_code_change_after_a_kill_restarts_and_matches_a_clean_run(killed_trial):
     repo, _ = killed_trial
     digits = repo / "pipeline/examples/digits.py"
     digits.write_text(digits.read_text().replace("torch.nn.ReLU()", "torch.nn.Tanh()"))
     resumed = run(TRIAL, repo)
     assert "was saved by another run (" in resumed.stderr and "code differ)" in resumed.stderr, resumed.stderr
-    after_kill = digests(repo / "data/trial/float16")
-    shutil.rmtree(repo / "data/trial/float16")
-    run(TRIAL, repo)  # an uninterrupted run of the new code
-    assert digests(repo / "data/trial/float16") == after_kill
+    assert_as_uninterrupted(repo)
 
 
 def test_a_recipe_edit_after_a_kill_restarts_and_matches_a_clean_run(killed_trial):
@@ -95,10 +100,7 @@ def test_a_recipe_edit_after_a_kill_restarts_and_matches_a_clean_run(killed_tria
     write_params(repo, {"reference": {"lr": 0.2}})
     resumed = run(TRIAL, repo)
     assert "was saved by another run" in resumed.stderr, resumed.stderr
-    after_kill = digests(repo / "data/trial/float16")
-    shutil.rmtree(repo / "data/trial/float16")
-    run(TRIAL, repo)
-    assert digests(repo / "data/trial/float16") == after_kill
+    assert_as_uninterrupted(repo)
 
 
 def test_a_thread_count_change_after_a_kill_restarts_and_matches_a_clean_run(killed_trial):
@@ -106,7 +108,4 @@ def test_a_thread_count_change_after_a_kill_restarts_and_matches_a_clean_run(kil
     write_params(repo, {"threads": 2})
     resumed = run(TRIAL, repo)
     assert "threads 1 -> 2" in resumed.stderr, resumed.stderr
-    after_kill = digests(repo / "data/trial/float16")
-    shutil.rmtree(repo / "data/trial/float16")
-    run(TRIAL, repo)
-    assert digests(repo / "data/trial/float16") == after_kill
+    assert_as_uninterrupted(repo)
