@@ -421,9 +421,10 @@ class AcceptanceConfig:
     """Decision flips allowed among real cases near the boundary (0 by default: every flip of a real sample
     fails the rule and is named); null: not limited, said so in the verdict, every such flip still listed."""
     max_flip_rate: float | None = None
-    """Instead of the counts above: the largest rate of changed decisions among real cases (ordinary, edge,
-    selected), tested on its exact Clopper–Pearson upper bound at ``confidence`` (and the quality drop on its
-    paired upper bound). A small set cannot pass it: decide says how many cases it needs. null: counts."""
+    """Instead of the counts above: the largest rate of changed decisions over the application's inputs, tested on its
+    exact Clopper–Pearson upper bound at ``confidence`` over the ordinary cases, the set's independent draws (edge and
+    selected cases' flips count against them, their cases do not: ``decisions.rate_sample``), and the quality drop on its
+    paired upper bound. A small set cannot pass it: decide says how many cases it needs. null: counts."""
     confidence: float = 0.95
     """Confidence of the statistical bounds (``max_flip_rate``)."""
     max_boundary_flip_fraction: float = 1.0

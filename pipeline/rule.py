@@ -139,20 +139,19 @@ def _decisions(flips: Decisions, rule: AcceptanceConfig, j: _Judge, label: str, 
     near_ids = flips.labels(boundary=False, near=True)
     far, near = flips.flips, flips.near_boundary_flips
     margin = f"{flips.margin_kind or 'logit'} margin < {rule.boundary_margin:g}"
-    if rule.max_flip_rate is not None:
-        real = flips.cases - flips.boundary_cases
-        k = far + near
+    if rule.max_flip_rate is not None:  # over the sample of independent draws: the ordinary cases (``rate_sample``)
+        real, k = flips.sample, flips.sample_flips
         upper = bounds.binomial_upper(k, real, rule.confidence)
         needed = bounds.cases_needed(rule.max_flip_rate, rule.confidence)
-        words = (f"{label}: {k} of {real} real {unit}s changed; the {rule.confidence:g}-confidence upper bound of the rate is "
-                 f"{upper:.4g} (Clopper–Pearson)")
+        words = (f"{label}: {k} changed of {real} ordinary {unit}s (edge and selected cases' flips count, not their "
+                 f"{unit}s); the {rule.confidence:g}-confidence upper bound of the rate is {upper:.4g} (Clopper–Pearson)")
         j.check(
             "inference", upper <= rule.max_flip_rate,
             f"{words} <= allowed {rule.max_flip_rate:g} (the rule tolerates a rate, not a count)"
             + (f": {_ids(far_ids + near_ids)}" if k else ""),
             f"{words} > allowed {rule.max_flip_rate:g}" + (f": {_ids(far_ids + near_ids)}" if k else "")
             + (
-                f"; the set has {real} real {unit}s and this bound needs at least {needed} to pass even with no change"
+                f"; the set has {real} ordinary {unit}s and this bound needs at least {needed} to pass even with no change"
                 if real < needed else ""
             ),
             (key, far_ids + near_ids),
@@ -416,7 +415,7 @@ def vet_rule(
     ``distributions``: a regression's other outputs whose every reference row is a probability distribution while
     neither their name nor their entry says whether they are decisions: class probabilities would go undecided
     (« Une différence faible en valeur absolue peut changer l'action choisie »), proportions would not be; the user says.
-    ``real_units``: the real cases (per token: the real, kept positions) of the primary's decisions, which
+    ``real_units``: the ordinary cases (per token: their kept positions) of the primary's decisions, which
     ``max_flip_rate``'s bound needs enough of to pass at all. ``spreads``: per output judged by its values alone, per
     column, (mean, standard deviation) in the reference: the band atol + rtol·|mean| must be below the spread, or a
     trial answering one value for every case would pass (an offset, 101325 Pa ± 59, makes rtol's band the offset's).
@@ -545,8 +544,8 @@ def vet_rule(
         unit = "position" if kind == "classification" and len(shapes[main]) == 2 and not per_case else "case"
         least = 1.0 - (1.0 - rule.confidence) ** (1.0 / real_units) if real_units else 1.0
         return (f"params.yaml: acceptance.max_flip_rate {rule.max_flip_rate:g} at confidence {rule.confidence:g} needs at "
-                f"least {needed} real {unit}s to pass even with no flip (the Clopper–Pearson bound), and the fixed set has "
-                f"{real_units}, so every trial would roll back; give more cases (prepare), a max_flip_rate of at least "
+                f"least {needed} ordinary {unit}s to pass even with no flip (the Clopper–Pearson bound; edge and selected cases are "
+                f"no independent draws), and the fixed set has {real_units}, so every trial would roll back; give more cases (prepare), a max_flip_rate of at least "
                 f"{least:.3g}, or max_flip_rate: null to count flips (max_flips)")
     if rule.min_top1_agreement is not None and tokens is not None and rule.min_top1_agreement > 0:
         reach = 1.0 - bounds.binomial_upper(0, tokens, rule.confidence)

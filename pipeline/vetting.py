@@ -43,7 +43,8 @@ class Scan:
         self.has_target = fixed.has_target.bool()
         kinds = streams.kinds_of(fixed.ids)
         ordinary = torch.tensor([k == "ordinary" for k in kinds], dtype=torch.bool)
-        self.boundary = torch.tensor([k == "boundary" for k in kinds], dtype=torch.bool)
+        self.drawn = ordinary
+        """The ordinary cases: the draws of the data a flip rate is bounded on (``real_units``)."""
         self.ordinary = ordinary if bool(ordinary.any()) and not bool(ordinary.all()) else None
         """The ordinary cases, when the set has others too: an output's scale is its scale there as well as over the
         whole set (edge cases of inputs x100 would otherwise set it for an application whose outputs are 10x smaller)."""
@@ -249,10 +250,10 @@ class Scan:
                              replicate=replicate, with_target=self.quality.scored())
 
     def real_units(self) -> int:
-        """The fewest real units (cases not constructed at the boundary; per token, their kept positions) among the
-        decisions the rule judges one by one, each against ``max_flip_rate``: the primary's (a regression's too), and every
-        other decided output's, per case where it is one value or one row of scores per case."""
-        real = ~self.boundary
+        """The fewest units of the flip rate's sample (ordinary cases, ``decisions.rate_sample``; per token, their kept
+        positions) among the decisions the rule judges one by one, each against ``max_flip_rate``: the primary's (a
+        regression's too), and every other decided output's, per case where it is one value or one row of scores per case."""
+        real = self.drawn
         cases = int(real.sum())
         if not self.shapes:
             return cases

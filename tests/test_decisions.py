@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.compare.decisions import (DecisionStats, best_two, first_max, kl_and_lse, labels_of, listed_top, regression_flips,
-                                        sign_flips, top_k)
+                                        rate_sample, sign_flips, top_k)
 from pipeline.compare.gaps import value_gaps
 from pipeline.compare.quality import QualityStats
 from pipeline.task import IGNORE_INDEX
@@ -304,3 +304,14 @@ def test_a_listed_flip_without_a_tie_at_its_kth_best_takes_the_short_way_to_the_
         assert classes.tolist() == expected and values.tolist() == [float(s[c]) for c in expected]
     short = torch.tensor([5.0, 1.0, 5.0, 4.0, 3.0, 3.0, 2.0, 0.0])  # equal values within the 5 best, none at the 5th
     assert listed_top(short, 5)[1].tolist() == [0, 2, 3, 4, 5]
+
+
+def test_the_rate_sample_is_the_ordinary_units_and_a_copy_adds_only_the_flips_its_twin_lacks():
+    """``rate_sample``: per token, ordinary/a's 3 flipped tokens and its selected copy's 4 are at least 4 changes (the
+    same input, one change where both show it), the edge case's 2 add, the constructed boundary case's never count;
+    the units are the ordinary cases' alone, and a count above them is capped (no rate above 1)."""
+    ids = ["ordinary/a", "ordinary/b", "selected/a", "edge/zeros", "boundary/a~b", "selected/gone"]
+    kinds = [i.partition("/")[0] for i in ids]
+    assert rate_sample(ids, kinds, [3, 0, 4, 2, 5, 1], [10, 8, 10, 6, 9, 7]) == (18, 3 + 1 + 2 + 1)
+    assert rate_sample(ids, kinds, [3, 0, 2, 0, 5, 0], [10, 8, 10, 6, 9, 7]) == (18, 3)  # the copy's flips are its twin's
+    assert rate_sample(ids[:1] + ids[3:4], kinds[:1] + kinds[3:4], [1, 6], [1, 1]) == (1, 1)

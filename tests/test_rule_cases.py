@@ -93,18 +93,55 @@ def test_low_confidence_classifier_flips_are_named_and_fail_the_default_rule():
     assert d.decision == "accept" and any("not limited: the rule sets max_near_boundary_flips: null" in c for c in d.checks)
 
 
+def test_a_flip_rate_is_bounded_on_the_ordinary_cases_alone_and_a_copys_flip_is_one_change():
+    """Clopper–Pearson bounds a rate over independent draws of the data: the ordinary cases. ``selected/X`` is ordinary X
+    again (picked for its small margin) and an edge case is built, so their cases must not narrow the bound: 290
+    ordinary cases with 30 such cases beside them cannot give a confident accept at 1 % (it needs 299 draws), though
+    320 counted cases would. Their flips still count against the sample, a copy's once with its twin's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)).eval()
+    x = torch.randn(290, 8)
+    ref = _fp32(model, x)["output"]
+    order = (ref.topk(2).values[:, 0] - ref.topk(2).values[:, 1]).argsort()[:20]  # the smallest margins, as prepare picks
+    ids = ([f"ordinary/{i}" for i in range(290)] + [f"selected/{i}" for i in order.tolist()]
+           + [f"edge/scale-10/{i}" for i in range(10)])
+    ref_all = torch.cat([ref, ref[order], _fp32(model, x[:10] * 10)["output"]])
+    y = torch.cat([ref.argmax(1), torch.zeros(30, dtype=torch.long)])
+    has_target = torch.tensor([i < 290 for i in range(320)])
+    cfg = dataclasses.replace(RULE, max_flip_rate=0.01, confidence=0.95, max_quality_drop=1.0)
+    stats, d = _judge(ids, y, has_target, {"output": ref_all}, {"output": ref_all.clone()}, cfg=cfg)
+    assert (stats.flips.sample, stats.flips.sample_flips) == (290, 0)
+    assert d.decision == "rollback" and any("needs at least 299" in r for r in d.reasons), d.reasons
+    # With enough draws: the trial swaps the top two of ordinary case a (and of its selected copy) and of one edge case.
+    x = torch.randn(1200, 8)
+    ref = _fp32(model, x)["output"]
+    a = int(order[0])
+    ids = [f"ordinary/{i}" for i in range(1200)] + [f"selected/{a}", "edge/zeros"]
+    ref_all = torch.cat([ref, ref[a : a + 1], _fp32(model, torch.zeros(1, 8))["output"]])
+    trial = ref_all.clone()
+    for row in (a, 1200, 1201):
+        top = trial[row].topk(2).indices
+        trial[row, top[0]], trial[row, top[1]] = ref_all[row, top[1]], ref_all[row, top[0]]
+    y = torch.cat([ref.argmax(1), torch.zeros(2, dtype=torch.long)])
+    has_target = torch.tensor([i < 1200 for i in range(1202)])
+    stats, d = _judge(ids, y, has_target, {"output": ref_all}, {"output": trial}, cfg=cfg)
+    assert (stats.flips.sample, stats.flips.sample_flips) == (1200, 2)  # the copy's flip is its twin's; the edge's counts
+    assert any("2 changed of 1200 ordinary cases" in c for c in d.checks + d.reasons), d.checks
+
+
 def test_flip_rate_bound_needs_enough_cases_and_does_not_roll_back_a_large_set_on_noise():
     cfg = dataclasses.replace(RULE, max_flip_rate=0.01, confidence=0.95)
     assert bounds.cases_needed(0.01, 0.95) == 299
     n, k = 100, 0
     assert bounds.binomial_upper(k, n, 0.95) > 0.01  # 100 cases cannot give a confident accept, even with no flip
     flips = Decisions(cases=n, boundary_cases=0, near_boundary_cases=0, flips=0, near_boundary_flips=0, boundary_flips=0,
-                      unit="case", boundary_flip_fraction=0.0, real_flips=0, flip_list=(), flip_list_dropped=0)
+                      unit="case", boundary_flip_fraction=0.0, real_flips=0, flip_list=(), flip_list_dropped=0, sample=n,
+                      sample_flips=0)
     j = rule._Judge()
     rule._decisions(flips, cfg, j, "decisions", "flips")
     assert j.failed["inference"] and "needs at least 299" in j.reasons[0]
     listed = tuple(Flip(id=f"ordinary/{i}", kind="ordinary", boundary=False, near_boundary=False) for i in range(250))
-    big = dataclasses.replace(flips, cases=50_000, flips=250, real_flips=250, flip_list=listed)
+    big = dataclasses.replace(flips, cases=50_000, flips=250, real_flips=250, flip_list=listed, sample=50_000, sample_flips=250)
     j = rule._Judge()
     rule._decisions(big, cfg, j, "decisions", "flips")  # 0.5 % observed, upper bound 0.56 % < 1 %
     assert not j.failed["inference"], j.reasons
@@ -115,14 +152,14 @@ def test_flip_rate_bound_needs_enough_cases_and_does_not_roll_back_a_large_set_o
         return rule.vet_rule(cfg, kind, shapes, {n: 3.0 for n in shapes}, 0.9, "accuracy", True, steps, real_units=real)
 
     line = vetted(cfg, 256)
-    assert "needs at least 299 real cases" in line and "has 256" in line and "at least 0.0116" in line, line
+    assert "needs at least 299 ordinary cases" in line and "has 256" in line and "at least 0.0116" in line, line
     assert vetted(cfg, 299) is None and vetted(dataclasses.replace(cfg, max_flip_rate=0.0117), 256) is None
     assert "upper bound is above 0 on any set" in vetted(dataclasses.replace(cfg, max_flip_rate=0.0), 10**9)
-    assert "needs at least 299 real positions" in vetted(cfg, 100, shapes={"logits": (8, 3)})
+    assert "needs at least 299 ordinary positions" in vetted(cfg, 100, shapes={"logits": (8, 3)})
     # Every decided output is judged against the rate on its own: a regression's decisions, and a per-case head beside
     # per-token scores, are counted in cases (freeze accepted both, and every trial then rolled back).
-    assert "needs at least 299 real cases" in vetted(cfg, 200, shapes={"output": (1,), "logits": (3,)}, kind="regression")
-    assert "needs at least 299 real cases" in vetted(cfg, 200, shapes={"logits": (8, 16), "cls_logits": (3,)})
+    assert "needs at least 299 ordinary cases" in vetted(cfg, 200, shapes={"output": (1,), "logits": (3,)}, kind="regression")
+    assert "needs at least 299 ordinary cases" in vetted(cfg, 200, shapes={"logits": (8, 16), "cls_logits": (3,)})
     from pipeline import cases, config
     from pipeline.vetting import Scan
 

@@ -84,21 +84,21 @@ def test_an_outputs_scale_is_its_scale_on_the_ordinary_cases_too(monkeypatch):
         assert "atol 0.05 is not below the scale" in line and f"RMS {on_ordinary:.3g}" in line, line
 
 
-def test_the_real_units_of_the_fixed_set_are_its_cases_less_the_constructed_ones_per_token_the_kept_positions():
-    """What ``max_flip_rate``'s bound at freeze counts: compare's real cases (ordinary, edge; not ``boundary``), per token
-    the positions whose target is not ignored (-100)."""
-    ids = [f"ordinary/{i}" for i in range(6)] + ["edge/zeros", "boundary/0~1", "boundary/2~3"]
+def test_the_units_of_the_flip_rates_sample_are_its_ordinary_cases_per_token_their_kept_positions():
+    """What ``max_flip_rate``'s bound at freeze counts: compare's sample (``decisions.rate_sample``), the ordinary cases
+    (not edge, selected or ``boundary``), per token the positions whose target is not ignored (-100)."""
+    ids = [f"ordinary/{i}" for i in range(6)] + ["edge/zeros", "boundary/0~1", "selected/2"]
     n = len(ids)
     per_case = cases.Cases(ids=ids, x=torch.zeros(n, 2), y=torch.zeros(n, dtype=torch.long),
                            has_target=torch.ones(n, dtype=torch.bool))
     scan = _scan([{"output": torch.randn(n, 4)}], per_case)
-    assert scan.real_units() == 7
+    assert scan.real_units() == 6
     y = torch.zeros(n, 5, dtype=torch.long)
-    y[0, 3:] = -100  # two ignored positions of a real case
+    y[0, 3:] = -100  # two ignored positions of an ordinary case
     y[7, :] = -100  # a constructed case: not counted whatever its targets
     per_token = cases.Cases(ids=ids, x=torch.zeros(n, 5), y=y, has_target=torch.ones(n, dtype=torch.bool))
     scan = _scan([{"output": torch.randn(n, 5, 4)}], per_token)
-    assert scan.real_units() == 7 * 5 - 2
+    assert scan.real_units() == 6 * 5 - 2
 
 
 def _vetted(params, x, y, outputs, rows=100):

@@ -180,6 +180,12 @@ class Decisions(Record):
     """Flips of real cases, near the boundary or not."""
     flip_list: tuple[Flip, ...]
     flip_list_dropped: int
+    sample: int
+    """The units a flip rate is bounded on: the ordinary cases' (per token, their kept positions), the one independent
+    draw of the data (``compare.decisions.rate_sample``)."""
+    sample_flips: int
+    """The changed decisions counted against ``sample``: the ordinary cases', and the edge and selected cases' beyond
+    those of their ordinary twin."""
     margin_kind: str | None = None
     """Unit of the boundary margin (classification only)."""
     boundary_margin: float | None = None

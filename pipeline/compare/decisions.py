@@ -476,6 +476,9 @@ class DecisionStats:
         return self._case.cpu()
 
     def result(self) -> Decisions:
+        case = self._case.cpu()
+        units = case.tokens if self.per_token else torch.ones(len(self.ids), dtype=torch.int64)
+        sample, sample_flips = rate_sample(self.ids, self.kinds, case.flips.tolist(), units.tolist())
         return Decisions(
             cases=self.cases,
             boundary_cases=self.boundary_cases,
@@ -490,6 +493,8 @@ class DecisionStats:
             real_flips=self.flips + self.near_boundary_flips,
             flip_list=tuple(self.flip_list),
             flip_list_dropped=self.listed_dropped,
+            sample=sample,
+            sample_flips=sample_flips,
         )
 
     def distribution(self) -> Distribution | None:
@@ -522,6 +527,34 @@ class DecisionStats:
             kl_p99_bound=kl_bound(p99_upper, alpha, beta),
             kl_max_bound=kl_bound(self.kl_max, alpha, beta),
         )
+
+
+def rate_sample(ids: Sequence[str], kinds: Sequence[str], flips: Sequence[int], units: Sequence[int]) -> tuple[int, int]:
+    """The sample a flip rate is bounded on (``max_flip_rate``: Clopper–Pearson assumes independent draws of the data),
+    as (units, flips), from each case's changed decisions ``flips`` and judged ``units`` (1 per case; per token its
+    kept positions; ``ids`` may repeat: a case's counts add up).
+
+    Only ordinary cases are such draws: a ``selected/X`` case is ordinary X again (a copy picked for its small margin)
+    and an edge case is built (zeros, a scaled copy, the user's own), so counting their units would narrow the bound
+    on the same evidence (a set of 290 with 30 copies passing 1 % at 95 %, which needs 299 draws). Their flips still
+    count against the sample, as changed decisions the application would act on: an edge case's all of them, a
+    selected copy's those its ordinary twin does not show already (the larger of the two counts: the same input
+    changing on both is one change). Capped at the units (no rate above 1)."""
+    units_of: dict[str, int] = {}
+    flips_of: dict[str, int] = {}
+    for i, u, f in zip(ids, units, flips):
+        units_of[i] = units_of.get(i, 0) + int(u)
+        flips_of[i] = flips_of.get(i, 0) + int(f)
+    kind_of = dict(zip(ids, kinds))
+    sample = sum(u for i, u in units_of.items() if kind_of[i] == "ordinary")
+    changed = 0
+    for i, f in flips_of.items():
+        kind = kind_of[i]
+        if kind == "selected":
+            changed += max(f - flips_of.get("ordinary/" + i.partition("/")[2], 0), 0)
+        elif kind != "boundary":
+            changed += f
+    return sample, min(changed, sample)
 
 
 def holds_probabilities(name: str, ref: torch.Tensor) -> bool:
@@ -562,13 +595,15 @@ def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, tria
                        position=None if positions is None else int(positions[i]))
                   for i in listed[:max_listed])
     boundary_cases, boundary_flips = int(constructed.sum()), int((crossed & constructed).sum())
+    sample, sample_flips = rate_sample(ids, kinds, crossed.tolist(), [1] * len(ids))
     far, near_flips = int((crossed & ~near & ~constructed).sum()), int((crossed & near).sum())
     return Decisions(cases=len(ids), boundary_cases=boundary_cases, near_boundary_cases=int(near.sum()), flips=far,
                      near_boundary_flips=near_flips, boundary_flips=boundary_flips,
                      unit="case" if positions is None else "token", margin_kind=margin_kind,
                      boundary_margin=boundary_margin,
                      boundary_flip_fraction=boundary_flips / boundary_cases if boundary_cases else 0.0,
-                     real_flips=far + near_flips, flip_list=flips, flip_list_dropped=max(len(listed) - max_listed, 0))
+                     real_flips=far + near_flips, flip_list=flips, flip_list_dropped=max(len(listed) - max_listed, 0),
+                     sample=sample, sample_flips=sample_flips)
 
 
 def first_crossing(ref: torch.Tensor, trial: torch.Tensor, threshold: float,
@@ -587,6 +622,7 @@ def regression_flips(
     """Cases one of whose values (``ref``, ``trial``: [N, ...]) crosses the decision threshold between reference and
     trial; each flip shows its first crossing value."""
     flips = []
+    crossed = torch.zeros(len(ids), dtype=torch.bool)
     if threshold is not None and ref.shape[0]:
         r = ref.detach().double().reshape(ref.shape[0], -1)
         t = trial.detach().double().reshape(trial.shape[0], -1)
@@ -595,6 +631,7 @@ def regression_flips(
             j = int(at[i, 0])
             flips.append(Flip(id=ids[i], kind=kinds[i], boundary=False, near_boundary=False, reference=float(r[i, j]),
                               trial=float(t[i, j])))
+    sample, sample_flips = rate_sample(ids, kinds, crossed.tolist(), [1] * len(ids))
     return Decisions(cases=len(ids), boundary_cases=0, near_boundary_cases=0, flips=len(flips), near_boundary_flips=0,
                      boundary_flips=0, boundary_flip_fraction=0.0, real_flips=len(flips), unit="case", flip_list=tuple(flips),
-                     flip_list_dropped=0)
+                     flip_list_dropped=0, sample=sample, sample_flips=sample_flips)
