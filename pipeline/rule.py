@@ -128,7 +128,7 @@ def _inference(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
     _decisions(stats.flips, rule, j, "decisions", "flips")
     for name, head in sorted(stats.heads.items()):
         _decisions(head, rule, j, f"decisions '{name}'", f"flips {name}")
-    _distribution(stats.distribution, rule, j)
+    _distribution(stats.distribution, rule, j, stats.flips)
     _quality(stats.quality, rule, j, "inference", "trial")
 
 
@@ -326,14 +326,16 @@ def _training(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
                 f"training: updates stopped advancing: loss scale fell to {train.final_scale:g} < {rule.min_scale:g}")
 
 
-def _distribution(dist: Distribution | None, rule: AcceptanceConfig, j: _Judge) -> None:
+def _distribution(dist: Distribution | None, rule: AcceptanceConfig, j: _Judge, flips: Decisions) -> None:
     """KL and top-1 agreement of per-token outputs, each applied when the rule sets it, on its conservative side.
 
     The fixed set's tokens are a sample: ``max_kl_mean`` holds the one-sided upper bound of the mean at
     ``rule.confidence`` (mean + z SE, z = 1.645 at 0.95: the same confidence as the flip rate's bound) plus the
     store's bound; ``max_kl_p99`` the p99's upper edge plus the store's bound; ``min_top1_agreement`` the
     Clopper-Pearson lower bound of the agreement at ``rule.confidence`` (exact for a rate near 1, where
-    mean - z SE is not). With full stores and many tokens these move by the SE alone."""
+    mean - z SE is not), over the flip rate's sample (``flips.sample``: the ordinary cases' tokens, the tokens of a
+    selected copy or an edge case changing it as flips do). With full stores and many tokens these move by the SE
+    alone."""
     wanted = [rule.max_kl_mean, rule.max_kl_p99, rule.min_top1_agreement]
     if all(w is None for w in wanted):
         return
@@ -364,10 +366,9 @@ def _distribution(dist: Distribution | None, rule: AcceptanceConfig, j: _Judge) 
                 f"(max {dist.kl_max:.4g})",
             )
     if rule.min_top1_agreement is not None:
-        differ = dist.tokens - round(dist.top1_agreement * dist.tokens)
-        value = 1.0 - bounds.binomial_upper(differ, dist.tokens, rule.confidence)
+        value = 1.0 - bounds.binomial_upper(flips.sample_flips, flips.sample, rule.confidence)
         words = (f"top-1 agreement {dist.top1_agreement:.6f} +- {dist.top1_agreement_se:.2g} "
-                 f"({rule.confidence:g}-confidence lower bound {value:.6f})")
+                 f"({rule.confidence:g}-confidence lower bound {value:.6f} over {flips.sample} ordinary tokens)")
         j.check("inference", value >= rule.min_top1_agreement,
                 f"distribution: {words} >= {rule.min_top1_agreement:g}",
                 f"distribution: {words} below minimum {rule.min_top1_agreement:g}")
@@ -551,7 +552,7 @@ def vet_rule(
         reach = 1.0 - bounds.binomial_upper(0, tokens, rule.confidence)
         if reach < rule.min_top1_agreement:
             return (f"params.yaml: acceptance.min_top1_agreement {rule.min_top1_agreement:g} at confidence "
-                    f"{rule.confidence:g}: over the fixed set's {tokens} tokens the Clopper–Pearson lower bound is at most "
+                    f"{rule.confidence:g}: over the fixed set's {tokens} ordinary tokens the Clopper–Pearson lower bound is at most "
                     f"{reach:.6f} even when every token agrees, so every trial would roll back; give more cases (prepare), "
                     f"a min_top1_agreement of at most {reach:.4g}, or null")
     if kind == "classification" and rule.boundary_margin_kind == "relative":

@@ -267,10 +267,11 @@ class Scan:
         return cases
 
     def tokens(self) -> int | None:
-        """The tokens with a target of a per-token classifier (what top-1 agreement is counted over), else None."""
+        """The tokens with a target of a per-token classifier's ordinary cases (what top-1 agreement's bound is taken
+        over: ``decisions.rate_sample``), else None."""
         if self.kind == "classification" and self.shapes and len(self.shapes[primary_name(self.shapes)]) == 2 \
                 and self.targets.ndim == 2:
-            return int((self.targets != task.IGNORE_INDEX).sum())
+            return int(((self.targets != task.IGNORE_INDEX) & self.drawn[:, None]).sum())
         return None
 
 

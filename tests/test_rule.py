@@ -164,6 +164,7 @@ def test_distribution_criteria():
                              "kl_quantiles_exact": True, "top1_agreement_se": 0.0022, "rms_delta_p": 0.01,
                              "store": {"reference": "full", "trial": "full"}, "logit_error": 0.0, "kl_mean_bound": 0.0,
                              "kl_p99_bound": 0.0, "kl_max_bound": 0.0}
+    stats["flips"].update(unit="token", sample=1000, sample_flips=5)  # top-1 agreement's bound is over the flip rate's sample
     assert judge(stats).decision == "accept"  # null criteria: not applied
     ok = dataclasses.replace(RULE, max_kl_mean=1e-2, max_kl_p99=0.05, min_top1_agreement=0.985)
     assert judge(stats, ok).decision == "accept"

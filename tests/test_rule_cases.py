@@ -129,6 +129,24 @@ def test_a_flip_rate_is_bounded_on_the_ordinary_cases_alone_and_a_copys_flip_is_
     assert any("2 changed of 1200 ordinary cases" in c for c in d.checks + d.reasons), d.checks
 
 
+def test_top1_agreements_bound_is_taken_over_the_ordinary_tokens_not_their_selected_copies():
+    """``min_top1_agreement``'s Clopper–Pearson bound, like the flip rate's: 40 ordinary sequences of 8 tokens and their
+    40 selected copies agree everywhere; 320 independent tokens bound the agreement at 0.9907, not the 0.9953 that 640
+    counted tokens would claim, so 0.993 is not shown (freeze says so too)."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(40, 8, 16, generator=g)
+    ids = [f"ordinary/{i}" for i in range(40)] + [f"selected/{i}" for i in range(40)]
+    ref = torch.cat([scores, scores])
+    y = ref.argmax(-1)
+    has_target = torch.tensor([i < 40 for i in range(80)])
+    cfg = dataclasses.replace(RULE, min_top1_agreement=0.993, max_quality_drop=1.0)
+    stats, d = _judge(ids, y, has_target, {"logits": ref}, {"logits": ref.clone()}, cfg=cfg)
+    assert stats.distribution.tokens == 640 and (stats.flips.sample, stats.flips.sample_flips) == (320, 0)
+    assert d.decision == "rollback" and any("lower bound 0.990682 over 320 ordinary tokens" in r for r in d.reasons), d
+    assert _judge(ids, y, has_target, {"logits": ref}, {"logits": ref.clone()},
+                  cfg=dataclasses.replace(cfg, min_top1_agreement=0.99))[1].decision == "accept"
+
+
 def test_flip_rate_bound_needs_enough_cases_and_does_not_roll_back_a_large_set_on_noise():
     cfg = dataclasses.replace(RULE, max_flip_rate=0.01, confidence=0.95)
     assert bounds.cases_needed(0.01, 0.95) == 299
@@ -174,7 +192,7 @@ def test_flip_rate_bound_needs_enough_cases_and_does_not_roll_back_a_large_set_o
     agreement = dataclasses.replace(RULE, min_top1_agreement=0.999)
     line = rule.vet_rule(agreement, "classification", {"logits": (6, 10)}, {"logits": 3.0}, 0.9, "accuracy", True, steps,
                          real_units=600, tokens=600)
-    assert "min_top1_agreement 0.999" in line and "600 tokens" in line and "at most 0.995" in line, line
+    assert "min_top1_agreement 0.999" in line and "600 ordinary tokens" in line and "at most 0.995" in line, line
     assert rule.vet_rule(agreement, "classification", {"logits": (6, 10)}, {"logits": 3.0}, 0.9, "accuracy", True, steps,
                          real_units=3000, tokens=3000) is None
     # KL and top-1 agreement judge per-token scores: on a per-case classifier or a regression they could never pass.
@@ -801,7 +819,7 @@ def test_vacuous_passes_become_named_reasons():
                            top1_agreement_se=0.0, rms_delta_p=None, store={}, logit_error=0.0, kl_mean_bound=0.0,
                            kl_p99_bound=0.0, kl_max_bound=0.0)
     j = rule._Judge()
-    rule._distribution(nothing, AcceptanceConfig(max_kl_mean=0.01), j)
+    rule._distribution(nothing, AcceptanceConfig(max_kl_mean=0.01), j, None)  # no token: the flips are not read
     assert j.failed["inference"] and "no valid token" in j.reasons[0]
     gap = trajectory_gap([1.0, float("nan")], [1.0, 1.0], 0.05, 0.1)
     assert gap.band_violations == 1  # a NaN reference step is outside any band
