@@ -545,15 +545,16 @@ def vet_rule(
         unit = "position" if kind == "classification" and len(shapes[main]) == 2 and not per_case else "case"
         least = 1.0 - (1.0 - rule.confidence) ** (1.0 / real_units) if real_units else 1.0
         return (f"params.yaml: acceptance.max_flip_rate {rule.max_flip_rate:g} at confidence {rule.confidence:g} needs at "
-                f"least {needed} ordinary {unit}s to pass even with no flip (the Clopper–Pearson bound; edge and selected cases are "
-                f"no independent draws), and the fixed set has {real_units}, so every trial would roll back; give more cases (prepare), a max_flip_rate of at least "
-                f"{least:.3g}, or max_flip_rate: null to count flips (max_flips)")
+                f"least {needed} ordinary {unit}s to pass even with no flip (the Clopper–Pearson bound; edge and selected "
+                f"cases are no independent draws), and the fixed set has {real_units}, so every trial would roll back; give "
+                f"more cases (prepare), a max_flip_rate of at least {least:.3g}, or max_flip_rate: null to count flips "
+                f"(max_flips)")
     if rule.min_top1_agreement is not None and tokens is not None and rule.min_top1_agreement > 0:
         reach = 1.0 - bounds.binomial_upper(0, tokens, rule.confidence)
         if reach < rule.min_top1_agreement:
             return (f"params.yaml: acceptance.min_top1_agreement {rule.min_top1_agreement:g} at confidence "
-                    f"{rule.confidence:g}: over the fixed set's {tokens} ordinary tokens the Clopper–Pearson lower bound is at most "
-                    f"{reach:.6f} even when every token agrees, so every trial would roll back; give more cases (prepare), "
+                    f"{rule.confidence:g}: over the fixed set's {tokens} ordinary tokens the Clopper–Pearson lower bound is "
+                    f"at most {reach:.6f} even when every token agrees, so every trial would roll back; give more cases (prepare), "
                     f"a min_top1_agreement of at most {reach:.4g}, or null")
     if kind == "classification" and rule.boundary_margin_kind == "relative":
         few = [n for n in names if math.prod(shapes[n][-1:]) < 3 and rule.tolerance(n).decides(n)]  # entries checked above

@@ -1,8 +1,8 @@
 """Exact statistical bounds of the rule, in plain Python (torch-free: decide imports it).
 
 "At most x % of decisions change" is a claim about the application's inputs, not about the fixed set: on n
-independent draws (the ordinary cases) with k changed decisions, the rate's exact (Clopper–Pearson) upper bound at a confidence is what
-such a criterion tests, and a quality drop is bounded PAIRED over the same cases (McNemar's view). A small
+independent draws (the ordinary cases) with k changed decisions, the rate's exact (Clopper–Pearson) upper bound at a
+confidence is what such a criterion tests, and a quality drop is bounded PAIRED over the same cases (McNemar's view). A small
 set then cannot give a confident accept, and a large one does not roll back on noise.
 """
 
