@@ -554,8 +554,8 @@ def vet_rule(
         if reach < rule.min_top1_agreement:
             return (f"params.yaml: acceptance.min_top1_agreement {rule.min_top1_agreement:g} at confidence "
                     f"{rule.confidence:g}: over the fixed set's {tokens} ordinary tokens the Clopper–Pearson lower bound is "
-                    f"at most {reach:.6f} even when every token agrees, so every trial would roll back; give more cases (prepare), "
-                    f"a min_top1_agreement of at most {reach:.4g}, or null")
+                    f"at most {reach:.6f} even when every token agrees, so every trial would roll back; give more cases "
+                    f"(prepare), a min_top1_agreement of at most {reach:.4g}, or null")
     if kind == "classification" and rule.boundary_margin_kind == "relative":
         few = [n for n in names if math.prod(shapes[n][-1:]) < 3 and rule.tolerance(n).decides(n)]  # entries checked above
         if few:
