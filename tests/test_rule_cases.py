@@ -141,10 +141,34 @@ def test_top1_agreements_bound_is_taken_over_the_ordinary_tokens_not_their_selec
     has_target = torch.tensor([i < 40 for i in range(80)])
     cfg = dataclasses.replace(RULE, min_top1_agreement=0.993, max_quality_drop=1.0)
     stats, d = _judge(ids, y, has_target, {"logits": ref}, {"logits": ref.clone()}, cfg=cfg)
-    assert stats.distribution.tokens == 640 and (stats.flips.sample, stats.flips.sample_flips) == (320, 0)
+    assert stats.distribution.tokens == 320 and (stats.flips.sample, stats.flips.sample_flips) == (320, 0)
     assert d.decision == "rollback" and any("lower bound 0.990682 over 320 ordinary tokens" in r for r in d.reasons), d
     assert _judge(ids, y, has_target, {"logits": ref}, {"logits": ref.clone()},
                   cfg=dataclasses.replace(cfg, min_top1_agreement=0.99))[1].decision == "accept"
+
+
+def test_kl_is_measured_on_the_ordinary_tokens_and_edge_cases_that_agree_do_not_dilute_it():
+    """KL mean and p99 describe the application's tokens: 20 ordinary sequences whose trial moves every distribution,
+    beside 200 edge sequences on which it agrees exactly, must not pass a KL limit the ordinary tokens exceed (over
+    all 1,100 tokens the mean is 11 times smaller, and the p99 is the ordinary tokens' 12th largest)."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(220, 5, 16, generator=g) * 2
+    trial = ref.clone()
+    trial[:20] += torch.randn(20, 5, 16, generator=g) * 0.3
+    ids = [f"ordinary/{i}" for i in range(20)] + [f"edge/user/{i}" for i in range(200)]
+    y = ref.argmax(-1)
+    has_target = torch.tensor([i < 20 for i in range(220)])
+    stats, _ = _judge(ids, y, has_target, {"logits": ref}, {"logits": trial})
+    dist = stats.distribution
+    assert dist.tokens == 100
+    d32 = ref[:20].double()
+    truth = (torch.softmax(d32, -1) * (torch.log_softmax(d32, -1) - torch.log_softmax(trial[:20].double(), -1))).sum(-1)
+    assert math.isclose(dist.kl_mean, float(truth.mean()), rel_tol=1e-5)
+    assert math.isclose(dist.kl_p99, float(truth.flatten().sort().values[98]), rel_tol=1e-5)
+    cfg = dataclasses.replace(RULE, max_kl_mean=dist.kl_mean / 2, max_near_boundary_flips=None, max_flips=100,
+                              max_quality_drop=1.0, outputs={"*": Tolerance(atol=10.0, rtol=1.0)})
+    d = rule.decide(stats, cfg)
+    assert d.decision == "rollback" and any("KL(reference || trial) mean" in r for r in d.reasons), d.reasons
 
 
 def test_flip_rate_bound_needs_enough_cases_and_does_not_roll_back_a_large_set_on_noise():

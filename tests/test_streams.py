@@ -191,7 +191,8 @@ def test_attention_mask_excludes_padding_positions():
     masked = _sources(ids, y, has, ref, trial, token_mask=mask)
     with_mask, _ = streams.compare_streams("classification", AcceptanceConfig(), masked, RUNS)
     without, _ = streams.compare_streams("classification", AcceptanceConfig(), _sources(ids, y, has, ref, trial), RUNS)
-    assert with_mask.distribution.tokens == without.distribution.tokens - 60 + int((y[:, 2] == -100).sum())
+    # the distribution's tokens are the ordinary cases' (the first 30): their position 2 is gone
+    assert with_mask.distribution.tokens == without.distribution.tokens - 30 + int((y[:30, 2] == -100).sum())
     assert with_mask.flips.real_flips < without.flips.real_flips
     assert all(f.position != 2 for f in with_mask.flips.flip_list)
     assert task.token_mask_of({"input_ids": torch.zeros(2, 3), "attention_mask": mask[:2, :3]}) is not None
@@ -241,12 +242,12 @@ def test_a_real_position_without_a_target_is_still_judged_on_values_and_finitene
     mask = torch.ones(40, 6, dtype=torch.long)  # ... but real
     rule = AcceptanceConfig(min_quality=None, loss_noise_multiple=None)
     healthy, _ = streams.compare_streams("classification", rule, _sources(ids, y, has, ref, trial, token_mask=mask), RUNS)
-    assert healthy.values["logits"].elements == 40 * 6 * 10 and healthy.distribution.tokens == 40 * 5
+    assert healthy.values["logits"].elements == 40 * 6 * 10 and healthy.distribution.tokens == 10 * 5  # 10 ordinary cases
     overflow = {"logits": trial["logits"].clone()}
     overflow["logits"][:4, 5, 2] = math.inf
     stats, _ = streams.compare_streams("classification", rule, _sources(ids, y, has, ref, overflow, token_mask=mask), RUNS)
     assert stats.values["logits"].nonfinite_trial_only == 4 and stats.nonfinite.trained.rows == 4
-    assert stats.distribution.tokens == 40 * 5 and stats.flips.real_flips == healthy.flips.real_flips
+    assert stats.distribution.tokens == 10 * 5 and stats.flips.real_flips == healthy.flips.real_flips
     decided = acceptance.decide(stats, rule)
     assert decided.decision == "rollback" and any("4 non-finite element(s)" in r for r in decided.reasons), decided.reasons
 

@@ -197,7 +197,8 @@ class Decisions(Record):
 
 @dataclass(frozen=True)
 class Distribution(Record):
-    """Per-token outputs: KL(reference || trial) per token and top-1 / top-k agreement."""
+    """Per-token outputs: KL(reference || trial) per token and top-1 / top-k agreement, over the ordinary cases' tokens
+    (the flip rate's sample, ``Decisions.sample``); ``kl_max`` over every real token."""
 
     tokens: int
     kl_mean: float

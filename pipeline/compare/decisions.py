@@ -317,7 +317,9 @@ class DecisionStats:
       ``margin_kind``, is below ``boundary_margin``: limited apart, never silently allowed;
     - ``flips`` among real cases farther from the boundary.
     Per-token outputs also give the distribution agreement: KL(reference || trial) per token (mean,
-    p99, max), top-1 agreement and top-k overlap. Tokens whose target is -100 are ignored.
+    p99, max), top-1 agreement and top-k overlap, over the ordinary cases' tokens (the sample: ``rate_sample``; a
+    selected copy or an edge case is no draw of the data, and would narrow the mean's SE or move its quantiles), the
+    max over every real token. Tokens whose target is -100 are ignored.
     ``flip_list`` holds every flipped case (per token: at most ``max_listed`` tokens, the count stays exact).
     Per-case summaries (``per_case``) are kept for every case: a few numbers each.
     """
@@ -348,6 +350,8 @@ class DecisionStats:
         self.stores: dict[str, str] = {}
         """Which store each side was read from (``full``, ``compact``): for the record."""
         self.constructed = torch.tensor([k == "boundary" for k in kinds], dtype=torch.bool, device=device)
+        self.drawn = torch.tensor([k == "ordinary" for k in kinds], dtype=torch.bool, device=device)
+        """The ordinary cases: the sample (``rate_sample``) the distribution statistics are taken over, per token."""
         self._case = PerCase.empty(len(ids), device)  # on the device the slices come from
 
     def update(self, row: int, ref: torch.Tensor, trial: torch.Tensor, targets: torch.Tensor | None = None,
@@ -401,15 +405,15 @@ class DecisionStats:
                                                    float(r_margin[i]), float(t_margin[j]), ref[i], trial[i]))
             return Labels(r_lab, t_lab)
         kl, lse_r, lse_t = kl_and_lse(ref, trial, diff, ref_argmax=r_top[1][..., 0])
-        kl_v = kl[valid]
-        self._add_kl(kl_v)
+        sample = valid & self.drawn[rows][:, None]  # a selected copy or an edge case is no draw of the data
+        self._add_kl(kl[sample], kl[valid])
         if targets is not None:
-            self._add_delta_p(ref, trial, targets, valid, lse_r, lse_t)
-        self.top1_agree += int((~flipped & valid).sum())
+            self._add_delta_p(ref, trial, targets, sample, lse_r, lse_t)
+        self.top1_agree += int((~flipped & sample).sum())
         # a NaN among the trial's k best ranks no class (which NaNs topk keeps differs between devices): no overlap
         same = (r_top[1][..., :, None] == t_top[1][..., None, :]) & ~torch.isnan(t_top[0])[..., None, :]
         ov = same.any(-1).sum(-1).double() / k
-        self.overlap_sum += float(ov[valid].sum())
+        self.overlap_sum += float(ov[sample].sum())
         if kl.shape[1]:
             kl_masked = torch.where(valid, kl, torch.zeros_like(kl))
             case.flips[rows] += flipped.sum(1)
@@ -432,8 +436,11 @@ class DecisionStats:
             self.flip_list.append(replace(rec, kl=float(kl[i, j])))
         return Labels(r_lab, t_lab, lse_r, lse_t)
 
-    def _add_kl(self, kl_v: torch.Tensor) -> None:
-        """Count, sum, spread (Chan's merge of the slice's mean and squared deviations), max and quantiles of KL."""
+    def _add_kl(self, kl_v: torch.Tensor, kl_all: torch.Tensor) -> None:
+        """Count, sum, spread (Chan's merge of the slice's mean and squared deviations) and quantiles of KL over the
+        sample's tokens ``kl_v``; its max over every real token ``kl_all`` (a superset's max is never below)."""
+        if kl_all.numel():
+            self.kl_max = max(self.kl_max, float(kl_all.max()))
         n = kl_v.numel()
         if n:
             mean = float(kl_v.mean())
@@ -443,7 +450,6 @@ class DecisionStats:
             self.kl_m2 += m2 + delta * delta * self.tokens * n / total
             self.kl_sum += float(kl_v.sum())
             self.tokens = total
-            self.kl_max = max(self.kl_max, float(kl_v.max()))
         for q in self.kl_quantiles.values():
             q.update(kl_v)
 
