@@ -484,7 +484,7 @@ class DecisionStats:
     def result(self) -> Decisions:
         case = self._case.cpu()
         units = case.tokens if self.per_token else torch.ones(len(self.ids), dtype=torch.int64)
-        sample, sample_flips = rate_sample(self.ids, self.kinds, case.flips.tolist(), units.tolist())
+        sample, sample_flips = rate_sample(self.ids, self.kinds, case.flips, units)
         return Decisions(
             cases=self.cases,
             boundary_cases=self.boundary_cases,
@@ -535,7 +535,12 @@ class DecisionStats:
         )
 
 
-def rate_sample(ids: Sequence[str], kinds: Sequence[str], flips: Sequence[int], units: Sequence[int]) -> tuple[int, int]:
+_SAMPLE_KIND = {"ordinary": 0, "selected": 2, "boundary": 3}
+"""``rate_sample``'s codes of the kinds: any other kind (edge) is a real case, not a draw (1)."""
+
+
+def rate_sample(ids: Sequence[str], kinds: Sequence[str], flips: torch.Tensor | Sequence[int],
+                units: torch.Tensor | Sequence[int]) -> tuple[int, int]:
     """The sample a flip rate is bounded on (``max_flip_rate``: Clopper–Pearson assumes independent draws of the data),
     as (units, flips), from each case's changed decisions ``flips`` and judged ``units`` (1 per case; per token its
     kept positions; ``ids`` may repeat: a case's counts add up).
@@ -546,20 +551,23 @@ def rate_sample(ids: Sequence[str], kinds: Sequence[str], flips: Sequence[int], 
     count against the sample, as changed decisions the application would act on: an edge case's all of them, a
     selected copy's those its ordinary twin does not show already (the larger of the two counts: the same input
     changing on both is one change). Capped at the units (no rate above 1)."""
-    units_of: dict[str, int] = {}
-    flips_of: dict[str, int] = {}
-    for i, u, f in zip(ids, units, flips):
-        units_of[i] = units_of.get(i, 0) + int(u)
-        flips_of[i] = flips_of.get(i, 0) + int(f)
-    kind_of = dict(zip(ids, kinds))
-    sample = sum(u for i, u in units_of.items() if kind_of[i] == "ordinary")
-    changed = 0
-    for i, f in flips_of.items():
-        kind = kind_of[i]
-        if kind == "selected":
-            changed += max(f - flips_of.get("ordinary/" + i.partition("/")[2], 0), 0)
-        elif kind != "boundary":
-            changed += f
+    f, u = torch.as_tensor(flips, dtype=torch.int64).reshape(-1), torch.as_tensor(units, dtype=torch.int64).reshape(-1)
+    if len(set(ids)) != len(ids):  # units of one case (a head's positions): their counts add up, per case
+        first = {i: n for n, i in reversed(list(enumerate(ids)))}
+        case = torch.tensor([first[i] for i in ids], dtype=torch.int64)
+        f, u = (torch.zeros(len(ids), dtype=torch.int64).index_add_(0, case, v) for v in (f, u))
+        keep = sorted(first.values())
+        ids, kinds, f, u = [ids[n] for n in keep], [kinds[n] for n in keep], f[keep], u[keep]
+    code = torch.tensor([_SAMPLE_KIND.get(k, 1) for k in kinds], dtype=torch.int64)  # 0 ordinary, 1 other real
+    sample = int(u[code == 0].sum())
+    changed = int(f[code <= 1].sum())
+    selected = torch.nonzero(code == 2).flatten().tolist()
+    if selected:  # a copy adds the changes its ordinary twin does not show (the same input, one change where both do)
+        twins = {"ordinary/" + ids[n].partition("/")[2] for n in selected}
+        where = {i: n for n, i in enumerate(ids) if i in twins}
+        for n in selected:
+            twin = where.get("ordinary/" + ids[n].partition("/")[2])
+            changed += max(int(f[n]) - (int(f[twin]) if twin is not None else 0), 0)
     return sample, min(changed, sample)
 
 
@@ -601,7 +609,7 @@ def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, tria
                        position=None if positions is None else int(positions[i]))
                   for i in listed[:max_listed])
     boundary_cases, boundary_flips = int(constructed.sum()), int((crossed & constructed).sum())
-    sample, sample_flips = rate_sample(ids, kinds, crossed.tolist(), [1] * len(ids))
+    sample, sample_flips = rate_sample(ids, kinds, crossed.long(), torch.ones(len(ids), dtype=torch.int64))
     far, near_flips = int((crossed & ~near & ~constructed).sum()), int((crossed & near).sum())
     return Decisions(cases=len(ids), boundary_cases=boundary_cases, near_boundary_cases=int(near.sum()), flips=far,
                      near_boundary_flips=near_flips, boundary_flips=boundary_flips,
@@ -637,7 +645,7 @@ def regression_flips(
             j = int(at[i, 0])
             flips.append(Flip(id=ids[i], kind=kinds[i], boundary=False, near_boundary=False, reference=float(r[i, j]),
                               trial=float(t[i, j])))
-    sample, sample_flips = rate_sample(ids, kinds, crossed.tolist(), [1] * len(ids))
+    sample, sample_flips = rate_sample(ids, kinds, crossed.long(), torch.ones(len(ids), dtype=torch.int64))
     return Decisions(cases=len(ids), boundary_cases=0, near_boundary_cases=0, flips=len(flips), near_boundary_flips=0,
                      boundary_flips=0, boundary_flip_fraction=0.0, real_flips=len(flips), unit="case", flip_list=tuple(flips),
                      flip_list_dropped=0, sample=sample, sample_flips=sample_flips)
