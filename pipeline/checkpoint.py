@@ -250,8 +250,10 @@ def environment_key(device: torch.device) -> RunEnv:
 SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
-def scaler_problem(state: Any) -> str | None:
-    """What is wrong with a saved GradScaler ``state_dict`` (None: nothing). ``{}`` is a disabled scaler's.
+def scaler_problem(state: Any, enabled: bool = False) -> str | None:
+    """What is wrong with a saved GradScaler ``state_dict`` for a run whose scaler is ``enabled`` or not (None:
+    nothing). ``{}`` is a disabled scaler's, and only a disabled scaler's: resumed into an enabled one it would
+    silently restart the scale at its initial value mid-run (a result no uninterrupted run gives).
 
     Every key present, every value a finite number, and the values torch itself would accept: scale > 0,
     growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1, growth tracker >= 0.
@@ -259,7 +261,7 @@ def scaler_problem(state: Any) -> str | None:
     if not isinstance(state, dict):
         return f"grad_scaler is {type(state).__name__}, not a dict"
     if not state:
-        return None
+        return "grad_scaler is empty (a disabled scaler's), but this run's GradScaler is enabled" if enabled else None
     missing = [k for k in SCALER_KEYS if k not in state]
     if missing:
         return f"grad_scaler lacks {', '.join(missing)}"
@@ -274,6 +276,8 @@ def scaler_problem(state: Any) -> str | None:
         return f"grad_scaler growth_factor {growth!r} / backoff_factor {backoff!r} out of range"
     if interval < 1 or tracker < 0:
         return f"grad_scaler growth_interval {interval!r} / _growth_tracker {tracker!r} out of range"
+    if not enabled:
+        return "grad_scaler holds an enabled scaler's state, but this run's GradScaler is disabled"
     return None
 
 
@@ -367,8 +371,9 @@ class ResumeFile:
         self.key = hashlib.sha256(json.dumps(self.context.as_dict(), sort_keys=True).encode()).hexdigest()
         self.env = environment_key(device)
 
-    def load(self) -> Checkpoint | None:
-        """The saved state of this run, None when there is none (or it is damaged, or another run's).
+    def load(self, scaler: bool = False) -> Checkpoint | None:
+        """The saved state of this run, None when there is none (or it is damaged, or another run's). ``scaler``:
+        whether this run's GradScaler is enabled (its saved state must be an enabled scaler's, ``scaler_problem``).
 
         Raises:
             UserError: this run's state was saved under another backend, device or torch version.
@@ -399,7 +404,7 @@ class ResumeFile:
                 f"{self.path} holds this run's interrupted state from {was}, not {now}; resume it there, "
                 f"or delete {self.path} to restart from step 0 here"
             )
-        problem = scaler_problem(info.grad_scaler) or _counters_problem(info)
+        problem = scaler_problem(info.grad_scaler, scaler) or _counters_problem(info)
         if problem:
             return self._restart(f"is inconsistent ({problem})")
         return Checkpoint(tensors=tensors, info=info)

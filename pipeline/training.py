@@ -11,6 +11,7 @@ schedule (warmup included) follows real updates only.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 import time
@@ -60,12 +61,14 @@ def batch_digest(micro: list[tuple[Inputs, torch.Tensor]]) -> str:
     return checkpoint.tensors_digest(named)
 
 
-def _check_batch(step: int, digest: str, expected: str, what: str) -> None:
+def _check_batch(step: int, digest: str, expected: str) -> None:
+    """A trial's batch against the one the reference read at the same step (its ``batch_sha256``)."""
     if expected and digest != expected:
         raise UserError(
-            f"training step {step + 1}: the batch read differs from {what} (sha256 {digest[:12]}… vs {expected[:12]}…): the "
-            f"Dataset or task.data is not deterministic; make __getitem__ a function of its index (seed any augmentation "
-            f"from it), then `dvc repro --force`"
+            f"training step {step + 1}: the batch read differs from the reference's (sha256 {digest[:12]}… vs "
+            f"{expected[:12]}…): training items changed since freeze read them, or the Dataset or task.data is not "
+            f"deterministic (make __getitem__ a function of its index, seeding any augmentation from it); then "
+            f"`dvc repro --force`"
         )
 
 
@@ -282,14 +285,13 @@ def train(
         print(f"warning: {label}: the resume state is at step {resume.info.step} of a {cfg.train_steps}-step run "
               f"(edited?); restarts from step 0", file=sys.stderr)
         resume = None
+    if resume is not None and _stale(resume, source, order, world, label):
+        resume = None
     if resume is not None:
         checkpoint.restore(resume, model, optimizer, scaler, scheduler)
         saved = resume.info  # ``ResumeFile.load`` checked its counters
         records = [StepRecord.from_dict(r) for r in saved.records]
         real_updates, start = saved.real_updates, saved.step
-        if records and start and world.rank == 0:  # the data read after a resume is the data read before it
-            again = [source.batch(world.shard(idx)) for idx in order[start - 1]]
-            _check_batch(start - 1, batch_digest(again), records[-1].batch_sha256, "the one recorded before the resume")
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
     if not world.writes:
@@ -302,7 +304,7 @@ def train(
             micro = _read_update(source, order[step], world, step)
             digest = batch_digest(micro)
             if expect_batches is not None and world.rank == 0 and step < len(expect_batches):
-                _check_batch(step, digest, expect_batches[step], "the reference's")
+                _check_batch(step, digest, expect_batches[step])
             micro = [(to_device(x, device), y.to(device)) for x, y in micro]
             out = amp_step(net, micro, loss_fn, optimizer, scaler, policy, device, max_norm, params, apply=step not in skip_steps)
             if not out.skipped:
@@ -331,6 +333,27 @@ def train(
     state = _snapshot(model, optimizer, scaler, scheduler, records, real_updates, end, policy)
     final_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
     return TrainResult(records=records, real_updates=real_updates, state=state, final_scale=final_scale)
+
+
+def _stale(resume: checkpoint.Checkpoint, source: TrainSource, order: list[list[torch.Tensor]], world: distributed.World,
+           label: str) -> bool:
+    """Whether a resume state was trained on other data than the source gives now: every update it recorded is read
+    again (data only, no compute) and its ``batch_sha256`` compared, so that a training item edited after a kill, read
+    before it and maybe never after, cannot leave a reference trained half on each version (a result no uninterrupted
+    run gives). Such a state is ignored with one line and training restarts from step 0: the same bytes as a clean
+    run on today's data. Rank 0 reads (its shard is what the records hold); every rank follows its answer."""
+    records = [StepRecord.from_dict(r) for r in resume.info.records]
+    differ = None
+    if world.rank == 0:
+        differ = next((i for i, r in enumerate(records[: resume.info.step])
+                       if r.batch_sha256 and batch_digest(_read_update(source, order[i], world, i)) != r.batch_sha256), None)
+    if float(world.mean(torch.tensor(0.0 if differ is None else 1.0))) == 0.0:
+        return False
+    if world.writes:
+        print(f"warning: {label}: the batch of step {differ + 1} reads other bytes than the resume state recorded: training "
+              f"items changed since it was saved (or the Dataset is not deterministic: make __getitem__ a function of its "
+              f"index); the state is ignored, training restarts from step 0", file=sys.stderr, flush=True)
+    return True
 
 
 def _read_update(
@@ -388,6 +411,13 @@ class Progress:
             print(f"{self.label}: {done - self.start} steps in {now - self.t0:.2f} s", flush=True)
 
 
+def replicate_key(run_key: str) -> str:
+    """The noise replicate's run key: another run than the reference whose ``run_key`` it repeats on another data
+    order, so that neither resumes the other's state (a replicate state taken for the reference's trained it on the
+    swapped order)."""
+    return hashlib.sha256(f"{run_key}/replicate".encode()).hexdigest()
+
+
 def noise_replicate(params: Params, init: checkpoint.Checkpoint, source: TrainSource, device: torch.device,
                     run_key: str) -> list[StepRecord]:
     """freeze's FP32 noise replicate: the reference's start (weights and RNG, ``init``), another data order
@@ -395,7 +425,8 @@ def noise_replicate(params: Params, init: checkpoint.Checkpoint, source: TrainSo
     model = task.build_model(params.task, params.seed)
     checkpoint.restore(init, model)
     order = neighbours_swapped(update_batches(len(source), params.reference, params.seed))
-    resume = checkpoint.ResumeFile(paths.RESUME / "replicate.safetensors", distributed.current().key(run_key), device)
+    resume = checkpoint.ResumeFile(paths.RESUME / "replicate.safetensors", distributed.current().key(replicate_key(run_key)),
+                                   device)
     result = train(
         model, source, params.reference, params.task, Policy(), device, params.seed, resume=resume.load(),
         save_resume=resume.save, label="freeze FP32 replicate", batches=order,

@@ -46,7 +46,7 @@ def _rewrite(resume: checkpoint.ResumeFile, change, rehash: bool) -> None:
 
 def test_an_intact_state_is_resumed(tmp_path, capsys):
     resume, saved = _state(tmp_path)
-    loaded = resume.load()
+    loaded = resume.load(scaler=True)  # a float16 run's: its GradScaler is enabled
     assert loaded is not None and loaded.meta["step"] == 2
     assert torch.equal(loaded.tensors["model/0.weight"], saved.tensors["model/0.weight"])
     assert capsys.readouterr().err == ""
@@ -77,6 +77,7 @@ def _drop(key):
         ("negative scale, rehashed", "scale is -1.0"),
         ("no growth_factor, rehashed", "lacks growth_factor"),
         ("records cut, rehashed", "records do not match step 2"),
+        ("empty scaler, rehashed", "grad_scaler is empty (a disabled scaler's), but this run's GradScaler is enabled"),
     ],
 )
 def test_a_damaged_resume_state_is_refused_in_one_line(tmp_path, capsys, damage, why):
@@ -95,9 +96,11 @@ def test_a_damaged_resume_state_is_refused_in_one_line(tmp_path, capsys, damage,
         _rewrite(resume, _scale(-1.0), rehash=True)
     elif damage.startswith("no growth_factor"):
         _rewrite(resume, _drop("growth_factor"), rehash=True)
+    elif damage.startswith("empty scaler"):  # resumed, the scale would restart at 65536 mid-run: no uninterrupted run's result
+        _rewrite(resume, lambda meta: meta.update(grad_scaler={}), rehash=True)
     else:
         _rewrite(resume, lambda meta: meta.update(records=meta["records"][:1]), rehash=True)
-    assert resume.load() is None  # training restarts from step 0
+    assert resume.load(scaler=True) is None  # training restarts from step 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert err[0].startswith(f"warning: {resume.path}: resume state ") and why in err[0] and "restarts from step 0" in err[0]
@@ -105,13 +108,17 @@ def test_a_damaged_resume_state_is_refused_in_one_line(tmp_path, capsys, damage,
 
 def test_a_scaler_state_is_checked_key_by_key():
     good = torch.amp.GradScaler("cpu").state_dict()
-    assert checkpoint.scaler_problem(good) is None
+    assert checkpoint.scaler_problem(good, enabled=True) is None
     assert checkpoint.scaler_problem({}) is None  # a disabled scaler (bfloat16, FP32)
     assert "not > 0" in checkpoint.scaler_problem({**good, "scale": 0.0})
     assert "finite" in checkpoint.scaler_problem({**good, "scale": math.inf})
     assert "finite" in checkpoint.scaler_problem({**good, "growth_interval": "2000"})
     assert "out of range" in checkpoint.scaler_problem({**good, "backoff_factor": 1.5})
     assert "lacks _growth_tracker" in checkpoint.scaler_problem({k: v for k, v in good.items() if k != "_growth_tracker"})
+    # Which scaler this run has: an enabled one's state is no disabled scaler's, nor {} an enabled one's.
+    assert checkpoint.scaler_problem(good, enabled=True) is None
+    assert "this run's GradScaler is disabled" in checkpoint.scaler_problem(good, enabled=False)
+    assert "this run's GradScaler is enabled" in checkpoint.scaler_problem({}, enabled=True)
 
 
 def test_the_resume_key_covers_threads_and_code(tmp_path, monkeypatch, capsys):
@@ -162,3 +169,19 @@ def test_a_trials_resume_key_follows_the_recipe_and_the_task_modules_params_name
     assert reference_tensors.recipe_key(arbiter) == key
     module.write_text(module.read_text().replace("(out, y)", "(out, y, label_smoothing=0.2)"))
     assert reference_tensors.recipe_key(params) != key
+
+
+def test_the_noise_replicates_state_is_never_taken_for_the_references(tmp_path, capsys):
+    """freeze's replicate repeats the reference on another data order: its resume state, copied over the reference's
+    (sidecar and all), is another run's, ignored with one line, never resumed as the reference."""
+    from pipeline import distributed
+
+    world = distributed.current()
+    reference = checkpoint.ResumeFile(tmp_path / "reference.safetensors", world.key("run-key"), "cpu")
+    replicate = checkpoint.ResumeFile(tmp_path / "replicate.safetensors", world.key(training.replicate_key("run-key")), "cpu")
+    replicate.save(checkpoint.capture(torch.nn.Linear(2, 2), step=4))
+    reference.path.write_bytes(replicate.path.read_bytes())
+    reference.sidecar.write_bytes(replicate.sidecar.read_bytes())
+    assert reference.load() is None
+    assert "was saved by another run" in capsys.readouterr().err
+    assert replicate.load().meta["step"] == 4

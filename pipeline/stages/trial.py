@@ -31,7 +31,7 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     ):
         run = training.run_trial(
             trained, lambda: ref.model(params, "init"), source, ref.cases.x, params.reference, params.task, policy, device,
-            params.seed, resume=resume.load(), save_resume=resume.save, label=f"trial {variant}",
+            params.seed, resume=resume.load(policy.uses_scaler), save_resume=resume.save, label=f"trial {variant}",
             sink=writer.sink if world.writes else distributed.discard, expect_batches=ref.batch_hashes(world.size),
         )
     if not world.writes:
