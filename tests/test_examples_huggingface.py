@@ -124,6 +124,32 @@ def test_a_pretrained_directory_with_only_a_pickle_is_refused_in_one_line(tmp_pa
     assert not marker.exists()  # nothing was unpickled
 
 
+def test_a_sharded_index_that_names_a_pickle_or_a_file_outside_is_refused_before_anything_loads(tmp_path):
+    """``model.safetensors.index.json`` is a safetensors name, but transformers loads whatever shard its weight_map
+    names: a pickled ``.bin`` (with a payload), or a path out of the folder. Refused in one line, nothing unpickled;
+    an index of safetensors shards in the folder loads."""
+    folder, marker = _pickled_only(tmp_path)
+    (folder / "pytorch_model.bin").rename(folder / "shard.bin")
+    names = list(transformers.BertForSequenceClassification(transformers.BertConfig(**PRETRAINED_BERT)).state_dict())
+    index = folder / "model.safetensors.index.json"
+    for shard, said in (("shard.bin", "'shard.bin'"), ("../elsewhere.safetensors", "'../elsewhere.safetensors'")):
+        index.write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(names, shard)}))
+        with pytest.raises(UserError) as err:
+            _build(folder)
+        line = str(err.value)
+        assert "\n" not in line and said in line and "safe_serialization=True" in line, line
+        assert not marker.exists()
+    index.write_text("[1, 2]")
+    with pytest.raises(UserError, match="is not a sharded checkpoint's index"):
+        _build(folder)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(**PRETRAINED_BERT))
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="5KB")  # real shards and their index
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    loaded = _build(tmp_path / "sharded")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+
+
 def test_a_pretrained_directory_with_safetensors_loads_and_its_remote_code_never_runs(tmp_path):
     folder = tmp_path / "bert"
     torch.manual_seed(0)

@@ -101,6 +101,7 @@ def _from_pretrained(cls, pretrained: str) -> torch.nn.Module:
             f"task.options.pretrained {pretrained}: {what}; re-save the model with "
             f"model.save_pretrained({str(folder)!r}, safe_serialization=True), then rerun"
         )
+    _check_shards(folder, pretrained)
     try:
         return cls.from_pretrained(folder, local_files_only=True, use_safetensors=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
@@ -108,6 +109,33 @@ def _from_pretrained(cls, pretrained: str) -> torch.nn.Module:
         raise UserError(
             f"task.options.pretrained {pretrained}: transformers cannot load it ({first}); re-save it with save_pretrained"
         ) from None
+
+
+def _check_shards(folder, pretrained: str) -> None:
+    """A sharded checkpoint's index (``model.safetensors.index.json``) names safetensors shards inside ``folder`` only:
+    its name alone does not make its shards safe (transformers loads the files its ``weight_map`` names, a pickled
+    ``.bin`` included, and a path may leave the folder).
+
+    Raises:
+        UserError: the index is not a JSON object with a ``weight_map`` of shard names, or names a shard that is not a
+            ``.safetensors`` file in the folder.
+    """
+    import json
+
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UserError(f"task.options.pretrained {pretrained}: {index.name} is not a sharded checkpoint's index "
+                        f"({type(exc).__name__}); re-save the model with save_pretrained(..., safe_serialization=True)") from None
+    bad = sorted(str(name) for name in shards if not (isinstance(name, str) and name.endswith(".safetensors")
+                                                      and (folder / name).resolve().parent == folder.resolve()))
+    if bad:
+        raise UserError(f"task.options.pretrained {pretrained}: {index.name} maps weights to {bad[0]!r}, not a safetensors "
+                        f"shard in the folder (pickled or outside weights are never loaded here); re-save the model with "
+                        f"save_pretrained(..., safe_serialization=True)")
 
 
 def load_token_data(
