@@ -741,6 +741,7 @@ def _check_store(uri: str) -> None:
         if not folder.is_dir():
             raise UserError(f"MLFLOW_TRACKING_URI {uri}: folder {folder} does not exist; create it or fix the URI")
         _check_writable(folder, db, uri, f"sqlite:///{Path.home() / 'mlflow.db'}")
+        _check_not_linked(uri)
         return
     path = _plain_path(uri)
     if path is None:
@@ -752,6 +753,25 @@ def _check_store(uri: str) -> None:
         raise UserError(
             f"MLFLOW_TRACKING_URI {uri} is a folder, and MLflow 3 refuses its file store (maintenance mode); use a "
             f"database instead, e.g. MLFLOW_TRACKING_URI=sqlite:///{path / 'mlflow.db'}, or set MLFLOW_ALLOW_FILE_STORE=true"
+        )
+
+
+def _check_not_linked(uri: str) -> None:
+    """No publish writes through a symlink in the repository (README "Reliability"): the artifact folder a sqlite
+    store's experiments are given (``mlartifacts``, ``Publisher._experiment``) and the default database itself.
+
+    Raises:
+        UserError: either is a symlink.
+    """
+    root = repository_root()
+    linked = [p for p in (root / "mlartifacts", root / "mlflow.db") if p.is_symlink()]
+    if uri != f"sqlite:///{root / 'mlflow.db'}":  # a database the user named elsewhere is theirs to place
+        linked = [p for p in linked if p.name == "mlartifacts"]
+    if linked:
+        raise UserError(
+            f"{linked[0]} is a symlink (to {os.readlink(linked[0])}), and publish never writes through one; make it a "
+            f"folder or file of its own in the repository (move what it points to back), or set MLFLOW_TRACKING_URI "
+            f"to a tracking server"
         )
 
 

@@ -266,6 +266,30 @@ def test_read_only_tracking_store_fails_fast_naming_the_path(readonly, uri):
     assert "maintenance mode" not in message and "fix the tracking server" not in message
 
 
+def test_a_symlinked_artifact_folder_or_database_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A sqlite store's experiments keep their artifacts in the repository's ``mlartifacts`` (and the default database
+    is its ``mlflow.db``): either a symlink to elsewhere would have publish write outside the repository. One line
+    naming it, before MLflow creates anything; a real folder and file publish as usual."""
+    repo, outside = tmp_path / "repo", tmp_path / "outside"
+    repo.mkdir()
+    outside.mkdir()
+    monkeypatch.chdir(repo)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (repo / "mlartifacts").symlink_to(outside)
+    with pytest.raises(UserError) as info:
+        tracking.Publisher("amp-validation")
+    line = str(info.value)
+    assert "\n" not in line and "mlartifacts is a symlink" in line and str(outside) in line, line
+    assert not (repo / "mlflow.db").exists() and not any(outside.iterdir())
+    (repo / "mlartifacts").unlink()
+    shutil.copy(blank_mlflow_db(), outside / "mlflow.db")
+    (repo / "mlflow.db").symlink_to(outside / "mlflow.db")
+    with pytest.raises(UserError, match="mlflow.db is a symlink"):
+        tracking.Publisher("amp-validation")
+    (repo / "mlflow.db").unlink()
+    assert tracking.Publisher("amp-validation").experiment_id  # a folder and a database of its own: no refusal
+
+
 def test_plain_path_store_is_refused_with_the_sqlite_fix(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     with pytest.raises(UserError, match=rf"sqlite:///{tmp_path}/mlruns/mlflow.db"):
