@@ -329,7 +329,19 @@ class TrialConfig:
                     f"params.yaml: {key}.policies name {name!r} cannot name a DVC stage and a folder; use letters, "
                     f"digits, '_', '.' and '-'"
                 )
+            prefix, _, rest = name.partition("-")
+            if f"{prefix}-" in RESERVED_PREFIXES:  # decide's data/metrics/NAME.json would be another stage's file
+                stage = "benchmark" if prefix == "bench" else prefix
+                raise UserError(
+                    f"params.yaml: {key}.policies name {name!r} would give decide@{name} the metrics file of "
+                    f"{stage}@{rest} (data/metrics/{name}.json); rename it without the {prefix}- prefix"
+                )
             policy.check(f"{key}.policies.{name}")
+
+
+RESERVED_PREFIXES = ("bench-", "compare-")
+"""Variant names may not start so: ``paths.benchmark_metrics`` and ``paths.compare_metrics`` name their files so, in
+the folder where decide writes ``NAME.json`` (``paths.decision_metrics``)."""
 
 
 FEATURE_NAMES = re.compile(r"(^|_)(hidden|embed\w*|features?|states?|pooler\w*|pooled|attentions?|attn|latents?|"

@@ -47,6 +47,11 @@ def test_empty_file_gives_defaults(tmp_path):
         ("device: tpu", ["device", "'auto', 'cpu', 'cuda'"]),
         ("task: [1, 2]", ["task must be a mapping"]),
         ("trial: {variants: [float16, float16]}", ["twice"]),
+        # decide@bench-float16 would write data/metrics/bench-float16.json, benchmark@float16's own file
+        ("trial: {variants: [float16, bench-float16], policies: {float16: {dtype: float16}, bench-float16: {dtype: float16}}}",
+         ["trial.policies name 'bench-float16'", "benchmark@float16", "without the bench- prefix"]),
+        ("trial: {variants: [compare-x], policies: {compare-x: {dtype: bfloat16}}}",
+         ["compare@x", "data/metrics/compare-x.json"]),
     ],
 )
 def test_mistakes_name_the_key_and_the_fix(tmp_path, text, words):
