@@ -678,28 +678,73 @@ def _check_min_quality(params: "Params") -> None:
         )
 
 
-class ParamsLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser where PyYAML has it: 10x faster
+class Yaml12Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser where PyYAML has it: 10x faster
     """PyYAML's safe loader, reading numbers and booleans as YAML 1.2 (and DVC, which reads params.yaml with ruamel) does.
 
     PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent: ``1e-4`` and ``1.0e30`` would
     be strings there, while ``dvc exp run -S`` and ``dvc params diff`` see floats. Integers keep PyYAML's
-    rule (it is checked first); this adds the 1.2 floats it misses. Booleans are ``true`` and ``false`` only:
-    YAML 1.1 also reads ``off``, ``on``, ``yes`` and ``no`` as booleans, and ``compile: off`` is a word here.
+    rule (it is checked first) less its base-60 numbers (``1:30`` is 90 in YAML 1.1, text in 1.2: dvc.lock
+    writes such text unquoted); a leading zero, read differently by the two, never comes from dvc.lock (DVC
+    quotes such text) nor from params.yaml (``ParamsLoader`` refuses it). This adds the 1.2 floats PyYAML misses
+    (``+.5`` too). Booleans are ``true`` and ``false`` only: YAML 1.1 also reads ``off``, ``on``, ``yes`` and
+    ``no`` as booleans, and ``compile: off`` is a word here.
     """
 
 
-ParamsLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
-ParamsLoader.yaml_implicit_resolvers = {  # the copy add_implicit_resolver made: drop YAML 1.1's booleans...
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
-    for first, resolvers in ParamsLoader.yaml_implicit_resolvers.items()
+Yaml12Loader.yaml_implicit_resolvers = {  # the copy add_implicit_resolver would make: drop YAML 1.1's numbers and booleans...
+    first: [(tag, regexp) for tag, regexp in resolvers if tag.rsplit(":", 1)[-1] not in ("bool", "int", "float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-ParamsLoader.add_implicit_resolver(  # ...and keep YAML 1.2's
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
+for _tag, _regexp, _first in (  # ...and keep YAML 1.2's, integers first (PyYAML's order): ``12`` is no float
+    ("int", r"^[-+]?(?:0b[0-1_]+|0[0-7_]+|0|[1-9][0-9_]*|0x[0-9a-fA-F_]+)$", "-+0123456789"),
+    ("float", r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+][0-9]+)?|[-+]?\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)"
+              r"|\.(?:nan|NaN|NAN))$", "-+0123456789."),
+    ("float", r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$", "-+0123456789."),
+    ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+):
+    Yaml12Loader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(_regexp), list(_first))
+
+_AMBIGUOUS = re.compile(r"^[-+]?(?:0[0-9_]+|0o[0-7_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)$")
+"""Plain scalars YAML 1.1 and 1.2 read differently: ``010`` (8 or 10), ``08`` (text or 8), ``0o10`` (text or 8),
+``1:30`` (90 or text). Other tools reading params.yaml (PyYAML is 1.1) would disagree with DVC and the stages."""
+
+
+class ParamsLoader(Yaml12Loader):
+    """``Yaml12Loader`` for files people write (params.yaml): a key given twice, which PyYAML silently reads as
+    its last value and DVC refuses (the whole file), and a scalar YAML 1.1 and 1.2 read differently (``seed:
+    010``: 8 for PyYAML, 10 in dvc.lock) are refused in one line that names the key and the fix, before
+    anything is built from the file. dvc.lock, written by DVC, is read with ``Yaml12Loader``."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _check_nodes(node, "")
+        return super().construct_document(node)
+
+
+def _check_nodes(node: yaml.Node, key: str) -> None:
+    """Refuse a duplicate key or an ambiguous plain scalar under ``node`` (``key``: its dotted name)."""
+    if isinstance(node, yaml.ScalarNode):
+        if not node.style and _AMBIGUOUS.match(node.value):  # plain: None from PyYAML, "" from libyaml
+            raise UserError(
+                f"params.yaml: {key or 'top level'} is {node.value} (line {node.start_mark.line + 1}), which YAML 1.1 "
+                f"(PyYAML) and YAML 1.2 (DVC) read differently; write the number plainly (no leading zero, no colon), "
+                f"or quote it ('{node.value}') to mean text"
+            )
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_nodes(item, f"{key}[{i}]")
+    elif isinstance(node, yaml.MappingNode):
+        seen: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            name, line = _join(key, str(key_node.value)), key_node.start_mark.line + 1
+            if (key_node.tag, key_node.value) in seen:
+                raise UserError(
+                    f"params.yaml: key {name!r} is given twice (lines {seen[key_node.tag, key_node.value]} and {line}); "
+                    f"DVC refuses such a file and PyYAML keeps the last silently: keep one"
+                )
+            seen[key_node.tag, key_node.value] = line
+            _check_nodes(value_node, name)
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

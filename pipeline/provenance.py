@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from pipeline import paths
-from pipeline.config import DTYPES, ParamsLoader
+from pipeline.config import DTYPES, ParamsLoader, Yaml12Loader
 from pipeline.errors import UserError
 from pipeline.files import sha256_file
 
@@ -88,7 +88,8 @@ def check_fresh(params_path: str, dtypes: list[str]) -> None:
     """Refuse to label results with params they were not produced with (params.yaml edited after `dvc repro`).
 
     Compares the params each mirrored stage recorded in dvc.lock with params.yaml now. Both files are
-    read as the stages read params.yaml (``config.ParamsLoader``: YAML 1.2 numbers, as DVC writes them).
+    read as the stages read params.yaml (YAML 1.2 numbers, as DVC writes them): params.yaml with
+    ``config.ParamsLoader``, dvc.lock (DVC's own writing) with its ``Yaml12Loader``.
 
     Raises:
         UserError: a param differs: the outputs are stale.
@@ -97,7 +98,7 @@ def check_fresh(params_path: str, dtypes: list[str]) -> None:
     if Path(params_path).name != "params.yaml" or not lock.is_file():
         return
     current = yaml.load(Path(params_path).read_text(), Loader=ParamsLoader) or {}
-    stages = (yaml.load(lock.read_text(), Loader=ParamsLoader) or {}).get("stages", {})
+    stages = (yaml.load(lock.read_text(), Loader=Yaml12Loader) or {}).get("stages", {})
     checked = {"prepare", "freeze", "report"} | {f"{s}@{d}" for s in PER_DTYPE for d in dtypes}
     for name in sorted(checked & set(stages)):
         for key, recorded in ((stages[name].get("params") or {}).get("params.yaml") or {}).items():

@@ -166,3 +166,36 @@ def test_a_params_file_that_cannot_be_read_or_a_seed_torch_cannot_take_is_one_li
         load_params(big)
     big.write_text(f"seed: {2**63 - 1}\n")
     assert load_params(big).seed == 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("seed: 010", "seed is 010 (line 1), which YAML 1.1 (PyYAML) and YAML 1.2 (DVC) read differently"),  # 8 vs 10
+        ("seed: 08", "seed is 08 (line 1)"),  # text vs 8
+        ("seed: 0o10", "seed is 0o10 (line 1)"),  # text vs 8
+        ("reference:\n  train_steps: 1:30", "reference.train_steps is 1:30 (line 2)"),  # 90 vs text
+        ("prepare: {edge_scales: [1.0, 08]}", "prepare.edge_scales[1] is 08"),
+        ("reference:\n  lr: 0.05\n  momentum: 0.9\n  lr: 0.5", "key 'reference.lr' is given twice (lines 2 and 4)"),
+    ],
+)
+def test_a_key_given_twice_or_a_number_yaml_1_1_and_dvc_read_differently_is_refused(tmp_path, text, words):
+    """The stages read what dvc.lock records or nothing: `seed: 010` trained with seed 8 (PyYAML, YAML 1.1) while
+    DVC (ruamel, YAML 1.2) recorded 10, and a key given twice was silently its last value where DVC refuses the file."""
+    (tmp_path / "params.yaml").write_text(text + "\n")
+    with pytest.raises(UserError) as err:
+        load_params(tmp_path / "params.yaml")
+    assert words in str(err.value) and "\n" not in str(err.value)
+    assert "quote it" in str(err.value) or "keep one" in str(err.value)
+
+
+def test_quoted_text_and_the_numbers_both_yaml_versions_agree_on_load_as_dvc_reads_them(tmp_path):
+    from ruamel.yaml import YAML
+
+    text = "seed: 0x10\ntracking: {experiment: '010'}\nreference: {lr: +.5, train_steps: 1_000}\n"
+    (tmp_path / "params.yaml").write_text(text)
+    params, dvcs = load_params(tmp_path / "params.yaml"), YAML(typ="safe").load(text)
+    assert (params.seed, params.tracking.experiment) == (dvcs["seed"], dvcs["tracking"]["experiment"]) == (16, "010")
+    assert (params.reference.lr, params.reference.train_steps) == (0.5, 1000) == tuple(dvcs["reference"].values())
+    # dvc.lock is DVC's writing: text that YAML 1.1 took for a base-60 number is text there too (publish's freshness check)
+    assert yaml.load("experiment: 1:30\n", Loader=config.Yaml12Loader) == YAML(typ="safe").load("experiment: 1:30\n")
