@@ -7,6 +7,7 @@ optimizer state, RNG) and of its inputs, and the cases that motivated the rollba
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,12 +16,18 @@ import yaml
 
 from pipeline import paths
 from pipeline.artifacts.record import Record
+from pipeline.artifacts.reference import Manifest, read_manifest
 from pipeline.config import Params
+from pipeline.errors import UserError
 from pipeline.files import read_json, verify, write_bytes, write_json
 
 if TYPE_CHECKING:
     from pipeline.artifacts.comparison import Stats
-    from pipeline.artifacts.reference import Manifest
+
+
+FILES = (paths.REF_CHECKPOINT, paths.REF_INIT, paths.PREPARED_CASES, paths.PREPARED_TRAIN, paths.REF_CASES)
+"""What a restore needs: the reference checkpoint, its initial weights, and the inputs both were made from."""
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def folder(variant: str) -> Path:
@@ -51,8 +58,7 @@ def write_package(params: Params, reference: Manifest, stats: Stats, variant: st
         out / "reference_policy.yaml",
         ("# FP32 reference configuration to restore\n" + yaml.safe_dump(snippet, sort_keys=True)).encode(),
     )
-    keep = (paths.REF_CHECKPOINT, paths.REF_INIT, paths.PREPARED_CASES, paths.PREPARED_TRAIN, paths.REF_CASES)
-    files = {str(p): reference.sha256(p) for p in keep}
+    files = {str(p): reference.sha256(p) for p in FILES}
     write_json(out / "manifest.json", Package(variant, reference.rule_sha256, reference.run_key, files).as_dict())
     flips = stats.flips.flip_list
     per_kind = {
@@ -70,14 +76,35 @@ def write_package(params: Params, reference: Manifest, stats: Stats, variant: st
 def verified_files(variant: str) -> dict[str, str]:
     """The package's files (path -> sha256), each checked on disk against the package first.
 
+    The package must be ``variant``'s, name exactly the files a restore needs (``FILES``: none missing, none
+    elsewhere) by sha256, and be the package of the reference on disk (its run key and rule); otherwise restore
+    would load another reference's state under this variant's name, or stop in a traceback.
+
     Raises:
-        UserError: no package, one of another version, or a file missing or whose hash differs from the package.
+        UserError: no package, one of another version, variant or reference, or a file missing or whose hash differs
+            from the package.
     """
     path = folder(variant) / "manifest.json"
+    fix = f"rebuild it with `dvc repro -f decide@{variant}`"
     package = Package.parse(
-        read_json(path, f"decide@{variant}"),
-        lambda why: f"{path} is not a rollback package of this version ({why}); run `dvc repro -f decide@{variant}`",
+        read_json(path, f"decide@{variant}"), lambda why: f"{path} is not a rollback package of this version ({why}); {fix}"
     )
+    problem = _package_problem(package, variant, read_manifest())
+    if problem:
+        raise UserError(f"{path} {problem}; {fix}")
     for name, expected in package.files.items():
         verify(name, expected, "freeze", recorded_in="the rollback package")
     return package.files
+
+
+def _package_problem(package: Package, variant: str, ref: Manifest) -> str | None:
+    """What makes ``package`` not ``variant``'s package of the reference ``ref`` (None: nothing)."""
+    if package.variant != variant:
+        return f"is variant {package.variant!r}'s package, not {variant!r}'s"
+    if set(package.files) != {str(p) for p in FILES}:  # a dict: ``Package.parse`` checked
+        return f"must list exactly {', '.join(map(str, FILES))}"
+    if not all(isinstance(h, str) and _SHA256.match(h) for h in package.files.values()):
+        return "lists a sha256 that is not 64 hexadecimal digits"
+    if (package.reference_run_key, package.rule_sha256) != (ref.run_key, ref.rule_sha256):
+        return f"was made from another reference or rule than {paths.REF_MANIFEST}'s (run key, rule sha256)"
+    return None
