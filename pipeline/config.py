@@ -716,12 +716,16 @@ class ParamsLoader(Yaml12Loader):
     anything is built from the file. dvc.lock, written by DVC, is read with ``Yaml12Loader``."""
 
     def construct_document(self, node: yaml.Node) -> Any:
-        _check_nodes(node, "")
+        _check_nodes(node, "", set())
         return super().construct_document(node)
 
 
-def _check_nodes(node: yaml.Node, key: str) -> None:
-    """Refuse a duplicate key or an ambiguous plain scalar under ``node`` (``key``: its dotted name)."""
+def _check_nodes(node: yaml.Node, key: str, seen: set[int]) -> None:
+    """Refuse a duplicate key or an ambiguous plain scalar under ``node`` (``key``: its dotted name). ``seen``: the
+    nodes walked already; an alias is walked once (``&x [1, *x]`` holds itself)."""
+    if id(node) in seen:
+        return
+    seen.add(id(node))
     if isinstance(node, yaml.ScalarNode):
         if not node.style and _AMBIGUOUS.match(node.value):  # plain: None from PyYAML, "" from libyaml
             raise UserError(
@@ -731,20 +735,20 @@ def _check_nodes(node: yaml.Node, key: str) -> None:
             )
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _check_nodes(item, f"{key}[{i}]")
+            _check_nodes(item, f"{key}[{i}]", seen)
     elif isinstance(node, yaml.MappingNode):
-        seen: dict[tuple[str, str], int] = {}
+        lines: dict[tuple[str, str], int] = {}
         for key_node, value_node in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             name, line = _join(key, str(key_node.value)), key_node.start_mark.line + 1
-            if (key_node.tag, key_node.value) in seen:
+            if (key_node.tag, key_node.value) in lines:
                 raise UserError(
-                    f"params.yaml: key {name!r} is given twice (lines {seen[key_node.tag, key_node.value]} and {line}); "
+                    f"params.yaml: key {name!r} is given twice (lines {lines[key_node.tag, key_node.value]} and {line}); "
                     f"DVC refuses such a file and PyYAML keeps the last silently: keep one"
                 )
-            seen[key_node.tag, key_node.value] = line
-            _check_nodes(value_node, name)
+            lines[key_node.tag, key_node.value] = line
+            _check_nodes(value_node, name, seen)
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

@@ -199,3 +199,5 @@ def test_quoted_text_and_the_numbers_both_yaml_versions_agree_on_load_as_dvc_rea
     assert (params.reference.lr, params.reference.train_steps) == (0.5, 1000) == tuple(dvcs["reference"].values())
     # dvc.lock is DVC's writing: text that YAML 1.1 took for a base-60 number is text there too (publish's freshness check)
     assert yaml.load("experiment: 1:30\n", Loader=config.Yaml12Loader) == YAML(typ="safe").load("experiment: 1:30\n")
+    held = yaml.load("a: &x [1, *x]\n", Loader=config.ParamsLoader)["a"]  # an alias is checked once: no endless walk
+    assert held[0] == 1 and held[1] is held
