@@ -285,7 +285,7 @@ def train(
         print(f"warning: {label}: the resume state is at step {resume.info.step} of a {cfg.train_steps}-step run "
               f"(edited?); restarts from step 0", file=sys.stderr)
         resume = None
-    if resume is not None and _stale(resume, source, order, world, label):
+    if resume is not None and _stale(resume, source, order, world, label, device):
         resume = None
     if resume is not None:
         checkpoint.restore(resume, model, optimizer, scaler, scheduler)
@@ -336,7 +336,7 @@ def train(
 
 
 def _stale(resume: checkpoint.Checkpoint, source: TrainSource, order: list[list[torch.Tensor]], world: distributed.World,
-           label: str) -> bool:
+           label: str, device: torch.device) -> bool:
     """Whether a resume state was trained on other data than the source gives now: every update it recorded is read
     again (data only, no compute) and its ``batch_sha256`` compared, so that a training item edited after a kill, read
     before it and maybe never after, cannot leave a reference trained half on each version (a result no uninterrupted
@@ -347,7 +347,7 @@ def _stale(resume: checkpoint.Checkpoint, source: TrainSource, order: list[list[
     if world.rank == 0:
         differ = next((i for i, r in enumerate(records[: resume.info.step])
                        if r.batch_sha256 and batch_digest(_read_update(source, order[i], world, i)) != r.batch_sha256), None)
-    if float(world.mean(torch.tensor(0.0 if differ is None else 1.0))) == 0.0:
+    if float(world.mean(torch.tensor(0.0 if differ is None else 1.0, device=device))) == 0.0:  # NCCL reduces on the GPU
         return False
     if world.writes:
         print(f"warning: {label}: the batch of step {differ + 1} reads other bytes than the resume state recorded: training "
