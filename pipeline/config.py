@@ -375,6 +375,17 @@ def primary_name(names) -> str:
     return next(iter(named + scores + values + names), DEFAULT_OUTPUT)
 
 
+def primary_by_order(names) -> list[str]:
+    """The outputs the primary is picked among by alphabetical order alone (``primary_name``: none is ``output`` or
+    ``logits`` or ends like scores, and several do not say features), else []: a regression's ``{mean, log_var}`` would
+    have its quality and loss read from ``log_var``."""
+    names = sorted(names)
+    if any(n in (DEFAULT_OUTPUT, "logits") or DECISION_NAMES.search(n) for n in names):
+        return []
+    values = [n for n in names if not FEATURE_NAMES.search(n)] or names
+    return values if len(values) > 1 else []
+
+
 @dataclass(frozen=True)
 class Tolerance:
     atol: float = 0.05
@@ -387,7 +398,8 @@ class Tolerance:
     same in a classification task, except an output whose name says features (``hidden``, ``embedding``,
     ``pooler``...: ``FEATURE_NAMES``, unless it ends like scores: ``DECISION_NAMES``), and in a regression task
     only an output named like class scores (``logits``, ``probs``: ``CLASS_NAMES``); false: values only (an embedding, a
-    regression head). The primary of a classification is always decided, a regression's by ``threshold``. An
+    regression head). The primary of a classification is always decided, a regression's by
+    ``AcceptanceConfig.decision_threshold``. An
     output decided here but of another shape (4 dims or more) is refused at freeze (``rule.vet_rule``)."""
 
     def decides(self, name: str, kind: str = "classification") -> bool:
@@ -451,7 +463,9 @@ class AcceptanceConfig:
     Needs only each side's argmax per token."""
     threshold: float | None = None
     """Regression only: decision threshold; a case flips where any value of its primary output (at a kept position)
-    is on the other side of it in the trial (each label of a multi-label head's logits, with threshold 0)."""
+    is on the other side of it in the trial. null: a primary named like logits or probabilities (or said ``decisions:
+    true``) is decided at 0 or 0.5, each label of a multi-label head on its own (``decision_threshold``), any other
+    primary by its values alone."""
     min_quality: float | None = None
     """Minimum quality of the trial on the fixed set (accuracy, or -RMSE for regression); null: no minimum."""
     max_quality_drop: float | None = 0.01
@@ -511,6 +525,20 @@ class AcceptanceConfig:
     def judges_quality(self) -> bool:
         """Whether the rule sets a quality criterion (``max_quality_drop`` or ``min_quality``)."""
         return self.max_quality_drop is not None or self.min_quality is not None
+
+    def decision_threshold(self, kind: str, primary: str) -> float | None:
+        """The value a regression's primary output is decided at, each of its values on its own: ``threshold``; else,
+        where the primary says it holds class scores (named like logits or probabilities, or ``decisions: true``:
+        ``Tolerance.scored``; a one-logit head, a multi-label head's logits, which a classification refuses), its
+        sigmoid's: 0.5 for a probability, 0 for a logit; else None (values only). A classification's primary is decided
+        by argmax: None."""
+        if kind == "classification":
+            return None
+        if self.threshold is not None:
+            return self.threshold
+        if not self.tolerance(primary).scored(primary, kind):
+            return None
+        return 0.5 if PROBABILITY_NAMES.search(primary) else 0.0
 
     def tolerance(self, output: str) -> Tolerance:
         """The entry for ``output``, else ``*``; no hidden default (``check_outputs`` refuses the gap at freeze)."""

@@ -23,7 +23,7 @@ import torch
 
 from pipeline.artifacts.record import Record
 from pipeline.files import read_tensors, sha256_file, write_tensors
-from pipeline.config import DECISION_NAMES, DEFAULT_OUTPUT, TaskConfig, primary_name
+from pipeline.config import DECISION_NAMES, DEFAULT_OUTPUT, TaskConfig, primary_by_order, primary_name
 from pipeline.errors import UserError
 
 IGNORE_INDEX = -100
@@ -388,14 +388,12 @@ def _split_targets(raw: dict, split: str, cfg: TaskConfig) -> tuple[Inputs, torc
         raise UserError(f"task.data {cfg.data}: {split}_y is {type(y).__name__}; return the targets as a tensor")
     if y.ndim == 0 or y.shape[0] != rows(x):
         raise UserError(f"task.data {cfg.data}: {split}_x and {split}_y have different lengths; give one target per sample")
-    if (y.is_floating_point() or y.is_complex()) and not bool(torch.isfinite(y).all()):
-        raise UserError(f"task.data {cfg.data}: {split}_y holds NaN or inf; clean the data before freezing a reference")
     check_targets(y, cfg.kind, f"task.data {cfg.data}: {split}_y")
     return x, y
 
 
 def check_targets(y: torch.Tensor, kind: str | None, where: str) -> None:
-    """Targets the loss can take as they are: never complex; for classification, whole class numbers (a float
+    """Targets the loss can take as they are: never complex, NaN or inf; for classification, whole class numbers (a float
     target 2.7 would be truncated to class 2 by ``.long()``, silently).
 
     Raises:
@@ -406,6 +404,8 @@ def check_targets(y: torch.Tensor, kind: str | None, where: str) -> None:
             f"{where} is {str(y.dtype).replace('torch.', '')}: targets cannot be complex; "
             "give real targets (class numbers or values)"
         )
+    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        raise UserError(f"{where} holds NaN or inf; clean the data before freezing a reference")
     if kind != "classification" or not y.is_floating_point():
         return
     whole = y == torch.round(y)
@@ -553,6 +553,13 @@ def check_outputs(outputs: dict[str, torch.Tensor], kind: str, rows: int, target
             )
         if not value.is_floating_point():
             raise UserError(f"task.model {entry}: output '{name}' is {value.dtype}; return floating-point scores or values")
+    ambiguous = primary_by_order(outputs)
+    if kind != "classification" and ambiguous:  # a classification's primary must be class scores: its shape is checked
+        raise UserError(
+            f"task.model {entry}: outputs {', '.join(repr(n) for n in ambiguous)} name no primary output (quality, "
+            f"decisions and a built-in loss read it), and alphabetical order would pick '{ambiguous[0]}'; return the "
+            f"prediction as 'output' (or name it ending in '_pred')"
+        )
     scores = primary(outputs)
     if kind == "classification":
         per_token = scores.ndim == 3 and targets.ndim == 2 and tuple(targets.shape[1:]) == tuple(scores.shape[1:2])

@@ -68,8 +68,9 @@ class Scan:
         """Per output whose every finite reference value is a whole number (a class index, a bin, a count, a rounded
         value: its unit is 1): the largest magnitude among them (``whole_numbers``)."""
         self.moments: dict[str, list] = {}
-        """Per output judged by its values alone, of at most ``COLUMNS`` columns (one for [N] or [N, 1]: ``_values_of``),
-        per column: [sums, sums of squares, rows] over the whole set, then over the ordinary cases. Columns of different
+        """Per output judged by its values alone, of at most ``COLUMNS`` columns (one for [N], [N, 1] or a value per
+        position [N, T]: ``_values_of``), per column, at the positions compare judges (a sequence's padding is no value):
+        [sums, sums of squares, rows] over the whole set, then over the ordinary cases. Columns of different
         scales share one atol, which must bound the smallest too (``column_rms``), and the band at a column's mean
         must be below its spread (``spreads``)."""
 
@@ -84,7 +85,10 @@ class Scan:
         for name, v in chunk.items():
             self.shapes[name] = tuple(v.shape[1:])
             rows = task.rows_within(SLICE_ELEMENTS, math.prod(v.shape[1:]))
-            width = self._values_of(name, v, name == main)
+            judged = task.judged_positions((len(self.has_target), *v.shape[1:]),  # the whole set's: a chunk's rows are fewer
+                                           self.kind == "classification" and name == main and out.ndim == 3,
+                                           self.targets, self.token_mask, primary=name == main)
+            width = self._values_of(name, v, name == main, judged is not None)
             if self._undecided(name, v, name == main):
                 if self.distributions.get(name, True):
                     self.distributions[name] = _distributions(v)
@@ -95,16 +99,16 @@ class Scan:
                 self._note_unit(name, v, row)
             if name in scores and self.softmaxed.get(name, True):
                 self.softmaxed[name] = _distributions(v)
-            judged = task.judged_positions(tuple(v.shape), self.kind == "classification" and name == main and out.ndim == 3,
-                                           self.targets, self.token_mask, primary=name == main)
             for a in range(0, v.shape[0], rows):
                 b = min(a + rows, v.shape[0])
                 values = v[a:b].detach().double()
-                parts = [values]
-                scaled = [_scaled(values, None if judged is None else judged[row + a : row + b], name in scores)]
+                positions = None if judged is None else judged[row + a : row + b]
+                kept = [values if positions is None else values[positions]]  # where compare judges values
+                scaled = [_scaled(values, positions, name in scores)]
                 if self.ordinary is not None:
-                    parts.append(values[self.ordinary[row + a : row + b]])
-                    scaled.append(scaled[0][self.ordinary[row + a : row + b]])
+                    ordinary = self.ordinary[row + a : row + b]
+                    kept.append(values[ordinary] if positions is None else values[ordinary][positions[ordinary]])
+                    scaled.append(scaled[0][ordinary])
                 if self.whole.get(name, 0.0) is not None:  # decided heads too: bins or votes decided by argmax
                     finite = values[torch.isfinite(values)]
                     small = finite[finite.abs() < task.FLOAT32_EXACT_WHOLE]  # from 2**24 on, every float32 is whole: no sign
@@ -112,15 +116,14 @@ class Scan:
                         self.whole[name] = None  # not whole numbers: the rest of the output is not looked at
                     elif small.numel():
                         self.whole[name] = max(self.whole.get(name, 0.0), float(finite.abs().max()))
-                for i, part in enumerate(parts):
-                    squares = part.square()
+                for i, part in enumerate(kept):
                     total = self.squares.setdefault(name, [[0.0, 0], [0.0, 0]])[i]
                     counted = scaled[i].square()
                     total[0], total[1] = total[0] + float(counted.nansum()), total[1] + int((~torch.isnan(counted)).sum())
                     if width:
                         m = self.moments.setdefault(name, [[0.0, 0.0, 0], [0.0, 0.0, 0]])[i]
                         m[0] = m[0] + part.reshape(-1, width).sum(0)
-                        m[1] = m[1] + squares.reshape(-1, width).sum(0)
+                        m[1] = m[1] + part.square().reshape(-1, width).sum(0)
                         m[2] += part.numel() // width
                 if v is out and (self.kind != "classification" or out.shape[1:-1] == self.targets.shape[1:]):  # else refused
                     keep = self.has_target[row + a : row + b]  # (``rule.vet_rule``: no decision check reads it)
@@ -129,12 +132,13 @@ class Scan:
                     if bool(keep.any()):
                         self.quality.update(out[a:b][keep], self.targets[row + a : row + b][keep])
 
-    def _values_of(self, name: str, v: torch.Tensor, primary: bool) -> int:
-        """The columns of output ``name`` (its last axis: [N, D] or per token [N, T, D]; one for [N]) when it holds
-        values that atol and rtol bound, at most ``COLUMNS`` of them, else 0: a regression's outputs, and a classifier's
-        said ``decisions: false``; not the decided heads, whose class scores share one scale, nor a classifier's
-        features (an embedding's dimensions are no quantities of their own: ``FEATURE_NAMES``)."""
-        width = v.shape[-1] if v.ndim >= 2 else 1
+    def _values_of(self, name: str, v: torch.Tensor, primary: bool, per_position: bool) -> int:
+        """The columns of output ``name`` (its last axis: [N, D] or per token [N, T, D]; one for [N], and for a value
+        per position [N, T]: ``per_position``, ``task.judged_positions``) when it holds values that atol and rtol bound,
+        at most ``COLUMNS`` of them, else 0: a regression's outputs, and a classifier's said ``decisions: false``; not the
+        decided heads, whose class scores share one scale, nor a classifier's features (an embedding's dimensions are
+        no quantities of their own: ``FEATURE_NAMES``)."""
+        width = v.shape[-1] if v.ndim >= 3 or v.ndim == 2 and not per_position else 1
         if width > COLUMNS:
             return 0
         tolerance = self.rule.tolerance(name)
@@ -227,7 +231,7 @@ class Scan:
         out = {}
         for name, parts in self.moments.items():
             scales = [(squares / rows).sqrt() for _, squares, rows in parts if rows]
-            if self.shapes[name] and self.shapes[name][-1] >= 2:
+            if scales and scales[0].numel() >= 2:
                 out[name] = tuple(torch.stack(scales).amin(0).tolist()) if scales else ()
         return out
 

@@ -25,7 +25,7 @@ from pipeline.compare.decisions import DecisionStats, margins
 from pipeline.compare.quality import QualityStats
 from pipeline.compare.quantiles import StreamQuantile, quantile
 from pipeline.compare.trajectory import trajectory_gap, update_health
-from pipeline.config import AcceptanceConfig, ReferenceConfig, TaskConfig, Tolerance
+from pipeline.config import AcceptanceConfig, CompareConfig, ReferenceConfig, TaskConfig, Tolerance
 from pipeline.config import Policy
 from pipeline.task import Batch, TensorSource
 from _steps import step
@@ -1321,6 +1321,129 @@ def test_a_value_per_position_returned_as_n_by_t_is_judged_at_the_kept_positions
         scan = vetting.Scan(params, cases.Cases(ids=ids, x={"values": features, "attention_mask": mask}, y=y, has_target=every))
         scan.update(0, {"output": r})
         assert scan.quality.result() == pytest.approx(stats.quality.reference, rel=1e-6), squeeze
+
+
+def test_a_value_per_position_is_judged_alike_whatever_the_padding_and_the_chunking():
+    """A per-token regression [N, T] whose first rows hold no padding: a slice of them was judged as T columns (each
+    position a quantity with its own quality gate), one with padding as positions, so the statistics, and the verdict,
+    hung on ``compare.chunk_elements`` and on the model returning [N, T] or [N, T, 1]. They are one now, and equal the
+    RMSE over the real positions."""
+    net, features, mask, g = _per_token_values(n=120)
+    mask[:60] = 1  # rows 0-59 whole: a chunk of them has no padding
+    features[:60] = torch.randn(60, *features.shape[1:], generator=g)  # real features at their positions
+    n = features.shape[0]
+    with torch.no_grad():
+        ref = net(features)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            trial = net(features).float()
+    y = (ref.squeeze(-1) + 0.05 * torch.randn(ref.shape[:2], generator=g)) * mask
+    ids, every, real = [f"ordinary/s{i}" for i in range(n)], torch.ones(n, dtype=torch.bool), mask.bool()
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.2, rtol=0.0)}, max_quality_drop=0.01)
+    rmse = {side: -float((v.squeeze(-1) - y)[real].pow(2).mean().sqrt()) for side, v in (("reference", ref), ("trial", trial))}
+    for squeeze in (False, True):
+        r, t = (v.squeeze(-1) if squeeze else v for v in (ref, trial))
+        for chunk in (10**9, 8 * 30):  # every row at once; 30 rows a chunk, the first two without padding
+            sources = streams.Sources(ids, y, every, streams.InMemory({"output": r}), streams.InMemory({"output": t}),
+                                      streams.InMemory({"output": t}), token_mask=mask)
+            stats, _ = streams.compare_streams("regression", cfg, sources, streams.Trajectories(FLAT, FLAT, 1.0),
+                                               cfg=CompareConfig(chunk_elements=chunk))
+            assert stats.quality.columns is None, (squeeze, chunk)
+            assert stats.quality.reference == pytest.approx(rmse["reference"], rel=1e-6), (squeeze, chunk)
+            assert stats.quality.trial == pytest.approx(rmse["trial"], rel=1e-5), (squeeze, chunk)
+            assert rule.decide(stats, cfg).decision == "accept", (squeeze, chunk)
+
+
+def test_freeze_measures_a_value_per_position_where_compare_judges_it():
+    """freeze's scale and spread of a per-token regression [N, T] read every position, padding too, each position a
+    column: an output of 5.0 +- 0.01 at every real position, with whatever the padding holds, escaped the refusal of a
+    tolerance wider than its spread (a trial answering 5.0 everywhere passes), a head zeroed at padding had a position's
+    scale pulled to 0 and a sound tolerance refused, and past freeze's first chunk NaN at padding refused the reference.
+    [N, T] is now measured as [N, T, 1] is, in every chunk: at the real positions, one column."""
+    from pipeline import cases, vetting
+    from pipeline.config import Params
+
+    n, length = 200, 6
+    g = torch.Generator().manual_seed(2)
+    mask = (torch.arange(length)[None] < torch.randint(2, length + 1, (n,), generator=g)[:, None]).long()
+    mask[:2] = 0
+    mask[:2, 0] = 1  # position 5 of only a few rows is real
+    offset = 5.0 + 0.01 * torch.randn(n, length, generator=g)
+    padded = torch.where(mask.bool(), offset, 100 * torch.randn(n, length, generator=g))
+    zeroed = torch.where(mask.bool(), torch.randn(n, length, generator=g), torch.zeros(n, length))
+    fixed = cases.Cases(ids=[f"ordinary/{i}" for i in range(n)], x={"values": torch.randn(n, length, 3, generator=g),
+                                                                    "attention_mask": mask},
+                        y=offset * mask, has_target=torch.ones(n, dtype=torch.bool))
+
+    def vetted(output, atol):
+        params = Params(task=TaskConfig(kind="regression", loss="mse"),
+                        acceptance=dataclasses.replace(RULE, outputs={"*": Tolerance(atol=atol, rtol=0.0)}))
+        scan = vetting.Scan(params, fixed)
+        scan.update(0, {"output": output[:90]})
+        scan.update(90, {"output": output[90:]})
+        return scan.problem([step(0, 1.0)])
+
+    holes = torch.where(mask.bool(), offset, torch.full_like(offset, math.nan))  # NaN at padding: no output judged
+    broken = holes.clone()
+    broken[100, 0] = math.nan  # position 0 is real in every row
+    for shaped in (lambda v: v, lambda v: v[..., None]):
+        line = vetted(shaped(padded), 0.05)
+        assert line is not None and "is not below the spread of output 'output'" in line, line
+        assert vetted(shaped(padded), 0.001) is None and vetted(shaped(holes), 0.001) is None
+        assert vetted(shaped(zeroed), 0.02) is None  # RMS 1 at every real position: 0.02 is well below it
+        scan = vetting.Scan(Params(task=TaskConfig(kind="regression", loss="mse"), acceptance=RULE), fixed)
+        assert not any(bool(scan.nonfinite_rows(a, {"output": shaped(holes)[a:b]}).any()) for a, b in ((0, 90), (90, n)))
+        assert torch.nonzero(scan.nonfinite_rows(90, {"output": shaped(broken)[90:]})).flatten().tolist() == [10]
+
+
+def test_a_regression_primary_named_like_logits_is_decided_without_a_threshold():
+    """A multi-label head (one logit per label, [N, L]) and a one-logit head ([N, 1]) are regressions for the
+    pipeline, as a classification's refusal advises. Without ``acceptance.threshold`` their decisions went unjudged: a
+    label crossing 0 by less than atol was accepted. A primary named like logits is decided at 0, like probabilities
+    at 0.5, each label on its own; said ``decisions: false``, by its values alone."""
+    g = torch.Generator().manual_seed(6)
+    n = 300
+    for labels in (5, 1):
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, labels))
+        with torch.no_grad():
+            for p in net.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+            x = torch.randn(n, 8, generator=g)
+            ref = net(x)
+        y = (ref > 0).float()
+        row, col = divmod(int(ref.abs().argmin()), labels)  # the logit nearest 0
+        trial = ref.clone()
+        trial[row, col] = -ref[row, col]  # its label flips, by far less than atol
+        ids, every = [f"ordinary/s{i}" for i in range(n)], torch.ones(n, dtype=torch.bool)
+        cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.05, rtol=0.0)})
+        for name, r, t in (("logits", ref, trial), ("probs", torch.sigmoid(ref), torch.sigmoid(trial))):
+            stats, d = _judge(ids, y, every, {name: r}, {name: t}, cfg=cfg)
+            assert stats.flips.real_flips == 1 and stats.flips.flip_list[0].id == f"ordinary/s{row}", (labels, name)
+            assert d.decision == "rollback", (labels, name, d.reasons)
+            _, d = _judge(ids, y, every, {name: r}, {name: r}, cfg=cfg)
+            assert d.decision == "accept", (labels, name, d.reasons)
+        values = dataclasses.replace(cfg, outputs={"*": Tolerance(atol=0.05, rtol=0.0, decisions=False)})
+        stats, d = _judge(ids, y, every, {"logits": ref}, {"logits": trial}, cfg=values)
+        assert stats.flips.real_flips == 0 and d.decision == "accept", (labels, d.reasons)
+
+
+def test_a_regression_whose_primary_only_alphabetical_order_would_name_is_refused():
+    """A heteroscedastic regression returns {mean, log_var}: its quality, decisions and loss were read from 'log_var',
+    first by name, so a trained trial whose mean was destroyed was accepted. Two such outputs name no primary: refused
+    in one line before any training; 'output' or a name ending like a prediction names it. A classification's primary
+    is checked by its shape (CLIP's two logits_per_ heads stay as they are)."""
+    from pipeline import task
+    from pipeline.errors import UserError
+
+    n = 8
+    mean, log_var, targets = torch.randn(n, 1), torch.randn(n, 1), torch.randn(n, 1)
+    with pytest.raises(UserError) as err:
+        task.check_outputs({"mean": mean, "log_var": log_var}, "regression", n, targets, "mypkg:net")
+    line = str(err.value)
+    assert "'log_var', 'mean'" in line and "'output'" in line and "\n" not in line
+    for named in ({"output": mean, "log_var": log_var}, {"mean_pred": mean, "log_var": log_var}, {"mean": mean}):
+        task.check_outputs(named, "regression", n, targets, "mypkg:net")
+    task.check_outputs({"logits_per_image": torch.randn(n, n), "logits_per_text": torch.randn(n, n)}, "classification", n,
+                       torch.arange(n), "mypkg:clip")
 
 
 def test_an_encoder_decoders_outputs_are_masked_by_the_decoders_padding_not_the_encoders():

@@ -102,7 +102,8 @@ class _Items(torch.utils.data.Dataset):
             raise KeyError("column 'pixels' missing")
         if i == self.bad and self.how == "nan":
             x[0] = float("nan")
-        y = {"complex": torch.tensor(1 + 2j), "float": torch.tensor(1.5)}.get(self.how if i == self.bad else "", torch.tensor(1))
+        y = {"complex": torch.tensor(1 + 2j), "float": torch.tensor(1.5),
+             "nan_target": torch.tensor(float("nan"))}.get(self.how if i == self.bad else "", torch.tensor(1))
         return x, y
 
 
@@ -111,6 +112,7 @@ class _Items(torch.utils.data.Dataset):
     ("nan", ["training item 5 holds NaN or inf"]),
     ("complex", ["training item 5", "cannot be complex"]),
     ("float", ["training item 5", "whole numbers, found 1.5"]),
+    ("nan_target", ["training item 5 holds NaN or inf", "clean the data"]),
 ])
 def test_a_bad_dataset_item_is_named_in_one_line_with_its_training_step(how, words):
     from pipeline import training

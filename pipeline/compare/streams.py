@@ -198,7 +198,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     state = _State(names=names, main=main, kind=kind, per_token=per_token, kinds=kinds, targets=targets.to(device),
                    has_target=has_target.bool().to(device), gaps=gaps, arbiter=arbiter, decisions=decisions, quality=quality,
                    row_gap=row_gap, first_values=first_values, heads=head_stats, signs=signs, device=device,
-                   threshold=rule.threshold if kind != "classification" else None,
+                   threshold=rule.decision_threshold(kind, main),
                    judged={name: _to(judged_positions(shapes[name], per_token and name == main, targets, sources.token_mask,
                                                         primary=name == main),
                                      device) for name in names},
@@ -222,7 +222,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     else:
         picked = [torch.cat(state.crossing[side])[:, None] if state.crossing[side] else first[:, None]
                   for side, first in (("reference", ref_first), ("trial", trial_first))]
-        flips, distribution = regression_flips(ids, kinds, *picked, rule.threshold), None
+        flips, distribution = regression_flips(ids, kinds, *picked, state.threshold), None
         idx = torch.nonzero(has_target).flatten()
         regression = {side: regression_errors(first[idx][:, None], targets[idx]) for side, first in zip(SIDES, firsts)}
     covered = fp64.rows if fp64 is not None and fp64.rows < n else None  # a partial FP64 re-run says how many cases
@@ -302,7 +302,7 @@ class _State:
     heads: dict = field(default_factory=dict)
     """DecisionStats of every decided output other than the primary (``decided_heads``)."""
     threshold: float | None = None
-    """A regression's decision threshold (``AcceptanceConfig.threshold``)."""
+    """A regression's decision threshold (``AcceptanceConfig.decision_threshold``)."""
     crossing: dict = field(default_factory=lambda: {"reference": [], "trial": []})
     """Per side, slice by slice: the value of each case judged against ``threshold`` (``_threshold_pick``)."""
     signs: dict = field(default_factory=dict)
@@ -436,8 +436,9 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             for side, out, fin in zip(SIDES, (r, t, trained_slice), (finite, finite, trained_finite[name])):
                 known, lse = labels.of(side) if labels is not None else (None, None)
                 hits = None
-                if valid is not None and not st.per_token:  # a per-token regression with padding: its kept positions
-                    keep = valid & with_target[:, None]
+                if st.judged[name] is not None and not st.per_token:  # a regression per token: its kept positions,
+                    keep = with_target[:, None] if valid is None else valid & with_target[:, None]  # padded or not
+                    keep = keep.expand(r.shape[:2])
                     if bool(keep.any()):
                         st.quality[side].update(out[keep], y[keep], finite=False)
                 elif every:  # no copy of the slice
@@ -592,7 +593,8 @@ def nonfinite_rows(kind: str, rule: AcceptanceConfig, chunk: dict[str, torch.Ten
     n = shapes[main][0]
     out = torch.zeros(n, dtype=torch.bool)
     for name, v in chunk.items():
-        keep = judged_positions(shapes[name], per_token and name == main, targets, token_mask, primary=name == main)
+        keep = judged_positions((len(targets), *shapes[name][1:]), per_token and name == main, targets, token_mask,
+                                primary=name == main)  # the whole set's shape: a chunk has fewer rows
         bad = broken_where_judged(v, None if keep is None else keep[row : row + n].to(v.device), name in heads)
         if bad is not None:
             out |= bad.reshape(n, -1).any(1).cpu()
