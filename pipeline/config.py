@@ -463,9 +463,9 @@ class AcceptanceConfig:
     Needs only each side's argmax per token."""
     threshold: float | None = None
     """Regression only: decision threshold; a case flips where any value of its primary output (at a kept position)
-    is on the other side of it in the trial. null: a primary named like logits or probabilities (or said ``decisions:
-    true``) is decided at 0 or 0.5, each label of a multi-label head on its own (``decision_threshold``), any other
-    primary by its values alone."""
+    is on the other side of it in the trial. null: a primary named like logits or probabilities whose targets are 0 or
+    1 (or said ``decisions: true``) is decided at 0 or 0.5, each label of a multi-label head on its own
+    (``decision_threshold``), any other primary by its values alone."""
     min_quality: float | None = None
     """Minimum quality of the trial on the fixed set (accuracy, or -RMSE for regression); null: no minimum."""
     max_quality_drop: float | None = 0.01
@@ -526,17 +526,19 @@ class AcceptanceConfig:
         """Whether the rule sets a quality criterion (``max_quality_drop`` or ``min_quality``)."""
         return self.max_quality_drop is not None or self.min_quality is not None
 
-    def decision_threshold(self, kind: str, primary: str) -> float | None:
+    def decision_threshold(self, kind: str, primary: str, labels: bool) -> float | None:
         """The value a regression's primary output is decided at, each of its values on its own: ``threshold``; else,
-        where the primary says it holds class scores (named like logits or probabilities, or ``decisions: true``:
-        ``Tolerance.scored``; a one-logit head, a multi-label head's logits, which a classification refuses), its
-        sigmoid's: 0.5 for a probability, 0 for a logit; else None (values only). A classification's primary is decided
-        by argmax: None."""
+        where the primary holds a sigmoid's decisions (a one-logit head, a multi-label head's logits, which a
+        classification refuses), 0.5 for a probability, 0 for a logit: said ``decisions: true``, or named like class
+        scores (``Tolerance.scored``) with targets that are ``labels``, 0 or 1 (``task.binary_targets``: Hugging Face's
+        regression head is named ``logits`` too, and its values crossing 0 are no decision); else None, values only. A
+        classification's primary is decided by argmax: None."""
         if kind == "classification":
             return None
         if self.threshold is not None:
             return self.threshold
-        if not self.tolerance(primary).scored(primary, kind):
+        said = self.tolerance(primary).decisions
+        if not (said or said is None and labels and self.tolerance(primary).scored(primary, kind)):
             return None
         return 0.5 if PROBABILITY_NAMES.search(primary) else 0.0
 

@@ -624,6 +624,15 @@ def masked_targets(targets: torch.Tensor, token_mask: torch.Tensor | None) -> to
     return targets
 
 
+def binary_targets(targets: torch.Tensor, has_target: torch.Tensor) -> bool:
+    """Whether the targets of the cases that have one (less the ignored positions, -100) are labels, every one 0 or 1,
+    and there is at least one: a regression's logits or probabilities are then a sigmoid's decisions (multi-label, one
+    logit), where Hugging Face's regression head, also named ``logits``, holds values."""
+    known = targets[has_target.bool()]
+    known = known[known != IGNORE_INDEX]
+    return bool(known.numel()) and bool(((known == 0) | (known == 1)).all())
+
+
 def judged_positions(shape: tuple[int, ...], primary_per_token: bool, targets: torch.Tensor,
                      token_mask: torch.Tensor | None, primary: bool = False) -> torch.Tensor | None:
     """The positions [N, T] of a per-token output of ``shape`` [N, T, ...] whose values and finiteness are judged (at

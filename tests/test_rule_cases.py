@@ -1398,8 +1398,9 @@ def test_freeze_measures_a_value_per_position_where_compare_judges_it():
 def test_a_regression_primary_named_like_logits_is_decided_without_a_threshold():
     """A multi-label head (one logit per label, [N, L]) and a one-logit head ([N, 1]) are regressions for the
     pipeline, as a classification's refusal advises. Without ``acceptance.threshold`` their decisions went unjudged: a
-    label crossing 0 by less than atol was accepted. A primary named like logits is decided at 0, like probabilities
-    at 0.5, each label on its own; said ``decisions: false``, by its values alone."""
+    label crossing 0 by less than atol was accepted. A primary named like logits, with targets that are labels (0 or 1),
+    is decided at 0, like probabilities at 0.5, each label on its own; said ``decisions: false``, or with targets that
+    are values (Hugging Face's regression head, also named logits), by its values alone."""
     g = torch.Generator().manual_seed(6)
     n = 300
     for labels in (5, 1):
@@ -1412,7 +1413,8 @@ def test_a_regression_primary_named_like_logits_is_decided_without_a_threshold()
         y = (ref > 0).float()
         row, col = divmod(int(ref.abs().argmin()), labels)  # the logit nearest 0
         trial = ref.clone()
-        trial[row, col] = -ref[row, col]  # its label flips, by far less than atol
+        trial[row, col] = -0.001 * ref[row, col].sign()  # its label flips, by less than atol
+        assert float((trial - ref).abs().max()) < 0.05
         ids, every = [f"ordinary/s{i}" for i in range(n)], torch.ones(n, dtype=torch.bool)
         cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.05, rtol=0.0)})
         for name, r, t in (("logits", ref, trial), ("probs", torch.sigmoid(ref), torch.sigmoid(trial))):
@@ -1423,6 +1425,11 @@ def test_a_regression_primary_named_like_logits_is_decided_without_a_threshold()
             assert d.decision == "accept", (labels, name, d.reasons)
         values = dataclasses.replace(cfg, outputs={"*": Tolerance(atol=0.05, rtol=0.0, decisions=False)})
         stats, d = _judge(ids, y, every, {"logits": ref}, {"logits": trial}, cfg=values)
+        assert stats.flips.real_flips == 0 and d.decision == "accept", (labels, d.reasons)
+        # Hugging Face's regression head (num_labels=1, problem_type="regression") is named logits too: with targets of
+        # values, not labels, its values crossing 0 by less than atol are no decision, and the verdict is the values'.
+        stats, d = _judge(ids, ref + 0.01 * torch.randn(ref.shape, generator=g), every, {"logits": ref}, {"logits": trial},
+                          cfg=dataclasses.replace(cfg, max_quality_drop=None))
         assert stats.flips.real_flips == 0 and d.decision == "accept", (labels, d.reasons)
 
 

@@ -42,7 +42,7 @@ from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite, broken
 from pipeline.compare.quality import QualityStats, regression_errors
 from pipeline.compare.trajectory import calibration_steps, trajectory_gap, update_health
 from pipeline.config import METRICS, AcceptanceConfig, CompareConfig, TaskConfig, primary_name
-from pipeline.task import IGNORE_INDEX, judged_positions, masked_targets, resolve, rows_within
+from pipeline.task import IGNORE_INDEX, binary_targets, judged_positions, masked_targets, resolve, rows_within
 
 
 SIDES = ("reference", "trial", "trained")
@@ -198,7 +198,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     state = _State(names=names, main=main, kind=kind, per_token=per_token, kinds=kinds, targets=targets.to(device),
                    has_target=has_target.bool().to(device), gaps=gaps, arbiter=arbiter, decisions=decisions, quality=quality,
                    row_gap=row_gap, first_values=first_values, heads=head_stats, signs=signs, device=device,
-                   threshold=rule.decision_threshold(kind, main),
+                   threshold=rule.decision_threshold(kind, main, binary_targets(targets, has_target)),
                    judged={name: _to(judged_positions(shapes[name], per_token and name == main, targets, sources.token_mask,
                                                         primary=name == main),
                                      device) for name in names},
