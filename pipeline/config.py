@@ -47,7 +47,9 @@ class TaskConfig:
     key of the target in a training Dataset item that is a dict."""
     metric: str = "auto"
     """Quality on the ordinary cases: ``accuracy``, ``top_k``, ``neg_rmse``, ``neg_mae`` or ``module:function``
-    (``f(output, target) -> float``); ``auto`` is accuracy for classification, neg_rmse for regression."""
+    (``f(output, target) -> float``), ``label_accuracy`` (a regression decided at a threshold: the fraction of values on
+    their target's side); ``auto`` is accuracy for classification, neg_rmse for regression, label_accuracy for a regression
+    whose primary is decided at a threshold on targets that are labels, 0 or 1 (multi-label, one logit)."""
     metric_direction: Literal["auto", "higher", "lower"] = "auto"
     """Whether a larger metric is better; built-in metrics know theirs (higher), a ``module:function`` says it."""
     top_k: int = 5
@@ -99,6 +101,12 @@ class TaskConfig:
             return self.metric
         return "accuracy" if self.kind == "classification" else "neg_rmse"
 
+    def fits_values(self, width: int) -> bool:
+        """Whether the loss fits the primary's values, ``width`` per case or position, to the targets: ``mse``, and under
+        ``model`` Hugging Face's head of one value (``problem_type`` regression, MSE; several are multi-label logits,
+        BCE). A value so fitted to 0/1 labels is decided at 0.5, a sigmoid's logit at 0."""
+        return self.loss == "mse" or (self.loss == "model" and width == 1)
+
     @property
     def higher_is_better(self) -> bool:
         return self.metric_direction != "lower"
@@ -116,6 +124,7 @@ METRICS: dict[str, tuple[str, tuple[float, float]]] = {
     "top_k": ("classification", (0.0, 1.0)),
     "neg_rmse": ("regression", (-math.inf, 0.0)),
     "neg_mae": ("regression", (-math.inf, 0.0)),
+    "label_accuracy": ("regression", (0.0, 1.0)),
 }
 """Built-in metrics: the kind each fits and its range (all larger-is-better)."""
 
@@ -526,13 +535,14 @@ class AcceptanceConfig:
         """Whether the rule sets a quality criterion (``max_quality_drop`` or ``min_quality``)."""
         return self.max_quality_drop is not None or self.min_quality is not None
 
-    def decision_threshold(self, kind: str, primary: str, labels: bool) -> float | None:
+    def decision_threshold(self, kind: str, primary: str, labels: bool, fitted: bool = False) -> float | None:
         """The value a regression's primary output is decided at, each of its values on its own: ``threshold``; else,
         where the primary holds a sigmoid's decisions (a one-logit head, a multi-label head's logits, which a
         classification refuses), 0.5 for a probability, 0 for a logit: said ``decisions: true``, or named like class
         scores (``Tolerance.scored``) with targets that are ``labels``, 0 or 1 (``task.binary_targets``: Hugging Face's
-        regression head is named ``logits`` too, and its values crossing 0 are no decision); else None, values only. A
-        classification's primary is decided by argmax: None."""
+        regression head is named ``logits`` too, and its values crossing 0 are no decision); a value the loss ``fitted``
+        to the targets (``TaskConfig.fits_values``: MSE on 0/1 labels) at 0.5, the labels' midpoint, whatever its name;
+        else None, values only. A classification's primary is decided by argmax: None."""
         if kind == "classification":
             return None
         if self.threshold is not None:
@@ -540,7 +550,7 @@ class AcceptanceConfig:
         said = self.tolerance(primary).decisions
         if not (said or said is None and labels and self.tolerance(primary).scored(primary, kind)):
             return None
-        return 0.5 if PROBABILITY_NAMES.search(primary) else 0.0
+        return 0.5 if fitted or PROBABILITY_NAMES.search(primary) else 0.0
 
     def tolerance(self, output: str) -> Tolerance:
         """The entry for ``output``, else ``*``; no hidden default (``check_outputs`` refuses the gap at freeze)."""

@@ -31,7 +31,7 @@ from pipeline.present import verdict
 
 from pipeline.artifacts.comparison import Decisions, Distribution, Noise, Quality, Stats
 from pipeline.compare import bounds
-from pipeline.config import AcceptanceConfig, Tolerance, primary_name
+from pipeline.config import METRICS, AcceptanceConfig, Tolerance, primary_name
 from pipeline.errors import UserError
 
 if TYPE_CHECKING:  # the loop's record: training imports torch, the rule does not
@@ -121,7 +121,8 @@ def _inference(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
             f"(allowed fraction {rule.max_failing_fraction})",
             f"values '{name}': {gap.failing} of {gap.elements} elements outside atol={gap.atol} rtol={gap.rtol}, "
             f"fraction {gap.failing_fraction:.4g} > allowed {rule.max_failing_fraction} "
-            f"(max abs error {gap.max_abs:.4g}; would have needed atol >= {gap.min_passing_atol:.4g})"
+            + (f"(max abs error {gap.max_abs:.4g}; would have needed atol >= {gap.min_passing_atol:.4g})"
+               if math.isfinite(gap.min_passing_atol) else "(non-finite elements: no atol passes them)")
             + (f": {_ids(failing_ids)}" if failing_ids else ""),
             ("values", failing_ids),
         )
@@ -575,6 +576,10 @@ def vet_rule(
     noise = _replicate_problem(rule, ref_steps, replicate)
     if noise:
         return noise
+    span = METRICS[metric][1] if metric in METRICS else (-math.inf, math.inf)
+    if rule.min_quality is not None and not span[0] <= rule.min_quality <= span[1]:  # ``auto`` read as label_accuracy
+        return (f"params.yaml: acceptance.min_quality {rule.min_quality:g} is outside [{span[0]:g}, {span[1]:g}], the range "
+                f"of the quality metric in effect, {metric}; give one in that range, or name task.metric")
     if not math.isfinite(ref_quality) and rule.judges_quality and with_target:
         return (f"the FP32 reference's quality ({metric}) is {ref_quality} over the cases with a target, so the rule's "
                 f"quality criteria cannot judge any trial; fix task.metric (R2 of a constant target, for one, is undefined), "

@@ -633,6 +633,18 @@ def binary_targets(targets: torch.Tensor, has_target: torch.Tensor) -> bool:
     return bool(known.numel()) and bool(((known == 0) | (known == 1)).all())
 
 
+def labelled_positions(shape: tuple[int, ...], targets: torch.Tensor, judged: torch.Tensor | None) -> torch.Tensor | None:
+    """Where a regression's primary holds a value per position (``shape`` [N, T, ...] against targets [N, T, ...]; [N, T]
+    where ``judged_positions`` says it is per position): the positions [N, T] its decisions and quality count, those
+    ``judged`` whose target is not -100 (ignored, as Hugging Face ignores a word's continuation sub-words or a special
+    token: its value is still judged, no decision or error is read there). None: the output is not per position."""
+    if (targets.ndim < 2 or len(shape) < 2 or tuple(shape[:2]) != tuple(targets.shape[:2])
+            or (len(shape) == 2 and judged is None)):
+        return None
+    keep = (targets != IGNORE_INDEX).reshape(*targets.shape[:2], -1).all(-1)
+    return keep if judged is None else keep & judged
+
+
 def judged_positions(shape: tuple[int, ...], primary_per_token: bool, targets: torch.Tensor,
                      token_mask: torch.Tensor | None, primary: bool = False) -> torch.Tensor | None:
     """The positions [N, T] of a per-token output of ``shape`` [N, T, ...] whose values and finiteness are judged (at

@@ -20,7 +20,7 @@ from pipeline import rule
 
 from pipeline.compare import streams
 from pipeline.compare.gaps import zero_probability
-from pipeline.compare.quality import COLUMNS, QualityStats
+from pipeline.compare.quality import COLUMNS
 from pipeline.config import FEATURE_NAMES, LOGIT_NAMES, PROBABILITY_NAMES, Params, primary_name
 
 if TYPE_CHECKING:
@@ -38,7 +38,9 @@ class Scan:
     def __init__(self, params: Params, fixed: cases.Cases) -> None:
         self.rule, self.kind = params.acceptance, params.task.kind
         self.metric = streams.Metric.for_task(params.task)
-        self.quality = QualityStats(self.metric.name, params.acceptance.tie_rule, self.metric.top_k, self.metric.function)
+        self.quality = self.metric.quality(params.acceptance.tie_rule)
+        """The reference's quality, in the metric compare reads the primary by (``streams.Metric.reading``: set at the
+        first chunk, where the primary is known)."""
         self.targets = task.masked_targets(fixed.y, task.token_mask_of(fixed.x))
         self.has_target = fixed.has_target.bool()
         kinds = streams.kinds_of(fixed.ids)
@@ -79,6 +81,9 @@ class Scan:
         of scores, and its float64 squares or its rows with a target copied whole would hold as many again."""
         main = primary_name(chunk)
         out = chunk[main]
+        if not self.shapes:  # the first chunk: the primary is known, and how compare reads it
+            _, self.metric = self.metric.reading(self.kind, self.rule, main, tuple(out.shape), self.targets, self.has_target)
+            self.quality = self.metric.quality(self.rule.tie_rule)
         shapes = {n: tuple(t.shape) for n, t in chunk.items()}
         scores = set(streams.decided_heads(self.kind, self.rule, shapes, main))
         signs = set(streams.sign_heads(self.kind, self.rule, shapes, main))
@@ -127,8 +132,11 @@ class Scan:
                         m[2] += part.numel() // width
                 if v is out and (self.kind != "classification" or out.shape[1:-1] == self.targets.shape[1:]):  # else refused
                     keep = self.has_target[row + a : row + b]  # (``rule.vet_rule``: no decision check reads it)
-                    if judged is not None and self.kind != "classification":  # a regression per token: compare's
-                        keep = judged[row + a : row + b] & keep[:, None]  # quality, over the kept positions alone
+                    y = self.targets[row + a : row + b]
+                    labelled = (task.labelled_positions(tuple(out[a:b].shape), y, positions)
+                                if self.kind != "classification" else None)
+                    if labelled is not None:  # a regression per position: compare's quality, at its labelled positions
+                        keep = labelled & keep[:, None]
                     if bool(keep.any()):
                         self.quality.update(out[a:b][keep], self.targets[row + a : row + b][keep])
 

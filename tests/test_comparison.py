@@ -94,7 +94,8 @@ def test_sections_are_typed_where_the_rule_reads_them():
     assert token.flips.unit == "token" and token.distribution.tokens == 40 and token.flips.flip_list[0].position is not None
     assert all("@" in label for label in token.flips.labels(boundary=False))
     reg = _regression()[0]
-    assert reg.regression["trial"].mae == pytest.approx(0.2, rel=1e-5) and reg.flips.margin_kind is None
+    assert reg.regression["trial"].mae == pytest.approx(0.2, rel=1e-5)
+    assert reg.flips.margin_kind == "logit"  # threshold 0: a sigmoid's boundary, its margins a logit's
     assert reg.training.noise.over == ("mean", "max") and reg.flips.flip_list[0].reference is not None
 
 

@@ -1760,3 +1760,166 @@ def test_the_top_k_metric_ranks_equal_scores_by_class_not_by_topks_own_order():
     q_ref = QualityStats("top_k", "lowest_index", top_k=2)
     q_trial = QualityStats("top_k", "lowest_index", top_k=2)
     assert torch.equal(q_ref.update(scores, y), q_trial.update(trial, y))
+
+
+def _bert(num_labels, head="sequence", seed=0):
+    """A tiny Hugging Face BERT (random init) with its own head: ``sequence`` or ``token`` classification."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32, num_labels=num_labels)
+    cls = transformers.BertForSequenceClassification if head == "sequence" else transformers.BertForTokenClassification
+    return cls(config).eval()
+
+
+def _judged(kind, y, ref, trial, trained=None, cfg=RULE, mask=None, task=None):
+    ids, every = [f"ordinary/s{i}" for i in range(len(y))], torch.ones(len(y), dtype=torch.bool)
+    sources = streams.Sources(ids, y, every, streams.InMemory(ref), streams.InMemory(trial),
+                              streams.InMemory(trained if trained is not None else trial), token_mask=mask)
+    metric = streams.Metric.for_task(task or TaskConfig(kind=kind))
+    stats, _ = streams.compare_streams(kind, cfg, sources, streams.Trajectories(FLAT, FLAT, 1.0), metric=metric)
+    return stats, rule.decide(stats, cfg)
+
+
+def test_a_word_level_regression_ignores_the_targets_of_sub_words():
+    """A word-level value (eye tracking, prosody) from Hugging Face's token head with one label: a value at each word's
+    first sub-word, -100 at its continuations (real tokens) and at padding. Quality read the -100 targets as values, so
+    an RMSE of ~50 hid an AMP-trained model 0.5 low at every word; and decided at 0 (labels 0 or 1), a crossing at a
+    continuation sub-word, where no decision is read, rolled back a sound trial. Values are still judged at every real
+    token; errors and decisions only where a target is."""
+    from pipeline import config, vetting
+    from pipeline.cases import Cases
+
+    model = _bert(1, head="token")
+    g = torch.Generator().manual_seed(1)
+    n, t = 200, 12
+    lengths = torch.randint(5, t + 1, (n,), generator=g)
+    mask = (torch.arange(t)[None] < lengths[:, None]).long()
+    ids = torch.randint(1, 50, (n, t), generator=g) * mask
+    x = Batch(input_ids=ids, attention_mask=mask)
+    sub = (torch.rand(n, t, generator=g) < 0.3) & mask.bool()
+    sub[:, 0] = False
+    with torch.no_grad():
+        ref = {"logits": model(**x).logits}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            trial = {"logits": model(**x).logits.float()}
+    value = ref["logits"][..., 0]
+    y = (value + 0.05 * torch.randn(n, t, generator=g)).masked_fill(sub | ~mask.bool(), -100.0)
+    words = y != -100
+    rmse = float((value - y)[words].pow(2).mean().sqrt())
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.05, rtol=0.01)}, max_quality_drop=0.05)
+    stats, d = _judged("regression", y, ref, trial, cfg=cfg, mask=mask)
+    assert stats.quality.reference == pytest.approx(-rmse, rel=1e-6) and d.decision == "accept", d.reasons
+    params = dataclasses.replace(config.Params(), task=TaskConfig(kind="regression", loss="mse"), acceptance=cfg)
+    every = torch.ones(n, dtype=torch.bool)
+    scan = vetting.Scan(params, Cases(ids=[f"ordinary/s{i}" for i in range(n)], x=x, y=y, has_target=every))
+    scan.update(0, ref)
+    assert scan.quality.result() == pytest.approx(-rmse, rel=1e-6)
+    low = {"logits": ref["logits"] - 0.5}  # an AMP-trained model 0.5 low at every word
+    _, d = _judged("regression", y, ref, trial, trained=low, cfg=cfg, mask=mask)
+    assert d.decision == "rollback" and any(r.startswith("quality after training") for r in d.reasons), d.reasons
+    # the same head as a word tagger (labels 0 or 1 at words): decided at 0, at the words alone
+    tags = (value > value[words].median()).float().masked_fill(sub | ~mask.bool(), -100.0)
+    tagger = dataclasses.replace(cfg, max_quality_drop=None)
+    for where, expected in ((sub, "accept"), (words, "rollback")):
+        i, p = divmod(int((value.abs() + (~where) * 1e9).argmin()), t)  # the value nearest 0 there
+        crossed = ref["logits"].clone()
+        crossed[i, p, 0] = -0.001 * float(value[i, p].sign())
+        stats, d = _judged("regression", tags, ref, {"logits": crossed}, cfg=tagger, mask=mask)
+        assert d.decision == expected, (expected, d.reasons)
+        assert stats.flips.real_flips == (expected == "rollback")
+
+
+def test_a_value_fitted_to_labels_by_mse_is_decided_at_their_midpoint():
+    """Hugging Face's head of one label trains by MSE (``problem_type`` regression): fitted to labels 0 or 1, its value
+    is decided at 0.5, and crossing 0 is no decision. Decided at 0 for its name, a sound bfloat16 trial rolled back for
+    values a hair from 0. With several labels the head's loss is BCE: its logits are decided at 0, a crossing there
+    rolls back. ``loss: mse`` fits values alike."""
+    g = torch.Generator().manual_seed(2)
+    n = 300
+    x = Batch(input_ids=torch.randint(1, 50, (n, 10), generator=g), attention_mask=torch.ones(n, 10, dtype=torch.long))
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.05, rtol=0.0)}, max_quality_drop=None)
+    for labels, loss, expected in ((1, "model", "accept"), (1, "mse", "accept"), (3, "model", "rollback")):
+        model = _bert(labels)
+        with torch.no_grad():
+            ref = model(**x).logits
+        y = (torch.rand(ref.shape, generator=g) < 0.5).float()
+        row, col = divmod(int(ref.abs().argmin()), labels)  # the value nearest 0 crosses it, within atol
+        trial = ref.clone()
+        trial[row, col] = -0.001 * ref[row, col].sign()
+        task = TaskConfig(kind="regression", loss=loss)
+        stats, d = _judged("regression", y, {"logits": ref}, {"logits": trial}, cfg=cfg, task=task)
+        assert d.decision == expected, (labels, loss, d.reasons)
+        if expected == "accept":  # a crossing of 0.5 is the decision
+            crossed = ref.clone()
+            crossed[0, 0] = 0.5 + 0.01 if ref[0, 0] < 0.5 else 0.49
+            cfg_wide = dataclasses.replace(cfg, outputs={"*": Tolerance(atol=1.0, rtol=0.0)})
+            stats, d = _judged("regression", y, {"logits": ref}, {"logits": crossed}, cfg=cfg_wide, task=task)
+            assert stats.flips.real_flips == 1 and d.decision == "rollback", (labels, loss, d.reasons)
+
+
+def test_a_regression_flip_a_hair_from_its_threshold_is_near_the_boundary():
+    """A multi-label head's logit 0.015 from 0 crosses it under autocast: as a single-logit head's, the flip is near the
+    boundary (``boundary_margin``), which ``max_near_boundary_flips: null`` allows and 0 does not. A user's threshold
+    is judged by the distance to it, in the output's units."""
+    model = _bert(4)
+    g = torch.Generator().manual_seed(3)
+    n = 200
+    x = Batch(input_ids=torch.randint(1, 50, (n, 10), generator=g), attention_mask=torch.ones(n, 10, dtype=torch.long))
+    with torch.no_grad():
+        ref = 50 * model(**x).logits  # random init answers within 0.04 of 0: a trained head's scale
+    y = (ref > 0).float()
+    row, col = divmod(int(ref.abs().argmin()), 4)
+    assert float(ref.abs().min()) < 0.05
+    for threshold, shift in ((None, 0.0), (0.3, 0.3)):
+        r = ref + shift
+        trial = r.clone()
+        trial[row, col] = 2 * shift - r[row, col]  # mirrored across the threshold
+        base = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.1, rtol=0.0)}, threshold=threshold,
+                                   max_quality_drop=None)
+        for near, expected in ((None, "accept"), (0, "rollback")):
+            stats, d = _judged("regression", y, {"logits": r}, {"logits": trial},
+                               cfg=dataclasses.replace(base, max_near_boundary_flips=near))
+            assert (stats.flips.near_boundary_flips, stats.flips.flips) == (1, 0), threshold
+            assert d.decision == expected, (threshold, near, d.reasons)
+        assert stats.flips.margin_kind == ("logit" if threshold is None else "value")
+    far = ref.clone()
+    i = int(ref[:, 0].abs().argmax())
+    far[i, 0] = -ref[i, 0]
+    stats, d = _judged("regression", y, {"logits": ref}, {"logits": far},
+                       cfg=dataclasses.replace(RULE, outputs={"*": Tolerance(atol=10.0, rtol=0.0)}, max_quality_drop=None,
+                                               max_near_boundary_flips=None))
+    assert stats.flips.flips == 1 and d.decision == "rollback", d.reasons
+
+
+def test_a_multi_label_model_is_scored_by_its_labels_not_by_the_rmse_of_its_logits():
+    """The RMSE of logits against labels 0 or 1 points the wrong way: an AMP-trained multi-label model collapsed to
+    0.5 everywhere scores better (0.5) than a confident sound one (~2), and was accepted. A regression decided at a
+    threshold on labels is scored, under ``metric: auto``, by label accuracy; a ``min_quality`` given in -RMSE units
+    is then refused at freeze, in one line."""
+    from pipeline import config, vetting
+    from pipeline.cases import Cases
+
+    model = _bert(5)
+    g = torch.Generator().manual_seed(4)
+    n = 200
+    x = Batch(input_ids=torch.randint(1, 50, (n, 10), generator=g), attention_mask=torch.ones(n, 10, dtype=torch.long))
+    with torch.no_grad():
+        ref = 200 * model(**x).logits  # random init answers within 0.04 of 0: a confident model's scale
+    y = (ref > 0).float()
+    noise = torch.rand(y.shape, generator=g) < 0.05
+    y[noise] = 1 - y[noise]
+    collapsed = {"logits": torch.full_like(ref, 0.5)}
+    stats, d = _judged("regression", y, {"logits": ref}, {"logits": ref}, trained=collapsed)
+    assert stats.quality.metric == "label_accuracy" and stats.quality.reference > 0.9
+    assert stats.quality.trained == pytest.approx(float(y.mean()))
+    assert d.decision == "rollback" and any(r.startswith("quality after training") for r in d.reasons), d.reasons
+    _, d = _judged("regression", y, {"logits": ref}, {"logits": ref})
+    assert d.decision == "accept", d.reasons
+    cfg = dataclasses.replace(RULE, min_quality=-1.0)
+    params = dataclasses.replace(config.Params(), task=TaskConfig(kind="regression", loss="model"), acceptance=cfg)
+    every = torch.ones(n, dtype=torch.bool)
+    scan = vetting.Scan(params, Cases(ids=[f"ordinary/s{i}" for i in range(n)], x=x, y=y, has_target=every))
+    scan.update(0, {"logits": ref})
+    problem = scan.problem(FLAT)
+    assert problem is not None and "min_quality -1" in problem and "label_accuracy" in problem and "\n" not in problem

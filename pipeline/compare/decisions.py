@@ -585,16 +585,17 @@ def holds_probabilities(name: str, ref: torch.Tensor) -> bool:
 
 def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, trial: torch.Tensor, boundary_margin: float,
                margin_kind: str, max_listed: int = 1000, positions: Sequence[int] | None = None,
-               probability: bool = False, tie_rule: str = "lowest_index") -> Decisions:
+               probability: bool = False, tie_rule: str = "lowest_index", at: float = 0.0) -> Decisions:
     """The decisions of a single-value head, judged as DecisionStats judges class scores: a sigmoid's logit z (class 1
     where z >= 0), or with ``probability`` its probability p (class 1 where p >= 0.5, the logit z = log(p / (1 - p))
     read from it). Its margin is |z| (the two-class logits 0 and z), or |p1 - p0| = |tanh(z / 2)| for a
     ``probability`` margin; constructed boundary cases are counted apart, real ones near the boundary too. Under
     ``tie_is_flip``, z = 0 exactly (p = 0.5) is a tie of the two classes, class -1, as ``labels_of`` marks a tie:
     a tie on one side only is a flip. ``ids``, ``kinds``: of each decision; ``positions``: per token, the position of
-    each (the unit is then a token)."""
+    each (the unit is then a token); ``at``: where a value that is no probability is decided (a regression's threshold:
+    its margin is then |value - at|)."""
     r, t = ref.detach().double().reshape(-1), trial.detach().double().reshape(-1)
-    zr, zt = (torch.logit(v.clamp(0.0, 1.0)) if probability else v for v in (r, t))
+    zr, zt = (torch.logit(v.clamp(0.0, 1.0)) if probability else v - at for v in (r, t))
     r_margin, t_margin = (torch.tanh(v / 2).abs() if margin_kind == "probability" else v.abs() for v in (zr, zt))
     constructed = torch.tensor([k == "boundary" for k in kinds], dtype=torch.bool)
     cr, ct = ((z >= 0).long() for z in (zr, zt))
@@ -630,22 +631,24 @@ def first_crossing(ref: torch.Tensor, trial: torch.Tensor, threshold: float,
     return crossed.any(1), crossed.to(torch.uint8).argmax(1, keepdim=True)
 
 
-def regression_flips(
-    ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, trial: torch.Tensor, threshold: float | None
-) -> Decisions:
+def regression_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, trial: torch.Tensor, threshold: float | None,
+                     boundary_margin: float = 0.0, margin_kind: str = "logit", probability: bool = False,
+                     tie_rule: str = "lowest_index", max_listed: int = 1000) -> Decisions:
     """Cases one of whose values (``ref``, ``trial``: [N, ...]) crosses the decision threshold between reference and
-    trial; each flip shows its first crossing value."""
-    flips = []
-    crossed = torch.zeros(len(ids), dtype=torch.bool)
-    if threshold is not None and ref.shape[0]:
-        r = ref.detach().double().reshape(ref.shape[0], -1)
-        t = trial.detach().double().reshape(trial.shape[0], -1)
-        crossed, at = first_crossing(r, t, threshold)
-        for i in torch.nonzero(crossed).flatten().tolist():
-            j = int(at[i, 0])
-            flips.append(Flip(id=ids[i], kind=kinds[i], boundary=False, near_boundary=False, reference=float(r[i, j]),
-                              trial=float(t[i, j])))
-    sample, sample_flips = rate_sample(ids, kinds, crossed.long(), torch.ones(len(ids), dtype=torch.int64))
-    return Decisions(cases=len(ids), boundary_cases=0, near_boundary_cases=0, flips=len(flips), near_boundary_flips=0,
-                     boundary_flips=0, boundary_flip_fraction=0.0, real_flips=len(flips), unit="case", flip_list=tuple(flips),
-                     flip_list_dropped=0, sample=sample, sample_flips=sample_flips)
+    trial, judged as ``sign_flips`` judges a single-value head, at each case's first crossing value (else its first):
+    at a sigmoid's boundary (0 for a logit, 0.5 for a ``probability``) with the head's margins, near the boundary or not;
+    at a threshold of the user's by the distance |value - threshold|, in the output's units (margin kind ``value``)."""
+    if threshold is None or not ref.shape[0]:
+        sample, sample_flips = rate_sample(ids, kinds, torch.zeros(len(ids), dtype=torch.int64),
+                                           torch.ones(len(ids), dtype=torch.int64))
+        return Decisions(cases=len(ids), boundary_cases=0, near_boundary_cases=0, flips=0, near_boundary_flips=0,
+                         boundary_flips=0, boundary_flip_fraction=0.0, real_flips=0, unit="case", flip_list=(),
+                         flip_list_dropped=0, sample=sample, sample_flips=sample_flips)
+    r = ref.detach().double().reshape(ref.shape[0], -1)
+    t = trial.detach().double().reshape(trial.shape[0], -1)
+    crossed, at = first_crossing(r, t, threshold)
+    r_pick = r.gather(1, at)[:, 0]
+    t_pick = torch.where(crossed, t.gather(1, at)[:, 0], r_pick)
+    sigmoid = threshold == (0.5 if probability else 0.0)
+    return sign_flips(ids, kinds, r_pick, t_pick, boundary_margin, margin_kind if sigmoid else "value", max_listed,
+                      probability=probability and sigmoid, tie_rule=tie_rule, at=0.0 if sigmoid else threshold)

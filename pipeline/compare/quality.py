@@ -29,13 +29,17 @@ class QualityStats:
 
     ``metric``: ``accuracy`` (per token: token accuracy over targets != -100), ``top_k`` (target among
     the k best scores, equal scores ranked by class index), ``neg_rmse``, ``neg_mae`` (regression, over every output
-    value). Per-token classification also gives the perplexity exp(mean token NLL) (a language model's). A user metric
+    value), ``label_accuracy`` (a regression decided at a threshold: each value on its target's side). Per-token
+    classification also gives the perplexity exp(mean token NLL) (a language model's). A user metric
     (``module:function``) is not streamed: ``QualityStats`` then keeps the target rows and calls it once
     (per-token scores as tokens: ``f(scores [M, C], targets [M])``, -100 targets included).
     """
 
-    def __init__(self, metric: str, tie_rule: str, top_k: int = 5, user: Callable | None = None) -> None:
+    def __init__(self, metric: str, tie_rule: str, top_k: int = 5, user: Callable | None = None,
+                 decided_at: tuple[float, float] | None = None) -> None:
         self.metric, self.tie_rule, self.top_k, self.user = metric, tie_rule, top_k, user
+        self.decided_at = decided_at
+        """``label_accuracy``: where each value is decided, and where its target is (``streams.Metric.decided_at``)."""
         self.n = 0
         self.total = 0.0
         self.nll = 0.0
@@ -100,6 +104,13 @@ class QualityStats:
             if p.numel() != y.numel():
                 p = outputs.detach().double().reshape(outputs.shape[0], -1)[:, 0]
                 y = targets.detach().double().reshape(targets.shape[0], -1)[:, 0]
+            if self.metric == "label_accuracy":  # each value on its label's side of the threshold (a NaN on neither)
+                value_at, label_at = self.decided_at
+                valid = y != IGNORE_INDEX
+                hit = ((p >= value_at) == (y >= label_at)) & ~torch.isnan(p) & valid
+                self.total += float(hit.sum())
+                self.n += int(valid.sum())
+                return hit
             err = p - y
             part = err.pow(2) if self.metric == "neg_rmse" else err.abs()
             self.total += float(part.sum())
@@ -128,7 +139,7 @@ class QualityStats:
             return float(value)
         if self.n == 0:
             return math.nan
-        if self.metric in ("accuracy", "top_k"):
+        if self.metric in ("accuracy", "top_k", "label_accuracy"):
             return self.total / self.n
         if self.metric == "neg_rmse":
             return -math.sqrt(self.total / self.n)
@@ -145,7 +156,7 @@ class QualityStats:
     def counts(self) -> tuple[int, int] | None:
         """(hits, targets) of ``accuracy`` / ``top_k`` (the quality criteria compare counts, not rounded fractions);
         None for other metrics."""
-        if self.user is not None or self.metric not in ("accuracy", "top_k"):
+        if self.user is not None or self.metric not in ("accuracy", "top_k", "label_accuracy"):
             return None
         return int(self.total), self.n
 

@@ -40,9 +40,11 @@ from pipeline.artifacts.steps import Steps
 from pipeline.compare.decisions import DecisionStats, PerCase, first_crossing, holds_probabilities, regression_flips, sign_flips
 from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite, broken
 from pipeline.compare.quality import QualityStats, regression_errors
+from pipeline.errors import UserError
 from pipeline.compare.trajectory import calibration_steps, trajectory_gap, update_health
-from pipeline.config import METRICS, AcceptanceConfig, CompareConfig, TaskConfig, primary_name
-from pipeline.task import IGNORE_INDEX, binary_targets, judged_positions, masked_targets, resolve, rows_within
+from pipeline.config import METRICS, PROBABILITY_NAMES, AcceptanceConfig, CompareConfig, TaskConfig, primary_name
+from pipeline.task import (IGNORE_INDEX, binary_targets, judged_positions, labelled_positions, masked_targets, resolve,
+                           rows_within)
 
 
 SIDES = ("reference", "trial", "trained")
@@ -84,13 +86,43 @@ class Metric:
     higher_is_better: bool = True
     top_k: int = 5
     function: Callable | None = None
+    task: TaskConfig | None = None
+    """The task it is for: its loss says how a regression's primary is decided (``reading``), and ``metric: auto``
+    what scores it."""
+    decided_at: tuple[float, float] | None = None
+    """``label_accuracy``: the threshold each value is decided at, and the one its target is (0.5 for labels 0 or 1)."""
 
     @classmethod
     def for_task(cls, task: TaskConfig) -> "Metric":
         """The metric ``task`` names (``auto`` resolved by its kind); a user metric's function imported."""
         name = task.metric_name
         function = None if name in METRICS else resolve(name, "task.metric")
-        return cls(name=name, higher_is_better=task.higher_is_better, top_k=task.top_k, function=function)
+        return cls(name=name, higher_is_better=task.higher_is_better, top_k=task.top_k, function=function, task=task)
+
+    def reading(self, kind: str, rule: AcceptanceConfig, primary: str, shape: tuple[int, ...], targets: torch.Tensor,
+                has_target: torch.Tensor) -> tuple[float | None, "Metric"]:
+        """How the primary ``primary`` of ``shape`` [N, ...] is read: the threshold a regression decides it at
+        (``AcceptanceConfig.decision_threshold``; a value the loss fits to 0/1 labels, ``TaskConfig.fits_values``, at
+        0.5), and the metric that scores it. Under ``metric: auto``, a regression decided at a threshold on targets that
+        are labels (``task.binary_targets``) is scored by ``label_accuracy``, the fraction of its values on their label's
+        side: an RMSE of logits against 0/1 labels rewards a model that answers 0.5 everywhere."""
+        labels = binary_targets(targets, has_target)
+        width = shape[-1] if len(shape) >= 2 else 1
+        fitted = self.task is not None and self.task.fits_values(width)
+        threshold = rule.decision_threshold(kind, primary, labels, fitted)
+        name = self.name
+        if self.task is not None and self.task.metric == "auto" and threshold is not None and labels:
+            name = "label_accuracy"
+        if name != "label_accuracy":
+            return threshold, self
+        if threshold is None:
+            raise UserError(f"params.yaml: task.metric is label_accuracy but output '{primary}' is decided at no threshold; "
+                            f"set acceptance.threshold, or another task.metric")
+        return threshold, replace(self, name=name, decided_at=(threshold, 0.5 if labels else threshold))
+
+    def quality(self, tie_rule: str) -> QualityStats:
+        """A fresh accumulator of this metric."""
+        return QualityStats(self.name, tie_rule, self.top_k, self.function, self.decided_at)
 
 
 def kinds_of(ids: Sequence[str]) -> list[str]:
@@ -192,13 +224,14 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
                                       math.prod(shapes[name][:-1]), top_k=metric.top_k, max_listed=cfg.max_listed_flips,
                                       device=device)
                   for name in heads if name != main}
-    quality = {side: QualityStats(metric.name, rule.tie_rule, metric.top_k, metric.function) for side in SIDES}
+    threshold, metric = metric.reading(kind, rule, main, shapes[main], targets, has_target)
+    quality = {side: metric.quality(rule.tie_rule) for side in SIDES}
     row_gap = torch.zeros(n, dtype=torch.float64)
     first_values: dict[str, list[torch.Tensor]] = {side: [] for side in SIDES}
     state = _State(names=names, main=main, kind=kind, per_token=per_token, kinds=kinds, targets=targets.to(device),
                    has_target=has_target.bool().to(device), gaps=gaps, arbiter=arbiter, decisions=decisions, quality=quality,
                    row_gap=row_gap, first_values=first_values, heads=head_stats, signs=signs, device=device,
-                   threshold=rule.decision_threshold(kind, main, binary_targets(targets, has_target)),
+                   threshold=threshold,
                    judged={name: _to(judged_positions(shapes[name], per_token and name == main, targets, sources.token_mask,
                                                         primary=name == main),
                                      device) for name in names},
@@ -222,7 +255,9 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     else:
         picked = [torch.cat(state.crossing[side])[:, None] if state.crossing[side] else first[:, None]
                   for side, first in (("reference", ref_first), ("trial", trial_first))]
-        flips, distribution = regression_flips(ids, kinds, *picked, state.threshold), None
+        flips = regression_flips(ids, kinds, *picked, state.threshold, rule.boundary_margin, rule.boundary_margin_kind,
+                                 bool(PROBABILITY_NAMES.search(main)), rule.tie_rule, cfg.max_listed_flips)
+        distribution = None
         idx = torch.nonzero(has_target).flatten()
         regression = {side: regression_errors(first[idx][:, None], targets[idx]) for side, first in zip(SIDES, firsts)}
     covered = fp64.rows if fp64 is not None and fp64.rows < n else None  # a partial FP64 re-run says how many cases
@@ -421,10 +456,13 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                 st.heads[name].update(a, r, t, None if valid is None or main else _ignored_where(valid))
             if not main:
                 continue
-            if st.threshold is not None:
-                for side, value in zip(("reference", "trial"), _threshold_pick(r, t, st.threshold, valid)):
-                    st.crossing[side].append(value)
             y = st.targets[a:b] if not st.per_token else st.targets[a:b, p:q]
+            judged = st.judged[name][a:b] if st.judged[name] is not None else None  # (``valid``: None where all are)
+            labelled = labelled_positions(tuple(r.shape), y, judged) if st.kind != "classification" else None
+            if st.threshold is not None:
+                for side, value in zip(("reference", "trial"), _threshold_pick(r, t, st.threshold,
+                                                                                valid if labelled is None else labelled)):
+                    st.crossing[side].append(value)
             labels = None
             if st.decisions is not None:
                 labels = st.decisions.update(a, r, t, y if st.per_token else None, position=p or 0, diff=diff)
@@ -436,9 +474,8 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             for side, out, fin in zip(SIDES, (r, t, trained_slice), (finite, finite, trained_finite[name])):
                 known, lse = labels.of(side) if labels is not None else (None, None)
                 hits = None
-                if st.judged[name] is not None and not st.per_token:  # a regression per token: its kept positions,
-                    keep = with_target[:, None] if valid is None else valid & with_target[:, None]  # padded or not
-                    keep = keep.expand(r.shape[:2])
+                if labelled is not None:  # a regression per position: its kept, labelled positions, padded or not
+                    keep = labelled & with_target[:, None]
                     if bool(keep.any()):
                         st.quality[side].update(out[keep], y[keep], finite=False)
                 elif every:  # no copy of the slice
