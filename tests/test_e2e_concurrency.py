@@ -44,7 +44,7 @@ def wait_for_queue(repo: Path, env: dict, limit: float = 900) -> str:
         run([str(BIN / "dvc"), "queue", "stop"], repo, env=env, check=False)
 
 
-# The queue's race on a new database: tests/test_readme_commands.py::test_sweep_block_runs_as_written (two workers, no mlflow.db).
+# The queue's race on a new database: tests/test_e2e_readme.py::test_sweep_block_runs_as_written (two workers, no mlflow.db).
 
 
 def test_a_fresh_clone_publishes_what_it_reproduces_and_a_rerun_adds_nothing(reproduced, tmp_path):

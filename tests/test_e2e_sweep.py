@@ -19,7 +19,7 @@ SMALL = {"bench": {"repeats": 1, "steps": 1, "warmup": 0}, "prepare": {"ordinary
          "trial": {"variants": ["bfloat16"]},
          # 4 steps train a reference to accuracy ~0.19: freeze refuses a minimum it cannot meet
          "acceptance": {"min_quality": 0.1}}
-# The queued sweep itself is tests/test_readme_commands.py::test_sweep_block_runs_as_written (the README's block, as written).
+# The queued sweep itself is tests/test_e2e_readme.py::test_sweep_block_runs_as_written (the README's block, as written).
 RAN_FREEZE = "Running stage 'freeze'"
 
 
