@@ -405,6 +405,7 @@ def vet_rule(
     masked: dict[str, float] | None = None, channels_first: dict[str, tuple[int, str]] | None = None,
     unit_heads: Sequence[str] = (), misnamed: Sequence[str] = (), probability_rows: Sequence[str] = (),
     top_k: int | None = None, replicate: Sequence[StepRecord] | None = None, with_target: bool = False,
+    logit_like: str | None = None,
 ) -> str | None:
     """The first reason the rule cannot judge trials of this FP32 reference, as one line, or None.
 
@@ -435,7 +436,9 @@ def vet_rule(
     distribution: KL (per token) and probability margins take class scores through softmax, which measures nothing on
     probabilities. ``top_k``: the k of metric ``top_k``: with as many classes or fewer, every target is a hit.
     ``replicate``: the FP32 replicate's steps, the noise floor of ``loss_noise_multiple``. ``with_target``: some case
-    with a target was scored (a non-finite ``ref_quality`` is then the metric's own)."""
+    with a target was scored (a non-finite ``ref_quality`` is then the metric's own). ``logit_like``: the primary that
+    ``loss: model`` with one value reads as a value fitted to labels 0 or 1 (Hugging Face's regression head, MSE: decided
+    at 0.5), whose reference spreads as a sigmoid's logits do (a model's own BCE: decided at 0)."""
     names = sorted(shapes)
     unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
     if unknown:
@@ -474,6 +477,11 @@ def vet_rule(
                 f"whether they are decisions; give '{name}': {{decisions: true}} under acceptance.outputs to judge the class "
                 f"each row picks and let pairs masked on both sides agree, or {{decisions: false}} to judge its values only, "
                 f"which a float16 trial's -65504 against FP32's -3.4e38 never passes")
+    if logit_like:
+        return (f"params.yaml: output '{logit_like}' is one value per case with labels 0 or 1 under loss: model, read as "
+                f"Hugging Face's regression head (MSE: values fitted to the labels, decided at 0.5), but many of its FP32 "
+                f"reference values lie outside [-0.5, 1.5], as a sigmoid's logits do (decided at 0); say where it is "
+                f"decided: acceptance.threshold: 0 for logits, 0.5 for fitted values")
     if misnamed:
         name = misnamed[0]
         return (f"params.yaml: output '{name}' holds one decision per case (or token) as a single value, named like a "

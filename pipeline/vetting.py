@@ -36,7 +36,11 @@ class Scan:
     name, shape and RMS, and the reference's quality on the fixed set (the metric compare uses)."""
 
     def __init__(self, params: Params, fixed: cases.Cases) -> None:
-        self.rule, self.kind = params.acceptance, params.task.kind
+        self.rule, self.kind, self.loss = params.acceptance, params.task.kind, params.task.loss
+        self.fitted: list[int] | None = None
+        """A regression's primary that ``loss: model`` with one value reads as fitted to labels 0 or 1, decided at 0.5
+        (``TaskConfig.fits_values``: Hugging Face's regression head): [its values outside [-0.5, 1.5], its values], at
+        the positions compare judges. Many outside are a sigmoid's logits (a model's own BCE), decided at 0."""
         self.metric = streams.Metric.for_task(params.task)
         self.quality = self.metric.quality(params.acceptance.tie_rule)
         """The reference's quality, in the metric compare reads the primary by (``streams.Metric.reading``: set at the
@@ -82,8 +86,11 @@ class Scan:
         main = primary_name(chunk)
         out = chunk[main]
         if not self.shapes:  # the first chunk: the primary is known, and how compare reads it
-            _, self.metric = self.metric.reading(self.kind, self.rule, main, tuple(out.shape), self.targets, self.has_target)
+            threshold, self.metric = self.metric.reading(self.kind, self.rule, main, tuple(out.shape), self.targets,
+                                                         self.has_target)
             self.quality = self.metric.quality(self.rule.tie_rule)
+            if threshold == 0.5 and self.loss == "model" and self.rule.threshold is None and not PROBABILITY_NAMES.search(main):
+                self.fitted = [0, 0]
         shapes = {n: tuple(t.shape) for n, t in chunk.items()}
         scores = set(streams.decided_heads(self.kind, self.rule, shapes, main))
         signs = set(streams.sign_heads(self.kind, self.rule, shapes, main))
@@ -121,6 +128,10 @@ class Scan:
                         self.whole[name] = None  # not whole numbers: the rest of the output is not looked at
                     elif small.numel():
                         self.whole[name] = max(self.whole.get(name, 0.0), float(finite.abs().max()))
+                if name == main and self.fitted is not None:
+                    finite = kept[0][torch.isfinite(kept[0])]
+                    self.fitted[0] += int(((finite < -0.5) | (finite > 1.5)).sum())
+                    self.fitted[1] += finite.numel()
                 for i, part in enumerate(kept):
                     total = self.squares.setdefault(name, [[0.0, 0], [0.0, 0]])[i]
                     counted = scaled[i].square()
@@ -259,7 +270,14 @@ class Scan:
                              masked=self.masked, channels_first=self.channels_first(),
                              unit_heads=self.unit_heads(), misnamed=self.misnamed_probabilities(),
                              probability_rows=self.probability_rows(), top_k=self.metric.top_k,
-                             replicate=replicate, with_target=self.quality.scored())
+                             replicate=replicate, with_target=self.quality.scored(), logit_like=self.logit_like())
+
+    def logit_like(self) -> str | None:
+        """The primary read as a value fitted to labels (``fitted``) when more than a tenth of its reference values lie
+        outside [-0.5, 1.5], where values fitted to 0 or 1 stay and a sigmoid's logits do not; else None."""
+        if self.fitted is None or not self.fitted[1] or self.fitted[0] <= 0.1 * self.fitted[1]:
+            return None
+        return primary_name(self.shapes)
 
     def real_units(self) -> int:
         """The fewest units of the flip rate's sample (ordinary cases, ``decisions.rate_sample``; per token, their kept

@@ -1858,6 +1858,37 @@ def test_a_value_fitted_to_labels_by_mse_is_decided_at_their_midpoint():
             assert stats.flips.real_flips == 1 and d.decision == "rollback", (labels, loss, d.reasons)
 
 
+def test_one_logit_under_the_models_own_loss_that_spreads_like_a_sigmoids_is_refused_until_told():
+    """Under ``loss: model`` one value on labels 0 or 1 is read as Hugging Face's regression head (MSE, decided at 0.5);
+    a model of one's own may train the same shape by BCE, its logit decided at 0. A reference spread as logits spread
+    (most values far outside [-0.5, 1.5]) is refused at freeze in one line until ``acceptance.threshold`` says which;
+    values within it (random init, or fitted) pass."""
+    from pipeline import config, vetting
+    from pipeline.cases import Cases
+
+    model = _bert(1)
+    g = torch.Generator().manual_seed(5)
+    n = 200
+    x = Batch(input_ids=torch.randint(1, 50, (n, 10), generator=g), attention_mask=torch.ones(n, 10, dtype=torch.long))
+    with torch.no_grad():
+        raw = model(**x).logits  # random init answers within 0.04 of 0
+    y = (torch.rand(n, 1, generator=g) < 0.5).float()
+    every = torch.ones(n, dtype=torch.bool)
+
+    def refusal(ref, threshold=None):
+        cfg = dataclasses.replace(RULE, threshold=threshold, max_quality_drop=None)
+        params = dataclasses.replace(config.Params(), task=TaskConfig(kind="regression", loss="model"), acceptance=cfg)
+        scan = vetting.Scan(params, Cases(ids=[f"ordinary/s{i}" for i in range(n)], x=x, y=y, has_target=every))
+        scan.update(0, {"logits": ref})
+        return scan.problem(FLAT)
+
+    logits = 200 * raw  # a confident BCE head's scale
+    line = refusal(logits)
+    assert line is not None and "acceptance.threshold" in line and "'logits'" in line and "\n" not in line
+    assert refusal(logits, threshold=0.0) is None
+    assert refusal(0.5 + 20 * raw) is None  # values fitted about 0.5 +- 0.4
+
+
 def test_a_regression_flip_a_hair_from_its_threshold_is_near_the_boundary():
     """A multi-label head's logit 0.015 from 0 crosses it under autocast: as a single-logit head's, the flip is near the
     boundary (``boundary_margin``), which ``max_near_boundary_flips: null`` allows and 0 does not. A user's threshold
