@@ -650,19 +650,22 @@ def judged_positions(shape: tuple[int, ...], primary_per_token: bool, targets: t
     """The positions [N, T] of a per-token output of ``shape`` [N, T, ...] whose values and finiteness are judged (at
     freeze and in compare): those the batch's ``token_mask`` keeps, when it has one of that length (padding is no output
     the application uses; a real position whose target is -100, a sequence's last, which generation reads next, is
-    one); else, for the per-token primary, those with a target (without a mask, -100 is all that is known of padding);
-    None: every position counts (an output that is not per token, or no mask for another output). The ``primary``
-    output squeezed to [N, T] (a regression per token returns a value per position so) is per token where its targets
-    are [N, T] and the mask has their shape; any other [N, D] output is columns, judged whole (an embedding of T
+    one); else, for the per-token primary, those with a target (without a mask, -100 is all that is known of padding;
+    a regression's primary per position, its targets [N, T], where some are -100); None: every position counts (an
+    output that is not per token, or no mask for another output). The ``primary`` output squeezed to [N, T] (a
+    regression per token returns a value per position so) is per token where its targets are [N, T] and the mask has
+    their shape, or, without a mask, some are -100; any other [N, D] output is columns, judged whole (an embedding of T
     dimensions cannot be told from T positions by its shape: judging padding is the safe side)."""
+    positions = primary and targets.ndim == 2 and tuple(targets.shape) == tuple(shape[:2])  # targets [N, T]
+    ignored = positions and token_mask is None and bool((targets == IGNORE_INDEX).any())
     if len(shape) == 2:
-        per_position = (primary and token_mask is not None and targets.ndim == 2
-                        and tuple(token_mask.shape) == tuple(targets.shape) == tuple(shape))
-        return token_mask.bool() if per_position else None
+        if positions and token_mask is not None and tuple(token_mask.shape) == tuple(shape):
+            return token_mask.bool()
+        return targets != IGNORE_INDEX if ignored else None
     if len(shape) != 3:
         return None
     if token_mask is not None and token_mask.ndim == 2 and token_mask.shape[1] == shape[1]:
         return token_mask.bool()
-    if primary_per_token:
+    if primary_per_token or ignored:
         return targets != IGNORE_INDEX
     return None

@@ -1954,3 +1954,40 @@ def test_a_multi_label_model_is_scored_by_its_labels_not_by_the_rmse_of_its_logi
     scan.update(0, {"logits": ref})
     problem = scan.problem(FLAT)
     assert problem is not None and "min_quality -1" in problem and "label_accuracy" in problem and "\n" not in problem
+
+
+def test_a_value_per_position_without_a_mask_is_judged_where_its_targets_are_not_minus_100():
+    """A per-token regression whose batch carries no ``attention_mask``: -100 targets are all that is known of its
+    padding, as for a per-token classifier. As [N, T] its positions were read as T columns, the -100 targets scored as
+    values (an RMSE of ~50 hid an AMP-trained model 0.5 off), and as [N, T] or [N, T, 1] the garbage a trial computes
+    at padding, NaN under float16, was judged and rolled back a sound trial (and refused the reference at freeze)."""
+    from pipeline import config, vetting
+    from pipeline.cases import Cases
+
+    net, features, mask, g = _per_token_values(n=120)
+    n = features.shape[0]
+    real = mask.bool()
+    with torch.no_grad():
+        ref = net(features)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            trial = net(features).float()
+    ref[~real], trial[~real] = float("nan"), float("nan")  # what padding holds, on both sides
+    y = (ref.squeeze(-1) + 0.05 * torch.randn(ref.shape[:2], generator=g)).masked_fill(~real, -100.0)
+    ids, every = [f"ordinary/s{i}" for i in range(n)], torch.ones(n, dtype=torch.bool)
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.2, rtol=0.0)}, max_quality_drop=0.05)
+    rmse = -float((ref.squeeze(-1) - y)[real].pow(2).mean().sqrt())
+    for squeeze in (False, True):
+        r, t = (v.squeeze(-1) if squeeze else v for v in (ref, trial))
+        for trained, expected in ((t, "accept"), (r + 0.5, "rollback")):
+            sources = streams.Sources(ids, y, every, streams.InMemory({"output": r}), streams.InMemory({"output": t}),
+                                      streams.InMemory({"output": trained}))
+            stats, _ = streams.compare_streams("regression", cfg, sources, streams.Trajectories(FLAT, FLAT, 1.0))
+            d = rule.decide(stats, cfg)
+            assert stats.values["output"].elements == int(real.sum()), squeeze
+            assert stats.quality.reference == pytest.approx(rmse, rel=1e-6), squeeze
+            assert d.decision == expected, (squeeze, expected, d.reasons)
+        params = dataclasses.replace(config.Params(), task=TaskConfig(kind="regression", loss="mse"), acceptance=cfg)
+        scan = vetting.Scan(params, Cases(ids=ids, x=features, y=y, has_target=every))
+        scan.update(0, {"output": r})
+        assert not bool(scan.nonfinite_rows(0, {"output": r}).any()), squeeze
+        assert scan.quality.result() == pytest.approx(rmse, rel=1e-6), squeeze
