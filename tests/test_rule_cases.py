@@ -1772,6 +1772,16 @@ def _bert(num_labels, head="sequence", seed=0):
     return cls(config).eval()
 
 
+def _bert_logits(num_labels, seed, scale=1.0, n=200):
+    """A tiny BERT sequence classifier's logits over ``n`` random sentences, times ``scale`` (random init answers within
+    0.04 of 0; a trained head's scale is larger): (the batch, the logits, a generator for the rest)."""
+    model = _bert(num_labels)
+    g = torch.Generator().manual_seed(seed)
+    x = Batch(input_ids=torch.randint(1, 50, (n, 10), generator=g), attention_mask=torch.ones(n, 10, dtype=torch.long))
+    with torch.no_grad():
+        return x, scale * model(**x).logits, g
+
+
 def _judged(kind, y, ref, trial, trained=None, cfg=RULE, mask=None, task=None):
     ids, every = [f"ordinary/s{i}" for i in range(len(y))], torch.ones(len(y), dtype=torch.bool)
     sources = streams.Sources(ids, y, every, streams.InMemory(ref), streams.InMemory(trial),
@@ -1866,12 +1876,8 @@ def test_one_logit_under_the_models_own_loss_that_spreads_like_a_sigmoids_is_ref
     from pipeline import config, vetting
     from pipeline.cases import Cases
 
-    model = _bert(1)
-    g = torch.Generator().manual_seed(5)
-    n = 200
-    x = Batch(input_ids=torch.randint(1, 50, (n, 10), generator=g), attention_mask=torch.ones(n, 10, dtype=torch.long))
-    with torch.no_grad():
-        raw = model(**x).logits  # random init answers within 0.04 of 0
+    x, raw, g = _bert_logits(1, seed=5)
+    n = len(raw)
     y = (torch.rand(n, 1, generator=g) < 0.5).float()
     every = torch.ones(n, dtype=torch.bool)
 
@@ -1893,12 +1899,7 @@ def test_a_regression_flip_a_hair_from_its_threshold_is_near_the_boundary():
     """A multi-label head's logit 0.015 from 0 crosses it under autocast: as a single-logit head's, the flip is near the
     boundary (``boundary_margin``), which ``max_near_boundary_flips: null`` allows and 0 does not. A user's threshold
     is judged by the distance to it, in the output's units."""
-    model = _bert(4)
-    g = torch.Generator().manual_seed(3)
-    n = 200
-    x = Batch(input_ids=torch.randint(1, 50, (n, 10), generator=g), attention_mask=torch.ones(n, 10, dtype=torch.long))
-    with torch.no_grad():
-        ref = 50 * model(**x).logits  # random init answers within 0.04 of 0: a trained head's scale
+    _, ref, _ = _bert_logits(4, seed=3, scale=50.0)
     y = (ref > 0).float()
     row, col = divmod(int(ref.abs().argmin()), 4)
     assert float(ref.abs().min()) < 0.05
@@ -1931,12 +1932,8 @@ def test_a_multi_label_model_is_scored_by_its_labels_not_by_the_rmse_of_its_logi
     from pipeline import config, vetting
     from pipeline.cases import Cases
 
-    model = _bert(5)
-    g = torch.Generator().manual_seed(4)
-    n = 200
-    x = Batch(input_ids=torch.randint(1, 50, (n, 10), generator=g), attention_mask=torch.ones(n, 10, dtype=torch.long))
-    with torch.no_grad():
-        ref = 200 * model(**x).logits  # random init answers within 0.04 of 0: a confident model's scale
+    x, ref, g = _bert_logits(5, seed=4, scale=200.0)  # a confident model
+    n = len(ref)
     y = (ref > 0).float()
     noise = torch.rand(y.shape, generator=g) < 0.05
     y[noise] = 1 - y[noise]
