@@ -618,8 +618,13 @@ def token_mask_of(x) -> torch.Tensor | None:
 
 
 def masked_targets(targets: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
-    """Per-token targets with the padding positions of ``token_mask`` (``token_mask_of``) ignored (-100)."""
+    """Per-token targets with the padding positions of ``token_mask`` (``token_mask_of``) ignored (-100). Floating
+    targets [N, T] that hold a value other than 0 or -100 at a padding position are no per-token targets: the labels
+    of a multi-label head whose L happens to equal the sequence's T are columns, returned as they are."""
     if token_mask is not None and tuple(token_mask.shape) == tuple(targets.shape) and targets.ndim == 2:
+        padding = targets[~token_mask.bool()]
+        if targets.is_floating_point() and not bool(((padding == 0) | (padding == IGNORE_INDEX)).all()):
+            return targets
         return targets.masked_fill(~token_mask.bool(), IGNORE_INDEX)
     return targets
 
@@ -651,21 +656,20 @@ def judged_positions(shape: tuple[int, ...], primary_per_token: bool, targets: t
     freeze and in compare): those the batch's ``token_mask`` keeps, when it has one of that length (padding is no output
     the application uses; a real position whose target is -100, a sequence's last, which generation reads next, is
     one); else, for the per-token primary, those with a target (without a mask, -100 is all that is known of padding;
-    a regression's primary per position, its targets [N, T], where some are -100); None: every position counts (an
+    a regression's primary [N, T, ...] too, its targets [N, T], where some are -100); None: every position counts (an
     output that is not per token, or no mask for another output). The ``primary`` output squeezed to [N, T] (a
-    regression per token returns a value per position so) is per token where its targets are [N, T] and the mask has
-    their shape, or, without a mask, some are -100; any other [N, D] output is columns, judged whole (an embedding of T
-    dimensions cannot be told from T positions by its shape: judging padding is the safe side)."""
+    regression per token returns a value per position so) is per token where its targets are [N, T], the mask has
+    their shape and ``masked_targets`` read its padding as such; any other [N, D] output is columns, judged whole (an
+    embedding of T dimensions, a multi-label head of T labels, readings of -100 dBm, cannot be told from T positions
+    by their shape: judging padding is the safe side)."""
     positions = primary and targets.ndim == 2 and tuple(targets.shape) == tuple(shape[:2])  # targets [N, T]
-    ignored = positions and token_mask is None and bool((targets == IGNORE_INDEX).any())
-    if len(shape) == 2:
-        if positions and token_mask is not None and tuple(token_mask.shape) == tuple(shape):
-            return token_mask.bool()
-        return targets != IGNORE_INDEX if ignored else None
+    if len(shape) == 2:  # positions where the mask has their shape and ``masked_targets`` ignored its padding
+        masked = positions and token_mask is not None and tuple(token_mask.shape) == tuple(shape)
+        return token_mask.bool() if masked and bool((targets[~token_mask.bool()] == IGNORE_INDEX).all()) else None
     if len(shape) != 3:
         return None
     if token_mask is not None and token_mask.ndim == 2 and token_mask.shape[1] == shape[1]:
         return token_mask.bool()
-    if primary_per_token or ignored:
+    if primary_per_token or (positions and bool((targets == IGNORE_INDEX).any())):
         return targets != IGNORE_INDEX
     return None

@@ -1955,9 +1955,10 @@ def test_a_multi_label_model_is_scored_by_its_labels_not_by_the_rmse_of_its_logi
 
 def test_a_value_per_position_without_a_mask_is_judged_where_its_targets_are_not_minus_100():
     """A per-token regression whose batch carries no ``attention_mask``: -100 targets are all that is known of its
-    padding, as for a per-token classifier. As [N, T] its positions were read as T columns, the -100 targets scored as
-    values (an RMSE of ~50 hid an AMP-trained model 0.5 off), and as [N, T] or [N, T, 1] the garbage a trial computes
-    at padding, NaN under float16, was judged and rolled back a sound trial (and refused the reference at freeze)."""
+    padding, as for a per-token classifier. Its -100 targets were scored as
+    values (an RMSE of ~50 hid an AMP-trained model 0.5 off), and as [N, T, 1] the garbage a trial computes
+    at padding, NaN under float16, was judged and rolled back a sound trial (and refused the reference at freeze). As
+    [N, T, 1] its -100 targets mark padding, as for a per-token classifier."""
     from pipeline import config, vetting
     from pipeline.cases import Cases
 
@@ -1973,7 +1974,7 @@ def test_a_value_per_position_without_a_mask_is_judged_where_its_targets_are_not
     ids, every = [f"ordinary/s{i}" for i in range(n)], torch.ones(n, dtype=torch.bool)
     cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.2, rtol=0.0)}, max_quality_drop=0.05)
     rmse = -float((ref.squeeze(-1) - y)[real].pow(2).mean().sqrt())
-    for squeeze in (False, True):
+    for squeeze in (False,):  # [N, T] without a mask is columns (test_columns_that_look_like_positions_are_columns)
         r, t = (v.squeeze(-1) if squeeze else v for v in (ref, trial))
         for trained, expected in ((t, "accept"), (r + 0.5, "rollback")):
             sources = streams.Sources(ids, y, every, streams.InMemory({"output": r}), streams.InMemory({"output": t}),
@@ -1988,3 +1989,40 @@ def test_a_value_per_position_without_a_mask_is_judged_where_its_targets_are_not
         scan.update(0, {"output": r})
         assert not bool(scan.nonfinite_rows(0, {"output": r}).any()), squeeze
         assert scan.quality.result() == pytest.approx(rmse, rel=1e-6), squeeze
+
+
+def test_columns_that_look_like_positions_are_columns():
+    """[N, D] with targets [N, D] cannot be told from T positions by its shape. A multi-label BERT of 8 labels over
+    sentences of 8 tokens had its labels at padded positions dropped (the label of column 7 destroyed on every short
+    sentence was accepted); readings of -100 dBm, without a mask, were ignored (NaN there was accepted). Labels that
+    padding cannot hold (a 1) are columns, and without a mask an [N, D] output is columns: every value is judged."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32, num_labels=8,
+                                     problem_type="multi_label_classification")
+    model = transformers.BertForSequenceClassification(config).eval()
+    g = torch.Generator().manual_seed(7)
+    n, t = 300, 8
+    lengths = torch.randint(4, t + 1, (n,), generator=g)
+    mask = (torch.arange(t)[None] < lengths[:, None]).long()
+    x = Batch(input_ids=torch.randint(1, 50, (n, t), generator=g) * mask, attention_mask=mask)
+    with torch.no_grad():
+        ref = 200 * model(**x).logits
+    y = (ref > 0).float()
+    short = ~mask[:, -1].bool()
+    trial = ref.clone()
+    trial[short, 7] = -ref[short, 7]  # label 7 destroyed on every sentence whose last token is padding
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.05, rtol=0.02)})
+    stats, d = _judged("regression", y, {"logits": ref}, {"logits": ref}, cfg=cfg, mask=mask)
+    assert d.decision == "accept", d.reasons
+    stats, d = _judged("regression", y, {"logits": ref}, {"logits": trial}, cfg=cfg, mask=mask)
+    assert stats.flips.real_flips == int(short.sum()) and d.decision == "rollback", d.reasons
+    # readings of -100 dBm are values: a NaN there is a non-finite output, an error of 40 dB is one
+    dbm = -60 - 20 * torch.rand(n, 3, generator=g)
+    dbm[:20, 1] = -100.0
+    wrong = dbm.clone()
+    wrong[5, 1] = float("nan")
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.5, rtol=0.0)}, max_quality_drop=None)
+    _, d = _judged("regression", dbm, {"output": dbm}, {"output": wrong}, trained={"output": wrong}, cfg=cfg)
+    assert d.decision == "rollback" and any("non-finite" in r for r in d.reasons), d.reasons
