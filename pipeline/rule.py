@@ -405,7 +405,7 @@ def vet_rule(
     masked: dict[str, float] | None = None, channels_first: dict[str, tuple[int, str]] | None = None,
     unit_heads: Sequence[str] = (), misnamed: Sequence[str] = (), probability_rows: Sequence[str] = (),
     top_k: int | None = None, replicate: Sequence[StepRecord] | None = None, with_target: bool = False,
-    logit_like: str | None = None,
+    logit_like: str | None = None, per_label: Sequence[str] = (),
 ) -> str | None:
     """The first reason the rule cannot judge trials of this FP32 reference, as one line, or None.
 
@@ -438,7 +438,8 @@ def vet_rule(
     ``replicate``: the FP32 replicate's steps, the noise floor of ``loss_noise_multiple``. ``with_target``: some case
     with a target was scored (a non-finite ``ref_quality`` is then the metric's own). ``logit_like``: the primary that
     ``loss: model`` with one value reads as a value fitted to labels 0 or 1 (Hugging Face's regression head, MSE: decided
-    at 0.5), whose reference spreads as a sigmoid's logits do (a model's own BCE: decided at 0)."""
+    at 0.5), whose reference spreads as a sigmoid's logits do (a model's own BCE: decided at 0). ``per_label``: outputs
+    read as class scores (argmax) that have the shape of a primary whose labels are each decided at a threshold."""
     names = sorted(shapes)
     unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
     if unknown:
@@ -477,6 +478,12 @@ def vet_rule(
                 f"whether they are decisions; give '{name}': {{decisions: true}} under acceptance.outputs to judge the class "
                 f"each row picks and let pairs masked on both sides agree, or {{decisions: false}} to judge its values only, "
                 f"which a float16 trial's -65504 against FP32's -3.4e38 never passes")
+    if per_label:
+        name, main = per_label[0], primary_name(shapes)
+        return (f"params.yaml: output '{name}' has the shape of '{main}', whose labels are each decided at a threshold "
+                f"(multi-label), but it would be judged as class scores, by argmax across labels that are decided one by "
+                f"one, and roll back for swaps between two labels that both stay on; give '{name}': {{decisions: false}} "
+                f"under acceptance.outputs to judge its values (the labels are decided on '{main}'), or return one of them")
     if logit_like:
         return (f"params.yaml: output '{logit_like}' is one value per case with labels 0 or 1 under loss: model, read as "
                 f"Hugging Face's regression head (MSE: values fitted to the labels, decided at 0.5), but many of its FP32 "

@@ -37,6 +37,9 @@ class Scan:
 
     def __init__(self, params: Params, fixed: cases.Cases) -> None:
         self.rule, self.kind, self.loss = params.acceptance, params.task.kind, params.task.loss
+        self.per_label: list[str] = []
+        """Outputs decided by argmax that have the shape of a primary decided label by label at a threshold (a multi-label
+        head's logits beside its sigmoid's ``probs``): argmax across independent labels is no decision."""
         self.fitted: list[int] | None = None
         """A regression's primary that ``loss: model`` with one value reads as fitted to labels 0 or 1, decided at 0.5
         (``TaskConfig.fits_values``: Hugging Face's regression head): [its values outside [-0.5, 1.5], its values], at
@@ -91,6 +94,10 @@ class Scan:
             self.quality = self.metric.quality(self.rule.tie_rule)
             if threshold == 0.5 and self.loss == "model" and self.rule.threshold is None and not PROBABILITY_NAMES.search(main):
                 self.fitted = [0, 0]
+            if threshold is not None and out.ndim in (2, 3) and out.shape[-1] >= 2:  # decided label by label
+                shapes = {n: tuple(t.shape) for n, t in chunk.items()}
+                self.per_label = [n for n in streams.decided_heads(self.kind, self.rule, shapes, main)
+                                  if shapes[n] == shapes[main]]
         shapes = {n: tuple(t.shape) for n, t in chunk.items()}
         scores = set(streams.decided_heads(self.kind, self.rule, shapes, main))
         signs = set(streams.sign_heads(self.kind, self.rule, shapes, main))
@@ -270,7 +277,8 @@ class Scan:
                              masked=self.masked, channels_first=self.channels_first(),
                              unit_heads=self.unit_heads(), misnamed=self.misnamed_probabilities(),
                              probability_rows=self.probability_rows(), top_k=self.metric.top_k,
-                             replicate=replicate, with_target=self.quality.scored(), logit_like=self.logit_like())
+                             replicate=replicate, with_target=self.quality.scored(), logit_like=self.logit_like(),
+                             per_label=self.per_label)
 
     def logit_like(self) -> str | None:
         """The primary read as a value fitted to labels (``fitted``) when more than a tenth of its reference values lie

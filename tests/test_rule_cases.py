@@ -2026,3 +2026,30 @@ def test_columns_that_look_like_positions_are_columns():
     cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.5, rtol=0.0)}, max_quality_drop=None)
     _, d = _judged("regression", dbm, {"output": dbm}, {"output": wrong}, trained={"output": wrong}, cfg=cfg)
     assert d.decision == "rollback" and any("non-finite" in r for r in d.reasons), d.reasons
+
+
+def test_a_multi_label_heads_probabilities_beside_its_logits_are_not_judged_by_argmax():
+    """A multi-label model returns its logits and their sigmoid, ``probs`` [N, L]. The labels are decided one by one on
+    the primary; read as class scores, ``probs`` rolled a sound bfloat16 trial back for swaps of two labels at 0.986
+    that both stay on. freeze asks, in one line, for ``probs: {decisions: false}``; so told, it passes."""
+    from pipeline import config, vetting
+    from pipeline.cases import Cases
+
+    x, ref, g = _bert_logits(6, seed=8, scale=200.0)
+    n = len(ref)
+    y = (ref > 0).float()
+    outputs = {"logits": ref, "probs": torch.sigmoid(ref)}
+    every = torch.ones(n, dtype=torch.bool)
+
+    def refusal(cfg):
+        params = dataclasses.replace(config.Params(), task=TaskConfig(kind="regression", loss="model"), acceptance=cfg)
+        scan = vetting.Scan(params, Cases(ids=[f"ordinary/s{i}" for i in range(n)], x=x, y=y, has_target=every))
+        scan.update(0, outputs)
+        return scan.problem(FLAT)
+
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.05, rtol=0.02)}, max_quality_drop=None)
+    line = refusal(cfg)
+    assert line is not None and "'probs'" in line and "decisions: false" in line and "\n" not in line
+    told = dataclasses.replace(cfg, outputs={"*": Tolerance(atol=0.05, rtol=0.02),
+                                             "probs": Tolerance(atol=0.01, rtol=0.0, decisions=False)})
+    assert refusal(told) is None
