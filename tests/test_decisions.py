@@ -315,3 +315,14 @@ def test_the_rate_sample_is_the_ordinary_units_and_a_copy_adds_only_the_flips_it
     assert rate_sample(ids, kinds, [3, 0, 4, 2, 5, 1], [10, 8, 10, 6, 9, 7]) == (18, 3 + 1 + 2 + 1)
     assert rate_sample(ids, kinds, [3, 0, 2, 0, 5, 0], [10, 8, 10, 6, 9, 7]) == (18, 3)  # the copy's flips are its twin's
     assert rate_sample(ids[:1] + ids[3:4], kinds[:1] + kinds[3:4], [1, 6], [1, 1]) == (1, 1)
+
+
+def test_tie_is_flip_holds_for_a_regression_threshold_as_for_a_single_logit():
+    """Under ``tie_is_flip`` a value exactly at a regression's threshold on one side only is a flip, as a single logit's
+    exact 0 is; ``>=`` alone read 2.0 against 2.019 as the same decision."""
+    ref = torch.tensor([[2.019], [2.0], [1.5]])
+    trial = torch.tensor([[2.0], [2.001], [1.5]])
+    ids = ["a", "b", "c"]
+    assert regression_flips(ids, ["ordinary"] * 3, ref, trial, 2.0, 0.05, "logit").real_flips == 0
+    f = regression_flips(ids, ["ordinary"] * 3, ref, trial, 2.0, 0.05, "logit", tie_rule="tie_is_flip")
+    assert f.real_flips == 2 and sorted(x.id for x in f.flip_list) == ["a", "b"]

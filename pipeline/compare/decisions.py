@@ -621,11 +621,15 @@ def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, tria
                      sample=sample, sample_flips=sample_flips)
 
 
-def first_crossing(ref: torch.Tensor, trial: torch.Tensor, threshold: float,
-                   keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def first_crossing(ref: torch.Tensor, trial: torch.Tensor, threshold: float, keep: torch.Tensor | None = None,
+                   ties: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per case (rows of [N, K]): whether one of its values (where ``keep``) is on the other side of a regression's
-    decision threshold in the trial (compared in float64), and the column of the first that is ([N, 1]; 0 where none)."""
-    crossed = (ref.double() >= threshold) != (trial.double() >= threshold)
+    decision threshold in the trial (compared in float64), or, with ``ties`` (``tie_is_flip``), exactly at it on one
+    side only, and the column of the first that is ([N, 1]; 0 where none)."""
+    r, t = ref.double(), trial.double()
+    crossed = (r >= threshold) != (t >= threshold)
+    if ties:
+        crossed |= (r == threshold) != (t == threshold)
     if keep is not None:
         crossed &= keep
     return crossed.any(1), crossed.to(torch.uint8).argmax(1, keepdim=True)
@@ -646,7 +650,7 @@ def regression_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor
                          flip_list_dropped=0, sample=sample, sample_flips=sample_flips)
     r = ref.detach().double().reshape(ref.shape[0], -1)
     t = trial.detach().double().reshape(trial.shape[0], -1)
-    crossed, at = first_crossing(r, t, threshold)
+    crossed, at = first_crossing(r, t, threshold, ties=tie_rule == "tie_is_flip")
     r_pick = r.gather(1, at)[:, 0]
     t_pick = torch.where(crossed, t.gather(1, at)[:, 0], r_pick)
     sigmoid = threshold == (0.5 if probability else 0.0)

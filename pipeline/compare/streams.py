@@ -231,7 +231,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     state = _State(names=names, main=main, kind=kind, per_token=per_token, kinds=kinds, targets=targets.to(device),
                    has_target=has_target.bool().to(device), gaps=gaps, arbiter=arbiter, decisions=decisions, quality=quality,
                    row_gap=row_gap, first_values=first_values, heads=head_stats, signs=signs, device=device,
-                   threshold=threshold,
+                   threshold=threshold, ties=rule.tie_rule == "tie_is_flip",
                    judged={name: _to(judged_positions(shapes[name], per_token and name == main, targets, sources.token_mask,
                                                         primary=name == main),
                                      device) for name in names},
@@ -338,6 +338,8 @@ class _State:
     """DecisionStats of every decided output other than the primary (``decided_heads``)."""
     threshold: float | None = None
     """A regression's decision threshold (``AcceptanceConfig.decision_threshold``)."""
+    ties: bool = False
+    """``tie_rule: tie_is_flip``: a value exactly at ``threshold`` on one side only is a flip."""
     crossing: dict = field(default_factory=lambda: {"reference": [], "trial": []})
     """Per side, slice by slice: the value of each case judged against ``threshold`` (``_threshold_pick``)."""
     signs: dict = field(default_factory=dict)
@@ -461,7 +463,8 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             labelled = labelled_positions(tuple(r.shape), y, judged) if st.kind != "classification" else None
             if st.threshold is not None:
                 for side, value in zip(("reference", "trial"), _threshold_pick(r, t, st.threshold,
-                                                                                valid if labelled is None else labelled)):
+                                                                                valid if labelled is None else labelled,
+                                                                                st.ties)):
                     st.crossing[side].append(value)
             labels = None
             if st.decisions is not None:
@@ -515,14 +518,14 @@ def sign_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, .
             and rule.tolerance(name).decides(name, kind)]
 
 
-def _threshold_pick(r: torch.Tensor, t: torch.Tensor, threshold: float, valid: torch.Tensor | None):
+def _threshold_pick(r: torch.Tensor, t: torch.Tensor, threshold: float, valid: torch.Tensor | None, ties: bool = False):
     """Per case, the reference and trial values judged against a regression's threshold: the first of its values (at
     a kept position) that crosses it between the two, else the reference's first value on both sides; a case flips
     where any value does (a multi-label head of logits with threshold 0, per label)."""
     rows = r.shape[0]
     keep = None if valid is None else valid.reshape(*valid.shape, *[1] * (r.ndim - valid.ndim)).expand(r.shape)
     r2, t2 = r.reshape(rows, -1), t.reshape(rows, -1)
-    crossed, at = first_crossing(r2, t2, threshold, None if keep is None else keep.reshape(rows, -1))
+    crossed, at = first_crossing(r2, t2, threshold, None if keep is None else keep.reshape(rows, -1), ties)
     r_pick, t_pick = (v.gather(1, at)[:, 0].double().cpu() for v in (r2, t2))
     return r_pick, torch.where(crossed.cpu(), t_pick, r_pick)  # no crossing: no flip, padding at 0 or not
 
