@@ -1838,6 +1838,8 @@ def test_a_word_level_regression_ignores_the_targets_of_sub_words():
         stats, d = _judged("regression", tags, ref, {"logits": crossed}, cfg=tagger, mask=mask)
         assert d.decision == expected, (expected, d.reasons)
         assert stats.flips.real_flips == (expected == "rollback")
+        assert stats.quality.metric == "label_accuracy" and set(stats.quality.paired) == {"trial", "trained"}  # the
+        # paired bound of max_flip_rate, as for the same labels laid out [N, L]
 
 
 def test_a_value_fitted_to_labels_by_mse_is_decided_at_their_midpoint():

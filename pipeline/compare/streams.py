@@ -480,7 +480,7 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                 if labelled is not None:  # a regression per position: its kept, labelled positions, padded or not
                     keep = labelled & with_target[:, None]
                     if bool(keep.any()):
-                        st.quality[side].update(out[keep], y[keep], finite=False)
+                        hits = st.quality[side].update(out[keep], y[keep], finite=False)
                 elif every:  # no copy of the slice
                     hits = st.quality[side].update(out, y, known, lse, finite=fin)
                 elif some:
