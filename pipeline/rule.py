@@ -487,7 +487,8 @@ def vet_rule(
     if logit_like:
         return (f"params.yaml: output '{logit_like}' is one value per case with labels 0 or 1 under loss: model, read as "
                 f"Hugging Face's regression head (MSE: values fitted to the labels, decided at 0.5), but many of its FP32 "
-                f"reference values lie outside [-0.5, 1.5], as a sigmoid's logits do (decided at 0); say where it is "
+                f"reference values lie outside [-0.5, 1.5], or far more of its labels are right read at 0 than at 0.5, as a "
+                f"sigmoid's logits are (decided at 0); say where it is "
                 f"decided: acceptance.threshold: 0 for logits, 0.5 for fitted values")
     if misnamed:
         name = misnamed[0]

@@ -42,8 +42,9 @@ class Scan:
         head's logits beside its sigmoid's ``probs``): argmax across independent labels is no decision."""
         self.fitted: list[int] | None = None
         """A regression's primary that ``loss: model`` with one value reads as fitted to labels 0 or 1, decided at 0.5
-        (``TaskConfig.fits_values``: Hugging Face's regression head): [its values outside [-0.5, 1.5], its values], at
-        the positions compare judges. Many outside are a sigmoid's logits (a model's own BCE), decided at 0."""
+        (``TaskConfig.fits_values``: Hugging Face's regression head): [its values outside [-0.5, 1.5], its values, its labels
+        right when read at 0.5, right when read at 0, its labels], at the positions compare judges. Many outside, or many
+        more right at 0, are a sigmoid's logits (a model's own BCE, ``problem_type`` multi-label), decided at 0."""
         self.metric = streams.Metric.for_task(params.task)
         self.quality = self.metric.quality(params.acceptance.tie_rule)
         """The reference's quality, in the metric compare reads the primary by (``streams.Metric.reading``: set at the
@@ -93,7 +94,7 @@ class Scan:
                                                          self.has_target)
             self.quality = self.metric.quality(self.rule.tie_rule)
             if threshold == 0.5 and self.loss == "model" and self.rule.threshold is None and not PROBABILITY_NAMES.search(main):
-                self.fitted = [0, 0]
+                self.fitted = [0, 0, 0, 0, 0]
             if threshold is not None and out.ndim in (2, 3) and out.shape[-1] >= 2:  # decided label by label
                 shapes = {n: tuple(t.shape) for n, t in chunk.items()}
                 self.per_label = [n for n in streams.decided_heads(self.kind, self.rule, shapes, main)
@@ -157,6 +158,13 @@ class Scan:
                         keep = labelled & keep[:, None]
                     if bool(keep.any()):
                         self.quality.update(out[a:b][keep], self.targets[row + a : row + b][keep])
+                        if self.fitted is not None:  # its labels read at 0.5 and at 0 (``logit_like``)
+                            o, known = out[a:b][keep].reshape(-1), self.targets[row + a : row + b][keep].reshape(-1)
+                            if o.numel() == known.numel():
+                                o, positive = o[known != task.IGNORE_INDEX], known[known != task.IGNORE_INDEX] >= 0.5
+                                self.fitted[2] += int(((o >= 0.5) == positive).sum())
+                                self.fitted[3] += int(((o >= 0) == positive).sum())
+                                self.fitted[4] += o.numel()
 
     def _values_of(self, name: str, v: torch.Tensor, primary: bool, per_position: bool) -> int:
         """The columns of output ``name`` (its last axis: [N, D] or per token [N, T, D]; one for [N], and for a value
@@ -282,8 +290,12 @@ class Scan:
 
     def logit_like(self) -> str | None:
         """The primary read as a value fitted to labels (``fitted``) when more than a tenth of its reference values lie
-        outside [-0.5, 1.5], where values fitted to 0 or 1 stay and a sigmoid's logits do not; else None."""
-        if self.fitted is None or not self.fitted[1] or self.fitted[0] <= 0.1 * self.fitted[1]:
+        outside [-0.5, 1.5], where values fitted to 0 or 1 stay and a sigmoid's logits do not, or when read at 0 it gets
+        more than a tenth more of its labels right than at 0.5 (a logit trained on noisy labels stays near 0); else None."""
+        if self.fitted is None or not self.fitted[1]:
+            return None
+        outside, values, at_half, at_zero, labels = self.fitted
+        if outside <= 0.1 * values and not (labels and at_zero - at_half > 0.1 * labels):
             return None
         return primary_name(self.shapes)
 

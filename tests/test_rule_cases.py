@@ -1895,6 +1895,9 @@ def test_one_logit_under_the_models_own_loss_that_spreads_like_a_sigmoids_is_ref
     assert line is not None and "acceptance.threshold" in line and "'logits'" in line and "\n" not in line
     assert refusal(logits, threshold=0.0) is None
     assert refusal(0.5 + 20 * raw) is None  # values fitted about 0.5 +- 0.4
+    timid = 0.3 * (2 * y - 1) + 0.1 * torch.randn(n, 1, generator=g)  # a logit trained on noisy labels stays near 0:
+    line = refusal(timid)  # within [-0.5, 1.5], but right at 0 and no better than a constant at 0.5
+    assert line is not None and "acceptance.threshold" in line
 
 
 def test_a_regression_flip_a_hair_from_its_threshold_is_near_the_boundary():
