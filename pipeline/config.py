@@ -113,9 +113,8 @@ class TaskConfig:
 
     @property
     def metric_range(self) -> tuple[float, float]:
-        """Closed range of the metric's values (infinite ends for unbounded or user metrics)."""
-        name = self.metric_name
-        return METRICS[name][1] if name in METRICS else (-math.inf, math.inf)
+        """Closed range of the metric's values (``metric_range``)."""
+        return metric_range(self.metric_name)
 
 
 LOSSES = ("cross_entropy", "mse", "model")
@@ -127,6 +126,11 @@ METRICS: dict[str, tuple[str, tuple[float, float]]] = {
     "label_accuracy": ("regression", (0.0, 1.0)),
 }
 """Built-in metrics: the kind each fits and its range (all larger-is-better)."""
+
+
+def metric_range(name: str) -> tuple[float, float]:
+    """Closed range of metric ``name``'s values (infinite ends for a user metric)."""
+    return METRICS[name][1] if name in METRICS else (-math.inf, math.inf)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from pipeline.present import verdict
 
 from pipeline.artifacts.comparison import Decisions, Distribution, Noise, Quality, Stats
 from pipeline.compare import bounds
-from pipeline.config import METRICS, AcceptanceConfig, Tolerance, primary_name
+from pipeline.config import AcceptanceConfig, Tolerance, metric_range, primary_name
 from pipeline.errors import UserError
 
 if TYPE_CHECKING:  # the loop's record: training imports torch, the rule does not
@@ -592,7 +592,7 @@ def vet_rule(
     noise = _replicate_problem(rule, ref_steps, replicate)
     if noise:
         return noise
-    span = METRICS[metric][1] if metric in METRICS else (-math.inf, math.inf)
+    span = metric_range(metric)
     if rule.min_quality is not None and not span[0] <= rule.min_quality <= span[1]:  # ``auto`` read as label_accuracy
         return (f"params.yaml: acceptance.min_quality {rule.min_quality:g} is outside [{span[0]:g}, {span[1]:g}], the range "
                 f"of the quality metric in effect, {metric}; give one in that range, or name task.metric")

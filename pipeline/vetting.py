@@ -157,9 +157,10 @@ class Scan:
                     if labelled is not None:  # a regression per position: compare's quality, at its labelled positions
                         keep = labelled & keep[:, None]
                     if bool(keep.any()):
-                        self.quality.update(out[a:b][keep], self.targets[row + a : row + b][keep])
+                        scored, known = out[a:b][keep], y[keep]
+                        self.quality.update(scored, known)
                         if self.fitted is not None:  # its labels read at 0.5 and at 0 (``logit_like``)
-                            o, known = out[a:b][keep].reshape(-1), self.targets[row + a : row + b][keep].reshape(-1)
+                            o, known = scored.reshape(-1), known.reshape(-1)
                             if o.numel() == known.numel():
                                 o, positive = o[known != task.IGNORE_INDEX], known[known != task.IGNORE_INDEX] >= 0.5
                                 self.fitted[2] += int(((o >= 0.5) == positive).sum())

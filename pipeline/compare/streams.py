@@ -40,9 +40,9 @@ from pipeline.artifacts.steps import Steps
 from pipeline.compare.decisions import DecisionStats, PerCase, first_crossing, holds_probabilities, regression_flips, sign_flips
 from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite, broken
 from pipeline.compare.quality import QualityStats, regression_errors
-from pipeline.errors import UserError
 from pipeline.compare.trajectory import calibration_steps, trajectory_gap, update_health
 from pipeline.config import METRICS, PROBABILITY_NAMES, AcceptanceConfig, CompareConfig, TaskConfig, primary_name
+from pipeline.errors import UserError
 from pipeline.task import (IGNORE_INDEX, binary_targets, judged_positions, labelled_positions, masked_targets, resolve,
                            rows_within)
 
