@@ -13,19 +13,20 @@ from pipeline.task import IGNORE_INDEX, TensorSource, TrainSource, call, check_o
 
 
 def check(model: torch.nn.Module, source: TrainSource, task_cfg: TaskConfig, device: torch.device) -> bool:
-    """Run the model on two training samples: it must take the inputs, give outputs that can be compared,
-    and (``loss: model``) compute its own loss. Why first: a model that does not fit the task contract
-    should cost one line, not a training run that fails at its end. Returns whether the model's own loss reads
-    per-token labels one position ahead (``labels_shifted``).
+    """Run the model on two training samples, and on the first alone: it must take the inputs, give outputs that can be
+    compared whatever the batch (``check_batch_free``), and (``loss: model``) compute its own loss. Why first: a model
+    that does not fit the task contract should cost one line, not a training run that fails at its end. Returns whether
+    the model's own loss reads per-token labels one position ahead (``labels_shifted``).
 
     Raises:
-        UserError: the model fails on the inputs, or its outputs or loss do not fit the task.
+        UserError: the model fails on the inputs, or its outputs depend on the batch, or they or its loss do not fit the task.
     """
     x, y = source.batch(torch.arange(min(2, len(source))))
     shapes = {k or "x": tuple(t.shape) for k, t in (x.items() if isinstance(x, dict) else {"": x}.items())}
     entry = f"task.model {task_cfg.model}"
     try:
         out = infer(model, x, Policy(), device, eval_mode=True)
+        one = infer(model, source.batch(torch.arange(1))[0], Policy(), device, eval_mode=True) if rows(x) > 1 else None
         if task_cfg.loss == "model":
             with torch.no_grad():
                 make_loss(task_cfg)(model, to_device(x, device), y.to(device))
@@ -37,9 +38,28 @@ def check(model: torch.nn.Module, source: TrainSource, task_cfg: TaskConfig, dev
             f"{entry} fails on a batch of the prepared data {shapes} ({first}); make the model take the data "
             f"function's inputs, then `dvc repro`"
         ) from None
+    if one is not None:  # before the shapes are read as classes or values
+        check_batch_free(out, one, entry)
     targets = source.y if isinstance(source, TensorSource) else y
     check_outputs(out, task_cfg.kind, rows(x), targets, task_cfg.model)
     return labels_shifted(model, source, task_cfg, device)
+
+
+def check_batch_free(two: dict[str, torch.Tensor], one: dict[str, torch.Tensor], entry: str) -> None:
+    """Refuse an output whose shape past the rows changes with the batch (outputs ``two`` of a batch of 2, ``one`` of
+    a batch of 1): in-batch scores, as CLIP's ``logits_per_image`` [B, B] compares each image with the batch's texts,
+    make a case's outputs depend on which cases share its batch; a squeezed batch dimension breaks at a last batch of 1.
+
+    Raises:
+        UserError: naming the output and both shapes."""
+    for name, value in two.items():
+        other = one.get(name)
+        if other is not None and tuple(other.shape[1:]) != tuple(value.shape[1:]):
+            raise UserError(
+                f"{entry}: output '{name}' has shape {tuple(value.shape)} for a batch of 2 but {tuple(other.shape)} for a "
+                f"batch of 1: one case's outputs must not depend on the batch (in-batch scores such as CLIP's "
+                f"logits_per_image, a squeezed batch dimension); return per-sample outputs"
+            )
 
 
 def labels_shifted(model: torch.nn.Module, source: TrainSource, task_cfg: TaskConfig, device: torch.device) -> bool:

@@ -211,3 +211,24 @@ def test_a_causal_lms_own_loss_reads_the_next_token_and_the_fixed_set_is_judged_
     keep = labels[:, 1:] != -100  # Hugging Face's own next-token accuracy
     expected = (logits[:, :-1].argmax(-1) == labels[:, 1:])[keep].double().mean()
     assert quality.result() == pytest.approx(float(expected))
+
+
+CLIP = {"model_type": "clip", "projection_dim": 8,
+        "text_config": {"vocab_size": 50, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                        "num_attention_heads": 2, "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 1},
+        "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                          "image_size": 8, "patch_size": 4}}
+
+
+def test_in_batch_scores_are_refused_by_the_probe_in_one_line():
+    """CLIP's ``logits_per_image`` [B, B] scores each image against the texts of its batch: a case's outputs depend on
+    which cases share its batch, and a fixed set past one inference batch wrote [256, 256] then [44, 44] (a traceback
+    from the outputs writer). The probe refuses it before any training, naming the output and both shapes."""
+    g = torch.Generator().manual_seed(0)
+    x = task.Batch({"input_ids": torch.randint(2, 50, (8, 6), generator=g), "pixel_values": torch.randn(8, 3, 8, 8, generator=g)})
+    cfg = TaskConfig(model="pipeline.examples.huggingface:build_model", loss="cross_entropy",
+                     options={"architecture": "CLIPModel", "config": CLIP})
+    with pytest.raises(UserError) as refused:
+        probe.check(build("CLIPModel", CLIP), task.TensorSource(x, torch.arange(8) % 2), cfg, CPU)
+    line = str(refused.value)
+    assert "\n" not in line and "'logits_per_image' has shape (2, 2) for a batch of 2 but (1, 1) for a batch of 1" in line

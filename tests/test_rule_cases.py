@@ -129,6 +129,107 @@ def test_a_flip_rate_is_bounded_on_the_ordinary_cases_alone_and_a_copys_flip_is_
     assert any("2 changed of 1200 ordinary cases" in c for c in d.checks + d.reasons), d.checks
 
 
+def _swap_top2(scores: torch.Tensor) -> None:
+    top = scores.topk(2).indices
+    scores[top[0]], scores[top[1]] = scores[top[1]].clone(), scores[top[0]].clone()
+
+
+def test_a_selected_copy_and_its_twin_changing_are_one_change_under_count_limits():
+    """``selected/X`` is ordinary X again (prepare copies the real samples of smallest margin as boundary cases where
+    inputs cannot be interpolated): one input whose decision changes on both rows is one change. Under
+    ``max_flips: 1`` it is allowed, whether counted far from the boundary or near it, per case, per token and for a
+    single-logit head alike; counted twice, one changed input rolled the trial back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)).eval()
+    x = torch.randn(300, 8)
+    ref = _fp32(model, x)["output"]
+    top = ref.topk(2).values
+    order = (top[:, 0] - top[:, 1]).argsort()[:20]  # the smallest margins, as prepare picks
+    a = int(order[0])
+    ids = [f"ordinary/{i}" for i in range(300)] + [f"selected/{i}" for i in order.tolist()]
+    gate = torch.cat([x[:, :1], x[order, :1]])  # a single-logit head beside the scores
+    ref_all = {"logits": torch.cat([ref, ref[order]]), "gate_logit": gate}
+    trial = {k: v.clone() for k, v in ref_all.items()}
+    for row in (a, 300):  # ordinary a and its copy, the first selected row
+        _swap_top2(trial["logits"][row])
+        trial["gate_logit"][row] = -gate[row]
+    y = torch.cat([ref.argmax(1), ref[order].argmax(1)])
+    has_target = torch.tensor([i < 300 for i in range(320)])
+    for margin, field in ((0.0, "flips"), (1e6, "near_boundary_flips")):
+        cfg = dataclasses.replace(RULE, max_flips=1, max_near_boundary_flips=1, boundary_margin=margin, max_quality_drop=1.0,
+                                  outputs={"*": Tolerance(atol=1e6, rtol=0.0)})
+        stats, d = _judge(ids, y, has_target, ref_all, trial, cfg=cfg)
+        for flips in (stats.flips, stats.heads["gate_logit"]):
+            assert getattr(flips, field) == 1 and flips.real_flips == 1, flips
+            assert flips.cases == 300 and flips.near_boundary_cases == (300 if margin else 0)
+        assert d.decision == "accept", d.reasons
+    # Per token: a sequence and its selected copy, the same position changed on both, in the slices compare reads.
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randn(12, 5, 7, generator=g)
+    ids = [f"ordinary/{i}" for i in range(10)] + ["selected/3", "selected/8"]
+    seq[10], seq[11] = seq[3], seq[8]
+    tokens = seq.clone()
+    for row in (3, 10):
+        _swap_top2(tokens[row, 2])
+    y = seq.argmax(-1)
+    cfg = dataclasses.replace(RULE, max_flips=1, boundary_margin=0.0, max_quality_drop=1.0, outputs={"*": Tolerance(atol=1e6)})
+    stats, d = _judge(ids, y, torch.tensor([i < 10 for i in range(12)]), {"logits": seq}, {"logits": tokens}, cfg=cfg)
+    assert (stats.flips.flips, stats.flips.cases) == (1, 50) and d.decision == "accept", (stats.flips, d.reasons)
+
+
+def test_a_measurement_head_beside_a_classifier_has_every_value_judged():
+    """A head of a few columns that nothing names features ([N, 3] of about 300, 5 and 2: a size) is decided by default,
+    but its values are a measurement: columns 1 and 2, more than 104 below column 0, are no class scores at softmax
+    probability 0. The guide asks for explicit tolerances, scale by scale: destroyed, they roll the trial back (they
+    were left out of every value statistic, and the trial accepted). A head named like scores keeps the rule of
+    scores: a masked class (-1e9) rounded differently on both sides agrees."""
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU())
+    heads = torch.nn.Linear(32, 10), torch.nn.Linear(32, 3)
+    x = torch.randn(400, 16)
+    with torch.no_grad():
+        h = body(x)
+        r = heads[1](h)
+        ref = {"logits": heads[0](h) * 5, "size": torch.stack([300 + 20 * r[:, 0], 5 + r[:, 1], 2 + 0.5 * r[:, 2]], 1)}
+    y = ref["logits"].argmax(1)
+    ids, has_target = [f"ordinary/{i}" for i in range(400)], torch.ones(400, dtype=torch.bool)
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=0.01, rtol=0.01)})
+    trial = {"logits": ref["logits"].clone(), "size": ref["size"] * torch.tensor([1.0, 10.0, 0.0])}
+    stats, d = _judge(ids, y, has_target, ref, trial, cfg=cfg)
+    assert "size" in stats.heads and stats.values["size"].failing == 800 and stats.values["size"].zero_probability_both == 0
+    assert d.decision == "rollback" and any(r.startswith("values 'size': 800 of 1200") for r in d.reasons), d.reasons
+    masked = {"logits": ref["logits"], "aux_logits": torch.cat([ref["logits"][:, :5], torch.full((400, 5), -1e9)], 1)}
+    rounded = {k: v.clone() for k, v in masked.items()}
+    rounded["aux_logits"][:, 5:] = -1.00001e9
+    stats, d = _judge(ids, y, has_target, masked, rounded, cfg=cfg)
+    assert stats.values["aux_logits"].zero_probability_both == 2000 and d.decision == "accept", d.reasons
+
+
+def test_a_row_with_one_live_class_is_far_from_the_boundary_in_relative_margins():
+    """``boundary_margin_kind: relative`` divides the top-2 gap by the spread of the row's live scores. A row whose every
+    other class is at probability 0 (more than 104 below: a confident classifier at a large logit scale) has no second
+    score to be near: its margin is infinite, and its changed decision a clear flip, limited by ``max_flips`` even where
+    near-boundary flips are not limited (it was margin 0: near, and accepted)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 5).eval()
+    with torch.no_grad():
+        model.weight.mul_(300)
+    x = torch.randn(200, 8)
+    ref = _fp32(model, x)
+    s = ref["output"]
+    top = s.topk(2).values
+    a = int((top[:, 0] - top[:, 1]).argmax())
+    assert float(top[a, 0] - top[a, 1]) > 104
+    trial = {"output": s.clone()}
+    _swap_top2(trial["output"][a])
+    cfg = dataclasses.replace(RULE, outputs={"*": Tolerance(atol=1e6, rtol=0.0)}, boundary_margin_kind="relative",
+                              max_near_boundary_flips=None, max_quality_drop=1.0)
+    stats, d = _judge([f"ordinary/{i}" for i in range(200)], s.argmax(1), torch.ones(200, dtype=torch.bool), ref, trial, cfg=cfg)
+    assert (stats.flips.flips, stats.flips.near_boundary_flips) == (1, 0)
+    assert d.decision == "rollback" and any("1 flip(s) among real cases away from the boundary" in r for r in d.reasons)
+    assert stats.flips.flip_list[0].reference_margin == math.inf
+
+
 def test_top1_agreements_bound_is_taken_over_the_ordinary_tokens_not_their_selected_copies():
     """``min_top1_agreement``'s Clopper–Pearson bound, like the flip rate's: 40 ordinary sequences of 8 tokens and their
     40 selected copies agree everywhere; 320 independent tokens bound the agreement at 0.9907, not the 0.9953 that 640

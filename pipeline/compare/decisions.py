@@ -8,6 +8,7 @@ numbers per case; ``regression_flips`` compares each value of a case with a thre
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, fields, replace
 from typing import Sequence
@@ -158,7 +159,8 @@ def margins(top, kind: str, lse: torch.Tensor | None, scores: torch.Tensor | Non
 
     - ``logit``: z1 - z2, in the scores' own unit (depends on their scale);
     - ``probability``: p1 - p2 of the softmax, in [0, 1] (needs the log-sum-exp ``lse``);
-    - ``relative``: (z1 - z2) / std(z) over the classes, in units of the row's own spread.
+    - ``relative``: (z1 - z2) / std(z) over the live classes (``live_spread``), in units of the row's own spread; inf
+      for a row with one live class (every other at probability 0: the clearest decision there is, never near).
     """
     values = top[0].double()
     gap = values[..., 0] - values[..., 1]
@@ -167,9 +169,10 @@ def margins(top, kind: str, lse: torch.Tensor | None, scores: torch.Tensor | Non
     if kind == "probability":
         lse = lse.double()
         return torch.exp(values[..., 0] - lse) - torch.exp(values[..., 1] - lse)
-    if kind == "relative":
+    if kind == "relative":  # one live class (spread inf: no second score to be near) is as far as a margin goes
         spread = live_spread(scores.detach().double()) if scores.shape[-1] > 1 else torch.ones_like(gap)
-        return torch.where(spread > 0, gap / spread, torch.zeros_like(gap))
+        relative = torch.where(spread > 0, gap / spread, torch.zeros_like(gap))
+        return torch.where(torch.isinf(spread), torch.full_like(gap, math.inf), relative)
     raise ValueError(f"unknown margin kind {kind!r}; use one of {MARGIN_KINDS}")
 
 
@@ -353,6 +356,10 @@ class DecisionStats:
         self.drawn = torch.tensor([k == "ordinary" for k in kinds], dtype=torch.bool, device=device)
         """The ordinary cases: the sample (``rate_sample``) the distribution statistics are taken over, per token."""
         self._case = PerCase.empty(len(ids), device)  # on the device the slices come from
+        self._twin = twins(ids)
+        self._twin_rows = sorted(self._twin)
+        self._seen: dict[int, torch.Tensor] = {}
+        """Per row of a selected copy or its twin, by position: counted, valid, flipped, near (``_one_input_once``)."""
 
     def update(self, row: int, ref: torch.Tensor, trial: torch.Tensor, targets: torch.Tensor | None = None,
                position: int = 0, diff: torch.Tensor | None = None) -> Labels:
@@ -389,6 +396,8 @@ class DecisionStats:
         self.boundary_flips += int((flipped & constructed_pos).sum())
         self.near_boundary_flips += int((flipped & near).sum())
         self.flips += int((flipped & ~constructed_pos & ~near).sum())
+        if self._twin_rows:
+            self._one_input_once(row, position, valid, flipped, near)
         case = self._case
         if not per_token:
             case.flips[rows] = flipped.long()
@@ -435,6 +444,33 @@ class DecisionStats:
                                float(t_margin[i, j]), ref[i, j], trial[i, j])
             self.flip_list.append(replace(rec, kl=float(kl[i, j])))
         return Labels(r_lab, t_lab, lse_r, lse_t)
+
+    def _one_input_once(self, row: int, position: int, valid: torch.Tensor, flipped: torch.Tensor, near: torch.Tensor) -> None:
+        """A ``selected/X`` copy and its twin ``ordinary/X`` are one input (``twins``): a decision changed on both is one
+        change, a position near the boundary on both one near case, as ``rate_sample`` counts them for the flip rate
+        (else a count limit of 1 rolls back the one change of one input). Whichever of the two comes second to a position
+        gives back what the first counted there already."""
+        lo, hi = bisect.bisect_left(self._twin_rows, row), bisect.bisect_left(self._twin_rows, row + valid.shape[0])
+        for r in self._twin_rows[lo:hi]:
+            mine = torch.stack([v[r - row].reshape(-1) for v in (valid, flipped, near)]).cpu()
+            width = position + mine.shape[1]
+            other = self._held(self._twin[r], width)[:, position:width]
+            both = mine & other[1:] & other[:1]  # where the twin was counted already
+            self.cases -= int(both[0].sum())
+            self.near_boundary_cases -= int(both[2].sum())
+            self.near_boundary_flips -= int((both[1] & mine[2]).sum())
+            self.flips -= int((both[1] & ~mine[2]).sum())
+            kept = self._held(r, width)
+            kept[0, position:width] = True
+            kept[1:, position:width] = mine
+
+    def _held(self, r: int, width: int) -> torch.Tensor:
+        """Row ``r``'s record (``_seen``: counted, valid, flipped, near by position), at least ``width`` positions long."""
+        kept = self._seen.get(r, torch.zeros(4, 0, dtype=torch.bool))
+        if kept.shape[1] < width:
+            kept = torch.cat([kept, torch.zeros(4, width - kept.shape[1], dtype=torch.bool)], 1)
+        self._seen[r] = kept
+        return kept
 
     def _add_kl(self, kl_v: torch.Tensor, kl_all: torch.Tensor) -> None:
         """Count, sum, spread (Chan's merge of the slice's mean and squared deviations) and quantiles of KL over the
@@ -535,6 +571,21 @@ class DecisionStats:
         )
 
 
+def twins(ids: Sequence[str], positions: Sequence[int] | None = None) -> dict[int, int]:
+    """Each ``selected/X`` case whose ordinary twin ``ordinary/X`` is in the set, and that twin, mapped to each other
+    (by index; with ``positions``, per token: the same position of each): one input twice (``cases._select`` copies a
+    real sample picked for its small margin), whose changed decisions are one."""
+    at = positions if positions is not None else [0] * len(ids)
+    where = {(i, int(p)): n for n, (i, p) in enumerate(zip(ids, at))}
+    out: dict[int, int] = {}
+    for n, (i, p) in enumerate(zip(ids, at)):
+        kind, _, rest = i.partition("/")
+        twin = where.get(("ordinary/" + rest, int(p))) if kind == "selected" else None
+        if twin is not None:
+            out[n], out[twin] = twin, n
+    return out
+
+
 _SAMPLE_KIND = {"ordinary": 0, "selected": 2, "boundary": 3}
 """``rate_sample``'s codes of the kinds: any other kind (edge) is a real case, not a draw (1)."""
 
@@ -603,6 +654,12 @@ def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, tria
         cr, ct = (torch.where(z == 0, torch.full_like(c, -1), c) for z, c in ((zr, cr), (zt, ct)))
     crossed = cr != ct
     near = (r_margin < boundary_margin) & ~constructed
+    # A selected copy whose twin is here (``twins``): one input, so its case, its flip, its near case are its twin's.
+    again, repeat_flip, repeat_near = (torch.zeros_like(crossed) for _ in range(3))
+    pairs = [(n, m) for n, m in twins(ids, positions).items() if kinds[n] == "selected"]
+    if pairs:
+        copy, twin = (torch.tensor(v, dtype=torch.long) for v in zip(*pairs))
+        again[copy], repeat_flip[copy], repeat_near[copy] = True, crossed[twin], near[twin]
     listed = torch.nonzero(crossed).flatten().tolist()
     flips = tuple(Flip(id=ids[i], kind=kinds[i], boundary=bool(constructed[i]), near_boundary=bool(near[i]),
                        reference_class=int(cr[i]), trial_class=int(ct[i]), reference_margin=float(r_margin[i]),
@@ -611,8 +668,10 @@ def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, tria
                   for i in listed[:max_listed])
     boundary_cases, boundary_flips = int(constructed.sum()), int((crossed & constructed).sum())
     sample, sample_flips = rate_sample(ids, kinds, crossed.long(), torch.ones(len(ids), dtype=torch.int64))
-    far, near_flips = int((crossed & ~near & ~constructed).sum()), int((crossed & near).sum())
-    return Decisions(cases=len(ids), boundary_cases=boundary_cases, near_boundary_cases=int(near.sum()), flips=far,
+    counted = crossed & ~repeat_flip
+    far, near_flips = int((counted & ~near & ~constructed).sum()), int((counted & near).sum())
+    return Decisions(cases=len(ids) - int(again.sum()), boundary_cases=boundary_cases,
+                     near_boundary_cases=int((near & ~repeat_near).sum()), flips=far,
                      near_boundary_flips=near_flips, boundary_flips=boundary_flips,
                      unit="case" if positions is None else "token", margin_kind=margin_kind,
                      boundary_margin=boundary_margin,

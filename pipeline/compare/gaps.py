@@ -15,7 +15,10 @@ float32 numbers is 0 only when they are equal). The common, passing slice never 
 Class scores decided through softmax (``softmax=True``: ``streams`` passes it for the decided heads): a pair whose
 two sides both lie more than ``ZERO_PROBABILITY_NATS`` below their own row's maximum is at probability exactly 0 on
 both sides (a masked class: ``finfo(dtype).min`` is -3.4e38 under FP32, -65504 under float16), so it agrees, is
-counted apart (``zero_probability_both``) and left out of every statistic. Looked for only in a slice that would
+counted apart (``zero_probability_both``) and left out of every statistic, where the output's values are known to be
+read through softmax alone (``scores_only``: ``streams.score_heads``). A head decided only because nothing names it
+features (a measurement [N, 3] beside a classifier) keeps its finite values judged, however far below its row's
+maximum: only a pair with a masked side (-inf, below) is set aside there. Looked for only in a slice that would
 fail, or whose largest gap exceeds that many nats (the common, passing slice does not pay for it). -inf is such a
 score too, beside a finite maximum (``broken``: a masked class, ``masked_fill(~allowed, -inf)``, or a float16
 trial's overflow of ``where(allowed, x, -1e9)``), not a non-finite output: masked on both sides it agrees; masked on
@@ -96,12 +99,16 @@ class GapStats:
     of absolute and relative error over finite pairs, and the smallest atol (at the given rtol) and rtol
     (at the given atol) that would have passed: reported, never applied. ``group`` (the case kind)
     gives the ``per_kind`` counts. ``softmax``: the output holds class scores over its last axis, decided
-    through softmax; a pair at probability 0 on both sides agrees, apart from the statistics (module docstring).
+    through softmax; a pair at probability 0 on both sides with a masked side (-inf) agrees, apart from the statistics,
+    and so does any such pair where ``scores_only`` (the default: with ``softmax``) says nothing else reads them
+    (module docstring).
     """
 
-    def __init__(self, atol: float, rtol: float, capacity: int, softmax: bool = False) -> None:
+    def __init__(self, atol: float, rtol: float, capacity: int, softmax: bool = False, scores_only: bool | None = None) -> None:
         self.atol, self.rtol = float(atol), float(rtol)
         self.softmax = softmax
+        self.scores_only = softmax if scores_only is None else softmax and scores_only
+        """Finite pairs at probability 0 on both sides agree too (the module docstring)."""
         self.p_abs = StreamQuantile(0.99, capacity)
         self.p_rel = StreamQuantile(0.99, capacity)
         self.groups: dict[str, _Tally] = {}
@@ -174,7 +181,7 @@ class GapStats:
             total = _sum(gap)
         dead = None
         if gap.numel():
-            more, dead, mx = self._finite_pairs(g, r, t, gap, total, rows, both)
+            more, dead, mx = self._finite_pairs(g, r, t, gap, total, rows if self.scores_only else None, both)
             failing += more
         g.failing += failing
         if aside is not None:
@@ -258,7 +265,8 @@ class GapStats:
         bad = outside | (torch.isfinite(r) & ~torch.isfinite(t)) | (~torch.isfinite(r) & ~same_nonfinite)
         if self.softmax and ref.ndim >= 2 and ref.shape[-1] >= 2:  # a pair at probability 0 on both sides agrees
             width = ref.shape[-1]
-            bad &= ~zero_probability_both(r.reshape(-1, width), t.reshape(-1, width)).reshape(r.shape)
+            agree = zero_probability_both(r.reshape(-1, width), t.reshape(-1, width)).reshape(r.shape)
+            bad &= ~(agree if self.scores_only else agree & (torch.isneginf(r) | torch.isneginf(t)))
         return bad.any(1)
 
     def failing_so_far(self) -> int:
@@ -321,9 +329,10 @@ def _sum(v: torch.Tensor) -> float:
     return float(v.sum())
 
 
-def value_gaps(ref: torch.Tensor, trial: torch.Tensor, atol: float, rtol: float, softmax: bool = False) -> ValueGap:
+def value_gaps(ref: torch.Tensor, trial: torch.Tensor, atol: float, rtol: float, softmax: bool = False,
+               scores_only: bool | None = None) -> ValueGap:
     """``GapStats`` over one pair of tensors (see there), as one kind (``per_kind`` holds ``all`` alone)."""
-    acc = GapStats(atol, rtol, ref.numel(), softmax=softmax)
+    acc = GapStats(atol, rtol, ref.numel(), softmax=softmax, scores_only=scores_only)
     acc.update(ref, trial)
     return acc.result()
 

@@ -205,9 +205,10 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     shapes = {name: tuple(ref.shape(name)) for name in names}
     step = rows_within(cfg.chunk_elements, sum(math.prod(s[1:]) for s in shapes.values()))
     errors = {name: (logit_error(ref, name), logit_error(trial, name)) for name in names}
-    heads = decided_heads(kind, rule, shapes, main)
+    heads, scores = decided_heads(kind, rule, shapes, main), score_heads(kind, rule, shapes, main)
     gaps = {name: GapStats(conservative_atol(rule.tolerance(name).atol, rule.tolerance(name).rtol, *errors[name]),
-                           rule.tolerance(name).rtol, math.prod(shapes[name]), softmax=name in heads)  # class scores
+                           rule.tolerance(name).rtol, math.prod(shapes[name]), softmax=name in heads,  # class scores
+                           scores_only=name in scores)
             for name in names}
     signs = {name: ([], [], [], []) for name in sign_heads(kind, rule, shapes, main)}
     arbiter = {name: ArbiterStats() for name in names} if fp64 is not None else None
@@ -507,6 +508,17 @@ def decided_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int
     return [name for name, shape in sorted(shapes.items())
             if (name == main and kind == "classification")
             or (name != main and len(shape) in (2, 3) and shape[-1] >= 2 and rule.tolerance(name).decides(name, kind))]
+
+
+def score_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
+    """The decided heads (``decided_heads``) whose values are known to be read through softmax alone: the primary of a
+    classification task, and a head that says it holds scores (``config.Tolerance.scored``: ``decisions: true``, or
+    named like scores). A pair of their scores at probability 0 on both sides agrees (``gaps.GapStats(scores_only=)``).
+    A head decided only because nothing names it features keeps every finite value judged by its tolerance: a
+    measurement [N, 3] of values 300, 5 and 2 beside a classifier is decided by argmax, yet its two small columns,
+    more than 104 below the first, are values a user reads."""
+    return [name for name in decided_heads(kind, rule, shapes, main)
+            if (name == main and kind == "classification") or rule.tolerance(name).scored(name, kind)]
 
 
 def sign_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:

@@ -21,7 +21,7 @@ from pipeline import inference, task
 
 from pipeline.compare.decisions import labels_of
 from pipeline.compare.gaps import value_gaps
-from pipeline.compare.streams import decided_heads
+from pipeline.compare.streams import decided_heads, score_heads
 from pipeline.artifacts.comparison import Flip
 from pipeline.artifacts.diagnosis import FixStep, LocalFix, Ranked, Rerun, Unflip
 from pipeline.diagnosis.precision_map import ModuleScope, Recorder, forward_backward
@@ -155,13 +155,15 @@ def rank_modules(ctx: Context, policy: Policy) -> list[Ranked]:
     cases_x = ctx.ref.cases.x
     names = reduced_modules(ctx, policy)
     shapes = {k: tuple(v.shape) for k, v in ctx.ref.outputs.items()}
-    heads = decided_heads(ctx.params.task.kind, ctx.params.acceptance, shapes, primary_name(shapes))  # as compare judges
+    kind, rule, main = ctx.params.task.kind, ctx.params.acceptance, primary_name(shapes)
+    heads, scores = decided_heads(kind, rule, shapes, main), score_heads(kind, rule, shapes, main)  # as compare judges
     ranked = []
     for name in names:
         others = [o for o in names if o != name and not name.startswith(o + ".") and not o.startswith(name + ".")]
         out = inference.infer(model, cases_x, with_modules(policy, others), ctx.device, ctx.params.reference.eval_mode)
         tolerance = ctx.params.acceptance.tolerance
-        gaps = [value_gaps(ctx.ref.outputs[k], out[k], tolerance(k).atol, tolerance(k).rtol, softmax=k in heads)
+        gaps = [value_gaps(ctx.ref.outputs[k], out[k], tolerance(k).atol, tolerance(k).rtol, softmax=k in heads,
+                           scores_only=k in scores)
                 for k in sorted(ctx.ref.outputs)]
         ranked.append(
             Ranked(
