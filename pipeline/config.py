@@ -495,7 +495,8 @@ class AcceptanceConfig:
     stall_window: int = 10
     """Training: updates stopped advancing if none of the last this many steps made a real update."""
     min_scale: float = 1.0
-    """Training: updates stopped advancing if the final GradScaler scale is below this."""
+    """Training: the final GradScaler scale must be at least this: below 1, float16 does not hold the model's gradients at
+    their own size (the scaler shrinks them). Whether updates still advanced is the skip and stall checks' to say."""
     loss_noise_multiple: float | None = 3.0
     """Training, noise floor: AMP's loss curve against FP32's, bounded by FP32's own run-to-run variation: the
     mean and the largest per-step |loss_amp - loss_fp32| each at most loss_noise_multiple times those of the

@@ -324,7 +324,9 @@ def _training(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
     if train.scaler_enabled:  # without a GradScaler (bfloat16) there is no scale to fall
         j.check("training", train.final_scale >= rule.min_scale,
                 f"training: final loss scale {train.final_scale:g} >= {rule.min_scale:g}",
-                f"training: updates stopped advancing: loss scale fell to {train.final_scale:g} < {rule.min_scale:g}")
+                f"training: final loss scale {train.final_scale:g} < min_scale {rule.min_scale:g}: float16 does not hold this "
+                f"model's gradients at their own size (the GradScaler shrinks them, and their small parts fall below float16's "
+                f"range); the skip and stall checks say whether updates advanced")
 
 
 def _distribution(dist: Distribution | None, rule: AcceptanceConfig, j: _Judge, flips: Decisions) -> None:

@@ -79,7 +79,7 @@ def test_the_rule_takes_no_diagnosis_and_returns_a_frozen_result():
         (("training", "band_violations"), 4, "outside band", "training"),
         (("training", "skipped_fraction"), 0.5, "skipped", "training"),
         (("training", "stalled"), True, "stopped advancing", "training"),
-        (("training", "final_scale"), 0.5, "loss scale fell", "training"),
+        (("training", "final_scale"), 0.5, "final loss scale 0.5 < min_scale 1", "training"),
     ],
 )
 def test_each_criterion_alone_rolls_back(path, value, word, part):

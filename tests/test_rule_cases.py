@@ -1056,6 +1056,19 @@ def test_the_gradscalers_calibration_skips_at_the_start_are_no_rollback():
     never = tuple(dataclasses.replace(r, skipped=True) for r in trial)
     stats, d = judged(never, tuple(step(i, r.loss, skipped=True) for i, r in enumerate(ref)))
     assert stats.training.calibration_steps == 0 and stats.training.stalled and d.training == "rollback"
+    # One forward overflow among the opening skips is an incident of its own, said, and the other five are still the
+    # calibration (it cancelled the calibration, and 7 of 40 rolled back).
+    overflow = tuple(dataclasses.replace(r, loss=math.inf) if r.step == 3 else r for r in trial)
+    stats, d = judged(overflow, aligned)
+    assert stats.training.calibration_steps == 5 and d.decision == "accept", d.reasons
+    assert any("loss not finite at step 3, its update skipped by the GradScaler: an incident" in c for c in d.checks)
+    # Under a rule that judges no quality after training, nothing would show what the opening skips cost (the band holds
+    # the trial against FP32 skipping them too): they count (a run left 2 real updates of 18 by them was accepted).
+    blind = dataclasses.replace(RULE, max_quality_drop=None, min_quality=None)
+    stats = _judge(ids, scores["output"].argmax(1), every, scores, scores, cfg=blind, steps=ref, trial_steps=trial,
+                   aligned=aligned, scaler=True)[0]
+    d = rule.decide(stats, blind)
+    assert stats.training.calibration_steps == 0 and any("7 of 40 updates skipped" in r for r in d.reasons), d.reasons
 
 
 def test_dropout_inference_draws_from_one_recorded_state():
@@ -2159,3 +2172,30 @@ def test_a_multi_label_heads_probabilities_beside_its_logits_are_not_judged_by_a
     told = dataclasses.replace(cfg, outputs={"*": Tolerance(atol=0.05, rtol=0.02),
                                              "probs": Tolerance(atol=0.01, rtol=0.0, decisions=False)})
     assert refusal(told) is None
+
+
+def test_a_healthy_large_batch_run_is_within_the_noise_floor_its_replicate_measures():
+    """The FP32 replicate trains again on another data order, one sample traded per 64 of each pair of updates
+    (``training.neighbours_swapped``). One sample whatever the batch shrank FP32's measured noise as 1/batch while a
+    reduced precision's own gap stays: at 16,384 samples an update, a healthy bfloat16 run (its largest loss gap 1.5e-4
+    nats) rolled back for being above 3x a replicate gap of 2e-5."""
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(10, 32, generator=g) * 0.6
+    y = torch.randint(0, 10, (16384 * 20,), generator=g)
+    source = TensorSource(centres[y] + torch.randn(len(y), 32, generator=g), y)
+    cfg = ReferenceConfig(train_steps=20, batch_size=16384, checkpoint_every=0)
+    torch.manual_seed(0)
+    start = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
+
+    def run(policy, batches=None):
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
+        model.load_state_dict(start.state_dict())
+        return training.train(model, source, cfg, TaskConfig(), policy, torch.device("cpu"), 0, batches=batches).records
+
+    order = training.update_batches(len(source), cfg, 0)
+    assert sum(t.numel() for t in order[0]) == 16384
+    reference, replicate = run(Policy()), run(Policy(), training.neighbours_swapped(order))
+    trial = run(Policy(dtype="bfloat16"))
+    runs = streams.Trajectories(tuple(reference), tuple(trial), 1.0, scaler_enabled=False, replicate=tuple(replicate))
+    noise = streams.training_stats(AcceptanceConfig(), runs).noise
+    assert noise.violations == 0 and noise.mean_amp_gap < 3 * noise.mean_replicate_gap, noise

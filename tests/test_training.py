@@ -212,6 +212,18 @@ def test_the_noise_replicate_order_swaps_one_sample_per_pair_of_updates():
     assert sorted(torch.cat([b[0] for b in swapped]).tolist()) == sorted(torch.cat([b[0] for b in order]).tolist())
 
 
+def test_the_noise_replicate_trades_one_sample_per_64_of_a_large_update_across_its_micro_batches():
+    """At 2 x 320 samples an update (two micro-batches), 10 samples trade places per pair of updates, the first ones in
+    micro-batch order: the replicate moves as much at any batch size as the default example's one sample in 64."""
+    order = training.update_batches(4000, ReferenceConfig(train_steps=3, batch_size=320, grad_accumulation=2), seed=0)
+    swapped = training.neighbours_swapped(order)
+    first, second = (torch.cat(step) for step in order[:2])
+    a, b = (torch.cat(step) for step in swapped[:2])
+    assert torch.equal(a[:10], second[:10]) and torch.equal(b[:10], first[:10])
+    assert torch.equal(a[10:], first[10:]) and torch.equal(b[10:], second[10:])
+    assert [t.numel() for t in swapped[0]] == [320, 320] and all(torch.equal(u, v) for u, v in zip(swapped[2], order[2]))
+
+
 def test_progress_line_names_step_loss_scale_skipped_and_eta():
     p = training.Progress("trial float16", 10)
     line = p.line(4, 1.25, 32768.0, 2, p.t0 + 2.0)

@@ -728,7 +728,10 @@ def training_stats(rule: AcceptanceConfig, runs: Trajectories) -> Training:
     gap = trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol, replicate, rule.loss_noise_multiple,
                          rule.loss_noise_atol, replicate_of=[s.loss for s in runs.reference], excused=excused)
     skipped = [s.skipped for s in runs.trial]
-    calibration = calibration_steps(skipped, [not math.isfinite(v) for v in trial_loss]) if runs.scaler_enabled else 0
+    # The opening skips are excused where the rule judges quality after training: what the updates lost cost shows
+    # there. Without, nothing would (the band holds the trial against FP32 aligned on the same skips): they count.
+    overflowed = [not math.isfinite(v) for v in trial_loss]
+    calibration = calibration_steps(skipped, overflowed) if runs.scaler_enabled and rule.judges_quality else 0
     health = update_health(
         skipped,
         [s.scale for s in runs.trial] + [runs.final_scale],

@@ -103,7 +103,8 @@ def update_health(skipped: Sequence[bool], scales: Sequence[float], nonfinite_lo
     after them; the stall check and the final scale still see every step."""
     n = len(skipped)
     window = min(window, n)  # a run shorter than the window stalls when none of its steps made a real update
-    tail = list(skipped[max(n - window, calibration):]) if n else []
+    opening = next((i for i, skip in enumerate(skipped) if not skip), n) if calibration else 0  # the calibration's steps
+    tail = list(skipped[max(n - window, opening):]) if n else []
     first_nonfinite = next((i for i, bad in enumerate(nonfinite_loss) if bad), -1)
     bad_grads = [i for i, bad in enumerate(nonfinite_grad or []) if bad]
     after = int(sum(skipped)) - calibration
@@ -123,10 +124,11 @@ def update_health(skipped: Sequence[bool], scales: Sequence[float], nonfinite_lo
 
 
 def calibration_steps(skipped: Sequence[bool], nonfinite_loss: Sequence[bool]) -> int:
-    """How many skips of a GradScaler run open it, each at a finite loss, before a real update follows: its calibration,
+    """How many skips of a GradScaler run, each at a finite loss, open it before a real update follows: its calibration,
     the scale starting high and halving until the scaled gradients fit (PyTorch's AMP docs: the scale « often causes
     infs/NaNs to appear in gradients for the first few iterations as its value calibrates »). 0 when no real update
-    follows (a run that never updated calibrated nothing) or when a loss was not finite (a forward that overflows is
-    no scale too high)."""
-    count = next((i for i, (skip, bad) in enumerate(zip(skipped, nonfinite_loss)) if not skip or bad), len(skipped))
-    return count if count < len(skipped) and not skipped[count] else 0
+    follows (a run that never updated calibrated nothing). A forward overflow among the opening skips (a loss not
+    finite: no scale too high) is no part of it, nor does it end it: an incident of its own, which the rule judges as
+    one (``rule._training``: one is an incident, more are not)."""
+    count = next((i for i, skip in enumerate(skipped) if not skip), len(skipped))
+    return sum(not bad for bad in nonfinite_loss[:count]) if count < len(skipped) else 0
