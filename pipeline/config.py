@@ -699,6 +699,7 @@ class Params:
             if dataclasses.is_dataclass(value):
                 value.check(f.name)
         _check_min_quality(self)
+        _check_compiled_dropout(self)
         noise_rule = self.acceptance.loss_noise_multiple is not None or self.acceptance.loss_noise_atol is not None
         if noise_rule and not self.reference.noise_replicate:
             raise UserError(
@@ -706,6 +707,22 @@ class Params:
                 "reference.noise_replicate: false does not measure; set noise_replicate: true, or loss_noise_multiple: null "
                 "and loss_noise_atol: null to judge training by the fixed band alone"
             )
+
+
+def _check_compiled_dropout(params: "Params") -> None:
+    """Inference in train mode (``reference.eval_mode: false``) draws dropout masks from ``INFERENCE_SEED`` on every
+    pass, so that FP32 against FP32 is identical; a compiled trial draws its masks in inductor's own kernels, not
+    eager's, and would differ from the reference by the draws, judged as the trial's (every value moved, decisions
+    flipped): a rollback no precision caused. Refused while any variant compiles."""
+    if params.reference.eval_mode:
+        return
+    compiled = [n for n in params.trial.variants if params.trial.policies[n].compile != "off"]
+    if compiled:
+        raise UserError(
+            f"params.yaml: reference.eval_mode: false keeps dropout on at inference, and trial variant {compiled[0]!r} "
+            f"compiles the model, whose dropout draws other masks than eager FP32's: their difference would be judged as "
+            f"the trial's; set reference.eval_mode: true, or compile: off in trial.policies.{compiled[0]}"
+        )
 
 
 def _check_min_quality(params: "Params") -> None:
