@@ -83,6 +83,8 @@ class Scan:
         [sums, sums of squares, rows] over the whole set, then over the ordinary cases. Columns of different
         scales share one atol, which must bound the smallest too (``column_rms``), and the band at a column's mean
         must be below its spread (``spreads``)."""
+        self.measured: set[str] = set()
+        """The outputs of ``moments`` that are a classifier's heads decided by default (``_measured``)."""
 
     def update(self, row: int, chunk: dict[str, torch.Tensor]) -> None:
         """The chunk's rows from ``row`` on, a slice of rows at a time (``SLICE_ELEMENTS``): an LM's chunk holds GBs
@@ -109,6 +111,8 @@ class Scan:
                                            self.kind == "classification" and name == main and out.ndim == 3,
                                            self.targets, self.token_mask, primary=name == main)
             width = self._values_of(name, v, name == main, judged is not None)
+            if width and self._measured(name, name == main):
+                self.measured.add(name)
             if self._undecided(name, v, name == main):
                 if self.distributions.get(name, True):
                     self.distributions[name] = _distributions(v)
@@ -179,11 +183,27 @@ class Scan:
         tolerance = self.rule.tolerance(name)
         if self.kind == "regression":
             return width if primary or not tolerance.decides(name, self.kind) else 0
-        return width if tolerance.decisions is False and not FEATURE_NAMES.search(name) else 0
+        return width if tolerance.decisions is False and not FEATURE_NAMES.search(name) or self._measured(name, primary) else 0
+
+    def _measured(self, name: str, primary: bool) -> bool:
+        """Whether ``name`` is a classifier's head decided only because nothing names it (``Tolerance.decides``, not
+        ``scored``: no score's name, no feature's, nothing said), such as a measurement beside the logits, ``pressure`` [N]
+        decided by its sign or ``size`` [N, 3] by argmax: its spread is vetted where an offset makes its band vacuous
+        (``spreads``)."""
+        tolerance = self.rule.tolerance(name)
+        return (self.kind == "classification" and not primary and tolerance.decides(name, self.kind)
+                and not tolerance.scored(name, self.kind))
 
     def spreads(self) -> dict[str, tuple[tuple[float, float], ...]]:
         """Per output judged by its values alone (``moments``), per column: (mean, standard deviation) over the whole
-        set or over the ordinary cases, whichever spreads less (the variation a tolerance at that mean must be below)."""
+        set or over the ordinary cases, whichever spreads less (the variation a tolerance at that mean must be below).
+
+        A classifier's head decided by default (``_measured``) is vetted only in the columns whose offset alone makes
+        the band vacuous, rtol x |mean| >= standard deviation (101340 Pa +- 30: rtol's band is 2027 Pa), where a trial
+        answering the mean everywhere passes its values and, its sign or argmax pinned by the offset, its decisions too;
+        its other columns get a spread of 0 (nothing to be below, as a constant column). Spread less than atol is no
+        such sign there: a random init's logits, 0.15 +- 0.01 (rtol x |mean| within a seventh of the spread in tiny
+        random BERTs), are a head whose argmax still reads their variation."""
         out = {}
         for name, parts in self.moments.items():
             found = []
@@ -195,7 +215,8 @@ class Scan:
                 columns = []
                 for c in range(found[0][0].numel()):
                     mean, std = min(((float(m[c]), float(sd[c])) for m, sd in found), key=lambda pair: pair[1])
-                    columns.append((mean, std))
+                    offset = self.rule.tolerance(name).rtol * abs(mean) >= std
+                    columns.append((mean, std if offset or name not in self.measured else 0.0))
                 out[name] = tuple(columns)
         return out
 
@@ -265,6 +286,8 @@ class Scan:
         and the ordinary cases'."""
         out = {}
         for name, parts in self.moments.items():
+            if name in self.measured:  # decided: its columns are scores of one scale, unless an offset says (``spreads``)
+                continue
             scales = [(squares / rows).sqrt() for _, squares, rows in parts if rows]
             if scales and scales[0].numel() >= 2:
                 out[name] = tuple(torch.stack(scales).amin(0).tolist()) if scales else ()

@@ -2199,3 +2199,83 @@ def test_a_healthy_large_batch_run_is_within_the_noise_floor_its_replicate_measu
     runs = streams.Trajectories(tuple(reference), tuple(trial), 1.0, scaler_enabled=False, replicate=tuple(replicate))
     noise = streams.training_stats(AcceptanceConfig(), runs).noise
     assert noise.violations == 0 and noise.mean_amp_gap < 3 * noise.mean_replicate_gap, noise
+
+
+def _freeze_refusal(kind, x, y, outputs, cfg=RULE):
+    """What freeze's scan of the FP32 ``outputs`` refuses (``vetting.Scan.problem``), or None."""
+    from pipeline import config, vetting
+    from pipeline.cases import Cases
+
+    n = len(y)
+    params = dataclasses.replace(config.Params(), task=TaskConfig(kind=kind), acceptance=cfg)
+    scan = vetting.Scan(params, Cases(ids=[f"ordinary/s{i}" for i in range(n)], x=x, y=y,
+                                      has_target=torch.ones(n, dtype=torch.bool)))
+    scan.update(0, outputs)
+    return scan.problem(FLAT)
+
+
+def test_a_measurement_beside_a_classifier_is_refused_where_its_offset_makes_the_band_vacuous():
+    """A classifier with a measurement head of its own, decided by default (named neither like scores nor like
+    features): ``pressure`` [N] at 101340 Pa +- 30 (decided by its sign, always +) or ``size`` [N, 3] with a column at
+    1e6 +- 3 (argmax: always that column). Under the default tolerance, rtol's band at the offset (2027 Pa) is far wider
+    than the spread: a trial answering the mean everywhere was accepted, values and decisions alike. freeze refuses it in
+    one line naming a tolerance below the spread; so told, it passes."""
+    g = torch.Generator().manual_seed(0)
+    n = 400
+    x = torch.randn(n, 8, generator=g)
+    torch.manual_seed(0)
+    body, cls, meas = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh()), torch.nn.Linear(32, 4), torch.nn.Linear(32, 3)
+    with torch.no_grad():
+        h = body(x)
+        logits, m = 10 * cls(h), meas(h) / 0.5
+    size = torch.stack([1e6 + 3 * m[:, 0], 5 + m[:, 1], 2 + 0.5 * m[:, 2]], 1)
+    y = logits.argmax(1)
+    for name, head in (("pressure", 101340.0 + 59.0 * m[:, 0]), ("pressure", 101340.0 + 59.0 * m[:, :1]), ("size", size)):
+        ref = {"logits": logits, name: head}
+        line = _freeze_refusal("classification", x, y, ref)
+        assert line is not None and f"'{name}'" in line and "spread" in line and "\n" not in line, line
+        assert ("column 0" in line) == (name == "size"), line
+        flat = head.clone()
+        flat[..., 0] = head[..., 0].mean()  # its offset column answers one value for every case
+        trial = {"logits": logits, name: flat if head.ndim == 2 else torch.full_like(head, float(head.mean()))}
+        _, d = _judged("classification", y, ref, trial)
+        assert d.decision == "accept"  # what freeze's refusal keeps from ever being judged
+        told = dataclasses.replace(RULE, outputs={"*": Tolerance(), name: Tolerance(atol=0.3, rtol=0.0)})
+        assert _freeze_refusal("classification", x, y, ref, told) is None
+        _, d = _judged("classification", y, ref, trial, cfg=told)
+        assert d.decision == "rollback", d.reasons
+
+
+def test_a_random_init_second_head_of_a_bert_is_not_refused_for_its_small_spread():
+    """The other side of the offset vetting: a tiny random-init BERT with a second head of its own, ``intent`` [N, 5],
+    spreads less than 0.05 = atol (its means up to 0.2 from torch's bias init; one argmax class for every case at seed
+    12): its argmax reads its variation, no offset pins it. freeze takes it, and a real float16 trial is accepted."""
+    transformers = pytest.importorskip("transformers")
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            config = transformers.BertConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                             intermediate_size=64, max_position_embeddings=32, num_labels=3)
+            self.bert = transformers.BertForSequenceClassification(config)
+            self.intent = torch.nn.Linear(32, 5)
+
+        def forward(self, input_ids, attention_mask):
+            out = self.bert.bert(input_ids=input_ids, attention_mask=attention_mask)
+            return {"logits": self.bert.classifier(out.pooler_output), "intent": self.intent(out.pooler_output)}
+
+    for seed in (0, 12):
+        torch.manual_seed(seed)
+        model = TwoHeads().eval()
+        with torch.no_grad():
+            model.bert.classifier.weight.mul_(100.0)  # the primary at a trained head's scale (freeze takes no RMS of 0.01)
+        g = torch.Generator().manual_seed(seed)
+        n = 200
+        x = Batch(input_ids=torch.randint(1, 60, (n, 12), generator=g), attention_mask=torch.ones(n, 12, dtype=torch.long))
+        ref = inference.infer(model, x, Policy(dtype="float32"), torch.device("cpu"), eval_mode=True)
+        trial = inference.infer(model, x, Policy(dtype="float16"), torch.device("cpu"), eval_mode=True)
+        assert float(ref["intent"].std(0).max()) < 0.05
+        y = ref["logits"].argmax(1)
+        assert _freeze_refusal("classification", x, y, ref) is None
+        _, d = _judged("classification", y, ref, trial)
+        assert d.decision == "accept", (seed, d.reasons)
