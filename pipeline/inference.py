@@ -2,7 +2,7 @@
 
 The reference, every trial and the diagnosis's searches read outputs through these functions only, so a
 gap between two runs is the precision policy's and nothing else's: the same batches of rows, the same
-train/eval mode, and (dropout on) the same random state for every pass.
+train/eval mode, and the same random state for every pass (dropout on, or a forward that draws in eval mode).
 """
 
 from __future__ import annotations
@@ -21,17 +21,19 @@ from pipeline.task import (FLOAT32_EXACT_WHOLE, Inputs, call, iter_rows, map_flo
                            to_device)
 
 INFERENCE_SEED = 0
-"""The random state every inference pass in train mode starts from (``reference.eval_mode: false``)."""
+"""The random state every inference pass starts from, in either mode."""
 
 
 @contextlib.contextmanager
-def inference_rng(eval_mode: bool, device: torch.device) -> Iterator[None]:
-    """In train mode (dropout on), every inference pass (reference, trial, trained trial, FP64 arbiter) draws
-    from the same state, ``INFERENCE_SEED``, so that FP32 against FP32 is identical and a gap is precision's;
-    the global RNG is restored afterwards, so inference never moves what training draws next."""
-    if eval_mode:
-        yield
-        return
+def inference_rng(device: torch.device) -> Iterator[None]:
+    """Every inference pass (reference, trial, trained trial, FP64 arbiter, the probe's) draws from the same state,
+    ``INFERENCE_SEED``, so that FP32 against FP32 is identical and a gap is precision's: dropout in train mode
+    (``reference.eval_mode: false``), and in eval mode too, where a forward may draw all the same (``F.dropout(h, p,
+    training=True)``, MC dropout, ``torch.randn_like`` noise). Seeded in train mode alone, such a forward drew from
+    wherever the process's RNG stood: freeze's pass after training, the trial's after loading, and an FP32 trial was
+    rolled back on 139 flips of its masks. The global RNG is restored afterwards, so inference never moves what
+    training draws next. Randomness outside torch's generators (numpy, ``random``) is not seeded: ``probe.check``
+    refuses it."""
     cuda = [torch.cuda.current_device()] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(INFERENCE_SEED)
@@ -53,7 +55,7 @@ def infer_chunks(
     model.to(device)
     model.train(not eval_mode)
     runnable = transforms.apply(model, policy, device).model  # float8 layers in place, the compiled wrapper; else model
-    with precision.fp32_regions(model, policy, device), inference_rng(eval_mode, device):
+    with precision.fp32_regions(model, policy, device), inference_rng(device):
         for _, _, part in iter_rows(x, batch_size):
             with precision.autocast(policy, device):
                 out = named_outputs(call(runnable, to_device(part, device)))
@@ -149,7 +151,7 @@ def fp64_chunks(
     try:
         arbiter = copy.deepcopy(model).to(where).double()
         arbiter.train(not eval_mode)
-        with torch.no_grad(), inference_rng(eval_mode, where):
+        with torch.no_grad(), inference_rng(where):
             first_part = next(iter(iter_rows(x, 2)), None)  # two rows: a training-mode BatchNorm needs more than one
             if first_part is None:
                 return None
@@ -163,7 +165,7 @@ def fp64_chunks(
     batch_size = min(batch_size, rows_within(FP64_CHUNK_ELEMENTS, per_case))
 
     def chunks() -> Iterator[dict[str, torch.Tensor]]:
-        with torch.no_grad(), inference_rng(eval_mode, where):
+        with torch.no_grad(), inference_rng(where):
             for _, _, part in iter_rows(covered, batch_size):
                 yield {k: v.double().cpu().contiguous() for k, v in run(arbiter, part).items()}
 

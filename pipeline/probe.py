@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pipeline.config import TaskConfig
@@ -9,17 +11,20 @@ from pipeline.errors import UserError
 from pipeline.inference import infer
 from pipeline.config import Policy
 from pipeline.recipe import make_loss, own_loss
+from pipeline.vetting import MASKING
 from pipeline.task import IGNORE_INDEX, TensorSource, TrainSource, call, check_outputs, named_outputs, primary, rows, to_device
 
 
-def check(model: torch.nn.Module, source: TrainSource, task_cfg: TaskConfig, device: torch.device) -> bool:
+def check(model: torch.nn.Module, source: TrainSource, task_cfg: TaskConfig, device: torch.device, eval_mode: bool) -> bool:
     """Run the model on two training samples, and on the first alone: it must take the inputs, give outputs that can be
-    compared whatever the batch (``check_batch_free``), and (``loss: model``) compute its own loss. Why first: a model
-    that does not fit the task contract should cost one line, not a training run that fails at its end. Returns whether
-    the model's own loss reads per-token labels one position ahead (``labels_shifted``).
+    compared whatever the batch (``check_batch_free``), the same outputs on a second pass in the reference's mode
+    ``eval_mode`` (``check_reproducible``), and (``loss: model``) compute its own loss. Why first: a model that does
+    not fit the task contract should cost one line, not a training run that fails at its end. Returns whether the
+    model's own loss reads per-token labels one position ahead (``labels_shifted``).
 
     Raises:
-        UserError: the model fails on the inputs, or its outputs depend on the batch, or they or its loss do not fit the task.
+        UserError: the model fails on the inputs, or its outputs depend on the batch or differ between two passes, or they
+            or its loss do not fit the task.
     """
     x, y = source.batch(torch.arange(min(2, len(source))))
     shapes = {k or "x": tuple(t.shape) for k, t in (x.items() if isinstance(x, dict) else {"": x}.items())}
@@ -27,6 +32,8 @@ def check(model: torch.nn.Module, source: TrainSource, task_cfg: TaskConfig, dev
     try:
         out = infer(model, x, Policy(), device, eval_mode=True)
         one = infer(model, source.batch(torch.arange(1))[0], Policy(), device, eval_mode=True) if rows(x) > 1 else None
+        first = out if eval_mode else infer(model, x, Policy(), device, eval_mode=False)
+        again = infer(model, x, Policy(), device, eval_mode)
         if task_cfg.loss == "model":
             with torch.no_grad():
                 make_loss(task_cfg)(model, to_device(x, device), y.to(device))
@@ -40,6 +47,7 @@ def check(model: torch.nn.Module, source: TrainSource, task_cfg: TaskConfig, dev
         ) from None
     if one is not None:  # before the shapes are read as classes or values
         check_batch_free(out, one, entry)
+    check_reproducible(first, again, entry, device, eval_mode)
     targets = source.y if isinstance(source, TensorSource) else y
     check_outputs(out, task_cfg.kind, rows(x), targets, task_cfg.model)
     return labels_shifted(model, source, task_cfg, device)
@@ -60,6 +68,52 @@ def check_batch_free(two: dict[str, torch.Tensor], one: dict[str, torch.Tensor],
                 f"batch of 1: one case's outputs must not depend on the batch (in-batch scores such as CLIP's "
                 f"logits_per_image, a squeezed batch dimension); return per-sample outputs"
             )
+
+
+REPEAT_RTOL_GPU = 2.0**-16
+"""On a GPU, how far two FP32 passes of a deterministic forward may differ, relative to each value plus its output's
+RMS (``check_reproducible``). Kernels that add with atomics or choose their reduction order at run time (scatter_add,
+index_add, some convolution and attention kernels) reorder float32 sums, and a reordered sum moves by a few units of
+roundoff (2**-24) of its terms' magnitude; the layers after it carry that on with modest growth. 2**-16 is 128 ulps
+(2**-23 each) of the output's own scale: past what reordering leaves after a few dozen layers, and thousands of times
+below what a drawn difference does (a dropout mask or a noise draw moves an output by a share of its scale). On the
+CPU a kernel gives the same bits on the same thread count: bit equality is required there."""
+
+
+def check_reproducible(first: dict[str, torch.Tensor], again: dict[str, torch.Tensor], entry: str, device: torch.device,
+                       eval_mode: bool) -> None:
+    """Refuse a forward whose two FP32 passes over the same inputs, from the same weights and ``INFERENCE_SEED``, differ
+    (bit for bit on the CPU; beyond ``REPEAT_RTOL_GPU`` on a GPU): a trial reruns the reference exactly so, and every
+    difference such a forward makes (numpy or ``random`` draws, which ``INFERENCE_SEED`` does not seed; state that forward
+    changes, a call counter, a cache) would be judged as the precision's, an FP32 trial rolled back on flips its
+    precision never caused. torch's own draws (dropout, ``randn_like``) are seeded alike in every pass: they pass.
+
+    Raises:
+        UserError: naming the output, the element and the difference, and the fix."""
+    worst, how = 0.0, ""
+    for name, a in first.items():
+        b = again.get(name)
+        if b is None or b.shape != a.shape:
+            how = f"return output '{name}' as {tuple(a.shape)}, then {'nothing' if b is None else tuple(b.shape)}"
+            break
+        a64, b64 = a.double(), b.double()
+        diff = (a64 - b64).abs().masked_fill((a64 == b64) | (a64.isnan() & b64.isnan()), 0.0).nan_to_num(math.inf)
+        if device.type != "cpu":  # float rounding of nondeterministic kernels, not a drawn difference
+            live = a64.abs()[a64.isfinite() & (a64.abs() < -MASKING)]
+            rms = float(live.square().mean().sqrt()) if live.numel() else 0.0
+            diff = diff.masked_fill(diff <= REPEAT_RTOL_GPU * (a64.abs() + rms), 0.0)
+        if diff.numel() and float(diff.max()) > worst:
+            worst, at = float(diff.max()), tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+            how = f"differ by {worst:.4g} at output '{name}' element {at}"
+    if not how:
+        return
+    mode = "eval mode" if eval_mode else "train mode (reference.eval_mode: false)"
+    raise UserError(
+        f"{entry}: the model's forward is not deterministic: two FP32 passes in {mode} over the same training samples, same "
+        f"weights and seed, {how}, so no trial could reproduce the reference and every difference would be blamed on "
+        f"precision; draw randomness only when self.training (F.dropout(x, p, training=self.training)) or from torch "
+        f"(seeded alike in every pass), not numpy or random, and keep forward from changing the model's state"
+    )
 
 
 def labels_shifted(model: torch.nn.Module, source: TrainSource, task_cfg: TaskConfig, device: torch.device) -> bool:

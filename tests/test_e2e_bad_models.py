@@ -85,6 +85,20 @@ def bad_data(**_):
         "prepare",
         ["training item 0 has no 'labels' (task.label_key)", "put the target there or set task.label_key"],
     ),
+    "forward drawing from numpy": (
+        DATA + """
+import numpy
+class Noisy(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x) + torch.from_numpy(numpy.random.standard_normal(x.shape[0])).float()[:, None]
+def bad_model(**_):
+    return Noisy(4, 3)
+""",
+        {"task": {"model": "usermod:bad_model"}, "acceptance": {"min_quality": None}},  # else the 2-step reference's quality
+        "freeze",
+        ["task.model usermod:bad_model: the model's forward is not deterministic", "differ by", "at output 'output'",
+         "training=self.training"],
+    ),
     "min_quality outside the metric's range": (
         DATA,
         {"task": {"kind": "regression", "loss": "mse"}, "acceptance": {"min_quality": 0.9}},

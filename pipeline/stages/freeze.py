@@ -25,7 +25,7 @@ def main(params_path: str = "params.yaml") -> None:
     inputs = {str(p): sha256_file(p) for p in (paths.PREPARED_CASES, paths.PREPARED_TRAIN)}
     source = task.load_train(params.task, paths.PREPARED_TRAIN, inputs[str(paths.PREPARED_TRAIN)])
     init = checkpoint.capture(model := task.build_model(params.task, params.seed))
-    shifted = probe.check(model, source, params.task, device)  # and whether its own loss reads the next token's label
+    shifted = probe.check(model, source, params.task, device, cfg.eval_mode)  # and whether its loss reads the next token's label
     checkpoint.restore(init, model)  # the probe must not move the RNG the training starts from
     run_key, phases = reference_tensors.run_key(params, inputs, init), Phases()
     resume = checkpoint.ResumeFile(paths.RESUME / "reference.safetensors", distributed.current().key(run_key), device)
