@@ -650,6 +650,39 @@ def labelled_positions(shape: tuple[int, ...], targets: torch.Tensor, judged: to
     return keep if judged is None else keep & judged
 
 
+def scores_over_positions(shape: tuple[int, ...], targets: torch.Tensor, has_target: torch.Tensor,
+                          token_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Where a classification's primary of ``shape`` [N, T] holds scores over the batch's positions, not over T classes
+    (an extractive QA head's ``start_logits`` / ``end_logits``: its decision is the answer's boundary among the real
+    tokens, as Hugging Face's QA pipeline reads it, never a padding position): the real positions [N, T] it is read over
+    (``token_mask``'s; a row without any keeps all), its padding at -inf (``mask_padding``); else None, read over every
+    column.
+
+    The signal: scores [N, T] whose T is the token mask's length, against one integer target per case (a position),
+    where every case that has a target (not -100) and padding holds its target at a real position of its own, and at
+    least one such case exists (without one, both readings agree on the targets, and the columns are kept: the reading
+    of old). A classifier whose C classes happen to equal the padded length has labels that do not depend on a case's
+    length: some label lies past its case's last real token. Per-token scores [N, T, C], a value per position [N, T]
+    against targets [N, T] and a multi-label head [N, L] (targets [N, L]) have no such targets and are not read so."""
+    if (len(shape) != 2 or token_mask is None or tuple(token_mask.shape) != tuple(shape) or targets.ndim != 1
+            or targets.is_floating_point() or targets.shape[0] != shape[0]):
+        return None
+    real = token_mask.bool()
+    padded = has_target.bool() & (targets != IGNORE_INDEX) & ~real.all(1)  # the cases whose target tells the readings apart
+    y = targets[padded].long()
+    if not y.numel() or bool(((y < 0) | (y >= shape[1])).any()):
+        return None
+    if not bool(real[padded].gather(1, y[:, None]).all()):
+        return None
+    return real | ~real.any(1, keepdim=True)
+
+
+def mask_padding(scores: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Scores over positions [n, T] (``scores_over_positions``) with their padding (``real`` False) at -inf: probability
+    0, a position no decision is read at, whose pairs agree as a masked class's do (``gaps.GapStats``)."""
+    return scores.masked_fill(~real.to(scores.device), float("-inf"))
+
+
 def judged_positions(shape: tuple[int, ...], primary_per_token: bool, targets: torch.Tensor,
                      token_mask: torch.Tensor | None, primary: bool = False) -> torch.Tensor | None:
     """The positions [N, T] of a per-token output of ``shape`` [N, T, ...] whose values and finiteness are judged (at

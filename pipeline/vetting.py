@@ -70,6 +70,8 @@ class Scan:
         [smallest, largest finite reference value, whether one lies strictly between 0 and 1], at the positions compare
         keeps."""
         self.token_mask = task.token_mask_of(fixed.x)
+        self.positions: dict[str, torch.Tensor] = {}
+        """Per output read as scores over positions (``streams.position_heads``): its real positions, padding read at -inf."""
         self.lengths, self.channels = _positions(fixed.x)
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.squares: dict[str, list] = {}
@@ -90,6 +92,12 @@ class Scan:
         """The chunk's rows from ``row`` on, a slice of rows at a time (``SLICE_ELEMENTS``): an LM's chunk holds GBs
         of scores, and its float64 squares or its rows with a target copied whole would hold as many again."""
         main = primary_name(chunk)
+        if not self.shapes:  # the first chunk: the whole set's shapes are known, and which heads are scores over positions
+            self.positions = streams.position_heads(self.kind, self.rule, {n: (len(self.has_target), *t.shape[1:])
+                                                                           for n, t in chunk.items()},
+                                                    main, self.targets, self.has_target, self.token_mask)
+        chunk = {n: task.mask_padding(v, self.positions[n][row : row + v.shape[0]]) if n in self.positions else v
+                 for n, v in chunk.items()}  # as compare reads them
         out = chunk[main]
         if not self.shapes:  # the first chunk: the primary is known, and how compare reads it
             threshold, self.metric = self.metric.reading(self.kind, self.rule, main, tuple(out.shape), self.targets,
@@ -192,7 +200,7 @@ class Scan:
         (``spreads``)."""
         tolerance = self.rule.tolerance(name)
         return (self.kind == "classification" and not primary and tolerance.decides(name, self.kind)
-                and not tolerance.scored(name, self.kind))
+                and not tolerance.scored(name, self.kind) and name not in self.positions)
 
     def spreads(self) -> dict[str, tuple[tuple[float, float], ...]]:
         """Per output judged by its values alone (``moments``), per column: (mean, standard deviation) over the whole
@@ -296,7 +304,7 @@ class Scan:
     def nonfinite_rows(self, row: int, chunk: dict[str, torch.Tensor]) -> torch.Tensor:
         """Rows of ``chunk`` (from ``row``) whose outputs are not finite where compare judges them
         (``streams.nonfinite_rows``): what freeze refuses in the reference."""
-        return streams.nonfinite_rows(self.kind, self.rule, chunk, row, self.targets, self.token_mask)
+        return streams.nonfinite_rows(self.kind, self.rule, chunk, row, self.targets, self.token_mask, self.has_target)
 
     def problem(self, ref_steps: Sequence[StepRecord], replicate: Sequence[StepRecord] | None = None) -> str | None:
         """The first reason the rule cannot judge this reference (``rule.vet_rule``; ``replicate``: the FP32 noise

@@ -2279,3 +2279,86 @@ def test_a_random_init_second_head_of_a_bert_is_not_refused_for_its_small_spread
         assert _freeze_refusal("classification", x, y, ref) is None
         _, d = _judged("classification", y, ref, trial)
         assert d.decision == "accept", (seed, d.reasons)
+
+
+def _qa(seed, n=300, t=16):
+    """A tiny random-init BertForQuestionAnswering (its head x30: scores of a trained one's spread) over right-padded
+    contexts of 5 to ``t`` tokens: the batch, the FP32 and the real bfloat16 autocast outputs, the mask."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32, num_labels=2)
+    model = transformers.BertForQuestionAnswering(config).eval()
+    with torch.no_grad():
+        model.qa_outputs.weight.mul_(30.0)
+    g = torch.Generator().manual_seed(seed + 100)
+    lengths = torch.randint(5, t + 1, (n,), generator=g)
+    mask = (torch.arange(t)[None] < lengths[:, None]).long()
+    x = Batch(input_ids=torch.randint(1, 60, (n, t), generator=g) * mask, attention_mask=mask)
+    ref, trial = (inference.infer(model, x, Policy(dtype=dtype), torch.device("cpu"), eval_mode=True)
+                  for dtype in ("float32", "bfloat16"))
+    return x, ref, trial, mask
+
+
+def test_an_extractive_qa_head_is_decided_among_the_real_tokens():
+    """start_logits / end_logits [N, T] of a right-padded QA model against one answer position per case: the answer's
+    boundary is read among the real tokens (Hugging Face's QA pipeline masks padding). Argmaxed over every position, a
+    sound bfloat16 trial rolled back for 5 "flips" whose FP32 argmax was a padding position (seed 5), and one that moved
+    the answer's end of 2 cases among the real tokens was accepted, the argmax staying on padding (seed 8). Freeze and
+    compare read padding at -inf alike: a NaN there is no fault, and the reference's accuracy is over real tokens."""
+    from pipeline import task
+
+    for seed, expected, flipped in ((5, "accept", []), (8, "rollback", ["ordinary/s112", "ordinary/s294"])):
+        x, ref, trial, mask = _qa(seed)
+        real = mask.bool()
+        y = ref["end_logits"].masked_fill(~real, -1e9).argmax(1)  # the answers the FP32 model gives
+        assert bool((ref["end_logits"].argmax(1) != y).any())  # some FP32 argmax over every position is padding
+        stats, d = _judged("classification", y, ref, trial, mask=mask)
+        assert d.decision == expected, (seed, d.reasons)
+        assert [f.id for f in stats.flips.flip_list] + [f.id for f in stats.heads["start_logits"].flip_list] == flipped
+        assert torch.equal(task.scores_over_positions(tuple(ref["end_logits"].shape), y, torch.ones(len(y), dtype=torch.bool),
+                                                      mask), real)
+        assert stats.quality.reference == 1.0
+        assert _freeze_refusal("classification", x, y, ref) is None
+    holes = {name: v.masked_fill(~real & (torch.arange(v.shape[1]) == v.shape[1] - 1), math.nan) for name, v in trial.items()}
+    _, d = _judged("classification", y, ref, holes, mask=mask)  # NaN at padding: no output the application reads
+    assert d.decision == "rollback" and not any("finite" in r for r in d.reasons), d.reasons
+    from pipeline import config, vetting
+    from pipeline.cases import Cases
+
+    params = dataclasses.replace(config.Params(), task=TaskConfig(), acceptance=RULE)
+    scan = vetting.Scan(params, Cases(ids=[f"ordinary/s{i}" for i in range(len(y))], x=x, y=y,
+                                      has_target=torch.ones(len(y), dtype=torch.bool)))
+    assert not bool(scan.nonfinite_rows(0, holes).any())
+    scan.update(0, ref)
+    assert scan.quality.result() == 1.0
+
+
+def test_scores_over_classes_of_the_sequences_length_stay_classes():
+    """What reads scores over positions and what does not: a sequence classifier whose classes happen to be as many as
+    the padded length (16 intents, max_length 16) has labels past a short case's last token, and keeps every class: a
+    trial moving a short case to such a class flips. Per-token scores [N, T, C], a value per position [N, T] against
+    targets [N, T], no mask, no padding, or padding only in cases without a target are not read over positions either."""
+    from pipeline import task
+
+    t, n = 16, 300
+    x, ref, _ = _bert_logits(t, seed=3, scale=200.0, n=n)
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(5, t + 1, (n,), generator=g)
+    mask = (torch.arange(t)[None] < lengths[:, None]).long()
+    x = Batch(input_ids=x["input_ids"][:, :1].expand(n, t) * mask, attention_mask=mask)  # the batch's mask is [N, 16]
+    y = ref.argmax(1)
+    every = torch.ones(n, dtype=torch.bool)
+    assert bool((y >= lengths).any())
+    assert task.scores_over_positions((n, t), y, every, mask) is None
+    short = int(torch.nonzero(lengths < t - 1)[0])
+    trial = ref.clone()
+    trial[short, t - 1] = ref[short].max() + 1.0  # a class past that case's last real token
+    stats, d = _judged("classification", y, {"logits": ref}, {"logits": trial}, mask=mask)
+    assert [f.id for f in stats.flips.flip_list] == [f"ordinary/s{short}"] and d.decision == "rollback", d.reasons
+    assert task.scores_over_positions((n, t, 3), y, every, mask) is None  # per token
+    assert task.scores_over_positions((n, t), y[:, None].expand(n, t), every, mask) is None  # targets [N, T]
+    assert task.scores_over_positions((n, t), y % 4, every, None) is None  # no mask
+    assert task.scores_over_positions((n, t), y % 4, every, torch.ones(n, t)) is None  # no padding
+    assert task.scores_over_positions((n, t), y % 4, every & (lengths == t), mask) is None  # no padded case has a target
+    assert task.scores_over_positions((n, t), y % 4, every, mask) is not None  # every answer at a real position

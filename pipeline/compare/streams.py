@@ -43,8 +43,8 @@ from pipeline.compare.quality import QualityStats, regression_errors
 from pipeline.compare.trajectory import calibration_steps, trajectory_gap, update_health
 from pipeline.config import METRICS, PROBABILITY_NAMES, AcceptanceConfig, CompareConfig, TaskConfig, primary_name
 from pipeline.errors import UserError
-from pipeline.task import (IGNORE_INDEX, binary_targets, judged_positions, labelled_positions, masked_targets, resolve,
-                           rows_within)
+from pipeline.task import (IGNORE_INDEX, binary_targets, judged_positions, labelled_positions, mask_padding, masked_targets,
+                           resolve, rows_within, scores_over_positions)
 
 
 SIDES = ("reference", "trial", "trained")
@@ -206,6 +206,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     step = rows_within(cfg.chunk_elements, sum(math.prod(s[1:]) for s in shapes.values()))
     errors = {name: (logit_error(ref, name), logit_error(trial, name)) for name in names}
     heads, scores = decided_heads(kind, rule, shapes, main), score_heads(kind, rule, shapes, main)
+    positions = position_heads(kind, rule, shapes, main, targets, has_target, sources.token_mask)
     gaps = {name: GapStats(conservative_atol(rule.tolerance(name).atol, rule.tolerance(name).rtol, *errors[name]),
                            rule.tolerance(name).rtol, math.prod(shapes[name]), softmax=name in heads,  # class scores
                            scores_only=name in scores)
@@ -232,6 +233,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     state = _State(names=names, main=main, kind=kind, per_token=per_token, kinds=kinds, targets=targets.to(device),
                    has_target=has_target.bool().to(device), gaps=gaps, arbiter=arbiter, decisions=decisions, quality=quality,
                    row_gap=row_gap, first_values=first_values, heads=head_stats, signs=signs, device=device,
+                   positions={name: real.to(device) for name, real in positions.items()},
                    threshold=threshold, ties=rule.tie_rule == "tie_is_flip",
                    judged={name: _to(judged_positions(shapes[name], per_token and name == main, targets, sources.token_mask,
                                                         primary=name == main),
@@ -359,6 +361,8 @@ class _State:
     """Where the arithmetic runs: each chunk read is copied there (the per-case records stay on the CPU)."""
     judged: dict = field(default_factory=dict)
     """Per output, the positions [N, T] whose values and finiteness count (``task.judged_positions``), or None: all."""
+    positions: dict = field(default_factory=dict)
+    """Per output read as scores over positions (``position_heads``): its real positions [N, T], padding read as -inf."""
     slice_elements: int = 0
     """Elements per computation slice (``SLICE_ELEMENTS`` on a CPU; a whole chunk on a GPU)."""
     mapped: list = field(default_factory=list)
@@ -372,7 +376,9 @@ class _State:
         allocated at the first (largest) chunk and reused for every other."""
         key = (id(source), name, start, stop)
         if key not in self.read_here:
-            self.read_here[key] = self._read(source, side, name, start, stop)
+            out = self._read(source, side, name, start, stop)
+            real = self.positions.get(name)
+            self.read_here[key] = out if real is None else mask_padding(out, real[start:stop])
         return self.read_here[key]
 
     def _read(self, source: Source, side: str, name: str, start: int, stop: int) -> torch.Tensor:
@@ -510,6 +516,20 @@ def decided_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int
             or (name != main and len(shape) in (2, 3) and shape[-1] >= 2 and rule.tolerance(name).decides(name, kind))]
 
 
+def position_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str, targets: torch.Tensor,
+                   has_target: torch.Tensor, token_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The decided heads read as scores over the batch's positions, each with its real positions [N, T]
+    (``task.scores_over_positions``, on the whole set's ``shapes``): a classification's primary so read, and every
+    decided head of its shape (an extractive QA model's ``start_logits`` beside its ``end_logits``). Everything compare
+    and freeze compute of them (decisions, gaps, finiteness, quality) reads their padding at -inf (``task.mask_padding``)."""
+    if kind != "classification":
+        return {}
+    real = scores_over_positions(shapes[main], targets, has_target, token_mask)
+    if real is None:
+        return {}
+    return {name: real for name in decided_heads(kind, rule, shapes, main) if shapes[name] == shapes[main]}
+
+
 def score_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
     """The decided heads (``decided_heads``) whose values are known to be read through softmax alone: the primary of a
     classification task, and a head that says it holds scores (``config.Tolerance.scored``: ``decisions: true``, or
@@ -634,12 +654,18 @@ def broken_where_judged(out: torch.Tensor, valid: torch.Tensor | None, softmax: 
 
 
 def nonfinite_rows(kind: str, rule: AcceptanceConfig, chunk: dict[str, torch.Tensor], row: int, targets: torch.Tensor,
-                   token_mask: torch.Tensor | None) -> torch.Tensor:
+                   token_mask: torch.Tensor | None, has_target: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of ``chunk`` (every output of the fixed set's rows from ``row`` on) with an element not finite where compare
-    judges it (``broken_where_judged``, at ``task.judged_positions``; ``targets`` and ``token_mask`` the whole set's):
+    judges it (``broken_where_judged``, at ``task.judged_positions``, scores over positions without their padding:
+    ``position_heads``; ``targets``, ``token_mask`` and ``has_target`` the whole set's, all with a target when None):
     what freeze refuses in the reference."""
     shapes = {name: tuple(v.shape) for name, v in chunk.items()}
     main = primary_name(shapes)
+    has_target = torch.ones(len(targets), dtype=torch.bool) if has_target is None else has_target
+    positions = position_heads(kind, rule, {name: (len(targets), *s[1:]) for name, s in shapes.items()}, main, targets,
+                               has_target, token_mask)
+    chunk = {name: mask_padding(v, positions[name][row : row + v.shape[0]]) if name in positions else v
+             for name, v in chunk.items()}
     heads = decided_heads(kind, rule, shapes, main)
     per_token = kind == "classification" and len(shapes[main]) == 3
     n = shapes[main][0]
