@@ -211,7 +211,8 @@ class Scan:
         answering the mean everywhere passes its values and, its sign or argmax pinned by the offset, its decisions too;
         its other columns get a spread of 0 (nothing to be below, as a constant column). Spread less than atol is no
         such sign there: a random init's logits, 0.15 +- 0.01 (rtol x |mean| within a seventh of the spread in tiny
-        random BERTs), are a head whose argmax still reads their variation."""
+        random BERTs), are a head whose argmax still reads their variation; nor is a softmax's mean, 1 / classes, where
+        every row is a distribution (``softmaxed``)."""
         out = {}
         for name, parts in self.moments.items():
             found = []
@@ -223,7 +224,7 @@ class Scan:
                 columns = []
                 for c in range(found[0][0].numel()):
                     mean, std = min(((float(m[c]), float(sd[c])) for m, sd in found), key=lambda pair: pair[1])
-                    offset = self.rule.tolerance(name).rtol * abs(mean) >= std
+                    offset = self.rule.tolerance(name).rtol * abs(mean) >= std and not self.softmaxed.get(name, False)
                     columns.append((mean, std if offset or name not in self.measured else 0.0))
                 out[name] = tuple(columns)
         return out

@@ -2249,7 +2249,8 @@ def test_a_measurement_beside_a_classifier_is_refused_where_its_offset_makes_the
 def test_a_random_init_second_head_of_a_bert_is_not_refused_for_its_small_spread():
     """The other side of the offset vetting: a tiny random-init BERT with a second head of its own, ``intent`` [N, 5],
     spreads less than 0.05 = atol (its means up to 0.2 from torch's bias init; one argmax class for every case at seed
-    12): its argmax reads its variation, no offset pins it. freeze takes it, and a real float16 trial is accepted."""
+    12): its argmax reads its variation, no offset pins it; nor does a softmax's 1 / classes (``topic``: 0.25 +- 0.002).
+    freeze takes them, and a real float16 trial of the logits and intent is accepted."""
     transformers = pytest.importorskip("transformers")
 
     class TwoHeads(torch.nn.Module):
@@ -2258,11 +2259,13 @@ def test_a_random_init_second_head_of_a_bert_is_not_refused_for_its_small_spread
             config = transformers.BertConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                              intermediate_size=64, max_position_embeddings=32, num_labels=3)
             self.bert = transformers.BertForSequenceClassification(config)
-            self.intent = torch.nn.Linear(32, 5)
+            self.intent, self.topic = torch.nn.Linear(32, 5), torch.nn.Linear(32, 4)
+            self.bert._init_weights(self.topic)  # Hugging Face's init: std 0.02, bias 0
 
         def forward(self, input_ids, attention_mask):
             out = self.bert.bert(input_ids=input_ids, attention_mask=attention_mask)
-            return {"logits": self.bert.classifier(out.pooler_output), "intent": self.intent(out.pooler_output)}
+            return {"logits": self.bert.classifier(out.pooler_output), "intent": self.intent(out.pooler_output),
+                    "topic": self.topic(out.pooler_output).softmax(-1)}
 
     for seed in (0, 12):
         torch.manual_seed(seed)
@@ -2275,9 +2278,11 @@ def test_a_random_init_second_head_of_a_bert_is_not_refused_for_its_small_spread
         ref = inference.infer(model, x, Policy(dtype="float32"), torch.device("cpu"), eval_mode=True)
         trial = inference.infer(model, x, Policy(dtype="float16"), torch.device("cpu"), eval_mode=True)
         assert float(ref["intent"].std(0).max()) < 0.05
+        assert float(ref["topic"].std(0).max()) < 0.02 * 0.25  # a softmax's 1/4 +- less than rtol x its mean
         y = ref["logits"].argmax(1)
         assert _freeze_refusal("classification", x, y, ref) is None
-        _, d = _judged("classification", y, ref, trial)
+        two = ("logits", "intent")  # (topic's margins of 1e-3 flip under float16, as they should)
+        _, d = _judged("classification", y, {k: ref[k] for k in two}, {k: trial[k] for k in two})
         assert d.decision == "accept", (seed, d.reasons)
 
 
