@@ -98,11 +98,15 @@ class Arbiter(Record):
 
 @dataclass(frozen=True)
 class OutputsInfo(Record):
+    ABSENT = ("kernels",)
     cases: int
     primary: str
     per_token: bool
     shapes: dict[str, tuple[int, ...]]
     chunk_rows: int
+    kernels: bool | None = None
+    """True where some output's statistics ran through compare's C kernels (``compare.native``: outputs of 16.8 M
+    elements and more); absent where torch computed every one."""
 
 
 @dataclass(frozen=True)

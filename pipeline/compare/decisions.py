@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pipeline.artifacts.comparison import Decisions, Distribution, Flip
+from pipeline.compare import native
 from pipeline.compare.gaps import ZERO_PROBABILITY_NATS
 from pipeline.compare.quantiles import StreamQuantile
 from pipeline.config import LOGIT_NAMES, PROBABILITY_NAMES
@@ -54,6 +55,13 @@ def _top(scores: torch.Tensor, k: int, tie_rule: str, need_lse: bool = False):
                torch.zeros(*s.shape[:-1], k, dtype=torch.long, device=s.device))
         return empty, top, (torch.zeros(s.shape[:-1], dtype=s.dtype, device=s.device) if need_lse else None)
     values, indices = best_two(s) if k == 2 and s.ndim == 2 else top_k(s, min(k, s.shape[-1]))  # NaN above every number
+    lse = torch.logsumexp(s, dim=-1) if need_lse else None
+    return _labelled(s, values, indices, tie_rule), (values, indices), lse
+
+
+def _labelled(s: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, tie_rule: str) -> torch.Tensor:
+    """The class of each row from its best values and indices (``_top``): -1 for a tie under ``tie_is_flip``, the lowest
+    index among the maxima under ``lowest_index``, -2 for a NaN."""
     labels = indices[..., 0].clone()
     tied = values[..., 0] == values[..., 1]
     if bool(tied.any()):
@@ -64,8 +72,69 @@ def _top(scores: torch.Tensor, k: int, tie_rule: str, need_lse: bool = False):
     bad = torch.isnan(values[..., 0])
     if bool(bad.any()):
         labels[bad] = -2
-    lse = torch.logsumexp(s, dim=-1) if need_lse else None
-    return labels, (values, indices), lse
+    return labels
+
+
+def decided_pair(ref: torch.Tensor, trial: torch.Tensor, k: int, tie_rule: str):
+    """``_top`` of both sides (k best, with the log-sum-exps) and ``kl_and_lse`` of the pair, in one pass of the
+    kernel over each row of contiguous float32 scores [..., C > k] on the CPU (``native.decide_rows``): the same
+    labels, values and sets of indices, the log-sum-exps and KL within float32 rounding (KL's e^d - 1 - d from a
+    series near 0, where ``kl_and_lse`` subtracts two float32 numbers). The rows the kernel leaves to torch (a
+    non-finite score, a tie at the k-th best, two distributions far apart) are computed by those functions.
+    Returns ((labels, (values, indices), lse) of the reference, the same of the trial, KL)."""
+    shape, c = ref.shape[:-1], ref.shape[-1]
+    r, t = ref.detach().reshape(-1, c).contiguous(), trial.detach().reshape(-1, c).contiguous()
+    rows = r.shape[0]
+    rv, tv = torch.empty(rows, k + 1), torch.empty(rows, k + 1)
+    ri, ti = torch.empty(rows, k + 1, dtype=torch.int64), torch.empty(rows, k + 1, dtype=torch.int64)
+    lse_r, lse_t, kl = (torch.empty(rows, dtype=torch.float64) for _ in range(3))
+    flag = torch.empty(rows, dtype=torch.uint8)
+    p = native.pointer
+    native.library().decide_rows(p(r), p(t), rows, c, k, p(rv), p(ri, native.I64), p(tv), p(ti, native.I64),
+                                 p(lse_r, native.F64), p(lse_t, native.F64), p(kl, native.F64), p(flag, native.U8))
+    rv, ri, tv, ti = rv[:, :k], ri[:, :k], tv[:, :k], ti[:, :k]
+    if bool(flag.any()):  # torch's path, the definition, for what the kernel leaves to it
+        redo = torch.nonzero(flag == 1).flatten()
+        for bit, values, indices, x in ((2, rv, ri, r), (4, tv, ti, t)):
+            if redo.numel():
+                values[redo], indices[redo] = top_k(x[redo], k)
+            tied = torch.nonzero(flag & bit).flatten()  # ``top_k`` of a row tied at its k-th best: ``topk``'s own
+            if tied.numel():
+                values[tied], indices[tied] = x[tied].topk(k, dim=-1)
+        if redo.numel():
+            kl[redo], lse_r[redo], lse_t[redo] = kl_and_lse(r[redo], t[redo], ref_argmax=ri[redo, 0])
+    sides = []
+    for values, indices, x, lse in ((rv, ri, r, lse_r), (tv, ti, t, lse_t)):
+        values, indices = values.reshape(*shape, k), indices.reshape(*shape, k)
+        sides.append((_labelled(x.reshape(*shape, c), values, indices, tie_rule), (values, indices), lse.reshape(shape)))
+    return sides[0], sides[1], kl.reshape(shape)
+
+
+def best_rows(scores: torch.Tensor, k: int, lse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The ``k`` best of each row of float32 scores [..., C >= k] on the CPU (values descending, indices; equal values by
+    lowest index: ``best_two``'s for k = 2) and, if ``lse``, its log-sum-exp (float64), in one pass of the kernel
+    (``native.best_rows``); None where a score is not finite (the caller's torch path)."""
+    shape, c = scores.shape[:-1], scores.shape[-1]
+    x = scores.detach().reshape(-1, c).contiguous()
+    rows = x.shape[0]
+    values, indices = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)
+    sums, flag = torch.empty(rows, dtype=torch.float64) if lse else None, torch.empty(rows, dtype=torch.uint8)
+    p = native.pointer
+    native.library().best_rows(p(x), rows, c, k, p(values), p(indices, native.I64), None if sums is None else p(sums, native.F64),
+                               p(flag, native.U8))
+    if bool(flag.any()):
+        return None
+    return values.reshape(*shape, k), indices.reshape(*shape, k), None if sums is None else sums.reshape(shape)
+
+
+def labels_and_lse(scores: torch.Tensor, tie_rule: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``labels_of`` and the log-sum-exp (float64) of float32 scores [..., C >= 2] on the CPU through ``best_rows``
+    (one pass where ``labels_of`` and ``log_softmax`` take three); (None, None) where a score is not finite (the
+    caller's torch path)."""
+    best = best_rows(scores, 2, True)
+    if best is None:
+        return None, None
+    return _labelled(scores, best[0], best[1], tie_rule), best[2]
 
 
 def first_max(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,7 +397,8 @@ class DecisionStats:
     """
 
     def __init__(self, ids: Sequence[str], kinds: Sequence[str], tie_rule: str, boundary_margin: float, margin_kind: str,
-                 capacity_tokens: int, top_k: int = 5, max_listed: int = 10_000, device: torch.device | None = None) -> None:
+                 capacity_tokens: int, top_k: int = 5, max_listed: int = 10_000, device: torch.device | None = None,
+                 kernels: bool | None = None) -> None:
         self.ids, self.kinds = ids, kinds
         self.tie_rule, self.boundary_margin, self.margin_kind = tie_rule, boundary_margin, margin_kind
         self.top_k, self.max_listed = top_k, max_listed
@@ -356,6 +426,9 @@ class DecisionStats:
         self.drawn = torch.tensor([k == "ordinary" for k in kinds], dtype=torch.bool, device=device)
         """The ordinary cases: the sample (``rate_sample``) the distribution statistics are taken over, per token."""
         self._case = PerCase.empty(len(ids), device)  # on the device the slices come from
+        self.capacity = capacity_tokens
+        self.kernels = kernels
+        """Whether per-token slices go through ``decided_pair`` (None: the output's size decides at the first slice)."""
         self._twin = twins(ids)
         self._twin_rows = sorted(self._twin)
         self._seen: dict[int, torch.Tensor] = {}
@@ -371,13 +444,24 @@ class DecisionStats:
         self.per_token = per_token
         need_lse = self.margin_kind == "probability"
         k = min(max(self.top_k, 2), ref.shape[-1]) if per_token else 2
-        r_lab, r_top, r_lse = _top(ref, k, self.tie_rule, need_lse)
+        if self.kernels is None:  # by the output's size (``native.MIN_ELEMENTS``)
+            self.kernels = native.wanted(self.capacity * ref.shape[-1], ref.device)
+        fused = (self.kernels and ref.shape[-1] > k and ref.dtype == trial.dtype == torch.float32 and ref.device.type == "cpu")
+        best = None if per_token or not fused else best_rows(ref, 2, need_lse)  # None: torch's path
+        if per_token and fused:
+            (r_lab, r_top, r_lse), (t_lab, t_top, t_lse), kl = decided_pair(ref, trial, k, self.tie_rule)
+        elif best is not None:
+            r_top, r_lse = best[:2], best[2]
+            r_lab = _labelled(ref, *r_top, self.tie_rule)
+        else:
+            r_lab, r_top, r_lse = _top(ref, k, self.tie_rule, need_lse)
         r_margin = margins(r_top, self.margin_kind, r_lse, ref)
         if per_token:  # top-k overlap needs the trial's k best
-            t_lab, t_top, t_lse = _top(trial, k, self.tie_rule, need_lse)
+            if not fused:
+                t_lab, t_top, t_lse = _top(trial, k, self.tie_rule, need_lse)
             t_margin = margins(t_top, self.margin_kind, t_lse, trial)
         else:  # the trial's margin is only reported for flipped cases: computed for them alone, below
-            t_lab = labels_of(trial, self.tie_rule)
+            t_lab = labels_of(trial, self.tie_rule)  # (numpy's argmax: faster than the kernel for a label alone)
             t_margin = None
         rows = slice(row, row + n)
         constructed = self.constructed[rows]
@@ -413,7 +497,10 @@ class DecisionStats:
                 self.flip_list.append(self._record(row + i, None, bool(near[i]), int(r_lab[i]), int(t_lab[i]),
                                                    float(r_margin[i]), float(t_margin[j]), ref[i], trial[i]))
             return Labels(r_lab, t_lab)
-        kl, lse_r, lse_t = kl_and_lse(ref, trial, diff, ref_argmax=r_top[1][..., 0])
+        if fused:
+            lse_r, lse_t = r_lse, t_lse
+        else:
+            kl, lse_r, lse_t = kl_and_lse(ref, trial, diff, ref_argmax=r_top[1][..., 0])
         sample = valid & self.drawn[rows][:, None]  # a selected copy or an edge case is no draw of the data
         self._add_kl(kl[sample], kl[valid])
         if targets is not None:

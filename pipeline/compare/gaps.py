@@ -33,6 +33,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from pipeline.artifacts.comparison import Arbiter, KindGap, ValueGap
+from pipeline.compare import native
 from pipeline.compare.quantiles import StreamQuantile
 
 
@@ -104,8 +105,11 @@ class GapStats:
     (module docstring).
     """
 
-    def __init__(self, atol: float, rtol: float, capacity: int, softmax: bool = False, scores_only: bool | None = None) -> None:
+    def __init__(self, atol: float, rtol: float, capacity: int, softmax: bool = False, scores_only: bool | None = None,
+                 kernels: bool | None = None) -> None:
         self.atol, self.rtol = float(atol), float(rtol)
+        self.kernels = native.wanted(capacity) if kernels is None else kernels and native.available()
+        """Whether a slice's finite pairs go through ``native.gap_slice`` (by the output's size, ``capacity``)."""
         self.softmax = softmax
         self.scores_only = softmax if scores_only is None else softmax and scores_only
         """Finite pairs at probability 0 on both sides agree too (the module docstring)."""
@@ -127,6 +131,13 @@ class GapStats:
         self.last_max: float | None = None
         """The largest element of the gap the last ``update`` returned, when known without another pass (every
         pair finite, none set aside); else None."""
+        self._scratch: torch.Tensor | None = None
+        self.gap_wanted = True
+        """Whether ``update`` returns the gap per element (else, on the kernel's path, None: ``last_row_max`` holds each
+        row's largest, what the per-case table reads)."""
+        self.last_row_max: torch.Tensor | None = None
+        """The largest gap of each row (leading index) the last ``update`` returned, when the kernel computed it; else
+        None."""
 
     def update(self, ref: torch.Tensor, trial: torch.Tensor, group: str = "all",
                diff: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,10 +153,14 @@ class GapStats:
         if g is None:
             g = self.groups[group] = _Tally()
         g.elements += r.numel()
-        self.last_max = None
+        self.last_max = self.last_row_max = None
         if r.numel() == 0:
             self.last_finite = True
             return torch.zeros(ref.shape, dtype=r.dtype, device=r.device)
+        if self.kernels and r.dtype == t.dtype == torch.float32 and r.device.type == "cpu":
+            handled, gap = self._kernel(g, r.contiguous(), t.contiguous(), ref.shape)
+            if handled:
+                return gap
         gap = torch.sub(t, r).abs_() if diff is None else diff.reshape(-1).abs()
         full_gap = gap
         total = _sum(gap)
@@ -256,6 +271,47 @@ class GapStats:
             elif mx > self.atol:
                 self.need_rtol = max(self.need_rtol, float(torch.sub(gap_nz, self.atol).div_(mag_nz).amax()))
         return failing, None, mx
+
+    def _kernel(self, g: _Tally, r: torch.Tensor, t: torch.Tensor, shape: torch.Size) -> tuple[bool, torch.Tensor | None]:
+        """``_finite_pairs`` of a slice in one pass (``native.gap_slice``): the same counts, maxima and quantiles, sums
+        in float64; whether it took the slice, and the gap per element (``gap_wanted``). Not taken, nothing counted, where
+        torch's path must take the slice: a non-finite element, a worst
+        element near the tolerance (float64's recount), or class scores that may be masked on both sides."""
+        n = r.numel()
+        width = n // shape[0] if len(shape) > 1 and shape[0] else n
+        if self._scratch is None or self._scratch.numel() < 2 * n + 4:  # reused slice after slice: no page to fault in
+            self._scratch = torch.empty(2 * n + 4)
+        kept_abs, kept_rel = self._scratch[: 2 * n].view(2, n)
+        out_f = self._scratch[2 * n : 2 * n + 4]
+        gap, row_max = torch.empty(n) if self.gap_wanted else None, torch.empty(n // width if width else 0)
+        out_d, out_n = torch.empty(2, dtype=torch.float64), torch.empty(3, dtype=torch.int64)
+        (abs_floor, abs_incl), (rel_floor, rel_incl) = self.p_abs.selection(), self.p_rel.selection()
+        p = native.pointer
+        if native.library().gap_slice(p(r), p(t), n, width, self.rtol, self.atol, abs_floor, abs_incl, rel_floor, rel_incl,
+                                      None if gap is None else p(gap), p(row_max), p(kept_abs), p(kept_rel), p(out_f),
+                                      p(out_d, native.F64), p(out_n, native.I64)):
+            return False, None
+        mx, worst, rmax, need = out_f.tolist()
+        sum_gap, sum_rel = out_d.tolist()
+        n_abs, n_rel, zero = out_n.tolist()
+        if worst > self.atol - 2.0**-21 * (mx + self.atol) or (self.scores_only and mx > ZERO_PROBABILITY_NATS):
+            return False, None
+        self.need_atol = max(self.need_atol, worst + 2.0**-21 * (mx + self.atol), 0.0)
+        g.max_abs = max(g.max_abs, mx)
+        self.sum_abs += sum_gap
+        self.n_abs += n
+        self.p_abs.update_selected(kept_abs[:n_abs], n, mx)
+        if n - zero:
+            g.max_rel = max(g.max_rel, rmax)
+            self.sum_rel += sum_rel
+            self.n_rel += n - zero
+            self.p_rel.update_selected(kept_rel[:n_rel], n - zero, rmax)
+            if self.atol == 0.0:
+                self.need_rtol = max(self.need_rtol, rmax)
+            elif mx > self.atol:
+                self.need_rtol = max(self.need_rtol, need)
+        self.last_finite, self.last_max, self.last_row_max = True, mx, row_max
+        return True, gap.reshape(shape) if gap is not None else None
 
     def failing_rows(self, ref: torch.Tensor, trial: torch.Tensor) -> torch.Tensor:
         """Rows with an element that fails (as ``update`` counts it, in float64): for naming the cases."""

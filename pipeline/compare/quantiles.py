@@ -101,11 +101,7 @@ class StreamQuantile:
                 return  # nothing here is among the largest kept
             if self._floor > -math.inf:
                 v = values_above(v, self._floor)
-            if v.numel():  # kept on the CPU (numpy partitions them), never a view of the caller's
-                self._parts.append(v.cpu() if v.device.type != "cpu" else v.clone() if v.data_ptr() == values.data_ptr() else v)
-                self._held += v.numel()
-            if self._held > 2 * self.keep + SLACK:
-                self._shrink()
+            self._keep(v.clone() if v.device.type == "cpu" and v.data_ptr() == values.data_ptr() else v)
             return
         if v.dtype != torch.float32:
             v = v.float()  # float64 (KL) rounded to float32: 2**-24 relative, far below the bucket width
@@ -139,6 +135,40 @@ class StreamQuantile:
         counts = torch.bincount(key.clamp_(min=_KEY_FLOOR).sub_(_KEY_FLOOR))
         self._hist[: counts.numel()] += counts.to(self._hist.device)
         self._raise_cut()
+
+    def selection(self) -> tuple[float, bool]:
+        """Which of the next values an update still needs: those above the value returned (at or above it where the
+        flag says so); -inf: every one. A kernel selects them while it computes them (``update_selected``)."""
+        if self.exact:
+            return self._floor, False
+        return (self._cut_value, True) if self._cut else (-math.inf, True)
+
+    def update_selected(self, selected: torch.Tensor, n: int, vmax: float) -> None:
+        """``update`` with ``n`` finite values >= 0 whose maximum is ``vmax``, given only those ``selection`` names
+        (float32, on the CPU, in their order): the same state after it as ``update`` of all of them."""
+        self.n += n
+        if n == 0 or (self.exact and vmax <= self._floor):
+            return
+        if self.exact:
+            self._keep(selected.clone())  # never a view of the caller's buffer
+            return
+        self._max = max(self._max, vmax)
+        if self._cut and vmax < self._cut_value:
+            return
+        below = _KEY_FLOOR + self._cut
+        counts = torch.bincount(_keys(selected).clamp_(min=below).sub_(below))
+        self._hist[self._cut : self._cut + counts.numel()] += counts
+        if self._cut:
+            self._kept_share = selected.numel() / n
+        self._raise_cut()
+
+    def _keep(self, v: torch.Tensor) -> None:
+        """Exact: keep ``v`` (values above the floor, owned), merging once enough are held."""
+        if v.numel():  # kept on the CPU (numpy partitions them)
+            self._parts.append(v.cpu())
+            self._held += v.numel()
+        if self._held > 2 * self.keep + SLACK:
+            self._shrink()
 
     def _raise_cut(self) -> None:
         """Move the cut up to the highest bucket with at least ``keep`` values at or above it (see ``_cut``)."""

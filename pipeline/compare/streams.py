@@ -37,7 +37,9 @@ import torch
 from pipeline.artifacts.comparison import Decisions, NonFinite, NonFiniteSides, OutputsInfo, Paired, Quality, Stats, Training
 from pipeline.artifacts.outputs import OutputsReader
 from pipeline.artifacts.steps import Steps
-from pipeline.compare.decisions import DecisionStats, PerCase, first_crossing, holds_probabilities, regression_flips, sign_flips
+from pipeline.compare import native
+from pipeline.compare.decisions import (DecisionStats, PerCase, first_crossing, holds_probabilities, labels_and_lse,
+                                        regression_flips, sign_flips)
 from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite, broken
 from pipeline.compare.quality import QualityStats, regression_errors
 from pipeline.compare.trajectory import calibration_steps, trajectory_gap, update_health
@@ -219,7 +221,8 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     if kind == "classification":
         tokens = main_shape[0] * (main_shape[1] if per_token else 1)
         decisions = DecisionStats(ids, kinds, rule.tie_rule, rule.boundary_margin, rule.boundary_margin_kind, tokens,
-                                  top_k=metric.top_k, max_listed=cfg.max_listed_flips, device=device)
+                                  top_k=metric.top_k, max_listed=cfg.max_listed_flips, device=device,
+                                  kernels=native.wanted(math.prod(main_shape), device))
         decisions.logit_error = errors[main]
         decisions.stores = {"reference": store_of(ref), "trial": store_of(trial)}
     head_stats = {name: DecisionStats(ids, kinds, rule.tie_rule, rule.boundary_margin, rule.boundary_margin_kind,
@@ -267,7 +270,8 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     stats = Stats(
         values=values,
         arbiter=None if arbiter is None else {name: a.result(covered) for name, a in arbiter.items()},
-        outputs=OutputsInfo(cases=n, primary=main, per_token=per_token, shapes=shapes, chunk_rows=step),
+        outputs=OutputsInfo(cases=n, primary=main, per_token=per_token, shapes=shapes, chunk_rows=step,
+                            kernels=any(g.kernels for g in gaps.values()) or bool(decisions and decisions.kernels) or None),
         nonfinite=NonFiniteSides(*(nonfinite_summary(ids, kinds, state.nonfinite[side], state.nonfinite_elements[side])
                                    for side in ("trial", "trained"))),
         heads=dict(sorted({**{name: h.result() for name, h in head_stats.items()},
@@ -429,7 +433,8 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             runs = _runs(st.kinds, a, b)
             before, nonfinite_before = st.gaps[name].failing_so_far(), st.gaps[name].nonfinite_so_far()
             same = r.dtype == t.dtype and r.dtype in (torch.float32, torch.float64)
-            diff = torch.sub(t, r) if main and st.per_token and same else None  # the gap's and KL's, computed once
+            fused = st.decisions is not None and bool(st.decisions.kernels)  # (the kernels need no difference)
+            diff = torch.sub(t, r) if main and st.per_token and same and not fused else None  # the gap's and KL's, once
             valid = _valid_positions(st, name, r.shape, a, b, p, q)  # None: every position counts
             parts = [(st.gaps[name].update(_kept(r, x - a, y - a, valid), _kept(t, x - a, y - a, valid), k,
                                            _kept(diff, x - a, y - a, valid)), st.gaps[name].last_finite) for x, y, k in runs]
@@ -483,6 +488,8 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             ref_hits = None
             for side, out, fin in zip(SIDES, (r, t, trained_slice), (finite, finite, trained_finite[name])):
                 known, lse = labels.of(side) if labels is not None else (None, None)
+                if side == "trained" and fused and st.per_token and out.dtype == torch.float32 and out.device.type == "cpu":
+                    known, lse = labels_and_lse(out, st.decisions.tie_rule)  # (None: torch's path)
                 hits = None
                 if labelled is not None:  # a regression per position: its kept, labelled positions, padded or not
                     keep = labelled & with_target[:, None]

@@ -1,0 +1,171 @@
+"""Compare's C kernels (``pipeline.compare.native``) against torch's path, the definition of every statistic.
+
+Each case is built so that the kernels' shortcuts meet what they must hand back to torch: zeros in the reference
+(no relative error), a non-finite element, a slice near the tolerance, ties at the k-th best, rows far apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from pipeline.compare import native, streams
+from pipeline.compare.decisions import _top, best_rows, best_two, decided_pair, kl_and_lse, labels_and_lse, labels_of
+from pipeline.compare.gaps import GapStats
+from pipeline.config import AcceptanceConfig
+
+from tests._steps import step
+
+
+def test_the_kernels_compile_here_and_small_outputs_never_ask_for_them():
+    assert native.available(), "a C compiler is part of the test machine (CI installs gcc)"
+    assert not native.wanted(native.MIN_ELEMENTS - 1)
+    assert native.wanted(native.MIN_ELEMENTS)
+    assert not native.wanted(native.MIN_ELEMENTS, "meta")  # a GPU's compare stays on its device
+
+
+def test_without_a_compiler_torch_computes_everything(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    native.library.cache_clear()
+    try:
+        assert native.library() is None and not native.wanted(native.MIN_ELEMENTS)
+        assert not GapStats(0.1, 0.0, 10, kernels=True).kernels
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+    assert native.available()
+
+
+def test_the_library_is_compiled_once_into_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    compiler = "cc" if native.shutil.which("cc") else "gcc"
+    first = native._compiled(compiler)
+    stamp = first.stat().st_mtime_ns
+    assert first.parent == tmp_path / "amp-validation" and first.suffix == ".so"
+    assert native._compiled(compiler) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # nothing half-written left beside it
+
+
+def _gap_sides(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(300, 1000, generator=g) * 3
+    r[7, :40] = r[80, :3] = 0.0  # a zero reference: no relative error there, atol alone
+    t = r.to(torch.bfloat16).float()
+    t[80, :3] = 0.25  # a gap over atol at a zero reference: it fails (torch's path) and no rtol passes it
+    t[151, 9] = math.nan  # a non-finite slice: torch's path
+    r[230, 5], t[230, 5] = 0.25, 0.35  # a gap a hair under atol (0.099999994): float64's recount, torch's path
+    return r, t
+
+
+@pytest.mark.parametrize("capacity", [300_000, 10**8], ids=["exact", "histogram"])
+def test_the_gap_kernel_gives_torchs_counts_maxima_and_quantiles(capacity):
+    r, t = _gap_sides(0)
+    torch_path, kernel = GapStats(0.1, 0.0, capacity, kernels=False), GapStats(0.1, 0.0, capacity, kernels=True)
+    took = 0
+    for a in range(0, 300, 25):
+        x, y = r[a : a + 25], t[a : a + 25]
+        expected = torch_path.update(x, y, group="ordinary")
+        got = kernel.update(x, y, group="ordinary")
+        took += kernel.last_row_max is not None
+        assert torch.equal(torch.nan_to_num(got, nan=-1.0), torch.nan_to_num(expected, nan=-1.0))
+        if kernel.last_row_max is not None:
+            assert torch.equal(kernel.last_row_max, expected.amax(1))
+    assert took == 9  # the failing slice, the NaN's and the near one went through torch
+    a, b = torch_path.result(), kernel.result()
+    assert b.failing >= 4 and b.min_passing_rtol == math.inf  # 3 at the zero reference, the NaN
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name in ("mean_abs", "mean_rel"):  # float32 slice sums against float64 ones
+            assert y == pytest.approx(x, rel=1e-6), f.name
+        else:
+            assert y == x, f.name
+
+
+def _scores(seed: int, shape=(4, 30, 500)):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(*shape, generator=g) * 3
+    t = r.to(torch.bfloat16).float()  # bfloat16: ties at the k-th best are common
+    rows, tr = r.view(-1, shape[-1]), t.view(-1, shape[-1])  # by row: a case [N, C] or a token [N, T, C]
+    rows[3, 7] = rows[3].max() + 1
+    tr[3, 7] = math.nan  # a NaN: torch's path
+    rows[32], tr[32] = 0.0, 0.0  # every class tied
+    tr[65] = rows[65] + 5 * torch.randn(shape[-1], generator=g)  # far apart: KL's direct form
+    rows[94, 11] = -math.inf  # a masked class
+    return r, t
+
+
+@pytest.mark.parametrize("tie_rule", ["lowest_index", "tie_is_flip"])
+def test_the_decision_kernel_gives_torchs_labels_and_a_kl_at_least_as_close_to_float64(tie_rule):
+    r, t = _scores(1)
+    (r_lab, r_top, r_lse), (t_lab, t_top, t_lse), kl = decided_pair(r, t, 5, tie_rule)
+    er, et = _top(r, 5, tie_rule, True), _top(t, 5, tie_rule, True)
+    ekl, elr, elt = kl_and_lse(r, t, ref_argmax=er[1][1][..., 0])
+    assert torch.equal(r_lab, er[0]) and torch.equal(t_lab, et[0])
+    for got, want in ((r_top, er[1]), (t_top, et[1])):
+        assert torch.equal(torch.nan_to_num(got[0], nan=9.0), torch.nan_to_num(want[0], nan=9.0))
+        assert torch.equal(got[1].sort(-1).values, want[1].sort(-1).values)  # the same set of classes
+    assert torch.equal(torch.isfinite(kl), torch.isfinite(ekl)) and bool(torch.isinf(kl[0, 3]))  # the NaN's row
+    finite = torch.isfinite(kl)
+    scale = r.abs().amax(-1)[finite] + elr[finite].abs()  # float32 rounding of the scores and of the sum's log
+    assert bool(((r_lse - elr)[finite].abs() <= 1e-6 * scale).all())
+    assert bool(((t_lse - elt)[finite].abs() <= 1e-6 * scale).all())
+    r64, t64 = r.double(), t.double()
+    p = torch.softmax(r64, -1)
+    exact = torch.where(p > 0, p * (torch.log_softmax(r64, -1) - torch.log_softmax(t64, -1)), 0.0).sum(-1)
+    ours, theirs = ((v - exact).abs()[finite] / exact[finite].clamp(min=1e-30) for v in (kl, ekl))
+    assert bool((ours <= theirs.clamp(min=1e-6)).all())  # the rows left to torch (masked, far apart) are torch's
+    assert float(theirs.max()) > 1e-6  # where float32's e^d - 1 - d loses digits that the series keeps
+
+
+def test_best_rows_are_best_two_and_labels_and_lse_are_labels_of_and_logsumexp():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 1000, generator=g).half().float()  # float16: ties at the best two
+    x[5, 17] = x[5, 900] = x[5].max() + 1  # the maximum twice: the first column, then the second
+    values, indices, lse = best_rows(x, 2, True)
+    want_v, want_i = best_two(x)
+    assert torch.equal(values, want_v) and torch.equal(indices, want_i) and indices[5].tolist() == [17, 900]
+    assert torch.allclose(lse, torch.logsumexp(x.double(), -1), rtol=0, atol=2e-6)
+    for tie_rule in ("lowest_index", "tie_is_flip"):
+        labels, _ = labels_and_lse(x, tie_rule)
+        assert torch.equal(labels, labels_of(x, tie_rule))
+    x[9, 3] = math.inf
+    assert best_rows(x, 2, False) is None and labels_and_lse(x, "lowest_index") == (None, None)
+
+
+@pytest.mark.parametrize("per_token", [True, False], ids=["per_token", "classification"])
+def test_compare_streams_through_the_kernels_gives_the_same_verdict_statistics(per_token, monkeypatch):
+    r, t = _scores(3, (24, 20, 400) if per_token else (3000, 50))
+    trained = r + 0.01 * torch.randn(r.shape, generator=torch.Generator().manual_seed(4))
+    ids = [f"ordinary/{i}" for i in range(r.shape[0] - 2)] + ["edge/0", "edge/1"]
+    g = torch.Generator().manual_seed(5)
+    y = torch.randint(0, r.shape[-1], r.shape[:-1], generator=g)
+    runs = streams.Trajectories((step(0), step(1, 0.9)), (step(0), step(1, 0.9)), 1.0)
+
+    def compare(min_elements: int):
+        monkeypatch.setattr(native, "MIN_ELEMENTS", min_elements)
+        sources = streams.Sources(ids, y, torch.ones(len(ids), dtype=torch.bool), streams.InMemory({"logits": r}),
+                                  streams.InMemory({"logits": t}), streams.InMemory({"logits": trained}))
+        return streams.compare_streams("classification", AcceptanceConfig(), sources, runs)
+
+    (a, table_a), (b, table_b) = compare(1 << 62), compare(0)
+    assert a.outputs.kernels is None and b.outputs.kernels is True
+    assert b.flips.flips == a.flips.flips and b.flips.near_boundary_flips == a.flips.near_boundary_flips
+    assert [(f.id, f.position, f.reference_class, f.trial_class) for f in b.flips.flip_list] == \
+        [(f.id, f.position, f.reference_class, f.trial_class) for f in a.flips.flip_list]
+    va, vb = a.values["logits"], b.values["logits"]
+    assert (vb.failing, vb.max_abs, vb.p99_abs, vb.min_passing_atol) == (va.failing, va.max_abs, va.p99_abs, va.min_passing_atol)
+    assert (b.quality.reference, b.quality.trial, b.quality.trained, b.quality.counts) == \
+        (a.quality.reference, a.quality.trial, a.quality.trained, a.quality.counts)
+    if per_token:
+        da, db = a.distribution, b.distribution
+        assert (db.tokens, db.top1_agreement, db.top_k_overlap) == (da.tokens, da.top1_agreement, da.top_k_overlap)
+        for name, value in da.kl_quantiles.items():
+            assert db.kl_quantiles[name] == pytest.approx(value, rel=1e-4), name
+        assert db.kl_mean == pytest.approx(da.kl_mean, rel=1e-4)
+        for side, value in a.quality.perplexity.items():
+            assert b.quality.perplexity[side] == pytest.approx(value, rel=1e-6), side
+    assert [row["id"] for row in table_b] == [row["id"] for row in table_a]
