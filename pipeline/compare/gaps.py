@@ -132,18 +132,16 @@ class GapStats:
         """The largest element of the gap the last ``update`` returned, when known without another pass (every
         pair finite, none set aside); else None."""
         self._scratch: torch.Tensor | None = None
-        self.gap_wanted = True
-        """Whether ``update`` returns the gap per element (else, on the kernel's path, None: ``last_row_max`` holds each
-        row's largest, what the per-case table reads)."""
         self.last_row_max: torch.Tensor | None = None
         """The largest gap of each row (leading index) the last ``update`` returned, when the kernel computed it; else
         None."""
 
     def update(self, ref: torch.Tensor, trial: torch.Tensor, group: str = "all",
                diff: torch.Tensor | None = None) -> torch.Tensor:
-        """Add one chunk; return the absolute gap per element (shape of ``ref``, NaN/inf where non-finite, 0 where
-        set aside at probability 0 on both sides). ``diff``: ``trial - ref`` when the caller has it already (of
-        float32 or float64 sides of one dtype). A ``softmax`` output's chunk keeps its rows whole ([..., C])."""
+        """Add one chunk; return the largest absolute gap of each row (leading index; float64, inf where a pair is not
+        finite, 0 for the pairs set aside at probability 0 on both sides: what the per-case table ranks). ``diff``:
+        ``trial - ref`` when the caller has it already (of float32 or float64 sides of one dtype). A ``softmax``
+        output's chunk keeps its rows whole ([..., C])."""
         if ref.shape != trial.shape:
             raise ValueError(f"shape mismatch: reference {tuple(ref.shape)} vs trial {tuple(trial.shape)}")
         r, t = _widen(ref), _widen(trial)
@@ -156,11 +154,11 @@ class GapStats:
         self.last_max = self.last_row_max = None
         if r.numel() == 0:
             self.last_finite = True
-            return torch.zeros(ref.shape, dtype=r.dtype, device=r.device)
-        if self.kernels and r.dtype == t.dtype == torch.float32 and r.device.type == "cpu":
-            handled, gap = self._kernel(g, r.contiguous(), t.contiguous(), ref.shape)
-            if handled:
-                return gap
+            return torch.zeros(ref.shape[:1], dtype=torch.float64, device=r.device)
+        width = r.numel() // ref.shape[0] if ref.ndim else 1
+        if self.kernels and width >= 64 and r.dtype == t.dtype == torch.float32 and r.device.type == "cpu":
+            if self._kernel(g, r.contiguous(), t.contiguous(), width):
+                return self.last_row_max.double()
         gap = torch.sub(t, r).abs_() if diff is None else diff.reshape(-1).abs()
         full_gap = gap
         total = _sum(gap)
@@ -205,7 +203,9 @@ class GapStats:
             full_gap = full_gap.masked_fill(dead, 0.0)
         elif both is None:
             self.last_max = mx
-        return full_gap.reshape(ref.shape)
+        if self.last_max is not None and ref.ndim and ref.shape[0] == 1:  # one row: its maximum is known
+            return torch.tensor([self.last_max], dtype=torch.float64, device=full_gap.device)
+        return torch.nan_to_num(full_gap.reshape(ref.shape[0] if ref.ndim else 1, -1).amax(1).double(), nan=math.inf)
 
     def _finite_pairs(self, g: _Tally, r: torch.Tensor, t: torch.Tensor, gap: torch.Tensor, total: float,
                       rows: tuple | None = None, both: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None, float]:
@@ -272,30 +272,28 @@ class GapStats:
                 self.need_rtol = max(self.need_rtol, float(torch.sub(gap_nz, self.atol).div_(mag_nz).amax()))
         return failing, None, mx
 
-    def _kernel(self, g: _Tally, r: torch.Tensor, t: torch.Tensor, shape: torch.Size) -> tuple[bool, torch.Tensor | None]:
-        """``_finite_pairs`` of a slice in one pass (``native.gap_slice``): the same counts, maxima and quantiles, sums
-        in float64; whether it took the slice, and the gap per element (``gap_wanted``). Not taken, nothing counted, where
-        torch's path must take the slice: a non-finite element, a worst
-        element near the tolerance (float64's recount), or class scores that may be masked on both sides."""
+    def _kernel(self, g: _Tally, r: torch.Tensor, t: torch.Tensor, width: int) -> bool:
+        """``_finite_pairs`` of a slice of rows of ``width`` pairs in one pass (``native.gap_slice``): the same counts,
+        maxima and quantiles, sums in float64, each row's largest gap in ``last_row_max``. Whether it took the slice:
+        not where torch's path must (a non-finite element, a worst element near the tolerance: float64's recount,
+        class scores that may be masked on both sides), and then nothing is counted."""
         n = r.numel()
-        width = n // shape[0] if len(shape) > 1 and shape[0] else n
         if self._scratch is None or self._scratch.numel() < 2 * n + 4:  # reused slice after slice: no page to fault in
             self._scratch = torch.empty(2 * n + 4)
         kept_abs, kept_rel = self._scratch[: 2 * n].view(2, n)
-        out_f = self._scratch[2 * n : 2 * n + 4]
-        gap, row_max = torch.empty(n) if self.gap_wanted else None, torch.empty(n // width if width else 0)
+        out_f, row_max = self._scratch[2 * n : 2 * n + 4], torch.empty(n // width)
         out_d, out_n = torch.empty(2, dtype=torch.float64), torch.empty(3, dtype=torch.int64)
         (abs_floor, abs_incl), (rel_floor, rel_incl) = self.p_abs.selection(), self.p_rel.selection()
         p = native.pointer
         if native.library().gap_slice(p(r), p(t), n, width, self.rtol, self.atol, abs_floor, abs_incl, rel_floor, rel_incl,
-                                      None if gap is None else p(gap), p(row_max), p(kept_abs), p(kept_rel), p(out_f),
+                                      None, p(row_max), p(kept_abs), p(kept_rel), p(out_f),
                                       p(out_d, native.F64), p(out_n, native.I64)):
-            return False, None
+            return False
         mx, worst, rmax, need = out_f.tolist()
         sum_gap, sum_rel = out_d.tolist()
         n_abs, n_rel, zero = out_n.tolist()
         if worst > self.atol - 2.0**-21 * (mx + self.atol) or (self.scores_only and mx > ZERO_PROBABILITY_NATS):
-            return False, None
+            return False
         self.need_atol = max(self.need_atol, worst + 2.0**-21 * (mx + self.atol), 0.0)
         g.max_abs = max(g.max_abs, mx)
         self.sum_abs += sum_gap
@@ -311,7 +309,7 @@ class GapStats:
             elif mx > self.atol:
                 self.need_rtol = max(self.need_rtol, need)
         self.last_finite, self.last_max, self.last_row_max = True, mx, row_max
-        return True, gap.reshape(shape) if gap is not None else None
+        return True
 
     def failing_rows(self, ref: torch.Tensor, trial: torch.Tensor) -> torch.Tensor:
         """Rows with an element that fails (as ``update`` counts it, in float64): for naming the cases."""
