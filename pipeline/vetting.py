@@ -19,6 +19,7 @@ from pipeline import cases, task
 from pipeline import rule
 
 from pipeline.compare import streams
+from pipeline.compare.decisions import probability_rows
 from pipeline.compare.gaps import zero_probability
 from pipeline.compare.quality import COLUMNS
 from pipeline.config import FEATURE_NAMES, LOGIT_NAMES, PROBABILITY_NAMES, Params, primary_name
@@ -123,14 +124,14 @@ class Scan:
                 self.measured.add(name)
             if self._undecided(name, v, name == main):
                 if self.distributions.get(name, True):
-                    self.distributions[name] = _distributions(v)
+                    self.distributions[name] = probability_rows(v)
                 lowest = masking_value(v)
                 if lowest is not None:
                     self.masked[name] = min(lowest, self.masked.get(name, lowest))
             if name in signs and not LOGIT_NAMES.search(name):  # named neither, or like a probability
                 self._note_unit(name, v, row)
             if name in scores and self.softmaxed.get(name, True):
-                self.softmaxed[name] = _distributions(v)
+                self.softmaxed[name] = probability_rows(v)
             for a in range(0, v.shape[0], rows):
                 b = min(a + rows, v.shape[0])
                 values = v[a:b].detach().double()
@@ -360,16 +361,6 @@ class Scan:
 
 def _rms(total: float, count: int) -> float:
     return math.sqrt(total / count)
-
-
-def _distributions(v: torch.Tensor) -> bool:
-    """Whether every row of ``v`` (over its last axis) is a probability distribution: finite, non-negative, summing to 1
-    (within float32 rounding of a softmax over many classes)."""
-    v = v.detach()
-    if not v.numel() or not bool(v.amin() >= 0):  # NaN compares False
-        return False
-    sums = v.sum(-1, dtype=torch.float64)  # a NaN or an infinity in a row makes its sum no 1
-    return bool(((sums - 1.0).abs() <= 1e-3).all())
 
 
 def _scaled(values: torch.Tensor, judged: torch.Tensor | None, scores: bool) -> torch.Tensor:

@@ -86,6 +86,18 @@ def test_real_sample_near_boundary_is_never_unreported():
     assert [r.id for r in f.flip_list if not r.boundary] == ["ordinary/digits-1274"]
 
 
+def test_a_margin_read_from_probabilities_is_named_a_probability_margin():
+    """Under ``boundary_margin_kind: logit`` the margin of an output of probabilities is p1 - p2: the record (and the
+    rule's reason, which reads it) names the unit measured, not the setting."""
+    ref = torch.tensor([[0.51, 0.49], [0.9, 0.1]])
+    trial = torch.tensor([[0.49, 0.51], [0.9, 0.1]])
+    f = _decide(["ordinary/a", "ordinary/b"], ["ordinary", "ordinary"], ref, trial, boundary_margin=0.05).result()
+    assert f.margin_kind == "probability" and [r.margin_kind for r in f.flip_list] == ["probability"]
+    assert f.near_boundary_flips == 1
+    logits = _decide(["ordinary/a", "ordinary/b"], ["ordinary", "ordinary"], ref * 3, trial * 3, boundary_margin=0.1)
+    assert logits.result().margin_kind == "logit"  # rows that do not sum to 1: scores, whatever their range
+
+
 def test_regression_flips_across_threshold():
     ref = torch.tensor([[0.9], [1.1], [2.0]])
     trial = torch.tensor([[1.0], [1.1], [1.9]])

@@ -426,6 +426,9 @@ class DecisionStats:
         self.drawn = torch.tensor([k == "ordinary" for k in kinds], dtype=torch.bool, device=device)
         """The ordinary cases: the sample (``rate_sample``) the distribution statistics are taken over, per token."""
         self._case = PerCase.empty(len(ids), device)  # on the device the slices come from
+        self.probabilities: bool | None = None
+        """Whether the scores are probabilities (``probability_rows`` of the first slice): a ``logit`` margin is then
+        p1 - p2, and the record says ``probability``."""
         self.capacity = capacity_tokens
         self.kernels = kernels
         """Whether per-token slices go through ``decided_pair`` (None: the output's size decides at the first slice)."""
@@ -442,6 +445,8 @@ class DecisionStats:
         n = ref.shape[0]
         per_token = ref.ndim == 3
         self.per_token = per_token
+        if self.probabilities is None and n:  # read once: an output holds probabilities or does not
+            self.probabilities = probability_rows(ref)
         need_lse = self.margin_kind == "probability"
         k = min(max(self.top_k, 2), ref.shape[-1]) if per_token else 2
         if self.kernels is None:  # by the output's size (``native.MIN_ELEMENTS``)
@@ -606,6 +611,7 @@ class DecisionStats:
 
     def result(self) -> Decisions:
         case = self._case.cpu()
+        kind = "probability" if self.margin_kind == "logit" and self.probabilities else self.margin_kind  # the unit measured
         units = case.tokens if self.per_token else torch.ones(len(self.ids), dtype=torch.int64)
         sample, sample_flips = rate_sample(self.ids, self.kinds, case.flips, units)
         return Decisions(
@@ -616,11 +622,11 @@ class DecisionStats:
             near_boundary_flips=self.near_boundary_flips,
             boundary_flips=self.boundary_flips,
             unit="token" if self.per_token else "case",
-            margin_kind=self.margin_kind,
+            margin_kind=kind,
             boundary_margin=self.boundary_margin,
             boundary_flip_fraction=self.boundary_flips / self.boundary_cases if self.boundary_cases else 0.0,
             real_flips=self.flips + self.near_boundary_flips,
-            flip_list=tuple(self.flip_list),
+            flip_list=tuple(replace(f, margin_kind=kind) for f in self.flip_list),
             flip_list_dropped=self.listed_dropped,
             sample=sample,
             sample_flips=sample_flips,
@@ -707,6 +713,16 @@ def rate_sample(ids: Sequence[str], kinds: Sequence[str], flips: torch.Tensor | 
             twin = where.get("ordinary/" + ids[n].partition("/")[2])
             changed += max(int(f[n]) - (int(f[twin]) if twin is not None else 0), 0)
     return sample, min(changed, sample)
+
+
+def probability_rows(v: torch.Tensor) -> bool:
+    """Whether every row of ``v`` (over its last axis) is a probability distribution: finite, non-negative, summing to 1
+    (within float32 rounding of a softmax over many classes)."""
+    v = v.detach()
+    if not v.numel() or not bool(v.amin() >= 0):  # NaN compares False
+        return False
+    sums = v.sum(-1, dtype=torch.float64)  # a NaN or an infinity in a row makes its sum no 1
+    return bool(((sums - 1.0).abs() <= 1e-3).all())
 
 
 def holds_probabilities(name: str, ref: torch.Tensor) -> bool:
