@@ -14,7 +14,8 @@ floor), their ratio, the peak RSS, the interpreter's RSS after imports and the s
 measured in the same run. Each measurement runs in its own process, so that peak RSS is its own; compare
 and the floor alternate ``--repeats`` times (on a shared machine the load changes from second to second):
 the median speed of each, the median of the paired ratios, and the worst peak RSS of compare are printed.
-``--device cuda`` runs compare's arithmetic on the GPU (``compare_streams(device=)``: each chunk is read on the host
+Outputs this large go through compare's C kernels (``compare.native``); ``AMP_COMPARE_KERNELS=off`` measures torch's
+path alone. ``--device cuda`` runs compare's arithmetic on the GPU (``compare_streams(device=)``: each chunk is read on the host
 and copied there), as the compare stage does where ``device`` resolves to a GPU; the numpy floor stays on the host.
 """
 
@@ -130,6 +131,7 @@ def measure_compare(case: str, folder: Path, chunk_elements: int, threads: int, 
         "flips": stats.flips.flips + stats.flips.near_boundary_flips,
         "kl_mean": stats.distribution.kl_mean if stats.distribution is not None else None,
         "table_rows": len(table),
+        "kernels": bool(stats.outputs.kernels),
     }
 
 
@@ -230,6 +232,7 @@ def main() -> None:
                 f"({cmp['sources']} sources x {cmp['chunk_mb']:.0f} MB); "
                 f"numpy peak RSS {floor['peak_rss_mb']:.0f} MB; flips {cmp['flips']}, table rows {cmp['table_rows']}"
                 + (f", KL mean {cmp['kl_mean']:.3g}" if cmp["kl_mean"] is not None else "")
+                + ("; through the C kernels" if cmp["kernels"] else "; torch alone (no C kernels)")
             )
 
 
