@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from pipeline.compare import native, streams
-from pipeline.compare.decisions import _top, best_rows, best_two, decided_pair, kl_and_lse, labels_and_lse, labels_of
+from pipeline.compare.decisions import (DecisionStats, _top, best_rows, best_two, decided_pair, kl_and_lse, labels_and_lse,
+                                        labels_of)
 from pipeline.compare.gaps import GapStats
 from pipeline.config import AcceptanceConfig
 
@@ -167,3 +168,15 @@ def test_compare_streams_through_the_kernels_gives_the_same_verdict_statistics(p
         for side, value in a.quality.perplexity.items():
             assert b.quality.perplexity[side] == pytest.approx(value, rel=1e-6), side
     assert [row["id"] for row in table_b] == [row["id"] for row in table_a]
+
+
+def test_a_top_k_beyond_what_the_kernel_keeps_takes_torchs_path():
+    """``top_k: 100`` (the metric's k): more best classes than a row's kernel keeps (``native.MAX_K``)."""
+    r, t = _scores(6, (3, 40, 300))
+    ids, kinds = [f"ordinary/{i}" for i in range(3)], ["ordinary"] * 3
+    results = []
+    for kernels in (False, True):
+        stats = DecisionStats(ids, kinds, "lowest_index", 0.05, "logit", 120, top_k=100, kernels=kernels)
+        stats.update(0, r, t)
+        results.append((stats.result().flips, stats.distribution().top_k_overlap))
+    assert results[0] == results[1] and 100 > native.MAX_K

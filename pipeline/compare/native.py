@@ -35,6 +35,9 @@ MIN_ELEMENTS = 1 << 24
 """Fewest elements of one output for which its statistics go through the kernels (16.8 M: a 1,000-class
 classifier over 16,800 cases; the shipped examples hold at most a few hundred thousand)."""
 
+MAX_K = 62
+"""Most best classes a row's kernel keeps (``top_k`` of the metric; the C source's ``GROUPS`` - 2)."""
+
 SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
