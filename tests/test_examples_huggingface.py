@@ -52,7 +52,7 @@ def test_architectures_run_through_the_contract_and_one_amp_update(architecture,
     again = build(architecture, config)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))  # seeded init
     src = source(data)
-    probe.check(model, src, cfg, CPU)
+    probe.check(model, src, cfg, CPU, eval_mode=True)
     for dtype in ("float16", "bfloat16"):
         result = training.train(build(architecture, config), src, RECIPE, cfg, Policy(dtype=dtype), CPU, seed=0)
         assert len(result.records) == 2 and all(torch.isfinite(torch.tensor(r.loss)) for r in result.records)
@@ -192,12 +192,14 @@ def test_a_causal_lms_own_loss_reads_the_next_token_and_the_fixed_set_is_judged_
     gpt2 = build("GPT2LMHeadModel", GPT2)
     own = TaskConfig(model="pipeline.examples.huggingface:build_model", loss="model",
                      options={"architecture": "GPT2LMHeadModel", "config": GPT2})
-    assert probe.check(gpt2, src, own, CPU) is True
-    assert probe.check(gpt2, src, TaskConfig(model=own.model, loss="cross_entropy", options=own.options), CPU) is False
+    assert probe.check(gpt2, src, own, CPU, eval_mode=True) is True
+    cross_entropy = TaskConfig(model=own.model, loss="cross_entropy", options=own.options)
+    assert probe.check(gpt2, src, cross_entropy, CPU, eval_mode=True) is False
     tags = hf.load_tagging_data(n_train=16, n_eval=4)
     bert = TaskConfig(model=own.model, loss="model",
                       options={"architecture": "BertForTokenClassification", "config": {**BERT, "num_labels": 5}})
-    assert probe.check(build("BertForTokenClassification", {**BERT, "num_labels": 5}), source(tags), bert, CPU) is False
+    tagger = build("BertForTokenClassification", {**BERT, "num_labels": 5})
+    assert probe.check(tagger, source(tags), bert, CPU, eval_mode=True) is False
 
     fixed = cases.Cases(ids=[f"ordinary/{i}" for i in range(16)], x=x, y=labels,
                         has_target=torch.ones(16, dtype=torch.bool))
@@ -229,6 +231,6 @@ def test_in_batch_scores_are_refused_by_the_probe_in_one_line():
     cfg = TaskConfig(model="pipeline.examples.huggingface:build_model", loss="cross_entropy",
                      options={"architecture": "CLIPModel", "config": CLIP})
     with pytest.raises(UserError) as refused:
-        probe.check(build("CLIPModel", CLIP), task.TensorSource(x, torch.arange(8) % 2), cfg, CPU)
+        probe.check(build("CLIPModel", CLIP), task.TensorSource(x, torch.arange(8) % 2), cfg, CPU, eval_mode=True)
     line = str(refused.value)
     assert "\n" not in line and "'logits_per_image' has shape (2, 2) for a batch of 2 but (1, 1) for a batch of 1" in line
