@@ -7,15 +7,21 @@ of reading its bytes (``scripts/bench_compare.py``).
 
 How: the C source below is compiled once per machine by the system's C compiler (``cc``, or ``$CC``) into a
 cache folder (``$XDG_CACHE_HOME/amp-validation``, keyed by the source's and the compiler's hash) and loaded
-with ``ctypes``: no build step at install, no dependency. Portable C (no ``-march``, no fast-math): every
-float32 operation rounds as torch's scalar path does, so counts, maxima and the quantiles' values are the
-same; sums are taken in float64 (torch's slices sum in float32, pairwise: both within float32 rounding).
+with ``ctypes``: no build step at install, no dependency. On x86-64 Linux one build carries AVX-512, AVX2 and
+baseline versions of each kernel, the CPU's picked at load (``target_clones``). No fast-math and no contraction
+into fused multiply-adds: every float32 operation of a gap rounds as torch's does, so counts, maxima and the
+quantiles' values are the same; sums are taken in float64 (torch's slices sum in float32: both within float32
+rounding); KL takes e^d - 1 - d from its series near 0, closer to float64 than torch's float32 difference.
+- ``gap_slice``: ``gaps.GapStats``' statistics of a slice, and the values its p99s still need (``StreamQuantile.selection``);
+- ``decide_rows``: per row, the k best of both sides, both log-sum-exps and KL (``decisions.decided_pair``);
+- ``best_rows``: per row, the best few and the log-sum-exp (``decisions.best_rows``: the trained side's labels and NLL).
 
 When: only for outputs of at least ``MIN_ELEMENTS`` (the default small run never compiles anything), on the
 CPU, for contiguous float32 sides. Wherever a kernel cannot answer alone (a non-finite element, a slice near
-the tolerance, a masked class) it says so and the caller takes torch's path for that slice: the kernels cover
-the common case and torch stays the definition of every rare one. Without a compiler, torch's path runs
-throughout (``available`` says which; ``stats.json`` records it in ``outputs.kernels``).
+the tolerance, a masked class, a tie at the k-th best, two distributions far apart) it says so and the caller takes
+torch's path for that slice or row: the kernels cover the common case and torch stays the definition of every
+rare one. Without a compiler (or one that fails), or with ``AMP_COMPARE_KERNELS=off``, torch's path runs throughout
+(``available`` says which; ``stats.json`` records ``outputs.kernels`` where they ran).
 """
 
 from __future__ import annotations
@@ -42,7 +48,11 @@ SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 
+#if defined(__x86_64__) && defined(__linux__)  /* one build, the widest vectors the CPU has, picked at load (ifunc) */
 #define KERNEL __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KERNEL
+#endif
 
 /* Copy the values of v[0:len] above floor (incl: at or above it) to out, in order; return how many.
    Groups of 16 whose largest is not above the floor are skipped (most are: a p99 keeps a hundredth of them). */
