@@ -371,6 +371,9 @@ PROBABILITY_NAMES = re.compile(r"(probs?|probas?|probabilit(y|ies))$", re.IGNORE
 """Output names that say probabilities: a single-value head so named is decided at 0.5 (``decisions.holds_probabilities``)."""
 LOGIT_NAMES = re.compile(r"logits?$", re.IGNORECASE)
 """Output names that say logits: a single-value head so named is decided at 0, whatever range its values span."""
+POSITION_NAMES = re.compile(r"(^|_)(start|end)(_|$)", re.IGNORECASE)
+"""Output names that say scores over positions, an answer span's ends (Hugging Face's QA heads: ``start_logits``,
+``end_logits``): only such a head is read over the real positions (``streams.position_heads``)."""
 
 
 DEFAULT_OUTPUT = "output"

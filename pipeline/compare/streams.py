@@ -43,7 +43,7 @@ from pipeline.compare.decisions import (DecisionStats, PerCase, first_crossing, 
 from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite, broken
 from pipeline.compare.quality import QualityStats, regression_errors
 from pipeline.compare.trajectory import calibration_steps, trajectory_gap, update_health
-from pipeline.config import METRICS, PROBABILITY_NAMES, AcceptanceConfig, CompareConfig, TaskConfig, primary_name
+from pipeline.config import METRICS, POSITION_NAMES, PROBABILITY_NAMES, AcceptanceConfig, CompareConfig, TaskConfig, primary_name
 from pipeline.errors import UserError
 from pipeline.task import (IGNORE_INDEX, binary_targets, judged_positions, labelled_positions, mask_padding, masked_targets,
                            resolve, rows_within, scores_over_positions)
@@ -524,14 +524,19 @@ def position_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[in
                    has_target: torch.Tensor, token_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """The decided heads read as scores over the batch's positions, each with its real positions [N, T]
     (``task.scores_over_positions``, on the whole set's ``shapes``): a classification's primary so read, and every
-    decided head of its shape (an extractive QA model's ``start_logits`` beside its ``end_logits``). Everything compare
-    and freeze compute of them (decisions, gaps, finiteness, quality) reads their padding at -inf (``task.mask_padding``)."""
-    if kind != "classification":
+    decided head of its shape, where their names say an answer's ends (``config.POSITION_NAMES``: an extractive QA
+    model's ``start_logits`` and ``end_logits``). Everything compare and freeze compute of them (decisions, gaps,
+    finiteness, quality) reads their padding at -inf (``task.mask_padding``).
+    The name is part of the signal: a classifier of C classes over sequences padded to T = C, whose few padded cases'
+    labels happen to lie within their lengths, has the very shapes and targets of a QA head; read over positions, its
+    classes past a short case's length would be -inf, and a trial moving that case there no flip (a false accept)."""
+    if kind != "classification" or not POSITION_NAMES.search(main):
         return {}
     real = scores_over_positions(shapes[main], targets, has_target, token_mask)
     if real is None:
         return {}
-    return {name: real for name in decided_heads(kind, rule, shapes, main) if shapes[name] == shapes[main]}
+    return {name: real for name in decided_heads(kind, rule, shapes, main)
+            if shapes[name] == shapes[main] and POSITION_NAMES.search(name)}
 
 
 def score_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
