@@ -712,6 +712,12 @@ class Params:
             )
 
 
+def compiled_variants(params: "Params") -> list[str]:
+    """The trial variants that compile the model (``compile`` other than off): their kernels draw their own random
+    numbers, so a forward that draws at inference cannot be compared with eager FP32 through them."""
+    return [n for n in params.trial.variants if params.trial.policies[n].compile != "off"]
+
+
 def _check_compiled_dropout(params: "Params") -> None:
     """Inference in train mode (``reference.eval_mode: false``) draws dropout masks from ``INFERENCE_SEED`` on every
     pass, so that FP32 against FP32 is identical; a compiled trial draws its masks in inductor's own kernels, not
@@ -719,7 +725,7 @@ def _check_compiled_dropout(params: "Params") -> None:
     flipped): a rollback no precision caused. Refused while any variant compiles."""
     if params.reference.eval_mode:
         return
-    compiled = [n for n in params.trial.variants if params.trial.policies[n].compile != "off"]
+    compiled = compiled_variants(params)
     if compiled:
         raise UserError(
             f"params.yaml: reference.eval_mode: false keeps dropout on at inference, and trial variant {compiled[0]!r} "

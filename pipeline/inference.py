@@ -25,7 +25,7 @@ INFERENCE_SEED = 0
 
 
 @contextlib.contextmanager
-def inference_rng(device: torch.device) -> Iterator[None]:
+def inference_rng(device: torch.device, seed: int = INFERENCE_SEED) -> Iterator[None]:
     """Every inference pass (reference, trial, trained trial, FP64 arbiter, the probe's) draws from the same state,
     ``INFERENCE_SEED``, so that FP32 against FP32 is identical and a gap is precision's: dropout in train mode
     (``reference.eval_mode: false``), and in eval mode too, where a forward may draw all the same (``F.dropout(h, p,
@@ -36,7 +36,7 @@ def inference_rng(device: torch.device) -> Iterator[None]:
     refuses it."""
     cuda = [torch.cuda.current_device()] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
-        torch.manual_seed(INFERENCE_SEED)
+        torch.manual_seed(seed)
         yield
 
 
@@ -48,14 +48,16 @@ def infer_chunks(
     device: torch.device,
     eval_mode: bool,
     batch_size: int = 256,
+    seed: int = INFERENCE_SEED,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Outputs of ``model`` on ``x`` under ``policy``, one dict of float32 CPU tensors per batch of rows
-    (exact for fp16/bf16 values)."""
+    (exact for fp16/bf16 values). ``seed``: what its draws start from (``inference_rng``; another only for
+    ``probe.check`` to see whether the forward draws)."""
     precision.strict_fp32()
     model.to(device)
     model.train(not eval_mode)
     runnable = transforms.apply(model, policy, device).model  # float8 layers in place, the compiled wrapper; else model
-    with precision.fp32_regions(model, policy, device), inference_rng(device):
+    with precision.fp32_regions(model, policy, device), inference_rng(device, seed):
         for _, _, part in iter_rows(x, batch_size):
             with precision.autocast(policy, device):
                 out = named_outputs(call(runnable, to_device(part, device)))
@@ -88,10 +90,11 @@ def infer(
     device: torch.device,
     eval_mode: bool,
     batch_size: int = 256,
+    seed: int = INFERENCE_SEED,
 ) -> dict[str, torch.Tensor]:
     """All of ``infer_chunks`` concatenated (small sets)."""
     chunks: dict[str, list[torch.Tensor]] = {}
-    for out in infer_chunks(model, x, policy, device, eval_mode, batch_size):
+    for out in infer_chunks(model, x, policy, device, eval_mode, batch_size, seed):
         for name, value in out.items():
             chunks.setdefault(name, []).append(value)
     return {name: torch.cat(parts) for name, parts in chunks.items()}

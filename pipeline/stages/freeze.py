@@ -9,7 +9,7 @@ from pipeline import cases, checkpoint, devices, distributed, forecast, inferenc
 from pipeline import vetting
 
 from pipeline.artifacts import reference_tensors
-from pipeline.config import Policy, load_params
+from pipeline.config import Policy, compiled_variants, load_params
 from pipeline.files import sha256_file
 from pipeline.phases import Phases
 
@@ -25,11 +25,11 @@ def main(params_path: str = "params.yaml") -> None:
     inputs = {str(p): sha256_file(p) for p in (paths.PREPARED_CASES, paths.PREPARED_TRAIN)}
     source = task.load_train(params.task, paths.PREPARED_TRAIN, inputs[str(paths.PREPARED_TRAIN)])
     init = checkpoint.capture(model := task.build_model(params.task, params.seed))
-    shifted = probe.check(model, source, params.task, device, cfg.eval_mode)  # and whether its loss reads the next token's label
-    checkpoint.restore(init, model)  # the probe must not move the RNG the training starts from
     run_key, phases = reference_tensors.run_key(params, inputs, init), Phases()
     resume = checkpoint.ResumeFile(paths.RESUME / "reference.safetensors", distributed.current().key(run_key), device)
-    with precision.deterministic(cfg.deterministic):  # training and inference alike
+    with precision.deterministic(cfg.deterministic):  # the probe, training and inference alike
+        shifted = probe.check(model, source, params.task, device, cfg.eval_mode, compiled_variants(params))  # (and
+        checkpoint.restore(init, model)  # whether its loss reads the next token's label; it must not move the RNG)
         with phases("reference training"):
             result = training.train(model, source, cfg, params.task, FP32, device, params.seed, resume=resume.load(),
                                     save_resume=resume.save, label="freeze FP32")
