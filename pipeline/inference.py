@@ -34,7 +34,7 @@ def inference_rng(device: torch.device, seed: int = INFERENCE_SEED) -> Iterator[
     rolled back on 139 flips of its masks. The global RNG is restored afterwards, so inference never moves what
     training draws next. Randomness outside torch's generators (numpy, ``random``) is not seeded: ``probe.check``
     refuses it."""
-    cuda = [torch.cuda.current_device()] if device.type == "cuda" else []
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
         yield
