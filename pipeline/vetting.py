@@ -56,6 +56,9 @@ class Scan:
         ordinary = torch.tensor([k == "ordinary" for k in kinds], dtype=torch.bool)
         self.drawn = ordinary
         """The ordinary cases: the draws of the data a flip rate is bounded on (``real_units``)."""
+        self.constructed = torch.tensor([k == "boundary" for k in kinds], dtype=torch.bool)
+        """The constructed boundary cases, whose flips the rule may allow (``max_boundary_flip_fraction``): a head's
+        decision varying there alone would catch no trial (``decided``)."""
         self.ordinary = ordinary if bool(ordinary.any()) and not bool(ordinary.all()) else None
         """The ordinary cases, when the set has others too: an output's scale is its scale there as well as over the
         whole set (edge cases of inputs x100 would otherwise set it for an application whose outputs are 10x smaller)."""
@@ -88,6 +91,10 @@ class Scan:
         must be below its spread (``spreads``)."""
         self.measured: set[str] = set()
         """The outputs of ``moments`` that are a classifier's heads decided by default (``_measured``)."""
+        self.decided: dict[str, list] = {}
+        """Per output of ``measured``, the reference's decisions over the real cases (not ``constructed``), at the
+        positions compare judges: for class scores (argmax), the classes chosen (-1: a tie under ``tie_is_flip``); for a
+        single value (its sign, or 0.5 for a probability), [smallest, largest finite value] (``pinned``)."""
 
     def update(self, row: int, chunk: dict[str, torch.Tensor]) -> None:
         """The chunk's rows from ``row`` on, a slice of rows at a time (``SLICE_ELEMENTS``): an LM's chunk holds GBs
@@ -142,6 +149,9 @@ class Scan:
                     ordinary = self.ordinary[row + a : row + b]
                     kept.append(values[ordinary] if positions is None else values[ordinary][positions[ordinary]])
                     scaled.append(scaled[0][ordinary])
+                if name in self.measured:
+                    real = ~self.constructed[row + a : row + b]
+                    self._note_decisions(name, values[real] if positions is None else values[real][positions[real]])
                 if self.whole.get(name, 0.0) is not None:  # decided heads too: bins or votes decided by argmax
                     finite = values[torch.isfinite(values)]
                     small = finite[finite.abs() < task.FLOAT32_EXACT_WHOLE]  # from 2**24 on, every float32 is whole: no sign
@@ -206,14 +216,11 @@ class Scan:
     def spreads(self) -> dict[str, tuple[tuple[float, float], ...]]:
         """Per output judged by its values alone (``moments``), per column: (mean, standard deviation) over the whole
         set or over the ordinary cases, whichever spreads less (the variation a tolerance at that mean must be below).
+        A classifier's heads decided by default (``measured``) are left to ``pinned_offset``: their decisions judge them
+        too."""
+        return {name: columns for name, columns in self._spreads().items() if name not in self.measured}
 
-        A classifier's head decided by default (``_measured``) is vetted only in the columns whose offset alone makes
-        the band vacuous, rtol x |mean| >= standard deviation (101340 Pa +- 30: rtol's band is 2027 Pa), where a trial
-        answering the mean everywhere passes its values and, its sign or argmax pinned by the offset, its decisions too;
-        its other columns get a spread of 0 (nothing to be below, as a constant column). Spread less than atol is no
-        such sign there: a random init's logits, 0.15 +- 0.01 (rtol x |mean| within a seventh of the spread in tiny
-        random BERTs), are a head whose argmax still reads their variation; nor is a softmax's mean, 1 / classes, where
-        every row is a distribution (``softmaxed``)."""
+    def _spreads(self) -> dict[str, tuple[tuple[float, float], ...]]:
         out = {}
         for name, parts in self.moments.items():
             found = []
@@ -222,13 +229,87 @@ class Scan:
                     mean = total / rows
                     found.append((mean, (squares / rows - mean.square()).clamp(min=0.0).sqrt()))
             if found:
-                columns = []
-                for c in range(found[0][0].numel()):
-                    mean, std = min(((float(m[c]), float(sd[c])) for m, sd in found), key=lambda pair: pair[1])
-                    offset = self.rule.tolerance(name).rtol * abs(mean) >= std and not self.softmaxed.get(name, False)
-                    columns.append((mean, std if offset or name not in self.measured else 0.0))
-                out[name] = tuple(columns)
+                out[name] = tuple(min(((float(m[c]), float(sd[c])) for m, sd in found), key=lambda pair: pair[1])
+                                  for c in range(found[0][0].numel()))
         return out
+
+    def _note_decisions(self, name: str, values: torch.Tensor) -> None:
+        """The reference's decisions of measured head ``name`` in ``values`` (its real cases' rows, at the positions
+        compare judges), into ``decided``: argmax over the last axis where compare reads class scores
+        (``streams.decided_heads``), the range of a single value (``streams.sign_heads``); nothing for a head compare
+        decides no way ([N, a, b, c]: ``pinned`` reads it as pinned)."""
+        shape = self.shapes[name]
+        if math.prod(shape) == 1 or len(shape) == 2 and shape[-1] == 1:  # [N], [N, 1], per token [N, T, 1]
+            finite = values[torch.isfinite(values)]
+            if finite.numel():
+                lo, hi = self.decided.setdefault(name, [math.inf, -math.inf])
+                self.decided[name] = [min(lo, float(finite.min())), max(hi, float(finite.max()))]
+        elif len(shape) in (1, 2) and shape[-1] >= 2 and values.numel():  # [N, C], per token [N, T, C]
+            scores = values.reshape(-1, shape[-1])
+            labels = scores.argmax(-1)  # the first of tied maxima: ``lowest_index``
+            if self.rule.tie_rule == "tie_is_flip":
+                top = scores.topk(2, -1).values
+                labels = labels.masked_fill(top[:, 0] == top[:, 1], -1)
+            self.decided.setdefault(name, set()).update(labels.unique().tolist())
+
+    def pinned(self, name: str) -> str | None:
+        """How measured head ``name``'s decision is the same for every real case of the reference (``decided``), in
+        words, or None where it varies. A single value is decided as compare decides it (``decisions.sign_flips``): at
+        0.5 where it holds a probability (``holds_probabilities``: its name says so, or every value lies in [0, 1]), else
+        at 0; a value exactly there is a tie of its own under ``tie_is_flip``."""
+        seen = self.decided.get(name)
+        if seen is None:  # decided no way compare reads, or no real case: nothing but its values judges it
+            return "no decision compare reads" if len(self.shapes[name]) >= 3 else "no real case decides it"
+        if isinstance(seen, set):
+            return f"argmax {'a tie' if -1 in seen else f'column {min(seen)}'} in every case" if len(seen) == 1 else None
+        lo, hi = seen
+        at = 0.5 if PROBABILITY_NAMES.search(name) or not LOGIT_NAMES.search(name) and 0 <= lo and hi <= 1 else 0.0
+        strict = self.rule.tie_rule == "tie_is_flip"
+        if lo > at or lo == at and not strict:
+            return f"at or above {at:g} in every case"
+        if hi < at:
+            return f"below {at:g} in every case"
+        return None
+
+    def pinned_offset(self) -> str | None:
+        """The refusal of a classifier's head decided by default (``measured``) that nothing can fail, or None.
+
+        One definition: refused where both hold. (a) Its decision is pinned over the fixed set (``pinned``): the same
+        argmax, or the same side of its threshold, in every real case. (b) On some column its offset alone makes the band
+        vacuous, rtol x |mean| >= standard deviation (101340 Pa +- 30: rtol's band is 2027 Pa). Then a trial answering
+        the column's mean for every case passes its values, the band at the mean covering their spread, and its
+        decisions, which were never going to change. Each half is needed. Where the decision varies, a trial answering
+        the means changes it where the reference's differs and the decision checks roll it back: Q-values V(s) + A(s, a),
+        50 +- 0.5 with the actions' differences deciding, or a random-init softmax near 1 / classes, are judged by their
+        argmax, and a tolerance below a common offset's spread would roll back mere bfloat16 rounding (0.125 at 50).
+        Where the decision is pinned but the band is not vacuous by the offset, the values still bound the head. A
+        softmax is no exception either way: a trained one's dominant column, 0.954 +- 0.003 in argmax 0 for every case,
+        is refused, a random init's 0.25 +- 0.002 whose argmax varies is not. (b) reads rtol's part of the band alone, as
+        4e8ff39 set it: a pinned head whose spread is below atol + rtol x |mean| but not below rtol x |mean| (-0.5 +- 0.012
+        always below 0, or a random init's logits, 0.15 +- 0.03, one argmax for every case) is taken, though the same
+        argument holds there; nor is a tolerance given to this refusal vetted beyond (b) (rtol 0 passes whatever atol)."""
+        spreads = self._spreads()
+        for name in sorted(self.measured):
+            columns = spreads.get(name, ())
+            tolerance = self.rule.tolerance(name)
+            vacuous = [(c, mean, std) for c, (mean, std) in enumerate(columns) if std > 0 and tolerance.rtol * abs(mean) >= std]
+            if not vacuous:
+                continue
+            decision = self.pinned(name)
+            if decision is None:
+                continue
+            c, mean, std = vacuous[0]
+            key = name if name in self.rule.outputs else "*"
+            band = tolerance.atol + tolerance.rtol * abs(mean)
+            where = f"column {c} of output '{name}'" if len(columns) > 1 else f"output '{name}'"
+            below = 0.5 * min(sd for _, sd in columns if sd > 0)  # every column's: ``decisions: false`` vets them all
+            return (f"params.yaml: acceptance.outputs.{key}: output '{name}' decides the same for every case of the FP32 "
+                    f"reference ({decision}), and the band at the mean of {where}, atol {tolerance.atol:g} + rtol "
+                    f"{tolerance.rtol:g} x |{mean:.6g}| = {band:.3g}, is wider than its values' spread (standard deviation "
+                    f"{std:.3g}), so a trial answering the mean for every case would pass its values and its decisions; give "
+                    f"'{name}' a tolerance below its spread, for example {{atol: {below:.2g}, rtol: 0}} (with decisions: false "
+                    f"if the head is no decision)")
+        return None
 
     def _undecided(self, name: str, v: torch.Tensor, primary: bool) -> bool:
         """Whether ``name`` is a regression's other output shaped like class scores ([N, C >= 2], [N, T, C]) that neither
@@ -320,7 +401,7 @@ class Scan:
                              unit_heads=self.unit_heads(), misnamed=self.misnamed_probabilities(),
                              probability_rows=self.probability_rows(), top_k=self.metric.top_k,
                              replicate=replicate, with_target=self.quality.scored(), logit_like=self.logit_like(),
-                             per_label=self.per_label)
+                             per_label=self.per_label) or self.pinned_offset()
 
     def logit_like(self) -> str | None:
         """The primary read as a value fitted to labels (``fitted``) when more than a tenth of its reference values lie

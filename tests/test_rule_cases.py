@@ -2247,9 +2247,11 @@ def test_a_measurement_beside_a_classifier_is_refused_where_its_offset_makes_the
 
 
 def test_a_random_init_second_head_of_a_bert_is_not_refused_for_its_small_spread():
-    """The other side of the offset vetting: a tiny random-init BERT with a second head of its own, ``intent`` [N, 5],
-    spreads less than 0.05 = atol (its means up to 0.2 from torch's bias init; one argmax class for every case at seed
-    12): its argmax reads its variation, no offset pins it; nor does a softmax's 1 / classes (``topic``: 0.25 +- 0.002).
+    """The other side of the offset vetting (``vetting.Scan.pinned_offset``): a tiny random-init BERT with two heads of
+    its own. ``intent`` [N, 5] spreads less than 0.05 = atol, its means up to 0.2 from torch's bias init: at seed 12 its
+    argmax is class 3 for every case, pinned, but no offset makes its band vacuous (rtol x |mean| below every column's
+    spread), so its values still bound it. ``topic``, a softmax at 1 / classes (0.25 +- 0.002), is vacuous by its offset,
+    but its argmax varies: its decisions judge it (no softmax is exempt: a dominant column pinning argmax is refused).
     freeze takes them, and a real float16 trial of the logits and intent is accepted."""
     transformers = pytest.importorskip("transformers")
 
@@ -2279,11 +2281,77 @@ def test_a_random_init_second_head_of_a_bert_is_not_refused_for_its_small_spread
         trial = inference.infer(model, x, Policy(dtype="float16"), torch.device("cpu"), eval_mode=True)
         assert float(ref["intent"].std(0).max()) < 0.05
         assert float(ref["topic"].std(0).max()) < 0.02 * 0.25  # a softmax's 1/4 +- less than rtol x its mean
+        assert len(ref["topic"].argmax(1).unique()) > 1  # ... but its argmax varies: no pinned decision
+        intent = ref["intent"]
+        assert bool((0.02 * intent.mean(0).abs() < intent.std(0, unbiased=False)).all())  # no column vacuous by its offset
+        assert (len(intent.argmax(1).unique()) == 1) == (seed == 12)  # pinned at seed 12, taken all the same
         y = ref["logits"].argmax(1)
         assert _freeze_refusal("classification", x, y, ref) is None
         two = ("logits", "intent")  # (topic's margins of 1e-3 flip under float16, as they should)
         _, d = _judged("classification", y, {k: ref[k] for k in two}, {k: trial[k] for k in two})
         assert d.decision == "accept", (seed, d.reasons)
+
+
+def test_a_common_offset_head_whose_argmax_varies_is_judged_by_its_decisions_not_refused():
+    """Q-values beside the logits: ``q_values`` [N, 4] = V(s) + A(s, a), V at 50 +- 0.5 common to every action, the
+    actions' small differences deciding the argmax. rtol's band at 50 (1.0) covers each column's spread, yet a trial
+    answering each column's mean changes the chosen action wherever the reference's differs: its decisions roll it back.
+    freeze refused it as vacuous (4e8ff39), and its fix, an atol below the spread, rolled back mere bfloat16 rounding
+    (0.125 at 50: reviewer's probe p7). Only a pinned decision with a vacuous band is refused."""
+    g = torch.Generator().manual_seed(0)
+    n = 400
+    x = torch.randn(n, 8, generator=g)
+    torch.manual_seed(0)
+    body, cls = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh()), torch.nn.Linear(32, 4)
+    value, advantage = torch.nn.Linear(32, 1), torch.nn.Linear(32, 4)
+    with torch.no_grad():
+        h = body(x)
+        logits, v, a = 10 * cls(h), value(h), advantage(h)
+        q = 50 + 0.5 * v / v.std() + 0.3 * (a - a.mean(1, keepdim=True)) / a.std()
+    y = logits.argmax(1)
+    ref = {"logits": logits, "q_values": q}
+    assert bool((0.02 * q.mean(0).abs() >= q.std(0)).all())  # the band at the offset covers every column's spread
+    assert len(q.argmax(1).unique()) > 1  # the actions' differences decide: three actions chosen
+    assert _freeze_refusal("classification", x, y, ref) is None
+    means = {"logits": logits, "q_values": q.mean(0, keepdim=True).expand(n, 4).clone()}
+    _, d = _judged("classification", y, ref, means)
+    assert d.decision == "rollback" and any(r.startswith("decisions 'q_values'") for r in d.reasons), d.reasons
+
+
+def test_a_softmax_head_whose_dominant_column_pins_its_argmax_is_refused_where_its_offset_makes_the_band_vacuous():
+    """A trained softmax head beside the logits, ``mix`` [N, 3], its first column 0.954 +- 0.002: argmax 0 for every
+    case, and rtol's band at 0.954 (0.019) far wider than the spread. A trial answering the mean for every case passed
+    its values and its decisions and was accepted, a833c69 having exempted every softmax (its reason, 1 / classes, holds
+    for a random init's near-uniform head, whose argmax varies: reviewer's probe p11). freeze refuses it in one line
+    saying why and giving a tolerance below the spread; so told, it passes, and that trial rolls back."""
+    import re
+
+    g = torch.Generator().manual_seed(0)
+    n = 400
+    x = torch.randn(n, 8, generator=g)
+    torch.manual_seed(0)
+    body, cls, head = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh()), torch.nn.Linear(32, 4), torch.nn.Linear(32, 3)
+    with torch.no_grad():
+        head.weight.mul_(0.1)
+        head.bias.copy_(torch.tensor([4.0, 0.5, 0.0]))
+        h = body(x)
+        logits, mix = 10 * cls(h), head(h).softmax(-1)
+    y = logits.argmax(1)
+    ref = {"logits": logits, "mix": mix}
+    assert bool((mix.argmax(1) == 0).all()) and 0.02 * float(mix[:, 0].mean()) >= float(mix[:, 0].std())
+    line = _freeze_refusal("classification", x, y, ref)
+    assert line is not None and "\n" not in line, line
+    assert "'mix'" in line and "the same for every case" in line and "spread" in line and "decisions: false" in line, line
+    means = {"logits": logits, "mix": mix.mean(0, keepdim=True).expand(n, 3).clone()}
+    _, d = _judged("classification", y, ref, means)
+    assert d.decision == "accept"  # what freeze's refusal keeps from ever being judged
+    atol = float(re.search(r"\{atol: ([0-9.e-]+), rtol: 0\}", line).group(1))
+    assert 0 < atol < float(mix.std(0).min())
+    for said in (None, False):  # the fix it names, a decision or not
+        told = dataclasses.replace(RULE, outputs={"*": Tolerance(), "mix": Tolerance(atol=atol, rtol=0.0, decisions=said)})
+        assert _freeze_refusal("classification", x, y, ref, told) is None
+        _, d = _judged("classification", y, ref, means, cfg=told)
+        assert d.decision == "rollback", d.reasons
 
 
 def _qa(seed, n=300, t=16):
