@@ -2214,17 +2214,21 @@ def _freeze_refusal(kind, x, y, outputs, cfg=RULE):
     return scan.problem(FLAT)
 
 
+def _classifier_with_a_head(n: int):
+    """Inputs [n, 8] and a random init's body, 4-class classifier and second 3-column head (seed 0)."""
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    return x, torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh()), torch.nn.Linear(32, 4), torch.nn.Linear(32, 3)
+
+
 def test_a_measurement_beside_a_classifier_is_refused_where_its_offset_makes_the_band_vacuous():
     """A classifier with a measurement head of its own, decided by default (named neither like scores nor like
     features): ``pressure`` [N] at 101340 Pa +- 30 (decided by its sign, always +) or ``size`` [N, 3] with a column at
     1e6 +- 3 (argmax: always that column). Under the default tolerance, rtol's band at the offset (2027 Pa) is far wider
     than the spread: a trial answering the mean everywhere was accepted, values and decisions alike. freeze refuses it in
     one line naming a tolerance below the spread; so told, it passes."""
-    g = torch.Generator().manual_seed(0)
     n = 400
-    x = torch.randn(n, 8, generator=g)
-    torch.manual_seed(0)
-    body, cls, meas = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh()), torch.nn.Linear(32, 4), torch.nn.Linear(32, 3)
+    x, body, cls, meas = _classifier_with_a_head(n)
     with torch.no_grad():
         h = body(x)
         logits, m = 10 * cls(h), meas(h) / 0.5
@@ -2326,11 +2330,8 @@ def test_a_softmax_head_whose_dominant_column_pins_its_argmax_is_refused_where_i
     saying why and giving a tolerance below the spread; so told, it passes, and that trial rolls back."""
     import re
 
-    g = torch.Generator().manual_seed(0)
     n = 400
-    x = torch.randn(n, 8, generator=g)
-    torch.manual_seed(0)
-    body, cls, head = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh()), torch.nn.Linear(32, 4), torch.nn.Linear(32, 3)
+    x, body, cls, head = _classifier_with_a_head(n)
     with torch.no_grad():
         head.weight.mul_(0.1)
         head.bias.copy_(torch.tensor([4.0, 0.5, 0.0]))
