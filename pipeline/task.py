@@ -661,9 +661,10 @@ def scores_over_positions(shape: tuple[int, ...], targets: torch.Tensor, has_tar
     The signal: scores [N, T] whose T is the token mask's length, against one integer target per case (a position),
     where every case that has a target (not -100) and padding holds its target at a real position of its own, and at
     least one such case exists (without one, both readings agree on the targets, and the columns are kept: the reading
-    of old). A classifier whose C classes happen to equal the padded length has labels that do not depend on a case's
-    length: some label lies past its case's last real token. Per-token scores [N, T, C], a value per position [N, T]
-    against targets [N, T] and a multi-label head [N, L] (targets [N, L]) have no such targets and are not read so."""
+    of old). Shapes and targets alone cannot tell a classifier of as many classes as the padded length whose padded
+    cases' labels lie within their lengths: ``streams.position_heads`` asks the head's name too. Per-token scores
+    [N, T, C], a value per position [N, T] against targets [N, T] and a multi-label head [N, L] (targets [N, L]) have
+    no such targets and are not read so."""
     if (len(shape) != 2 or token_mask is None or tuple(token_mask.shape) != tuple(shape) or targets.ndim != 1
             or targets.is_floating_point() or targets.shape[0] != shape[0]):
         return None

@@ -19,7 +19,7 @@ from pipeline import cases, task
 from pipeline import rule
 
 from pipeline.compare import streams
-from pipeline.compare.decisions import probability_rows
+from pipeline.compare.decisions import holds_probabilities, probability_rows
 from pipeline.compare.gaps import zero_probability
 from pipeline.compare.quality import COLUMNS
 from pipeline.config import FEATURE_NAMES, LOGIT_NAMES, PROBABILITY_NAMES, Params, primary_name
@@ -74,8 +74,9 @@ class Scan:
         [smallest, largest finite reference value, whether one lies strictly between 0 and 1], at the positions compare
         keeps."""
         self.token_mask = task.token_mask_of(fixed.x)
-        self.positions: dict[str, torch.Tensor] = {}
-        """Per output read as scores over positions (``streams.position_heads``): its real positions, padding read at -inf."""
+        self.positions: dict[str, torch.Tensor] | None = None
+        """Per output read as scores over positions (``streams.position_heads``): its real positions, padding read at -inf
+        (None until the first chunk: ``_position_heads``)."""
         self.lengths, self.channels = _positions(fixed.x)
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.squares: dict[str, list] = {}
@@ -100,11 +101,8 @@ class Scan:
         """The chunk's rows from ``row`` on, a slice of rows at a time (``SLICE_ELEMENTS``): an LM's chunk holds GBs
         of scores, and its float64 squares or its rows with a target copied whole would hold as many again."""
         main = primary_name(chunk)
-        if not self.shapes:  # the first chunk: the whole set's shapes are known, and which heads are scores over positions
-            self.positions = streams.position_heads(self.kind, self.rule, {n: (len(self.has_target), *t.shape[1:])
-                                                                           for n, t in chunk.items()},
-                                                    main, self.targets, self.has_target, self.token_mask)
-        chunk = {n: task.mask_padding(v, self.positions[n][row : row + v.shape[0]]) if n in self.positions else v
+        positions = self._position_heads(chunk)
+        chunk = {n: task.mask_padding(v, positions[n][row : row + v.shape[0]]) if n in positions else v
                  for n, v in chunk.items()}  # as compare reads them
         out = chunk[main]
         if not self.shapes:  # the first chunk: the primary is known, and how compare reads it
@@ -211,7 +209,7 @@ class Scan:
         (``spreads``)."""
         tolerance = self.rule.tolerance(name)
         return (self.kind == "classification" and not primary and tolerance.decides(name, self.kind)
-                and not tolerance.scored(name, self.kind) and name not in self.positions)
+                and not tolerance.scored(name, self.kind) and name not in (self.positions or {}))
 
     def spreads(self) -> dict[str, tuple[tuple[float, float], ...]]:
         """Per output judged by its values alone (``moments``), per column: (mean, standard deviation) over the whole
@@ -263,7 +261,7 @@ class Scan:
         if isinstance(seen, set):
             return f"argmax {'a tie' if -1 in seen else f'column {min(seen)}'} in every case" if len(seen) == 1 else None
         lo, hi = seen
-        at = 0.5 if PROBABILITY_NAMES.search(name) or not LOGIT_NAMES.search(name) and 0 <= lo and hi <= 1 else 0.0
+        at = 0.5 if holds_probabilities(name, torch.tensor([lo, hi])) else 0.0
         strict = self.rule.tie_rule == "tie_is_flip"
         if lo > at or lo == at and not strict:
             return f"at or above {at:g} in every case"
@@ -387,7 +385,17 @@ class Scan:
     def nonfinite_rows(self, row: int, chunk: dict[str, torch.Tensor]) -> torch.Tensor:
         """Rows of ``chunk`` (from ``row``) whose outputs are not finite where compare judges them
         (``streams.nonfinite_rows``): what freeze refuses in the reference."""
-        return streams.nonfinite_rows(self.kind, self.rule, chunk, row, self.targets, self.token_mask, self.has_target)
+        return streams.nonfinite_rows(self.kind, self.rule, chunk, row, self.targets, self.token_mask,
+                                      self._position_heads(chunk))
+
+    def _position_heads(self, chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Which outputs are scores over positions (``streams.position_heads``), read once, from the first chunk's names and
+        the whole set's shapes."""
+        if self.positions is None:
+            shapes = {n: (len(self.has_target), *t.shape[1:]) for n, t in chunk.items()}
+            self.positions = streams.position_heads(self.kind, self.rule, shapes, primary_name(chunk), self.targets,
+                                                    self.has_target, self.token_mask)
+        return self.positions
 
     def problem(self, ref_steps: Sequence[StepRecord], replicate: Sequence[StepRecord] | None = None) -> str | None:
         """The first reason the rule cannot judge this reference (``rule.vet_rule``; ``replicate``: the FP32 noise

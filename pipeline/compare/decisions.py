@@ -451,7 +451,7 @@ class DecisionStats:
         k = min(max(self.top_k, 2), ref.shape[-1]) if per_token else 2
         if self.kernels is None:  # by the output's size (``native.MIN_ELEMENTS``)
             self.kernels = native.wanted(self.capacity * ref.shape[-1], ref.device)
-        fused = (self.kernels and native.MAX_K >= k < ref.shape[-1] and ref.dtype == trial.dtype == torch.float32
+        fused = (self.kernels and k <= native.MAX_K and k < ref.shape[-1] and ref.dtype == trial.dtype == torch.float32
                  and ref.device.type == "cpu")
         best = None if per_token or not fused else best_rows(ref, 2, need_lse)  # None: torch's path
         if per_token and fused:

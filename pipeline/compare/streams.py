@@ -663,16 +663,14 @@ def broken_where_judged(out: torch.Tensor, valid: torch.Tensor | None, softmax: 
 
 
 def nonfinite_rows(kind: str, rule: AcceptanceConfig, chunk: dict[str, torch.Tensor], row: int, targets: torch.Tensor,
-                   token_mask: torch.Tensor | None, has_target: torch.Tensor | None = None) -> torch.Tensor:
+                   token_mask: torch.Tensor | None, positions: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Rows of ``chunk`` (every output of the fixed set's rows from ``row`` on) with an element not finite where compare
     judges it (``broken_where_judged``, at ``task.judged_positions``, scores over positions without their padding:
-    ``position_heads``; ``targets``, ``token_mask`` and ``has_target`` the whole set's, all with a target when None):
-    what freeze refuses in the reference."""
+    ``positions``, the whole set's ``position_heads``; ``targets`` and ``token_mask`` the whole set's): what freeze
+    refuses in the reference."""
     shapes = {name: tuple(v.shape) for name, v in chunk.items()}
     main = primary_name(shapes)
-    has_target = torch.ones(len(targets), dtype=torch.bool) if has_target is None else has_target
-    positions = position_heads(kind, rule, {name: (len(targets), *s[1:]) for name, s in shapes.items()}, main, targets,
-                               has_target, token_mask)
+    positions = positions or {}
     chunk = {name: mask_padding(v, positions[name][row : row + v.shape[0]]) if name in positions else v
              for name, v in chunk.items()}
     heads = decided_heads(kind, rule, shapes, main)
