@@ -488,10 +488,14 @@ class AcceptanceConfig:
     """Largest drop of quality versus the reference, inference and after training, counted over the same cases
     (accuracy, top_k: in cases, not rounded fractions). null, with min_quality null: quality not judged (the
     only way to accept on a fixed set without targets)."""
-    loss_rtol: float = 0.1
-    """Training: per-step band |loss_amp - loss_fp32| <= loss_atol + loss_rtol * |loss_fp32|."""
-    loss_atol: float = 0.05
-    """Training: absolute part of the per-step loss band."""
+    loss_rtol: float | None = None
+    """Training: a fixed per-step band |loss_amp - loss_fp32| <= loss_atol + loss_rtol * |loss_fp32| (a null part
+    counts 0). Stated, it is calibrated at freeze: FP32's own replicate must stay inside it at every step, or freeze
+    refuses it and gives the band FP32 passes. null with loss_atol null (the default): no fixed band; the loss curve is
+    judged against FP32's own run-to-run spread (``loss_noise_multiple``), since two trainings that differ in rounding
+    decorrelate after some steps, as two FP32 runs on another data order do."""
+    loss_atol: float | None = None
+    """Training: absolute part of the per-step loss band (null: see ``loss_rtol``)."""
     max_skipped_fraction: float = 0.1
     """Training: largest fraction of steps whose update the GradScaler skipped, after its calibration (the skips that open
     a run before its first real update, at a finite loss, while the scale halves to one that fits: said, not counted)."""
@@ -525,8 +529,10 @@ class AcceptanceConfig:
             raise UserError(
                 f"params.yaml: {key}.confidence is {self.confidence}; give a confidence in [0.5, 1), for example 0.95"
             )
-        _relative(self.loss_rtol, f"{key}.loss_rtol", "a training loss of 0, or of twice FP32's")
-        _non_negative(self.loss_atol, f"{key}.loss_atol")
+        if self.loss_rtol is not None:
+            _relative(self.loss_rtol, f"{key}.loss_rtol", "a training loss of 0, or of twice FP32's")
+        if self.loss_atol is not None:
+            _non_negative(self.loss_atol, f"{key}.loss_atol")
         _fraction(self.max_skipped_fraction, f"{key}.max_skipped_fraction")
         _positive(self.stall_window, f"{key}.stall_window")
         _non_negative(self.min_scale, f"{key}.min_scale")
@@ -570,10 +576,16 @@ class AcceptanceConfig:
             )
         return tol
 
+    @property
+    def has_loss_band(self) -> bool:
+        """Whether the rule states a fixed per-step loss band (``loss_atol`` or ``loss_rtol`` not null)."""
+        return self.loss_atol is not None or self.loss_rtol is not None
+
     def loss_band(self, ref_loss):
         """The training gap allowed at a step whose FP32 loss is ``ref_loss`` (a float, or a tensor of steps):
-        ``loss_atol + loss_rtol * |ref_loss|``; NaN where the reference loss is, which no gap is within."""
-        return self.loss_atol + self.loss_rtol * abs(ref_loss)
+        ``loss_atol + loss_rtol * |ref_loss|`` (a null part counts 0); NaN where the reference loss is, which no gap is
+        within. Only where ``has_loss_band``."""
+        return (self.loss_atol or 0.0) + (self.loss_rtol or 0.0) * abs(ref_loss)
 
     def sha256(self) -> str:
         """Hash of the rule in canonical form: the same rule always gives the same hash."""

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pipeline.present import verdict
 
-from pipeline.artifacts.comparison import Decisions, Distribution, Noise, Quality, Stats
+from pipeline.artifacts.comparison import Decisions, Distribution, Noise, Quality, Stats, Training
 from pipeline.compare import bounds
 from pipeline.config import AcceptanceConfig, Tolerance, metric_range, primary_name
 from pipeline.errors import UserError
@@ -293,12 +293,11 @@ def _training(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
             f"training: non-finite gradient norm at step(s) {', '.join(map(str, bad_grads[:20]))} "
             f"with no GradScaler to skip it (the update was not applied)", ("steps", bad_grads))
     against = "FP32 aligned on the trial's skipped updates" if train.aligned_on_skips else "the FP32 reference"
-    j.check("training", train.band_violations == 0,
-            f"training: loss within band of {against} at every step "
-            f"(max gap {train.max_loss_gap:.4g} at step {train.max_loss_gap_step})",
-            f"training: loss outside band of {against} (atol={rule.loss_atol}, rtol={rule.loss_rtol}) "
-            f"at {train.band_violations} of {train.steps} steps, first at step {train.first_violation_step}",
-            ("steps", [train.first_violation_step]))
+    if not rule.has_loss_band:  # said, never silent
+        j.checks.append("training: no fixed per-step loss band (loss_atol and loss_rtol null): the loss curve is judged "
+                        "against FP32's own run-to-run spread")
+    else:
+        _loss_band(train, rule, j, against)
     _noise_floor(train.noise, rule, j)
     calibration = train.calibration_steps
     if calibration:  # said, never silent: the skips by which the GradScaler found its scale
@@ -327,6 +326,16 @@ def _training(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
                 f"training: final loss scale {train.final_scale:g} < min_scale {rule.min_scale:g}: float16 does not hold this "
                 f"model's gradients at their own size (the GradScaler shrinks them, and their small parts fall below float16's "
                 f"range); the skip and stall checks say whether updates advanced")
+
+
+def _loss_band(train: Training, rule: AcceptanceConfig, j: _Judge, against: str) -> None:
+    """The fixed per-step loss band the rule states (calibrated at freeze: FP32's replicate stays inside it)."""
+    j.check("training", train.band_violations == 0,
+            f"training: loss within band of {against} at every step "
+            f"(max gap {train.max_loss_gap:.4g} at step {train.max_loss_gap_step})",
+            f"training: loss outside band of {against} (atol={rule.loss_atol}, rtol={rule.loss_rtol}) "
+            f"at {train.band_violations} of {train.steps} steps, first at step {train.first_violation_step}",
+            ("steps", [train.first_violation_step]))
 
 
 def _distribution(dist: Distribution | None, rule: AcceptanceConfig, j: _Judge, flips: Decisions) -> None:
@@ -618,13 +627,37 @@ def vet_rule(
             return (f"params.yaml: acceptance.max_quality_drop {rule.max_quality_drop:g} is not below the reference's own error "
                     f"({metric[4:].upper()} {abs(ref_quality):.3g}), so a trial twice as wrong would pass; "
                     f"give it in the target's units, for example {0.1 * abs(ref_quality):.2g}")
+    return _loss_band_problem(rule, ref_steps, replicate)
+
+
+def _loss_band_problem(rule: AcceptanceConfig, ref_steps: Sequence[StepRecord],
+                       replicate: Sequence[StepRecord] | None) -> str | None:
+    """Why a stated per-step loss band (``loss_atol``, ``loss_rtol``) cannot tell precision from noise, or None: FP32's
+    own replicate leaves it (its A/A calibration), or it is as wide as the loss, so that it cannot fail."""
+    if not rule.has_loss_band:
+        return None
+    atol, rtol = rule.loss_atol or 0.0, rule.loss_rtol or 0.0
+    stated = f"acceptance.loss_atol {rule.loss_atol} / loss_rtol {rule.loss_rtol}"
     losses = [abs(s.loss) for s in ref_steps]
     mean_loss = sum(losses) / len(losses) if losses else 0.0
-    if mean_loss > 0 and rule.loss_atol >= mean_loss:
-        return (f"params.yaml: acceptance.loss_atol {rule.loss_atol:g} is not below the reference's mean training loss "
+    if mean_loss > 0 and atol >= mean_loss:
+        return (f"params.yaml: acceptance.loss_atol {atol:g} is not below the reference's mean training loss "
                 f"({mean_loss:.3g}), so the training band cannot fail; give it in the loss's units, "
-                f"for example {0.05 * mean_loss:.2g}")
-    return None
+                f"for example {0.05 * mean_loss:.2g}, or set loss_atol: null and loss_rtol: null to judge the curve "
+                f"against FP32's own spread")
+    if replicate is None:
+        return (f"params.yaml: {stated} states a fixed per-step loss band, which freeze calibrates on FP32's own "
+                f"replicate; set reference.noise_replicate: true, or loss_atol: null and loss_rtol: null")
+    # The band's excess per step, replicate against reference: above 0, FP32 itself is outside it there.
+    excess = [abs(b.loss - a.loss) - (atol + rtol * abs(a.loss)) for a, b in zip(ref_steps, replicate)]
+    outside = [i for i, e in enumerate(excess) if not e <= 0]
+    if not outside:
+        return None
+    needed = max(abs(b.loss - a.loss) - rtol * abs(a.loss) for a, b in zip(ref_steps, replicate))
+    return (f"params.yaml: {stated}: FP32's own replicate (another data order) leaves this per-step band at "
+            f"{len(outside)} of {len(excess)} steps (first at step {ref_steps[outside[0]].step}), so it cannot tell "
+            f"precision from noise; FP32 passes it with loss_atol >= {needed:.3g} at loss_rtol {rtol:g}, or set "
+            f"loss_atol: null and loss_rtol: null to judge the curve against FP32's own spread (loss_noise_multiple)")
 
 
 def _replicate_problem(rule: AcceptanceConfig, ref_steps: Sequence[StepRecord],

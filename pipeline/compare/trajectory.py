@@ -17,15 +17,16 @@ from pipeline.artifacts.comparison import LossGap, Noise, UpdateHealth
 def trajectory_gap(
     ref_loss: Sequence[float],
     trial_loss: Sequence[float],
-    atol: float,
-    rtol: float,
+    atol: float | None,
+    rtol: float | None,
     replicate_loss: Sequence[float] | None = None,
     noise_multiple: float | None = None,
     noise_atol: float | None = None,
     replicate_of: Sequence[float] | None = None,
     excused: Sequence[bool] | None = None,
 ) -> LossGap:
-    """Per-step loss band |trial - ref| <= atol + rtol * |ref|; non-finite trial losses violate it.
+    """Per-step loss band |trial - ref| <= atol + rtol * |ref|; non-finite trial losses violate it. With ``atol`` and
+    ``rtol`` both None there is no fixed band (no step violates one); a None beside a number counts 0.
 
     With a replicate trajectory (FP32 again under a harmless change of the data order: FP32's own run-to-run
     variation), also the noise floor: per step the replicate's gap beside AMP's, and, when ``noise_multiple``
@@ -43,7 +44,10 @@ def trajectory_gap(
     gap = torch.where(torch.isfinite(t) & torch.isfinite(r), (t - r).abs(), torch.full_like(t, math.inf))
     spared = torch.tensor([bool(v) for v in (excused if excused is not None else [False] * len(t))], dtype=torch.bool)
     gap = torch.where(spared & torch.isfinite(r), torch.zeros_like(gap), gap)
-    bad = ~(gap - (atol + rtol * r.abs()) <= 0)  # NaN (a non-finite reference step) is outside the band too
+    if atol is None and rtol is None:  # no fixed band: the noise floor alone judges the curve
+        bad = torch.zeros_like(gap, dtype=torch.bool)
+    else:  # NaN (a non-finite reference step) is outside the band too
+        bad = ~(gap - ((atol or 0.0) + (rtol or 0.0) * r.abs()) <= 0)
     violations = int(bad.sum())
     first = int(torch.nonzero(bad).flatten()[0]) if violations else -1
     worst_step = int(gap.argmax()) if gap.numel() else -1

@@ -62,7 +62,7 @@ def curve_rows(
         loss.append({"step": step, "dtype": dtype, "panel": "loss", "series": "FP32 reference", "value": fp32})
         loss.append({"step": step, "dtype": dtype, "panel": "loss", "series": amp, "value": s.loss})
         loss.append({"step": step, "dtype": dtype, "panel": "gap", "series": f"|{amp} - FP32|", "value": abs(s.loss - fp32)})
-        if band is not None:
+        if band is not None and band.has_loss_band:
             loss.append({
                 "step": step, "dtype": dtype, "panel": "gap", "series": "band allowed by the rule", "value": band.loss_band(fp32),
             })
@@ -111,9 +111,9 @@ def loss_curves(ref_steps: Steps, trial_steps: Steps, dtype: str, band: Acceptan
     shared = [(s, v) for s, v in zip(ts, tl) if s in ref]
     gaps = [abs(v - ref[s]) for s, v in shared]
     gap_ax.plot([s for s, _ in shared], gaps, color=_AMP, label=f"|AMP {dtype} - FP32|")
-    if band is not None:
+    if band is not None and band.has_loss_band:
         gap_ax.plot([s for s, _ in shared], [band.loss_band(ref[s]) for s, _ in shared], color=_BAD, linestyle=":",
-                    label=f"band: {band.loss_atol:g} + {band.loss_rtol:g}*|FP32 loss|")
+                    label=f"band: {band.loss_atol or 0:g} + {band.loss_rtol or 0:g}*|FP32 loss|")
         outside = [(s, g) for (s, _), g in zip(shared, gaps) if math.isfinite(g) and g > band.loss_band(ref[s])]
         if outside:
             gap_ax.plot(

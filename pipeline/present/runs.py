@@ -256,7 +256,7 @@ def curves(
         "loss_fp32": [(s.step, s.loss) for s in ref_steps],
         "loss_amp": [(s.step, s.loss) for s in steps],
         "loss_gap_abs": [(s.step, abs(s.loss - ref[s.step])) for s in shared],
-        "loss_band": [(s.step, rule_.loss_band(ref[s.step])) for s in shared],
+        **({"loss_band": [(s.step, rule_.loss_band(ref[s.step])) for s in shared]} if rule_.has_loss_band else {}),
         "loss_scale": [(s.step, s.scale) for s in steps],
         "grad_norm": [(s.step, s.grad_norm) for s in steps],
         "skipped": [(s.step, float(s.skipped)) for s in steps],
