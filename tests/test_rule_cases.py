@@ -2436,3 +2436,32 @@ def test_scores_over_classes_of_the_sequences_length_stay_classes():
     assert task.scores_over_positions((n, t), y % 4, every, torch.ones(n, t)) is None  # no padding
     assert task.scores_over_positions((n, t), y % 4, every & (lengths == t), mask) is None  # no padded case has a target
     assert task.scores_over_positions((n, t), y % 4, every, mask) is not None  # every answer at a real position
+
+
+def test_a_stated_loss_band_that_fp32_fails_against_its_own_replicate_is_refused_at_freeze():
+    """Issue 48: two trainings that differ in rounding decorrelate, as two FP32 runs on another data order do. A fixed
+    per-step band that FP32's own replicate leaves cannot tell precision from noise: freeze refuses it in one line that
+    names how often FP32 fails it and the atol FP32 passes. A band FP32 stays inside is kept; the default (no fixed
+    band) leaves the curve to the noise floor, and a trial outside a band nobody stated is not rolled back for it."""
+    shapes, rms = {"logits": (3,)}, {"logits": 3.0}
+    ref = [step(i, 1.0 - 0.01 * i) for i in range(40)]
+    # Decorrelated from step 10 on: the replicate wanders +-0.08 around the reference.
+    replicate = [step(i, r.loss + (0.08 if i % 3 == 0 else -0.06) * (i >= 10)) for i, r in enumerate(ref)]
+    stated = AcceptanceConfig(loss_atol=0.05, loss_rtol=0.0)
+
+    def vet(acceptance, rep=replicate):
+        return rule.vet_rule(acceptance, "classification", shapes, rms, 0.95, "accuracy", True, ref, replicate=rep)
+
+    line = vet(stated)
+    assert line is not None and "FP32's own replicate (another data order) leaves this per-step band at 30 of 40 steps" in line
+    assert "first at step 10" in line and "loss_atol >= 0.08 at loss_rtol 0" in line, line
+    assert vet(AcceptanceConfig(loss_atol=0.08, loss_rtol=0.0)) is None  # what FP32 itself passes
+    assert vet(AcceptanceConfig()) is None  # the default: no fixed band
+    assert "noise_replicate: true" in vet(stated, rep=None)  # a stated band with nothing to calibrate it on
+
+    # The verdict: with no fixed band, a gap of 0.07 at every step is the noise floor's to judge, not a band's.
+    trial = [r.loss + 0.07 for r in ref]
+    gap = trajectory_gap([r.loss for r in ref], trial, None, None, [r.loss for r in replicate], 3.0)
+    assert gap.band_violations == 0 and gap.noise is not None and gap.noise.violations == 0
+    stated_gap = trajectory_gap([r.loss for r in ref], trial, 0.05, 0.0, [r.loss for r in replicate], 3.0)
+    assert stated_gap.band_violations == 40
