@@ -23,6 +23,10 @@ from pipeline.task import (FLOAT32_EXACT_WHOLE, Inputs, call, iter_rows, map_flo
 INFERENCE_SEED = 0
 """The random state every inference pass starts from, in either mode."""
 
+BATCH_ROWS = 256
+"""Rows per inference batch: every pass over the fixed set (reference, trial) batches it so; freeze's probe repeats the
+first such batch (``probe.check``)."""
+
 
 @contextlib.contextmanager
 def inference_rng(device: torch.device, seed: int = INFERENCE_SEED) -> Iterator[None]:
@@ -47,7 +51,7 @@ def infer_chunks(
     policy: Policy,
     device: torch.device,
     eval_mode: bool,
-    batch_size: int = 256,
+    batch_size: int = BATCH_ROWS,
     seed: int = INFERENCE_SEED,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Outputs of ``model`` on ``x`` under ``policy``, one dict of float32 CPU tensors per batch of rows
@@ -89,7 +93,7 @@ def infer(
     policy: Policy,
     device: torch.device,
     eval_mode: bool,
-    batch_size: int = 256,
+    batch_size: int = BATCH_ROWS,
     seed: int = INFERENCE_SEED,
 ) -> dict[str, torch.Tensor]:
     """All of ``infer_chunks`` concatenated (small sets)."""

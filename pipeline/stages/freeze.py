@@ -28,8 +28,10 @@ def main(params_path: str = "params.yaml") -> None:
     run_key, phases = reference_tensors.run_key(params, inputs, init), Phases()
     resume = checkpoint.ResumeFile(paths.RESUME / "reference.safetensors", distributed.current().key(run_key), device)
     with precision.deterministic(cfg.deterministic):  # the probe, training and inference alike
-        shifted = probe.check(model, source, params.task, device, cfg.eval_mode, compiled_variants(params))  # (and
-        checkpoint.restore(init, model)  # whether its loss reads the next token's label; it must not move the RNG)
+        shifted = probe.check(model, source, params.task, device, cfg.eval_mode, compiled_variants(params),
+                              cases.load(paths.PREPARED_CASES).x)  # its first batch; the rest is not held in training
+        probe.check_training(model, init, source, cfg, params.task, device, params.seed)  # its first updates, twice
+        checkpoint.restore(init, model)  # (the probe must not move the RNG; shifted: its loss reads the next token's label)
         with phases("reference training"):
             result = training.train(model, source, cfg, params.task, FP32, device, params.seed, resume=resume.load(),
                                     save_resume=resume.save, label="freeze FP32")
