@@ -6,7 +6,6 @@ two apart is ``torch.version.hip`` (set on ROCm builds) against ``torch.version.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import re
@@ -14,7 +13,6 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -234,20 +232,18 @@ def _cpu_capability() -> str:
         return "unknown"
 
 
-@contextlib.contextmanager
-def missing_kernels(variant: str, dtype: str, device: torch.device) -> Iterator[None]:
-    """Around a trial: an op without a kernel for the dtype on this device is a finding about the target (one line
-    naming the fix), not a crash."""
-    try:
-        yield
-    except (NotImplementedError, RuntimeError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if "not implemented for" not in first and not isinstance(exc, NotImplementedError):
-            raise
-        raise UserError(
-            f"trial {variant} on {device.type}: an op has no {dtype} kernel here ({first[:200]}); keep its module in FP32 "
-            f"with trial.policies.{variant}.fp32_modules, or trial another dtype"
-        ) from None
+_MISSING_KERNEL = re.compile(
+    r"not implemented for '(Half|BFloat16|Float8\w*)'|could not create a primitive descriptor|Low precision dtypes not supported"
+    r"|Unsupported dtype (Half|BFloat16)|no kernel (image )?is available"
+)
+"""How torch says an op has no kernel for a dtype on this device: a missing dispatch entry ("not implemented for
+'Half'"), oneDNN refusing the primitive (the CPU's float16 LSTM), cuDNN or a GPU build without the kernel."""
+
+
+def missing_kernel(exc: BaseException) -> bool:
+    """``exc`` says that an op has no kernel for its dtype on this device, rather than that it raised in one (an overflow):
+    the failed trial says which (``pipeline.artifacts.trial.Failure``)."""
+    return isinstance(exc, NotImplementedError) or bool(_MISSING_KERNEL.search(str(exc)))
 
 
 def _main(argv: list[str]) -> int:

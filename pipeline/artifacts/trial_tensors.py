@@ -4,6 +4,7 @@
 training state, the trajectory, the "AMP engaged" audit (``pipeline.artifacts.audit``) and, last, the manifest
 with every file's sha256 (their types live in ``pipeline.artifacts.trial``, which the torch-free stages read
 alone). ``load`` gives the manifest and trajectory verified, and the outputs and checkpoint on demand, verified too.
+A trial that raised under its policy is written by ``Writer.fail``: ``failure.json`` and the manifest, nothing else.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pipeline import checkpoint, paths
 from pipeline.artifacts import audit as audit_file
 from pipeline.artifacts.outputs import OutputsReader, write_outputs
 from pipeline.artifacts.reference import Manifest as ReferenceManifest
-from pipeline.artifacts.trial import Trajectory, TrialManifest, env_differs, produced_by, read_manifest, read_trajectory
+from pipeline.artifacts.trial import (FAILURE, Failure, Trajectory, TrialManifest, env_differs, produced_by, read_manifest,
+                                     read_trajectory)
 from pipeline.errors import UserError
 from pipeline.files import sha256_file, write_json
 
@@ -39,6 +41,8 @@ class Writer:
         """``compare.store``: how per-token scores are stored (``outputs.write_outputs``)."""
         self.files: dict[str, str] = {}
         self.pending: dict[str, Path] = {}
+        self.streamed: list[str] = []
+        """The sinks whose outputs were all written: which part of ``training.run_trial`` a raise came from."""
 
     def __enter__(self) -> "Writer":
         return self
@@ -53,6 +57,13 @@ class Writer:
         file = f"{name}.safetensors"
         self.pending[file] = self.folder / f".{file}.pending"
         self.files[file] = write_outputs(self.pending[file], chunks, self.ids, store=self.store)
+        self.streamed.append(name)
+
+    @property
+    def part(self) -> str:
+        """What ``training.run_trial`` was doing when it raised: ``inference`` until the trained reference's outputs are
+        all written, ``training`` after (the loop, then the trained model's outputs)."""
+        return "training" if "outputs" in self.streamed else "inference"
 
     def finish(self, result, policy, reference: ReferenceManifest, env: dict, aligned: list | None,
                transforms: dict, audit: audit_file.Audit) -> TrialManifest:
@@ -78,6 +89,29 @@ class Writer:
             env_differs_from_reference=env_differs(env, reference.env),
             real_updates=result.real_updates,
             transforms=transforms,
+        )
+        write_json(self.folder / paths.TRIAL_MANIFEST, manifest.as_dict())
+        return manifest
+
+
+    def fail(self, failure: Failure, policy, reference: ReferenceManifest, env: dict) -> TrialManifest:
+        """Write a failed trial: ``failure.json`` and (last) the manifest; what an earlier run left here goes, so that the
+        folder says only that this policy raised."""
+        for path in self.pending.values():
+            path.unlink(missing_ok=True)
+        self.pending.clear()
+        for stale in (paths.TRIAL_OUTPUTS, paths.TRIAL_TRAINED_OUTPUTS, paths.TRIAL_CHECKPOINT, paths.TRIAL_TRAJECTORY,
+                      paths.TRIAL_AUDIT):
+            (self.folder / stale).unlink(missing_ok=True)
+        write_json(self.folder / FAILURE, failure.as_dict())
+        manifest = TrialManifest(
+            files={FAILURE: sha256_file(self.folder / FAILURE)},
+            policy=policy.as_dict(),
+            reference_run_key=reference.run_key,
+            rule_sha256=reference.rule_sha256,
+            env=env,
+            env_differs_from_reference=env_differs(env, reference.env),
+            real_updates=0,
         )
         write_json(self.folder / paths.TRIAL_MANIFEST, manifest.as_dict())
         return manifest
@@ -114,6 +148,9 @@ def load(variant: str, reference: ReferenceManifest | None = None) -> Trial:
         UserError: missing or damaged files, or a trial of another reference than ``reference``.
     """
     manifest = read_manifest(variant)
+    if manifest.failed:
+        raise UserError(f"{paths.trial(variant)} is a failed trial: it raised under its policy "
+                        f"({paths.trial(variant) / FAILURE}) and has no outputs to read")
     if reference is not None and manifest.reference_run_key != reference.run_key:
         raise UserError(
             f"{paths.trial(variant)} was made from another reference than data/reference; run `dvc repro {produced_by(variant)}`"

@@ -1,12 +1,13 @@
 """Stage trial@NAME: the same reference under autocast, for inference and for training, and how much of its work
-ran in reduced precision (the "AMP engaged" audit)."""
+ran in reduced precision (the "AMP engaged" audit). A policy under which the model raises (an op that overflows or
+has no kernel for the dtype) gives a failed trial naming the op and the module, which decide rolls back."""
 
 from __future__ import annotations
 
 from pipeline import checkpoint, devices, distributed, launch, paths, precision, sysmetrics, training, transforms
 
 from pipeline.artifacts import reference_tensors, trial, trial_tensors
-from pipeline.diagnosis import audit
+from pipeline.diagnosis import audit, failure
 from pipeline.config import load_params
 
 
@@ -23,17 +24,27 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     trained, source = ref.model(params), ref.train_data(params)
     run_key = trial.run_key(ref.manifest, policy, reference_tensors.recipe_key(params))
     resume = checkpoint.ResumeFile(paths.RESUME / f"trial-{variant}.safetensors", world.key(run_key), device)
-    with (
-        trial_tensors.Writer(variant, ref.cases.ids, params.compare.store) as writer,
-        devices.missing_kernels(variant, policy.dtype, device),
-        precision.deterministic(params.reference.deterministic),
-        sysmetrics.sampling(paths.system_metrics("trial", variant), devices.backend(device), world.writes),
-    ):
-        run = training.run_trial(
-            trained, lambda: ref.model(params, "init"), source, ref.cases.x, params.reference, params.task, policy, device,
-            params.seed, resume=resume.load(policy.uses_scaler), save_resume=resume.save, label=f"trial {variant}",
-            sink=writer.sink if world.writes else distributed.discard, expect_batches=ref.batch_hashes(world.size),
-        )
+    try:
+        with (
+            trial_tensors.Writer(variant, ref.cases.ids, params.compare.store) as writer,
+            precision.deterministic(params.reference.deterministic),
+            sysmetrics.sampling(paths.system_metrics("trial", variant), devices.backend(device), world.writes),
+        ):
+            run = training.run_trial(
+                trained, lambda: ref.model(params, "init"), source, ref.cases.x, params.reference, params.task, policy,
+                device, params.seed, resume=resume.load(policy.uses_scaler), save_resume=resume.save,
+                label=f"trial {variant}", sink=writer.sink if world.writes else distributed.discard,
+                expect_batches=ref.batch_hashes(world.size),
+            )
+    except Exception as exc:  # the model raised under the policy? A replay says where (failure.locate), or it goes on
+        failed = failure.locate(exc, writer.part, lambda: ref.model(params), lambda: ref.model(params, "init"), source,
+                                ref.cases.x, ref.cases.ids, params, policy, device)
+        if failed is None:
+            raise
+        writer.fail(failed, policy, ref.manifest, devices.describe(device).as_dict())
+        resume.clear()
+        print(f"trial {variant}: FAILED under its policy, a rollback for decide@{variant}\n  {failed.line(variant)}")
+        return
     if not world.writes:
         return  # rank 0 alone infers and writes
     result = run.training
