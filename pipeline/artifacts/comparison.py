@@ -2,16 +2,19 @@
 
 Files: ``stats.json`` (every statistic: what decide applies the rule to), ``cases.json`` (the per-case
 table: every flipped case and the ``compare.table_rows`` worst others) and ``summary.json`` (flat
-numbers; not a DVC metric: decide's short metrics file is). ``Stats``: frozen sections, one per part of
-the comparison, read by attribute. ``compare.streams.compare_streams`` builds them directly (each of its
-accumulators gives its section: ``ValueGap``, ``Arbiter``, ``Decisions``, ``Distribution``, ``LossGap`` and
-``UpdateHealth`` joined as ``Training``...) and ``write`` writes ``Stats.as_dict``; decide, diagnose, report
-and publish ``read`` them back through ``Stats.from_dict``, its exact inverse (it refuses a key it does not
-know, so a statistic written by another version cannot go unread). Diagnosis re-runs judge the ``Stats`` of
-a fresh comparison as they are. Torch-free (decide reads it without importing torch; compare imports it).
+numbers; not a DVC metric: decide's short metrics file is); for a failed trial (it raised under its
+policy: ``pipeline.artifacts.trial.Failure``), ``failed.json`` alone, the failure as the trial wrote it.
+``Stats``: frozen sections, one per part of the comparison, read by attribute.
+``compare.streams.compare_streams`` builds them directly (each of its accumulators gives its section:
+``ValueGap``, ``Arbiter``, ``Decisions``, ``Distribution``, ``LossGap`` and ``UpdateHealth`` joined as
+``Training``...) and ``write`` writes ``Stats.as_dict``; decide, diagnose, report and publish ``read``
+them back through ``Stats.from_dict``, its exact inverse (it refuses a key it does not know, so a
+statistic written by another version cannot go unread). Diagnosis re-runs judge the ``Stats`` of a
+fresh comparison as they are. Torch-free (decide reads it without importing torch; compare imports it).
 
 API:
     write(variant, stats: Stats, table: list[dict]) -> None
+    write_failed(variant, failure: dict) -> None    a failed trial: nothing to compare
     read(variant) -> Stats                 raises UserError when compare@NAME has not run (or wrote another form)
     read_table(variant) -> list[dict]
     summary(stats: Stats) -> dict        flat numbers, written as summary.json
@@ -35,6 +38,7 @@ from pipeline.files import read_json, write_json
 STATS = "stats.json"
 TABLE = "cases.json"
 SUMMARY = "summary.json"
+FAILED = "failed.json"
 
 
 @dataclass(frozen=True)
@@ -418,6 +422,15 @@ def write(variant: str, stats: Stats, table: list[dict]) -> None:
     write_json(out / STATS, stats.as_dict())
     write_json(out / TABLE, table)
     write_json(out / SUMMARY, summary(stats))
+
+
+def write_failed(variant: str, failure: dict) -> None:
+    """A failed trial has no outputs to compare: ``failed.json`` says so with its failure (``trial.Failure.as_dict``),
+    and what an earlier comparison left here goes."""
+    out = paths.compare(variant)
+    for stale in (STATS, TABLE, SUMMARY):
+        (out / stale).unlink(missing_ok=True)
+    write_json(out / FAILED, failure)
 
 
 def read(variant: str) -> Stats:

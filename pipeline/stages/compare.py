@@ -10,13 +10,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pipeline import devices, task
-from pipeline.artifacts import comparison, reference_tensors, trial_tensors
+from pipeline.artifacts import comparison, reference_tensors, trial, trial_tensors
 from pipeline.compare import streams
 from pipeline.config import load_params
 
 
 def main(variant: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
+    if (failed := trial.read_failure(variant)) is not None:  # it raised under its policy: no outputs, decide rolls it back
+        comparison.write_failed(variant, failed.as_dict())
+        print(f"compare {variant}: nothing to compare, the trial failed under its policy ({failed.part}: {failed.error})")
+        return
     ref = reference_tensors.load(params)
     run = trial_tensors.load(variant, ref.manifest)
     fp64 = ref.fp64_reader()
