@@ -1,14 +1,24 @@
 """pipeline/bench/measure.py: the record assembled from real rounds (a tiny model on the CPU, its float16
-scaler forced to overflow), and what it says when no round can be compared."""
+scaler forced to overflow), what it says when no round can be compared, and the speed verdict of a model that
+AMP cannot speed up (no matmul), judged against FP32 timed again in the same rounds."""
 
 from __future__ import annotations
 
-from pipeline.artifacts.benchmark import MemoryProbe, from_dict
-from pipeline.config import Policy
+import copy
+
+import torch
+
+from pipeline import devices
+from pipeline.artifacts.benchmark import FASTER, FP32_AGAIN, NO_DIFFERENCE, SLOWER, MemoryProbe, from_dict
+from pipeline.bench.arms import arms, timed_arms
 from pipeline.bench.measure import record
 from pipeline.bench.sizing import Sizes
+from pipeline.bench.stats import speed_verdict
 from pipeline.bench.timing import interleaved
+from pipeline.bench.workload import TrainingStep, Workload
+from pipeline.config import Params, Policy
 from pipeline.files import from_jsonable, to_jsonable
+from pipeline.present import verdict
 from test_bench_timing import CPU, overflowing
 
 FP16, BF16 = Policy(dtype="float16"), Policy(dtype="bfloat16")
@@ -55,3 +65,49 @@ def test_bfloat16_records_that_it_runs_no_scaler() -> None:
     memory = probes({"fp32": [0], "amp": [0]})
     result = record("bfloat16", BF16, ENV, amp.work, Sizes(0, 1, 1, "test"), "n/a", memory, rounds, None)
     assert result.workload.initial_grad_scaler == "none: only float16 uses a GradScaler"
+
+
+class Elementwise(torch.nn.Module):
+    """No matmul, convolution or attention: a per-feature scale and shift, nothing autocast could run in bfloat16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale, self.shift = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * self.scale + self.shift)
+
+
+def test_a_model_without_matmuls_is_not_called_faster_by_a_margin_within_the_noise() -> None:
+    """The real arms, steps, rounds and record on the CPU. What is checked is the logic, never a speed: the
+    verdict is the one function's over the recorded intervals, and any verdict other than "no measurable
+    difference" has its whole interval outside 1 and outside FP32 against itself."""
+    torch.manual_seed(0)
+    model, x, y = Elementwise(), torch.randn(64, 4), torch.randint(0, 4, (64,))
+    policy = Policy(dtype="bfloat16")
+    chosen, note = arms(policy, devices.describe(CPU))
+    steps = {
+        a.name: (TrainingStep(Workload(copy.deepcopy(model), [(x, y)], Params(), CPU, {}), a.policy), a.tf32)
+        for a in timed_arms(chosen)
+    }
+    assert list(steps) == ["fp32", "amp", "fp32_again"]
+    rounds = interleaved(steps, warmup=1, repeats=9, steps=3, device=CPU)
+    memory = probes({"fp32": [0] * 9, "amp": [0] * 9})
+    result = record("bfloat16", policy, ENV, steps["amp"][0].work, Sizes(1, 9, 3, "test"), note, memory, rounds, None)
+    s = result.speed
+    assert len(result.samples.seconds_per_step[FP32_AGAIN]) == 9 and result.seconds_per_step[FP32_AGAIN].n == 9
+    assert s.speedup.median == result.speedup.median and s.speedup.n == s.fp32_again.n == 9
+    for i in (s.speedup, s.fp32_again):  # nine rounds: the 2nd and 8th ratios, at 96.1 %
+        assert i.low <= i.median <= i.high and i.coverage >= i.level == 0.95 and i.high < float("inf")
+    assert s.verdict == speed_verdict(s.speedup, s.fp32_again)
+    if s.verdict == FASTER:
+        assert s.speedup.low > max(1.0, s.fp32_again.high)
+    elif s.verdict == SLOWER:  # autocast's own overhead on steps this small can be a real, measured slowdown
+        assert s.speedup.high < min(1.0, s.fp32_again.low)
+    else:
+        assert s.verdict == NO_DIFFERENCE
+    # Every word of it follows the verdict: the stage's line and the report's say the same, with the interval.
+    words = s.words()
+    assert words in result.summary_line() and "95 % interval" in words and "FP32 against itself" in words
+    assert verdict.speed_words(from_jsonable(to_jsonable(result.as_dict()))) == words
+    assert from_dict(from_jsonable(to_jsonable(result.as_dict()))) == result

@@ -1,4 +1,5 @@
-"""pipeline/bench/stats.py: spreads, per-round ratios and the memory summary, on hand-built numbers."""
+"""pipeline/bench/stats.py: spreads, per-round ratios, their intervals, the speed verdict and the memory summary, on
+hand-built numbers."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import math
 
 import pytest
 
-from pipeline.artifacts.benchmark import MemoryProbe, Spread
-from pipeline.bench.stats import memory_summary, ratio_spread, spread
+from pipeline.artifacts.benchmark import FASTER, NO_DIFFERENCE, SLOWER, Interval, MemoryProbe, Spread
+from pipeline.bench.stats import median_interval, memory_summary, ratio_spread, speed, speed_verdict, spread
 
 
 def probe(peak: list[float], baseline: list[float], skipped: list[int] | None = None) -> MemoryProbe:
@@ -61,3 +62,48 @@ def test_no_working_memory_without_a_baseline() -> None:
     # Every AMP round skipped: no AMP figure and no ratio, rather than a ratio of nothing.
     none = memory_summary({"fp32": probe([10.0], [5.0]), "amp": probe([8.0], [5.0], [1])})
     assert set(none.peak_memory_bytes) == {"fp32"} and none.memory_ratio is None
+
+
+def test_the_median_interval_is_the_order_statistic_interval_with_exact_coverage() -> None:
+    # n = 6: only [min, max] reaches 95 % (1 - 2/64 = 0.969); n = 9: the 2nd and 8th values (1 - 2 * 10/512 = 0.961).
+    six = median_interval([1.3, 1.0, 1.2, 1.5, 1.1, 1.4])
+    assert (six.median, six.low, six.high, six.n) == (1.2, 1.0, 1.5, 6) and six.coverage == pytest.approx(62 / 64)
+    nine = median_interval([float(v) for v in (9, 1, 8, 2, 7, 3, 6, 4, 5)])
+    assert (nine.low, nine.median, nine.high) == (2.0, 5.0, 8.0) and nine.coverage == pytest.approx(1 - 20 / 512)
+    # n = 20: the 6th and 15th values (coverage 0.9586; the 7th and 14th would give 0.885).
+    twenty = median_interval([float(v) for v in range(1, 21)])
+    assert (twenty.low, twenty.high) == (6.0, 15.0) and twenty.coverage >= 0.95
+    # Five rounds: no two measured values bound the median at 95 % (1 - 2/32 = 0.9375): unbounded, so never judged.
+    five = median_interval([1.5, 1.6, 1.7, 1.8, 1.9])
+    assert (five.low, five.high, five.coverage, five.median) == (-math.inf, math.inf, 1.0, 1.7)
+    with pytest.raises(ValueError):
+        median_interval([])
+
+
+def interval(low: float, high: float) -> Interval:
+    return Interval((low + high) / 2, low, high, 0.95, 0.96, 9)
+
+
+def test_faster_only_outside_one_and_outside_fp32_against_itself() -> None:
+    aa = interval(0.95, 1.04)
+    assert speed_verdict(interval(1.20, 1.40), aa) == FASTER, "a clear speedup, outside the A/A spread"
+    assert speed_verdict(interval(0.30, 0.35), aa) == SLOWER, "a clear slowdown, outside the A/A spread"
+    assert speed_verdict(interval(0.91, 1.12), aa) == NO_DIFFERENCE, "the interval holds 1"
+    assert speed_verdict(interval(1.02, 1.30), aa) == NO_DIFFERENCE, "above 1, but it overlaps FP32 against itself"
+    assert speed_verdict(interval(0.80, 0.97), aa) == NO_DIFFERENCE, "below 1, but it overlaps FP32 against itself"
+    # A noisy machine whose A/A is wide: even x1.25 (1.10-1.40) is within what FP32 timed twice gives.
+    assert speed_verdict(interval(1.10, 1.40), interval(0.80, 1.30)) == NO_DIFFERENCE
+    assert speed_verdict(interval(-math.inf, math.inf), aa) == NO_DIFFERENCE, "too few rounds: never judged"
+    assert speed_verdict(interval(1.5, 1.6), interval(-math.inf, math.inf)) == NO_DIFFERENCE, "an A/A of too few rounds"
+
+
+def test_speed_pairs_each_round_with_fp32_timed_again() -> None:
+    fp32 = [1.0, 1.1, 0.9, 1.0, 1.2, 1.0, 1.1]
+    amp = [t / 2 for t in fp32]  # twice as fast in every round, whatever the round's drift
+    again = [t * f for t, f in zip(fp32, (1.01, 0.99, 1.0, 1.02, 0.98, 1.0, 1.01))]
+    s = speed({"fp32": fp32, "amp": amp, "fp32_again": again})
+    assert s.verdict == FASTER and s.speedup.low == s.speedup.high == pytest.approx(2.0)
+    assert s.fp32_again.low == pytest.approx(1 / 1.02) and s.fp32_again.high == pytest.approx(1 / 0.98)
+    assert "order-statistic" in s.method
+    same = speed({"fp32": fp32, "amp": again, "fp32_again": again})
+    assert same.verdict == NO_DIFFERENCE and same.speedup == same.fp32_again

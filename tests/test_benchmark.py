@@ -25,6 +25,7 @@ from pipeline.bench.workload import TrainingStep, load_workload
 from pipeline.config import load_params
 from pipeline.errors import UserError
 from pipeline.config import Policy
+from pipeline.files import dumps, from_jsonable
 
 
 # --- the artifact ---------------------------------------------------------------------------------------------
@@ -48,6 +49,29 @@ def test_a_rolled_back_record_round_trips_and_a_damaged_one_is_refused(tmp_path:
     Path("data/benchmark/bfloat16/benchmark.json").write_text('{"benchmarked": true, "variant": "bfloat16"}')
     with pytest.raises(UserError, match="is not a benchmark record.*dvc repro -f benchmark@bfloat16"):
         benchmark.read("bfloat16")
+
+
+def test_the_stage_line_and_the_report_say_the_same_speed_words() -> None:
+    """``Speed.words`` (the stage's line, from the record) and ``verdict.speed_words`` (report and MLflow, from the JSON)
+    are two renderers of one verdict: the same words for every verdict, bounded or not."""
+    from pipeline.present import verdict
+
+    def interval(median: float, low: float, high: float) -> benchmark.Interval:
+        return benchmark.Interval(median, low, high, 0.95, 0.96 if low > float("-inf") else 1.0, 9)
+
+    aa = interval(1.0, 0.93, 1.08)
+    for speed in (
+        benchmark.Speed(benchmark.FASTER, interval(1.5, 1.41, 1.62), aa, "m"),
+        benchmark.Speed(benchmark.SLOWER, interval(0.32, 0.3, 0.35), aa, "m"),
+        benchmark.Speed(benchmark.NO_DIFFERENCE, interval(1.03, 0.91, 1.12), aa, "m"),
+        benchmark.Speed(benchmark.NO_DIFFERENCE, interval(1.25, float("-inf"), float("inf")), aa, "m"),
+    ):
+        raw = from_jsonable(json.loads(dumps({"speed": speed.as_dict(), "speedup": {"median": speed.speedup.median}})))
+        assert verdict.speed_words(raw) == speed.words()
+        assert benchmark.Speed.from_dict(raw["speed"]) == speed
+    assert benchmark.Speed(benchmark.NO_DIFFERENCE, interval(1.03, 0.91, 1.12), aa, "m").words() == (
+        "no measurable difference (x1.03, 95 % interval 0.91-1.12; FP32 against itself 0.93-1.08)"
+    )
 
 
 def test_the_artifact_is_torch_free() -> None:
@@ -118,7 +142,7 @@ def test_benchmark_stage_measures_an_accepted_variant(frozen: Path, monkeypatch:
     assert result["workload"]["initial_grad_scaler"]["scale"] > 0
     params = yaml.safe_load((frozen / "params.yaml").read_text())
     assert result["benchmarked"] and result["env"]["backend"] == "cpu" and result["env"]["capability"]
-    assert set(result["seconds_per_step"]) == {"fp32", "amp"}, "no TF32 baseline on a CPU"
+    assert set(result["seconds_per_step"]) == {"fp32", "amp", "fp32_again"}, "no TF32 baseline on a CPU"
     assert "CPU has none" in result["method"]["tf32"]
     for name in ("fp32", "amp"):
         assert result["seconds_per_step"][name]["n"] == params["bench"]["repeats"]
@@ -128,7 +152,15 @@ def test_benchmark_stage_measures_an_accepted_variant(frozen: Path, monkeypatch:
     assert result["memory_ratio"]["median"] > 0
     assert result["workload"]["batch_size"] == params["reference"]["batch_size"]
     assert result["method"]["clock"].startswith("time.perf_counter")
-    assert "speedup x" in proc.stdout and "CPU: a short run" in proc.stdout
+    # FP32 timed again in the same rounds (the A/A), its memory not probed; the verdict judges against it.
+    assert len(result["samples"]["seconds_per_step"]["fp32_again"]) == params["bench"]["repeats"]
+    assert "fp32_again" not in result["samples"]["memory"]
+    speed = result["speed"]
+    assert speed["speedup"]["median"] == result["speedup"]["median"] and speed["fp32_again"]["n"] == speed["speedup"]["n"]
+    if params["bench"]["repeats"] < 6:  # too few rounds for a 95 % interval: never called faster or slower
+        assert speed["speedup"]["high"] == "inf" and speed["verdict"] == "no measurable difference"
+    assert "speedup x" not in proc.stdout and "CPU: a short run" in proc.stdout
+    assert ("no measurable difference (x" in proc.stdout) == (speed["verdict"] == "no measurable difference")
     monkeypatch.chdir(frozen)
     record = benchmark.read("float16")
     assert record.benchmarked and record.metrics() == metrics and record.summary_line() in proc.stdout

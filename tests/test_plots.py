@@ -75,9 +75,12 @@ def variants() -> list[dict]:
              "quality": {"reference": 0.9, "trial": 0.89}, "values": {"output": {"max_abs": 0.01, "atol": 0.05, "rtol": 0.0}},
              "training": {"max_loss_gap": 0.01, "band_violations": 0, "scaler_enabled": False, "final_scale": 1.0,
                           "skipped_fraction": 0.0}}
+    aa = {"median": 1.0, "low": 0.97, "high": 1.03, "level": 0.95, "coverage": 0.96, "n": 9}
     bench = {"benchmarked": True, "speedup": {"median": 1.5, "q1": 1.4, "q3": 1.6},
+             "speed": {"verdict": "faster", "speedup": {**aa, "median": 1.5, "low": 1.41, "high": 1.62}, "fp32_again": aa},
              "seconds_per_step": {"fp32": {"median": 0.3}, "amp": {"median": 0.2}}, "working_memory_ratio": {"median": 0.5}}
-    slow = {**bench, "speedup": {"median": 0.32, "q1": 0.3, "q3": 0.34}}
+    slow = {**bench, "speedup": {"median": 0.32, "q1": 0.3, "q3": 0.34},
+            "speed": {"verdict": "slower", "speedup": {**aa, "median": 0.32, "low": 0.3, "high": 0.35}, "fp32_again": aa}}
     diagnosis = {
         "findings": ["first non-finite loss at step 3"], "suggestion": {"fp32_modules": ["head", "0"], "rule_passes": True},
     }
@@ -90,6 +93,10 @@ def variants() -> list[dict]:
          "diagnosis": {"findings": []}, "benchmark": bench},
     ]
 
+
+SLOW = "x0.32 (3.1 times slower; 95 % interval 0.30-0.35; FP32 against itself 0.97-1.03)"
+FAST = "x1.50 faster (95 % interval 1.41-1.62; FP32 against itself 0.97-1.03)"
+"""The speed words of ``variants()``' benchmarks: their verdict, interval and FP32 against itself."""
 
 REFERENCE = {
     "rule_sha256": "ab" * 32, "run_key": "cd" * 32, "env": {"backend": "cpu", "device_name": "x86_64", "torch": "2.13.0"},
@@ -145,8 +152,8 @@ def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
     )
     # what a reader sees
     verdict = html.unescape(re.sub(r"<[^>]+>", "", doc[doc.index('<section id="verdict">'):doc.index("</section>")]))
-    assert "float16: ACCEPT: the rule passed, x0.32 (3.1 times slower) on this CPU" in verdict and "keep FP32 here" in verdict
-    assert "float16-fast: ACCEPT: the rule passed, x1.50 faster on this CPU, working memory x0.50: switch to AMP here" in verdict
+    assert f"float16: ACCEPT: the rule passed, {SLOW} on this CPU" in verdict and "keep FP32 here" in verdict
+    assert f"float16-fast: ACCEPT: the rule passed, {FAST} on this CPU, working memory x0.50: switch to AMP here" in verdict
     assert "bfloat16: ROLLBACK: 1 criterion failed; keep FP32 for bfloat16" in verdict
     assert "ordinary/digits-1274: class 5 -> 2, reference margin 0.037 (trial 0.01) - a REAL sample near the boundary" in verdict
     assert verdict.index("ordinary/digits-1274") < verdict.index("boundary/a~b: class 1 -> 7")  # real samples first
@@ -157,11 +164,11 @@ def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
     md = page.markdown(REFERENCE, variants())
     assert md.index("## Verdict") < md.index("## Key figures") < md.index(REFERENCE["rule_sha256"])
     assert md.splitlines()[:3] == [
-        "**float16: ACCEPT** - the rule passed, x0.32 (3.1 times slower) on this CPU, working memory x0.50: "
+        f"**float16: ACCEPT** - the rule passed, {SLOW} on this CPU, working memory x0.50: "
         "keep FP32 here unless memory is what you lack  ",
         "**bfloat16: ROLLBACK** - 1 criterion failed; keep FP32 for bfloat16 (the reference state is restorable exactly); "
         "next: `python -m pipeline restore --variant bfloat16`  ",
-        "**float16-fast: ACCEPT** - the rule passed, x1.50 faster on this CPU, working memory x0.50: switch to AMP here",
+        f"**float16-fast: ACCEPT** - the rule passed, {FAST} on this CPU, working memory x0.50: switch to AMP here",
     ]
 
 
@@ -182,7 +189,7 @@ def test_verdict_says_the_audit_and_the_forecast_and_a_flagged_audit_unsupports_
     doc = page.html(REFERENCE, [fp16, bf16, fast], {})
     shown = html.unescape(re.sub(r"<[^>]+>", "", doc[doc.index('<section id="verdict">'):doc.index("</section>")]))
     assert ("float16-fast: ACCEPT: the rule passed, speedup claim unsupported: autocast barely engaged (share 2.0 %); "
-            "the benchmark measured x1.50") in shown and "switch to AMP here" not in shown
+            f"the benchmark measured {FAST}") in shown and "switch to AMP here" not in shown
     assert f"audit: {ENGAGED['line']}" in shown and f"audit: {BARELY['line']}" in shown
     assert f"FP16 forecast: {CHECKED['forecast']}" in shown and CHECKED["line"] in shown
     assert shown.count("FP16 forecast:") == 1  # float16 only: the others have no check
@@ -191,7 +198,7 @@ def test_verdict_says_the_audit_and_the_forecast_and_a_flagged_audit_unsupports_
     lines = text.splitlines()
     assert lines.index(f"  audit: {ENGAGED['line']}") < lines.index(f"  FP16 forecast: {CHECKED['forecast']}") < lines.index(
         f"  {CHECKED['line']}")
-    assert "x0.32 (3.1 times slower)" in lines[0]  # an engaged audit leaves the measured gain as it was
+    assert SLOW in lines[0]  # an engaged audit leaves the measured gain as it was
     # The variant's section lists what stayed in FP32 unasked, and the table says the share and the flag.
     assert "aten.mm.default [64,8] x [8,64] float64 in the model's own code (forward), 98.0 % of the FLOPs" in html.unescape(doc)
     table = dict(page.rows([fp16, bf16, fast]))

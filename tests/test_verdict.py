@@ -34,3 +34,41 @@ def test_html_and_markdown_links_in_an_id_do_not_reach_the_mlflow_description_ra
     assert "<script" not in md and "<img" not in md and not re.search(r"(?<!\\)\]\(javascript:", md)  # no link
     assert "&lt;script>" in md and "\\[click\\](javascript:alert(3))" in md
     assert "<script" not in verdict.html([_verdict([SCRIPT])])  # report.html escapes, as before
+
+
+def _speed(verdict_: str, median: float, low: float, high: float, aa: tuple[float, float] = (0.93, 1.08)) -> dict:
+    interval = {"level": 0.95, "coverage": 0.96, "n": 9}
+    return {"benchmarked": True, "variant": "bfloat16", "speedup": {"median": median, "q1": low, "q3": high},
+            "speed": {"verdict": verdict_, "speedup": {**interval, "median": median, "low": low, "high": high},
+                      "fp32_again": {**interval, "median": 1.0, "low": aa[0], "high": aa[1]}}}
+
+
+def test_the_speed_words_follow_the_interval_never_a_bare_ratio():
+    """Issue 48, item 6: x1.25 from a variant that ran nothing in bfloat16 was a ratio of noise."""
+    from pipeline.present import page, verdict
+
+    accept = {"decision": "accept", "reasons": [], "env": {"backend": "cpu"}}
+    noise = _speed("no measurable difference", 1.25, 0.91, 1.40, (0.85, 1.30))
+    said = verdict.verdict("bfloat16", accept, benchmark=noise).sentence
+    assert ("the rule passed, no measurable difference (x1.25, 95 % interval 0.91-1.40; FP32 against itself 0.85-1.30) "
+            "on this CPU: AMP gains nothing here but memory") in said
+    assert "faster" not in said and "slower" not in said
+    row = dict(page.rows([{"variant": "bfloat16", "decision": accept, "metrics": {}, "diagnosis": {}, "benchmark": noise}]))
+    assert [v for k, v in row.items() if k.startswith("benchmark: speed")] == [
+        ["no measurable difference (x1.25, 95 % interval 0.91-1.40; FP32 against itself 0.85-1.30)"]
+    ]
+    # The A/A flagged audit quotes the verdict, not the ratio.
+    barely = {"flagged": True, "total": {"reduced_share": 0.0}, "line": "AMP did not engage"}
+    flagged = verdict.verdict("bfloat16", accept, benchmark=noise, audit=barely).sentence
+    assert "the benchmark measured no measurable difference (x1.25, 95 % interval" in flagged
+    # Too few rounds for any interval: said so, with the fix.
+    unbounded = _speed("no measurable difference", 0.83, float("-inf"), float("inf"))
+    assert verdict.speed_words(unbounded) == (
+        "no measurable difference (x0.83, 9 rounds are too few for a 95 % interval; raise bench.repeats)"
+    )
+    # A record written before the A/A arm existed: its median is quoted as not judged, with the command that judges it.
+    old = {"benchmarked": True, "variant": "bfloat16", "speedup": {"median": 1.25, "q1": 1.1, "q3": 1.3}}
+    assert verdict.speed_words(old) == (
+        "speed not judged (x1.25; no interval recorded: rerun `dvc repro -f benchmark@bfloat16`)"
+    )
+    assert verdict.speed_words({"benchmarked": True}) is None

@@ -8,8 +8,9 @@ and its record says why; so does ``read`` when the stage has not run yet (decide
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pipeline import paths
 from pipeline.artifacts.record import Record
@@ -18,9 +19,14 @@ from pipeline.files import read_json, write_json
 
 FILE = "benchmark.json"
 
-FP32, TF32, AMP = "fp32", "tf32", "amp"
-"""The arms measured (``pipeline.bench.arms``): strict FP32, TF32 where the GPU has it, the variant's policy. They key
-every per-arm mapping of the record."""
+FP32, TF32, AMP, FP32_AGAIN = "fp32", "tf32", "amp", "fp32_again"
+"""The arms measured (``pipeline.bench.arms``): strict FP32, TF32 where the GPU has it, the variant's policy, and strict
+FP32 again (the A/A arm: the same FP32 update on a model of its own, timed in the same rounds, whose ratio to ``fp32``
+is the timing's own noise). They key every per-arm mapping of the record."""
+
+FASTER, SLOWER, NO_DIFFERENCE = "faster", "slower", "no measurable difference"
+SpeedVerdict = Literal["faster", "slower", "no measurable difference"]
+"""What the benchmark says of AMP's speed (``pipeline.bench.stats.speed_verdict`` decides it)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,49 @@ class Spread(Record):
     min: float
     max: float
     n: int
+
+
+@dataclass(frozen=True)
+class Interval(Record):
+    """A confidence interval for the median of per-round ratios (``pipeline.bench.stats.median_interval``)."""
+
+    median: float
+    """The nearest-rank median, as in ``Spread``."""
+    low: float
+    high: float
+    """-inf and inf when the rounds are too few for any interval at ``level`` (fewer than 6 for 95 %)."""
+    level: float
+    """The confidence asked for (0.95)."""
+    coverage: float
+    """The exact coverage of [low, high] (at least ``level``; 1 for an unbounded interval)."""
+    n: int
+
+
+@dataclass(frozen=True)
+class Speed(Record):
+    """AMP's speed judged against the timing's own noise: FP32 / AMP beside FP32 / FP32 again (the A/A), per round."""
+
+    verdict: SpeedVerdict
+    """``faster`` only if the speedup's interval lies above 1 and above the A/A's; ``slower`` symmetrically."""
+    speedup: Interval
+    """FP32 time / AMP time, per round."""
+    fp32_again: Interval
+    """FP32 time / FP32-again time, per round: what a speedup of nothing looks like on this machine."""
+    method: str
+
+    def words(self) -> str:
+        """The verdict with its figures: ``no measurable difference (x1.03, 95 % interval 0.91-1.12; FP32 against
+        itself 0.93-1.08)``, ``x1.50 faster (...)``, ``x0.32 (3.1 times slower; ...)``."""
+        s, aa = self.speedup, self.fp32_again
+        if math.isinf(s.high) or math.isinf(aa.high):
+            figures = f"{s.n} rounds are too few for a {100 * s.level:.0f} % interval; raise bench.repeats"
+        else:
+            figures = f"{100 * s.level:.0f} % interval {s.low:.2f}-{s.high:.2f}; FP32 against itself {aa.low:.2f}-{aa.high:.2f}"
+        if self.verdict == FASTER:
+            return f"x{s.median:.2f} faster ({figures})"
+        if self.verdict == SLOWER:
+            return f"x{s.median:.2f} ({1 / s.median:.1f} times slower; {figures})"
+        return f"{NO_DIFFERENCE} (x{s.median:.2f}, {figures})"
 
 
 @dataclass(frozen=True)
@@ -135,15 +184,17 @@ class Benchmark(Record):
     seconds_per_step: dict[str, Spread] | None
     """None when every timed round was dropped (then ``no_speedup_because`` says why)."""
     speedup: Spread | None
-    """FP32 time / AMP time, per round; None with the timings."""
+    """FP32 time / AMP time, per round; None with the timings. Its words are ``speed``'s."""
     speedup_vs_tf32: Spread | None
     """TF32 time / AMP time, where the GPU has TF32."""
     no_speedup_because: str | None
     compile_seconds: float | None = None
     """A compiled variant: what its first step spent compiling (dynamo and inductor, cold: without inductor's on-disk
     cache), apart from the step times."""
+    speed: Speed | None = None
+    """The speed verdict, its interval and the A/A's; None where no speedup is quoted (or a record older than the A/A)."""
 
-    ABSENT = ("seconds_per_step", "speedup", "speedup_vs_tf32", "no_speedup_because", "compile_seconds")
+    ABSENT = ("seconds_per_step", "speedup", "speedup_vs_tf32", "no_speedup_because", "compile_seconds", "speed")
 
     def as_dict(self) -> dict:
         """The memory figures sit at the top level of the file, after the timings."""
@@ -167,9 +218,13 @@ class Benchmark(Record):
     def summary_line(self) -> str:
         s, m, dropped = self.speedup, self.memory.memory_ratio, self.rounds_dropped.timed
         rounds = self.method.repeats - len(dropped)
-        line = f"benchmark {self.variant}: " + (
-            f"speedup x{s.median:.2f} (IQR {s.q1:.2f}-{s.q3:.2f}, {rounds} rounds)" if s else str(self.no_speedup_because)
-        )
+        if self.speed:
+            said = f"{self.speed.words()} over {rounds} rounds"
+        elif s:
+            said = f"speed not judged: no interval recorded (median x{s.median:.2f}); rerun benchmark@{self.variant}"
+        else:
+            said = str(self.no_speedup_because)
+        line = f"benchmark {self.variant}: {said}"
         if m:
             line += f", peak memory x{m.median:.2f} of FP32 (IQR {m.q1:.2f}-{m.q3:.2f})"
         if dropped:

@@ -9,20 +9,22 @@ from dataclasses import replace
 import torch
 
 from pipeline import devices, distributed, precision, transforms
-from pipeline.artifacts.benchmark import AMP, FP32, TF32, Benchmark, MemoryProbe, Method, RoundsDropped, Samples, WorkloadFacts
+from pipeline.artifacts.benchmark import (
+    AMP, FP32, FP32_AGAIN, TF32, Benchmark, MemoryProbe, Method, RoundsDropped, Samples, WorkloadFacts,
+)
 from pipeline.bench.memory import memory_by_arm
 from pipeline.bench.sizing import Sizes, sizes
-from pipeline.bench.stats import memory_summary, ratio_spread, spread
+from pipeline.bench.stats import memory_summary, ratio_spread, speed, spread
 from pipeline.bench.timing import Rounds, interleaved
-from pipeline.bench.arms import arms
+from pipeline.bench.arms import arms, timed_arms
 from pipeline.bench.workload import TrainingStep, Workload, load_workload
 from pipeline.config import Params
 from pipeline.config import Policy
 
 
 def measure(params_path: str, params: Params, variant: str, device: torch.device) -> Benchmark | None:
-    """Time and memory of FP32 (and TF32) against trial ``variant``'s policy; None on a rank other than 0 (it
-    only takes part, so that DDP's collectives pair up).
+    """Time and memory of FP32 (and TF32) against trial ``variant``'s policy, with FP32 timed again beside them (the
+    A/A); None on a rank other than 0 (it only takes part, so that DDP's collectives pair up).
 
     Raises:
         UserError: the device cannot run the variant's dtype, or an earlier stage has not run.
@@ -36,18 +38,18 @@ def measure(params_path: str, params: Params, variant: str, device: torch.device
     size = sizes(params.bench, device.type)
     memory = memory_by_arm(params_path, params, variant, chosen, device)  # before any timing
     with contextlib.ExitStack() as stack:
-        steps, works = {}, []
-        for a in chosen:  # each arm its own model, optimizer and scaler
-            works.append(load_workload(params, device, variant if a.name == AMP else None))
-            stack.enter_context(precision.fp32_regions(works[-1].model, a.policy, device))
-            steps[a.name] = (TrainingStep(works[-1], a.policy), a.tf32)
+        steps, works = {}, {}
+        for a in timed_arms(chosen):  # each arm its own model, optimizer and scaler
+            works[a.name] = load_workload(params, device, variant if a.name == AMP else None)
+            stack.enter_context(precision.fp32_regions(works[a.name].model, a.policy, device))
+            steps[a.name] = (TrainingStep(works[a.name], a.policy), a.tf32)
         trial_step = steps[AMP][0]
         compiled = transforms.compile_seconds(trial_step, device) if policy.compiled else None  # before any timed round
         load = os.getloadavg()[0] if device.type == "cpu" else None
         rounds = interleaved(steps, size.warmup, size.repeats, size.steps, device)
     if not distributed.current().writes:
         return None
-    out = record(variant, policy, env.as_dict(), works[-1], size, tf32_note, memory, rounds, load)
+    out = record(variant, policy, env.as_dict(), works[AMP], size, tf32_note, memory, rounds, load)
     return replace(out, compile_seconds=compiled, **_unquoted(trial_step.applied))
 
 
@@ -56,7 +58,7 @@ def _unquoted(applied: transforms.Applied) -> dict:
     if applied.float8_kernels != "emulated":
         return {}
     return dict(
-        speedup=None, speedup_vs_tf32=None,
+        speedup=None, speedup_vs_tf32=None, speed=None,
         no_speedup_because="float8 ran emulated (no FP8 kernels on this device): its times are kept, no speedup is quoted",
     )
 
@@ -72,7 +74,7 @@ def record(
     rounds: Rounds,
     cpu_load: float | None,
 ) -> Benchmark:
-    """Everything measured, with the method and the workload."""
+    """Everything measured, with the method, the workload and the speed verdict (when ``rounds`` timed the A/A arm)."""
     device = work.device
     dropped, times = rounds.dropped(), rounds.kept_times()
     memory_method = next(iter(memory.values())).method
@@ -88,7 +90,7 @@ def record(
             sizing=size.note,
             clock="CUDA events, synchronized" if device.type == "cuda" else "time.perf_counter (monotonic)",
             order="interleaved, rotating each round",
-            fp32="strict: TF32 off for matmul and cuDNN",
+            fp32="strict: TF32 off for matmul and cuDNN; timed twice (fp32_again, the A/A: its own model, same rounds)",
             tf32=tf32_note,
             memory=memory_method + (
                 "; one fresh process per arm" if device.type == "cuda" else "; in this process, one arm after the other"
@@ -103,6 +105,7 @@ def record(
         seconds_per_step={name: spread(t) for name, t in times.items()} if timed else None,
         speedup=ratio_spread(times[FP32], times[AMP]) if timed else None,
         speedup_vs_tf32=ratio_spread(times[TF32], times[AMP]) if timed and TF32 in times else None,
+        speed=speed(times) if timed and FP32_AGAIN in times else None,
         no_speedup_because=None if timed else (
             f"every timed round had an update the GradScaler skipped ({len(dropped)} of {size.repeats}); the scale "
             f"had not settled: raise bench.warmup"

@@ -1,11 +1,22 @@
-"""The benchmark's statistics: spreads over rounds and per-round ratios. Pure and torch-free."""
+"""The benchmark's statistics: spreads over rounds, per-round ratios, their intervals and the speed verdict. Pure.
+
+The speed verdict compares two intervals from the same interleaved rounds: FP32 / AMP (the speedup) and FP32 /
+FP32 again (the A/A: the same update timed twice, whose ratio is 1 but for the timing's noise). Each is the
+distribution-free confidence interval of the median of the per-round ratios by order statistics (the sign-test
+interval: [x_(k), x_(n+1-k)] of the sorted ratios, k the largest rank whose exact binomial coverage
+1 - 2 P(Binomial(n, 1/2) < k) is still at least 95 %). It needs no assumption on the shape of the noise, no random
+draw (the same rounds give the same interval), and at least 6 rounds: with fewer, no two measured values bound the
+median at 95 % and the interval is unbounded, so nothing is called faster or slower.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 
-from pipeline.artifacts.benchmark import AMP, FP32, MemoryProbe, MemorySummary, Spread
+from pipeline.artifacts.benchmark import (
+    AMP, FASTER, FP32, FP32_AGAIN, NO_DIFFERENCE, SLOWER, Interval, MemoryProbe, MemorySummary, Speed, SpeedVerdict, Spread,
+)
 from pipeline.compare.quantiles import quantile
 
 
@@ -22,9 +33,60 @@ def spread(values: list[float]) -> Spread:
 
 def ratio_spread(num: list[float], den: list[float]) -> Spread:
     """Spread of per-round ratios ``num[i] / den[i]`` (rounds are paired: they share conditions)."""
+    return spread(ratios(num, den))
+
+
+LEVEL = 0.95
+"""Confidence of the speedup's and the A/A's intervals."""
+
+
+def ratios(num: list[float], den: list[float]) -> list[float]:
+    """Per-round ratios ``num[i] / den[i]`` (rounds are paired: they share conditions)."""
     if len(num) != len(den) or not num:
         raise ValueError(f"ratio of {len(num)} and {len(den)} values: give the same non-zero count")
-    return spread([n / d for n, d in zip(num, den)])
+    return [n / d for n, d in zip(num, den)]
+
+
+def median_interval(values: list[float], level: float = LEVEL) -> Interval:
+    """The order-statistic (sign-test) confidence interval of the median of ``values`` at ``level`` or more.
+
+    [x_(k), x_(n+1-k)] of the sorted values, k the largest rank with 1 - 2 P(Binomial(n, 1/2) <= k - 1) >= level
+    (exact, distribution-free). Too few values for any such k (n < 6 at 95 %): [-inf, inf], coverage 1.
+    """
+    if not values:
+        raise ValueError("no values: an interval needs at least one")
+    n, ordered = len(values), sorted(values)
+    below = 0.0  # P(B <= k - 1), B ~ Binomial(n, 1/2)
+    k = 0
+    while k < n // 2 + 1 and 1 - 2 * (below + math.comb(n, k) / 2**n) >= level:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    median = quantile(values, 0.5)
+    if k == 0:
+        return Interval(median, -math.inf, math.inf, level, 1.0, n)
+    return Interval(median, ordered[k - 1], ordered[n - k], level, 1 - 2 * below, n)
+
+
+def speed_verdict(speedup: Interval, fp32_again: Interval) -> SpeedVerdict:
+    """AMP is ``faster`` only if the whole speedup interval (FP32 / AMP) lies above 1 and above the whole A/A interval
+    (FP32 / FP32 again); ``slower`` if it lies below 1 and below the A/A's; else ``no measurable difference``: an
+    interval that holds 1, or overlaps what FP32 timed against itself gives, is within the timing's noise."""
+    if speedup.low > 1 and speedup.low > fp32_again.high:
+        return FASTER
+    if speedup.high < 1 and speedup.high < fp32_again.low:
+        return SLOWER
+    return NO_DIFFERENCE
+
+
+def speed(times: dict[str, list[float]]) -> Speed:
+    """The speed verdict from the kept per-round times of ``fp32``, ``amp`` and ``fp32_again``."""
+    speedup = median_interval(ratios(times[FP32], times[AMP]))
+    again = median_interval(ratios(times[FP32], times[FP32_AGAIN]))
+    method = (
+        f"median of per-round ratios, {100 * LEVEL:.0f} % order-statistic (sign-test) interval, exact binomial coverage; "
+        "faster or slower only outside 1 and outside the A/A interval (FP32 against FP32 timed again in the same rounds)"
+    )
+    return Speed(speed_verdict(speedup, again), speedup, again, method)
 
 
 def memory_summary(by_variant: Mapping[str, MemoryProbe]) -> MemorySummary:

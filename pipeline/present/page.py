@@ -86,7 +86,7 @@ def rows(variants: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
         ("AMP engaged: matmul, convolution and attention FLOPs in reduced precision", _engaged),
         ("FP16 forecast (float16 variants)", lambda v: (v["diagnosis"].get("forecast") or {}).get("recommendation", "-")),
         ("FP16 forecast against the trial", _forecast_held),
-        ("benchmark: speedup FP32 time / AMP time (median, IQR)", _speedup),
+        ("benchmark: speed, FP32 time / AMP time (median, 95 % interval, FP32 against itself)", _speedup),
         ("benchmark: ms/step FP32 (median)", lambda v: _ms(v, "fp32")),
         ("benchmark: ms/step AMP (median)", lambda v: _ms(v, "amp")),
         ("benchmark: working memory FP32 (peak above baseline)", lambda v: _memory(v, "working_memory_bytes", "fp32")),
@@ -276,15 +276,11 @@ def _op(o: Mapping) -> str:
 
 
 def _speedup(v: Mapping) -> str:
+    """The speed verdict with its interval and FP32's against itself (``verdict.speed_words``), never a bare ratio."""
     b = v["benchmark"]
     if not b.get("benchmarked"):
         return "not benchmarked"
-    s = b.get("speedup", {})
-    if "median" not in s:
-        return "-"
-    spread = f" ({s['q1']:.2f}-{s['q3']:.2f})" if "q1" in s and "q3" in s else ""
-    word = " faster" if s["median"] >= verdict.FASTER else " slower" if s["median"] <= verdict.SLOWER else ""
-    return f"x{s['median']:.2f}{spread}{word}"
+    return verdict.speed_words(b) or "-"
 
 
 def _ms(v: Mapping, name: str) -> str:

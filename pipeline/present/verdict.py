@@ -4,8 +4,9 @@ Pure: the loaded stage outputs in, text out (no torch, no MLflow, no clock). The
 rendered as Markdown (MLflow descriptions), HTML (report.html), plain text (a stage's terminal note) and
 one line (publish's last line). Per variant it says:
 
-- the decision in one sentence, with the gain in words ("accepted numerically; x0.32 slower on this
-  CPU: keep FP32 here");
+- the decision in one sentence, with the gain in the words of the benchmark's speed verdict ("x0.32 (3.1 times
+  slower; 95 % interval 0.30-0.35; FP32 against itself 0.97-1.03) on this CPU: keep FP32 here"; "no measurable
+  difference (x1.03, ...)" where the interval holds 1 or overlaps FP32 against itself);
 - the reasons (the failed criteria, then the diagnosis' findings: two fields of the decision, never told
   apart by their words);
 - the flipped cases, reference -> trial class and margin, calling out real samples that the rule counted
@@ -31,8 +32,6 @@ from typing import Any
 
 MAX_FLIPS = 10
 """Flipped cases listed per variant; the rest are counted (every one is in compare's cases.json)."""
-FASTER, SLOWER = 1.05, 0.95
-"""Speedups between these are "no measurable speed difference" (benchmark noise on a shared machine)."""
 
 
 @dataclass
@@ -114,35 +113,62 @@ def verdict(
 
 
 def _gain(bench: Mapping[str, Any] | None, env: Mapping[str, Any]) -> str:
-    """The benchmark in words; a slower AMP is said plainly, beside a green accept."""
+    """The benchmark in words, as its speed verdict says (never a bare ratio); a slower AMP is said plainly, beside a
+    green accept."""
     where = "this CPU" if env.get("backend", "cpu") == "cpu" else f"this {env.get('device_name') or 'GPU'}"
     if not bench:
         return "not benchmarked yet"
     if not bench.get("benchmarked"):
         return f"not benchmarked ({bench.get('reason', 'no reason recorded')})"
-    s = (bench.get("speedup") or {}).get("median")
-    w = (bench.get("working_memory_ratio") or {}).get("median")
-    memory = f"working memory x{w:.2f}" if isinstance(w, (int, float)) and math.isfinite(w) else ""
-    if not isinstance(s, (int, float)) or not math.isfinite(s):
+    words = speed_words(bench)
+    if words is None:
         return "speed not measured"
-    if s >= FASTER:
-        return f"x{s:.2f} faster on {where}" + (f", {memory}" if memory else "") + ": switch to AMP here"
-    if s <= SLOWER:
-        words = f"x{s:.2f} ({1 / s:.1f} times slower) on {where}" if s > 0 else f"x{s:.2f} on {where}"
+    w = (bench.get("working_memory_ratio") or {}).get("median")
+    memory = f", working memory x{w:.2f}" if isinstance(w, (int, float)) and math.isfinite(w) else ""
+    judged = (bench.get("speed") or {}).get("verdict")
+    if judged == "faster":
+        return f"{words} on {where}{memory}: switch to AMP here"
+    if judged == "slower":
         if memory and w < 0.9:
-            return f"{words}, {memory}: keep FP32 here unless memory is what you lack"
-        return f"{words}: keep FP32 here"
-    return (
-        f"no measurable speed difference (x{s:.2f}) on {where}" + (f", {memory}" if memory else "")
-        + ": AMP gains nothing here but memory"
-    )
+            return f"{words} on {where}{memory}: keep FP32 here unless memory is what you lack"
+        return f"{words} on {where}: keep FP32 here"
+    if judged == "no measurable difference":
+        return f"{words} on {where}{memory}: AMP gains nothing here but memory"
+    return f"{words}{memory}"
+
+
+def speed_words(bench: Mapping[str, Any]) -> str | None:
+    """``benchmark.json``'s speed verdict with its figures: ``no measurable difference (x1.03, 95 % interval
+    0.91-1.12; FP32 against itself 0.93-1.08)``, ``x1.50 faster (95 % interval ...)``, ``x0.32 (3.1 times slower;
+    95 % interval ...)``. A record without a verdict (older than the A/A arm) is not judged; None without a speedup.
+
+    The same words as ``pipeline.artifacts.benchmark.Speed.words`` (the stage's own line), from the file's JSON."""
+    speed, median = bench.get("speed"), (bench.get("speedup") or {}).get("median")
+    if not speed:
+        if not isinstance(median, (int, float)) or not math.isfinite(median):
+            return None
+        rerun = f"`dvc repro -f benchmark@{bench['variant']}`" if bench.get("variant") else "the benchmark"
+        return f"speed not judged (x{median:.2f}; no interval recorded: rerun {rerun})"
+    s, aa = speed["speedup"], speed["fp32_again"]
+    low, high, aa_low, aa_high = (float(x) for x in (s["low"], s["high"], aa["low"], aa["high"]))
+    level = f"{100 * float(s['level']):.0f} %"
+    if math.isinf(high) or math.isinf(aa_high):
+        figures = f"{s['n']} rounds are too few for a {level} interval; raise bench.repeats"
+    else:
+        figures = f"{level} interval {low:.2f}-{high:.2f}; FP32 against itself {aa_low:.2f}-{aa_high:.2f}"
+    m = float(s["median"])
+    if speed["verdict"] == "faster":
+        return f"x{m:.2f} faster ({figures})"
+    if speed["verdict"] == "slower":
+        return f"x{m:.2f} ({1 / m:.1f} times slower; {figures})"
+    return f"no measurable difference (x{m:.2f}, {figures})"
 
 
 def _unsupported(audit: Mapping[str, Any], bench: Mapping[str, Any] | None) -> str:
     """A speedup measured on a variant whose reduced-precision work is negligible comes from something else."""
     share = (audit.get("total") or {}).get("reduced_share") or 0.0
-    s = ((bench or {}).get("speedup") or {}).get("median") if (bench or {}).get("benchmarked") else None
-    measured = f"; the benchmark measured x{s:.2f}" if isinstance(s, (int, float)) and math.isfinite(s) else ""
+    words = speed_words(bench) if (bench or {}).get("benchmarked") else None
+    measured = f"; the benchmark measured {words}" if words else ""
     return f"speedup claim unsupported: autocast barely engaged (share {100 * share:.1f} %){measured}"
 
 

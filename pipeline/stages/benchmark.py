@@ -1,7 +1,8 @@
 """Stage benchmark@NAME: time per training step and peak memory, strict FP32 (and TF32) vs AMP, accepted variants only.
 
-``pipeline.bench`` holds the method (``bench.measure`` runs it); ``pipeline.artifacts.benchmark`` writes the
-record (``benchmark.json``) and its two DVC metrics (``data/metrics/bench-NAME.json``: speedup, mem_ratio).
+``pipeline.bench`` holds the method (``bench.measure`` runs it, FP32 timed twice so that the speedup is judged against
+the timing's own noise); ``pipeline.artifacts.benchmark`` writes the record (``benchmark.json``, with the speed verdict)
+and its two DVC metrics (``data/metrics/bench-NAME.json``: speedup, mem_ratio).
 """
 
 from __future__ import annotations
