@@ -99,6 +99,37 @@ def bad_model(**_):
         ["task.model usermod:bad_model: the model's forward is not deterministic", "differ by", "at output 'output'",
          "training=self.training"],
     ),
+    "forward drawing from numpy on batches above two rows": (
+        DATA + """
+import numpy
+class Noisy(torch.nn.Linear):
+    def forward(self, x):
+        noise = numpy.random.standard_normal(x.shape[0]) if x.shape[0] > 2 else numpy.zeros(x.shape[0])
+        return super().forward(x) + torch.from_numpy(noise).float()[:, None]
+def bad_model(**_):
+    return Noisy(4, 3)
+""",
+        {"task": {"model": "usermod:bad_model"}, "acceptance": {"min_quality": None}},
+        "freeze",
+        ["task.model usermod:bad_model: the model's forward is not deterministic", "over the fixed set's first batch",
+         "at output 'output'"],
+    ),
+    "training drawing from numpy's unseeded generator": (
+        DATA + """
+import numpy
+class Masked(torch.nn.Linear):
+    def forward(self, x):
+        if self.training:  # a training augmentation from numpy's global generator, which no torch seed reaches
+            x = x * torch.from_numpy(numpy.random.rand(*x.shape) > 0.2).float()
+        return super().forward(x)
+def bad_model(**_):
+    return Masked(4, 3)
+""",
+        {"task": {"model": "usermod:bad_model"}, "acceptance": {"min_quality": None}},
+        "freeze",
+        ["task.model usermod:bad_model: the FP32 reference's training does not reproduce itself", "first at step 1's loss",
+         "in tensor 'weight'", "seed the generator the model draws from"],
+    ),
     "min_quality outside the metric's range": (
         DATA,
         {"task": {"kind": "regression", "loss": "mse"}, "acceptance": {"min_quality": 0.9}},
@@ -139,3 +170,21 @@ def test_bad_model_input_is_one_line_exit_2_nothing_written(tmp_path, name):
     for word in words:
         assert word in lines[0], lines[0]
     assert files_under(repo / "data") == before  # nothing written: no reference, no resume state
+
+
+def test_a_batchnorm_model_in_train_mode_at_inference_reaches_a_verdict(tmp_path):
+    """reference.eval_mode: false on a conv net with BatchNorm, which cannot take one row in train mode: freeze's probe
+    takes it (issue 48), and a real `dvc repro` reaches a decision."""
+    from conftest import make_project
+    from _project import dvc
+
+    repo = make_project(tmp_path / "repo", {
+        "task": {"model": "pipeline.examples.convnet:build_model", "data": "pipeline.examples.convnet:load_data",
+                 "options": {"width": 4}},
+        "reference": {"eval_mode": False, "train_steps": 4, "batch_size": 16},
+        "trial": {"variants": ["bfloat16"]},
+        "acceptance": {"min_quality": None},
+    })
+    dvc(repo, "repro", "decide@bfloat16")
+    decision = yaml.safe_load((repo / "data/decision/bfloat16/decision.json").read_text())
+    assert decision["decision"] in {"accept", "rollback"}
