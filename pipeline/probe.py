@@ -75,10 +75,12 @@ def check(model: torch.nn.Module, source: TrainSource, task_cfg: TaskConfig, dev
 
 
 def _fewer_rows(model: torch.nn.Module, source: TrainSource, device: torch.device) -> dict[str, torch.Tensor] | None:
-    """Outputs of the first training sample alone, in eval mode, for ``check_batch_free``; of the first three where the
-    model cannot take one row, and None where it cannot take those either. Why not refused: a layer that normalises
-    over the batch (BatchNorm without running statistics, a train-mode BatchNorm) cannot take one row, and such a
-    model is legitimate as long as no batch of one row reaches it; three rows still show in-batch scores ([B, B])."""
+    """Outputs of the first training sample alone for ``check_batch_free``; of the first three where the model cannot
+    take one row, and None where it cannot take those either. In eval mode whatever the reference's: shapes do not
+    follow the mode, and there a BatchNorm with running statistics takes one row (in train mode it cannot). Why a model
+    that cannot is not refused: a layer that normalises over the batch in every mode (BatchNorm without running
+    statistics, ``F.batch_norm(..., training=True)``) is legitimate while no batch of one row reaches it, and three rows
+    still show in-batch scores ([B, B])."""
     for n in (1, 3):
         if n >= 3 and len(source) < 3:
             return None
