@@ -16,6 +16,7 @@ from pipeline.files import read_json, write_json
 
 if TYPE_CHECKING:
     from pipeline.artifacts.comparison import Stats
+    from pipeline.artifacts.trial import Failure
 
 FILE = "decision.json"
 
@@ -66,6 +67,19 @@ class Decision:
         return out
 
 
+def of_failure(variant: str, failure: Failure, **recorded) -> Decision:
+    """The rollback of a failed trial (it raised under its policy): the criterion "the variant runs under its policy"
+    failed, said with the part, op, module and case or step (``Failure.line``), without the rule's statistics (there
+    are no outputs to judge). Both parts roll back: the part that raised, and the other, which was not judged.
+    ``recorded``: the fields every decision records (``rule``, ``rule_sha256``, ``policy``, ``env``, ``findings``,
+    ``notes``, ``rollback_package``)."""
+    other = "training" if failure.part == "inference" else "inference"
+    where = {"steps": [failure.step]} if failure.step is not None else {"raised": [failure.case]} if failure.case else {}
+    notes = [f"{other} was not judged: the trial stopped when its {failure.part} raised", *recorded.pop("notes", [])]
+    return Decision(variant=variant, decision="rollback", reasons=[failure.line(variant)], checks=[], inference="rollback",
+                    training="rollback", cases=where, notes=notes, **recorded)
+
+
 def write(d: Decision) -> None:
     write_json(paths.decision(d.variant) / FILE, d.as_dict())
 
@@ -80,17 +94,17 @@ def read(variant: str) -> Decision:
     return Decision(**raw)
 
 
-def summary_metrics(d: Decision, stats: Stats) -> dict:
+def summary_metrics(d: Decision, stats: Stats | None) -> dict:
     """What `dvc metrics show` and `dvc metrics diff` print per variant (short names, so that it fits 160
     columns): the verdict and its two parts in words (DVC prints a string metric as it is: ``accept``,
     ``rollback``), how many lines explain it (failed criteria and findings), flips of real cases and those
     near the boundary, the largest value gap, quality of the trial (inference, after training) and the
-    largest training-loss gap."""
-    return {
-        "decision": d.decision,
-        "inference": d.inference,
-        "training": d.training,
-        "reasons": len(d.reasons) + len(d.findings),
+    largest training-loss gap. A failed trial (``stats`` None) has the first four alone."""
+    reasons = len(d.reasons) + len(d.findings)
+    verdict = {"decision": d.decision, "inference": d.inference, "training": d.training, "reasons": reasons}
+    if stats is None:
+        return verdict
+    return verdict | {
         "flips": stats.flips.real_flips,
         "near_flips": stats.flips.near_boundary_flips,
         "max_gap": stats.max_abs_gap,
@@ -100,5 +114,5 @@ def summary_metrics(d: Decision, stats: Stats) -> dict:
     }
 
 
-def write_metrics(d: Decision, stats: Stats) -> None:
+def write_metrics(d: Decision, stats: Stats | None) -> None:
     write_json(paths.decision_metrics(d.variant), summary_metrics(d, stats))

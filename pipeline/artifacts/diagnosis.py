@@ -21,11 +21,15 @@ API:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from pipeline import paths
 from pipeline.artifacts.forecast import ForecastCheck
 from pipeline.artifacts.record import Record, dump
 from pipeline.files import read_json, write_bytes, write_json
+
+if TYPE_CHECKING:
+    from pipeline.artifacts.trial import Failure
 
 FILE = "diagnosis.json"
 SUGGESTED = "suggested_params.yaml"
@@ -304,6 +308,21 @@ class Diagnosis(Record):
     def as_dict(self) -> dict:
         searched = self.ranking is not None  # the search's fields come together, its null suggestion included
         return super().as_dict() | ({"suggestion": dump(self.suggestion)} if searched else {})
+
+
+def of_failure(failure: Failure) -> Diagnosis:
+    """The diagnosis of a failed trial: where it raised (``failure``, located by the trial's watched replay) is its one
+    finding; nothing else is replayed or probed, since the trial has no outputs."""
+    where = f"module '{failure.module}' ({failure.module_type})" if failure.module else f"the model ({failure.module_type})"
+    op = f"op {failure.op}" if failure.op else "the model's own code"
+    when = f"case {failure.case}" if failure.case is not None else f"step {failure.step}" if failure.step is not None else ""
+    return Diagnosis(
+        needed=True,
+        failing=["the variant runs under its policy"],
+        findings=[f"the {failure.part} raised first in {op} of {where}" + (f", on {when}" if when else "") + "; no output to "
+                  "compare, so no precision map, replay or FP32-region search ran: fix that op, then `dvc repro` judges "
+                  "the variant by the rule"],
+    )
 
 
 def write(variant: str, diagnosis: Diagnosis, suggested_params: str | None = None) -> None:

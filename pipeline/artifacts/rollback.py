@@ -46,7 +46,8 @@ class Package(Record):
     """Path (from the repository root) -> sha256."""
 
 
-def write_package(params: Params, reference: Manifest, stats: Stats, variant: str, cases: dict | None = None) -> None:
+def write_package(params: Params, reference: Manifest, stats: Stats | None, variant: str, cases: dict | None = None) -> None:
+    """``stats`` None: a failed trial (it raised under its policy), whose motivating cases are the one that raised."""
     out = folder(variant)
     snippet = {
         "seed": params.seed,
@@ -60,10 +61,10 @@ def write_package(params: Params, reference: Manifest, stats: Stats, variant: st
     )
     files = {str(p): reference.sha256(p) for p in FILES}
     write_json(out / "manifest.json", Package(variant, reference.rule_sha256, reference.run_key, files).as_dict())
-    flips = stats.flips.flip_list
+    flips = stats.flips.flip_list if stats is not None else ()
     per_kind = {
         name: {k: g.as_dict() for k, g in gap.per_kind.items() if g.failing or g.nonfinite_trial_only}
-        for name, gap in stats.values.items()
+        for name, gap in (stats.values if stats is not None else {}).items()
     }
     write_json(out / "cases.json", {
         "motivating": cases or {},  # per failed criterion, the ids of its cases (and the training steps)

@@ -19,11 +19,15 @@ def load(variant: str) -> dict[str, Any]:
     ``metrics`` (stats flattened) and ``cases`` (the per-case table, or None) of compare, ``diagnosis`` (with, for a
     float16 variant, the FP16 forecast and its check), ``decision``,
     ``benchmark`` (``{"benchmarked": False, "reason": ...}`` when absent) and ``plots`` (the report's figures, name -> PNG).
+    A failed trial (it raised under its policy) has no trajectory, audit, statistics or table: ``trajectory`` and
+    ``audit`` are None, ``stats`` and ``metrics`` empty, ``cases`` None; its decision says where it raised.
 
     Raises:
         UserError: a stage has not run (naming it and the command).
     """
     manifest = trial.read_manifest(variant)
+    if manifest.failed:
+        return _failed(variant, manifest)
     if paths.TRIAL_AUDIT not in manifest.files:
         raise UserError(f"{paths.trial(variant)} has no {paths.TRIAL_AUDIT} (an earlier version's trial); run `dvc repro --force "
                         f"{trial.produced_by(variant)}`")
@@ -43,4 +47,13 @@ def load(variant: str) -> dict[str, Any]:
         "decision": decision.read(variant).as_dict(),
         "benchmark": benchmark.read(variant).as_dict(),
         "plots": {p.stem: p.read_bytes() for p in sorted(figures.glob("*.png"))},
+    }
+
+
+def _failed(variant: str, manifest: trial.TrialManifest) -> dict[str, Any]:
+    """``load`` of a failed trial: what its stages wrote (the manifest, the diagnosis and the rollback)."""
+    return {
+        "variant": variant, "env": manifest.env, "manifest": manifest.as_dict(), "trajectory": None, "audit": None,
+        "stats": {}, "metrics": {}, "cases": None, "diagnosis": diagnosis.read(variant).as_dict(),
+        "decision": decision.read(variant).as_dict(), "benchmark": benchmark.read(variant).as_dict(), "plots": {},
     }

@@ -128,7 +128,8 @@ def child(v: Mapping[str, Any], verdict_: verdict.Verdict, loosened_: list[str],
         tags=child_tags(v, loosened_, common),
         params=flat,
         metrics=columns(v),
-        steps=curves(ref_steps, v["trajectory"].steps, build(AcceptanceConfig, rule_, "decision.rule"), replicate_steps),
+        steps=curves(ref_steps, v["trajectory"].steps if v["trajectory"] else (),  # None: the trial failed under its policy
+                     build(AcceptanceConfig, rule_, "decision.rule"), replicate_steps),
         artifacts=child_artifacts(d),
         # flipped cases first: the table opens on them, not after pages of unchanged cases
         tables={"cases.json": sorted(v["cases"], key=lambda r: not r.get("flipped"))} if v["cases"] is not None else {},
@@ -163,7 +164,8 @@ def child_tags(v: Mapping[str, Any], loosened_: list[str], common: Mapping[str, 
         # the rule itself, so that a later accept under a looser rule is flagged by publish
         **({"rule_json": json.dumps(rule_, sort_keys=True)} if rule_ else {}),
         **({"rule_loosened": "true"} if loosened_ else {}),
-        "amp_engaged": v["audit"]["speedup_claim"],  # supported, unsupported (flagged) or not a precision claim
+        # supported, unsupported (flagged) or not a precision claim; no audit: the trial failed under its policy
+        "amp_engaged": v["audit"]["speedup_claim"] if v["audit"] else "trial failed",
         **({"fp16_forecast": v["diagnosis"]["forecast"]["recommendation"],
             "fp16_forecast_held": str(v["diagnosis"]["forecast"]["held"]).lower()} if v["diagnosis"].get("forecast") else {}),
         **{f"decision_tag.{k}": x for k, x in decision.get("tags", {}).items()},
@@ -207,7 +209,7 @@ def columns(v: Mapping[str, Any]) -> dict:
         "skipped_steps": training.get("skipped_steps"),
         "real_updates": training.get("real_updates"),
         "final_loss_scale": training.get("final_scale"),
-        "amp_engaged_share": (v["audit"].get("total") or {}).get("reduced_share"),
+        "amp_engaged_share": ((v["audit"] or {}).get("total") or {}).get("reduced_share"),
     }
     distribution = stats.get("distribution") or {}
     for key in ("kl_mean", "kl_p99", "top1_agreement"):  # per-token outputs (language models)

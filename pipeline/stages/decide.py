@@ -18,31 +18,36 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
     ref = reference.read_manifest()
     ref.check_rule(params.acceptance)
-    stats = comparison.read(variant)
     found = diagnosis.read(variant)
     ran = trial.read_manifest(variant)
-    engaged = audit.read(paths.trial(variant), trial.produced_by(variant), ran.files[paths.TRIAL_AUDIT])
-    judged = rule.decide(stats, params.acceptance)
-    rolled_back = not judged.accepted
-    result = decision.Decision(
-        variant=variant,
-        decision=judged.decision,
-        reasons=list(judged.reasons),
-        checks=list(judged.checks),
-        inference=judged.inference,
-        training=judged.training,
-        cases={k: list(v) for k, v in judged.cases.items()},
-        findings=found.findings if rolled_back else [],  # where the rollback starts and what would fix it
-        notes=ran.env_notes(ref.env) + ([engaged.line] if engaged.flagged else []),  # a speedup claim it cannot back
-        rule=dataclasses.asdict(params.acceptance),
-        rule_sha256=params.acceptance.sha256(),
-        policy=ran.policy,
-        env=ran.env,
-        rollback_package=str(rollback.folder(variant)) if rolled_back else None,
-    )
-    if rolled_back:
+    recorded = dict(rule=dataclasses.asdict(params.acceptance), rule_sha256=params.acceptance.sha256(), policy=ran.policy,
+                    env=ran.env)
+    package = str(rollback.folder(variant))
+    if (failed := trial.read_failure(variant, ran)) is not None:  # it raised under its policy: no statistics to judge
+        stats, engaged = None, None
+        result = decision.of_failure(variant, failed, findings=found.findings, notes=ran.env_notes(ref.env),
+                                     rollback_package=package, **recorded)
+    else:
+        stats = comparison.read(variant)
+        engaged = audit.read(paths.trial(variant), trial.produced_by(variant), ran.files[paths.TRIAL_AUDIT])
+        judged = rule.decide(stats, params.acceptance)
+        result = decision.Decision(
+            variant=variant,
+            decision=judged.decision,
+            reasons=list(judged.reasons),
+            checks=list(judged.checks),
+            inference=judged.inference,
+            training=judged.training,
+            cases={k: list(v) for k, v in judged.cases.items()},
+            findings=found.findings if not judged.accepted else [],  # where the rollback starts and what would fix it
+            notes=ran.env_notes(ref.env) + ([engaged.line] if engaged.flagged else []),  # a speedup claim it cannot back
+            rollback_package=None if judged.accepted else package,
+            **recorded,
+        )
+    if not result.accepted:
         rollback.write_package(params, ref, stats, variant, result.cases)
     decision.write(result)
     decision.write_metrics(result, stats)
     # the verdict block, as everywhere
-    print(verdict.text(verdict.verdict(variant, result.as_dict(), stats.as_dict(), found.as_dict(), audit=engaged.as_dict())))
+    print(verdict.text(verdict.verdict(variant, result.as_dict(), stats.as_dict() if stats else None, found.as_dict(),
+                                       audit=engaged.as_dict() if engaged else None)))

@@ -3,7 +3,8 @@
 Writes ``diagnosis.json`` (findings and notes as lines, the structured details beside them, and for a float16
 variant freeze's FP16 forecast checked against the trial) and, when there is one, ``suggested_params.yaml``: a
 suggestion, never applied. A healthy trial costs a few JSON reads: torch and the task's model load only when there
-is something to replay or probe.
+is something to replay or probe. A failed trial (it raised under its policy) was located by the trial itself: its
+diagnosis is that failure, with nothing replayed.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ from pipeline.diagnosis import triage
 def main(variant: str, params_path: str = "params.yaml") -> None:
     start = time.perf_counter()
     params = load_params(params_path)
-    stats = comparison.read(variant)
     ran = trial.read_manifest(variant)
+    if (failed := trial.read_failure(variant, ran)) is not None:
+        diagnosis.write(variant, diagnosis.of_failure(failed))
+        print(f"diagnose {variant}: the trial failed under its policy, located by its replay:\n  - {failed.line(variant)}")
+        return
+    stats = comparison.read(variant)
     trajectory = trial.read_trajectory(variant, ran)
     judged = rule.decide(stats, params.acceptance)  # once; the diagnosis is handed it
     found, suggested = diagnosis.Diagnosis(), None

@@ -22,6 +22,8 @@ def main(params_path: str = "params.yaml") -> None:
     files = report.Files(params.trial.policies)
     for d in params.trial.variants:
         ran = trial.read_manifest(d)
+        if ran.failed:  # it raised under its policy: no outputs and no curve to draw (its decision says where)
+            continue
         steps = trial.read_trajectory(d, ran).steps
         trial_outputs = outputs.NumpyReader(
             paths.trial(d) / paths.TRIAL_OUTPUTS, ran.files[paths.TRIAL_OUTPUTS], trial.produced_by(d)
