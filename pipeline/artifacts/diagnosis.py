@@ -312,16 +312,17 @@ class Diagnosis(Record):
 
 def of_failure(failure: Failure) -> Diagnosis:
     """The diagnosis of a failed trial: where it raised (``failure``, located by the trial's watched replay) is its one
-    finding; nothing else is replayed or probed, since the trial has no outputs."""
+    finding, and the module it raised in its suggested FP32 region (unchecked: written as no file, said as a command
+    by the verdict); nothing is replayed or probed, since the trial has no outputs."""
     where = f"module '{failure.module}' ({failure.module_type})" if failure.module else f"the model ({failure.module_type})"
     op = f"op {failure.op}" if failure.op else "the model's own code"
     when = f"case {failure.case}" if failure.case is not None else f"step {failure.step}" if failure.step is not None else ""
     return Diagnosis(
         needed=True,
         failing=["the variant runs under its policy"],
-        findings=[f"the {failure.part} raised first in {op} of {where}" + (f", on {when}" if when else "") + "; no output to "
-                  "compare, so no precision map, replay or FP32-region search ran: fix that op, then `dvc repro` judges "
-                  "the variant by the rule"],
+        findings=[f"the {failure.part} raised first in {op} of {where}" + (f" on {when}" if when else "")
+                  + " (one watched replay); with no outputs, nothing else was replayed or probed"],
+        suggestion=Suggestion(fp32_modules=(failure.module,), rule_passes=None, file="") if failure.module else None,
     )
 
 
