@@ -207,3 +207,29 @@ def test_a_failed_trial_is_a_verified_folder_with_no_outputs(tmp_path, monkeypat
     (folder / trial.FAILURE).write_text("{}")  # the manifest's sha256 catches an edit
     with pytest.raises(UserError):
         trial.read_failure("float16")
+
+
+def test_decide_rolls_a_failed_trial_back_and_every_renderer_copes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no data/ here: the child run finds no checkpoint, as for a failed trial
+    from pipeline.artifacts import decision, diagnosis
+    from pipeline.present import page, runs, verdict
+
+    found = diagnosis.of_failure(FAILED)
+    assert found.suggestion.fp32_modules == ("encoder.attention",) and "op torch.Tensor.masked_fill" in found.findings[0]
+    d = decision.of_failure("float16", FAILED, findings=found.findings, notes=[], rule={}, rule_sha256="r", policy={},
+                            env={}, rollback_package="data/decision/float16/rollback")
+    assert (d.decision, d.inference, d.training, d.reasons, d.cases) == (
+        "rollback", "rollback", "rollback", [FAILED.line("float16")], {"raised": ["ordinary-3"]})
+    assert d.notes == ["training was not judged: the trial stopped when its inference raised"]
+    assert decision.summary_metrics(d, None) == {"decision": "rollback", "inference": "rollback", "training": "rollback",
+                                                 "reasons": 2}
+    v = {"variant": "float16", "env": {}, "manifest": {"env": {}, "policy": {"dtype": "float16"}}, "trajectory": None,
+         "audit": None, "stats": {}, "metrics": {}, "cases": None, "diagnosis": found.as_dict(), "decision": d.as_dict(),
+         "benchmark": {"benchmarked": False, "reason": "rolled back"}, "plots": {}}  # variant.load of a failed trial
+    said = verdict.text(verdict.verdict("float16", v["decision"], None, v["diagnosis"]))
+    assert FAILED.line("float16") in said and "fp32_modules=[\"encoder.attention\"]" in said, said
+    assert runs.child_tags(v, [], {})["amp_engaged"] == "trial failed" and runs.columns(v)["accepted"] is False
+    child = runs.child(v, verdict.verdict("float16", v["decision"]), [], (), None, {}, {})
+    assert child.steps["loss_amp"] == [] and child.tables == {} and child.models == []
+    reference = {"env": {}, "rule_sha256": "r", "run_key": "k"}
+    assert "ROLLBACK" in page.markdown(reference, [v]) and "ROLLBACK" in page.html(reference, [v], {})
