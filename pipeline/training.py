@@ -427,10 +427,19 @@ def replicate_key(run_key: str) -> str:
     return hashlib.sha256(f"{run_key}/replicate".encode()).hexdigest()
 
 
+@dataclass
+class Replicate:
+    """freeze's FP32 noise replicate: its updates, and the model it trained (whose quality on the fixed set is FP32's
+    own spread after training)."""
+
+    records: list[StepRecord]
+    model: torch.nn.Module
+
+
 def noise_replicate(params: Params, init: checkpoint.Checkpoint, source: TrainSource, device: torch.device,
-                    run_key: str) -> list[StepRecord]:
+                    run_key: str) -> Replicate:
     """freeze's FP32 noise replicate: the reference's start (weights and RNG, ``init``), another data order
-    (``neighbours_swapped``); its records. Resumable as the reference is."""
+    (``neighbours_swapped``). Resumable as the reference is."""
     model = task.build_model(params.task, params.seed)
     checkpoint.restore(init, model)
     order = neighbours_swapped(update_batches(len(source), params.reference, params.seed))
@@ -442,4 +451,4 @@ def noise_replicate(params: Params, init: checkpoint.Checkpoint, source: TrainSo
     )
     if distributed.current().writes:
         resume.clear()
-    return result.records
+    return Replicate(result.records, model)

@@ -25,6 +25,7 @@ from pipeline.compare.quality import COLUMNS
 from pipeline.config import FEATURE_NAMES, LOGIT_NAMES, PROBABILITY_NAMES, Params, primary_name
 
 if TYPE_CHECKING:
+    from pipeline.artifacts.comparison import FP32Spread
     from pipeline.artifacts.steps import StepRecord
 
 
@@ -90,6 +91,8 @@ class Scan:
         [sums, sums of squares, rows] over the whole set, then over the ordinary cases. Columns of different
         scales share one atol, which must bound the smallest too (``column_rms``), and the band at a column's mean
         must be below its spread (``spreads``)."""
+        self.replica = None
+        """The FP32 replicate's quality after training (``update_replicate``), a ``QualityStats`` once it is seen."""
         self.measured: set[str] = set()
         """The outputs of ``moments`` that are a classifier's heads decided by default (``_measured``)."""
         self.decided: dict[str, list] = {}
@@ -170,15 +173,10 @@ class Scan:
                         m[0] = m[0] + part.reshape(-1, width).sum(0)
                         m[1] = m[1] + part.square().reshape(-1, width).sum(0)
                         m[2] += part.numel() // width
-                if v is out and (self.kind != "classification" or out.shape[1:-1] == self.targets.shape[1:]):  # else refused
-                    keep = self.has_target[row + a : row + b]  # (``rule.vet_rule``: no decision check reads it)
-                    y = self.targets[row + a : row + b]
-                    labelled = (task.labelled_positions(tuple(out[a:b].shape), y, positions)
-                                if self.kind != "classification" else None)
-                    if labelled is not None:  # a regression per position: compare's quality, at its labelled positions
-                        keep = labelled & keep[:, None]
-                    if bool(keep.any()):
-                        scored, known = out[a:b][keep], y[keep]
+                if v is out:
+                    picked = self._scored(out[a:b], row + a, positions)
+                    if picked is not None:
+                        scored, known = picked
                         self.quality.update(scored, known)
                         if self.fitted is not None:  # its labels read at 0.5 and at 0 (``logit_like``)
                             o, known = scored.reshape(-1), known.reshape(-1)
@@ -187,6 +185,43 @@ class Scan:
                                 self.fitted[2] += int(((o >= 0.5) == positive).sum())
                                 self.fitted[3] += int(((o >= 0) == positive).sum())
                                 self.fitted[4] += o.numel()
+
+    def _scored(self, out: torch.Tensor, row: int, positions: torch.Tensor | None):
+        """The primary's rows ``out`` (from ``row``) and their targets where compare scores quality (the cases with a
+        target; a regression per position: its labelled positions), or None where none is."""
+        if self.kind == "classification" and out.shape[1:-1] != self.targets.shape[1:]:
+            return None  # refused (``rule.vet_rule``: no decision check reads it)
+        keep = self.has_target[row : row + out.shape[0]]
+        y = self.targets[row : row + out.shape[0]]
+        labelled = task.labelled_positions(tuple(out.shape), y, positions) if self.kind != "classification" else None
+        if labelled is not None:  # a regression per position: compare's quality, at its labelled positions
+            keep = labelled & keep[:, None]
+        return (out[keep], y[keep]) if bool(keep.any()) else None
+
+    def update_replicate(self, row: int, chunk: dict[str, torch.Tensor]) -> None:
+        """The FP32 replicate's outputs (from ``row``), after the reference's have all been seen: its quality after
+        training, in the metric and reading the reference's set (``replicate_quality``)."""
+        if self.replica is None:
+            self.replica = self.metric.quality(self.rule.tie_rule)
+        main = primary_name(chunk)
+        positions = self._position_heads(chunk)
+        out = chunk[main]
+        if main in positions:
+            out = task.mask_padding(out, positions[main][row : row + out.shape[0]])
+        judged = task.judged_positions((len(self.has_target), *out.shape[1:]),
+                                       self.kind == "classification" and out.ndim == 3, self.targets, self.token_mask,
+                                       primary=True)
+        picked = self._scored(out.detach(), row, None if judged is None else judged[row : row + out.shape[0]])
+        if picked is not None:
+            self.replica.update(*picked)
+
+    def replicate_quality(self):
+        """(reference, replicate) quality on the fixed set, both as the scan measured them, or None without a replicate
+        (``update_replicate``) or where either is not finite: FP32's own spread after training."""
+        if self.replica is None:
+            return None
+        ref, rep = self.quality.result(), self.replica.result()
+        return (ref, rep) if math.isfinite(ref) and math.isfinite(rep) else None
 
     def _values_of(self, name: str, v: torch.Tensor, primary: bool, per_position: bool) -> int:
         """The columns of output ``name`` (its last axis: [N, D] or per token [N, T, D]; one for [N], and for a value
@@ -397,9 +432,10 @@ class Scan:
                                                     self.has_target, self.token_mask)
         return self.positions
 
-    def problem(self, ref_steps: Sequence[StepRecord], replicate: Sequence[StepRecord] | None = None) -> str | None:
+    def problem(self, ref_steps: Sequence[StepRecord], replicate: Sequence[StepRecord] | None = None,
+                spread: FP32Spread | None = None) -> str | None:
         """The first reason the rule cannot judge this reference (``rule.vet_rule``; ``replicate``: the FP32 noise
-        replicate's steps), or None."""
+        replicate's steps; ``spread``: its quality after training beside the reference's), or None."""
         return rule.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
                              self.metric.higher_is_better, ref_steps, columns=self.column_rms(), spreads=self.spreads(),
                              whole_numbers=self.whole_numbers(),
@@ -409,7 +445,7 @@ class Scan:
                              unit_heads=self.unit_heads(), misnamed=self.misnamed_probabilities(),
                              probability_rows=self.probability_rows(), top_k=self.metric.top_k,
                              replicate=replicate, with_target=self.quality.scored(), logit_like=self.logit_like(),
-                             per_label=self.per_label) or self.pinned_offset()
+                             per_label=self.per_label, spread=spread) or self.pinned_offset()
 
     def logit_like(self) -> str | None:
         """The primary read as a value fitted to labels (``fitted``) when more than a tenth of its reference values lie

@@ -52,6 +52,11 @@ def test_every_stage_produced_its_outputs(reproduced):
     assert any(k.startswith("optim/") for k in ref.tensors) and "rng/cpu" in ref.tensors
     kinds = manifest["cases"]
     assert kinds["ordinary"] == 64 and kinds["edge"] > 0 and kinds["boundary"] > 0
+    # FP32's own spread after training, measured at freeze on the replicate, is what the quality after training is read by
+    spread = json.loads((data / "reference" / "replicate_trajectory.json").read_text())["quality"]
+    assert spread["metric"] == "accuracy" and len(spread["replicates"]) == 1 and 0 <= spread["replicates"][0] <= 1
+    stats = json.loads((data / "compare" / "bfloat16" / "stats.json").read_text())
+    assert stats["quality"]["fp32_spread"] == spread
 
 
 def test_second_repro_runs_nothing_but_the_idempotent_publish(reproduced, tmp_path):

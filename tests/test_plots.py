@@ -256,7 +256,7 @@ def test_dvc_metrics_are_short_and_plots_render_offline_titled_per_dtype(reprodu
         for d in DTYPES:
             assert f'id = "data_report_curves_{family}_{d}_json"' in doc, (family, d)
     # coloured per series
-    for series in ("FP32 reference", "AMP float16", "band allowed by the rule", "no GradScaler: scale fixed at 1"):
+    for series in ("FP32 reference", "AMP float16", "FP32 noise floor", "no GradScaler: scale fixed at 1"):
         assert re.search(rf'"series":\s*"{re.escape(series)}"', doc), series
 
 

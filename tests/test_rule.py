@@ -5,13 +5,14 @@ import copy
 import dataclasses
 import functools
 import inspect
+import random
 
 import pytest
 import torch
 
 from pipeline import rule
 from pipeline.artifacts.comparison import Stats
-from pipeline.compare import streams
+from pipeline.compare import bounds, streams
 from pipeline.config import AcceptanceConfig, Tolerance
 from _steps import step
 
@@ -224,3 +225,47 @@ def test_no_target_in_the_fixed_set_is_a_named_reason_unless_the_rule_drops_qual
     assert any("not judged" in c for c in result.checks)
     stats["quality"]["reference"] = 0.9  # a reference that has a quality and a trial that lost it: a failure
     assert judge(stats, AcceptanceConfig()).decision == "rollback"
+
+
+def test_quality_after_training_is_judged_against_fp32s_own_spread_in_both_directions():
+    """Issue 48: two trainings decorrelate; FP32 trained again on another data order lands 3 cases of 40 away. A trial
+    trained under AMP that lands 4 below the reference is within what an FP32 retraining does (the prediction bound of
+    a third FP32 run from two, at the rule's confidence) and is accepted; one 20 below is not. Inference keeps the rule's
+    own max_quality_drop (no training there), and without a replicate the rule's drop alone applies, as before."""
+    def with_trained(hits: int, spread: dict | None) -> dict:
+        stats = healthy_stats()
+        stats["quality"]["counts"]["trained"] = [hits, 40]
+        stats["quality"]["trained"] = hits / 40
+        stats["quality"]["paired"]["trained"] = {"lost": 40 - hits, "gained": 0}
+        if spread is not None:
+            stats["quality"]["fp32_spread"] = spread
+        return stats
+
+    spread = {"metric": "accuracy", "reference": 1.0, "replicates": [37 / 40]}
+    ok = judge(with_trained(36, spread))
+    assert ok.decision == "accept", ok.reasons
+    line = next(c for c in ok.checks if c.startswith("quality after training"))
+    assert "FP32's own spread: its replicate 0.925 vs reference 1" in line and "at confidence 0.95" in line, line
+    bad = judge(with_trained(20, spread))
+    assert bad.decision == "rollback" and bad.training == "rollback" and bad.inference == "accept"
+    assert any(r.startswith("quality after training: 20/40 vs reference 40/40") for r in bad.reasons), bad.reasons
+    assert judge(with_trained(36, None)).decision == "rollback"  # no replicate: the rule's 0.01 x 40 alone
+    tight = {"metric": "accuracy", "reference": 1.0, "replicates": [1.0]}  # FP32 reproduced its quality exactly
+    assert judge(with_trained(36, tight)).decision == "rollback"
+
+
+def test_the_fp32_spread_bound_rolls_back_fp32_itself_at_the_stated_rate():
+    """The false-rollback rate of the quality-after-training criterion, measured: a trial that is one more FP32 run (the
+    same distribution as the reference and its replicates) falls below the bound at 1 - confidence of draws, whatever the
+    number of replicates (normal qualities, 20,000 draws, a fixed seed)."""
+    rng = random.Random(7)
+    for replicates, confidence in ((1, 0.95), (3, 0.95), (1, 0.99)):
+        rolled = 0
+        for _ in range(20000):
+            ref, *reps = [rng.gauss(0.8, 0.02) for _ in range(replicates + 1)]
+            trial = rng.gauss(0.8, 0.02)
+            rolled += ref - trial > bounds.fp32_drop_allowed(ref, reps, confidence)
+        assert abs(rolled / 20000 - (1 - confidence)) < 0.006, (replicates, confidence, rolled)
+    assert bounds.student_t_quantile(0.95, 1) == pytest.approx(6.3138, abs=1e-4)
+    assert bounds.student_t_quantile(0.95, 4) == pytest.approx(2.1318, abs=1e-4)
+    assert bounds.student_t_quantile(0.975, 30) == pytest.approx(2.0423, abs=1e-4)

@@ -2465,3 +2465,24 @@ def test_a_stated_loss_band_that_fp32_fails_against_its_own_replicate_is_refused
     assert gap.band_violations == 0 and gap.noise is not None and gap.noise.violations == 0
     stated_gap = trajectory_gap([r.loss for r in ref], trial, 0.05, 0.0, [r.loss for r in replicate], 3.0)
     assert stated_gap.band_violations == 40
+
+
+def test_a_minimum_quality_fp32_misses_after_training_again_is_refused_at_freeze():
+    """The A/A of ``min_quality``: FP32 trained again on another data order reaches 0.86 where the reference reached
+    0.92; a minimum of 0.9 would roll back FP32 itself, so freeze refuses it in one line with the value FP32 meets. A
+    minimum both FP32 runs meet is kept."""
+    from pipeline.artifacts.comparison import FP32Spread
+
+    shapes, rms = {"logits": (3,)}, {"logits": 3.0}
+    ref = [step(i, 1.0 - 0.01 * i) for i in range(8)]
+    rep = [step(i, r.loss + 0.01) for i, r in enumerate(ref)]
+    spread = FP32Spread(metric="accuracy", reference=0.92, replicates=(0.86,))
+
+    def vet(minimum):
+        return rule.vet_rule(AcceptanceConfig(min_quality=minimum), "classification", shapes, rms, 0.92, "accuracy", True,
+                             ref, replicate=rep, spread=spread)
+
+    line = vet(0.9)
+    assert line is not None and "FP32's own replicate (trained again on another data order) reaches accuracy 0.86" in line
+    assert "beyond 0.86" in line, line
+    assert vet(0.8) is None and vet(None) is None

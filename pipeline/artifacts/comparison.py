@@ -248,8 +248,19 @@ class Paired(Record):
 
 
 @dataclass(frozen=True)
+class FP32Spread(Record):
+    """Quality after training of the FP32 reference and of its replicate(s) on the fixed set, as freeze's scan measured
+    them (compare's metric): how far FP32 itself moves when trained again, against which AMP's quality after training
+    is judged (``bounds.fp32_drop_allowed``)."""
+
+    metric: str
+    reference: float
+    replicates: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class Quality(Record):
-    ABSENT = ("perplexity", "columns")
+    ABSENT = ("perplexity", "columns", "fp32_spread")
 
     metric: str
     higher_is_better: bool
@@ -262,6 +273,9 @@ class Quality(Record):
     perplexity: dict[str, float | None] | None = None
     columns: dict[str, tuple[float, ...]] | None = None
     """Per side, the metric of each column of a regression output of a few columns (``quality.COLUMNS``), else absent."""
+    fp32_spread: FP32Spread | None = None
+    """FP32's own quality after training, reference and replicate(s) (freeze), where a replicate ran: the yardstick of
+    the quality after training."""
 
     def of(self, side: Literal["reference", "trial", "trained"]) -> float:
         return getattr(self, side)

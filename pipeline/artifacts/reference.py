@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipeline import paths
 from pipeline.artifacts import forecast
+from pipeline.artifacts.comparison import FP32Spread
 from pipeline.artifacts.record import Record
 from pipeline.artifacts.steps import Steps
 from pipeline.config import AcceptanceConfig
@@ -76,18 +77,24 @@ class Trajectory(Record):
     """``data/reference/trajectory.json`` and the noise replicate's ``replicate_trajectory.json``: FP32 training's
     updates, and for the replicate how its data order was perturbed."""
 
-    ABSENT = ("perturbation",)
+    ABSENT = ("perturbation", "quality")
 
     steps: Steps
     perturbation: str | None = None
+    quality: FP32Spread | None = None
+    """The replicate's: its quality after training beside the reference's (FP32's own spread), where one was scored."""
 
 
-def _steps(path: Path, manifest: Manifest) -> Steps:
+def _trajectory(path: Path, manifest: Manifest) -> Trajectory:
     sha = manifest.sha256(path)
     if sha is None:
         raise UserError(f"{paths.REF_MANIFEST} names no {path}; rebuild the reference with `dvc repro --force {PRODUCED_BY}`")
     refused = f"{path} is not a trajectory of this version ({{}}); rebuild it with `dvc repro --force {PRODUCED_BY}`".format
-    return Trajectory.parse(read_json(path, PRODUCED_BY, sha), refused).steps
+    return Trajectory.parse(read_json(path, PRODUCED_BY, sha), refused)
+
+
+def _steps(path: Path, manifest: Manifest) -> Steps:
+    return _trajectory(path, manifest).steps
 
 
 def read_trajectory(manifest: Manifest | None = None) -> Steps:
@@ -101,6 +108,14 @@ def read_replicate(manifest: Manifest | None = None) -> Steps | None:
     if manifest.sha256(paths.REF_REPLICATE_TRAJECTORY) is None:
         return None
     return _steps(paths.REF_REPLICATE_TRAJECTORY, manifest)
+
+
+def read_spread(manifest: Manifest | None = None) -> FP32Spread | None:
+    """FP32's own quality after training, reference and replicate (``Trajectory.quality``), verified; None without."""
+    manifest = manifest or read_manifest()
+    if manifest.sha256(paths.REF_REPLICATE_TRAJECTORY) is None:
+        return None
+    return _trajectory(paths.REF_REPLICATE_TRAJECTORY, manifest).quality
 
 
 def read_forecast(manifest: Manifest | None = None) -> forecast.Headroom:

@@ -23,7 +23,9 @@ from pipeline import cases, checkpoint, paths, task
 from pipeline.artifacts import forecast as forecast_file
 from pipeline.artifacts.outputs import OutputsReader, write_outputs
 from pipeline.artifacts.steps import Steps
-from pipeline.artifacts.reference import PRODUCED_BY, Manifest, Trajectory, read_manifest, read_replicate, read_trajectory
+from pipeline.artifacts.comparison import FP32Spread
+from pipeline.artifacts.reference import (PRODUCED_BY, Manifest, Trajectory, read_manifest, read_replicate, read_spread,
+                                          read_trajectory)
 from pipeline.config import Params, ReferenceConfig
 from pipeline.errors import UserError
 from pipeline.files import sha256_file, write_json
@@ -41,6 +43,8 @@ class Reference:
     trajectory: Steps
     replicate: Steps | None = None
     """Per-step records of the FP32 noise replicate (``reference.noise_replicate``), or None."""
+    spread: FP32Spread | None = None
+    """The replicate's quality after training beside the reference's: FP32's own spread (None without a replicate)."""
 
     @functools.cached_property
     def outputs(self) -> dict[str, torch.Tensor]:
@@ -140,6 +144,7 @@ def write(
     forecast: forecast_file.Headroom,
     scan=None,
     store: str = "full",
+    replicate_outputs: Iterable[dict[str, torch.Tensor]] | None = None,
 ) -> Manifest:
     """Write the reference (manifest last) and return the manifest. ``scan`` (``vetting.Scan``) sees the
     outputs as they stream and vets the rule against them before anything replaces the previous reference.
@@ -159,7 +164,8 @@ def write(
         )  # the FP64 arbiter's are always full: its differences are far below a compact store's step
         if bad:
             raise NonFinite(sorted(set(bad)))
-        problem = scan.problem(records, replicate) if scan is not None else None
+        spread = _spread(scan, replicate_outputs)
+        problem = scan.problem(records, replicate, spread) if scan is not None else None
         if problem:
             raise UserError(problem)
         if fp64 is not None:
@@ -182,7 +188,7 @@ def write(
     files[str(paths.REF_TRAJECTORY)] = sha256_file(paths.REF_TRAJECTORY)
     if replicate is not None:
         write_json(paths.REF_REPLICATE_TRAJECTORY, Trajectory(
-            steps=tuple(replicate), perturbation="data order: first samples of consecutive updates swapped",
+            steps=tuple(replicate), perturbation="data order: first samples of consecutive updates swapped", quality=spread,
         ).as_dict())
         files[str(paths.REF_REPLICATE_TRAJECTORY)] = sha256_file(paths.REF_REPLICATE_TRAJECTORY)
     forecast_file.write(paths.REFERENCE, forecast)
@@ -215,7 +221,21 @@ def load(params: Params) -> Reference:
         if sha256_file(key) != manifest.sha256(key):
             raise UserError(f"{key} differs from the data the reference was frozen on; run `dvc repro` to re-freeze")
     fixed = cases.load(paths.REF_CASES, manifest.sha256(paths.REF_CASES), PRODUCED_BY)
-    return Reference(manifest=manifest, cases=fixed, trajectory=read_trajectory(manifest), replicate=read_replicate(manifest))
+    return Reference(manifest=manifest, cases=fixed, trajectory=read_trajectory(manifest), replicate=read_replicate(manifest),
+                     spread=read_spread(manifest))
+
+
+def _spread(scan, replicate_outputs: Iterable[dict[str, torch.Tensor]] | None) -> FP32Spread | None:
+    """The replicate's quality after training beside the reference's, streamed through ``scan`` (``vetting.Scan``) after
+    the reference's outputs, in the same metric and reading; None without a replicate, a scan or a finite quality."""
+    if scan is None or replicate_outputs is None:
+        return None
+    row = 0
+    for chunk in replicate_outputs:
+        scan.update_replicate(row, chunk)
+        row += next(iter(chunk.values())).shape[0]
+    pair = scan.replicate_quality()
+    return None if pair is None else FP32Spread(metric=scan.metric.name, reference=pair[0], replicates=(pair[1],))
 
 
 def run_key(params: Params, inputs: dict[str, str], init: checkpoint.Checkpoint) -> str:

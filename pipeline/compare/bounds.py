@@ -8,6 +8,7 @@ set then cannot give a confident accept, and a large one does not roll back on n
 
 from __future__ import annotations
 
+import functools
 import math
 
 
@@ -62,3 +63,45 @@ def paired_drop_upper(lost: int, gained: int, n: int, confidence: float) -> floa
     if d == 0:
         return 0.0
     return d * (2.0 * binomial_upper(lost, d, confidence) - 1.0) / n
+
+
+@functools.lru_cache(maxsize=64)
+def student_t_quantile(confidence: float, df: int) -> float:
+    """The one-sided ``confidence`` quantile of Student's t with ``df`` degrees of freedom (closed forms for 1 and 2,
+    else bisection on the CDF, integrated from the density by Simpson's rule: float64 to about 1e-10)."""
+    if df < 1:
+        return math.inf
+    if df == 1:
+        return math.tan(math.pi * (confidence - 0.5))
+    if df == 2:
+        a = 2.0 * confidence - 1.0
+        return a * math.sqrt(2.0 / (1.0 - a * a))
+    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def cdf(x: float, steps: int = 2000) -> float:  # 0.5 + the integral of the density over [0, x]
+        h = x / steps
+        f = [math.exp(log_norm - (df + 1) / 2 * math.log1p((i * h) ** 2 / df)) for i in range(steps + 1)]
+        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    lo, hi = 0.0, 64.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if cdf(mid) < confidence else (lo, mid)
+    return hi
+
+
+def fp32_drop_allowed(reference: float, replicates: list[float], confidence: float, higher_is_better: bool = True) -> float:
+    """How far below the ``reference``'s quality an (n+1)-th FP32 training may land, at ``confidence``: the one-sided
+    prediction bound of a new draw from the n FP32 runs (the reference and its ``replicates``), mean - t s sqrt(1 + 1/n),
+    as a drop from the reference (>= 0). A trial trained as FP32 would be falls below it with probability 1 - confidence
+    (FP32 runs' qualities normal): the false-rollback rate of a criterion judged against FP32's own spread. Two runs
+    give t with 1 degree of freedom (6.31 at 0.95): one replicate only says how far FP32 wanders, roughly."""
+    runs = [reference, *replicates]
+    if len(runs) < 2 or not all(math.isfinite(v) for v in runs):
+        return 0.0
+    sign = 1.0 if higher_is_better else -1.0
+    values = [sign * v for v in runs]
+    n, mean = len(values), sum(values) / len(values)
+    s = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    lower = mean - student_t_quantile(confidence, n - 1) * s * math.sqrt(1.0 + 1.0 / n)
+    return max(0.0, values[0] - lower)

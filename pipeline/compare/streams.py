@@ -34,7 +34,8 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from pipeline.artifacts.comparison import Decisions, NonFinite, NonFiniteSides, OutputsInfo, Paired, Quality, Stats, Training
+from pipeline.artifacts.comparison import (Decisions, FP32Spread, NonFinite, NonFiniteSides, OutputsInfo, Paired, Quality,
+                                           Stats, Training)
 from pipeline.artifacts.outputs import OutputsReader
 from pipeline.artifacts.steps import Steps
 from pipeline.compare import native
@@ -179,6 +180,8 @@ class Trajectories:
     aligned: Steps | None = None
     """FP32 with the trial's GradScaler skips skipped too (``training.aligned_fp32``): the trial is held against
     it instead of ``reference``, so that designed skips are not judged as precision."""
+    spread: FP32Spread | None = None
+    """FP32's own quality after training, reference and replicate (freeze): the yardstick of the quality after training."""
 
 
 def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, trajectories: Trajectories, *,
@@ -280,7 +283,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
                               for name, sides in signs.items()}}.items())),
         flips=flips,
         distribution=distribution,
-        quality=quality_stats(metric, per_token, quality, state.paired),
+        quality=replace(quality_stats(metric, per_token, quality, state.paired), fp32_spread=trajectories.spread),
         regression=regression,
         training=training_stats(rule, trajectories),
     )

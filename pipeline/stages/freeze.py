@@ -51,10 +51,12 @@ def main(params_path: str = "params.yaml") -> None:
                 trained=result.state, records=result.records, real_updates=result.real_updates, fixed=fixed,
                 outputs=phases.stream("inference", inference.infer_chunks(model, fixed.x, FP32, device, cfg.eval_mode)),
                 fp64=fp64 and dataclasses.replace(fp64, chunks=phases.stream("fp64 arbiter", fp64.chunks)),
-                replicate=replicate, policy=FP32.as_dict(), forecast=headroom, scan=vetting.Scan(params, fixed),
-                store=params.compare.store,
+                replicate=replicate and replicate.records, policy=FP32.as_dict(), forecast=headroom,
+                scan=vetting.Scan(params, fixed), store=params.compare.store, replicate_outputs=replicate and phases.stream(
+                    "replicate inference", inference.infer_chunks(replicate.model, fixed.x, FP32, device, cfg.eval_mode)),
             )
     resume.clear()
-    noise = (f"; FP32 replicate final loss {replicate[-1].loss:.4f}" if replicate else "") + "; next-token targets" * shifted
+    noise = f"; FP32 replicate final loss {replicate.records[-1].loss:.4f}" if replicate else ""
+    noise += "; next-token targets" * shifted
     print(f"freeze: reference trained {len(result.records)} steps, final loss {result.records[-1].loss:.4f}{noise}; "
           f"{manifest.cases['total']} cases; FP64 arbiter on {fp64.cases if fp64 else 'none'} of them\n  {phases.line()}")
