@@ -261,6 +261,10 @@ class Policy:
     real kernels on GPUs of capability 8.9 and newer, the same casts emulated in software elsewhere."""
     fp32_modules: tuple[str, ...] = ()
     """Qualified module names run outside autocast (inputs cast to float32). A changed list is a new trial."""
+    data_order: Literal["reference", "swapped"] = "reference"
+    """``swapped``: FP32 trained again on another data order than the reference's and its replicate's
+    (``training.trial_order``), nothing else changed: the rule's A/A, whose verdict should be accept. Only with
+    dtype float32, compile off and float8 off; ``reference``: the reference's batches in its order (every AMP trial)."""
 
     @property
     def amp(self) -> bool:
@@ -287,6 +291,8 @@ class Policy:
             out.update(compile=self.compile, compile_mode=self.compile_mode)
         if self.float8 != "off":
             out.update(float8=self.float8)
+        if self.data_order != "reference":
+            out.update(data_order=self.data_order)
         return out
 
     @classmethod
@@ -302,6 +308,12 @@ class Policy:
         if self.compile == "off" and self.compile_mode != "default":
             raise UserError(
                 f"params.yaml: {key}.compile_mode {self.compile_mode!r} needs compile: inductor; set both, or neither"
+            )
+        if self.data_order != "reference" and (self.amp or self.compiled or self.float8 != "off"):
+            raise UserError(
+                f"params.yaml: {key}.data_order {self.data_order!r} is FP32's A/A and needs dtype: float32, compile: off "
+                f"and float8: off (another change beside the data order could not be told from it); set those, or "
+                f"data_order: reference"
             )
 
 
@@ -511,6 +523,12 @@ class AcceptanceConfig:
     Needs reference.noise_replicate; null (with loss_noise_atol null): not applied."""
     loss_noise_atol: float | None = None
     """Training, noise floor: absolute part of that band."""
+    min_amp_share: float | None = 0.1
+    """Smallest share of the matmul, convolution and attention FLOPs that a reduced-precision policy must run in
+    float16, bfloat16 or float8 beyond its FP32 reference's (the trial's audit): below it the variant is no AMP accept
+    and is rolled back, and diagnose suggests no FP32 region under it. 0.1 is the audit's own line (Amdahl: with a
+    share s faster, a step is at most 1 / (1 - s) faster: 1.11x at 10 %, which autocast's casts and run-to-run noise
+    eat). An FP32 policy (compile only) makes no precision claim and is not judged. null: not applied, said in the verdict."""
 
     def check(self, key: str) -> None:
         if not self.outputs:
@@ -541,6 +559,8 @@ class AcceptanceConfig:
                 _non_negative(getattr(self, name), f"{key}.{name}")
         if self.min_top1_agreement is not None:
             _fraction(self.min_top1_agreement, f"{key}.min_top1_agreement")
+        if self.min_amp_share is not None:
+            _fraction(self.min_amp_share, f"{key}.min_amp_share")
         if self.boundary_margin_kind == "probability":
             _fraction(self.boundary_margin, f"{key}.boundary_margin")
 

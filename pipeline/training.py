@@ -79,10 +79,11 @@ the batch would shrink the replicate's noise as 1/batch while AMP's own gap stay
 replicate's mean loss gap fell to 2.2e-5 nats, under a healthy bfloat16 run's 1.5e-4, and the noise floor rolled it back."""
 
 
-def neighbours_swapped(order: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+def neighbours_swapped(order: list[list[torch.Tensor]], offset: int = 0) -> list[list[torch.Tensor]]:
     """Another data order, the smallest that moves training: in each pair of consecutive updates, their first samples
     trade places, one per ``SWAP_EVERY`` of the smaller update (at least one), through its micro-batches in order (same
-    samples, same counts, same batch sizes).
+    samples, same counts, same batch sizes). ``offset`` 1 trades the next as many samples instead (the second ones at
+    the default size): another draw of the same size of change, neither the reference's order nor offset 0's.
 
     Why this is the FP32 noise replicate: a training run is judged against how much a harmless change moves
     FP32 itself. A one-ulp change of the weights moves the loss by ~1e-7 (rounding stays rounding over a
@@ -92,11 +93,31 @@ def neighbours_swapped(order: list[list[torch.Tensor]]) -> list[list[torch.Tenso
     out = [[b.clone() for b in step] for step in order]
     for s in range(0, len(out) - 1, 2):
         a, b = ([(m, i) for m, t in enumerate(out[u]) for i in range(t.numel())] for u in (s, s + 1))
-        k = -(-min(len(a), len(b)) // SWAP_EVERY)
-        for (ma, ia), (mb, ib) in zip(a[:k], b[:k]):
+        size = min(len(a), len(b))
+        k = -(-size // SWAP_EVERY)
+        start = offset * k if (offset + 1) * k <= size else 0  # an update too small for the offset: the first samples
+        for (ma, ia), (mb, ib) in zip(a[start : start + k], b[start : start + k]):
             first = out[s][ma][ia].clone()
             out[s][ma][ia], out[s + 1][mb][ib] = out[s + 1][mb][ib], first
     return out
+
+
+def trial_order(n: int, cfg: ReferenceConfig, seed: int, policy: Policy) -> list[list[torch.Tensor]]:
+    """The micro-batch indices a run under ``policy`` reads: the reference's (``update_batches``), or for
+    ``data_order: swapped`` (FP32's A/A) the reference's with the second samples of each pair of updates traded
+    (``neighbours_swapped`` at offset 1): a fresh draw beside the noise replicate's, which trades the first ones."""
+    order = update_batches(n, cfg, seed)
+    return neighbours_swapped(order, offset=1) if policy.data_order == "swapped" else order
+
+
+def _expected(expect_batches: list[str], order: list[list[torch.Tensor]], reference: list[list[torch.Tensor]]) -> list[str]:
+    """The reference's batch hashes for the steps whose indices are the reference's; "" (unchecked) for the others.
+
+    Why unchecked: the reference never read a swapped update's batch, so it holds no hash of it, and reading it
+    again here would only repeat this run's read. Their samples are the reference's, traded between neighbours; every
+    step the swap left alone (an odd last update) is still checked."""
+    same = [len(o) == len(r) and all(torch.equal(a, b) for a, b in zip(o, r)) for o, r in zip(order, reference)]
+    return [h if i < len(same) and same[i] else "" for i, h in enumerate(expect_batches)]
 
 
 # --- one update ------------------------------------------------------------------------------------------
@@ -271,7 +292,7 @@ def train(
     saves resume states.
 
     ``skip_steps``: steps whose update is not applied, as a GradScaler skip (the FP32 run aligned on a trial).
-    ``batches``: another order of the micro-batch indices than the seeded one (the FP32 noise replicate).
+    ``batches``: another order of the micro-batch indices than the policy's (``trial_order``; the FP32 noise replicate).
     ``stop``: end after this many steps of the SAME run (the diagnosis replay): schedules keep their span.
     ``expect_batches``: the reference's per-step ``batch_sha256``; a step that reads other bytes stops the run
     with one line (checked on rank 0, whose shard the reference recorded).
@@ -286,7 +307,9 @@ def train(
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg)
     scaler = precision.make_scaler(policy, device)
-    order = batches if batches is not None else update_batches(len(source), cfg, seed)
+    order = batches if batches is not None else trial_order(len(source), cfg, seed, policy)
+    if expect_batches is not None and batches is None and policy.data_order != "reference":
+        expect_batches = _expected(expect_batches, order, update_batches(len(source), cfg, seed))
     records: list[StepRecord] = []
     real_updates = 0
     start = 0

@@ -44,6 +44,7 @@ def test_empty_file_gives_defaults(tmp_path):
         # A relative tolerance of 1 cannot fail: |t - r| <= |r| passes a trial of 0, or of twice the reference.
         ("acceptance: {outputs: {'*': {atol: 0.01, rtol: 1}}}", ["acceptance.outputs.*.rtol", "below 1", "twice"]),
         ("acceptance: {loss_rtol: 1.5}", ["acceptance.loss_rtol", "below 1", "twice FP32's"]),
+        ("acceptance: {min_amp_share: 10}", ["acceptance.min_amp_share", "a fraction between 0 and 1"]),
         ("device: tpu", ["device", "'auto', 'cpu', 'cuda'"]),
         ("task: [1, 2]", ["task must be a mapping"]),
         ("trial: {variants: [float16, float16]}", ["twice"]),
@@ -52,6 +53,12 @@ def test_empty_file_gives_defaults(tmp_path):
          ["trial.policies name 'bench-float16'", "benchmark@float16", "without the bench- prefix"]),
         ("trial: {variants: [compare-x], policies: {compare-x: {dtype: bfloat16}}}",
          ["compare@x", "data/metrics/compare-x.json"]),
+        # data_order: swapped is FP32's A/A: another change beside it could not be told from the data order's
+        ("trial: {variants: [s], policies: {s: {dtype: bfloat16, data_order: swapped}}}",
+         ["trial.policies.s.data_order 'swapped'", "dtype: float32, compile: off and float8: off"]),
+        ("trial: {variants: [s], policies: {s: {compile: inductor, data_order: swapped}}}", ["trial.policies.s.data_order"]),
+        ("trial: {variants: [s], policies: {s: {float8: tensorwise, data_order: swapped}}}", ["trial.policies.s.data_order"]),
+        ("trial: {variants: [s], policies: {s: {data_order: shuffled}}}", ["trial.policies.s.data_order", "'swapped'"]),
     ],
 )
 def test_mistakes_name_the_key_and_the_fix(tmp_path, text, words):
@@ -215,3 +222,12 @@ def test_a_compiled_variant_with_dropout_on_at_inference_is_refused_in_one_line(
     assert "compile: off in trial.policies.c" in message
     assert load(tmp_path, compiled).trial.policies["c"].compile == "inductor"  # dropout off: compiled trials are fine
     assert not load(tmp_path, "reference: {eval_mode: false}").reference.eval_mode  # eager trials: one seed, fine
+
+
+def test_the_fp32_a_a_variant_loads_and_its_manifest_names_its_data_order(tmp_path):
+    params = config.load_params(ROOT / "params.yaml")
+    swapped = params.trial.policies["float32_swapped"]
+    assert swapped == config.Policy(data_order="swapped") and "float32_swapped" not in params.trial.variants
+    assert swapped.as_dict() == {"dtype": "float32", "fp32_modules": [], "data_order": "swapped"}
+    assert "data_order" not in params.trial.policies["float16"].as_dict()  # every other manifest's bytes as they were
+    assert config.Policy.from_dict(swapped.as_dict()) == swapped

@@ -9,6 +9,7 @@ import torch
 from pipeline import checkpoint, training
 from pipeline.config import LrSchedule, ReferenceConfig, TaskConfig
 from pipeline.config import Policy
+from pipeline.errors import UserError
 from pipeline.task import Batch, DatasetSource, TensorSource
 
 CPU = torch.device("cpu")
@@ -222,6 +223,37 @@ def test_the_noise_replicate_trades_one_sample_per_64_of_a_large_update_across_i
     assert torch.equal(a[:10], second[:10]) and torch.equal(b[:10], first[:10])
     assert torch.equal(a[10:], first[10:]) and torch.equal(b[10:], second[10:])
     assert [t.numel() for t in swapped[0]] == [320, 320] and all(torch.equal(u, v) for u, v in zip(swapped[2], order[2]))
+
+
+def test_the_a_a_order_differs_from_the_reference_and_the_replicate_with_the_same_samples_and_counts():
+    """data_order: swapped (FP32's A/A) trades the second samples of each pair of updates: a fresh draw beside the
+    replicate (the first samples), so that the trial is not the replicate again."""
+    c = ReferenceConfig(train_steps=5, batch_size=8, grad_accumulation=1)
+    order = training.update_batches(64, c, seed=0)
+    replicate = training.neighbours_swapped(order)
+    swapped = training.trial_order(64, c, 0, Policy(data_order="swapped"))
+    assert [[t.tolist() for t in s] for s in training.trial_order(64, c, 0, Policy())] == [[t.tolist() for t in s] for s in order]
+    for s in range(4):
+        assert not torch.equal(swapped[s][0], order[s][0]) and not torch.equal(swapped[s][0], replicate[s][0])
+    assert swapped[0][0][1] == order[1][0][1] and swapped[1][0][1] == order[0][0][1]
+    assert torch.equal(swapped[0][0][[0, *range(2, 8)]], order[0][0][[0, *range(2, 8)]])
+    assert torch.equal(swapped[4][0], order[4][0])  # an odd last update keeps its batch
+    assert [[t.numel() for t in s] for s in swapped] == [[t.numel() for t in s] for s in order]
+    assert sorted(torch.cat([b[0] for b in swapped]).tolist()) == sorted(torch.cat([b[0] for b in order]).tolist())
+
+
+def test_the_a_a_run_checks_the_reference_hashes_only_where_its_batches_are_the_reference_ones():
+    """The reference never read a swapped update's batch: those steps go unchecked, the odd last one is checked."""
+    source, c, aa = data(), cfg(train_steps=5), Policy(data_order="swapped")
+    torch.manual_seed(0)
+    ref = training.train(torch.nn.Linear(8, 4), source, c, TASK, Policy(), CPU, seed=0).records
+    hashes = [r.batch_sha256 for r in ref]
+    torch.manual_seed(0)
+    run = training.train(torch.nn.Linear(8, 4), source, c, TASK, aa, CPU, seed=0, expect_batches=hashes).records
+    assert [r.batch_sha256 == h for r, h in zip(run, hashes)] == [False] * 4 + [True]
+    with pytest.raises(UserError, match="training step 5: the batch read differs"):
+        torch.manual_seed(0)
+        training.train(torch.nn.Linear(8, 4), source, c, TASK, aa, CPU, seed=0, expect_batches=hashes[:4] + ["0" * 64])
 
 
 def test_progress_line_names_step_loss_scale_skipped_and_eta():
