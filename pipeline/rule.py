@@ -31,13 +31,15 @@ from pipeline.present import verdict
 
 from pipeline.artifacts.comparison import Decisions, Distribution, FP32Spread, Noise, Quality, Stats, Training
 from pipeline.compare import bounds
-from pipeline.config import AcceptanceConfig, Tolerance, metric_range, primary_name
+from pipeline.config import AcceptanceConfig, Policy, Tolerance, metric_range, primary_name
 from pipeline.errors import UserError
 
 if TYPE_CHECKING:  # the loop's record: training imports torch, the rule does not
+    from pipeline.artifacts.audit import Audit  # read by attribute: the stages that pass one list its file
     from pipeline.artifacts.steps import StepRecord
 
 Part = Literal["inference", "training"]
+BOTH: tuple[Part, ...] = ("inference", "training")
 
 
 @dataclass(frozen=True)
@@ -74,12 +76,14 @@ class _Judge:
         self.failed = {"inference": False, "training": False}
         self.cases: dict[str, list] = {}
 
-    def check(self, part: Part, ok: bool, passed: str, failed: str, cases: tuple[str, list] | None = None) -> None:
+    def check(self, part: Part | tuple[Part, ...], ok: bool, passed: str, failed: str,
+              cases: tuple[str, list] | None = None) -> None:
         if ok:
             self.checks.append(passed)
             return
         self.reasons.append(failed)
-        self.failed[part] = True
+        for p in (part,) if isinstance(part, str) else part:
+            self.failed[p] = True
         if cases is not None and cases[1]:
             kept = self.cases.setdefault(cases[0], [])
             seen = set(kept)
@@ -92,8 +96,9 @@ class _Judge:
         )
 
 
-def decide(stats: Stats, acceptance: AcceptanceConfig) -> RuleResult:
-    """Apply the rule ``acceptance`` to ``stats``.
+def decide(stats: Stats, acceptance: AcceptanceConfig, engaged: Audit | None = None) -> RuleResult:
+    """Apply the rule ``acceptance`` to ``stats`` and to the trial's audit ``engaged`` (None: no audit, the AMP share
+    not judged).
 
     Two decisions, then the overall one: ``inference`` (the trained reference run under the policy) and
     ``training`` (the model trained under the policy, its trajectory and its outputs). The diagnosis'
@@ -101,7 +106,62 @@ def decide(stats: Stats, acceptance: AcceptanceConfig) -> RuleResult:
     j = _Judge()
     _inference(stats, acceptance, j)
     _training(stats, acceptance, j)
+    if engaged is not None:
+        amp_share(engaged, acceptance, j)
     return j.result()
+
+
+def _pct(share: float) -> str:
+    return f"{100 * share:.1f} %"
+
+
+def amp_share(engaged: Audit, rule: AcceptanceConfig, j: _Judge | None = None) -> str | None:
+    """AMP must have something to gain: a reduced-precision policy runs at least ``min_amp_share`` of the matmul,
+    convolution and attention FLOPs in float16, bfloat16 or float8 beyond its FP32 reference's (the audit's pass).
+    Below it, the variant is rolled back whatever its numerics: keeping FP32 is then the honest configuration. Both
+    parts: inference and training ran under the same policy, and neither gains from reduced precision that does not
+    engage. An FP32 policy (compile only) makes no precision claim: not judged. Returns the reason, or None when it
+    passes; with ``j``, the outcome is recorded there too."""
+    j = j or _Judge()
+    if not engaged.expects_reduced:
+        j.checks.append("amp: not judged: the policy runs FP32 by design (no autocast dtype, no float8), no precision claim")
+        return None
+    policy = Policy.from_dict(engaged.policy)
+    how = f"float8 ({policy.float8})" if policy.float8 != "off" else f"autocast ({policy.dtype})"
+    ref = engaged.reference_reduced_share or 0.0
+    share = (engaged.total.reduced_share or 0.0) - ref
+    words = (f"amp: {how} engaged on {_pct(share)} of the matmul/convolution/attention FLOPs"
+             + (f" beyond the FP32 reference's {_pct(ref)}" if ref else ""))
+    if not engaged.total.flops:
+        words = "amp: no matmul/convolution/attention FLOPs were seen in the audited pass"
+    if rule.min_amp_share is None:
+        j.checks.append(f"{words}: not limited: the rule sets min_amp_share: null")
+        return None
+    minimum = f"minimum {100 * rule.min_amp_share:g} %"
+    failed = f"{words} ({minimum}): nothing to gain; {_amp_fix(engaged, ref)}"
+    ok = bool(engaged.total.flops) and share >= rule.min_amp_share
+    j.check(BOTH, ok, f"{words} ({minimum})", failed)
+    return None if ok else failed
+
+
+def _amp_fix(engaged: Audit, ref: float) -> str:
+    """What would give reduced precision work to do: the audit's largest FP32 share, by fp32_modules or not."""
+    if ref:
+        return ("the FP32 reference already runs that work in reduced precision (a model cast with .to()?): "
+                "freeze a float32 reference")
+    kept = sum(o.share for o in engaged.kept_fp32)
+    stayed = sum(o.share for o in engaged.stayed_fp32)
+    if engaged.kept_fp32 and kept >= stayed:
+        modules = sorted({o.module for o in engaged.kept_fp32})
+        return (f"the policy's fp32_modules keep {_pct(kept)} of it in FP32 ({', '.join(map(repr, modules[:8]))}"
+                f"{', ...' if len(modules) > 8 else ''}): keep the FP32 reference, or trial fewer fp32_modules")
+    if engaged.stayed_fp32:
+        op = engaged.stayed_fp32[0]
+        where = f"module {op.module!r}" if op.module else "the model's own forward"
+        return (f"the largest op left in FP32 is {op.op} in {where} ({op.phase}, {_pct(op.share)}, {op.precision}): "
+                f"outside autocast's op lists, under autocast(enabled=False) or in float64; make it run under the "
+                f"policy, or keep the FP32 reference")
+    return "the model has no matmul, convolution or attention work for reduced precision to speed up: keep FP32"
 
 
 def _inference(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
@@ -726,6 +786,7 @@ _LOOSER_WHEN = {
     "max_skipped_fraction": +1,
     "stall_window": +1,
     "min_scale": -1,
+    "min_amp_share": -1,
 }
 # Criteria that are not a number on a line, compared by ``loosened`` one by one.
 _COMPARED_APART = ("outputs", "tie_rule", "threshold", "boundary_margin_kind")

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from pipeline import rule
+from pipeline.config import Policy
+from pipeline.diagnosis.audit import audit
 from pipeline.artifacts.comparison import Stats
 from pipeline.compare import bounds, streams
 from pipeline.config import AcceptanceConfig, Tolerance
@@ -62,7 +64,8 @@ def test_healthy_trial_is_accepted_with_checks_listed():
 
 
 def test_the_rule_takes_no_diagnosis_and_returns_a_frozen_result():
-    assert list(inspect.signature(rule.decide).parameters) == ["stats", "acceptance"]
+    # the trial's audit (how much of its work ran in reduced precision) is a fact of the trial, not the diagnosis'
+    assert list(inspect.signature(rule.decide).parameters) == ["stats", "acceptance", "engaged"]
     d = judge(healthy_stats())
     with pytest.raises(dataclasses.FrozenInstanceError):
         d.reasons = ("forged",)
@@ -269,3 +272,41 @@ def test_the_fp32_spread_bound_rolls_back_fp32_itself_at_the_stated_rate():
     assert bounds.student_t_quantile(0.95, 1) == pytest.approx(6.3138, abs=1e-4)
     assert bounds.student_t_quantile(0.95, 4) == pytest.approx(2.1318, abs=1e-4)
     assert bounds.student_t_quantile(0.975, 30) == pytest.approx(2.0423, abs=1e-4)
+
+
+def _engaged(policy: Policy):
+    """The audit of a real training pass of two equal Linear layers under ``policy`` on the CPU."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    x, y = torch.randn(8, 16), torch.randint(0, 16, (8,))
+    return audit(model, x, y, torch.nn.functional.cross_entropy, policy, torch.device("cpu"))
+
+
+def test_amp_that_engages_on_too_little_of_the_flops_is_rolled_back_naming_the_share():
+    everything_fp32 = _engaged(Policy(dtype="bfloat16", fp32_modules=("0", "2")))
+    d = rule.decide(Stats.from_dict(healthy_stats()), RULE, everything_fp32)
+    assert d.decision == "rollback" and d.inference == d.training == "rollback"  # both ran under the policy
+    assert len(d.reasons) == 1, d.reasons
+    reason = d.reasons[0]
+    assert reason.startswith("amp: autocast (bfloat16) engaged on 0.0 % of the matmul/convolution/attention FLOPs "
+                             "(minimum 10 %): nothing to gain; the policy's fp32_modules keep 100.0 % of it in FP32 "
+                             "('0', '2')"), reason
+    assert rule.amp_share(everything_fp32, RULE) == reason  # the one test the diagnosis holds its candidates to
+
+    half = _engaged(Policy(dtype="bfloat16", fp32_modules=("0",)))  # the second layer's forward and both its gradients
+    assert half.total.reduced_share == pytest.approx(3 / 5)
+    d = rule.decide(Stats.from_dict(healthy_stats()), RULE, half)
+    assert d.accepted and "amp: autocast (bfloat16) engaged on 60.0 % of the matmul/convolution/attention FLOPs " \
+        "(minimum 10 %)" in d.checks
+    assert rule.decide(Stats.from_dict(healthy_stats()), rule_with(min_amp_share=0.7), half).decision == "rollback"
+
+
+def test_amp_share_is_not_judged_for_an_fp32_policy_and_a_null_minimum_is_said():
+    compiled_fp32 = _engaged(Policy(compile="inductor"))
+    d = rule.decide(Stats.from_dict(healthy_stats()), RULE, compiled_fp32)
+    assert d.accepted and any(c.startswith("amp: not judged: the policy runs FP32 by design") for c in d.checks)
+    d = rule.decide(Stats.from_dict(healthy_stats()), rule_with(min_amp_share=None),
+                    _engaged(Policy(dtype="bfloat16", fp32_modules=("0", "2"))))
+    assert d.accepted and ("amp: autocast (bfloat16) engaged on 0.0 % of the matmul/convolution/attention FLOPs: not "
+                           "limited: the rule sets min_amp_share: null") in d.checks
+    assert not any(c.startswith("amp:") for c in judge(healthy_stats()).checks)  # no audit given: nothing said

@@ -30,7 +30,7 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     else:
         stats = comparison.read(variant)
         engaged = audit.read(paths.trial(variant), trial.produced_by(variant), ran.files[paths.TRIAL_AUDIT])
-        judged = rule.decide(stats, params.acceptance)
+        judged = rule.decide(stats, params.acceptance, engaged)  # its numerics, and whether AMP engaged at all
         result = decision.Decision(
             variant=variant,
             decision=judged.decision,
