@@ -129,7 +129,7 @@ def amp_share(engaged: Audit, rule: AcceptanceConfig, j: _Judge | None = None) -
     policy = Policy.from_dict(engaged.policy)
     how = f"float8 ({policy.float8})" if policy.float8 != "off" else f"autocast ({policy.dtype})"
     ref = engaged.reference_reduced_share or 0.0
-    share = (engaged.total.reduced_share or 0.0) - ref
+    share = gained(engaged)
     words = (f"amp: {how} engaged on {_pct(share)} of the matmul/convolution/attention FLOPs"
              + (f" beyond the FP32 reference's {_pct(ref)}" if ref else ""))
     if not engaged.total.flops:
@@ -145,6 +145,16 @@ def amp_share(engaged: Audit, rule: AcceptanceConfig, j: _Judge | None = None) -
 
 
 def _amp_fix(engaged: Audit, ref: float) -> str:
+def gained(engaged: Audit) -> float:
+    """The share of the audited matmul, convolution and attention FLOPs in reduced precision beyond the FP32 reference's."""
+    return (engaged.total.reduced_share or 0.0) - (engaged.reference_reduced_share or 0.0)
+
+
+def reduced_dtype(policy: Policy) -> str:
+    """What ``policy`` reduces its work to, in words: its float8 scaling, else its autocast dtype."""
+    return f"float8 {policy.float8}" if policy.float8 != "off" else policy.dtype
+
+
     """What would give reduced precision work to do: the audit's largest FP32 share, by fp32_modules or not."""
     if ref:
         return ("the FP32 reference already runs that work in reduced precision (a model cast with .to()?): "

@@ -18,10 +18,10 @@ from conftest import TINY, make_project
 from pipeline import precision, recipe
 
 from pipeline import rule
-from pipeline.artifacts import diagnosis
+from pipeline.artifacts import comparison, diagnosis
 from pipeline.artifacts.comparison import Stats
 from pipeline.config import ParamsLoader, load_params
-from pipeline.diagnosis import precision_map, replay, trace, wording
+from pipeline.diagnosis import precision_map, replay, search, trace, wording
 from pipeline.errors import UserError
 from pipeline.files import dumps
 from pipeline.examples import stress
@@ -80,6 +80,45 @@ def test_overflow_example_rolls_fp16_back_naming_the_culprit_and_accepts_bf16(tm
     assert not healthy["needed"] and healthy["findings"] == []
     assert healthy["work"] == {"replayed_steps": 0, "traced_passes": 4, "trial_reruns": 0}  # the probe (probe: always), no replay
     assert healthy["precision_map"]["summary"]["reduced_share"] == 1.0
+
+
+@pytest.mark.integration
+def test_no_fp32_region_is_suggested_that_leaves_too_little_in_reduced_precision(tmp_path, monkeypatch):
+    """The overflow example widened (hidden 256, 4 features, 2 classes) so that 'amplify', the matmul that overflows
+    in float16, holds 98 % of the matmul FLOPs: putting it in FP32 makes the replayed cases finite, and leaves 1.8 %
+    in float16, below acceptance.min_amp_share (0.1). Neither the non-finite fix nor the tolerance search suggests it
+    or spends a re-run on it; each says in one line that no region keeping 10 % passes."""
+    widened = merge(example("stress_overflow"), {"task": {"options": {"features": 4, "hidden": 256, "classes": 2}},
+                                                  "trial": {"variants": ["float16"]}})
+    repo = make_project(tmp_path / "repo", widened)
+    dvc(repo, "repro", "decide@float16")
+
+    diag = json.loads((repo / "data/diagnose/float16/diagnosis.json").read_text())
+    assert diag["local_fix"][0]["to"] == ["amplify"] and diag["local_fix"][0]["cases_finite"]  # what a fix would be
+    assert diag["suggestion"] is None and diag["reruns"] == []  # not suggested, no re-run spent on it
+    assert not (repo / "data/diagnose/float16/suggested_params.yaml").exists()
+    said = [f for f in diag["findings"] if f.startswith("no FP32 region")]
+    assert len(said) == 1 and said[0].startswith(
+        "no FP32 region that keeps at least 10 % of the FLOPs in float16 passes the rule: the non-finite values need "
+        "'amplify' outside autocast, which leaves 1.8 % of the matmul, convolution and attention FLOPs in float16"), said
+    assert not any("suggested fp32_modules" in f for f in diag["findings"])
+    fp16 = json.loads((repo / "data/decision/float16/decision.json").read_text())
+    assert fp16["decision"] == "rollback" and said[0] in fp16["findings"]
+    assert "amp: autocast (float16) engaged on 100.0 % of the matmul/convolution/attention FLOPs (minimum 10 %)" in fp16["checks"]
+
+    # The tolerance search on the same trial: the ranked prefixes are audited before any re-run.
+    monkeypatch.chdir(repo)
+    params = load_params("params.yaml")
+    stats = comparison.read("float16")  # read_json: its non-finite figures back to floats
+    ctx, run, _ = replay.load(params, "float16", stats, rule.decide(stats, params.acceptance))
+    out = search.Outcome()
+    assert search.search_tolerance(ctx, run.policy, out) is None and out.short_of_share and out.reruns == []
+    assert out.ranking[0].module == "amplify" and ctx.work.trial_reruns == 0
+    assert out.findings == [
+        "no FP32 region that keeps at least 10 % of the FLOPs in float16 passes the rule: 'amplify', the top-ranked "
+        "module, in FP32 alone, which leaves 1.8 % of the matmul, convolution and attention FLOPs in float16; keep the "
+        "FP32 reference (acceptance.min_amp_share)"
+    ]
 
 
 def test_underflow_example_gradients_vanish_without_scaling_and_survive_with_it():

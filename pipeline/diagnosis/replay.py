@@ -12,11 +12,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from pipeline import checkpoint, devices, recipe, task, training
+from pipeline import checkpoint, devices, recipe, task, training, transforms
 
 from pipeline import rule
 
 from pipeline.artifacts import reference_tensors
+from pipeline.artifacts.audit import Audit
 from pipeline.artifacts.comparison import Stats
 from pipeline.artifacts.diagnosis import LocatedCase, Rerun, Trace, Work
 from pipeline.artifacts.steps import Steps
@@ -24,6 +25,7 @@ from pipeline.artifacts.steps import Steps
 from pipeline.compare import streams
 from pipeline.artifacts import trial_tensors
 from pipeline.config import Params
+from pipeline.diagnosis import audit
 from pipeline.diagnosis.trace import finite, trace
 from pipeline.diagnosis.triage import first_nonfinite_step
 from pipeline.config import Policy
@@ -63,6 +65,8 @@ class Context:
     train: task.TrainSource
     work: Work = field(default_factory=Work)
     """What the diagnosis has cost so far (``spend`` adds to it)."""
+    audits: dict[Policy, Audit] = field(default_factory=dict)
+    """``engaged``'s, once per policy."""
 
     def model(self, state: str) -> torch.nn.Module:
         """The task's model in the reference's ``trained`` state (weights only) or ``init`` state (weights and RNG)."""
@@ -220,7 +224,18 @@ def rerun(ctx: Context, policy: Policy) -> Run:
     stats = _compare(ctx, outputs, streams.InMemory(run.trained_outputs), steps, run.training.final_scale,
                      policy.uses_scaler, ref.fp64_reader(), aligned)
     ctx.spend(trial_reruns=1)
-    return Run(policy, outputs, steps, stats, rule.decide(stats, params.acceptance))
+    return Run(policy, outputs, steps, stats, rule.decide(stats, params.acceptance, engaged(ctx, policy)))
+
+
+def engaged(ctx: Context, policy: Policy) -> Audit:
+    """The audit trial@NAME would write under ``policy`` (``audit.of_trial``: the trained reference, its float8 layers
+    converted, one training pass on the first micro-batch, and the FP32 pass beside it), computed once per policy: what
+    decide holds a variant's AMP share to, at the cost of two traced passes instead of a re-run."""
+    if policy not in ctx.audits:
+        applied = transforms.apply(ctx.model("trained"), policy.eager, ctx.device)
+        ctx.audits[policy] = audit.of_trial(applied.module, ctx.train, ctx.params, policy, ctx.device)
+        ctx.spend(traced_passes=2 if policy.float8 == "off" else 1)
+    return ctx.audits[policy]
 
 
 def reference_fails_itself(ctx: Context) -> list[str]:

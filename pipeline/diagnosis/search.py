@@ -8,7 +8,10 @@
 2. a tolerance failure (no non-finite value left): rank the modules doing reduced-precision matmuls and
    bisect over how many to keep in FP32 (``search_tolerance``).
 
-Every re-run counts against ``diagnose.search_budget``.
+No candidate is re-run, nor suggested, that leaves less than ``acceptance.min_amp_share`` of the FLOPs in reduced
+precision (``short_of_share``: its audit, two traced passes): such a variant is rolled back by the rule whatever its
+numerics, so FP32 regions that need it are no fix, and the finding says so. Every re-run counts against
+``diagnose.search_budget``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from pipeline import inference, task
+from pipeline import inference, rule, task
 
 from pipeline.compare.decisions import labels_of
 from pipeline.compare.gaps import value_gaps
@@ -26,7 +29,7 @@ from pipeline.artifacts.comparison import Flip
 from pipeline.artifacts.diagnosis import FixStep, LocalFix, Ranked, Rerun, Unflip
 from pipeline.diagnosis.precision_map import ModuleScope, Recorder, forward_backward
 from pipeline.diagnosis.trace import culprit, finite
-from pipeline.diagnosis.replay import Context, Located, Run, locate, rerun
+from pipeline.diagnosis.replay import Context, Located, Run, engaged, locate, rerun
 from pipeline.config import Policy, primary_name
 
 
@@ -40,6 +43,8 @@ class Outcome:
     ranking: list[Ranked] = field(default_factory=list)
     suggestion: Policy | None = None
     unchecked: Policy | None = None
+    short_of_share: bool = False
+    """Every FP32 region that could pass leaves too little work in reduced precision (a finding says which)."""
 
     @property
     def chosen(self) -> Policy | None:
@@ -63,6 +68,10 @@ def search(ctx: Context, run: Run, located: list[Located], reference_fails: bool
             f"with {added} outside autocast (inputs cast to float32) the replayed case(s) are "
             f"{'finite' if ok else 'still not finite'}"
         )
+        if short_of_share(ctx, policy):
+            out.findings.append(no_region(ctx, policy, f"the non-finite values need {added} outside autocast"))
+            out.short_of_share = True
+            return out
         if not ctx.budget_left:
             out.unchecked = policy if ok else None
             return out
@@ -78,13 +87,27 @@ def search(ctx: Context, run: Run, located: list[Located], reference_fails: bool
     if reference_fails or not ctx.budget_left:
         return out
     out.suggestion = search_tolerance(ctx, current.policy, out)
-    if out.suggestion is None:
+    if out.suggestion is None and not out.short_of_share:
         out.findings.append(
             "no FP32 region passes the rule within diagnose.search_budget"
             if out.ranking
             else "no module runs reduced-precision matmuls: no FP32 region to suggest"
         )
     return out
+
+
+def short_of_share(ctx: Context, policy: Policy) -> bool:
+    """Whether ``policy`` runs less of the FLOPs in reduced precision than the rule's ``min_amp_share`` (null: never)."""
+    rule_ = ctx.params.acceptance
+    return rule_.min_amp_share is not None and rule.amp_share(engaged(ctx, policy), rule_) is not None
+
+
+def no_region(ctx: Context, policy: Policy, why: str) -> str:
+    """The one-line finding when the FP32 regions that would pass leave too little in reduced precision."""
+    dtype = rule.reduced_dtype(policy)
+    return (f"no FP32 region that keeps at least {100 * ctx.params.acceptance.min_amp_share:g} % of the FLOPs in {dtype} "
+            f"passes the rule: {why}, which leaves {100 * rule.gained(engaged(ctx, policy)):.1f} % of the matmul, "
+            f"convolution and attention FLOPs in {dtype}; keep the FP32 reference (acceptance.min_amp_share)")
 
 
 def with_modules(policy: Policy, names: list[str]) -> Policy:
@@ -178,17 +201,35 @@ def rank_modules(ctx: Context, policy: Policy) -> list[Ranked]:
 
 def search_tolerance(ctx: Context, base: Policy, out: Outcome) -> Policy | None:
     """Bisect over the ranked modules for the shortest prefix in FP32 that passes the rule, then try
-    dropping the others one by one, all within ``diagnose.search_budget`` trial re-runs."""
+    dropping the others one by one, all within ``diagnose.search_budget`` trial re-runs. Prefixes that leave less
+    than ``min_amp_share`` of the FLOPs in reduced precision are never run (``_most_in_fp32``)."""
     out.ranking += rank_modules(ctx, base)
     names = [r.module for r in out.ranking]
+    failed: list[str] = []
 
     def passes(chosen: list[str]) -> bool:
         run = rerun(ctx, with_modules(base, chosen))
         out.reruns.append(run.summary())
+        failed[:] = run.decision.reasons[:2]
         return run.accepted
 
-    if not names or not passes(names):
+    if not names:
         return None
+    cap = _most_in_fp32(ctx, base, names)
+    if cap < 1:
+        out.short_of_share = True
+        why = (f"the policy's own fp32_modules {list(base.fp32_modules)}" if cap < 0
+               else f"{names[0]!r}, the top-ranked module, in FP32 alone")
+        out.findings.append(no_region(ctx, with_modules(base, names[:1]) if cap == 0 else base, why))
+        return None
+    if not passes(names[:cap]):
+        if cap < len(names):  # what passes, if anything, needs more in FP32 than the share allows
+            out.short_of_share = True
+            out.findings.append(no_region(ctx, with_modules(base, names[: cap + 1]),
+                                          f"a re-run with the {cap} top-ranked module(s) in FP32 still fails "
+                                          f"({'; '.join(failed)}), and the next, {names[cap]!r}, in FP32 too"))
+        return None
+    names = names[:cap]
     lo, hi = 0, len(names)  # the trial itself (none in FP32) fails; all of them passes
     while hi - lo > 1 and ctx.budget_left:
         mid = (lo + hi) // 2
@@ -200,3 +241,18 @@ def search_tolerance(ctx: Context, base: Policy, out: Outcome) -> Policy | None:
         if passes([n for n in chosen if n != name]):
             chosen.remove(name)
     return with_modules(base, chosen)
+
+
+def _most_in_fp32(ctx: Context, base: Policy, names: list[str]) -> int:
+    """How many of the ranked ``names`` (a prefix) can run in FP32 and leave ``min_amp_share`` of the FLOPs in reduced
+    precision: all of them when the rule sets none, -1 when ``base`` itself leaves too little. Each module moved to FP32
+    takes work out of reduced precision, so the share falls as the prefix grows: bisected on the audit."""
+    if not short_of_share(ctx, with_modules(base, names)):
+        return len(names)
+    if short_of_share(ctx, base):
+        return -1
+    lo, hi = 0, len(names)  # lo keeps the share, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if not short_of_share(ctx, with_modules(base, names[:mid])) else (lo, mid)
+    return lo
