@@ -144,7 +144,6 @@ def amp_share(engaged: Audit, rule: AcceptanceConfig, j: _Judge | None = None) -
     return None if ok else failed
 
 
-def _amp_fix(engaged: Audit, ref: float) -> str:
 def gained(engaged: Audit) -> float:
     """The share of the audited matmul, convolution and attention FLOPs in reduced precision beyond the FP32 reference's."""
     return (engaged.total.reduced_share or 0.0) - (engaged.reference_reduced_share or 0.0)
@@ -155,6 +154,7 @@ def reduced_dtype(policy: Policy) -> str:
     return f"float8 {policy.float8}" if policy.float8 != "off" else policy.dtype
 
 
+def _amp_fix(engaged: Audit, ref: float) -> str:
     """What would give reduced precision work to do: the audit's largest FP32 share, by fp32_modules or not."""
     if ref:
         return ("the FP32 reference already runs that work in reduced precision (a model cast with .to()?): "
