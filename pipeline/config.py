@@ -204,10 +204,13 @@ class ReferenceConfig:
     bisect where every input is floating, select otherwise."""
     boundary_epsilon: float = 1.0e-3
     """Bisection stops when the reference's top-2 margin is below this."""
-    noise_replicate: bool = True
-    """Also train an FP32 replicate under a harmless change of the data order (the first samples of each pair
-    of consecutive updates swapped): FP32's own run-to-run variation, against which the rule measures AMP's
-    loss curve (acceptance.loss_noise_multiple). Costs one more FP32 training in freeze."""
+    replicates: int = 2
+    """FP32 replicates freeze trains beside the reference, each under another small change of the data order (a block
+    of samples traded between each pair of consecutive updates, a different block each: ``training.neighbours_swapped``):
+    FP32's own run-to-run variation, against which the rule judges AMP's training (its loss curve, its final loss and
+    its quality after training: README "Training"). Each costs one more FP32 training. With 1, the spread of two FP32
+    runs is known roughly (Student's t with 1 degree of freedom: 6.3 at 0.95) and the training gate is wide; 2 gives
+    2.9; 4 gives 2.1. 0: none (then no training criterion can be calibrated, and the rule must set none)."""
     deterministic: bool = False
     """Ask PyTorch for deterministic kernels in freeze and trial (slower on GPU; CPU results already are)."""
     fp64_arbiter: int | None = None
@@ -232,6 +235,10 @@ class ReferenceConfig:
         if self.grad_clip is not None:
             _positive(self.grad_clip, f"{key}.grad_clip")
         _non_negative(self.checkpoint_every, f"{key}.checkpoint_every")
+        _non_negative(self.replicates, f"{key}.replicates")
+        if self.replicates > MAX_REPLICATES:
+            raise UserError(f"params.yaml: {key}.replicates is {self.replicates}; give at most {MAX_REPLICATES} (each is "
+                            f"one more FP32 training; 4 already give Student's t 2.1 at 0.95)")
         _non_negative(self.boundary_cases, f"{key}.boundary_cases")
         _positive(self.boundary_epsilon, f"{key}.boundary_epsilon")
         if self.fp64_arbiter is not None:
@@ -240,6 +247,8 @@ class ReferenceConfig:
 
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
+MAX_REPLICATES = 16
+RENAMED = {"reference.noise_replicate": "reference.replicates (0 = none, N = N FP32 replicates; true was 1)"}
 
 
 @dataclass(frozen=True)
@@ -520,7 +529,7 @@ class AcceptanceConfig:
     """Training, noise floor: AMP's loss curve against FP32's, bounded by FP32's own run-to-run variation: the
     mean and the largest per-step |loss_amp - loss_fp32| each at most loss_noise_multiple times those of the
     FP32 replicate (FP32 again, another data order: ``training.neighbours_swapped``) plus loss_noise_atol.
-    Needs reference.noise_replicate; null (with loss_noise_atol null): not applied."""
+    Needs reference.replicates; null (with loss_noise_atol null): not applied."""
     loss_noise_atol: float | None = None
     """Training, noise floor: absolute part of that band."""
     min_amp_share: float | None = 0.1
@@ -736,11 +745,11 @@ class Params:
         _check_min_quality(self)
         _check_compiled_dropout(self)
         noise_rule = self.acceptance.loss_noise_multiple is not None or self.acceptance.loss_noise_atol is not None
-        if noise_rule and not self.reference.noise_replicate:
+        if noise_rule and not self.reference.replicates:
             raise UserError(
                 "params.yaml: acceptance.loss_noise_multiple bounds the training gap by FP32's own run-to-run variation, which "
-                "reference.noise_replicate: false does not measure; set noise_replicate: true, or loss_noise_multiple: null "
-                "and loss_noise_atol: null to judge training by the fixed band alone"
+                "reference.replicates: 0 does not measure; set replicates: 2, or loss_noise_multiple: null "
+                "and loss_noise_atol: null to judge training by a fixed band (loss_atol) alone"
             )
 
 
@@ -889,6 +898,8 @@ def build(cls: type, raw: Any, key: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for name in raw:
+        if _join(key, str(name)) in RENAMED:
+            raise UserError(f"params.yaml: {_join(key, str(name))} is now {RENAMED[_join(key, str(name))]}; rename it")
         if name not in names:
             raise UserError(
                 f"params.yaml: unknown key {_join(key, str(name))!r}; remove it or use one of: {', '.join(names)}"

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pipeline.present import verdict
 
-from pipeline.artifacts.comparison import Decisions, Distribution, FP32Spread, Noise, Quality, Stats, Training
+from pipeline.artifacts.comparison import (Decisions, Distribution, FinalLoss, FP32Spread, Noise, Quality, Stats,
+                                           Training)
 from pipeline.compare import bounds
 from pipeline.config import AcceptanceConfig, Policy, Tolerance, metric_range, primary_name
 from pipeline.errors import UserError
@@ -377,6 +378,7 @@ def _training(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
     else:
         _loss_band(train, rule, j, against)
     _noise_floor(train.noise, rule, j)
+    _final_loss(train.final, rule, j)
     calibration = train.calibration_steps
     if calibration:  # said, never silent: the skips by which the GradScaler found its scale
         j.checks.append(f"training: the first {calibration} update(s) skipped while the GradScaler calibrated its scale "
@@ -414,6 +416,23 @@ def _loss_band(train: Training, rule: AcceptanceConfig, j: _Judge, against: str)
             f"training: loss outside band of {against} (atol={rule.loss_atol}, rtol={rule.loss_rtol}) "
             f"at {train.band_violations} of {train.steps} steps, first at step {train.first_violation_step}",
             ("steps", [train.first_violation_step]))
+
+
+def _final_loss(final: FinalLoss | None, rule: AcceptanceConfig, j: _Judge) -> None:
+    """Where training ended against where FP32 itself ends when trained again: the trial's final loss at most the
+    one-sided prediction bound of another FP32 run from the reference and its replicates, at ``rule.confidence``
+    (``bounds.fp32_drop_allowed``: an FP32 retraining fails it at 1 - confidence), plus ``loss_noise_atol``. Judged with
+    the noise floor (``loss_noise_multiple`` / ``loss_noise_atol``): both read the loss against FP32's own spread, the
+    curve's gap and the end it reached (a training that stalls keeps a gap a few times FP32's, and ends far above it)."""
+    if final is None or (rule.loss_noise_multiple is None and rule.loss_noise_atol is None):
+        return
+    ref, reps = final.fp32[0], list(final.fp32[1:])
+    rise = bounds.fp32_drop_allowed(ref, reps, rule.confidence, higher_is_better=False) + (rule.loss_noise_atol or 0.0)
+    words = (f"training: final loss {final.amp:.4g} (mean of the last {final.window} steps) vs FP32's {ref:.4g}, its "
+             f"replicates {', '.join(f'{v:.4g}' for v in reps)}: an FP32 retraining may end {rise:.3g} above the reference "
+             f"at confidence {rule.confidence:g}")
+    j.check("training", final.amp - ref <= rise, f"{words}; within it",
+            f"{words}; this one ends {final.amp - ref:.3g} above: training did not reach where FP32 does")
 
 
 def _distribution(dist: Distribution | None, rule: AcceptanceConfig, j: _Judge, flips: Decisions) -> None:
@@ -471,7 +490,7 @@ def _noise_floor(noise: Noise | None, rule: AcceptanceConfig, j: _Judge) -> None
     if noise is None:
         j.check("training", False, "",
                 "training: the rule bounds the loss gap by the noise floor (loss_noise_multiple / loss_noise_atol) "
-                "but the reference has no replicate trajectory; set reference.noise_replicate: true and re-freeze")
+                "but the reference has no replicate trajectory; set reference.replicates: 2 and re-freeze")
         return
     band = f"{rule.loss_noise_multiple or 0:g} x FP32's own run-to-run gap + {rule.loss_noise_atol or 0:g}"
     figures = (f"mean gap {noise.mean_amp_gap:.3g} vs FP32 replicate {noise.mean_replicate_gap:.3g}, largest "
@@ -495,6 +514,7 @@ def vet_rule(
     unit_heads: Sequence[str] = (), misnamed: Sequence[str] = (), probability_rows: Sequence[str] = (),
     top_k: int | None = None, replicate: Sequence[StepRecord] | None = None, with_target: bool = False,
     logit_like: str | None = None, per_label: Sequence[str] = (), spread: FP32Spread | None = None,
+    more_replicates: Sequence[Sequence[StepRecord]] = (),
 ) -> str | None:
     """The first reason the rule cannot judge trials of this FP32 reference, as one line, or None.
 
@@ -530,7 +550,8 @@ def vet_rule(
     at 0.5), whose reference spreads as a sigmoid's logits do (a model's own BCE: decided at 0). ``per_label``: outputs
     read as class scores (argmax) that have the shape of a primary whose labels are each decided at a threshold.
     ``spread``: the FP32 replicate's quality after training beside the reference's: a minimum FP32 itself misses after
-    training cannot tell precision from noise (the A/A of ``min_quality``)."""
+    training cannot tell precision from noise (the A/A of ``min_quality``). ``more_replicates``: the replicates after the
+    first, checked as it is."""
     names = sorted(shapes)
     unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
     if unknown:
@@ -680,9 +701,10 @@ def vet_rule(
         return (f"params.yaml: task.top_k {top_k} is not below the {classes} classes output '{main}' scores, so every target "
                 f"is among the top {top_k} and the quality criteria (min_quality, max_quality_drop) cannot fail; give "
                 f"task.top_k below {classes}, or metric: accuracy")
-    noise = _replicate_problem(rule, ref_steps, replicate)
-    if noise:
-        return noise
+    for each in [replicate, *more_replicates] if replicate is not None else []:
+        noise = _replicate_problem(rule, ref_steps, each)
+        if noise:
+            return noise
     span = metric_range(metric)
     if rule.min_quality is not None and not span[0] <= rule.min_quality <= span[1]:  # ``auto`` read as label_accuracy
         return (f"params.yaml: acceptance.min_quality {rule.min_quality:g} is outside [{span[0]:g}, {span[1]:g}], the range "
@@ -717,11 +739,11 @@ def vet_rule(
             return (f"params.yaml: acceptance.max_quality_drop {rule.max_quality_drop:g} is not below the reference's own error "
                     f"({metric[4:].upper()} {abs(ref_quality):.3g}), so a trial twice as wrong would pass; "
                     f"give it in the target's units, for example {0.1 * abs(ref_quality):.2g}")
-    return _loss_band_problem(rule, ref_steps, replicate)
+    return _loss_band_problem(rule, ref_steps, replicate, more_replicates)
 
 
-def _loss_band_problem(rule: AcceptanceConfig, ref_steps: Sequence[StepRecord],
-                       replicate: Sequence[StepRecord] | None) -> str | None:
+def _loss_band_problem(rule: AcceptanceConfig, ref_steps: Sequence[StepRecord], replicate: Sequence[StepRecord] | None,
+                       more_replicates: Sequence[Sequence[StepRecord]] = ()) -> str | None:
     """Why a stated per-step loss band (``loss_atol``, ``loss_rtol``) cannot tell precision from noise, or None: FP32's
     own replicate leaves it (its A/A calibration), or it is as wide as the loss, so that it cannot fail."""
     if not rule.has_loss_band:
@@ -737,13 +759,14 @@ def _loss_band_problem(rule: AcceptanceConfig, ref_steps: Sequence[StepRecord],
                 f"against FP32's own spread")
     if replicate is None:
         return (f"params.yaml: {stated} states a fixed per-step loss band, which freeze calibrates on FP32's own "
-                f"replicate; set reference.noise_replicate: true, or loss_atol: null and loss_rtol: null")
-    # The band's excess per step, replicate against reference: above 0, FP32 itself is outside it there.
-    excess = [abs(b.loss - a.loss) - (atol + rtol * abs(a.loss)) for a, b in zip(ref_steps, replicate)]
+                f"replicate; set reference.replicates: 2, or loss_atol: null and loss_rtol: null")
+    # The band's excess per step, each replicate against the reference: above 0, FP32 itself is outside it there.
+    excess = [max(abs(b.loss - a.loss) - (atol + rtol * abs(a.loss)) for b in bs)
+              for a, *bs in zip(ref_steps, replicate, *more_replicates)]
     outside = [i for i, e in enumerate(excess) if not e <= 0]
     if not outside:
         return None
-    needed = max(abs(b.loss - a.loss) - rtol * abs(a.loss) for a, b in zip(ref_steps, replicate))
+    needed = max(e + atol for e in excess)
     return (f"params.yaml: {stated}: FP32's own replicate (another data order) leaves this per-step band at "
             f"{len(outside)} of {len(excess)} steps (first at step {ref_steps[outside[0]].step}), so it cannot tell "
             f"precision from noise; FP32 passes it with loss_atol >= {needed:.3g} at loss_rtol {rtol:g}, or set "
@@ -763,13 +786,13 @@ def _replicate_problem(rule: AcceptanceConfig, ref_steps: Sequence[StepRecord],
             return (f"the FP32 replicate's loss is not finite at step {step.step}, so FP32's own run-to-run noise is "
                     f"unknown and the noise floor would judge no trial; fix the model, the data or the recipe so "
                     f"that FP32 trains on another data order too, or set acceptance.loss_noise_multiple: null, "
-                    f"loss_noise_atol: null and reference.noise_replicate: false")
+                    f"loss_noise_atol: null and reference.replicates: 0")
     same = len(replicate) == len(ref_steps) and all(a.loss == b.loss for a, b in zip(replicate, ref_steps))
     if same and not rule.loss_noise_atol:
         return (f"the FP32 replicate repeats the reference's losses exactly over its {len(ref_steps)} step(s) (another data "
                 f"order needs two updates or more to swap samples between), so FP32's run-to-run gap is 0 and "
                 f"loss_noise_multiple would roll back every trial whose loss differs at all; train more steps "
-                f"(reference.train_steps), or set acceptance.loss_noise_multiple: null and reference.noise_replicate: false")
+                f"(reference.train_steps), or set acceptance.loss_noise_multiple: null and reference.replicates: 0")
     return None
 
 

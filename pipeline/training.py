@@ -104,10 +104,11 @@ def neighbours_swapped(order: list[list[torch.Tensor]], offset: int = 0) -> list
 
 def trial_order(n: int, cfg: ReferenceConfig, seed: int, policy: Policy) -> list[list[torch.Tensor]]:
     """The micro-batch indices a run under ``policy`` reads: the reference's (``update_batches``), or for
-    ``data_order: swapped`` (FP32's A/A) the reference's with the second samples of each pair of updates traded
-    (``neighbours_swapped`` at offset 1): a fresh draw beside the noise replicate's, which trades the first ones."""
+    ``data_order: swapped`` (FP32's A/A) the reference's with another block of samples of each pair of updates traded
+    (``neighbours_swapped`` at offset ``cfg.replicates``): a fresh draw beside the noise replicates', which trade the
+    blocks before it."""
     order = update_batches(n, cfg, seed)
-    return neighbours_swapped(order, offset=1) if policy.data_order == "swapped" else order
+    return neighbours_swapped(order, offset=cfg.replicates) if policy.data_order == "swapped" else order
 
 
 def _expected(expect_batches: list[str], order: list[list[torch.Tensor]], reference: list[list[torch.Tensor]]) -> list[str]:
@@ -443,35 +444,46 @@ class Progress:
             print(f"{self.label}: {done - self.start} steps in {now - self.t0:.2f} s", flush=True)
 
 
-def replicate_key(run_key: str) -> str:
+def replicate_key(run_key: str, index: int = 0) -> str:
     """The noise replicate's run key: another run than the reference whose ``run_key`` it repeats on another data
     order, so that neither resumes the other's state (a replicate state taken for the reference's trained it on the
     swapped order)."""
-    return hashlib.sha256(f"{run_key}/replicate".encode()).hexdigest()
+    return hashlib.sha256(f"{run_key}/replicate{index or ''}".encode()).hexdigest()
 
 
 @dataclass
 class Replicate:
-    """freeze's FP32 noise replicate: its updates, and the model it trained (whose quality on the fixed set is FP32's
-    own spread after training)."""
+    """One of freeze's FP32 noise replicates: its updates, and the state it trained to (whose quality on the fixed set is
+    FP32's own spread after training: ``model`` rebuilds it, one replicate in memory at a time)."""
 
     records: list[StepRecord]
-    model: torch.nn.Module
+    state: checkpoint.Checkpoint
+
+    def model(self, params: Params) -> torch.nn.Module:
+        """The model this replicate trained (built as the reference is, its trained weights restored; RNG untouched)."""
+        model = task.build_model(params.task, params.seed)
+        checkpoint.restore(self.state, model, rng=False)
+        return model
 
 
-def noise_replicate(params: Params, init: checkpoint.Checkpoint, source: TrainSource, device: torch.device,
-                    run_key: str) -> Replicate:
-    """freeze's FP32 noise replicate: the reference's start (weights and RNG, ``init``), another data order
-    (``neighbours_swapped``). Resumable as the reference is."""
-    model = task.build_model(params.task, params.seed)
-    checkpoint.restore(init, model)
-    order = neighbours_swapped(update_batches(len(source), params.reference, params.seed))
-    resume = checkpoint.ResumeFile(paths.RESUME / "replicate.safetensors", distributed.current().key(replicate_key(run_key)),
-                                   device)
-    result = train(
-        model, source, params.reference, params.task, Policy(), device, params.seed, resume=resume.load(),
-        save_resume=resume.save, label="freeze FP32 replicate", batches=order,
-    )
-    if distributed.current().writes:
-        resume.clear()
-    return Replicate(result.records, model)
+def noise_replicates(params: Params, init: checkpoint.Checkpoint, source: TrainSource, device: torch.device,
+                     run_key: str) -> list[Replicate]:
+    """freeze's ``reference.replicates`` FP32 noise replicates: each from the reference's start (weights and RNG,
+    ``init``) on another data order (``neighbours_swapped`` at offset k for the k-th: each its own draw). Resumable as
+    the reference is, each under its own key."""
+    out = []
+    for k in range(params.reference.replicates):
+        model = task.build_model(params.task, params.seed)
+        checkpoint.restore(init, model)
+        order = neighbours_swapped(update_batches(len(source), params.reference, params.seed), offset=k)
+        name = "replicate.safetensors" if k == 0 else f"replicate-{k}.safetensors"
+        resume = checkpoint.ResumeFile(paths.RESUME / name, distributed.current().key(replicate_key(run_key, k)), device)
+        result = train(
+            model, source, params.reference, params.task, Policy(), device, params.seed, resume=resume.load(),
+            save_resume=resume.save, label=f"freeze FP32 replicate {k + 1}/{params.reference.replicates}", batches=order,
+        )
+        if distributed.current().writes:
+            resume.clear()
+        out.append(Replicate(result.records, result.state))
+        del model
+    return out

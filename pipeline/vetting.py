@@ -91,8 +91,8 @@ class Scan:
         [sums, sums of squares, rows] over the whole set, then over the ordinary cases. Columns of different
         scales share one atol, which must bound the smallest too (``column_rms``), and the band at a column's mean
         must be below its spread (``spreads``)."""
-        self.replica = None
-        """The FP32 replicate's quality after training (``update_replicate``), a ``QualityStats`` once it is seen."""
+        self.replicas: list = []
+        """Each FP32 replicate's quality after training (``update_replicate``): a ``QualityStats`` each, once seen."""
         self.measured: set[str] = set()
         """The outputs of ``moments`` that are a classifier's heads decided by default (``_measured``)."""
         self.decided: dict[str, list] = {}
@@ -198,11 +198,11 @@ class Scan:
             keep = labelled & keep[:, None]
         return (out[keep], y[keep]) if bool(keep.any()) else None
 
-    def update_replicate(self, row: int, chunk: dict[str, torch.Tensor]) -> None:
-        """The FP32 replicate's outputs (from ``row``), after the reference's have all been seen: its quality after
-        training, in the metric and reading the reference's set (``replicate_quality``)."""
-        if self.replica is None:
-            self.replica = self.metric.quality(self.rule.tie_rule)
+    def update_replicate(self, index: int, row: int, chunk: dict[str, torch.Tensor]) -> None:
+        """The ``index``-th FP32 replicate's outputs (from ``row``), after the reference's have all been seen: its quality
+        after training, in the metric and reading the reference's set (``replicate_quality``)."""
+        while len(self.replicas) <= index:
+            self.replicas.append(self.metric.quality(self.rule.tie_rule))
         main = primary_name(chunk)
         positions = self._position_heads(chunk)
         out = chunk[main]
@@ -213,15 +213,15 @@ class Scan:
                                        primary=True)
         picked = self._scored(out.detach(), row, None if judged is None else judged[row : row + out.shape[0]])
         if picked is not None:
-            self.replica.update(*picked)
+            self.replicas[index].update(*picked)
 
-    def replicate_quality(self):
-        """(reference, replicate) quality on the fixed set, both as the scan measured them, or None without a replicate
-        (``update_replicate``) or where either is not finite: FP32's own spread after training."""
-        if self.replica is None:
+    def replicate_quality(self) -> tuple[float, list[float]] | None:
+        """(reference, [each replicate]) quality on the fixed set, as the scan measured them, or None without a replicate
+        (``update_replicate``) or where one is not finite: FP32's own spread after training."""
+        if not self.replicas:
             return None
-        ref, rep = self.quality.result(), self.replica.result()
-        return (ref, rep) if math.isfinite(ref) and math.isfinite(rep) else None
+        ref, reps = self.quality.result(), [q.result() for q in self.replicas]
+        return (ref, reps) if all(math.isfinite(v) for v in (ref, *reps)) else None
 
     def _values_of(self, name: str, v: torch.Tensor, primary: bool, per_position: bool) -> int:
         """The columns of output ``name`` (its last axis: [N, D] or per token [N, T, D]; one for [N], and for a value
@@ -432,10 +432,10 @@ class Scan:
                                                     self.has_target, self.token_mask)
         return self.positions
 
-    def problem(self, ref_steps: Sequence[StepRecord], replicate: Sequence[StepRecord] | None = None,
+    def problem(self, ref_steps: Sequence[StepRecord], replicates: Sequence[Sequence[StepRecord]] = (),
                 spread: FP32Spread | None = None) -> str | None:
-        """The first reason the rule cannot judge this reference (``rule.vet_rule``; ``replicate``: the FP32 noise
-        replicate's steps; ``spread``: its quality after training beside the reference's), or None."""
+        """The first reason the rule cannot judge this reference (``rule.vet_rule``; ``replicates``: each FP32 noise
+        replicate's steps; ``spread``: their quality after training beside the reference's), or None."""
         return rule.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
                              self.metric.higher_is_better, ref_steps, columns=self.column_rms(), spreads=self.spreads(),
                              whole_numbers=self.whole_numbers(),
@@ -444,7 +444,8 @@ class Scan:
                              masked=self.masked, channels_first=self.channels_first(),
                              unit_heads=self.unit_heads(), misnamed=self.misnamed_probabilities(),
                              probability_rows=self.probability_rows(), top_k=self.metric.top_k,
-                             replicate=replicate, with_target=self.quality.scored(), logit_like=self.logit_like(),
+                             replicate=replicates[0] if replicates else None, more_replicates=replicates[1:],
+                             with_target=self.quality.scored(), logit_like=self.logit_like(),
                              per_label=self.per_label, spread=spread) or self.pinned_offset()
 
     def logit_like(self) -> str | None:

@@ -45,7 +45,7 @@ def project(folder: Path, scale: int, chunk_elements: int) -> dict:
     n = params["prepare"]["ordinary_cases"] * scale
     params["prepare"]["ordinary_cases"] = n
     params["task"]["options"]["n_eval"] = n
-    params["reference"].update({"train_steps": 10, "checkpoint_every": 10, "noise_replicate": False})
+    params["reference"].update({"train_steps": 10, "checkpoint_every": 10, "replicates": 0})
     params["acceptance"].update({"loss_noise_multiple": None, "loss_noise_atol": None})
     params["compare"]["chunk_elements"] = chunk_elements
     params["threads"] = 1

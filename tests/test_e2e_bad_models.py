@@ -145,7 +145,7 @@ def project(dest: Path, source: str, override: dict) -> Path:
     (dest / "usermod.py").write_text(textwrap.dedent(source))
     params = read_params()  # YAML 1.2, as the stages read it (`compile: off` is a word)
     base = {"task": {"model": "usermod:build_model", "data": "usermod:load_data"}, "prepare": {"ordinary_cases": 8},
-            "reference": {"train_steps": 2, "batch_size": 8, "checkpoint_every": 1, "noise_replicate": False},
+            "reference": {"train_steps": 2, "batch_size": 8, "checkpoint_every": 1, "replicates": 0},
             "acceptance": {"loss_noise_multiple": None, "loss_noise_atol": None}}
     (dest / "params.yaml").write_text(yaml.safe_dump(merge(merge(params, base), override), sort_keys=False))
     return dest

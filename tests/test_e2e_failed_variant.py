@@ -84,7 +84,7 @@ def read(repo, path):
 def test_a_variant_that_raises_is_rolled_back_naming_the_op_and_the_other_is_judged(tmp_path, kind):
     repo = make_project(tmp_path / "repo", {
         "task": {"model": "usermod:build_model", "data": "usermod:load_data", "options": {"kind": kind}},
-        "reference": {"noise_replicate": False},
+        "reference": {"replicates": 0},
         "acceptance": {"min_quality": 0.3, "loss_noise_multiple": None, "loss_noise_atol": None},
         "trial": {"variants": ["float16", "bfloat16"]},
     })

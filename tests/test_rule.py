@@ -310,3 +310,42 @@ def test_amp_share_is_not_judged_for_an_fp32_policy_and_a_null_minimum_is_said()
     assert d.accepted and ("amp: autocast (bfloat16) engaged on 0.0 % of the matmul/convolution/attention FLOPs: not "
                            "limited: the rule sets min_amp_share: null") in d.checks
     assert not any(c.startswith("amp:") for c in judge(healthy_stats()).checks)  # no audit given: nothing said
+
+
+def test_a_training_that_diverges_is_rolled_back_on_where_it_ends_and_one_that_wanders_like_fp32_is_not():
+    """Issue 48: calibration must not make the training gate vacuous. FP32 and two replicates (another data order each)
+    end near 1.0 after decorrelating; a trial whose loss climbs over its last 15 steps ends at 1.35, far above where any
+    FP32 retraining ends: rolled back, naming where it ended. A trial that wanders as the replicates do ends within
+    FP32's prediction bound: accepted."""
+    n = 100
+    ref = [2.0 * 0.5 ** (i / 20) + 0.9 for i in range(n)]
+    wobble = [((i * 7919) % 13 - 6) / 60 for i in range(n)]  # +-0.1, decorrelated from the reference
+
+    def run(losses):
+        return [step(i, v, scale=1.0) for i, v in enumerate(losses)]
+
+    reps = [run([r + w * (i > 20) for i, (r, w) in enumerate(zip(ref, wobble))]),
+            run([r - w * (i > 20) + 0.02 for i, (r, w) in enumerate(zip(ref, wobble))])]
+
+    def stats_of(trial):
+        stats, _ = streams.compare_streams(
+            "classification", AcceptanceConfig(min_quality=0.9), _sources(),
+            streams.Trajectories(run(ref), run(trial), 1.0, scaler_enabled=False, replicate=reps[0], more_replicates=(reps[1],)))
+        return stats.as_dict()
+
+    wandering = [r + 0.8 * w * (i > 25) for i, (r, w) in enumerate(zip(ref, wobble))]
+    healthy = judge(stats_of(wandering), AcceptanceConfig(min_quality=0.9))
+    assert healthy.training == "accept", healthy.reasons
+    assert any(c.startswith("training: final loss") and "within it" in c for c in healthy.checks), healthy.checks
+    diverging = judge(stats_of([r + 0.04 * max(0, i - 85) for i, r in enumerate(ref)]), AcceptanceConfig(min_quality=0.9))
+    assert diverging.training == "rollback"
+    assert any(r.startswith("training: final loss 1.35") and "ends 0.38 above" in r
+               for r in diverging.reasons), diverging.reasons
+
+
+def _sources() -> streams.Sources:
+    """A classifier whose trial and trained outputs are its reference's: only training is judged apart."""
+    ref = torch.randn(40, 3, generator=torch.Generator().manual_seed(1)) * 3
+    ids = [f"ordinary/{i}" for i in range(40)]
+    return streams.Sources(ids, ref.argmax(1), torch.ones(40, dtype=torch.bool), streams.InMemory({"output": ref}),
+                           streams.InMemory({"output": ref}), streams.InMemory({"output": ref}))

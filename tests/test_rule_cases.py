@@ -2457,7 +2457,7 @@ def test_a_stated_loss_band_that_fp32_fails_against_its_own_replicate_is_refused
     assert "first at step 10" in line and "loss_atol >= 0.08 at loss_rtol 0" in line, line
     assert vet(AcceptanceConfig(loss_atol=0.08, loss_rtol=0.0)) is None  # what FP32 itself passes
     assert vet(AcceptanceConfig()) is None  # the default: no fixed band
-    assert "noise_replicate: true" in vet(stated, rep=None)  # a stated band with nothing to calibrate it on
+    assert "reference.replicates: 2" in vet(stated, rep=None)  # a stated band with nothing to calibrate it on
 
     # The verdict: with no fixed band, a gap of 0.07 at every step is the noise floor's to judge, not a band's.
     trial = [r.loss + 0.07 for r in ref]

@@ -337,6 +337,17 @@ class LossGap(Record):
 
 
 @dataclass(frozen=True)
+class FinalLoss(Record):
+    """Where training ended: the trial's loss over its last ``window`` steps beside FP32's own runs' (the reference's
+    first, then each replicate's), whose spread says how far FP32 itself ends when trained again
+    (``compare.trajectory.final_loss``)."""
+
+    window: int
+    amp: float
+    fp32: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class UpdateHealth(Record):
     """Whether the trial's updates were real (``compare.trajectory.update_health``)."""
 
@@ -363,9 +374,13 @@ class Training(UpdateHealth, LossGap):
     """The trial's trajectory against the reference's (or FP32 aligned on its skips) and its updates' health:
     one flat section in the file, the loss gap's fields and the health's, and how the trial ran."""
 
+    ABSENT = ("noise", "final")
+
     scaler_enabled: bool
     aligned_on_skips: bool
     first_nonfinite_reference_step: int
+    final: FinalLoss | None = None
+    """The final losses, where FP32 replicates ran."""
 
     @classmethod
     def of(cls, gap: LossGap, health: UpdateHealth, **run) -> "Training":

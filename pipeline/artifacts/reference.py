@@ -77,12 +77,14 @@ class Trajectory(Record):
     """``data/reference/trajectory.json`` and the noise replicate's ``replicate_trajectory.json``: FP32 training's
     updates, and for the replicate how its data order was perturbed."""
 
-    ABSENT = ("perturbation", "quality")
+    ABSENT = ("perturbation", "quality", "more")
 
     steps: Steps
     perturbation: str | None = None
     quality: FP32Spread | None = None
-    """The replicate's: its quality after training beside the reference's (FP32's own spread), where one was scored."""
+    """The replicates': their quality after training beside the reference's (FP32's own spread), where scored."""
+    more: tuple[Steps, ...] | None = None
+    """The replicates after the first (``reference.replicates`` > 1), each on its own data order; ``steps`` is the first's."""
 
 
 def _trajectory(path: Path, manifest: Manifest) -> Trajectory:
@@ -103,11 +105,20 @@ def read_trajectory(manifest: Manifest | None = None) -> Steps:
 
 
 def read_replicate(manifest: Manifest | None = None) -> Steps | None:
-    """The FP32 noise replicate's per-step records (``reference.noise_replicate``), verified; None without one."""
+    """The first FP32 noise replicate's per-step records (``reference.replicates``), verified; None without one."""
     manifest = manifest or read_manifest()
     if manifest.sha256(paths.REF_REPLICATE_TRAJECTORY) is None:
         return None
     return _steps(paths.REF_REPLICATE_TRAJECTORY, manifest)
+
+
+def read_replicates(manifest: Manifest | None = None) -> tuple[Steps, ...]:
+    """Every FP32 noise replicate's per-step records, the first first, verified; () without one."""
+    manifest = manifest or read_manifest()
+    if manifest.sha256(paths.REF_REPLICATE_TRAJECTORY) is None:
+        return ()
+    read = _trajectory(paths.REF_REPLICATE_TRAJECTORY, manifest)
+    return (read.steps, *(read.more or ()))
 
 
 def read_spread(manifest: Manifest | None = None) -> FP32Spread | None:

@@ -24,7 +24,7 @@ from pipeline.artifacts import forecast as forecast_file
 from pipeline.artifacts.outputs import OutputsReader, write_outputs
 from pipeline.artifacts.steps import Steps
 from pipeline.artifacts.comparison import FP32Spread
-from pipeline.artifacts.reference import (PRODUCED_BY, Manifest, Trajectory, read_manifest, read_replicate, read_spread,
+from pipeline.artifacts.reference import (PRODUCED_BY, Manifest, Trajectory, read_manifest, read_replicates, read_spread,
                                           read_trajectory)
 from pipeline.config import Params, ReferenceConfig
 from pipeline.errors import UserError
@@ -41,8 +41,13 @@ class Reference:
     manifest: Manifest
     cases: cases.Cases
     trajectory: Steps
-    replicate: Steps | None = None
-    """Per-step records of the FP32 noise replicate (``reference.noise_replicate``), or None."""
+    replicates: tuple[Steps, ...] = ()
+    """Per-step records of each FP32 noise replicate (``reference.replicates``), the first first."""
+
+    @property
+    def replicate(self) -> Steps | None:
+        """The first replicate's records (the noise floor's per-step gap), or None without one."""
+        return self.replicates[0] if self.replicates else None
     spread: FP32Spread | None = None
     """The replicate's quality after training beside the reference's: FP32's own spread (None without a replicate)."""
 
@@ -139,12 +144,12 @@ def write(
     fixed: cases.Cases,
     outputs: Iterable[dict[str, torch.Tensor]],
     fp64: Fp64Outputs | None,
-    replicate: list | None,
+    replicates: list[list],
     policy: dict,
     forecast: forecast_file.Headroom,
     scan=None,
     store: str = "full",
-    replicate_outputs: Iterable[dict[str, torch.Tensor]] | None = None,
+    replicate_outputs: Iterable[Iterable[dict[str, torch.Tensor]]] = (),
 ) -> Manifest:
     """Write the reference (manifest last) and return the manifest. ``scan`` (``vetting.Scan``) sees the
     outputs as they stream and vets the rule against them before anything replaces the previous reference.
@@ -165,7 +170,7 @@ def write(
         if bad:
             raise NonFinite(sorted(set(bad)))
         spread = _spread(scan, replicate_outputs)
-        problem = scan.problem(records, replicate, spread) if scan is not None else None
+        problem = scan.problem(records, replicates, spread) if scan is not None else None
         if problem:
             raise UserError(problem)
         if fp64 is not None:
@@ -186,9 +191,10 @@ def write(
     files[str(paths.REF_CASES)] = cases.save(paths.REF_CASES, fixed)
     write_json(paths.REF_TRAJECTORY, Trajectory(steps=tuple(records)).as_dict())
     files[str(paths.REF_TRAJECTORY)] = sha256_file(paths.REF_TRAJECTORY)
-    if replicate is not None:
+    if replicates:
         write_json(paths.REF_REPLICATE_TRAJECTORY, Trajectory(
-            steps=tuple(replicate), perturbation="data order: first samples of consecutive updates swapped", quality=spread,
+            steps=tuple(replicates[0]), perturbation="data order: the k-th replicate trades the k-th block of samples of "
+            "each pair of consecutive updates", quality=spread, more=tuple(tuple(r) for r in replicates[1:]) or None,
         ).as_dict())
         files[str(paths.REF_REPLICATE_TRAJECTORY)] = sha256_file(paths.REF_REPLICATE_TRAJECTORY)
     forecast_file.write(paths.REFERENCE, forecast)
@@ -221,21 +227,22 @@ def load(params: Params) -> Reference:
         if sha256_file(key) != manifest.sha256(key):
             raise UserError(f"{key} differs from the data the reference was frozen on; run `dvc repro` to re-freeze")
     fixed = cases.load(paths.REF_CASES, manifest.sha256(paths.REF_CASES), PRODUCED_BY)
-    return Reference(manifest=manifest, cases=fixed, trajectory=read_trajectory(manifest), replicate=read_replicate(manifest),
-                     spread=read_spread(manifest))
+    return Reference(manifest=manifest, cases=fixed, trajectory=read_trajectory(manifest),
+                     replicates=read_replicates(manifest), spread=read_spread(manifest))
 
 
-def _spread(scan, replicate_outputs: Iterable[dict[str, torch.Tensor]] | None) -> FP32Spread | None:
-    """The replicate's quality after training beside the reference's, streamed through ``scan`` (``vetting.Scan``) after
-    the reference's outputs, in the same metric and reading; None without a replicate, a scan or a finite quality."""
-    if scan is None or replicate_outputs is None:
+def _spread(scan, replicate_outputs: Iterable[Iterable[dict[str, torch.Tensor]]]) -> FP32Spread | None:
+    """The replicates' quality after training beside the reference's, each streamed through ``scan`` (``vetting.Scan``)
+    after the reference's outputs, in the same metric and reading; None without a replicate, a scan or a finite quality."""
+    if scan is None:
         return None
-    row = 0
-    for chunk in replicate_outputs:
-        scan.update_replicate(row, chunk)
-        row += next(iter(chunk.values())).shape[0]
-    pair = scan.replicate_quality()
-    return None if pair is None else FP32Spread(metric=scan.metric.name, reference=pair[0], replicates=(pair[1],))
+    for k, outputs in enumerate(replicate_outputs):
+        row = 0
+        for chunk in outputs:
+            scan.update_replicate(k, row, chunk)
+            row += next(iter(chunk.values())).shape[0]
+    found = scan.replicate_quality()
+    return None if found is None else FP32Spread(metric=scan.metric.name, reference=found[0], replicates=tuple(found[1]))
 
 
 def run_key(params: Params, inputs: dict[str, str], init: checkpoint.Checkpoint) -> str:

@@ -43,7 +43,7 @@ from pipeline.compare.decisions import (DecisionStats, PerCase, first_crossing, 
                                         regression_flips, sign_flips)
 from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite, broken
 from pipeline.compare.quality import QualityStats, regression_errors
-from pipeline.compare.trajectory import calibration_steps, trajectory_gap, update_health
+from pipeline.compare.trajectory import calibration_steps, final_loss, trajectory_gap, update_health
 from pipeline.config import METRICS, POSITION_NAMES, PROBABILITY_NAMES, AcceptanceConfig, CompareConfig, TaskConfig, primary_name
 from pipeline.errors import UserError
 from pipeline.task import (IGNORE_INDEX, binary_targets, judged_positions, labelled_positions, mask_padding, masked_targets,
@@ -182,6 +182,8 @@ class Trajectories:
     it instead of ``reference``, so that designed skips are not judged as precision."""
     spread: FP32Spread | None = None
     """FP32's own quality after training, reference and replicate (freeze): the yardstick of the quality after training."""
+    more_replicates: tuple[Steps, ...] = ()
+    """The FP32 replicates after ``replicate``, each on its own data order."""
 
 
 def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, trajectories: Trajectories, *,
@@ -766,8 +768,10 @@ def training_stats(rule: AcceptanceConfig, runs: Trajectories) -> Training:
     # A step whose forward overflowed (loss not finite) and whose update the GradScaler skipped is an incident the
     # scaler handled: not measured by the band; its frequency is (the skip limits), and what follows is.
     excused = [runs.scaler_enabled and s.skipped and not math.isfinite(s.loss) for s in runs.trial]
+    more = [[s.loss for s in run] for run in runs.more_replicates]
     gap = trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol, replicate, rule.loss_noise_multiple,
-                         rule.loss_noise_atol, replicate_of=[s.loss for s in runs.reference], excused=excused)
+                         rule.loss_noise_atol, replicate_of=[s.loss for s in runs.reference], excused=excused,
+                         more_replicates=more)
     skipped = [s.skipped for s in runs.trial]
     # The opening skips are excused where the rule judges quality after training: what the updates lost cost shows
     # there. Without, nothing would (the band holds the trial against FP32 aligned on the same skips): they count.
@@ -782,8 +786,10 @@ def training_stats(rule: AcceptanceConfig, runs: Trajectories) -> Training:
         calibration,
     )
     first_bad_reference = next((i for i, s in enumerate(runs.reference) if not math.isfinite(s.loss)), -1)
+    fp32 = [[s.loss for s in runs.reference], *([replicate] if replicate is not None else []), *more]
+    final = final_loss(trial_loss, fp32) if replicate is not None else None  # FP32's spread needs a replicate
     return Training.of(gap, health, scaler_enabled=runs.scaler_enabled, aligned_on_skips=runs.aligned is not None,
-                       first_nonfinite_reference_step=first_bad_reference)
+                       first_nonfinite_reference_step=first_bad_reference, final=final)
 
 
 def case_table_rows(ids: list[str], kinds: list[str], flips: Decisions, row_gap: torch.Tensor, per_case: PerCase | None,

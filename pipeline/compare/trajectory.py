@@ -11,7 +11,23 @@ from typing import Sequence
 
 import torch
 
-from pipeline.artifacts.comparison import LossGap, Noise, UpdateHealth
+from pipeline.artifacts.comparison import FinalLoss, LossGap, Noise, UpdateHealth
+
+FINAL_SHARE = 0.1
+"""The share of a run's last steps whose mean loss is its final loss (at least one step): one step's loss is one batch's,
+whose noise would swamp where the training ended."""
+
+
+def final_loss(trial: Sequence[float], fp32: Sequence[Sequence[float]]) -> FinalLoss:
+    """The mean loss over the last ``FINAL_SHARE`` of the steps of the trial and of each FP32 run (the reference first,
+    then its replicates). A non-finite loss there makes that run's final loss infinite (no band holds it)."""
+    window = max(1, math.ceil(FINAL_SHARE * len(trial)))
+
+    def last(losses: Sequence[float]) -> float:
+        tail = [float(v) for v in losses[-window:]]
+        return sum(tail) / len(tail) if tail and all(math.isfinite(v) for v in tail) else math.inf
+
+    return FinalLoss(window=window, amp=last(trial), fp32=tuple(last(run) for run in fp32))
 
 
 def trajectory_gap(
@@ -24,6 +40,7 @@ def trajectory_gap(
     noise_atol: float | None = None,
     replicate_of: Sequence[float] | None = None,
     excused: Sequence[bool] | None = None,
+    more_replicates: Sequence[Sequence[float]] = (),
 ) -> LossGap:
     """Per-step loss band |trial - ref| <= atol + rtol * |ref|; non-finite trial losses violate it. With ``atol`` and
     ``rtol`` both None there is no fixed band (no step violates one); a None beside a number counts 0.
@@ -35,6 +52,8 @@ def trajectory_gap(
     gap is FP32's noise (default ``ref_loss``; the reference itself when ``ref_loss`` is the skip-aligned FP32 run,
     whose difference from the reference is the trial's skips, not noise). ``excused``: steps not measured (a
     non-finite loss whose update the GradScaler skipped: an incident, judged by the skip limits, not by the band).
+    ``more_replicates``: further FP32 replicates; the noise floor's mean and largest gaps are then each replicate's,
+    averaged (the per-step ``replicate_gap`` stays the first's).
     """
     if len(ref_loss) != len(trial_loss):
         raise ValueError(f"trajectories differ in length: {len(ref_loss)} vs {len(trial_loss)}")
@@ -58,7 +77,7 @@ def trajectory_gap(
         if replicate_of is not None and len(replicate_of) != len(ref_loss):
             raise ValueError(f"replicate_of has {len(replicate_of)} steps, the reference {len(ref_loss)}")
         base = r if replicate_of is None else torch.tensor([float(v) for v in replicate_of], dtype=torch.float64)
-        noise = _noise(gap, base, replicate_loss, noise_multiple, noise_atol)
+        noise = _noise(gap, base, [replicate_loss, *more_replicates], noise_multiple, noise_atol)
     return LossGap(
         steps=len(ref_loss),
         band_violations=violations,
@@ -72,13 +91,16 @@ def trajectory_gap(
     )
 
 
-def _noise(gap: torch.Tensor, r: torch.Tensor, replicate_loss: Sequence[float], multiple: float | None,
+def _noise(gap: torch.Tensor, r: torch.Tensor, replicates: Sequence[Sequence[float]], multiple: float | None,
            atol: float | None) -> Noise:
-    """AMP's per-step ``gap`` beside the replicate's, and the band on the curves when ``multiple`` or ``atol`` is set."""
-    rep = torch.tensor([float(v) for v in replicate_loss], dtype=torch.float64)
-    noise = torch.where(torch.isfinite(rep), (rep - r).abs(), torch.full_like(rep, math.inf))
-    max_rep = float(noise.max()) if noise.numel() else 0.0
-    m_rep = float(noise.mean()) if noise.numel() else 0.0
+    """AMP's per-step ``gap`` beside the replicates', and the band on the curves when ``multiple`` or ``atol`` is set."""
+    gaps = []
+    for losses in replicates:
+        rep = torch.tensor([float(v) for v in losses], dtype=torch.float64)
+        gaps.append(torch.where(torch.isfinite(rep), (rep - r).abs(), torch.full_like(rep, math.inf)))
+    noise = gaps[0]
+    max_rep = sum(float(g.max()) for g in gaps) / len(gaps) if noise.numel() else 0.0
+    m_rep = sum(float(g.mean()) for g in gaps) / len(gaps) if noise.numel() else 0.0
     m_amp = float(gap.mean()) if gap.numel() else 0.0
     max_amp = float(gap.max()) if gap.numel() else 0.0
     # Curve-level, as Megatron gates on loss-curve area: one replicate's per-step gap crosses zero by chance,

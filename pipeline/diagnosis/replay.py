@@ -253,7 +253,8 @@ def _compare(ctx: Context, outputs: streams.Source, trained: streams.Source, ste
     params, ref = ctx.params, ctx.ref
     sources = streams.Sources(ref.cases.ids, ref.cases.y, ref.cases.has_target, ref.outputs_reader(), outputs, trained,
                               fp64, task.token_mask_of(ref.cases.x))
-    runs = streams.Trajectories(ref.trajectory, steps, final_scale, scaler, ref.replicate, aligned)
+    runs = streams.Trajectories(ref.trajectory, steps, final_scale, scaler, ref.replicate, aligned, ref.spread,
+                                ref.replicates[1:])
     stats, _ = streams.compare_streams(params.task.kind, params.acceptance, sources, runs,
                                        metric=streams.Metric.for_task(params.task), cfg=params.compare)
     return stats

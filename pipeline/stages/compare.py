@@ -28,7 +28,7 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
                               run.reader("trained_outputs"), fp64, task.token_mask_of(ref.cases.x))
     t = run.trajectory
     runs = streams.Trajectories(ref.trajectory, t.steps, t.final_scale, t.scaler_enabled, ref.replicate, t.aligned_fp32,
-                                ref.spread)
+                                ref.spread, ref.replicates[1:])
     stats, table = streams.compare_streams(params.task.kind, params.acceptance, sources, runs,
                                            metric=streams.Metric.for_task(params.task), cfg=params.compare,
                                            device=devices.resolve(params.device))  # a GPU computes its chunks

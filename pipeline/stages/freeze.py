@@ -36,7 +36,7 @@ def main(params_path: str = "params.yaml") -> None:
             result = training.train(model, source, cfg, params.task, FP32, device, params.seed, resume=resume.load(),
                                     save_resume=resume.save, label="freeze FP32")
         with phases("replicate training"):
-            replicate = training.noise_replicate(params, init, source, device, run_key) if cfg.noise_replicate else None
+            replicates = training.noise_replicates(params, init, source, device, run_key)
         if not distributed.current().writes:
             return  # rank 0 alone infers and writes
         with phases("boundary cases"):
@@ -51,12 +51,13 @@ def main(params_path: str = "params.yaml") -> None:
                 trained=result.state, records=result.records, real_updates=result.real_updates, fixed=fixed,
                 outputs=phases.stream("inference", inference.infer_chunks(model, fixed.x, FP32, device, cfg.eval_mode)),
                 fp64=fp64 and dataclasses.replace(fp64, chunks=phases.stream("fp64 arbiter", fp64.chunks)),
-                replicate=replicate and replicate.records, policy=FP32.as_dict(), forecast=headroom,
-                scan=vetting.Scan(params, fixed), store=params.compare.store, replicate_outputs=replicate and phases.stream(
-                    "replicate inference", inference.infer_chunks(replicate.model, fixed.x, FP32, device, cfg.eval_mode)),
+                replicates=[r.records for r in replicates], policy=FP32.as_dict(), forecast=headroom,
+                scan=vetting.Scan(params, fixed), store=params.compare.store, replicate_outputs=(phases.stream(
+                    "replicate inference", inference.infer_chunks(r.model(params), fixed.x, FP32, device, cfg.eval_mode))
+                    for r in replicates),  # one replicate's model at a time
             )
     resume.clear()
-    noise = f"; FP32 replicate final loss {replicate.records[-1].loss:.4f}" if replicate else ""
+    noise = "".join(f"; FP32 replicate {k + 1} final loss {r.records[-1].loss:.4f}" for k, r in enumerate(replicates))
     noise += "; next-token targets" * shifted
     print(f"freeze: reference trained {len(result.records)} steps, final loss {result.records[-1].loss:.4f}{noise}; "
           f"{manifest.cases['total']} cases; FP64 arbiter on {fp64.cases if fp64 else 'none'} of them\n  {phases.line()}")
