@@ -297,7 +297,8 @@ def _quality(quality: Quality, rule: AcceptanceConfig, j: _Judge, part: Part, si
                          f"{rule.confidence:g}-confidence upper bound of the drop {upper:.4g}")
                 j.check(part, upper <= max_drop, f"{words} <= {max_drop:g}{fp32}", f"{words} > allowed {max_drop:g}{fp32}")
             else:
-                words = f"quality {label}: {hits}/{n} vs reference {hits_r}/{n}, {lost} case(s) fewer"
+                more = f"{lost} case(s) fewer" if lost >= 0 else f"{-lost} case(s) more"
+                words = f"quality {label}: {hits}/{n} vs reference {hits_r}/{n}, {more}"
                 j.check(part, lost <= allowed + 1e-9 * max(1.0, allowed),
                         f"{words} <= allowed {max_drop:g} x {n} = {allowed:g}{fp32}",
                         f"{words} > allowed {max_drop:g} x {n} = {allowed:g}{fp32}")
