@@ -10,7 +10,9 @@ every rollback of it is a false one. Over N seeds and two models, this script ru
 Per model and seed: a copy of this project (scripts/_project.py, uncommitted edits included) whose params.yaml is
 the model's with that ``seed`` and ``trial.variants: [float32_swapped]``; then dvc.yaml's commands for prepare,
 freeze, trial, compare, diagnose and decide, run as ``python -m pipeline STAGE`` in its order (no dvc, no network).
-A seed moves the model's initial weights, the data order, and so both FP32 runs the rule compares.
+A seed moves the model's initial weights, the data order, and so both FP32 runs the rule compares. A seed whose
+FP32 freeze refuses as a baseline (its quality below min_quality: no trial runs) is listed and replaced by the next
+one, up to 2N seeds.
 
 Prints one row per model: seeds, rollbacks, the rate and its Clopper-Pearson upper bound at 95 %
 (``bounds.binomial_upper``), the criteria that rolled back, and how close the loss curves came to the noise floor
@@ -79,7 +81,13 @@ def run_one(model: str, seed: int, base: dict, work: Path) -> Outcome:
     values = _project.params(repo)
     t0 = time.monotonic()
     for stage in (s for s in _project.plan(values, repo) if s.name in STAGES):
-        _project.run(stage.argv(), repo, timeout=1800)
+        proc = _project.run(stage.argv(), repo, check=stage.name != "freeze", timeout=1800)
+        if proc.returncode == 2:  # freeze refused this seed's FP32 as a baseline (a quality below min_quality): no trial
+            refusal = proc.stderr.strip().splitlines()[-1].removeprefix("error: ").split(",")[0]
+            shutil.rmtree(repo, ignore_errors=True)
+            return Outcome(model, seed, "refused", (refusal,), math.nan, math.nan, time.monotonic() - t0)
+        if proc.returncode != 0:
+            raise AssertionError(f"{stage.name} exited {proc.returncode}\n{proc.stderr[-4000:]}")
     decision = json.loads((repo / f"data/decision/{VARIANT}/decision.json").read_text())
     ratios = _ratios(repo)
     shutil.rmtree(repo, ignore_errors=True)
@@ -103,12 +111,15 @@ def table(outcomes: list[Outcome], confidence: float) -> str:
             "loss-gap ratio to FP32's, mean gap: median / max | largest gap: median / max |",
             "|---|---|---|---|---|---|---|---|"]
     for model in dict.fromkeys(o.model for o in outcomes):
-        mine = [o for o in outcomes if o.model == model]
+        mine = [o for o in outcomes if o.model == model and o.decision != "refused"]
         n, k = len(mine), sum(o.decision == "rollback" for o in mine)
         causes = collections.Counter(c for o in mine for c in o.criteria)
         named = "; ".join(f"{c} ({count})" for c, count in causes.most_common()) or "none"
+        refused = [o.seed for o in outcomes if o.model == model and o.decision == "refused"]
+        seeds = f"{n}" + (f" (+{len(refused)} refused at freeze: seed {', '.join(map(str, refused))})" if refused else "")
         spread = [_spread([getattr(o, side) for o in mine]) for side in ("mean_ratio", "max_ratio")]
-        rows.append(f"| {model} | {n} | {k} | {k / n:.1%} | {binomial_upper(k, n, confidence):.1%} | {named} | "
+        rate = f"{k / n:.1%}" if n else "n/a"
+        rows.append(f"| {model} | {seeds} | {k} | {rate} | {binomial_upper(k, n, confidence):.1%} | {named} | "
                     f"{spread[0]} | {spread[1]} |")
     return "\n".join(rows)
 
@@ -118,24 +129,35 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(finite):.2f} / {max(finite):.2f}" if finite else "n/a"
 
 
+def _say(o: Outcome) -> None:
+    why = f": {'; '.join(o.criteria)}" if o.criteria else ""
+    ratios = f"loss-gap ratios {o.mean_ratio:.2f} mean, {o.max_ratio:.2f} largest; " if o.decision != "refused" else ""
+    print(f"{o.model} seed {o.seed}: {o.decision}{why} ({ratios}{o.seconds:.0f} s)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=20, help="seeds per model: 0 .. N-1 (default 20)")
+    parser.add_argument("--seeds", type=int, default=20, help="judged seeds per model, from 0 (default 20)")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--jobs", type=int, default=2, help="seeds run at once, one thread each (default 2)")
     parser.add_argument("--confidence", type=float, default=0.95)
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="amp-false-rollback-"))
-    todo = [(m, s, MODELS[m]()) for m in args.models for s in range(args.seeds)]
+    bases = {m: MODELS[m]() for m in args.models}
+    outcomes: list[Outcome] = []
     t0 = time.monotonic()
     try:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            outcomes = []
-            for o in pool.map(lambda job: run_one(*job, work), todo):
-                outcomes.append(o)
-                why = f": {'; '.join(o.criteria)}" if o.criteria else ""
-                print(f"{o.model} seed {o.seed}: {o.decision}{why} (loss-gap ratios {o.mean_ratio:.2f} mean, "
-                      f"{o.max_ratio:.2f} largest; {o.seconds:.0f} s)", flush=True)
+            for model in args.models:  # seeds 0, 1, ... until N are judged (a seed freeze refuses is replaced, up to 2N)
+                seed = 0
+                while (judged := sum(o.model == model and o.decision != "refused" for o in outcomes)) < args.seeds:
+                    if seed >= 2 * args.seeds:
+                        break
+                    todo = range(seed, min(seed + args.seeds - judged, 2 * args.seeds))
+                    seed = todo.stop
+                    for o in pool.map(lambda s, m=model: run_one(m, s, bases[m], work), todo):
+                        outcomes.append(o)
+                        _say(o)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\nFP32 against FP32 ({VARIANT}), {time.monotonic() - t0:.0f} s:\n")
