@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from pipeline.compare.trajectory import trajectory_gap, update_health
+from pipeline.compare.trajectory import (final_loss, reach_step, trajectory_gap, update_health, updates_to_fp32_loss,
+                                         updates_to_loss)
 
 
 def test_trajectory_gap_band_and_nonfinite():
@@ -67,3 +68,59 @@ def test_noise_floor_is_the_replicate_against_the_run_it_repeats_not_the_skip_al
     with pytest.raises(ValueError, match="replicate_of"):
         trajectory_gap(losses, losses, 1.0, 0.0, replicate_loss=losses, replicate_of=losses[:3])
 
+
+
+# --- updates to reach FP32's final loss (issue 48, item 3) ----------------------------------------------------------
+
+
+def test_updates_to_a_loss_count_the_first_smoothed_crossing_in_real_updates():
+    losses = [4.0, 3.0, 2.0, 1.0, 1.0, 1.0]
+    assert updates_to_loss(losses, [False] * 6, 1.0, window=1) == 4  # step 3, the 4th update
+    # Smoothed as the final loss is: the mean of the 2 steps up to each one reaches 1.0 only at step 4.
+    assert reach_step(losses, 1.0, 2) == 4 and updates_to_loss(losses, [False] * 6, 1.0, 2) == 5
+    # One noisy batch under the target does not reach it: its window's mean is above.
+    noisy = [4.0, 0.5, 3.0, 2.0, 1.0, 1.0]
+    assert reach_step(noisy, 1.0, 1) == 1 and reach_step(noisy, 1.0, 2) == 5
+    # A skipped update is no real update: two skips before the crossing leave 2 of its 4 steps.
+    assert updates_to_loss(losses, [True, False, True, False, False, False], 1.0, 1) == 2
+    # Never: None; a non-finite loss keeps its windows out.
+    assert updates_to_loss(losses, [False] * 6, 0.5, 1) is None
+    assert reach_step([4.0, math.inf, 0.5, 0.5], 1.0, 2) == 3
+    with pytest.raises(ValueError, match="skip flags"):
+        updates_to_loss(losses, [False], 1.0, 1)
+
+
+def test_the_reference_reaches_its_own_final_loss_at_its_end_at_the_latest():
+    ref = [3.0 - 0.01 * i for i in range(100)]  # falling to the end: its smoothed curve gets there at the last step
+    assert final_loss(ref, [ref]).window == 10 and updates_to_loss(ref, [False] * 100, final_loss(ref, [ref]).amp, 10) == 100
+
+
+def test_updates_to_fp32_loss_for_the_trial_and_each_replicate():
+    n = 20  # window 2
+    ref = [2.0 - 0.05 * i for i in range(n)]  # final loss: mean of 1.10 and 1.05 = 1.075
+    slow = [2.0 - 0.04 * i for i in range(n)]  # never below 1.24
+    fast = [2.0 - 0.1 * i for i in range(n)]  # mean of steps 8 and 9: 1.15; of 9 and 10: 1.05 -> step 10
+    skips = [True, True] + [False] * (n - 2)
+    r = updates_to_fp32_loss((fast, skips), (ref, [False] * n), [(slow, [False] * n), (ref, [False] * n)])
+    assert r.target == pytest.approx(1.075) and r.window == 2 and r.of == n - 2
+    assert (r.amp, r.amp_steps, r.fp32, r.fp32_replicates) == (9, 11, n, (None, n))  # 11 steps, 2 of them skipped
+    assert updates_to_fp32_loss((slow, [False] * n), (ref, [False] * n)).amp is None
+    assert updates_to_fp32_loss((fast, skips), (ref[:-1] + [math.nan], [False] * n)) is None  # nothing to reach
+
+
+def test_compare_records_the_updates_to_fp32s_final_loss_against_the_reference_not_the_aligned_run():
+    from _steps import step
+    from pipeline.artifacts.comparison import Training
+    from pipeline.compare.streams import Trajectories, training_stats
+    from pipeline.config import AcceptanceConfig
+
+    losses = [5.0 - 0.2 * i for i in range(12)]  # window 2: FP32's final loss 2.9
+    reference = [step(i, v) for i, v in enumerate(losses)]
+    replicate = [step(i, v + 0.01 * (-1) ** i) for i, v in enumerate(losses)]
+    aligned = [step(i, v + (0.3 if i else 0.0)) for i, v in enumerate(losses)]
+    trial = [step(i, v - 0.2, skipped=i == 0) for i, v in enumerate(losses)]  # one step ahead, its first update skipped
+    t = training_stats(AcceptanceConfig(), Trajectories(reference, trial, 1024.0, True, replicate, aligned))
+    reach = t.updates_to_fp32_loss
+    assert reach.target == pytest.approx(2.9) and (reach.amp, reach.amp_steps, reach.of) == (10, 11, 11)
+    assert reach.fp32 == 12 and reach.fp32_replicates == (12,)
+    assert Training.from_dict(t.as_dict()) == t and t.as_dict()["updates_to_fp32_loss"]["fp32_replicates"] == [12]

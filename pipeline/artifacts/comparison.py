@@ -20,7 +20,7 @@ API:
     summary(stats: Stats) -> dict        flat numbers, written as summary.json
     Stats.from_dict(d) / Stats.as_dict()
     Stats.values[name]: ValueGap    .flips, .heads[name]: Decisions    .distribution: Distribution | None
-    Stats.quality: Quality    .training: Training (.noise: Noise | None)    .nonfinite: NonFiniteSides
+    Stats.quality: Quality    .training: Training (.noise: Noise | None, .updates_to_fp32_loss)    .nonfinite: NonFiniteSides
     Stats.arbiter[name]: Arbiter | None    .regression[side]: RegressionErrors | None    .outputs: OutputsInfo
     Stats.max_abs_gap
 """
@@ -348,6 +348,27 @@ class FinalLoss(Record):
 
 
 @dataclass(frozen=True)
+class UpdatesToLoss(Record):
+    """How many real updates each run needed to reach FP32's final loss (``target``, the reference's ``FinalLoss``): the
+    first step at which its loss, averaged over the ``window`` steps up to it (as ``FinalLoss`` averages the last
+    ones), is at or below ``target``; None when it never is (``compare.trajectory.updates_to_fp32_loss``)."""
+
+    target: float
+    window: int
+    of: int
+    """The trial's real updates in all."""
+    amp: int | None
+    """The trial's real updates through the step that reached ``target`` (a skipped update is no real one)."""
+    amp_steps: int | None
+    """The trial's steps through that step, skipped ones included: each costs a step's time."""
+    fp32: int | None
+    """The reference's, by the same rule: at its last step at the latest (its smoothed loss there IS ``target``),
+    earlier where its averaged curve dipped to it before."""
+    fp32_replicates: tuple[int | None, ...]
+    """Each FP32 replicate's, on its own data order: how far FP32 itself moves (empty where none ran)."""
+
+
+@dataclass(frozen=True)
 class UpdateHealth(Record):
     """Whether the trial's updates were real (``compare.trajectory.update_health``)."""
 
@@ -374,13 +395,16 @@ class Training(UpdateHealth, LossGap):
     """The trial's trajectory against the reference's (or FP32 aligned on its skips) and its updates' health:
     one flat section in the file, the loss gap's fields and the health's, and how the trial ran."""
 
-    ABSENT = ("noise", "final")
+    ABSENT = ("noise", "final", "updates_to_fp32_loss")
 
     scaler_enabled: bool
     aligned_on_skips: bool
     first_nonfinite_reference_step: int
     final: FinalLoss | None = None
     """The final losses, where FP32 replicates ran."""
+    updates_to_fp32_loss: UpdatesToLoss | None = None
+    """The real updates the trial, the reference and each replicate needed to reach FP32's final loss (benchmark's time
+    to quality); absent where the reference's final loss is not finite."""
 
     @classmethod
     def of(cls, gap: LossGap, health: UpdateHealth, **run) -> "Training":

@@ -43,7 +43,7 @@ from pipeline.compare.decisions import (DecisionStats, PerCase, first_crossing, 
                                         regression_flips, sign_flips)
 from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite, broken
 from pipeline.compare.quality import QualityStats, regression_errors
-from pipeline.compare.trajectory import calibration_steps, final_loss, trajectory_gap, update_health
+from pipeline.compare.trajectory import calibration_steps, final_loss, trajectory_gap, update_health, updates_to_fp32_loss
 from pipeline.config import METRICS, POSITION_NAMES, PROBABILITY_NAMES, AcceptanceConfig, CompareConfig, TaskConfig, primary_name
 from pipeline.errors import UserError
 from pipeline.task import (IGNORE_INDEX, binary_targets, judged_positions, labelled_positions, mask_padding, masked_targets,
@@ -788,8 +788,12 @@ def training_stats(rule: AcceptanceConfig, runs: Trajectories) -> Training:
     first_bad_reference = next((i for i, s in enumerate(runs.reference) if not math.isfinite(s.loss)), -1)
     fp32 = [[s.loss for s in runs.reference], *([replicate] if replicate is not None else []), *more]
     final = final_loss(trial_loss, fp32) if replicate is not None else None  # FP32's spread needs a replicate
+    # Time to quality (benchmark): against the reference itself, never the skip-aligned run (the target is FP32's end).
+    replicates = [r for r in (runs.replicate, *runs.more_replicates) if r is not None]
+    reach = updates_to_fp32_loss((trial_loss, skipped), ([s.loss for s in runs.reference], [s.skipped for s in runs.reference]),
+                                 [([s.loss for s in r], [s.skipped for s in r]) for r in replicates])
     return Training.of(gap, health, scaler_enabled=runs.scaler_enabled, aligned_on_skips=runs.aligned is not None,
-                       first_nonfinite_reference_step=first_bad_reference, final=final)
+                       first_nonfinite_reference_step=first_bad_reference, final=final, updates_to_fp32_loss=reach)
 
 
 def case_table_rows(ids: list[str], kinds: list[str], flips: Decisions, row_gap: torch.Tensor, per_case: PerCase | None,

@@ -1,7 +1,7 @@
 """The training side of the comparison: the trial's loss trajectory against the reference's, and its updates' health.
 
 Plain sequences in (one loss per step; skips, scales, non-finite flags), the typed sections of
-``artifacts.comparison`` out (``LossGap``, ``UpdateHealth``).
+``artifacts.comparison`` out (``LossGap``, ``UpdateHealth``, ``FinalLoss``, ``UpdatesToLoss``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from pipeline.artifacts.comparison import FinalLoss, LossGap, Noise, UpdateHealth
+from pipeline.artifacts.comparison import FinalLoss, LossGap, Noise, UpdateHealth, UpdatesToLoss
 
 FINAL_SHARE = 0.1
 """The share of a run's last steps whose mean loss is its final loss (at least one step): one step's loss is one batch's,
@@ -28,6 +28,55 @@ def final_loss(trial: Sequence[float], fp32: Sequence[Sequence[float]]) -> Final
         return sum(tail) / len(tail) if tail and all(math.isfinite(v) for v in tail) else math.inf
 
     return FinalLoss(window=window, amp=last(trial), fp32=tuple(last(run) for run in fp32))
+
+
+Run = tuple[Sequence[float], Sequence[bool]]
+"""One run's losses and skip flags, step by step."""
+
+
+def reach_step(losses: Sequence[float], target: float, window: int) -> int | None:
+    """The first step at which the mean loss of the ``window`` steps up to it (a full window, averaged as ``final_loss``
+    averages the last ones: at a run's last step it IS its final loss) is at or below ``target``; None when none is. A
+    non-finite loss keeps every window that holds it out."""
+    values = [float(v) for v in losses]
+    bad = [0]  # non-finite losses before each step, so that a window's finiteness is one subtraction
+    for v in values:
+        bad.append(bad[-1] + (not math.isfinite(v)))
+    for end in range(window, len(values) + 1):
+        if bad[end] == bad[end - window]:
+            tail = values[end - window:end]
+            if sum(tail) / len(tail) <= target:
+                return end - 1
+    return None
+
+
+def updates_to_loss(losses: Sequence[float], skipped: Sequence[bool], target: float, window: int) -> int | None:
+    """The real updates a run made through the first step whose smoothed loss (``reach_step``) is at or below
+    ``target``: its skipped steps are no real update. None when it never gets there."""
+    if len(skipped) != len(losses):
+        raise ValueError(f"{len(losses)} losses but {len(skipped)} skip flags")
+    step = reach_step(losses, target, window)
+    return None if step is None else sum(not s for s in skipped[:step + 1])
+
+
+def updates_to_fp32_loss(trial: Run, reference: Run, replicates: Sequence[Run] = ()) -> UpdatesToLoss | None:
+    """The real updates the trial, the reference and each FP32 replicate needed to reach FP32's final loss (the
+    reference's ``final_loss``, over the trial's window). The replicates' counts, each on its own data order, are how
+    far FP32 itself moves. None where the reference's final loss is not finite: there is nothing to reach."""
+    final = final_loss(trial[0], [reference[0]])
+    target, window = final.fp32[0], final.window
+    if not math.isfinite(target):
+        return None
+    step = reach_step(trial[0], target, window)
+    return UpdatesToLoss(
+        target=target,
+        window=window,
+        of=sum(not s for s in trial[1]),
+        amp=updates_to_loss(*trial, target, window),
+        amp_steps=None if step is None else step + 1,
+        fp32=updates_to_loss(*reference, target, window),
+        fp32_replicates=tuple(updates_to_loss(*run, target, window) for run in replicates),
+    )
 
 
 def trajectory_gap(
