@@ -57,7 +57,9 @@ class Outcome:
     seed: int
     decision: str
     criteria: tuple[str, ...]
-    """The failed criteria, each named by its reason's opening words (``training: loss curve above the noise floor``)."""
+    """The failed criteria (``criterion``)."""
+    reasons: tuple[str, ...]
+    """The decision's reasons, whole (or freeze's refusal)."""
     mean_ratio: float
     """The trial's mean loss gap over the FP32 replicate's (the noise floor allows up to loss_noise_multiple)."""
     max_ratio: float
@@ -65,12 +67,20 @@ class Outcome:
     seconds: float
 
 
+CRITERIA = (  # (words of a reason, the criterion it names), first match wins; any other reason: its opening words
+    ("loss curve above the noise floor", "training: loss curve vs FP32's gap"),
+    ("training: final loss", "training: final loss vs FP32's bound"),
+    ("quality after training", "below minimum", "quality after training: min_quality"),
+    ("quality after training", "", "quality after training: drop vs FP32's bound"),
+)
+
+
 def criterion(reason: str) -> str:
-    """A reason's criterion: its words up to the first figure (``quality after training``, ``training: loss curve ...``)."""
-    head, _, rest = reason.partition(": ")
-    if head == "training":
-        return f"training: {rest.split(' (')[0].split(':')[0]}"
-    return head
+    """The criterion a rollback reason names (``training: final loss vs FP32's bound``)."""
+    for *words, name in CRITERIA:
+        if all(w in reason for w in words):
+            return name
+    return reason.split(": ")[0]
 
 
 def run_one(model: str, seed: int, base: dict, work: Path) -> Outcome:
@@ -85,13 +95,15 @@ def run_one(model: str, seed: int, base: dict, work: Path) -> Outcome:
         if proc.returncode == 2:  # freeze refused this seed's FP32 as a baseline (a quality below min_quality): no trial
             refusal = proc.stderr.strip().splitlines()[-1].removeprefix("error: ").split(",")[0]
             shutil.rmtree(repo, ignore_errors=True)
-            return Outcome(model, seed, "refused", (refusal,), math.nan, math.nan, time.monotonic() - t0)
+            return Outcome(model, seed, "refused", ("refused at freeze",), (refusal,), math.nan, math.nan,
+                           time.monotonic() - t0)
         if proc.returncode != 0:
             raise AssertionError(f"{stage.name} exited {proc.returncode}\n{proc.stderr[-4000:]}")
     decision = json.loads((repo / f"data/decision/{VARIANT}/decision.json").read_text())
     ratios = _ratios(repo)
     shutil.rmtree(repo, ignore_errors=True)
-    return Outcome(model, seed, decision["decision"], tuple(criterion(r) for r in decision["reasons"]), *ratios,
+    reasons = tuple(decision["reasons"])
+    return Outcome(model, seed, decision["decision"], tuple(criterion(r) for r in reasons), reasons, *ratios,
                    time.monotonic() - t0)
 
 
@@ -130,9 +142,10 @@ def _spread(values: list[float]) -> str:
 
 
 def _say(o: Outcome) -> None:
-    why = f": {'; '.join(o.criteria)}" if o.criteria else ""
-    ratios = f"loss-gap ratios {o.mean_ratio:.2f} mean, {o.max_ratio:.2f} largest; " if o.decision != "refused" else ""
-    print(f"{o.model} seed {o.seed}: {o.decision}{why} ({ratios}{o.seconds:.0f} s)", flush=True)
+    ratios = f" (loss-gap ratios {o.mean_ratio:.2f} mean, {o.max_ratio:.2f} largest)" if o.decision != "refused" else ""
+    print(f"{o.model} seed {o.seed}: {o.decision}{ratios}, {o.seconds:.0f} s", flush=True)
+    for reason in o.reasons:
+        print(f"    {reason}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
