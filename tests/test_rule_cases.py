@@ -2486,3 +2486,26 @@ def test_a_minimum_quality_fp32_misses_after_training_again_is_refused_at_freeze
     assert line is not None and "FP32's own replicate (trained again on another data order) reaches accuracy 0.86" in line
     assert "beyond 0.86" in line, line
     assert vet(0.8) is None and vet(None) is None
+
+
+def test_a_noise_floor_one_fp32_replicate_leaves_against_the_others_is_refused_at_freeze():
+    """The A/A of ``loss_noise_multiple``: with two replicates, each is judged as a trial against the floor the other
+    sets. Gaps of 0.01 and 0.05 (5x) would roll back FP32 itself at a multiple of 3: freeze refuses it, naming the
+    multiple FP32 passes; gaps of 0.01 and 0.02 pass; one replicate has nothing to be judged against."""
+    shapes, rms = {"logits": (3,)}, {"logits": 3.0}
+    ref = [step(i, 1.0 - 0.01 * i) for i in range(20)]
+
+    def moved(by):
+        return [step(i, r.loss + (by if i % 2 else -by)) for i, r in enumerate(ref)]
+
+    def vet(*replicates):
+        return rule.vet_rule(AcceptanceConfig(), "classification", shapes, rms, 0.95, "accuracy", True, ref,
+                             replicate=replicates[0], more_replicates=list(replicates[1:]))
+
+    line = vet(moved(0.01), moved(0.05))
+    assert line is not None and "one of FP32's own 2 replicates leaves the noise floor the others set" in line, line
+    assert "(its loss gap to the reference is 5x theirs)" in line and "loss_noise_multiple 5 or more" in line, line
+    assert vet(moved(0.01), moved(0.02)) is None
+    assert vet(moved(0.01)) is None
+    assert rule.vet_rule(AcceptanceConfig(loss_noise_multiple=6.0), "classification", shapes, rms, 0.95, "accuracy", True,
+                         ref, replicate=moved(0.01), more_replicates=[moved(0.05)]) is None
