@@ -417,8 +417,8 @@ def primary_by_order(names) -> list[str]:
     ``logits`` or ends like scores, and several do not say features), else []: a regression's ``{mean, log_var}`` would
     have its quality and loss read from ``log_var``."""
     names = sorted(names)
-    if any(n in (DEFAULT_OUTPUT, "logits") or DECISION_NAMES.search(n) for n in names):
-        return []
+    if any(n in (DEFAULT_OUTPUT, "logits") or DECISION_NAMES.search(n) for n in names) or all(n.isdigit() for n in names):
+        return []  # a tuple's outputs, named by position: its first is the primary, as a model returns it
     values = [n for n in names if not FEATURE_NAMES.search(n)] or names
     return values if len(values) > 1 else []
 

@@ -487,8 +487,8 @@ head) are its outputs and are kept."""
 
 
 def named_outputs(result: Any, entry: str = "task.model") -> dict[str, torch.Tensor]:
-    """A tensor, a dict of named tensors, a Hugging Face ``ModelOutput``, or an object with a tensor ``.logits``;
-    always give a dict, sorted by name.
+    """A tensor, a dict of named tensors, a Hugging Face ``ModelOutput``, a tuple (named by position: ``0``, ``1``...; a
+    named tuple by its fields), or an object with a tensor ``.logits``; always give a dict, sorted by name.
 
     A ``ModelOutput`` (any dataclass) gives every tensor head it returns: YOLOS's ``logits`` and ``pred_boxes``,
     CLIP's ``logits_per_image`` and embeddings (an untested head is no accept), less its losses and scalars and its
@@ -511,11 +511,17 @@ def named_outputs(result: Any, entry: str = "task.model") -> dict[str, torch.Ten
             fields = {k: v for k, v in fields.items() if not STATES.search(k)}
     elif isinstance(result, Mapping):
         fields = {str(k): v for k, v in result.items() if v is not None and k != "loss"}
+    elif isinstance(result, (tuple, list)):
+        # A plain tuple ((logits, features), Hugging Face's return_dict=False) is named by position, the first its
+        # primary; a named tuple by its fields. What is not a tensor of one row per case is an inner state (a cache,
+        # per-layer tuples) or a batch statistic (a loss), as in a ModelOutput.
+        names = getattr(result, "_fields", None) or [str(i) for i in range(len(result))]
+        fields = {str(k): v for k, v in zip(names, result) if torch.is_tensor(v) and v.ndim > 0}
     elif torch.is_tensor(getattr(result, "logits", None)):
         return {"logits": result.logits}
     else:
         raise UserError(
-            f"{entry} returned {type(result).__name__} with no tensor and no .logits; return a tensor, a dict of named "
+            f"{entry} returned {type(result).__name__} with no tensor and no .logits; return a tensor, a tuple, a dict of named "
             f"tensors, or an object with .logits"
         )
     return _tensors(fields, type(result).__name__, entry)

@@ -197,7 +197,7 @@ def test_class_targets_that_are_not_whole_numbers_or_complex_are_refused():
 def test_model_outputs_give_every_head_and_leave_inner_states_out():
     """Hugging Face models (random init): T5's cache and encoder states are not outputs beside its logits; BERT's
     pre-training heads are both outputs, its hidden states are not; a base model's hidden states are its output."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(0))
     small = dict(num_attention_heads=2, intermediate_size=32, vocab_size=50)
     t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(d_model=16, d_kv=8, d_ff=32, num_layers=1,
@@ -236,7 +236,7 @@ def test_a_model_not_in_float32_is_no_reference(tmp_path, monkeypatch):
     autocast or without: its "FP32 reference" is the trial itself, and every trial would be accepted, the verdict saying
     FP32 -> bfloat16 changes nothing. One in float64 is no FP32 reference either (autocast leaves float64 alone). Both
     are refused in one line where the model is built; float32 weights with integer buffers pass."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     config_ = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config_).to(torch.bfloat16).eval()
@@ -257,3 +257,29 @@ def test_a_model_not_in_float32_is_no_reference(tmp_path, monkeypatch):
         with pytest.raises(UserError, match=rf"returned a model with {dtype} weights; the reference is the model in float32"):
             task.build_model(TaskConfig(model="dtype_models_t:gpt2", options={"dtype": dtype}), seed=0)
     assert isinstance(task.build_model(TaskConfig(model="dtype_models_t:gpt2"), seed=0), torch.nn.Module)
+
+
+def test_a_tuple_is_named_by_position_and_its_first_is_the_primary():
+    """Issue 49: a model returning ``(logits, features)``, as many PyTorch models and Hugging Face's ``return_dict=False``
+    do, was refused ("no tensor and no .logits") though the tuple holds two tensors. It is named by position, the first
+    the primary; a named tuple by its fields; what is not a per-case tensor (a loss, per-layer states) is left out."""
+    from collections import namedtuple
+
+    logits, feats = torch.randn(4, 3), torch.randn(4, 8)
+    named = task.named_outputs((logits, feats))
+    assert list(named) == ["0", "1"] and named["0"] is logits
+    assert config.primary_name(named) == "0" and config.primary_by_order(named) == []
+    task.check_outputs(named, "regression", 4, torch.randn(4, 3), "m:build")  # no "name no primary" refusal
+    task.check_outputs(named, "classification", 4, torch.tensor([0, 1, 2, 0]), "m:build")
+    Out = namedtuple("Out", ["scores", "embedding"])
+    assert list(task.named_outputs(Out(logits, feats))) == ["embedding", "scores"]
+    assert list(task.named_outputs((torch.tensor(0.5), logits, ((feats,), (feats,))))) == ["1"]
+    with pytest.raises(UserError, match="returned a tuple with no tensor"):
+        task.named_outputs((None, "text"))
+
+    import transformers
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, num_labels=3))
+    ids = torch.randint(0, 32, (2, 5))
+    out = task.named_outputs(bert(input_ids=ids, return_dict=False))
+    assert list(out) == ["0"] and tuple(out["0"].shape) == (2, 3)
