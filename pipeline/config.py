@@ -37,7 +37,8 @@ class TaskConfig:
     """``module:function`` returning train_x, train_y, eval_x, eval_y (and optional eval_ids, edge_x, edge_ids).
     Inputs are a tensor or a dict of tensors sharing dim 0 (dtypes kept); train_x may be a map-style Dataset."""
     options: dict = field(default_factory=dict)
-    """Keyword arguments given to both functions."""
+    """Keyword arguments given to both functions: at most ``MAX_FREE_FORM_VALUES`` values once YAML aliases are
+    expanded, nested at most ``MAX_FREE_FORM_DEPTH`` deep (an alias bomb, or an alias that holds itself, is refused)."""
     loss: str = "cross_entropy"
     """Training loss: ``cross_entropy`` (classification; targets of -100 ignored), ``mse`` (regression),
     ``model`` (the model's own ``.loss``, targets passed under ``label_key``) or ``module:function``
@@ -136,17 +137,23 @@ def metric_range(name: str) -> tuple[float, float]:
 @dataclass(frozen=True)
 class PrepareConfig:
     ordinary_cases: int = 256
-    """How many evaluation samples enter the fixed set, in the order the data function gives them."""
+    """How many evaluation samples enter the fixed set, in the order the data function gives them (at most
+    ``MAX_CASES``)."""
     edge_scales: list[float] = field(default_factory=lambda: [1.0e-4, 100.0])
     """Each ordinary sample chosen for edge cases is also scaled by each factor (extreme magnitudes)."""
     edge_samples: int = 4
-    """How many ordinary samples are scaled for edge cases."""
+    """How many ordinary samples are scaled for edge cases (at most ``MAX_CASES``)."""
 
     def check(self, key: str) -> None:
-        _positive(self.ordinary_cases, f"{key}.ordinary_cases")
-        _non_negative(self.edge_samples, f"{key}.edge_samples")
+        _count(self.ordinary_cases, f"{key}.ordinary_cases", MAX_CASES, CASES_WHY, least=1)
+        _count(self.edge_samples, f"{key}.edge_samples", MAX_CASES, CASES_WHY)
         for i, s in enumerate(self.edge_scales):
             _positive(s, f"{key}.edge_scales[{i}]")
+
+
+MAX_CASES = 10**7
+CASES_WHY = "every case is inferred and stored by freeze and each trial"
+"""A bound on the cases of the fixed set: ten million is beyond any fixed set validated on one node."""
 
 
 @dataclass(frozen=True)
@@ -172,11 +179,13 @@ class LrSchedule:
 class ReferenceConfig:
     train_steps: int = 60
     """Optimizer updates (steps) of the FP32 reference training (the trial repeats exactly these); each
-    step consumes ``grad_accumulation`` micro-batches."""
+    step consumes ``grad_accumulation`` micro-batches. At most ``MAX_MICRO_BATCHES`` micro-batches in all: their
+    order is drawn, and each step recorded, before and while training, in memory."""
     batch_size: int = 64
-    """Micro-batch size; batches are drawn in a fixed order from ``seed``."""
+    """Micro-batch size; batches are drawn in a fixed order from ``seed`` (at most ``MAX_BATCH_SIZE``)."""
     grad_accumulation: int = 1
-    """Micro-batches per optimizer update: gradients add up, then one ``unscale_``, clip and step."""
+    """Micro-batches per optimizer update: gradients add up, then one ``unscale_``, clip and step (at most
+    ``MAX_GRAD_ACCUMULATION``)."""
     optimizer: str = "sgd"
     """``sgd``, ``adam``, ``adamw``, or ``module:function`` called with the model's parameters and
     returning a ``torch.optim.Optimizer`` (then lr, momentum, betas and weight_decay here are not used)."""
@@ -197,7 +206,8 @@ class ReferenceConfig:
     checkpoint_every: int = 20
     """Save a resumable checkpoint every this many steps (0 disables)."""
     boundary_cases: int = 8
-    """Decision-boundary cases from the trained reference (classification only)."""
+    """Decision-boundary cases from the trained reference (classification only; at most ``MAX_BOUNDARY_CASES``:
+    each bisection costs some twenty forward passes)."""
     boundary_method: Literal["auto", "bisect", "select"] = "auto"
     """``bisect`` between ordinary inputs the reference classifies differently (floating inputs only);
     ``select`` the ordinary samples with the smallest reference top-2 margin (any input); ``auto``:
@@ -217,12 +227,18 @@ class ReferenceConfig:
     """Cases of the fixed set (its first N, in order) that freeze re-runs in float64, the FP64 check's arbiter: a full
     float64 forward, on the CPU. 0: none; null (auto): every case while their float64 outputs hold at most
     ``inference.FP64_AUTO_ELEMENTS`` elements, else the first cases that fit. Not part of the reference's run key:
-    it changes no training."""
+    it changes no training. At most ``MAX_CASES``."""
 
     def check(self, key: str) -> None:
-        _positive(self.train_steps, f"{key}.train_steps")
-        _positive(self.batch_size, f"{key}.batch_size")
-        _positive(self.grad_accumulation, f"{key}.grad_accumulation")
+        _count(self.train_steps, f"{key}.train_steps", MAX_MICRO_BATCHES, MICRO_BATCHES_WHY, least=1)
+        _count(self.batch_size, f"{key}.batch_size", MAX_BATCH_SIZE, "samples in one micro-batch", least=1)
+        _count(self.grad_accumulation, f"{key}.grad_accumulation", MAX_GRAD_ACCUMULATION, "micro-batches per update",
+               least=1)
+        if self.train_steps * self.grad_accumulation > MAX_MICRO_BATCHES:
+            raise UserError(
+                f"params.yaml: {key}.train_steps x grad_accumulation is {self.train_steps * self.grad_accumulation:,} "
+                f"micro-batches; give at most {MAX_MICRO_BATCHES:,} ({MICRO_BATCHES_WHY})"
+            )
         if self.optimizer not in OPTIMIZERS and not _ENTRY_POINT.match(self.optimizer):
             raise UserError(
                 f"params.yaml: {key}.optimizer is {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)} or 'module:function'"
@@ -239,15 +255,25 @@ class ReferenceConfig:
         if self.replicates > MAX_REPLICATES:
             raise UserError(f"params.yaml: {key}.replicates is {self.replicates}; give at most {MAX_REPLICATES} (each is "
                             f"one more FP32 training; 4 already give Student's t 2.1 at 0.95)")
-        _non_negative(self.boundary_cases, f"{key}.boundary_cases")
+        _count(self.boundary_cases, f"{key}.boundary_cases", MAX_BOUNDARY_CASES, "each is bisected with the trained model")
         _positive(self.boundary_epsilon, f"{key}.boundary_epsilon")
         if self.fp64_arbiter is not None:
-            _non_negative(self.fp64_arbiter, f"{key}.fp64_arbiter")
+            _count(self.fp64_arbiter, f"{key}.fp64_arbiter", MAX_CASES, CASES_WHY)
         self.lr_schedule.check(f"{key}.lr_schedule")
 
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 MAX_REPLICATES = 16
+MAX_MICRO_BATCHES = 10**7
+"""Ten million micro-batches (train_steps x grad_accumulation): weeks of training on one node at 0.1 s each, and
+their drawn order alone (``training.update_batches``) holds some 2 GB; 1e12 ended in a MemoryError."""
+MICRO_BATCHES_WHY = "the order of every micro-batch is drawn in memory before training"
+MAX_BATCH_SIZE = 10**7
+"""Ten million samples per micro-batch: beyond what one node's memory holds for any model."""
+MAX_GRAD_ACCUMULATION = 10**4
+"""Ten thousand micro-batches per update: beyond any recipe's effective batch."""
+MAX_BOUNDARY_CASES = 10**5
+"""A hundred thousand decision-boundary cases: some two million forward passes of bisection at freeze."""
 RENAMED = {"reference.noise_replicate": "reference.replicates (0 = none, N = N FP32 replicates; true was 1)"}
 
 
@@ -269,7 +295,8 @@ class Policy:
     """A torchao float8 training recipe for the model's linear layers (``pip install amp-validation[fp8]``):
     real kernels on GPUs of capability 8.9 and newer, the same casts emulated in software elsewhere."""
     fp32_modules: tuple[str, ...] = ()
-    """Qualified module names run outside autocast (inputs cast to float32). A changed list is a new trial."""
+    """Qualified module names run outside autocast (inputs cast to float32). A changed list is a new trial. Each
+    printable, at most ``MAX_MODULE_NAME`` characters (they reach manifests, MLflow and the report)."""
     data_order: Literal["reference", "swapped"] = "reference"
     """``swapped``: FP32 trained again on another data order than the reference's and its replicate's
     (``training.trial_order``), nothing else changed: the rule's A/A, whose verdict should be accept. Only with
@@ -309,6 +336,8 @@ class Policy:
         return build(cls, raw, "policy")
 
     def check(self, key: str) -> None:
+        for i, module in enumerate(self.fp32_modules):
+            _printable(module, f"{key}.fp32_modules[{i}]", MAX_MODULE_NAME)
         twice = sorted({m for m in self.fp32_modules if self.fp32_modules.count(m) > 1})
         if twice:
             raise UserError(
@@ -326,7 +355,13 @@ class Policy:
             )
 
 
+MAX_MODULE_NAME = 500
+"""A qualified module name (``model.encoder.layers.31.self_attn.q_proj``) is some fifty characters; ten times that
+is no module's."""
 _VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a DVC stage suffix and a folder name
+MAX_VARIANT_NAME = 64
+"""A variant's name becomes a DVC stage (decide@NAME), folders, files and MLflow run names and param keys
+(``trial.policies.NAME.fp32_modules``, within MLflow's 250 characters)."""
 
 
 def _default_policies() -> dict:
@@ -336,7 +371,9 @@ def _default_policies() -> dict:
 @dataclass(frozen=True)
 class TrialConfig:
     variants: list[str] = field(default_factory=lambda: list(DTYPES))
-    """The trials that run, by name (each is one variant of every per-variant stage: trial@NAME, compare@NAME...)."""
+    """The trials that run, by name (each is one variant of every per-variant stage: trial@NAME, compare@NAME...).
+    A name is a DVC stage suffix, a folder and an MLflow run: letters, digits, '_', '.' and '-', at most
+    ``MAX_VARIANT_NAME`` characters."""
     policies: dict[str, Policy] = field(default_factory=_default_policies)
     """Every named policy; only those listed in ``variants`` run. Stage trial@NAME depends on its own entry only."""
 
@@ -349,6 +386,8 @@ class TrialConfig:
     def check(self, key: str) -> None:
         if not self.variants:
             raise UserError(f"params.yaml: {key}.variants is empty; list at least one of {sorted(self.policies)}")
+        for i, name in enumerate(self.variants):
+            _printable(name, f"{key}.variants[{i}]", MAX_VARIANT_NAME)
         if len(set(self.variants)) != len(self.variants):
             raise UserError(f"params.yaml: {key}.variants lists a name twice; list each once")
         for name in self.variants:
@@ -358,6 +397,7 @@ class TrialConfig:
                     f"{key}.policies.{name}: {{dtype: ...}}, or use one of {sorted(self.policies)}"
                 )
         for name, policy in self.policies.items():
+            _printable(name, f"{key}.policies name", MAX_VARIANT_NAME)
             if not _VARIANT_NAME.match(name):
                 raise UserError(
                     f"params.yaml: {key}.policies name {name!r} cannot name a DVC stage and a folder; use letters, "
@@ -628,20 +668,30 @@ class CompareConfig:
 
     chunk_elements: int = 4_000_000
     """Output elements per chunk: compare holds one chunk of the reference, the trial and the FP64 arbiter
-    (16 MB each in float32, plus a few temporaries of that size), whatever the fixed set's size."""
+    (16 MB each in float32, plus a few temporaries of that size), whatever the fixed set's size. At most
+    ``MAX_CHUNK_ELEMENTS``."""
     table_rows: int = 100
-    """The per-case table keeps every flipped case and this many worst others (largest gap, or KL per token)."""
+    """The per-case table keeps every flipped case and this many worst others (largest gap, or KL per token; at most
+    ``MAX_LISTED``)."""
     max_listed_flips: int = 10_000
-    """Per-token outputs: most flipped tokens listed one by one in stats.json (their count stays exact)."""
+    """Per-token outputs: most flipped tokens listed one by one in stats.json (their count stays exact; at most
+    ``MAX_LISTED``)."""
     store: Literal["full", "compact", "auto"] = "auto"
     """How freeze and trial@NAME store per-token float32 scores [N, T, V]: ``full`` (4 bytes per entry), ``compact``
     (2 bytes: ``artifacts.compact``; decisions exact, KL within the bound stats.json gives, which the rule adds) or
     ``auto`` (compact above 1 GiB per source). Other outputs are always stored full; compare reads either."""
 
     def check(self, key: str) -> None:
-        _positive(self.chunk_elements, f"{key}.chunk_elements")
-        _non_negative(self.table_rows, f"{key}.table_rows")
-        _non_negative(self.max_listed_flips, f"{key}.max_listed_flips")
+        _count(self.chunk_elements, f"{key}.chunk_elements", MAX_CHUNK_ELEMENTS,
+               "4 GB per float32 copy, and compare holds several", least=1)
+        _count(self.table_rows, f"{key}.table_rows", MAX_LISTED, "each row is written to cases.json")
+        _count(self.max_listed_flips, f"{key}.max_listed_flips", MAX_LISTED, "each is written to stats.json")
+
+
+MAX_CHUNK_ELEMENTS = 10**9
+"""A billion elements per chunk: 4 GB per float32 copy, and compare holds several at once."""
+MAX_LISTED = 10**6
+"""A million rows or flips listed one by one: a JSON file of a few hundred MB, more than anyone reads."""
 
 
 @dataclass(frozen=True)
@@ -657,15 +707,21 @@ class BenchConfig:
     """Rounds: each times every variant (FP32, TF32 where the GPU has it, AMP) in rotating order, and each
     memory probe records one peak per round; medians, IQRs and per-round ratios come from these."""
     steps: int | None = None
-    """Back-to-back training steps per round, timed together (one clock reading per round)."""
+    """Back-to-back training steps per round, timed together (one clock reading per round). ``warmup``, ``repeats``
+    and ``steps`` are each at most ``MAX_BENCH_COUNT``."""
 
     def check(self, key: str) -> None:
+        why = "each is one more timed training step or round per variant"
         if self.warmup is not None:
-            _non_negative(self.warmup, f"{key}.warmup")
+            _count(self.warmup, f"{key}.warmup", MAX_BENCH_COUNT, why)
         if self.repeats is not None:
-            _positive(self.repeats, f"{key}.repeats")
+            _count(self.repeats, f"{key}.repeats", MAX_BENCH_COUNT, why, least=1)
         if self.steps is not None:
-            _positive(self.steps, f"{key}.steps")
+            _count(self.steps, f"{key}.steps", MAX_BENCH_COUNT, why, least=1)
+
+
+MAX_BENCH_COUNT = 10**5
+"""A hundred thousand warm-up steps, rounds or steps per round: hours of timing per variant on a GPU already."""
 
 
 @dataclass(frozen=True)
@@ -675,20 +731,31 @@ class DistributedConfig:
     nproc_per_node: int = 1
     """Ranks on this machine. 1: one process, as always. N > 1: the stage re-runs itself under
     ``torchrun --standalone --nproc_per_node N`` with DistributedDataParallel (gloo on CPU, NCCL/RCCL on GPUs,
-    one GPU per rank); reference.batch_size stays the global batch and must be divisible by N."""
+    one GPU per rank); reference.batch_size stays the global batch and must be divisible by N. At most
+    ``MAX_NPROC_PER_NODE``."""
 
     def check(self, key: str) -> None:
-        _positive(self.nproc_per_node, f"{key}.nproc_per_node")
+        _count(self.nproc_per_node, f"{key}.nproc_per_node", MAX_NPROC_PER_NODE,
+               "one process per rank, each with its own copy of the model", least=1)
+
+
+MAX_NPROC_PER_NODE = 64
+"""Sixty-four ranks on one machine: a node holds 8 to 16 GPUs, and each CPU rank holds a copy of the model."""
 
 
 @dataclass(frozen=True)
 class TrackingConfig:
     experiment: str = "amp-validation"
-    """MLflow experiment name."""
+    """MLflow experiment name: printable (no control characters), at most ``MAX_EXPERIMENT_NAME`` characters."""
 
     def check(self, key: str) -> None:
         if not self.experiment.strip():
             raise UserError(f"params.yaml: {key}.experiment is empty; give the MLflow experiment a name")
+        _printable(self.experiment, f"{key}.experiment", MAX_EXPERIMENT_NAME)
+
+
+MAX_EXPERIMENT_NAME = 500
+"""MLflow's own limit on an experiment's name (``mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH``)."""
 
 
 @dataclass(frozen=True)
@@ -701,13 +768,18 @@ class DiagnoseConfig:
     tiny trial), ``on_failure`` (a healthy trial then costs a JSON read), or ``never``."""
     search_budget: int = 4
     """Most trial re-runs (inference and training under a candidate ``fp32_modules``) the FP32-region
-    search may spend; 0 still locates the first non-finite value but checks no suggestion."""
+    search may spend; 0 still locates the first non-finite value but checks no suggestion. At most
+    ``MAX_SEARCH_BUDGET``."""
     max_cases: int = 16
-    """Most failing fixed-set cases replayed when locating a non-finite output."""
+    """Most failing fixed-set cases replayed when locating a non-finite output (at most ``MAX_CASES``)."""
 
     def check(self, key: str) -> None:
-        _non_negative(self.search_budget, f"{key}.search_budget")
-        _positive(self.max_cases, f"{key}.max_cases")
+        _count(self.search_budget, f"{key}.search_budget", MAX_SEARCH_BUDGET, "each is one more trial re-run")
+        _count(self.max_cases, f"{key}.max_cases", MAX_CASES, "each failing case is replayed", least=1)
+
+
+MAX_SEARCH_BUDGET = 1000
+"""A thousand trial re-runs: each is a whole trial; more than a model has modules worth running in FP32."""
 
 
 @dataclass(frozen=True)
@@ -720,7 +792,8 @@ class Params:
     threads: int | None = 1
     """CPU threads of every stage (intra-op; inter-op too), applied before torch starts. CPU float sums are
     blocked by thread, so another count changes the bytes of every output; 1 makes the CPU example
-    reproduce on any machine. null: torch's default (one per core), faster, bytes then tied to the core count."""
+    reproduce on any machine. null: torch's default (one per core), faster, bytes then tied to the core count.
+    At most ``MAX_THREADS``."""
     task: TaskConfig = field(default_factory=TaskConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
@@ -737,7 +810,8 @@ class Params:
         if self.seed >= 2**63:  # torch's generators take 64 bits, and the runs derive seeds from it (seed + 1...)
             raise UserError(f"params.yaml: seed is {self.seed}; give one below 2**63 (9223372036854775808)")
         if self.threads is not None:
-            _positive(self.threads, "threads")
+            _count(self.threads, "threads", MAX_THREADS, "more than any one machine has cores; null takes one per core",
+                   least=1)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if dataclasses.is_dataclass(value):
@@ -751,6 +825,12 @@ class Params:
                 "reference.replicates: 0 does not measure; set replicates: 2, or loss_noise_multiple: null "
                 "and loss_noise_atol: null to judge training by a fixed band (loss_atol) alone"
             )
+
+
+MAX_THREADS = 1024
+"""A fixed ceiling, not the core count of the machine that reads params.yaml: ``threads`` is a DVC param that changes
+the bytes of every CPU output, and one file must load alike everywhere. 1024 is above the logical cores of any one
+node today (two 192-core sockets with SMT: 768); 1,000,000 died inside libgomp."""
 
 
 def compiled_variants(params: "Params") -> list[str]:
@@ -938,6 +1018,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if hint is dict:
         if not isinstance(value, dict):
             raise UserError(f"params.yaml: {key} must be a mapping, got {_show(value)}")
+        _check_free_form(value, key)
         return value
     if dataclasses.is_dataclass(hint):
         return build(hint, value, key)
@@ -964,6 +1045,42 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     raise AssertionError(f"unsupported type {hint!r} for {key}")
 
 
+MAX_FREE_FORM_VALUES = 10_000
+"""Values a free-form mapping (``task.options``) may hold once YAML aliases are expanded: keyword arguments, a few
+dozen in practice. YAML shares an aliased node, so nine nested lists of ten aliases are a billion values to
+anything that copies or hashes them (``dataclasses.asdict``, the run key): that hung freeze."""
+MAX_FREE_FORM_DEPTH = 32
+"""Nesting of a free-form mapping: an alias that holds itself (``&x [1, *x]``) nests without end."""
+
+
+def _check_free_form(value: Any, key: str) -> None:
+    """Refuse a free-form value (kept as YAML gave it) that expands past ``MAX_FREE_FORM_VALUES`` values or nests past
+    ``MAX_FREE_FORM_DEPTH``; walks at most that many values, so an alias bomb costs nothing here.
+
+    Raises:
+        UserError: naming the key where the budget ran out.
+    """
+    left = MAX_FREE_FORM_VALUES
+    stack: list[tuple[Any, str, int]] = [(value, key, 0)]
+    while stack:
+        node, name, depth = stack.pop()
+        left -= 1
+        if left < 0:
+            raise UserError(
+                f"params.yaml: {key} holds more than {MAX_FREE_FORM_VALUES:,} values once its YAML aliases (*name) are "
+                f"expanded (at {name}); write the values out, or load large data in the task's own function"
+            )
+        if depth > MAX_FREE_FORM_DEPTH:
+            raise UserError(
+                f"params.yaml: {key} nests more than {MAX_FREE_FORM_DEPTH} levels deep (at {name[:len(key) + 40]}...: a "
+                f"YAML alias that holds itself?); flatten it"
+            )
+        if isinstance(node, dict):
+            stack.extend((v, _join(name, str(k)), depth + 1) for k, v in reversed(node.items()))
+        elif isinstance(node, list):
+            stack.extend((v, f"{name}[{i}]", depth + 1) for i, v in reversed(list(enumerate(node))))
+
+
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
@@ -980,6 +1097,26 @@ def _positive(value: float, key: str) -> None:
 def _non_negative(value: float, key: str) -> None:
     if value < 0:
         raise UserError(f"params.yaml: {key} is {value}; it must be 0 or more")
+
+
+def _count(value: int, key: str, limit: int, why: str, least: int = 0) -> None:
+    """A count that allocates or runs per unit: at least ``least`` (0 or 1), at most ``limit`` (``why``: what each
+    unit costs), so that a typo (``1e12``) is refused in one line instead of ending in a MemoryError hours later."""
+    (_positive if least else _non_negative)(value, key)
+    if value > limit:
+        raise UserError(f"params.yaml: {key} is {value:,}; give at most {limit:,} ({why})")
+
+
+def _printable(value: str, key: str, limit: int) -> None:
+    """A name that reaches other systems (MLflow, DVC, folders, the report): printable and at most ``limit`` long."""
+    if not value.isprintable():
+        char = next(c for c in value if not c.isprintable())
+        raise UserError(
+            f"params.yaml: {key} is {value[:60]!r}, which holds the non-printable character {char!r}; "
+            f"write it with printable characters only"
+        )
+    if len(value) > limit:
+        raise UserError(f"params.yaml: {key} is {len(value):,} characters long ({value[:40]!r}...); give at most {limit}")
 
 
 def _relative(value: float, key: str, passes: str) -> None:

@@ -1,5 +1,9 @@
 """params.yaml loads into the typed config once; mistakes are named; the rule hash is canonical."""
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -231,3 +235,61 @@ def test_the_fp32_a_a_variant_loads_and_its_manifest_names_its_data_order(tmp_pa
     assert swapped.as_dict() == {"dtype": "float32", "fp32_modules": [], "data_order": "swapped"}
     assert "data_order" not in params.trial.policies["float16"].as_dict()  # every other manifest's bytes as they were
     assert config.Policy.from_dict(swapped.as_dict()) == swapped
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    """task.options holding ``10**levels`` values once expanded (each level: a list of ten aliases of the one before)."""
+    lines = ["task:", "  options:", "    a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"    a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "\n".join(lines)
+
+
+ABUSES = [  # params that asked for unbounded work: each refused at load, in one line naming the key (issue 50)
+    (_alias_bomb(), ["task.options holds more than 10,000 values", "YAML aliases"]),  # hung freeze (dataclasses.asdict)
+    ("task:\n  options:\n    a: &x [1, *x]", ["task.options nests more than 32 levels", "holds itself"]),
+    ("reference: {train_steps: 1e12}", ["reference.train_steps is 1,000,000,000,000", "at most 10,000,000"]),  # MemoryError
+    ("reference: {train_steps: 1000000, grad_accumulation: 100}", ["train_steps x grad_accumulation", "at most 10,000,000"]),
+    ("reference: {batch_size: 1e12}", ["reference.batch_size", "at most"]),
+    ("reference: {boundary_cases: 1e9}", ["reference.boundary_cases", "at most 100,000"]),
+    ("threads: 1000000", ["threads is 1,000,000", "at most 1,024"]),  # died inside libgomp
+    ("prepare: {ordinary_cases: 1e12}", ["prepare.ordinary_cases", "at most 10,000,000"]),
+    ("prepare: {edge_samples: 1e12}", ["prepare.edge_samples", "at most"]),
+    ("bench: {repeats: 1e9}", ["bench.repeats", "at most 100,000"]),
+    ("compare: {chunk_elements: 1e15}", ["compare.chunk_elements", "at most 1,000,000,000"]),
+    ("compare: {max_listed_flips: 1e12}", ["compare.max_listed_flips", "at most 1,000,000"]),
+    ("distributed: {nproc_per_node: 100000}", ["distributed.nproc_per_node", "at most 64"]),
+    ("diagnose: {search_budget: 1e9}", ["diagnose.search_budget", "at most 1,000"]),
+    ('tracking: {experiment: "amp\\x07\\nvalidation"}', ["tracking.experiment", "non-printable character '\\x07'"]),
+    (f"tracking: {{experiment: {'x' * 600}}}", ["tracking.experiment is 600 characters long", "at most 500"]),
+    ('trial: {variants: ["f\\x1b[2Jp16"]}', ["trial.variants[0]", "non-printable"]),
+    ('trial: {variants: [float16], policies: {float16: {dtype: float16, fp32_modules: ["enc\\tx"]}}}',
+     ["trial.policies.float16.fp32_modules[0]", "non-printable"]),
+]
+
+
+@pytest.mark.parametrize("text, words", ABUSES, ids=[w[0].split(" ")[0] for _, w in ABUSES])
+def test_params_that_ask_for_unbounded_work_or_unprintable_names_are_refused_at_load_within_a_second(tmp_path, text, words):
+    """An alias bomb under task.options hung freeze, train_steps: 1e12 ended in a MemoryError, threads: 1000000 died in
+    libgomp, and control characters in tracking.experiment made that MLflow experiment: each is one line, exit 2,
+    from the real entry point, before anything is computed."""
+    (tmp_path / "params.yaml").write_text(text + "\n")
+    start = time.perf_counter()
+    with pytest.raises(UserError) as err:
+        load_params(tmp_path / "params.yaml")
+    assert time.perf_counter() - start < 1.0
+    message = str(err.value)
+    assert "\n" not in message and all(w in message for w in words), (words, message)
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "prepare", "--params", str(tmp_path / "params.yaml")],
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stderr == f"error: {message}\n", (proc.returncode, proc.stderr[-2000:])
+    assert not (tmp_path / "data").exists()
+
+
+def test_the_bounds_take_what_a_real_run_asks_for(tmp_path):
+    """The ceilings are generous: each limit itself loads, and so do options of a few hundred values with aliases."""
+    options = "\n".join(["task:", "  options:", "    base: &b {width: 64, depth: 4, dropout: [0.1, 0.2]}",
+                         "    heads: [*b, *b, *b]", f"    weights: [{', '.join(['1.0'] * 500)}]"])
+    params = load(tmp_path, options + f"\nthreads: {config.MAX_THREADS}\nreference: {{train_steps: 1e7, batch_size: 1e7}}\n"
+                  f"distributed: {{nproc_per_node: {config.MAX_NPROC_PER_NODE}}}\ntracking: {{experiment: 'AMP — été 2026'}}")
+    assert params.task.options["heads"][2]["width"] == 64 and len(params.task.options["weights"]) == 500
+    assert (params.threads, params.reference.train_steps, params.tracking.experiment) == (1024, 10**7, "AMP — été 2026")
