@@ -7,7 +7,11 @@ Each case is built so that the kernels' shortcuts meet what they must hand back 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import os
+import stat
+import subprocess
 
 import pytest
 import torch
@@ -41,14 +45,161 @@ def test_without_a_compiler_torch_computes_everything(monkeypatch, tmp_path):
     assert native.available()
 
 
-def test_the_library_is_compiled_once_into_the_cache(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    compiler = "cc" if native.shutil.which("cc") else "gcc"
-    first = native._compiled(compiler)
-    stamp = first.stat().st_mtime_ns
-    assert first.parent == tmp_path / "amp-validation" and first.suffix == ".so"
-    assert native._compiled(compiler) == first and first.stat().st_mtime_ns == stamp
-    assert [p.name for p in first.parent.iterdir()] == [first.name]  # nothing half-written left beside it
+@pytest.fixture(scope="module")
+def good_build(tmp_path_factory):
+    """One verified build (library and sidecar), copied into each test's own cache instead of compiling again."""
+    folder = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(folder))
+        native.library.cache_clear()
+        try:
+            assert native.library() is not None
+        finally:
+            native.library.cache_clear()
+    files = sorted((folder / "amp-validation").iterdir())
+    assert [f.suffix for f in files] == [".sha256", ".so"]
+    return {f.suffix: f.read_bytes() for f in files}, files[1].stem
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    """A cache folder of this test's own (``XDG_CACHE_HOME``), and ``library`` loaded afresh in it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
+    native.library.cache_clear()
+    yield tmp_path / "home-cache" / "amp-validation"
+    monkeypatch.undo()
+    native.library.cache_clear()
+
+
+def _seed(folder, good_build, so: bytes | None = None, digest: bytes | None = None):
+    """The cache holding the good build, or ``so`` (with ``digest``, else the good build's) in its place."""
+    (files, stem) = good_build
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lib, side = folder / f"{stem}.so", folder / f"{stem}.sha256"
+    lib.write_bytes(files[".so"] if so is None else so)
+    side.write_bytes(files[".sha256"] if digest is None else digest)
+    for f in (lib, side):
+        f.chmod(0o600)
+    return lib, side
+
+
+def _kernels_agree_with_torch():
+    """The loaded kernels give torch's gap statistics (a planted library's answers would not)."""
+    r, t = _gap_sides(0)
+    a, b = GapStats(0.1, 0.0, 10**6, kernels=False), GapStats(0.1, 0.0, 10**6, kernels=True)
+    assert b.kernels
+    a.update(r, t, group="ordinary")
+    b.update(r, t, group="ordinary")
+    x, y = a.result(), b.result()
+    assert (y.failing, y.max_abs, y.p99_abs, y.max_rel) == (x.failing, x.max_abs, x.p99_abs, x.max_rel)
+
+
+def _planted(tmp_path, marker, missing: str = "") -> bytes:
+    """A shared library whose constructor writes ``marker`` and whose kernels answer nonsense (``missing`` left out)."""
+    stubs = {"gap_slice": "int gap_slice(void) { return 0; }", "decide_rows": "void decide_rows(void) {}",
+             "best_rows": "void best_rows(void) {}"}
+    src = tmp_path / "planted.c"
+    src.write_text("#include <stdio.h>\n"
+                   f'__attribute__((constructor)) static void ran(void) {{ FILE *f = fopen("{marker}", "w"); '
+                   'if (f) fclose(f); }\n' + "\n".join(v for k, v in stubs.items() if k != missing) + "\n")
+    out = tmp_path / "planted.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True)
+    return out.read_bytes()
+
+
+def test_the_library_is_compiled_once_into_the_cache(cache):
+    assert native.library() is not None
+    files = sorted(cache.iterdir())
+    assert [f.suffix for f in files] == [".sha256", ".so"]  # nothing half-written left beside them
+    so, side = files[1], files[0]
+    assert side.read_text().strip() == hashlib.sha256(so.read_bytes()).hexdigest()
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700 and stat.S_IMODE(so.stat().st_mode) == 0o600
+    stamp = so.stat().st_mtime_ns
+    native.library.cache_clear()
+    assert native.library() is not None and so.stat().st_mtime_ns == stamp  # loaded, not built again
+    _kernels_agree_with_torch()
+
+
+@pytest.mark.parametrize("sidecar", ["none", "stale", "planted"])
+def test_a_planted_library_never_runs_and_is_rebuilt(cache, good_build, tmp_path, sidecar):
+    marker = tmp_path / "planted-ran"
+    planted = _planted(tmp_path, marker)
+    digest = {"none": None, "stale": good_build[0][".sha256"], "planted": b"0" * 64}[sidecar]
+    lib, side = _seed(cache, good_build, so=planted)
+    if sidecar == "none":
+        side.unlink()
+    elif digest is not None:
+        side.write_bytes(digest)
+    assert native.library() is not None
+    assert not marker.exists()  # its constructor never ran
+    assert lib.read_bytes() == good_build[0][".so"] and side.read_bytes() == good_build[0][".sha256"]
+    _kernels_agree_with_torch()
+
+
+def test_a_truncated_library_is_rebuilt_not_turned_off(cache, good_build):
+    lib, side = _seed(cache, good_build, so=good_build[0][".so"][:5000])
+    assert native.library() is not None
+    assert lib.read_bytes() == good_build[0][".so"]
+    _kernels_agree_with_torch()
+
+
+def test_a_library_missing_a_kernel_is_rebuilt_without_a_traceback(cache, good_build, tmp_path):
+    """Even a library whose sidecar matches (written by this user: out of the threat model) must hold every kernel."""
+    marker = tmp_path / "ran"
+    incomplete = _planted(tmp_path, marker, missing="best_rows")
+    lib, side = _seed(cache, good_build, so=incomplete, digest=hashlib.sha256(incomplete).hexdigest().encode())
+    assert native.library() is not None
+    assert lib.read_bytes() == good_build[0][".so"]
+    _kernels_agree_with_torch()
+
+
+def test_a_build_missing_a_kernel_leaves_torch_with_one_warning(cache, tmp_path, monkeypatch, capsys):
+    script = tmp_path / "cc-drops-best-rows"
+    script.write_text('#!/bin/sh\nfor a; do case "$a" in *.c) sed -i "/^KERNEL void best_rows/,\\$d" "$a";; esac; done\n'
+                      'exec cc "$@"\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("CC", str(script))
+    assert native.library() is None and not native.available()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "best_rows" in err[0] and "torch computes every statistic" in err[0]
+    assert not GapStats(0.1, 0.0, 10, kernels=True).kernels
+    assert not any(cache.glob("*.so"))
+
+
+@pytest.mark.parametrize("where", ["file", "folder"])
+def test_a_group_writable_library_or_folder_is_never_loaded(cache, good_build, tmp_path, where):
+    marker = tmp_path / "planted-ran"
+    planted = _planted(tmp_path, marker)
+    lib, side = _seed(cache, good_build, so=planted, digest=hashlib.sha256(planted).hexdigest().encode())
+    if where == "file":
+        lib.chmod(0o620)
+    else:
+        cache.chmod(0o770)
+    assert native.library() is not None and not marker.exists()
+    _kernels_agree_with_torch()
+    if where == "file":  # removed and rebuilt, private
+        assert lib.read_bytes() == good_build[0][".so"] and stat.S_IMODE(lib.stat().st_mode) == 0o600
+    else:  # a folder others can write into is no cache: built elsewhere each run, nothing written there
+        assert lib.read_bytes() == planted and sorted(p.name for p in cache.iterdir()) == sorted([lib.name, side.name])
+
+
+@pytest.mark.parametrize("flag", ["-ffast-math", "-ffp-contract=fast"])
+def test_a_compiler_wrapper_adding_flags_changes_the_key_and_its_build_is_refused(cache, tmp_path, monkeypatch, capsys,
+                                                                                   flag):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "cc"
+    wrapper.write_text(f'#!/bin/sh\nexec {native.shutil.which("cc")} "$@" {flag}\n')
+    wrapper.chmod(0o755)
+    plain = native.build_key(os.path.realpath(native.shutil.which("cc")))
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CC", raising=False)
+    assert native.shutil.which("cc") == str(wrapper)
+    assert native.build_key(str(wrapper)) != plain
+    assert native.library() is None  # a build with other floating-point semantics is never used
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: compare's C kernels are off")
+    assert not any(cache.glob("*.so"))
 
 
 def _gap_sides(seed: int):

@@ -5,16 +5,38 @@ maximum, the tolerance's excess, the relative gap, their maxima, the selection o
 a dozen passes where one loop does all of it. At LLM scale compare would otherwise run at a sixth of the speed
 of reading its bytes (``scripts/bench_compare.py``).
 
-How: the C source below is compiled once per machine by the system's C compiler (``cc``, or ``$CC``) into a
-cache folder (``$XDG_CACHE_HOME/amp-validation``, keyed by the source's and the compiler's hash) and loaded
-with ``ctypes``: no build step at install, no dependency. On x86-64 Linux one build carries AVX-512, AVX2 and
+How: the C source below is compiled by the system's C compiler (``cc``, or ``$CC``) on first use and loaded with
+``ctypes``: no build step at install, no dependency. On x86-64 Linux one build carries AVX-512, AVX2 and
 baseline versions of each kernel, the CPU's picked at load (``target_clones``). No fast-math and no contraction
 into fused multiply-adds: every float32 operation of a gap rounds as torch's does, so counts, maxima and the
 quantiles' values are the same; sums are taken in float64 (torch's slices sum in float32: both within float32
 rounding); KL takes e^d - 1 - d from its series near 0, closer to float64 than torch's float32 difference.
+
 - ``gap_slice``: ``gaps.GapStats``' statistics of a slice, and the values its p99s still need (``StreamQuantile.selection``);
 - ``decide_rows``: per row, the k best of both sides, both log-sum-exps and KL (``decisions.decided_pair``);
 - ``best_rows``: per row, the best few and the log-sum-exp (``decisions.best_rows``: the trained side's labels and NLL).
+
+Safety: the build is kept between runs, and nothing is loaded unverified (``library``):
+- the cache (``$XDG_CACHE_HOME/amp-validation``, ~1.3 s of compile saved per run) is used only if it is a folder
+  of this user that nobody else can write (created 0700); otherwise each run builds in a private temporary folder;
+- its key covers the source, the flags, the compiler's resolved path, its executable's sha256, its ``--version``
+  and the macros it predefines under these flags (``cc -dM -E``: a wrapper adding ``-march=native`` or
+  ``-ffast-math`` shows there), and the interpreter's and platform's tags;
+- a build is written in a private folder (0700) and loaded from there; the library's sha256 goes into a sidecar
+  (``compare-KEY.sha256``), both renamed into the cache, the sidecar last;
+- a cached library is read once (a regular file of this user, not a link, that nobody else can write), its bytes
+  hashed against the sidecar, and those bytes loaded from a private copy: a planted, truncated or stale file, or
+  one of another user, is removed and rebuilt, never loaded (its constructor never runs);
+- a library is used only if it holds every kernel and gives known answers: a NaN is handed to torch and the
+  tolerance's excess rounds as float32 does (``_known_answers``). The source refuses to compile under fast-math's
+  macros; a fused multiply-add (``-ffp-contract=fast``, which no macro shows) fails the known answers.
+  A build that fails any of these is not used: one warning line on stderr, and torch's path (this run only).
+Threat model: other users (a shared or group-writable cache), a corrupted or half-written cache, a stale build of
+another compiler or other flags, and a compiler wrapper that adds flags. Out of reach: anyone who can write files as
+this user (they could as well edit this module or torch, so the sidecar is not signed), a wrapper whose output
+changes between runs while its path, digest, version and macros do not (the known answers catch flags that
+change rounding, not every one), and the compiler itself. Building afresh in every run would not shut out that
+writer either, and would add ~1.3 s where a 16.8 M-element compare takes ~0.1 s.
 
 When: only for outputs of at least ``MIN_ELEMENTS`` (the default small run never compiles anything), on the
 CPU, for contiguous float32 sides. Wherever a kernel cannot answer alone (a non-finite element, a slice near
@@ -26,12 +48,17 @@ rare one. Without a compiler (or one that fails), or with ``AMP_COMPARE_KERNELS=
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import shutil
+import stat
 import subprocess
+import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -47,6 +74,12 @@ MAX_K = 62
 SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
+
+/* A compiler (or a wrapper around it) that adds fast-math would change counts and quantiles: refuse to build. */
+#if defined(__FAST_MATH__) || __FINITE_MATH_ONLY__ || defined(__ASSOCIATIVE_MATH__) || defined(__RECIPROCAL_MATH__) \
+    || defined(__NO_SIGNED_ZEROS__)
+#error "compare's kernels need IEEE float semantics: build without -ffast-math and its parts"
+#endif
 
 #if defined(__x86_64__) && defined(__linux__)  /* one build, the widest vectors the CPU has, picked at load (ifunc) */
 #define KERNEL __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -350,21 +383,22 @@ def available() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None where no C compiler works (torch's path then runs throughout)."""
+    """The compiled kernels, verified, or None (torch's path then runs throughout): with ``AMP_COMPARE_KERNELS=off``,
+    without a C compiler, or where no build verifies (one warning line on stderr says why)."""
     if os.environ.get("AMP_COMPARE_KERNELS", "").lower() in ("0", "off", "torch"):
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    named = os.environ.get("CC") or "cc"
+    compiler = shutil.which(named) or (shutil.which("gcc") if not os.environ.get("CC") else None)
     if not compiler:
         return None
     try:
-        path = _compiled(compiler)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError):
+        return _load(os.path.realpath(compiler))
+    except (OSError, subprocess.SubprocessError, _Unverified) as exc:
+        lines = (getattr(exc, "stderr", None) or str(exc) or type(exc).__name__).strip().splitlines() or ["failed"]
+        detail = next((line for line in lines if "error" in line), lines[-1])
+        print(f"warning: compare's C kernels are off ({named}: {detail[:200]}); torch computes every statistic",
+              file=sys.stderr)
         return None
-    for name, args in _SIGNATURES.items():
-        getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = ctypes.c_int if name == "gap_slice" else None
-    return lib
 
 
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
@@ -372,21 +406,118 @@ FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno", "-fno-tr
 on its own (no fused multiply-add, no fast-math); ``omp simd`` reductions only reorder float64 sums and maxima."""
 
 
-def _compiled(compiler: str) -> Path:
-    """The shared library for this source and compiler, compiled into the cache folder if it is not there yet."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join((SOURCE, version, *FLAGS)).encode()).hexdigest()[:20]
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "amp-validation"
-    path = folder / f"compare-{key}.so"
-    if path.exists():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:  # compiled beside, renamed into place: never half-written
+class _Unverified(Exception):
+    """A library that must not be (or was not) loaded: the cache's copy is removed and rebuilt, a fresh build refused."""
+
+
+def cache_folder() -> Path:
+    """Where verified builds are kept between runs: ``$XDG_CACHE_HOME/amp-validation`` (``~/.cache`` by default)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "amp-validation"
+
+
+def build_key(compiler: str) -> str:
+    """The cache key of a build by ``compiler`` (a resolved path): the source, the flags, the compiler's path, the
+    digest of its executable, its ``--version``, the macros it predefines under these flags (``-dM -E``: what a
+    wrapper's extra flags such as ``-march`` or ``-ffast-math`` turn on), and the interpreter and platform."""
+    def run(*args: str) -> str:
+        return subprocess.run([compiler, *args], capture_output=True, text=True, timeout=60, check=True).stdout
+    parts = (SOURCE, *FLAGS, compiler, hashlib.sha256(Path(compiler).read_bytes()).hexdigest(), run("--version"),
+             run(*FLAGS, "-dM", "-E", "-x", "c", os.devnull), sys.implementation.cache_tag or "", sysconfig.get_platform())
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def _load(compiler: str) -> ctypes.CDLL:
+    """The cached build for this key if it verifies, else a fresh build (then kept in the cache for the next run)."""
+    key = build_key(compiler)
+    folder = cache_folder()
+    path, digest_path = folder / f"compare-{key}.so", folder / f"compare-{key}.sha256"
+    cache = _private_folder(folder)
+    if cache and (path.exists() or digest_path.exists()):
+        try:
+            data = _read_owned(path)
+            if hashlib.sha256(data).hexdigest() != _read_owned(digest_path).decode(errors="replace").strip():
+                raise _Unverified(f"{path} does not match the digest recorded at its build")
+            with tempfile.TemporaryDirectory(prefix="amp-compare-") as tmp:  # the bytes hashed are the bytes loaded
+                private = Path(tmp) / "compare.so"
+                private.write_bytes(data)
+                return _open(private)
+        except (OSError, _Unverified):  # planted, truncated, incomplete, another's or stale: never loaded, rebuilt
+            for p in (path, digest_path):
+                with contextlib.suppress(OSError):
+                    p.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder if cache else None, prefix="build-") as tmp:  # mode 0700
         src, out = Path(tmp) / "compare.c", Path(tmp) / "compare.so"
         src.write_text(SOURCE)
-        subprocess.run([compiler, *FLAGS, "-o", str(out), str(src), "-lm"], check=True, capture_output=True, timeout=300)
-        os.replace(out, path)
-    return path
+        subprocess.run([compiler, *FLAGS, "-o", str(out), str(src), "-lm"], check=True, capture_output=True, text=True,
+                       timeout=300)
+        out.chmod(0o600)
+        digest = hashlib.sha256(_read_owned(out)).hexdigest()
+        lib = _open(out)  # loaded from the private folder it was built in
+        if cache:  # kept for the next run: the library, then its digest (a reader between the two rebuilds)
+            os.replace(out, path)
+            side = Path(tmp) / "compare.sha256"
+            side.write_text(digest + "\n")
+            side.chmod(0o600)
+            os.replace(side, digest_path)
+    return lib
+
+
+def _private_folder(folder: Path) -> bool:
+    """Whether ``folder`` (created 0700 if missing) is a directory of this user that nobody else can write into: the
+    cache is used only then (else every run builds in a private temporary folder)."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = folder.stat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _read_owned(path: Path) -> bytes:
+    """The bytes of ``path``, a regular file (not a link) of this user that nobody else can write, or ``_Unverified``."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise _Unverified(f"{path} is not a regular file of this user that only this user can write")
+        return f.read()
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` (in a private folder), with every kernel's signature, or ``_Unverified``."""
+    lib = ctypes.CDLL(str(path))
+    missing = [name for name in _SIGNATURES if not hasattr(lib, name)]
+    if missing:
+        raise _Unverified(f"{path.name} lacks {', '.join(missing)}")
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = ctypes.c_int if name == "gap_slice" else None
+    _known_answers(lib)
+    return lib
+
+
+_KNOWN = ((0.37719064950942993, 0.5277511477470398, 0.11284142732620239),
+          (-3.796264410018921, -5.189882278442383, 1.013991355895996),
+          (0.12397793680429459, 0.18084976077079773, 0.044474028050899506),
+          (-3.7377328872680664, -5.109694004058838, 0.998187780380249))
+"""(reference, trial, |t - r| - 0.1 |r|) in float32, each operation rounded on its own: a build that fuses the multiply
+and the subtraction (``-ffp-contract=fast``, which no predefined macro shows) gives another last bit for each."""
+
+
+def _known_answers(lib: ctypes.CDLL) -> None:
+    """``gap_slice`` on a few pairs: a NaN must hand the slice to torch, and the tolerance's excess must be rounded as
+    torch rounds it (a build with other floating-point flags fails here and is never used)."""
+    p = pointer
+    out_f, out_d, out_n = torch.empty(4), torch.empty(2, dtype=torch.float64), torch.empty(3, dtype=torch.int64)
+    row_max, kept = torch.empty(1), torch.empty(16)
+    for ref, trial, excess in (*_KNOWN, (1.0, math.nan, None)):
+        r, t = torch.ones(16), torch.ones(16)
+        r[3], t[3] = ref, trial
+        handed = lib.gap_slice(p(r), p(t), 16, 16, 0.1, 0.0, math.inf, 0, math.inf, 0, None, p(row_max), p(kept), p(kept),
+                               p(out_f), p(out_d, F64), p(out_n, I64))
+        if handed != (excess is None) or (excess is not None and float(out_f[1]) != excess):
+            raise _Unverified("its floating-point results differ from IEEE float32's (a compiler flag such as "
+                              "-ffp-contract=fast or -ffast-math?)")
 
 
 def pointer(t: torch.Tensor, kind=F32):
