@@ -1,7 +1,8 @@
 """``python -m pipeline STAGE [--variant NAME] [--params PATH]``: run one stage.
 
-User mistakes (``UserError``) print one line and exit with status 2; anything else is a bug and keeps
-its traceback.
+User mistakes (``UserError``) print one line and exit with status 2; so does a stage run before the stage whose
+output it reads (a ``FileNotFoundError`` for a file that ``files.producer`` knows: the line names that stage).
+Anything else is a bug and keeps its traceback.
 
 Params are validated before torch is imported (a typo costs no torch start-up), and params ``threads`` is
 applied then too: OMP_NUM_THREADS and MKL_NUM_THREADS (read once, when the libraries start) and, once the
@@ -49,6 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         module.main(params_path=args.params, **kwargs)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:  # an earlier stage's output read before that stage ran: name it
+        from pipeline.files import missing_input
+
+        line = missing_input(exc)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; outputs are written atomically, rerun the stage to finish", file=sys.stderr)

@@ -168,7 +168,40 @@ def rerun(produced_by: str) -> str:
 
 
 def _not_found(path: Path, produced_by: str) -> str:
-    return f"{path} not found; run {rerun(produced_by)} first"
+    return f"{path} not found; run {rerun(produced_by or producer(path))} first"
+
+
+def missing_input(exc: FileNotFoundError) -> str | None:
+    """The one line for a stage run before the stage that writes the file it did not find (``exc.filename``), naming
+    that stage (``producer``): ``python -m pipeline freeze`` before ``prepare``. None for a file no stage writes (a
+    bug, or the user's own file: its traceback is kept)."""
+    stage = producer(exc.filename) if isinstance(exc.filename, (str, os.PathLike)) else ""
+    return _not_found(Path(exc.filename), stage) if stage else None
+
+
+def producer(path: str | Path) -> str:
+    """The stage that writes ``path``, as ``dvc repro`` names it (``prepare``, ``trial@float16``), from the table of
+    output paths (``pipeline.paths``); '' for a path no stage writes (``data/resume``, a user's file)."""
+    from pipeline import paths
+
+    path = Path(path)
+    if path.is_absolute():
+        if not path.is_relative_to(Path.cwd()):
+            return ""
+        path = path.relative_to(Path.cwd())
+    for folder, stage in ((paths.PREPARED, "prepare"), (paths.REFERENCE, "freeze"), (paths.REPORT, "report")):
+        if path.is_relative_to(folder):
+            return stage
+    for folder_of, stage in ((paths.trial, "trial"), (paths.compare, "compare"), (paths.diagnose, "diagnose"),
+                             (paths.decision, "decide"), (paths.benchmark, "benchmark")):
+        root = folder_of("-").parent
+        if path.is_relative_to(root) and path != root:
+            return f"{stage}@{path.relative_to(root).parts[0]}"
+    if path.parent == paths.METRICS and path.suffix == ".json":  # paths.decision_metrics, benchmark_metrics, compare_metrics
+        for prefix, stage in (("bench-", "benchmark"), ("compare-", "compare"), ("", "decide")):
+            if path.stem.startswith(prefix):
+                return f"{stage}@{path.stem[len(prefix):]}"
+    return ""
 
 
 def verify(

@@ -279,3 +279,38 @@ def test_bad_input_gets_one_clear_line(reproduced, tmp_path, name, mutate, args,
     for word in words:
         assert word in lines[0], (word, lines[0])
     assert tree_digest(repo) == before, "a failing stage changed existing outputs"
+
+
+# A stage run before the one whose output it reads, in a fresh project (nothing run yet): (stage args, the stage the
+# one line names). freeze before prepare raised FileNotFoundError for data/prepared/cases.safetensors (issue 50).
+OUT_OF_ORDER = [
+    (["freeze"], "prepare"),
+    (["trial", "--variant", "float16"], "freeze"),
+    (["compare", "--variant", "float16"], "trial@float16"),
+    (["diagnose", "--variant", "float16"], "trial@float16"),
+    (["decide", "--variant", "float16"], "freeze"),
+    (["benchmark", "--variant", "float16"], "decide@float16"),
+    (["report"], "freeze"),
+    (["publish"], "freeze"),
+    (["restore", "--variant", "float16"], "decide@float16"),
+]
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory) -> Path:
+    """The project copied, a git + DVC repository, no stage run (read-only: copy it before running a stage)."""
+    from conftest import make_project
+
+    return make_project(tmp_path_factory.mktemp("fresh") / "repo")
+
+
+@pytest.mark.parametrize("args,first", OUT_OF_ORDER, ids=[" ".join(a) for a, _ in OUT_OF_ORDER])
+def test_a_stage_run_out_of_order_names_the_stage_to_run_first(fresh, tmp_path, args, first):
+    repo = tmp_path / "repo"
+    shutil.copytree(fresh, repo, symlinks=True)
+    proc = stage(repo, *args)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "Warning" not in line]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("error: ") and f"run `dvc repro {first}` first" in lines[0], lines[0]
+    assert tree_digest(repo) == {}, "a stage run out of order wrote outputs"
