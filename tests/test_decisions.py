@@ -338,3 +338,43 @@ def test_tie_is_flip_holds_for_a_regression_threshold_as_for_a_single_logit():
     assert regression_flips(ids, ["ordinary"] * 3, ref, trial, 2.0, 0.05, "logit").real_flips == 0
     f = regression_flips(ids, ["ordinary"] * 3, ref, trial, 2.0, 0.05, "logit", tie_rule="tie_is_flip")
     assert f.real_flips == 2 and sorted(x.id for x in f.flip_list) == ["a", "b"]
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["classification", "per_token"])
+@pytest.mark.parametrize("at", ["torch", "kernel", "between"])
+def test_a_probability_margin_at_the_boundary_is_near_or_clear_alike_with_and_without_the_kernels(per_token, at):
+    """The kernels' log-sum-exp (float64 sum) and torch's (float32) differ by float32 rounding, so p1 - p2 does by
+    ~5e-7 of itself: a ``boundary_margin`` between the two, or at either, must not count a flip near on one path and
+    clear on the other (``settled_margins``: torch decides the slices within rounding of the boundary)."""
+    from pipeline.compare import native
+    from pipeline.compare.decisions import _top, best_rows, margins
+
+    assert native.available()
+    g = torch.Generator().manual_seed(7)
+    ref = torch.randn(64, 100, generator=g) * 2
+    trial = ref.clone()
+    order = ref.argsort(-1, descending=True)
+    first, second = order[:, 0:1], order[:, 1:2]
+    trial.scatter_(1, first, ref.gather(1, second))  # the best two swapped: every case flips
+    trial.scatter_(1, second, ref.gather(1, first))
+    kernel = best_rows(ref, 2, True)
+    mk = margins(kernel[:2], "probability", kernel[2])
+    _, top, lse = _top(ref, 2, "lowest_index", True)
+    mt = margins(top, "probability", lse)
+    row = int((mk - mt).abs().argmax())
+    lo, hi = sorted((float(mk[row]), float(mt[row])))
+    assert lo < hi  # the two paths do disagree on this margin
+    boundary = {"torch": float(mt[row]), "kernel": float(mk[row]), "between": (lo + hi) / 2}[at]
+    if per_token:  # [cases, positions, classes]: the rows go through decide_rows
+        ref, trial = ref.view(8, 8, 100), trial.view(8, 8, 100)
+    ids, kinds = _ordinary(ref.shape[0])
+    results = []
+    for kernels in (False, True):
+        stats = DecisionStats(ids, kinds, "lowest_index", boundary, "probability", ref[..., 0].numel(), kernels=kernels)
+        stats.update(0, ref, trial)
+        d = stats.result()
+        results.append((d.flips, d.near_boundary_flips, d.near_boundary_cases,
+                        [(f.id, f.position, f.near_boundary, f.reference_margin) for f in d.flip_list],
+                        stats._case.margin.tolist()))
+    assert results[0] == results[1]
+    assert results[0][0] + results[0][1] == 64 and results[0][1] >= 1

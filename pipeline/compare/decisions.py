@@ -245,6 +245,20 @@ def margins(top, kind: str, lse: torch.Tensor | None, scores: torch.Tensor | Non
     raise ValueError(f"unknown margin kind {kind!r}; use one of {MARGIN_KINDS}")
 
 
+def settled_margins(margin: torch.Tensor, top, lse: torch.Tensor, scores: torch.Tensor, boundary: float) -> torch.Tensor:
+    """The kernels' ``probability`` margins of a slice (``lse`` theirs, in float64), or torch's (``_top``'s float32
+    ``logsumexp``) for the whole slice where one of them lies within float32 rounding of ``boundary`` or is not finite:
+    which side of the boundary a case falls on is then torch's, as the tolerance's recount settles a gap at atol.
+
+    The two log-sum-exps differ by at most a few float32 roundings: of the result (|lse|), of each score's distance to
+    the maximum and of the sum (under 2 ln C + log2 C units of 2**-24 together). A margin p1 - p2 moves by
+    (p1 - p2) times that; the slack below is 16 times it."""
+    slack = 2.0**-20 * (lse.abs() + 4.0 * math.log(scores.shape[-1]) + 16.0) * margin.abs() + 2.0**-48
+    if bool((~((margin - boundary).abs() > slack)).any()):  # NaN: not settled either
+        return margins(top, "probability", torch.logsumexp(scores.detach(), dim=-1))
+    return margin
+
+
 def live_spread(s: torch.Tensor) -> torch.Tensor:
     """The standard deviation of each row's scores over its live classes: those within ``ZERO_PROBABILITY_NATS`` of
     the row's maximum. A class masked out (``finfo.min``, -inf, ``where(allowed, x, -1e9)``: probability 0) is no
@@ -462,6 +476,8 @@ class DecisionStats:
         else:
             r_lab, r_top, r_lse = _top(ref, k, self.tie_rule, need_lse)
         r_margin = margins(r_top, self.margin_kind, r_lse, ref)
+        if self.margin_kind == "probability" and (fused if per_token else best is not None):
+            r_margin = settled_margins(r_margin, r_top, r_lse, ref, self.boundary_margin)
         if per_token:  # top-k overlap needs the trial's k best
             if not fused:
                 t_lab, t_top, t_lse = _top(trial, k, self.tie_rule, need_lse)
