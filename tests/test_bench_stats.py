@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from pipeline.artifacts.benchmark import FASTER, NO_DIFFERENCE, SLOWER, Interval, MemoryProbe, Spread
-from pipeline.bench.stats import median_interval, memory_summary, ratio_spread, speed, speed_verdict, spread
+from pipeline.artifacts.benchmark import FASTER, NEVER, NO_DIFFERENCE, SLOWER, Interval, MemoryProbe, Spread
+from pipeline.artifacts.comparison import UpdatesToLoss
+from pipeline.bench.stats import median_interval, memory_summary, ratio_spread, speed, speed_verdict, spread, time_to_quality
 
 
 def probe(peak: list[float], baseline: list[float], skipped: list[int] | None = None) -> MemoryProbe:
@@ -107,3 +108,42 @@ def test_speed_pairs_each_round_with_fp32_timed_again() -> None:
     assert "order-statistic" in s.method
     same = speed({"fp32": fp32, "amp": again, "fp32_again": again})
     assert same.verdict == NO_DIFFERENCE and same.speedup == same.fp32_again
+
+
+def reach(amp: int | None, fp32: int = 100, replicates: tuple[int | None, ...] = (), skipped: int = 0) -> UpdatesToLoss:
+    steps = None if amp is None else amp + skipped
+    return UpdatesToLoss(target=1.0, window=10, of=250, amp=amp, amp_steps=steps, fp32=fp32, fp32_replicates=replicates)
+
+
+def test_a_step_twice_as_fast_that_needs_2_5_times_the_updates_is_slower_to_quality() -> None:
+    """time_to_quality_ratio = (updates_amp x time_per_step_amp) / (updates_fp32 x time_per_step_fp32)."""
+    twice = Interval(2.0, 1.9, 2.1, 0.95, 0.96, 9)
+    slow = time_to_quality(twice, reach(250))
+    assert slow.ratio == pytest.approx(1.25) and slow.verdict == SLOWER
+    assert (slow.low, slow.high) == (pytest.approx(2.5 / 2.1), pytest.approx(2.5 / 1.9))
+    # The other way: a step twice as fast with 80 % of the updates takes 0.4 of FP32's time.
+    fast = time_to_quality(twice, reach(80))
+    assert fast.ratio == pytest.approx(0.4) and fast.verdict == FASTER and fast.high == pytest.approx(0.8 / 1.9)
+
+
+def test_the_interval_widens_by_fp32s_own_range_of_updates_and_counts_the_skipped_steps_time() -> None:
+    twice = Interval(2.0, 1.9, 2.1, 0.95, 0.96, 9)
+    # FP32 on other data orders needed 90 and 125: AMP's 100 over [90, 125], the timing over [1.9, 2.1].
+    q = time_to_quality(twice, reach(100, 100, (90, 125)))
+    assert q.ratio == pytest.approx(0.5) and (q.low, q.high) == (pytest.approx(0.8 / 2.1), pytest.approx(100 / 90 / 1.9))
+    # 2.5x the updates, but a replicate needed 250 too: FP32's own spread holds it, no claim either way.
+    assert time_to_quality(twice, reach(250, 100, (250,))).verdict == NO_DIFFERENCE
+    # A replicate that never got there: FP32's count is unbounded above, the interval reaches 0.
+    assert time_to_quality(twice, reach(100, 100, (None,))).low == 0.0
+    # Skipped steps reach no update but cost their time: 100 real updates in 120 steps.
+    assert time_to_quality(twice, reach(100, skipped=20)).ratio == pytest.approx(0.6)
+    # Too few rounds for a speedup interval: the time to quality is unbounded too, never judged.
+    loose = time_to_quality(Interval(2.0, -math.inf, math.inf, 0.95, 1.0, 3), reach(80))
+    assert (loose.low, loose.high, loose.verdict) == (0.0, math.inf, NO_DIFFERENCE)
+
+
+def test_a_trial_that_never_reaches_fp32s_final_loss_claims_nothing_to_quality() -> None:
+    q = time_to_quality(Interval(3.0, 2.9, 3.1, 0.95, 0.96, 9), reach(None, 100, (95, 110)))
+    assert q.verdict == NEVER and q.ratio is q.low is q.high is None
+    assert q.words() == ("never reached FP32's final loss in 250 updates (FP32 100; FP32's replicates 95-110): "
+                         "no time-to-quality claim")

@@ -5,7 +5,9 @@ run the same stages."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -20,6 +22,8 @@ from conftest import TINY, make_project
 
 from pipeline import checkpoint, devices
 from pipeline.artifacts import benchmark
+from pipeline.artifacts.comparison import UpdatesToLoss
+from pipeline.bench.stats import time_to_quality
 from pipeline.bench.memory import MemoryProbes
 from pipeline.bench.workload import TrainingStep, load_workload
 from pipeline.config import load_params
@@ -71,6 +75,20 @@ def test_the_stage_line_and_the_report_say_the_same_speed_words() -> None:
         assert benchmark.Speed.from_dict(raw["speed"]) == speed
     assert benchmark.Speed(benchmark.NO_DIFFERENCE, interval(1.03, 0.91, 1.12), aa, "m").words() == (
         "no measurable difference (x1.03, 95 % interval 0.91-1.12; FP32 against itself 0.93-1.08)"
+    )
+    # The time to FP32's final loss follows, in the same words from either side; a trial that never got there claims none.
+    fast = benchmark.Speed(benchmark.FASTER, interval(2.0, 1.9, 2.1), aa, "m")
+    for reach in (UpdatesToLoss(1.0, 15, 150, 150, 150, 150, (140, 150)), UpdatesToLoss(1.0, 15, 150, 120, 130, 150, ()),
+                  UpdatesToLoss(1.0, 15, 150, 150, 150, 150, (None, 120)), UpdatesToLoss(1.0, 15, 150, None, None, 150, (140,))):
+        speed = replace(fast, to_quality=time_to_quality(fast.speedup, reach))
+        raw = from_jsonable(json.loads(dumps({"speed": speed.as_dict(), "speedup": {"median": speed.speedup.median}})))
+        assert verdict.speed_words(raw) == speed.words() and benchmark.Speed.from_dict(raw["speed"]) == speed
+        assert speed.words().startswith("x2.00 faster (95 % interval 1.90-2.10; FP32 against itself 0.93-1.08); ")
+    assert speed.words().endswith("; never reached FP32's final loss in 150 updates (FP32 150; FP32's replicates 140): "
+                                  "no time-to-quality claim")
+    first = replace(fast, to_quality=time_to_quality(fast.speedup, UpdatesToLoss(1.0, 15, 150, 150, 150, 150, (140, 150))))
+    assert first.words().endswith(
+        "; time to FP32's final loss: x0.50 (0.48-0.56; AMP needed 150 of 150 updates, FP32 150; FP32's replicates 140-150)"
     )
 
 
@@ -161,6 +179,19 @@ def test_benchmark_stage_measures_an_accepted_variant(frozen: Path, monkeypatch:
         assert speed["speedup"]["high"] == "inf" and speed["verdict"] == "no measurable difference"
     assert "speedup x" not in proc.stdout and "CPU: a short run" in proc.stdout
     assert ("no measurable difference (x" in proc.stdout) == (speed["verdict"] == "no measurable difference")
+    # The time to FP32's final loss: compare's updates to it, times the step times just measured.
+    reach = json.loads((frozen / "data/compare/float16/stats.json").read_text())["training"]["updates_to_fp32_loss"]
+    q = from_jsonable(speed["to_quality"])
+    assert {k: q[k] for k in ("target", "amp", "of", "fp32", "fp32_replicates")} == {
+        k: reach[k] for k in ("target", "amp", "of", "fp32", "fp32_replicates")}
+    assert reach["fp32"] <= reach["of"] and len(reach["fp32_replicates"]) == params["reference"].get("replicates", 2)
+    if reach["amp"] is None:
+        assert q["verdict"] == "never reached" and "never reached FP32's final loss in" in proc.stdout
+    else:
+        assert q["ratio"] == pytest.approx(reach["amp_steps"] / reach["fp32"] / speed["speedup"]["median"])
+        assert q["low"] <= q["ratio"] <= q["high"] and "; time to FP32's final loss: x" in proc.stdout
+        if params["bench"]["repeats"] < 6:
+            assert (q["low"], q["high"], q["verdict"]) == (0.0, math.inf, "no measurable difference")
     monkeypatch.chdir(frozen)
     record = benchmark.read("float16")
     assert record.benchmarked and record.metrics() == metrics and record.summary_line() in proc.stdout
@@ -186,7 +217,7 @@ def test_gpu_benchmark_uses_events_and_reports_tf32_where_it_exists(tmp_path: Pa
     PyTorch image runs this too), then the benchmark of the accepted variant."""
     repo = _project.copy(tmp_path / "repo", override=_project.merge(TINY, {"device": "cuda", "trial": {"variants": ["float16"]}}))
     for step in _project.plan(_project.params(repo), repo):
-        if step.name in ("prepare", "freeze", "trial@float16"):
+        if step.name in ("prepare", "freeze", "trial@float16", "compare@float16"):  # compare: the updates to quality
             run(step.argv(), repo, env=quiet_env(repo))
     decide(repo, "float16", "accept")
     proc = stage(repo, "benchmark", "--variant", "float16")

@@ -72,3 +72,34 @@ def test_the_speed_words_follow_the_interval_never_a_bare_ratio():
         "speed not judged (x1.25; no interval recorded: rerun `dvc repro -f benchmark@bfloat16`)"
     )
     assert verdict.speed_words({"benchmarked": True}) is None
+
+
+def test_a_faster_step_that_needs_more_updates_is_not_called_a_switch_to_amp():
+    """Issue 48, item 3: a step 2x faster that needs 2.5x the updates is slower to FP32's final loss."""
+    from pipeline.present import page, verdict
+
+    accept = {"decision": "accept", "reasons": [], "env": {"backend": "cpu"}}
+
+    def bench(amp, ratio=None, low=None, high=None, verdict_="slower", replicates=(140, 150)):
+        b = _speed("faster", 2.0, 1.9, 2.1)
+        b["speed"]["to_quality"] = {"verdict": verdict_, "target": 1.7, "amp": amp, "of": 375, "fp32": 150,
+                                    "fp32_replicates": list(replicates), "method": "m"}
+        b["speed"]["to_quality"] |= {"ratio": ratio, "low": low, "high": high} if ratio is not None else {}
+        return b
+
+    slower = bench(375, 1.25, 1.19, 1.41)
+    said = verdict.verdict("bfloat16", accept, benchmark=slower).sentence
+    assert ("x2.00 faster (95 % interval 1.90-2.10; FP32 against itself 0.93-1.08); time to FP32's final loss: x1.25 "
+            "(1.19-1.41; AMP needed 375 of 375 updates, FP32 150; FP32's replicates 140-150) on this CPU: faster per step, "
+            "not to FP32's final loss: keep FP32 here") in said and "switch to AMP" not in said
+    row = dict(page.rows([{"variant": "bfloat16", "decision": accept, "metrics": {}, "diagnosis": {}, "benchmark": slower}]))
+    assert [v for k, v in row.items() if k.startswith("benchmark: speed")] == [[verdict.speed_words(slower)]]
+    assert "switch to AMP here" in verdict.verdict("bfloat16", accept, benchmark=bench(100, 0.35, 0.3, 0.4, "faster")).sentence
+    never = bench(None, verdict_="never reached")
+    assert verdict.speed_words(never).endswith(
+        "; never reached FP32's final loss in 375 updates (FP32 150; FP32's replicates 140-150): no time-to-quality claim")
+    assert "keep FP32 here" in verdict.verdict("bfloat16", accept, benchmark=never).sentence
+    # FP32 trained again did not get there either: AMP not getting there is within FP32's own spread.
+    mixed = verdict.verdict("bfloat16", accept, benchmark=bench(None, verdict_="never reached", replicates=(None, 150)))
+    assert "FP32's replicates never, 150): no time-to-quality claim" in mixed.sentence
+    assert "no measurable gain to FP32's final loss" in mixed.sentence and "keep FP32" not in mixed.sentence

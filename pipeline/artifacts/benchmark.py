@@ -60,6 +60,57 @@ class Interval(Record):
     n: int
 
 
+NEVER = "never reached"
+QualityVerdict = Literal["faster", "slower", "no measurable difference", "never reached"]
+"""What the benchmark says of AMP's time to FP32's final loss (``pipeline.bench.stats.time_to_quality`` decides it)."""
+
+
+@dataclass(frozen=True)
+class TimeToQuality(Record):
+    """AMP's time to reach FP32's final loss against FP32's: its updates to get there (compare's
+    ``training.updates_to_fp32_loss``) times its time per step, over FP32's (``pipeline.bench.stats.time_to_quality``).
+    Below 1, AMP gets there sooner: a step 2x faster that needs 2.5x the updates gets there later (1.25)."""
+
+    ABSENT = ("ratio", "low", "high")
+
+    verdict: QualityVerdict
+    """``faster`` when the whole interval lies below 1, ``slower`` above; ``never reached`` when AMP's run did not get
+    there (no claim to quality then)."""
+    target: float
+    """FP32's final loss (the reference's mean loss over its last steps)."""
+    amp: int | None
+    """AMP's real updates to reach ``target``; None: never."""
+    of: int
+    """AMP's real updates in all."""
+    fp32: int | None
+    """The reference's, by the same rule."""
+    fp32_replicates: tuple[int | None, ...]
+    """Each FP32 replicate's (another data order; None: never within its run): FP32's own spread."""
+    ratio: float | None
+    """(AMP's steps to ``target`` x AMP's time per step) / (FP32's x FP32's), at the median speedup."""
+    low: float | None
+    high: float | None
+    method: str
+
+    def words(self) -> str:
+        """``time to FP32's final loss: x0.80 (0.70-0.95; AMP needed 150 of 150 updates, FP32 150; FP32's replicates
+        140-150)``, or ``never reached FP32's final loss in 150 updates (FP32 150; ...): no time-to-quality claim``."""
+        reps = self.fp32_replicates
+        if not reps:
+            others = ""
+        elif len(reps) > 1 and None not in reps:
+            others = f"; FP32's replicates {min(reps)}-{max(reps)}"
+        else:
+            others = "; FP32's replicates " + ", ".join("never" if r is None else str(r) for r in reps)
+        fp32 = "never" if self.fp32 is None else self.fp32
+        if self.amp is None:
+            return f"never reached FP32's final loss in {self.of} updates (FP32 {fp32}{others}): no time-to-quality claim"
+        if self.ratio is None:
+            return f"time to FP32's final loss not judged (AMP needed {self.amp} of {self.of} updates, FP32 {fp32}{others})"
+        return (f"time to FP32's final loss: x{self.ratio:.2f} ({self.low:.2f}-{self.high:.2f}; AMP needed {self.amp} of "
+                f"{self.of} updates, FP32 {fp32}{others})")
+
+
 @dataclass(frozen=True)
 class Speed(Record):
     """AMP's speed judged against the timing's own noise: FP32 / AMP beside FP32 / FP32 again (the A/A), per round."""
@@ -71,10 +122,19 @@ class Speed(Record):
     fp32_again: Interval
     """FP32 time / FP32-again time, per round: what a speedup of nothing looks like on this machine."""
     method: str
+    to_quality: TimeToQuality | None = None
+    """AMP's time to FP32's final loss against FP32's (absent where compare recorded no updates to it)."""
+
+    ABSENT = ("to_quality",)
 
     def words(self) -> str:
         """The verdict with its figures: ``no measurable difference (x1.03, 95 % interval 0.91-1.12; FP32 against
-        itself 0.93-1.08)``, ``x1.50 faster (...)``, ``x0.32 (3.1 times slower; ...)``."""
+        itself 0.93-1.08)``, ``x1.50 faster (...)``, ``x0.32 (3.1 times slower; ...)``; then the time to quality's
+        (``TimeToQuality.words``) after a semicolon."""
+        per_step = self._per_step()
+        return per_step if self.to_quality is None else f"{per_step}; {self.to_quality.words()}"
+
+    def _per_step(self) -> str:
         s, aa = self.speedup, self.fp32_again
         if math.isinf(s.high) or math.isinf(aa.high):
             figures = f"{s.n} rounds are too few for a {100 * s.level:.0f} % interval; raise bench.repeats"

@@ -9,12 +9,13 @@ from dataclasses import replace
 import torch
 
 from pipeline import devices, distributed, precision, transforms
+from pipeline.artifacts import comparison
 from pipeline.artifacts.benchmark import (
     AMP, FP32, FP32_AGAIN, TF32, Benchmark, MemoryProbe, Method, RoundsDropped, Samples, WorkloadFacts,
 )
 from pipeline.bench.memory import memory_by_arm
 from pipeline.bench.sizing import Sizes, sizes
-from pipeline.bench.stats import memory_summary, ratio_spread, speed, spread
+from pipeline.bench.stats import memory_summary, ratio_spread, speed, spread, time_to_quality
 from pipeline.bench.timing import Rounds, interleaved
 from pipeline.bench.arms import arms, timed_arms
 from pipeline.bench.workload import TrainingStep, Workload, load_workload
@@ -24,12 +25,14 @@ from pipeline.config import Policy
 
 def measure(params_path: str, params: Params, variant: str, device: torch.device) -> Benchmark | None:
     """Time and memory of FP32 (and TF32) against trial ``variant``'s policy, with FP32 timed again beside them (the
-    A/A); None on a rank other than 0 (it only takes part, so that DDP's collectives pair up).
+    A/A), and the time to FP32's final loss (the updates compare counted to it, times the step times); None on a rank
+    other than 0 (it only takes part, so that DDP's collectives pair up).
 
     Raises:
-        UserError: the device cannot run the variant's dtype, or an earlier stage has not run.
+        UserError: the device cannot run the variant's dtype, or an earlier stage (compare@NAME among them) has not run.
     """
     precision.strict_fp32()
+    reach = comparison.read(variant).training.updates_to_fp32_loss  # before any timing: compare@NAME must have run
     policy = params.trial.policy(variant)
     if policy.amp:
         devices.check_dtype_supported(device, precision.parse_dtype(policy.dtype))
@@ -50,6 +53,8 @@ def measure(params_path: str, params: Params, variant: str, device: torch.device
     if not distributed.current().writes:
         return None
     out = record(variant, policy, env.as_dict(), works[AMP], size, tf32_note, memory, rounds, load)
+    if out.speed is not None and reach is not None:  # the time to FP32's final loss: the updates it took x the step times
+        out = replace(out, speed=replace(out.speed, to_quality=time_to_quality(out.speed.speedup, reach)))
     return replace(out, compile_seconds=compiled, **_unquoted(trial_step.applied))
 
 

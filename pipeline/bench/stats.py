@@ -15,8 +15,10 @@ import math
 from collections.abc import Mapping
 
 from pipeline.artifacts.benchmark import (
-    AMP, FASTER, FP32, FP32_AGAIN, NO_DIFFERENCE, SLOWER, Interval, MemoryProbe, MemorySummary, Speed, SpeedVerdict, Spread,
+    AMP, FASTER, FP32, FP32_AGAIN, NEVER, NO_DIFFERENCE, SLOWER, Interval, MemoryProbe, MemorySummary, Speed, SpeedVerdict,
+    Spread, TimeToQuality,
 )
+from pipeline.artifacts.comparison import UpdatesToLoss
 from pipeline.compare.quantiles import quantile
 
 
@@ -87,6 +89,42 @@ def speed(times: dict[str, list[float]]) -> Speed:
         "faster or slower only outside 1 and outside the A/A interval (FP32 against FP32 timed again in the same rounds)"
     )
     return Speed(speed_verdict(speedup, again), speedup, again, method)
+
+
+TO_QUALITY_METHOD = (
+    "time_to_quality_ratio = (AMP's steps to FP32's final loss x AMP's time per step) / (FP32's x FP32's) = updates ratio "
+    "/ step speedup; the updates are one run's count each (the trial's, the reference's), so the interval is the "
+    "speedup's 95 % interval widened by FP32's own range of updates (the reference and each replicate, each on its own "
+    "data order): a bound, not a confidence level; faster or slower to quality only where it excludes 1"
+)
+
+
+def time_to_quality(speedup: Interval, reach: UpdatesToLoss) -> TimeToQuality:
+    """AMP's time to reach FP32's final loss over FP32's, with its interval.
+
+    time_to_quality_ratio = (updates_amp x time_per_step_amp) / (updates_fp32 x time_per_step_fp32)
+                          = (updates_amp / updates_fp32) / speedup          below 1: AMP gets there sooner.
+
+    ``updates_amp`` counts AMP's steps up to the crossing, skipped ones too (a step the GradScaler skipped costs its
+    time; ``reach.amp``, the real updates, is what the words quote); ``updates_fp32`` is the reference's own count by the
+    same rule (``reach.fp32``: its smoothed curve may dip to its final loss before its last step; comparing AMP's first
+    crossing with FP32's last step would favour AMP). Each is one run's count: no interval of its own. FP32's
+    replicates, each trained on another data order, say how far that count moves: the interval takes the speedup's
+    95 % interval [s_low, s_high] and FP32's range of counts [c_min, c_max] (the reference's and the replicates'; a
+    replicate that never got there makes c_max unbounded) and gives [u / c_max / s_high, u / c_min / s_low]: the
+    timing's uncertainty and FP32's own spread of updates at once, a conservative bound rather than a 95 % interval.
+    """
+    if reach.amp is None or reach.amp_steps is None or not reach.fp32:
+        return TimeToQuality(NEVER if reach.amp is None else NO_DIFFERENCE, reach.target, reach.amp, reach.of, reach.fp32,
+                             reach.fp32_replicates, None, None, None, TO_QUALITY_METHOD)
+    counts = [math.inf if c is None else c for c in (reach.fp32, *reach.fp32_replicates)]
+    u = reach.amp_steps
+    ratio = u / reach.fp32 / speedup.median
+    low = u / max(counts) / speedup.high if speedup.high > 0 else math.inf
+    high = u / min(counts) / speedup.low if speedup.low > 0 and min(counts) > 0 else math.inf
+    verdict = FASTER if high < 1 else SLOWER if low > 1 else NO_DIFFERENCE
+    return TimeToQuality(verdict, reach.target, reach.amp, reach.of, reach.fp32, reach.fp32_replicates, ratio, low, high,
+                         TO_QUALITY_METHOD)
 
 
 def memory_summary(by_variant: Mapping[str, MemoryProbe]) -> MemorySummary:

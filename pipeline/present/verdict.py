@@ -126,6 +126,14 @@ def _gain(bench: Mapping[str, Any] | None, env: Mapping[str, Any]) -> str:
     w = (bench.get("working_memory_ratio") or {}).get("median")
     memory = f", working memory x{w:.2f}" if isinstance(w, (int, float)) and math.isfinite(w) else ""
     judged = (bench.get("speed") or {}).get("verdict")
+    quality = (bench.get("speed") or {}).get("to_quality") or {}
+    to_quality = quality.get("verdict")
+    if to_quality == "never reached" and not (quality["fp32_replicates"] and None not in quality["fp32_replicates"]):
+        to_quality = "no measurable difference"  # FP32 itself, trained again, did not always get there either
+    if judged == "faster" and to_quality in ("slower", "never reached"):  # a faster step that needs more of them
+        return f"{words} on {where}{memory}: faster per step, not to FP32's final loss: keep FP32 here"
+    if judged == "faster" and to_quality == "no measurable difference":
+        return f"{words} on {where}{memory}: faster per step, no measurable gain to FP32's final loss"
     if judged == "faster":
         return f"{words} on {where}{memory}: switch to AMP here"
     if judged == "slower":
@@ -149,6 +157,11 @@ def speed_words(bench: Mapping[str, Any]) -> str | None:
             return None
         rerun = f"`dvc repro -f benchmark@{bench['variant']}`" if bench.get("variant") else "the benchmark"
         return f"speed not judged (x{median:.2f}; no interval recorded: rerun {rerun})"
+    per_step = _per_step_words(speed)
+    return per_step if not speed.get("to_quality") else f"{per_step}; {_to_quality_words(speed['to_quality'])}"
+
+
+def _per_step_words(speed: Mapping[str, Any]) -> str:
     s, aa = speed["speedup"], speed["fp32_again"]
     low, high, aa_low, aa_high = (float(x) for x in (s["low"], s["high"], aa["low"], aa["high"]))
     level = f"{100 * float(s['level']):.0f} %"
@@ -162,6 +175,26 @@ def speed_words(bench: Mapping[str, Any]) -> str | None:
     if speed["verdict"] == "slower":
         return f"x{m:.2f} ({1 / m:.1f} times slower; {figures})"
     return f"no measurable difference (x{m:.2f}, {figures})"
+
+
+def _to_quality_words(q: Mapping[str, Any]) -> str:
+    """AMP's time to FP32's final loss (``benchmark.json``'s ``speed.to_quality``), as
+    ``pipeline.artifacts.benchmark.TimeToQuality.words`` says it."""
+    reps = list(q["fp32_replicates"])
+    if not reps:
+        others = ""
+    elif len(reps) > 1 and None not in reps:
+        others = f"; FP32's replicates {min(reps)}-{max(reps)}"
+    else:
+        others = "; FP32's replicates " + ", ".join("never" if r is None else str(r) for r in reps)
+    fp32 = "never" if q.get("fp32") is None else q["fp32"]
+    if q.get("amp") is None:
+        return f"never reached FP32's final loss in {q['of']} updates (FP32 {fp32}{others}): no time-to-quality claim"
+    if q.get("ratio") is None:
+        return f"time to FP32's final loss not judged (AMP needed {q['amp']} of {q['of']} updates, FP32 {fp32}{others})"
+    ratio, low, high = (float(q[k]) for k in ("ratio", "low", "high"))
+    return (f"time to FP32's final loss: x{ratio:.2f} ({low:.2f}-{high:.2f}; AMP needed {q['amp']} of {q['of']} updates, "
+            f"FP32 {fp32}{others})")
 
 
 def _unsupported(audit: Mapping[str, Any], bench: Mapping[str, Any] | None) -> str:
