@@ -18,7 +18,7 @@ import torch
 
 from pipeline.compare import native, streams
 from pipeline.compare.decisions import (DecisionStats, _top, best_rows, best_two, decided_pair, kl_and_lse, labels_and_lse,
-                                        labels_of)
+                                        labels_of, margins)
 from pipeline.compare.gaps import GapStats
 from pipeline.config import AcceptanceConfig
 
@@ -331,3 +331,52 @@ def test_a_top_k_beyond_what_the_kernel_keeps_takes_torchs_path():
         stats.update(0, r, t)
         results.append((stats.result().flips, stats.distribution().top_k_overlap))
     assert results[0] == results[1] and 100 > native.MAX_K
+
+
+def _adversarial(c: int = 200):
+    """Rows of scores that meet every shortcut of the kernels: NaN, ±inf, ties across the kernel's column groups, -0.0
+    against 0.0, 3e38 against -3e38, subnormals, and a gap exactly at the tolerance."""
+    g = torch.Generator().manual_seed(11)
+    r = torch.randn(24, c, generator=g) * 3
+    t = r.to(torch.bfloat16).float()
+    r[0, 4] = math.nan
+    t[1, 9] = math.nan
+    r[2, 3], t[2, 3] = math.inf, math.inf
+    t[3, 5] = -math.inf
+    r[4, 7] = r[4, 7 + 64] = r[4].max() + 1  # a tie at the best across two groups
+    t[4] = r[4]
+    r[5, 1] = r[5, 130] = r[5].max() + 1  # the reference tied, the trial not
+    t[5, 130] = r[5, 130] + 0.5
+    r[6], t[6] = 0.0, -0.0  # -0.0 against 0.0 everywhere
+    r[6, 0], t[6, 1] = -0.0, 0.0
+    r[7, 2], t[7, 2] = 3e38, -3e38
+    r[8, 3], t[8, 4] = -3e38, 3e38
+    r[9], t[9] = r[9] * 1e-40, t[9] * 1e-40  # subnormal scores
+    r[10, 0], t[10, 0] = 0.25, 0.35  # a gap at atol (0.1 rounds to 0.099999994 here)
+    r[11, :64], t[11, :64] = 1.0, 1.0  # 64 tied classes
+    t[12] = r[12] + 10 * torch.randn(c, generator=g)  # far apart
+    r[13, 0], t[13, 0] = 1.0, 1.0 + 0.1 * (1.0 + 2**-23)  # a gap at atol + the tolerance's relative part
+    return r, t
+
+
+@pytest.mark.parametrize("margin_kind", ["logit", "probability", "relative"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["classification", "per_token"])
+def test_adversarial_outputs_give_the_same_counts_flips_and_gaps_on_both_paths(margin_kind, per_token):
+    r, t = _adversarial()
+    _, top, lse = _top(r, 2, "lowest_index", True)
+    margin = float(margins(top, margin_kind, lse, r)[12])  # a boundary exactly at a case's own margin
+    if per_token:
+        r, t = r.view(6, 4, -1), t.view(6, 4, -1)
+    ids, kinds = [f"ordinary/{i}" for i in range(r.shape[0])], ["ordinary"] * r.shape[0]
+    seen = []
+    for kernels in (False, True):
+        stats = DecisionStats(ids, kinds, "tie_is_flip", margin, margin_kind, r[..., 0].numel(), kernels=kernels)
+        stats.update(0, r, t)
+        d = stats.result()
+        gaps = GapStats(0.0, 0.1, 10**6, kernels=kernels)
+        gaps.update(r, t, group="ordinary")
+        v = gaps.result()
+        seen.append((d.flips, d.near_boundary_flips, d.near_boundary_cases,
+                     [(f.id, f.position, f.reference_class, f.trial_class, f.near_boundary) for f in d.flip_list],
+                     v.failing, v.max_abs, v.p99_abs, v.min_passing_atol))
+    assert seen[0] == seen[1]
