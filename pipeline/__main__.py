@@ -1,8 +1,9 @@
 """``python -m pipeline STAGE [--variant NAME] [--params PATH]``: run one stage.
 
 User mistakes (``UserError``) print one line and exit with status 2; so does a stage run before the stage whose
-output it reads (a ``FileNotFoundError`` for a file that ``files.producer`` knows: the line names that stage).
-Anything else is a bug and keeps its traceback.
+output it reads (a ``FileNotFoundError`` for a file that ``files.producer`` knows: the line names that stage), and
+a full filesystem (ENOSPC, EDQUOT: the folder and its free space; a stage's folders are replaced all together or not
+at all, ``files.StagedFolder``, so the previous outputs are intact). Anything else is a bug and keeps its traceback.
 
 Params are validated before torch is imported (a typo costs no torch start-up), and params ``threads`` is
 applied then too: OMP_NUM_THREADS and MKL_NUM_THREADS (read once, when the libraries start) and, once the
@@ -58,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         if line is None:
             raise
         print(f"error: {line}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a full disk outside a staged folder (the resume state, a metrics file): one line too
+        from pipeline.files import disk_full, no_space
+
+        if not disk_full(exc):
+            raise
+        where = os.path.dirname(exc.filename) if isinstance(exc.filename, str) and exc.filename else "data"
+        print(f"error: {no_space(where)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; outputs are written atomically, rerun the stage to finish", file=sys.stderr)

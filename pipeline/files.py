@@ -1,17 +1,21 @@
 """Writing and reading stage outputs: atomic, deterministic, hashed.
 
 Every file a stage produces goes through ``write_bytes`` (temporary file in the same folder, fsync,
-rename), so a killed stage leaves the old file or none, never half a file. JSON is written with sorted
-keys and full-precision floats so that reruns on the same machine give identical bytes.
+rename), so a killed stage leaves the old file or none, never half a file. A folder of several files is
+replaced as a whole (``StagedFolder``): the new set is written beside the old one, then switched with two
+renames, so a stage that fails half-way (a full disk, a kill) leaves the previous set, never a mix. JSON is
+written with sorted keys and full-precision floats so that reruns on the same machine give identical bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from collections.abc import Mapping
@@ -50,7 +54,125 @@ def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_folder(path.parent)
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+"""The errors of a full filesystem (or a user's exhausted quota)."""
+
+
+class DiskFull(UserError):
+    """A stage's outputs did not fit on their filesystem; the previous ones were left in place."""
+
+
+def disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in FULL
+
+
+def no_space(folder: str | Path, needed: str = "") -> str:
+    """The one line for a full filesystem under ``folder``: its free space now and, when known, what the stage needs."""
+    folder = Path(folder)
+    probe = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    free = size_text(shutil.disk_usage(probe).free)
+    return (f"no space left on {folder}'s filesystem ({free} free{', ' + needed if needed else ''}): "
+            f"free space or move data/ (the previous outputs are intact)")
+
+
+def size_text(n: int) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def folder_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink()) if folder.is_dir() else 0
+
+
+class StagedFolder:
+    """The next content of the folder ``folder``, written into ``.NAME.pending`` beside it (same filesystem), then put
+    in its place all at once: the old folder is renamed ``.NAME.old``, the new one takes its name, the old one goes.
+
+    Used as ``with StagedFolder(folder) as new:`` (``new``: the pending folder to write into), it switches when the
+    block ends without error; on any error the pending folder goes and ``folder`` is left as it was. An owner that
+    writes across several calls (``trial_tensors.Writer``) keeps the object and enters it around its last writes.
+    A crash between the two renames is undone when the next one starts (``recover``): the old folder comes back.
+
+    Raises:
+        DiskFull: the filesystem filled up (ENOSPC, EDQUOT): one line with the free space and what is needed.
+        UserError: the folder is a symlink or outside the repository, or its parent cannot be written.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        check_inside_repository(self.folder)
+        self.path = self.folder.with_name(f".{self.folder.name}.pending")
+        recover(self.folder)
+        try:
+            shutil.rmtree(self.path, ignore_errors=True)  # what a killed run left
+            self.path.mkdir(parents=True)
+        except OSError as exc:
+            if exc.errno in FULL:
+                raise DiskFull(no_space(self.folder)) from None
+            raise UserError(f"cannot write {self.path}: {exc.strerror}; make its folder writable") from None
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, typ, exc, tb) -> None:
+        if exc is None:
+            try:
+                self.commit()
+            except BaseException as failed:
+                self.discard(failed)
+                raise
+        else:
+            self.discard(exc)
+
+    def commit(self) -> None:
+        """Put the pending folder in place of ``folder`` (two renames), then remove the old one."""
+        old = _old(self.folder)
+        if self.folder.exists():
+            os.rename(self.folder, old)
+        os.rename(self.path, self.folder)
+        _fsync_folder(self.folder.parent)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def discard(self, exc: BaseException | None = None) -> None:
+        """Remove the pending folder, ``folder`` untouched; a full filesystem (``exc``) becomes one line (``DiskFull``).
+
+        Raises:
+            DiskFull: ``exc`` is ENOSPC or EDQUOT.
+        """
+        written = folder_size(self.path)
+        shutil.rmtree(self.path, ignore_errors=True)
+        if disk_full(exc):
+            previous = folder_size(self.folder)
+            needed = (f"about {size_text(previous)} needed, the size of the previous outputs" if previous >= written else
+                      f"at least {size_text(written)} needed, what was written before it filled")
+            raise DiskFull(no_space(self.folder, needed)) from None
+
+
+def _old(folder: Path) -> Path:
+    return folder.with_name(f".{folder.name}.old")
+
+
+def recover(folder: str | Path) -> None:
+    """Undo a switch that stopped between its two renames (``StagedFolder.commit``): ``folder`` missing and
+    ``.NAME.old`` there puts the old folder back; both there, the old one is a leftover and goes."""
+    folder = Path(folder)
+    old = _old(folder)
+    if not old.is_dir():
+        return
+    if folder.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(old, folder)
+
+
+def _fsync_folder(folder: Path) -> None:
+    dir_fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:

@@ -33,7 +33,7 @@ from typing import Literal
 from pipeline import paths
 from pipeline.artifacts.record import Record
 from pipeline.errors import UserError
-from pipeline.files import read_json, write_json
+from pipeline.files import StagedFolder, read_json, write_json
 
 STATS = "stats.json"
 TABLE = "cases.json"
@@ -470,20 +470,19 @@ def summary(stats: Stats) -> dict:
 
 
 def write(variant: str, stats: Stats, table: list[dict]) -> None:
-    """``stats`` as compare produced it, as ``Stats.as_dict`` gives it (the form ``read`` reads back)."""
-    out = paths.compare(variant)
-    write_json(out / STATS, stats.as_dict())
-    write_json(out / TABLE, table)
-    write_json(out / SUMMARY, summary(stats))
+    """``stats`` as compare produced it, as ``Stats.as_dict`` gives it (the form ``read`` reads back); the three files
+    replace the folder all together (``files.StagedFolder``)."""
+    with StagedFolder(paths.compare(variant)) as out:
+        write_json(out / STATS, stats.as_dict())
+        write_json(out / TABLE, table)
+        write_json(out / SUMMARY, summary(stats))
 
 
 def write_failed(variant: str, failure: dict) -> None:
     """A failed trial has no outputs to compare: ``failed.json`` says so with its failure (``trial.Failure.as_dict``),
-    and what an earlier comparison left here goes."""
-    out = paths.compare(variant)
-    for stale in (STATS, TABLE, SUMMARY):
-        (out / stale).unlink(missing_ok=True)
-    write_json(out / FAILED, failure)
+    and what an earlier comparison left here goes (the folder is replaced)."""
+    with StagedFolder(paths.compare(variant)) as out:
+        write_json(out / FAILED, failure)
 
 
 def read(variant: str) -> Stats:

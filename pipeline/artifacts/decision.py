@@ -8,11 +8,12 @@ rule), so the same commit gives the same bytes on any machine and against any tr
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Literal
 
 from pipeline import paths
 from pipeline.errors import UserError
-from pipeline.files import read_json, write_json
+from pipeline.files import StagedFolder, read_json, write_json
 
 if TYPE_CHECKING:
     from pipeline.artifacts.comparison import Stats
@@ -80,8 +81,13 @@ def of_failure(variant: str, failure: Failure, **recorded) -> Decision:
                     training="rollback", cases=where, notes=notes, **recorded)
 
 
-def write(d: Decision) -> None:
-    write_json(paths.decision(d.variant) / FILE, d.as_dict())
+def write(d: Decision, package: Callable[[Path], None] | None = None) -> None:
+    """The decision and, for a rollback, its package (``package(folder)`` writes it into the new folder:
+    ``rollback.write_package``), in place of the folder's previous content all together (``files.StagedFolder``)."""
+    with StagedFolder(paths.decision(d.variant)) as out:
+        if package is not None:
+            package(out)
+        write_json(out / FILE, d.as_dict())
 
 
 def read(variant: str) -> Decision:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from pipeline import paths
 from pipeline.artifacts.forecast import ForecastCheck
 from pipeline.artifacts.record import Record, dump
-from pipeline.files import read_json, write_bytes, write_json
+from pipeline.files import StagedFolder, read_json, write_bytes, write_json
 
 if TYPE_CHECKING:
     from pipeline.artifacts.trial import Failure
@@ -327,11 +327,12 @@ def of_failure(failure: Failure) -> Diagnosis:
 
 
 def write(variant: str, diagnosis: Diagnosis, suggested_params: str | None = None) -> None:
-    """The diagnosis, and the suggestion as a params fragment when there is one (never applied)."""
-    out = paths.diagnose(variant)
-    if suggested_params is not None:
-        write_bytes(out / SUGGESTED, suggested_params.encode())
-    write_json(out / FILE, diagnosis.as_dict())
+    """The diagnosis, and the suggestion as a params fragment when there is one (never applied), in place of the
+    folder's previous content all together (``files.StagedFolder``)."""
+    with StagedFolder(paths.diagnose(variant)) as out:
+        if suggested_params is not None:
+            write_bytes(out / SUGGESTED, suggested_params.encode())
+        write_json(out / FILE, diagnosis.as_dict())
 
 
 def from_dict(raw: dict, where: str = FILE, variant: str = "NAME") -> Diagnosis:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator
 
@@ -28,7 +27,7 @@ from pipeline.artifacts.reference import (PRODUCED_BY, Manifest, Trajectory, rea
                                           read_trajectory)
 from pipeline.config import Params, ReferenceConfig
 from pipeline.errors import UserError
-from pipeline.files import sha256_file, write_json
+from pipeline.files import StagedFolder, sha256_file, write_json
 
 if TYPE_CHECKING:  # the stages that only load a reference need none of inference's imports
     from pipeline.inference import Fp64Outputs
@@ -155,17 +154,21 @@ def write(
     outputs as they stream and vets the rule against them before anything replaces the previous reference.
 
     Raises:
-        NonFinite: the FP32 outputs are not finite on some case (a UserError); nothing is left in ``data/reference``.
+        NonFinite: the FP32 outputs are not finite on some case (a UserError); nothing of it is left, and the
+            previous ``data/reference`` stays as it was (``files.StagedFolder``).
         UserError: ``scan`` finds that the rule cannot judge this reference (``verdict.vet_rule``: an output name
             the model lacks, a tolerance as large as the output, a reference below the rule's quality, a non-finite
-            step); nothing is left either.
+            step); nothing of it is left either.
+        DiskFull: the filesystem filled up; the previous reference stays as it was.
     """
     bad: list[str] = []
     files = dict(inputs)
-    pending = {path: path.with_name(f".{path.name}.pending") for path in (paths.REF_OUTPUTS, paths.REF_OUTPUTS_FP64)}
-    try:  # outputs stream to pending files: a refused reference leaves the previous one untouched
+    with StagedFolder(paths.REFERENCE) as out:  # the new reference beside the old: a refused one leaves the old untouched
+        def staged(path):  # the manifest names each file where it will be: data/reference/NAME
+            return out / path.relative_to(paths.REFERENCE)
+
         files[str(paths.REF_OUTPUTS)] = write_outputs(
-            pending[paths.REF_OUTPUTS], _checked(outputs, fixed.ids, bad, scan), fixed.ids, store=store
+            staged(paths.REF_OUTPUTS), _checked(outputs, fixed.ids, bad, scan), fixed.ids, store=store
         )  # the FP64 arbiter's are always full: its differences are far below a compact store's step
         if bad:
             raise NonFinite(sorted(set(bad)))
@@ -175,41 +178,32 @@ def write(
             raise UserError(problem)
         if fp64 is not None:
             files[str(paths.REF_OUTPUTS_FP64)] = write_outputs(
-                pending[paths.REF_OUTPUTS_FP64], fp64.chunks, fixed.ids[: fp64.cases]
+                staged(paths.REF_OUTPUTS_FP64), fp64.chunks, fixed.ids[: fp64.cases]
             )  # the fixed set's first cases (reference.fp64_arbiter), each under its id
-    except BaseException:
-        for path in pending.values():
-            path.unlink(missing_ok=True)
-        raise
-    for final, path in pending.items():
-        if path.exists():
-            os.replace(path, final)
-        elif str(final) not in files:
-            final.unlink(missing_ok=True)  # no FP64 arbiter this time: drop a stale one
-    files[str(paths.REF_INIT)] = checkpoint.save(paths.REF_INIT, init)
-    files[str(paths.REF_CHECKPOINT)] = checkpoint.save(paths.REF_CHECKPOINT, trained)
-    files[str(paths.REF_CASES)] = cases.save(paths.REF_CASES, fixed)
-    write_json(paths.REF_TRAJECTORY, Trajectory(steps=tuple(records)).as_dict())
-    files[str(paths.REF_TRAJECTORY)] = sha256_file(paths.REF_TRAJECTORY)
-    if replicates:
-        write_json(paths.REF_REPLICATE_TRAJECTORY, Trajectory(
-            steps=tuple(replicates[0]), perturbation="data order: the k-th replicate trades the k-th block of samples of "
-            "each pair of consecutive updates", quality=spread, more=tuple(tuple(r) for r in replicates[1:]) or None,
-        ).as_dict())
-        files[str(paths.REF_REPLICATE_TRAJECTORY)] = sha256_file(paths.REF_REPLICATE_TRAJECTORY)
-    forecast_file.write(paths.REFERENCE, forecast)
-    files[str(paths.REF_FORECAST)] = sha256_file(paths.REF_FORECAST)
-    manifest = Manifest(
-        files=files,
-        rule_sha256=params.acceptance.sha256(),
-        run_key=run_key,
-        env=env,
-        policy=policy,
-        real_updates=real_updates,
-        cases={"total": len(fixed.ids), **{k: fixed.kinds.count(k) for k in sorted(set(fixed.kinds))}},
-        fixed_set=fixed.meta,
-    )
-    write_json(paths.REF_MANIFEST, manifest.as_dict())
+        files[str(paths.REF_INIT)] = checkpoint.save(staged(paths.REF_INIT), init)
+        files[str(paths.REF_CHECKPOINT)] = checkpoint.save(staged(paths.REF_CHECKPOINT), trained)
+        files[str(paths.REF_CASES)] = cases.save(staged(paths.REF_CASES), fixed)
+        write_json(staged(paths.REF_TRAJECTORY), Trajectory(steps=tuple(records)).as_dict())
+        files[str(paths.REF_TRAJECTORY)] = sha256_file(staged(paths.REF_TRAJECTORY))
+        if replicates:
+            write_json(staged(paths.REF_REPLICATE_TRAJECTORY), Trajectory(
+                steps=tuple(replicates[0]), perturbation="data order: the k-th replicate trades the k-th block of samples of "
+                "each pair of consecutive updates", quality=spread, more=tuple(tuple(r) for r in replicates[1:]) or None,
+            ).as_dict())
+            files[str(paths.REF_REPLICATE_TRAJECTORY)] = sha256_file(staged(paths.REF_REPLICATE_TRAJECTORY))
+        forecast_file.write(out, forecast)
+        files[str(paths.REF_FORECAST)] = sha256_file(staged(paths.REF_FORECAST))
+        manifest = Manifest(
+            files=files,
+            rule_sha256=params.acceptance.sha256(),
+            run_key=run_key,
+            env=env,
+            policy=policy,
+            real_updates=real_updates,
+            cases={"total": len(fixed.ids), **{k: fixed.kinds.count(k) for k in sorted(set(fixed.kinds))}},
+            fixed_set=fixed.meta,
+        )
+        write_json(staged(paths.REF_MANIFEST), manifest.as_dict())
     return manifest
 
 

@@ -46,9 +46,11 @@ class Package(Record):
     """Path (from the repository root) -> sha256."""
 
 
-def write_package(params: Params, reference: Manifest, stats: Stats | None, variant: str, cases: dict | None = None) -> None:
-    """``stats`` None: a failed trial (it raised under its policy), whose motivating cases are the one that raised."""
-    out = folder(variant)
+def write_package(params: Params, reference: Manifest, stats: Stats | None, variant: str, cases: dict | None = None,
+                  decision_folder: Path | None = None) -> None:
+    """``stats`` None: a failed trial (it raised under its policy), whose motivating cases are the one that raised.
+    ``decision_folder``: the decision's new folder, written beside the old (``decision.write``); default its folder."""
+    out = folder(variant) if decision_folder is None else decision_folder / folder(variant).name
     snippet = {
         "seed": params.seed,
         "task": asdict(params.task),

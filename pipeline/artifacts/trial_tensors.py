@@ -9,7 +9,6 @@ A trial that raised under its policy is written by ``Writer.fail``: ``failure.js
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -23,15 +22,15 @@ from pipeline.artifacts.reference import Manifest as ReferenceManifest
 from pipeline.artifacts.trial import (FAILURE, Failure, Trajectory, TrialManifest, env_differs, produced_by, read_manifest,
                                      read_trajectory)
 from pipeline.errors import UserError
-from pipeline.files import sha256_file, write_json
+from pipeline.files import StagedFolder, sha256_file, write_json
 
 
 class Writer:
     """Streams a trial's outputs as they are computed, then writes its state, trajectory and manifest.
 
-    Outputs stream to pending files beside their final names and replace them only in ``finish``: a trial
-    that fails half-way (a missing kernel, a kill) leaves the previous outputs as they were. Used as a
-    context manager, pending files are removed when the block raises.
+    Every file goes to the folder's next content, beside it (``files.StagedFolder``), which replaces the folder as a
+    whole in ``finish`` (or ``fail``): a trial that fails half-way (a missing kernel, a kill, a full disk) leaves the
+    previous trial as it was, never a mix. Used as a context manager, the pending folder goes when the block raises.
     """
 
     def __init__(self, variant: str, ids: list[str], store: str = "full") -> None:
@@ -40,7 +39,8 @@ class Writer:
         self.store = store
         """``compare.store``: how per-token scores are stored (``outputs.write_outputs``)."""
         self.files: dict[str, str] = {}
-        self.pending: dict[str, Path] = {}
+        self.staged: StagedFolder | None = None
+        """The folder's next content, made at the first write (rank 0 alone writes under torchrun)."""
         self.streamed: list[str] = []
         """The sinks whose outputs were all written: which part of ``training.run_trial`` a raise came from."""
 
@@ -48,15 +48,18 @@ class Writer:
         return self
 
     def __exit__(self, typ, exc, tb) -> None:
-        if exc is not None:
-            for path in self.pending.values():
-                path.unlink(missing_ok=True)
+        if exc is not None and self.staged is not None:
+            self.staged.discard(exc)  # a full disk: one line (files.DiskFull)
+
+    def _staged(self) -> StagedFolder:
+        if self.staged is None:
+            self.staged = StagedFolder(self.folder)
+        return self.staged
 
     def sink(self, name: str, chunks: Iterable[dict[str, torch.Tensor]]) -> None:
         """``name`` is ``outputs`` or ``trained_outputs`` (what ``training.run_trial`` streams)."""
         file = f"{name}.safetensors"
-        self.pending[file] = self.folder / f".{file}.pending"
-        self.files[file] = write_outputs(self.pending[file], chunks, self.ids, store=self.store)
+        self.files[file] = write_outputs(self._staged().path / file, chunks, self.ids, store=self.store)
         self.streamed.append(name)
 
     @property
@@ -67,53 +70,49 @@ class Writer:
 
     def finish(self, result, policy, reference: ReferenceManifest, env: dict, aligned: list | None,
                transforms: dict, audit: audit_file.Audit) -> TrialManifest:
-        """Move the outputs into place, write the training state, the trajectory, the audit and (last) the manifest."""
-        for file, path in sorted(self.pending.items()):
-            os.replace(path, self.folder / file)
-        self.pending.clear()
-        self.files[paths.TRIAL_CHECKPOINT] = checkpoint.save(self.folder / paths.TRIAL_CHECKPOINT, result.state)
-        trajectory = Trajectory(
-            steps=tuple(result.records), final_scale=result.final_scale, scaler_enabled=policy.uses_scaler,
-            aligned_fp32=tuple(aligned) if aligned is not None else None,
-        )
-        write_json(self.folder / paths.TRIAL_TRAJECTORY, trajectory.as_dict())
-        self.files[paths.TRIAL_TRAJECTORY] = sha256_file(self.folder / paths.TRIAL_TRAJECTORY)
-        audit_file.write(self.folder, audit)
-        self.files[paths.TRIAL_AUDIT] = sha256_file(self.folder / paths.TRIAL_AUDIT)
-        manifest = TrialManifest(
-            files=dict(sorted(self.files.items())),
-            policy=policy.as_dict(),
-            reference_run_key=reference.run_key,
-            rule_sha256=reference.rule_sha256,
-            env=env,
-            env_differs_from_reference=env_differs(env, reference.env),
-            real_updates=result.real_updates,
-            transforms=transforms,
-        )
-        write_json(self.folder / paths.TRIAL_MANIFEST, manifest.as_dict())
+        """Write the training state, the trajectory, the audit and (last) the manifest beside the streamed outputs, then
+        put the whole set in place of the previous one."""
+        with self._staged() as out:
+            self.files[paths.TRIAL_CHECKPOINT] = checkpoint.save(out / paths.TRIAL_CHECKPOINT, result.state)
+            trajectory = Trajectory(
+                steps=tuple(result.records), final_scale=result.final_scale, scaler_enabled=policy.uses_scaler,
+                aligned_fp32=tuple(aligned) if aligned is not None else None,
+            )
+            write_json(out / paths.TRIAL_TRAJECTORY, trajectory.as_dict())
+            self.files[paths.TRIAL_TRAJECTORY] = sha256_file(out / paths.TRIAL_TRAJECTORY)
+            audit_file.write(out, audit)
+            self.files[paths.TRIAL_AUDIT] = sha256_file(out / paths.TRIAL_AUDIT)
+            manifest = TrialManifest(
+                files=dict(sorted(self.files.items())),
+                policy=policy.as_dict(),
+                reference_run_key=reference.run_key,
+                rule_sha256=reference.rule_sha256,
+                env=env,
+                env_differs_from_reference=env_differs(env, reference.env),
+                real_updates=result.real_updates,
+                transforms=transforms,
+            )
+            write_json(out / paths.TRIAL_MANIFEST, manifest.as_dict())
         return manifest
 
-
     def fail(self, failure: Failure, policy, reference: ReferenceManifest, env: dict) -> TrialManifest:
-        """Write a failed trial: ``failure.json`` and (last) the manifest; what an earlier run left here goes, so that the
-        folder says only that this policy raised."""
-        for path in self.pending.values():
-            path.unlink(missing_ok=True)
-        self.pending.clear()
-        for stale in (paths.TRIAL_OUTPUTS, paths.TRIAL_TRAINED_OUTPUTS, paths.TRIAL_CHECKPOINT, paths.TRIAL_TRAJECTORY,
-                      paths.TRIAL_AUDIT):
-            (self.folder / stale).unlink(missing_ok=True)
-        write_json(self.folder / FAILURE, failure.as_dict())
-        manifest = TrialManifest(
-            files={FAILURE: sha256_file(self.folder / FAILURE)},
-            policy=policy.as_dict(),
-            reference_run_key=reference.run_key,
-            rule_sha256=reference.rule_sha256,
-            env=env,
-            env_differs_from_reference=env_differs(env, reference.env),
-            real_updates=0,
-        )
-        write_json(self.folder / paths.TRIAL_MANIFEST, manifest.as_dict())
+        """Write a failed trial: ``failure.json`` and (last) the manifest, nothing else, in place of what an earlier run
+        left here: the folder says only that this policy raised."""
+        if self.staged is not None:
+            self.staged.discard()  # the outputs streamed before it raised
+        self.staged = None
+        with self._staged() as out:
+            write_json(out / FAILURE, failure.as_dict())
+            manifest = TrialManifest(
+                files={FAILURE: sha256_file(out / FAILURE)},
+                policy=policy.as_dict(),
+                reference_run_key=reference.run_key,
+                rule_sha256=reference.rule_sha256,
+                env=env,
+                env_differs_from_reference=env_differs(env, reference.env),
+                real_updates=0,
+            )
+            write_json(out / paths.TRIAL_MANIFEST, manifest.as_dict())
         return manifest
 
 

@@ -7,6 +7,7 @@ was loosened after an earlier rollback is history, read from versioned sources b
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from pipeline import paths, rule
 from pipeline.artifacts import audit, comparison, decision, diagnosis, reference, rollback, trial
@@ -44,9 +45,8 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
             rollback_package=None if judged.accepted else package,
             **recorded,
         )
-    if not result.accepted:
-        rollback.write_package(params, ref, stats, variant, result.cases)
-    decision.write(result)
+    packer = None if result.accepted else functools.partial(rollback.write_package, params, ref, stats, variant, result.cases)
+    decision.write(result, packer)  # the package in the decision's folder, replaced with it
     decision.write_metrics(result, stats)
     # the verdict block, as everywhere
     print(verdict.text(verdict.verdict(variant, result.as_dict(), stats.as_dict() if stats else None, found.as_dict(),

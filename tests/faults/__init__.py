@@ -1,9 +1,11 @@
 """Fault injection for the tests that stop a real stage process mid-run.
 
-The pipeline reads no fault variable: ``training.train`` takes an ``on_step`` hook. A stage run with the
+The pipeline reads no fault variable: ``training.train`` takes an ``on_step`` hook, and every output file is written
+through ``files.atomic_file``. A stage run with the
 environment of ``after_step`` finds this folder first on its path, so Python imports this folder's
 ``sitecustomize`` when it starts, in every process (torchrun's ranks included); that module hands every
-``train`` call the hook that stops the process.
+``train`` call the hook that stops the process. ``disk_full`` likewise makes ``atomic_file``'s handles fail with
+ENOSPC after a number of bytes, as a small filesystem would.
 """
 
 from __future__ import annotations
@@ -19,6 +21,14 @@ def after_step(env: dict[str, str], step: int, stop: bool = False, rank: int | N
     out = dict(env, PIPELINE_FAULT_AFTER_STEP=str(step), PIPELINE_FAULT_SIGNAL="SIGSTOP" if stop else "SIGKILL")
     if rank is not None:
         out["PIPELINE_FAULT_RANK"] = str(rank)
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), env.get("PYTHONPATH", "")) if p)
+    return out
+
+
+def disk_full(env: dict[str, str], after_bytes: int, under: str = "data") -> dict[str, str]:
+    """``env`` for a stage whose filesystem fills up: its writes to files under ``under`` (a path from the repository
+    root) raise ``OSError(ENOSPC)`` once it has written ``after_bytes`` bytes there."""
+    out = dict(env, PIPELINE_FAULT_ENOSPC_AFTER_BYTES=str(after_bytes), PIPELINE_FAULT_ENOSPC_UNDER=under)
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), env.get("PYTHONPATH", "")) if p)
     return out
 

@@ -5,10 +5,16 @@ sends this process ``PIPELINE_FAULT_SIGNAL`` after step ``PIPELINE_FAULT_AFTER_S
 of the process's trainings one after the other; under torchrun only on rank ``PIPELINE_FAULT_RANK`` when
 it is set. Nothing else in the process changes: torch is imported when the stage imports it, not before,
 and the resume key is the one of a run without this module.
+
+Once ``pipeline.files`` has been imported, with ``PIPELINE_FAULT_ENOSPC_AFTER_BYTES`` set, its ``atomic_file`` (through
+which every output file is written) hands out handles that fail as a full filesystem does, ``OSError(ENOSPC)``, once
+the process has written that many bytes to files under ``PIPELINE_FAULT_ENOSPC_UNDER`` (a path prefix; default data/).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.abc
 import importlib.machinery
 import os
@@ -18,6 +24,8 @@ import sys
 AFTER = int(os.environ.get("PIPELINE_FAULT_AFTER_STEP", "0"))
 SIGNAL = getattr(signal, os.environ.get("PIPELINE_FAULT_SIGNAL", "SIGKILL"))
 RANK = os.environ.get("PIPELINE_FAULT_RANK")
+ENOSPC_AFTER = os.environ.get("PIPELINE_FAULT_ENOSPC_AFTER_BYTES")
+ENOSPC_UNDER = os.environ.get("PIPELINE_FAULT_ENOSPC_UNDER", "data")
 
 
 def install(training) -> None:
@@ -38,14 +46,49 @@ def install(training) -> None:
     training.train = train_with_fault
 
 
+class _Full:
+    """A file handle that writes until the process's budget of bytes is spent, then raises ENOSPC as the kernel would
+    (the bytes that still fit are written first)."""
+
+    def __init__(self, handle, left: list[int]) -> None:
+        self._handle, self._left = handle, left
+
+    def write(self, data) -> int:
+        size = len(memoryview(data).cast("B"))
+        if size > self._left[0]:
+            self._handle.write(memoryview(data).cast("B")[: self._left[0]])
+            self._left[0] = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._left[0] -= size
+        return self._handle.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
+def install_full_disk(files) -> None:
+    """Wrap ``files.atomic_file``: ``write_bytes`` looks it up on the module, the other writers import it after this."""
+    atomic_file, left, under = files.atomic_file, [int(ENOSPC_AFTER)], os.path.normpath(ENOSPC_UNDER)
+
+    @contextlib.contextmanager
+    def atomic_file_on_a_small_disk(path):
+        with atomic_file(path) as handle:
+            inside = os.path.normpath(os.path.relpath(os.path.abspath(path))).startswith(under)
+            yield _Full(handle, left) if inside else handle
+
+    files.atomic_file = atomic_file_on_a_small_disk
+
+
 class _AfterTrainingImport(importlib.abc.MetaPathFinder):
-    """Finds ``pipeline.training`` as Python would, and installs the hook once the module has run."""
+    """Finds ``pipeline.training`` (``pipeline.files``) as Python would, and installs the hook once the module has run."""
+
+    hooks = {}
 
     def find_spec(self, name, path, target=None):
-        if name != "pipeline.training":
+        if name not in self.hooks:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
-        run = spec.loader.exec_module
+        run, install = spec.loader.exec_module, self.hooks[name]
 
         def exec_module(module) -> None:
             run(module)
@@ -61,4 +104,8 @@ class _AfterTrainingImport(importlib.abc.MetaPathFinder):
 
 
 if AFTER:
+    _AfterTrainingImport.hooks["pipeline.training"] = install
+if ENOSPC_AFTER is not None:
+    _AfterTrainingImport.hooks["pipeline.files"] = install_full_disk
+if _AfterTrainingImport.hooks:
     sys.meta_path.insert(0, _AfterTrainingImport())
