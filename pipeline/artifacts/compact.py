@@ -1,4 +1,4 @@
-"""The compact store of per-token scores: 2 bytes per vocabulary entry, decisions exact, every other error bounded.
+"""The compact store of per-token scores: 2 bytes per vocabulary entry, decisions and top-k exact, every other error bounded.
 
 A language model's outputs are float32 scores [N, T, V]: 4 bytes per entry, tens of GB per source at 7B scale.
 Per token (one row of V scores, z), the compact store keeps (llama.cpp's idea, changed where it loses exactness):
@@ -8,14 +8,22 @@ Per token (one row of V scores, z), the compact store keeps (llama.cpp's idea, c
   3..65534 are ``top - j * step``, j = 65534 - code in [0, 65531], the nearest of 65,532 levels spanning the
   row's finite range (no window: nothing is clamped, however flat or peaked the row is);
 - ``top``, ``step`` (float32, ``step`` rounded up so that the range fits), and ``second`` (the largest finite
-  score below ``top``, exact) with ``second_index`` (its first index; -1 when none). Decoded linear entries are
-  clamped at ``second``, and ``second`` is written back at its index.
+  score below ``top``, exact) with ``second_index`` (its first index; -1 when none);
+- ``best``, ``best_index`` [K]: the row's K best finite scores and their classes, exact, in the order top-k reads
+  them (score descending, equal scores by lowest index; -1 past the row's finite scores), K = ``task.top_k``.
 
-Decoded, a row therefore has exactly the original maximum, its ties, its first index and the exact top-2 gap
-(labels, both tie rules, flips, the logit margin), and every other finite entry within ``logit_error`` =
-step / 2 + float32 rounding of the decoded value. The KL bound that follows is ``compare.decisions.kl_bound``.
-Only float32 outputs of shape [N, T, V >= 2] are compacted (float16 and bfloat16 already take 2 bytes, exactly).
+Decoded linear entries are clamped at ``second``, and below the K-th best (strictly below it at a lower index: a class
+outside the K best stays behind it in that order), then ``second`` and the K best are written back at their indices.
+Each clamp is a bound the original score obeys, so it only brings a decoded value nearer. Decoded, a row therefore has
+exactly the original maximum, its ties, its first index and the exact top-2 gap (labels, both tie rules, flips, the
+logit margin), the exact rank of every class among the K best (``top_k`` for any k <= K: a target within half a
+quantum of its neighbour was re-ranked by the codes alone, issue 50.2), and every other finite entry within
+``logit_error`` = step / 2 + float32 rounding of the decoded value. The KL bound that follows is
+``compare.decisions.kl_bound``. Only float32 outputs of shape [N, T, V >= 2] of a classification are compacted
+(``chosen``): float16 and bfloat16 already take 2 bytes, exactly, and a regression's values are decided at a threshold
+(``label_accuracy``, flips) and scored by their errors, which no code of 2 bytes keeps exactly near the threshold.
 
+``VERSION`` is recorded in the file's metadata (``compact_version``); a file of another format is refused.
 Torch-free (numpy): the report stage reads it without torch; ``outputs`` converts at its edges.
 """
 
@@ -32,7 +40,11 @@ AUTO_BYTES = 1 << 30
 and read time and its numbers are exact; above (the issue's 32k x 64 x 512 case is 4.2 GB per source, four
 sources per comparison), the compact store halves both at a bounded error (``kl_bound``: about 1e-5 nats on the
 KL mean of a realistic row)."""
-PARTS = ("codes", "top", "step", "second", "second_index")
+PARTS = ("codes", "top", "step", "second", "second_index", "best", "best_index")
+VERSION = 2
+"""The format: 1 had no ``best`` (top-k re-ranked near ties); files of another version are refused, to be rebuilt."""
+KEEP = 5
+"""Best classes kept exactly per row when no task says how many (``TaskConfig.top_k``'s default)."""
 SEP = "::"
 """Separates an output's name from its part (``logits::codes``): a name a model's output keys never hold."""
 LEVELS = 65531
@@ -49,10 +61,12 @@ def compactable(shape: tuple[int, ...], dtype: str) -> bool:
     return len(shape) == 3 and shape[-1] >= 2 and dtype == "float32"
 
 
-def chosen(store: str, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str]) -> list[str]:
-    """The outputs to compact under ``store`` (``shapes`` include dim 0, the number of cases)."""
+def chosen(store: str, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str],
+           kind: str = "classification") -> list[str]:
+    """The outputs to compact under ``store`` (``shapes`` include dim 0, the number of cases) for a task of ``kind``:
+    none of a regression (its values are read at thresholds and by their errors: kept exactly)."""
     names = sorted(n for n in shapes if compactable(shapes[n], dtypes[n]))
-    if store == "full" or not names:
+    if store == "full" or kind != "classification" or not names:
         return []
     if store == "auto" and sum(4 * int(np.prod(shapes[n])) for n in names) <= AUTO_BYTES:
         return []
@@ -63,22 +77,26 @@ def part(name: str, what: str) -> str:
     return f"{name}{SEP}{what}"
 
 
-def encode(z: np.ndarray) -> dict[str, np.ndarray]:
-    """The compact parts of float32 scores ``z`` [n, T, V] (``PARTS``), block by block."""
+def encode(z: np.ndarray, keep: int = KEEP) -> dict[str, np.ndarray]:
+    """The compact parts of float32 scores ``z`` [n, T, V] (``PARTS``), block by block; ``keep``: the best classes kept
+    exactly per row (``task.top_k``; at most V)."""
     n, t, v = z.shape
+    k = max(1, min(keep, v))
     flat = z.reshape(n * t, v)
     out = {
         "codes": np.empty((n * t, v), dtype=np.uint16), "top": np.empty(n * t, np.float32),
         "step": np.empty(n * t, np.float32), "second": np.empty(n * t, np.float32),
-        "second_index": np.empty(n * t, np.int32),
+        "second_index": np.empty(n * t, np.int32), "best": np.empty((n * t, k), np.float32),
+        "best_index": np.empty((n * t, k), np.int32),
     }
     rows = max(1, BLOCK_ELEMENTS // max(v, 1))
     for a in range(0, n * t, rows):
         b = min(a + rows, n * t)
-        codes, top, step, second, index = _encode_rows(flat[a:b])
+        codes, top, step, second, index, finite = _encode_rows(flat[a:b])
         out["codes"][a:b], out["top"][a:b], out["step"][a:b], out["second"][a:b], out["second_index"][a:b] = (
             codes, top, step, second, index)
-    shaped = {k: x.reshape(n, t, *x.shape[1:]) for k, x in out.items()}
+        out["best"][a:b], out["best_index"][a:b] = _best(flat[a:b], k, finite)
+    shaped = {name: x.reshape(n, t, *x.shape[1:]) for name, x in out.items()}
     shaped["codes"] = shaped["codes"].view(np.int16)  # safetensors has no uint16 here: the same bits
     return shaped
 
@@ -87,8 +105,8 @@ def _encode_rows(z: np.ndarray):
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, or a sum that overflows: the general path
         every_finite = z.size and np.isfinite(z.sum(dtype=np.float64))
     if every_finite:  # every score finite (a sum's one pass): the common rows
-        return _encode_finite(z)
-    return _encode_general(z)
+        return (*_encode_finite(z), True)
+    return (*_encode_general(z), False)
 
 
 def _encode_general(z: np.ndarray):
@@ -112,6 +130,24 @@ def _encode_general(z: np.ndarray):
     codes[np.isnan(z)] = NAN
     codes[z == np.inf] = POS_INF
     return codes, top, step, second, index
+
+
+def _best(z: np.ndarray, k: int, finite: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's ``k`` best finite scores and their indices, score descending, equal scores by lowest index (the order
+    ``quality``'s top_k ranks a target in); -inf and index -1 past the row's finite scores. The k-th best is at least
+    the smallest of the maxima of k disjoint groups of columns (k scores of the row): only the scores above it, a few
+    per row, are sorted (a full partition of each row took 3x the encoding). ``finite``: every score is."""
+    w = z if finite else np.where(np.isfinite(z), z, np.float32(-np.inf))
+    n, v = w.shape
+    floor = w[:, : k * (v // k)].reshape(n, k, v // k).max(-1).min(-1)
+    rows, cols = np.nonzero(w >= floor[:, None])
+    values = w[rows, cols]
+    order = np.lexsort((cols, -values, rows))  # by row, then score descending, then index
+    rows, cols, values = rows[order], cols[order], values[order]
+    take = np.searchsorted(rows, np.arange(n))[:, None] + np.arange(k)  # every row has >= k candidates
+    best, index = values[take].astype(np.float32), cols[take].astype(np.int32)
+    index[best == -np.inf] = -1
+    return best, index
 
 
 def _step(top: np.ndarray, low: np.ndarray) -> np.ndarray:
@@ -153,6 +189,11 @@ def decode(parts: dict[str, np.ndarray]) -> np.ndarray:
     flat = codes.reshape(n * t, v)
     top, step = parts["top"].reshape(-1), parts["step"].reshape(-1)
     second, index = parts["second"].reshape(-1), parts["second_index"].reshape(-1)
+    best = parts["best"].reshape(n * t, parts["best"].shape[-1])
+    best_index = parts["best_index"].reshape(n * t, parts["best"].shape[-1])
+    kth, kth_index = best[:, -1], best_index[:, -1].astype(np.int64)
+    limit = np.minimum(second, np.where(kth_index >= 0, kth, np.float32(np.inf)))  # (index -1: no k-th best)
+    behind = np.nextafter(kth, np.float32(-np.inf))
     out = np.empty((n * t, v), dtype=np.float32)
     rows = max(1, BLOCK_ELEMENTS // max(v, 1))
     work = np.empty(rows * v, dtype=np.float64)  # one float64 buffer for every block
@@ -165,7 +206,10 @@ def decode(parts: dict[str, np.ndarray]) -> np.ndarray:
         np.subtract(top[a:b, None].astype(np.float64), j, out=j)
         z = out[a:b]
         np.copyto(z, j, casting="same_kind")  # rounded to float32 once
-        np.minimum(z, second[a:b, None], out=z)
+        np.minimum(z, limit[a:b, None], out=z)
+        tied = np.nonzero(z == kth[a:b, None])  # at the k-th best: a lower index falls behind it (a few per row)
+        lower = tied[1] < kth_index[a:b][tied[0]]
+        z[tied[0][lower], tied[1][lower]] = behind[a:b][tied[0][lower]]
         at_top = np.nonzero(c == TOP)
         z[at_top] = top[a:b][at_top[0]]
         if c.min() <= POS_INF:  # a code of -inf, NaN or +inf in the block (rare)
@@ -174,6 +218,8 @@ def decode(parts: dict[str, np.ndarray]) -> np.ndarray:
             z[c == POS_INF] = np.inf
         has = np.flatnonzero(index[a:b] >= 0)
         z[has, index[a:b][has]] = second[a:b][has]
+        kept = np.nonzero(best_index[a:b] >= 0)
+        z[kept[0], best_index[a:b][kept]] = best[a:b][kept]
     return out.reshape(n, t, v)
 
 

@@ -18,7 +18,8 @@ over its vocabulary at every position: the outputs of freeze and trial need not 
   same way.
 
 Metadata holds ``ids`` (one string per row) as a JSON string, as ``files.write_tensors`` writes it, and, in the
-compact store (``store=compact``), ``compact``: the outputs kept as ``artifacts.compact`` parts, decoded on read.
+compact store (``store=compact``), ``compact``: the outputs kept as ``artifacts.compact`` parts, decoded on read, and
+``compact_version`` (``compact.VERSION``: a file of another format is refused in one line).
 
 Torch-free at import: ``NumpyReader`` reads the same files with safetensors' numpy loader, for the report
 stage, which never imports torch; the torch paths import it inside.
@@ -40,6 +41,8 @@ from pipeline.files import atomic_file, from_jsonable, rerun, sha256_file, to_js
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from pipeline.config import TaskConfig
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 """Fault a mapped range in with one call (Linux >= 5.14; older kernels refuse it and pages fault on use)."""
@@ -71,7 +74,7 @@ def _torch_dtype(code: str) -> torch.dtype:
 
 def write_outputs(
     path: str | Path, chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], meta: dict[str, Any] | None = None,
-    store: compact.Store = "full",
+    store: compact.Store = "full", task: TaskConfig | None = None,
 ) -> str:
     """Write the row-wise concatenation of ``chunks`` to one safetensors file, atomically; return its sha256.
 
@@ -79,7 +82,9 @@ def write_outputs(
     add up to ``len(ids)``. At most one chunk is held (plus the header). ``meta`` adds metadata keys.
     ``store`` (``compare.store``): ``compact`` writes per-token float32 scores in the compact form
     (``artifacts.compact``; metadata ``compact`` names them), ``auto`` does so above ``compact.AUTO_BYTES``;
-    a file with none compacted is the full store's, byte for byte.
+    a file with none compacted is the full store's, byte for byte. ``task`` says what the compact form must keep
+    exactly: a regression's outputs are never compacted, and a classification's rows keep their ``task.top_k`` best
+    classes exactly (``compact.encode``); None: a classification of ``compact.KEEP``.
 
     Raises:
         ValueError: no chunk, chunks that disagree in names, dtype or shape, or rows that do not add up.
@@ -92,10 +97,12 @@ def write_outputs(
     if first is None:
         raise ValueError(f"{path}: write_outputs got no chunk; give at least one (it may have 0 rows)")
     squeezed = compact.chosen(store, {k: (n_rows, *v.shape[1:]) for k, v in first.items()},
-                              {k: str(v.dtype).removeprefix("torch.") for k, v in first.items()})
+                              {k: str(v.dtype).removeprefix("torch.") for k, v in first.items()},
+                              task.kind if task is not None else "classification")
     if squeezed:
-        meta = {**(meta or {}), "compact": squeezed}
-        first, iterator = _encoded(first, squeezed), (_encoded(c, squeezed) for c in iterator)
+        keep = task.top_k if task is not None else compact.KEEP
+        meta = {"compact_version": compact.VERSION, **(meta or {}), "compact": squeezed}
+        first, iterator = _encoded(first, squeezed, keep), (_encoded(c, squeezed, keep) for c in iterator)
     layout = _layout(first, n_rows)
     metadata = {k: json.dumps(to_jsonable(v), sort_keys=True) for k, v in {**(meta or {}), "ids": ids}.items()}
     header_obj: dict[str, Any] = {"__metadata__": metadata}
@@ -127,8 +134,8 @@ def write_outputs(
     return sha256_file(path)
 
 
-def _encoded(chunk: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
-    """``chunk`` with each of ``names`` replaced by its compact parts (``compact.encode``)."""
+def _encoded(chunk: dict[str, torch.Tensor], names: list[str], keep: int) -> dict[str, torch.Tensor]:
+    """``chunk`` with each of ``names`` replaced by its compact parts (``compact.encode``, ``keep`` best exact)."""
     import torch
 
     out = {k: v for k, v in chunk.items() if k not in names}
@@ -136,7 +143,7 @@ def _encoded(chunk: dict[str, torch.Tensor], names: list[str]) -> dict[str, torc
         scores = chunk[name].detach().to("cpu")
         if tuple(scores.shape[1:]) != tuple(chunk[name].shape[1:]) or scores.dtype != torch.float32:
             raise ValueError(f"write_outputs: output '{name}' changed dtype or shape between chunks")
-        for what, x in compact.encode(scores.contiguous().numpy()).items():
+        for what, x in compact.encode(scores.contiguous().numpy(), keep).items():
             out[compact.part(name, what)] = torch.from_numpy(x)
     return out
 
@@ -228,6 +235,8 @@ class OutputsReader:
         self._offsets = {name: 8 + size + entry["data_offsets"][0] for name, entry in header.items()}
         self.compact: list[str] = [str(n) for n in self.meta.get("compact") or []]
         """Outputs stored compact (``artifacts.compact``): ``read`` decodes them, ``view`` gives None."""
+        if self.compact and self.meta.get("compact_version") != compact.VERSION:
+            raise UserError(_old_format(self.path, self.meta.get("compact_version"), hint))
         parts = {compact.part(n, w) for n in self.compact for w in compact.PARTS}
         if not parts <= set(self._shapes):
             raise UserError(f"{self.path} names compact outputs without their parts; rebuild it with {hint}")
@@ -257,6 +266,18 @@ class OutputsReader:
             return 0.0
         top, step = (self._read_raw(compact.part(name, w)).numpy() for w in ("top", "step"))
         return compact.logit_error(top, step)
+
+    def kept(self, name: str) -> int | None:
+        """The best classes of each row of ``name`` kept exactly (``compact.encode``); None when stored full (all)."""
+        return self._shapes[compact.part(name, "best")][-1] if name in self.compact else None
+
+    def check_top_k(self, name: str, k: int) -> None:
+        """Raises: UserError when ``name`` is stored compact with fewer than ``k`` best classes kept exactly (top-k of a
+        larger k could re-rank a target within half a quantum of its neighbour)."""
+        kept = self.kept(name)
+        if kept is not None and kept < min(k, self.shape(name)[-1]):
+            raise UserError(f"{self.path} keeps the {kept} best scores of a token exactly (compare.store compact) but "
+                            f"task.top_k is {k}; rebuild it with `dvc repro --force` under this task.top_k")
 
     def read(self, name: str, start: int = 0, stop: int | None = None, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``start:stop`` of output ``name``: a new CPU tensor of the stored dtype, or a view of the front
@@ -373,6 +394,11 @@ class OutputsReader:
         return int(torch.Size(self._shapes[name][1:]).numel()), torch.empty(0, dtype=self._dtypes[name]).element_size()
 
 
+def _old_format(path: Path, version, hint: str) -> str:
+    return (f"{path} holds compact outputs of another compact format (version {version or 1}, this version reads "
+            f"{compact.VERSION}); rebuild it with {hint}")
+
+
 class NumpyReader:
     """Named per-case outputs of one safetensors file as numpy arrays (safetensors' numpy loader: no torch),
     sha256 verified once, read whole or by a set of rows.
@@ -390,7 +416,10 @@ class NumpyReader:
             meta = handle.metadata() or {}
             self.ids: list[str] = json.loads(meta.get("ids", "[]"))
             self.compact: list[str] = json.loads(meta.get("compact", "[]"))
+            version = json.loads(meta.get("compact_version", "null"))
             shapes = {name: handle.get_slice(name).get_shape() for name in handle.keys()}
+        if self.compact and version != compact.VERSION:
+            raise UserError(_old_format(self.path, version, rerun(produced_by)))
         parts = {compact.part(n, w) for n in self.compact for w in compact.PARTS}
         shapes |= {n: shapes[compact.part(n, "codes")] for n in self.compact}
         self.elements_per_case = sum(math.prod(s[1:]) for name, s in shapes.items() if name not in parts)

@@ -235,6 +235,9 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
                                       device=device)
                   for name in heads if name != main}
     threshold, metric = metric.reading(kind, rule, main, shapes[main], targets, has_target)
+    for source in (ref, trial, trained) if metric.name == "top_k" else ():  # (a compact store keeps the k best exactly)
+        if isinstance(source, OutputsReader):
+            source.check_top_k(main, metric.top_k)
     quality = {side: metric.quality(rule.tie_rule) for side in SIDES}
     row_gap = torch.zeros(n, dtype=torch.float64)
     first_values: dict[str, list[torch.Tensor]] = {side: [] for side in SIDES}

@@ -1,0 +1,224 @@
+"""A verdict never depends on the store: on crafted near-ties (a target within half a quantum of its neighbour in rank,
+exact ties at a rank, a label's value within a quantum of its threshold), every quality figure the rule reads and every
+decision are the same under ``compare.store: compact`` as under ``full`` (real safetensors files, compare's streams)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import rule as acceptance
+from pipeline.artifacts import compact, outputs
+from pipeline.compare import streams
+from pipeline.config import AcceptanceConfig, CompareConfig, TaskConfig, Tolerance
+from pipeline.errors import UserError
+from _steps import step
+
+STEPS = tuple(step(i, 1.0 / (i + 1), scale=2.0**16) for i in range(4))
+RUNS = streams.Trajectories(STEPS, STEPS, 2.0**16)
+V, TARGET, NEIGHBOUR = 1000, 700, 100
+LOOSE = {"*": Tolerance(atol=100.0, rtol=0.0)}
+"""Value gaps far from their tolerance: the criteria under test are quality and decisions."""
+
+
+def _judge(tmp_path, ref, trial, targets, store, rule, task):
+    n = ref.shape[0]
+    ids = [f"ordinary/{i}" for i in range(n)]
+    readers = {}
+    for side, x in (("reference", ref), ("trial", trial)):
+        path = tmp_path / f"{side}-{store}.safetensors"
+        outputs.write_outputs(path, [{"logits": x[: n // 2]}, {"logits": x[n // 2 :]}], ids, store=store, task=task)
+        readers[side] = outputs.OutputsReader(path)
+    sources = streams.Sources(ids, targets, torch.ones(n, dtype=torch.bool), readers["reference"], readers["trial"],
+                              readers["trial"])
+    stats, _ = streams.compare_streams(task.kind, rule, sources, RUNS, metric=streams.Metric.for_task(task),
+                                       cfg=CompareConfig(chunk_elements=40_000))
+    return stats, acceptance.decide(stats, rule), readers["trial"].store
+
+
+def _same_verdict(full, small, store="compact"):
+    (f, fd, f_store), (s, sd, s_store) = full, small
+    assert (f_store, s_store) == ("full", store)
+    fq, sq = f.quality, s.quality
+    assert (sq.metric, sq.reference, sq.trial, sq.trained) == (fq.metric, fq.reference, fq.trial, fq.trained)
+    assert sq.counts == fq.counts and sq.paired == fq.paired
+    assert s.flips.real_flips == f.flips.real_flips and s.flips.flips == f.flips.flips
+    if f.distribution is not None:
+        assert s.distribution.top1_agreement == f.distribution.top1_agreement
+    assert (sd.decision, sd.inference, sd.training) == (fd.decision, fd.inference, fd.training), (fd.reasons, sd.reasons)
+
+
+def _near_ties(k, tokens=64, seed=0):
+    """[2, tokens, V] scores whose target (class 700) is the k-th best on every token. The reference's next class is far
+    below it; on the trial's even tokens class 100 (a lower index) lies 1 ulp to 1e-4 below the target, within half a
+    quantum (about 4.6e-4 here), and on the odd tokens class 100 is exactly the target's score, at a higher rank (tie
+    by index: a miss on both stores) on tokens 1 mod 4, while class 900 ties it from behind on tokens 3 mod 4."""
+    g = torch.Generator().manual_seed(seed)
+    ref = -30.0 * torch.rand(2, tokens, V, generator=g)
+    ref[..., 0] = 30.0  # the row's span: a quantum of 60 / 65531; class 0 and 901.. are ahead of the target
+    for j in range(1, k - 1):
+        ref[..., 900 + j] = 30.0 - j
+    ref[..., TARGET] = 5.0 if k > 1 else 40.0
+    trial = ref.clone()
+    below = torch.tensor([0.0, 1e-6, 1e-5, 1e-4]).repeat(tokens // 8)
+    trial[:, 0::2, NEIGHBOUR] = torch.nextafter(ref[:, 0::2, TARGET] - below, torch.tensor(-math.inf))
+    trial[:, 1::4, NEIGHBOUR] = ref[:, 1::4, TARGET]
+    trial[:, 3::4, 950] = ref[:, 3::4, TARGET]
+    return ref, trial, torch.full((2, tokens), TARGET)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_top_k_near_ties_give_the_same_quality_and_verdict_under_both_stores(tmp_path, k):
+    ref, trial, targets = _near_ties(k)
+    task = TaskConfig(metric="top_k", top_k=k)
+    rule = AcceptanceConfig(outputs=LOOSE, max_quality_drop=0.3, min_quality=0.5, max_kl_mean=1.0,
+                            min_top1_agreement=0.9, loss_noise_multiple=None)
+    full = _judge(tmp_path, ref, trial, targets, "full", rule, task)
+    small = _judge(tmp_path, ref, trial, targets, "compact", rule, task)
+    _same_verdict(full, small)
+    if k > 1:  # the ties at the k-th rank did cost the tokens 1 mod 4, and nothing else
+        assert full[0].quality.counts["trial"] == (96, 128) and full[1].decision == "accept"
+
+
+def test_the_reported_case_top_k_reads_the_same_quality_under_compact():
+    """Issue 50.2: 128 tokens, every target the second best, the trial's neighbour within half a quantum below it and of
+    a lower index on 64 of them: quality 1.0 under ``full`` and 0.77 under ``compact`` before the store kept the k best
+    (the codes tied 30 of the 64 near ties, and the tie went to the lower index), so ``max_quality_drop`` rolled back
+    under compact only."""
+    import tempfile
+    from pathlib import Path
+
+    ref, trial, targets = _near_ties(2)
+    trial[:, 1::2] = ref[:, 1::2]  # only the near ties (64 tokens)
+    task = TaskConfig(metric="top_k", top_k=2)
+    rule = AcceptanceConfig(outputs=LOOSE, max_quality_drop=0.01, loss_noise_multiple=None)
+    with tempfile.TemporaryDirectory() as folder:
+        full = _judge(Path(folder), ref, trial, targets, "full", rule, task)
+        small = _judge(Path(folder), ref, trial, targets, "compact", rule, task)
+    assert full[0].quality.trial == 1.0 and full[1].decision == "accept"
+    _same_verdict(full, small)
+
+
+def test_accuracy_and_top1_gates_on_near_ties_at_the_top(tmp_path):
+    """The argmax and its ties are kept exactly: a runner-up 1 ulp below the top, or equal to it, decides alike."""
+    ref, trial, targets = _near_ties(1)
+    trial[:, 0::2, NEIGHBOUR] = torch.nextafter(ref[:, 0::2, TARGET], torch.tensor(-math.inf))
+    trial[:, 1::4, NEIGHBOUR] = ref[:, 1::4, TARGET]  # an exact tie at the top, lower index: the label moves
+    for tie_rule in ("lowest_index", "tie_is_flip"):
+        rule = AcceptanceConfig(outputs=LOOSE, tie_rule=tie_rule, max_quality_drop=0.3, min_top1_agreement=0.8,
+                                max_kl_mean=1.0, max_flips=10_000, max_flip_rate=None,
+                                loss_noise_multiple=None)
+        task = TaskConfig(metric="accuracy")
+        full = _judge(tmp_path, ref, trial, targets, "full", rule, task)
+        _same_verdict(full, _judge(tmp_path, ref, trial, targets, "compact", rule, task))
+        assert full[0].quality.counts["trial"] == ((96, 128) if tie_rule == "lowest_index" else (64, 128))  # (class 950
+        # ties the top from behind on tokens 3 mod 4: a label under lowest_index, none under tie_is_flip)
+
+
+def _near_threshold(tokens=64, labels=8, seed=0):
+    """Per-token multi-label logits [2, tokens, labels] decided at 0, each row spanning [-50, 60]: on the trial, one value
+    per token lies within a quantum of 0, on the side its 2-byte code would not keep."""
+    g = torch.Generator().manual_seed(seed)
+    ref = 20.0 + 10.0 * torch.rand(2, tokens, labels, generator=g)
+    ref[..., 0], ref[..., 1] = 60.0, -50.0
+    ref[..., 2] = -20.0
+    trial = ref.clone()
+    step = float(compact.encode(ref[:1, :1].numpy())["step"].reshape(-1)[0])
+    for v in np.linspace(-step, step, 201):  # a value whose decoded copy crosses 0
+        row = ref[:1, :1].clone()
+        row[..., 2] = float(v)
+        back = compact.decode(compact.encode(row.numpy()))[0, 0, 2]
+        if v != 0 and np.sign(back) != np.sign(np.float32(v)):
+            break
+    else:
+        raise AssertionError("no value crosses 0 once decoded")
+    trial[..., 2] = float(v)
+    targets = (ref > 0).float()
+    targets[..., 2] = 1.0 if v > 0 else 0.0  # on the trial's side of 0: a hit
+    return ref, trial, targets
+
+
+def test_label_accuracy_near_its_threshold_is_the_same_under_both_stores(tmp_path):
+    ref, trial, targets = _near_threshold()
+    task = TaskConfig(kind="regression", loss="bce")
+    rule = AcceptanceConfig(outputs={"*": Tolerance(atol=30.0, rtol=0.0)}, threshold=0.0, max_quality_drop=0.01,
+                            max_flips=10_000, max_flip_rate=None, max_near_boundary_flips=None,
+                            loss_noise_multiple=None)
+    full = _judge(tmp_path, ref, trial, targets, "full", rule, task)
+    small = _judge(tmp_path, ref, trial, targets, "compact", rule, task)
+    assert full[0].quality.metric == "label_accuracy" and full[0].quality.trial == 1.0
+    _same_verdict(full, small, store="full")  # a regression's values stay full under compare.store compact
+
+
+def test_the_compact_store_keeps_the_k_best_of_each_row_exactly_in_their_order():
+    """Decoded, the k best of a row (equal scores by lowest index) are the original classes at their original scores,
+    and every other class ranks behind them: a target's rank among the k best is exact."""
+    ref, trial, _ = _near_ties(5, tokens=16)
+    z = trial.numpy()
+    parts = compact.encode(z, keep=5)
+    back = compact.decode(parts)
+    order = np.lexsort((np.broadcast_to(np.arange(V), z.shape), -z), axis=-1)[..., :5]
+    assert np.array_equal(parts["best_index"], order)
+    assert np.array_equal(np.lexsort((np.broadcast_to(np.arange(V), z.shape), -back), axis=-1)[..., :5], order)
+    assert np.array_equal(np.take_along_axis(back, order, -1), np.take_along_axis(z, order, -1))
+
+
+def test_a_compact_file_of_another_format_or_too_few_kept_classes_is_refused_in_one_line(tmp_path):
+    ref, trial, targets = _near_ties(3, tokens=8)
+    ids = ["ordinary/0", "ordinary/1"]
+    path = tmp_path / "o.safetensors"
+    outputs.write_outputs(path, [{"logits": ref}], ids, store="compact", task=TaskConfig(metric="top_k", top_k=3))
+    reader = outputs.OutputsReader(path)
+    assert reader.kept("logits") == 3
+    sources = streams.Sources(ids, targets, torch.ones(2, dtype=torch.bool), reader, reader, reader)
+    with pytest.raises(UserError, match="keeps the 3 best") as e:
+        streams.compare_streams("classification", AcceptanceConfig(), sources, RUNS,
+                                metric=streams.Metric.for_task(TaskConfig(metric="top_k", top_k=4)))
+    assert "\n" not in str(e.value)
+    old = tmp_path / "old.safetensors"
+    outputs.write_outputs(old, [{"logits": ref}], ids, store="compact", meta={"compact_version": 1})
+    with pytest.raises(UserError, match="another compact format") as e:
+        outputs.OutputsReader(old)
+    assert "\n" not in str(e.value)
+
+
+def test_a_regression_is_never_compacted():
+    """Its values are decided at a threshold and scored by their errors: 2 bytes keep neither exactly."""
+    shapes, dtypes = {"logits": (512, 64, 32_000)}, {"logits": "float32"}
+    assert compact.chosen("compact", shapes, dtypes, kind="regression") == []
+    assert compact.chosen("compact", shapes, dtypes) == ["logits"]
+
+
+def _ranks(z: np.ndarray) -> np.ndarray:
+    """Each class's rank in its row: score descending, equal scores by lowest index (top_k's order)."""
+    order = np.lexsort((np.broadcast_to(np.arange(z.shape[-1]), z.shape), -z), axis=-1)
+    ranks = np.empty_like(order)
+    np.put_along_axis(ranks, order, np.broadcast_to(np.arange(z.shape[-1]), z.shape), -1)
+    return ranks
+
+
+@pytest.mark.parametrize("keep", [1, 2, 5, 7])
+def test_ranks_among_the_k_best_survive_ties_near_ties_masks_and_flat_rows(keep):
+    """Rows of many exact ties (rounded scores), runs of 1-ulp neighbours, masked (-inf) classes, a flat row, rows
+    with fewer finite scores than kept: every class of rank < keep keeps its rank, every other stays behind them, and
+    every decoded score stays within ``logit_error``."""
+    g = np.random.default_rng(keep)
+    z = (g.standard_normal((6, 20, 64)) * 10).astype(np.float32)
+    z[0] = np.round(z[0])  # many exact ties
+    z[1] = z[1, :, :1] + np.arange(64, dtype=np.float32)[::-1] * 1e-6 * g.choice([-1, 1], 64)  # within a quantum
+    z[2, :, ::3] = -np.inf  # masked
+    z[3] = 1.5  # flat
+    z[4, :, 3:] = -np.inf  # 3 finite scores per row
+    z[5, :, [9, 33, 50]] = z[5].max(-1)  # ties of the top, at several indices
+    parts = compact.encode(z, keep=keep)
+    back = compact.decode(parts)
+    original, decoded = _ranks(z), _ranks(back)
+    k = min(keep, 64)
+    assert np.array_equal(np.minimum(original, k), np.minimum(decoded, k))
+    finite = np.isfinite(z)
+    assert np.array_equal(np.isfinite(back), finite) and np.array_equal(back[~finite], z[~finite])
+    with np.errstate(invalid="ignore"):  # -inf - -inf where masked: left out
+        error = np.abs(np.where(finite, back.astype(np.float64) - z, 0)).max(-1)
+    assert (error <= np.vectorize(lambda a, b: compact.logit_error(np.array([a]), np.array([b])))(
+        parts["top"], parts["step"])).all()
