@@ -131,10 +131,11 @@ class Speed(Record):
         """The verdict with its figures: ``no measurable difference (x1.03, 95 % interval 0.91-1.12; FP32 against
         itself 0.93-1.08)``, ``x1.50 faster (...)``, ``x0.32 (3.1 times slower; ...)``; then the time to quality's
         (``TimeToQuality.words``) after a semicolon."""
-        per_step = self._per_step()
+        per_step = self.per_step_words()
         return per_step if self.to_quality is None else f"{per_step}; {self.to_quality.words()}"
 
-    def _per_step(self) -> str:
+    def per_step_words(self) -> str:
+        """The verdict on the time per step with its figures, without the time to quality."""
         s, aa = self.speedup, self.fp32_again
         if math.isinf(s.high) or math.isinf(aa.high):
             figures = f"{s.n} rounds are too few for a {100 * s.level:.0f} % interval; raise bench.repeats"
@@ -279,7 +280,8 @@ class Benchmark(Record):
         s, m, dropped = self.speedup, self.memory.memory_ratio, self.rounds_dropped.timed
         rounds = self.method.repeats - len(dropped)
         if self.speed:
-            said = f"{self.speed.words()} over {rounds} rounds"
+            said = f"{self.speed.per_step_words()} over {rounds} rounds"
+            said += f"; {self.speed.to_quality.words()}" if self.speed.to_quality else ""
         elif s:
             said = f"speed not judged: no interval recorded (median x{s.median:.2f}); rerun benchmark@{self.variant}"
         else:

@@ -6,7 +6,8 @@ one line (publish's last line). Per variant it says:
 
 - the decision in one sentence, with the gain in the words of the benchmark's speed verdict ("x0.32 (3.1 times
   slower; 95 % interval 0.30-0.35; FP32 against itself 0.97-1.03) on this CPU: keep FP32 here"; "no measurable
-  difference (x1.03, ...)" where the interval holds 1 or overlaps FP32 against itself);
+  difference (x1.03, ...)" where the interval holds 1 or overlaps FP32 against itself), then the time to FP32's final
+  loss ("time to FP32's final loss: x1.25 (...)": a faster step that needs more updates is no switch to AMP);
 - the reasons (the failed criteria, then the diagnosis' findings: two fields of the decision, never told
   apart by their words);
 - the flipped cases, reference -> trial class and margin, calling out real samples that the rule counted
