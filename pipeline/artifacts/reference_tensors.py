@@ -168,7 +168,7 @@ def write(
             return out / path.relative_to(paths.REFERENCE)
 
         files[str(paths.REF_OUTPUTS)] = write_outputs(
-            staged(paths.REF_OUTPUTS), _checked(outputs, fixed.ids, bad, scan), fixed.ids, store=store
+            staged(paths.REF_OUTPUTS), _checked(outputs, fixed.ids, bad, scan), fixed.ids, store=store, task=params.task
         )  # the FP64 arbiter's are always full: its differences are far below a compact store's step
         if bad:
             raise NonFinite(sorted(set(bad)))

@@ -21,6 +21,7 @@ from pipeline.artifacts.outputs import OutputsReader, write_outputs
 from pipeline.artifacts.reference import Manifest as ReferenceManifest
 from pipeline.artifacts.trial import (FAILURE, Failure, Trajectory, TrialManifest, env_differs, produced_by, read_manifest,
                                      read_trajectory)
+from pipeline.config import TaskConfig
 from pipeline.errors import UserError
 from pipeline.files import StagedFolder, sha256_file, write_json
 
@@ -33,11 +34,12 @@ class Writer:
     previous trial as it was, never a mix. Used as a context manager, the pending folder goes when the block raises.
     """
 
-    def __init__(self, variant: str, ids: list[str], store: str = "full") -> None:
+    def __init__(self, variant: str, ids: list[str], store: str = "full", task: TaskConfig | None = None) -> None:
         self.folder = paths.trial(variant)
         self.ids = ids
-        self.store = store
-        """``compare.store``: how per-token scores are stored (``outputs.write_outputs``)."""
+        self.store, self.task = store, task
+        """``compare.store`` and the task: how per-token scores are stored, what the compact form keeps exactly
+        (``outputs.write_outputs``)."""
         self.files: dict[str, str] = {}
         self.staged: StagedFolder | None = None
         """The folder's next content, made at the first write (rank 0 alone writes under torchrun)."""
@@ -59,7 +61,8 @@ class Writer:
     def sink(self, name: str, chunks: Iterable[dict[str, torch.Tensor]]) -> None:
         """``name`` is ``outputs`` or ``trained_outputs`` (what ``training.run_trial`` streams)."""
         file = f"{name}.safetensors"
-        self.files[file] = write_outputs(self._staged().path / file, chunks, self.ids, store=self.store)
+        self.files[file] = write_outputs(self._staged().path / file, chunks, self.ids, store=self.store,
+                                         task=self.task)
         self.streamed.append(name)
 
     @property

@@ -24,7 +24,7 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     trained, source = ref.model(params), ref.train_data(params)
     run_key = trial.run_key(ref.manifest, policy, reference_tensors.recipe_key(params))
     resume = checkpoint.ResumeFile(paths.RESUME / f"trial-{variant}.safetensors", world.key(run_key), device)
-    writer = trial_tensors.Writer(variant, ref.cases.ids, params.compare.store)
+    writer = trial_tensors.Writer(variant, ref.cases.ids, params.compare.store, params.task)
     try:
         with (
             writer,
