@@ -135,11 +135,14 @@ def _encode_general(z: np.ndarray):
 def _best(z: np.ndarray, k: int, finite: bool) -> tuple[np.ndarray, np.ndarray]:
     """Each row's ``k`` best finite scores and their indices, score descending, equal scores by lowest index (the order
     ``quality``'s top_k ranks a target in); -inf and index -1 past the row's finite scores. The k-th best is at least
-    the smallest of the maxima of k disjoint groups of columns (k scores of the row): only the scores above it, a few
-    per row, are sorted (a full partition of each row took 3x the encoding). ``finite``: every score is."""
+    the smallest of the maxima of k disjoint groups of columns (k scores of the row), and at least the smallest of
+    the first k and of the last k (a row sorted by class, whose groups' maxima lie low): only the scores above the
+    largest of the three, a few per row, are sorted (a full partition of each row took 3x the encoding). ``finite``:
+    every score is."""
     w = z if finite else np.where(np.isfinite(z), z, np.float32(-np.inf))
     n, v = w.shape
-    floor = w[:, : k * (v // k)].reshape(n, k, v // k).max(-1).min(-1)
+    floor = np.maximum(w[:, : k * (v // k)].reshape(n, k, v // k).max(-1).min(-1),
+                       np.maximum(w[:, :k].min(-1), w[:, -k:].min(-1)))
     rows, cols = np.nonzero(w >= floor[:, None])
     values = w[rows, cols]
     order = np.lexsort((cols, -values, rows))  # by row, then score descending, then index
