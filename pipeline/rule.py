@@ -379,7 +379,7 @@ def _training(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
     else:
         _loss_band(train, rule, j, against)
     _noise_floor(train.noise, rule, j)
-    _final_loss(train.final, rule, j)
+    _final_loss(train.final, train.noise, rule, j)
     calibration = train.calibration_steps
     if calibration:  # said, never silent: the skips by which the GradScaler found its scale
         j.checks.append(f"training: the first {calibration} update(s) skipped while the GradScaler calibrated its scale "
@@ -419,19 +419,24 @@ def _loss_band(train: Training, rule: AcceptanceConfig, j: _Judge, against: str)
             ("steps", [train.first_violation_step]))
 
 
-def _final_loss(final: FinalLoss | None, rule: AcceptanceConfig, j: _Judge) -> None:
-    """Where training ended against where FP32 itself ends when trained again: the trial's final loss at most the
-    one-sided prediction bound of another FP32 run from the reference and its replicates, at ``rule.confidence``
-    (``bounds.fp32_drop_allowed``: an FP32 retraining fails it at 1 - confidence), plus ``loss_noise_atol``. Judged with
-    the noise floor (``loss_noise_multiple`` / ``loss_noise_atol``): both read the loss against FP32's own spread, the
-    curve's gap and the end it reached (a training that stalls keeps a gap a few times FP32's, and ends far above it)."""
+def _final_loss(final: FinalLoss | None, noise: Noise | None, rule: AcceptanceConfig, j: _Judge) -> None:
+    """Where training ended against where FP32 itself ends when trained again: the trial's final loss at most the larger
+    of the one-sided prediction bound of another FP32 run from the reference and its replicates, at ``rule.confidence``
+    (``bounds.fp32_drop_allowed``: an FP32 retraining fails it at 1 - confidence), and ``loss_noise_multiple`` times the
+    replicates' mean per-step gap to the reference (the noise floor's own yardstick, read at the end: before two runs
+    decorrelate, FP32's ends nearly agree, since they read the same last batches, while a change of rounding moves the
+    loss about as a swapped sample does at any step), plus ``loss_noise_atol``. Judged with the noise floor
+    (``loss_noise_multiple`` / ``loss_noise_atol``): both read the loss against FP32's own spread, the curve's gap and
+    the end it reached (a training that stalls keeps a gap a few times FP32's, and ends far above it)."""
     if final is None or (rule.loss_noise_multiple is None and rule.loss_noise_atol is None):
         return
     ref, reps = final.fp32[0], list(final.fp32[1:])
-    rise = bounds.fp32_drop_allowed(ref, reps, rule.confidence, higher_is_better=False) + (rule.loss_noise_atol or 0.0)
+    own = (noise.mean_replicate_gap if noise is not None else 0.0) * (rule.loss_noise_multiple or 0.0)
+    rise = max(bounds.fp32_drop_allowed(ref, reps, rule.confidence, higher_is_better=False), own) + (rule.loss_noise_atol or 0.0)
     words = (f"training: final loss {final.amp:.4g} (mean of the last {final.window} steps) vs FP32's {ref:.4g}, its "
              f"replicates {', '.join(f'{v:.4g}' for v in reps)}: an FP32 retraining may end {rise:.3g} above the reference "
-             f"at confidence {rule.confidence:g}")
+             f"(the larger of its prediction bound at confidence {rule.confidence:g} and {rule.loss_noise_multiple or 0:g}x "
+             f"the replicates' mean gap)")
     j.check("training", final.amp - ref <= rise, f"{words}; within it",
             f"{words}; this one ends {final.amp - ref:.3g} above: training did not reach where FP32 does")
 
