@@ -25,9 +25,12 @@ def after_step(env: dict[str, str], step: int, stop: bool = False, rank: int | N
     return out
 
 
-def disk_full(env: dict[str, str], after_bytes: int, under: str = "data") -> dict[str, str]:
-    """``env`` for a stage whose filesystem fills up: its writes to files under ``under`` (a path from the repository
-    root) raise ``OSError(ENOSPC)`` once it has written ``after_bytes`` bytes there."""
+def disk_full(env: dict[str, str], after_bytes: int, folder: str = "data") -> dict[str, str]:
+    """``env`` for a stage whose filesystem fills up: its writes to the files under ``folder`` (a path from the repository
+    root), and under the new set it stages beside it (``.NAME.pending``), raise ``OSError(ENOSPC)`` once it has written
+    ``after_bytes`` bytes there."""
+    path = Path(folder)
+    under = os.pathsep.join((folder, str(path.with_name(f".{path.name}.pending"))))
     out = dict(env, PIPELINE_FAULT_ENOSPC_AFTER_BYTES=str(after_bytes), PIPELINE_FAULT_ENOSPC_UNDER=under)
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), env.get("PYTHONPATH", "")) if p)
     return out

@@ -8,7 +8,8 @@ and the resume key is the one of a run without this module.
 
 Once ``pipeline.files`` has been imported, with ``PIPELINE_FAULT_ENOSPC_AFTER_BYTES`` set, its ``atomic_file`` (through
 which every output file is written) hands out handles that fail as a full filesystem does, ``OSError(ENOSPC)``, once
-the process has written that many bytes to files under ``PIPELINE_FAULT_ENOSPC_UNDER`` (a path prefix; default data/).
+the process has written that many bytes to files under ``PIPELINE_FAULT_ENOSPC_UNDER`` (folders separated by
+``os.pathsep``; default data/).
 """
 
 from __future__ import annotations
@@ -68,12 +69,13 @@ class _Full:
 
 def install_full_disk(files) -> None:
     """Wrap ``files.atomic_file``: ``write_bytes`` looks it up on the module, the other writers import it after this."""
-    atomic_file, left, under = files.atomic_file, [int(ENOSPC_AFTER)], os.path.normpath(ENOSPC_UNDER)
+    atomic_file, left = files.atomic_file, [int(ENOSPC_AFTER)]
+    folders = [os.path.abspath(folder) for folder in ENOSPC_UNDER.split(os.pathsep)]
 
     @contextlib.contextmanager
     def atomic_file_on_a_small_disk(path):
         with atomic_file(path) as handle:
-            inside = os.path.normpath(os.path.relpath(os.path.abspath(path))).startswith(under)
+            inside = any(os.path.abspath(path).startswith(folder + os.sep) for folder in folders)
             yield _Full(handle, left) if inside else handle
 
     files.atomic_file = atomic_file_on_a_small_disk
