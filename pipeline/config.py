@@ -218,9 +218,10 @@ class ReferenceConfig:
     """FP32 replicates freeze trains beside the reference, each under another small change of the data order (a block
     of samples traded between each pair of consecutive updates, a different block each: ``training.neighbours_swapped``):
     FP32's own run-to-run variation, against which the rule judges AMP's training (its loss curve, its final loss and
-    its quality after training: README "Training"). Each costs one more FP32 training. With 1, the spread of two FP32
-    runs is known roughly (Student's t with 1 degree of freedom: 6.3 at 0.95) and the training gate is wide; 2 gives
-    2.9; 4 gives 2.1. 0: none (then no training criterion can be calibrated, and the rule must set none)."""
+    its quality after training: README "Training"). Each costs one more FP32 training. The two bounds training is read
+    by take Student's t at 0.975 each (``rule.training_confidence``): 4.3 with 2 replicates, 3.2 with 3, 2.8 with 4; 1
+    replicate (12.7) is refused, a gate that passes almost anything. 0: none (then the rule may set no training
+    criterion that needs them)."""
     deterministic: bool = False
     """Ask PyTorch for deterministic kernels in freeze and trial (slower on GPU; CPU results already are)."""
     fp64_arbiter: int | None = None
@@ -252,6 +253,9 @@ class ReferenceConfig:
             _positive(self.grad_clip, f"{key}.grad_clip")
         _non_negative(self.checkpoint_every, f"{key}.checkpoint_every")
         _non_negative(self.replicates, f"{key}.replicates")
+        if self.replicates == 1:
+            raise UserError(f"params.yaml: {key}.replicates is 1: two FP32 runs give Student's t with 1 degree of freedom "
+                            f"(12.7 at 0.975), so the training bounds would pass almost any trial; give 2 or more (0: none)")
         if self.replicates > MAX_REPLICATES:
             raise UserError(f"params.yaml: {key}.replicates is {self.replicates}; give at most {MAX_REPLICATES} (each is "
                             f"one more FP32 training; 4 already give Student's t 2.1 at 0.95)")

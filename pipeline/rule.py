@@ -280,10 +280,10 @@ def _quality(quality: Quality, rule: AcceptanceConfig, j: _Judge, part: Part, si
         spread = quality.fp32_spread if side == "trained" else None
         max_drop, fp32 = rule.max_quality_drop, ""
         if spread is not None:
-            own = bounds.fp32_drop_allowed(spread.reference, list(spread.replicates), rule.confidence, higher)
+            own = bounds.fp32_drop_allowed(spread.reference, list(spread.replicates), training_confidence(rule), higher)
             max_drop = max(max_drop, own)
             fp32 = (f" [FP32's own spread: its replicate {', '.join(f'{v:.4g}' for v in spread.replicates)} vs reference "
-                    f"{spread.reference:.4g}, an FP32 retraining may drop {own:.4g} at confidence {rule.confidence:g}; "
+                    f"{spread.reference:.4g}, an FP32 retraining may drop {own:.4g} at confidence {training_confidence(rule):g}; "
                     f"allowed the larger of that and max_quality_drop {rule.max_quality_drop:g}]")
         if side in quality.counts and "reference" in quality.counts:
             (hits_r, n), (hits, _) = quality.counts["reference"], quality.counts[side]
@@ -419,6 +419,13 @@ def _loss_band(train: Training, rule: AcceptanceConfig, j: _Judge, against: str)
             ("steps", [train.first_violation_step]))
 
 
+def training_confidence(rule: AcceptanceConfig) -> float:
+    """The confidence of each of the two prediction bounds training is read by (the final loss, the quality after
+    training): together they may roll FP32 back against itself at most 1 - ``rule.confidence`` of the time, so each takes
+    half of it (Bonferroni: 0.975 each at 0.95)."""
+    return 1.0 - (1.0 - rule.confidence) / 2.0
+
+
 def _final_loss(final: FinalLoss | None, noise: Noise | None, rule: AcceptanceConfig, j: _Judge) -> None:
     """Where training ended against where FP32 itself ends when trained again: the trial's final loss at most the larger
     of the one-sided prediction bound of another FP32 run from the reference and its replicates, at ``rule.confidence``
@@ -432,10 +439,12 @@ def _final_loss(final: FinalLoss | None, noise: Noise | None, rule: AcceptanceCo
         return
     ref, reps = final.fp32[0], list(final.fp32[1:])
     own = (noise.mean_replicate_gap if noise is not None else 0.0) * (rule.loss_noise_multiple or 0.0)
-    rise = max(bounds.fp32_drop_allowed(ref, reps, rule.confidence, higher_is_better=False), own) + (rule.loss_noise_atol or 0.0)
+    bound = bounds.fp32_drop_allowed(ref, reps, training_confidence(rule), higher_is_better=False)
+    rise = max(bound, own) + (rule.loss_noise_atol or 0.0)
     words = (f"training: final loss {final.amp:.4g} (mean of the last {final.window} steps) vs FP32's {ref:.4g}, its "
              f"replicates {', '.join(f'{v:.4g}' for v in reps)}: an FP32 retraining may end {rise:.3g} above the reference "
-             f"(the larger of its prediction bound at confidence {rule.confidence:g} and {rule.loss_noise_multiple or 0:g}x "
+             f"(the larger of its prediction bound at confidence {training_confidence(rule):g} and "
+             f"{rule.loss_noise_multiple or 0:g}x "
              f"the replicates' mean gap)")
     j.check("training", final.amp - ref <= rise, f"{words}; within it",
             f"{words}; this one ends {final.amp - ref:.3g} above: training did not reach where FP32 does")
@@ -786,8 +795,8 @@ def _loss_band_problem(rule: AcceptanceConfig, ref_steps: Sequence[StepRecord], 
 def _noise_floor_problem(rule: AcceptanceConfig, ref_steps: Sequence[StepRecord],
                          replicates: Sequence[Sequence[StepRecord]]) -> str | None:
     """The A/A of the noise floor (``loss_noise_multiple``, ``loss_noise_atol``), with two replicates or more: each
-    replicate judged as a trial against the floor the others set (their mean and largest gaps to the reference,
-    averaged, as compare averages them) must pass it, or the floor cannot tell precision from FP32's own noise. None
+    replicate judged as a trial against the floor the others set (their mean gaps averaged, their largest gaps' largest,
+    as compare reads them) must pass it, or the floor cannot tell precision from FP32's own noise. None
     when it does, or with one replicate (nothing to judge it against)."""
     if len(replicates) < 2 or (rule.loss_noise_multiple is None and rule.loss_noise_atol is None):
         return None
@@ -798,7 +807,7 @@ def _noise_floor_problem(rule: AcceptanceConfig, ref_steps: Sequence[StepRecord]
     for k in range(len(gaps)):
         others = [i for i in range(len(gaps)) if i != k]
         floor_mean = sum(means[i] for i in others) / len(others)
-        floor_max = sum(maxima[i] for i in others) / len(others)
+        floor_max = max(maxima[i] for i in others)
         for own, floor in ((means[k], floor_mean), (maxima[k], floor_max)):
             if floor > 0:
                 needed = max(needed, (own - atol) / floor)

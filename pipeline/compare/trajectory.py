@@ -101,8 +101,9 @@ def trajectory_gap(
     gap is FP32's noise (default ``ref_loss``; the reference itself when ``ref_loss`` is the skip-aligned FP32 run,
     whose difference from the reference is the trial's skips, not noise). ``excused``: steps not measured (a
     non-finite loss whose update the GradScaler skipped: an incident, judged by the skip limits, not by the band).
-    ``more_replicates``: further FP32 replicates; the noise floor's mean and largest gaps are then each replicate's,
-    averaged (the per-step ``replicate_gap`` stays the first's).
+    ``more_replicates``: further FP32 replicates; the noise floor's mean gap is then their mean gaps' average, its largest
+    gap the largest of theirs (one run's largest gap is heavy-tailed: averaged, it rolled back FP32 against itself), and
+    the per-step ``replicate_gap`` stays the first's.
     """
     if len(ref_loss) != len(trial_loss):
         raise ValueError(f"trajectories differ in length: {len(ref_loss)} vs {len(trial_loss)}")
@@ -148,7 +149,7 @@ def _noise(gap: torch.Tensor, r: torch.Tensor, replicates: Sequence[Sequence[flo
         rep = torch.tensor([float(v) for v in losses], dtype=torch.float64)
         gaps.append(torch.where(torch.isfinite(rep), (rep - r).abs(), torch.full_like(rep, math.inf)))
     noise = gaps[0]
-    max_rep = sum(float(g.max()) for g in gaps) / len(gaps) if noise.numel() else 0.0
+    max_rep = max(float(g.max()) for g in gaps) if noise.numel() else 0.0  # one run's largest gap is heavy-tailed
     m_rep = sum(float(g.mean()) for g in gaps) / len(gaps) if noise.numel() else 0.0
     m_amp = float(gap.mean()) if gap.numel() else 0.0
     max_amp = float(gap.max()) if gap.numel() else 0.0
