@@ -2488,24 +2488,30 @@ def test_a_minimum_quality_fp32_misses_after_training_again_is_refused_at_freeze
     assert vet(0.8) is None and vet(None) is None
 
 
-def test_a_noise_floor_one_fp32_replicate_leaves_against_the_others_is_refused_at_freeze():
-    """The A/A of ``loss_noise_multiple``: with two replicates, each is judged as a trial against the floor the other
-    sets. Gaps of 0.01 and 0.05 (5x) would roll back FP32 itself at a multiple of 3: freeze refuses it, naming the
-    multiple FP32 passes; gaps of 0.01 and 0.02 pass; one replicate has nothing to be judged against."""
-    shapes, rms = {"logits": (3,)}, {"logits": 3.0}
-    ref = [step(i, 1.0 - 0.01 * i) for i in range(20)]
+def test_a_noise_floor_fp32_itself_fails_is_widened_to_what_fp32_needs_and_said():
+    """The A/A of ``loss_noise_multiple``: with two replicates or more, each replicate's mean gap is read against the
+    others'. Gaps of 0.01 and 0.05 (5x apart, as the overflow example's two replicates were at 12 updates) would roll FP32
+    itself back at a multiple of 3: the floor takes FP32's own 5x, and the verdict says the rule's 3x was widened. A trial
+    4x the replicates' mean passes it; 7x still fails. Replicates that agree leave the rule's multiple as it is."""
+    ref = [1.0 - 0.01 * i for i in range(20)]
 
-    def moved(by):
-        return [step(i, r.loss + (by if i % 2 else -by)) for i, r in enumerate(ref)]
+    def moved(by, base=ref):
+        return [r + (by if i % 2 else -by) for i, r in enumerate(base)]
 
-    def vet(*replicates):
-        return rule.vet_rule(AcceptanceConfig(), "classification", shapes, rms, 0.95, "accuracy", True, ref,
-                             replicate=replicates[0], more_replicates=list(replicates[1:]))
-
-    line = vet(moved(0.01), moved(0.05))
-    assert line is not None and "one of FP32's own 2 replicates leaves the noise floor the others set" in line, line
-    assert "(its loss gap to the reference is 5x theirs)" in line and "loss_noise_multiple 5 or more" in line, line
-    assert vet(moved(0.01), moved(0.02)) is None
-    assert vet(moved(0.01)) is None
-    assert rule.vet_rule(AcceptanceConfig(loss_noise_multiple=6.0), "classification", shapes, rms, 0.95, "accuracy", True,
-                         ref, replicate=moved(0.01), more_replicates=[moved(0.05)]) is None
+    calm = trajectory_gap(ref, moved(0.03), None, None, moved(0.01), 3.0, more_replicates=[moved(0.05)]).noise
+    assert calm.multiple == pytest.approx(5.0) and calm.stated_multiple == 3.0 and calm.violations == 0
+    far = trajectory_gap(ref, moved(0.21), None, None, moved(0.01), 3.0, more_replicates=[moved(0.05)]).noise
+    assert far.violations > 0 and "mean" in far.over
+    agree = trajectory_gap(ref, moved(0.03), None, None, moved(0.01), 3.0, more_replicates=[moved(0.02)]).noise
+    assert agree.multiple == 3.0 and agree.stated_multiple is None
+    out = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+    sources = streams.Sources([f"ordinary/{i}" for i in range(8)], out.argmax(1), torch.ones(8, dtype=torch.bool),
+                              *(streams.InMemory({"output": out}) for _ in range(3)))
+    runs = [[step(i, v) for i, v in enumerate(losses)] for losses in (ref, moved(0.03), moved(0.01), moved(0.05))]
+    stats, _ = streams.compare_streams("classification", AcceptanceConfig(min_quality=None), sources, streams.Trajectories(
+        runs[0], runs[1], 1.0, scaler_enabled=False, replicate=runs[2], more_replicates=(runs[3],)))
+    d = rule.decide(stats, AcceptanceConfig(min_quality=None))
+    assert any("the rule's 3x, widened: FP32's replicates differ by that much among themselves" in c for c in d.checks)
+    assert rule.vet_rule(AcceptanceConfig(), "classification", {"logits": (3,)}, {"logits": 3.0}, 0.95, "accuracy", True,
+                         [step(i, v) for i, v in enumerate(ref)], replicate=[step(i, v) for i, v in enumerate(moved(0.01))],
+                         more_replicates=[[step(i, v) for i, v in enumerate(moved(0.05))]]) is None

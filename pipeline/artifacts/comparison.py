@@ -298,7 +298,7 @@ class RegressionErrors(Record):
 class Noise(Record):
     """The FP32 noise floor: the replicate's per-step gap to the reference beside AMP's, and the band on the curves."""
 
-    ABSENT = ("over",)
+    ABSENT = ("over", "stated_multiple")
 
     replicate_gap: tuple[float, ...]
     amp_gap: tuple[float, ...]
@@ -314,6 +314,9 @@ class Noise(Record):
     mean_ratio: float
     over: tuple[str, ...] | None = None
     """Which curve statistics (mean, max) are over the band, when the rule sets one."""
+    stated_multiple: float | None = None
+    """The rule's ``loss_noise_multiple`` where FP32's own replicates needed more against each other (``multiple`` is
+    then theirs: ``trajectory.fp32_multiple``)."""
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,11 @@ def _noise(gap: torch.Tensor, r: torch.Tensor, replicates: Sequence[Sequence[flo
         gaps.append(torch.where(torch.isfinite(rep), (rep - r).abs(), torch.full_like(rep, math.inf)))
     noise = gaps[0]
     max_rep = max(float(g.max()) for g in gaps) if noise.numel() else 0.0  # one run's largest gap is heavy-tailed
-    m_rep = sum(float(g.mean()) for g in gaps) / len(gaps) if noise.numel() else 0.0
+    means = [float(g.mean()) for g in gaps] if noise.numel() else []
+    m_rep = sum(means) / len(means) if means else 0.0
+    stated, needed = multiple, fp32_multiple(means)
+    if multiple is not None and needed is not None and needed > multiple:
+        multiple = needed  # FP32 against itself needs more: the floor is calibrated on it, and the verdict says so
     m_amp = float(gap.mean()) if gap.numel() else 0.0
     max_amp = float(gap.max()) if gap.numel() else 0.0
     # Curve-level, as Megatron gates on loss-curve area: one replicate's per-step gap crosses zero by chance,
@@ -167,7 +171,21 @@ def _noise(gap: torch.Tensor, r: torch.Tensor, replicates: Sequence[Sequence[flo
     return Noise(replicate_gap=tuple(noise.tolist()), amp_gap=tuple(gap.tolist()), max_replicate_gap=max_rep,
                  mean_replicate_gap=m_rep, mean_amp_gap=m_amp, max_amp_gap=max_amp, multiple=multiple, atol=atol,
                  violations=violations, first_violation_step=first, worst_ratio=mean_ratio, mean_ratio=mean_ratio,
-                 over=over)
+                 over=over, stated_multiple=stated if multiple != stated else None)
+
+
+def fp32_multiple(means: Sequence[float]) -> float | None:
+    """The multiple FP32 itself needs against its own noise floor (its A/A): each replicate's mean gap to the reference
+    against the others' average, the largest such ratio; None with fewer than two replicates. The noise floor takes the
+    larger of it and ``loss_noise_multiple``: a floor FP32 fails cannot tell precision from noise (two replicates of
+    the overflow example at 12 updates differ 5.2x)."""
+    ratios = []
+    for k, own in enumerate(means):
+        others = [m for i, m in enumerate(means) if i != k]
+        floor = sum(others) / len(others) if others else 0.0
+        if floor > 0 and math.isfinite(own):
+            ratios.append(own / floor)
+    return max(ratios) if len(means) >= 2 and ratios else None
 
 
 def update_health(skipped: Sequence[bool], scales: Sequence[float], nonfinite_loss: Sequence[bool], window: int,
