@@ -101,7 +101,7 @@ class StagedFolder:
 
     Raises:
         DiskFull: the filesystem filled up (ENOSPC, EDQUOT): one line with the free space and what is needed.
-        UserError: the folder is a symlink or outside the repository, or its parent cannot be written.
+        UserError: the folder is a symlink, a file or outside the repository, or its parent cannot be written.
     """
 
     def __init__(self, folder: str | Path) -> None:
@@ -109,6 +109,9 @@ class StagedFolder:
         check_inside_repository(self.folder)
         self.path = self.folder.with_name(f".{self.folder.name}.pending")
         recover(self.folder)
+        if self.folder.exists() and not self.folder.is_dir():  # someone's file where the outputs go: never replaced
+            raise UserError(f"cannot write {self.folder}: a file is there, not a folder; move it away (the stage's "
+                            f"outputs go there), then rerun")
         try:
             shutil.rmtree(self.path, ignore_errors=True)  # what a killed run left
             self.path.mkdir(parents=True)

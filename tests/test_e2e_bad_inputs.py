@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import textwrap
 from pathlib import Path
@@ -78,15 +77,6 @@ class LogNet(torch.nn.Module):
 def build_model(**_):
     return LogNet()
 """
-
-NO_HALF_KERNEL = """
-import torch
-from pipeline.examples.digits import load_data
-def build_model(**_):
-    # RReLU samples its slopes in training; on the CPU that kernel exists for float32 only.
-    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.RReLU(), torch.nn.Linear(32, 10))
-"""
-
 
 DATASET = """
 import torch
@@ -165,11 +155,7 @@ def swap_checkpoint(repo: Path):
 def unwritable_output(repo: Path):
     target = repo / "data/compare/float16"
     shutil.rmtree(target)
-    if os.geteuid() == 0:  # root ignores permissions: a file where the folder must go blocks it the same way
-        target.write_text("not a folder")
-    else:
-        target.mkdir()
-        target.chmod(0o500)
+    target.write_text("not a folder")  # a read-only folder is replaced whole through its parent: a file is what blocks
 
 
 def both(*changes):
@@ -220,11 +206,7 @@ CASES = [
      both(user_module(NAN_REFERENCE), params_case("task.model", "badmods.m:build_model"),
           params_case("task.data", "badmods.m:load_data"), lambda r: (stage(r, "prepare"), None)[1]),
      ["freeze"], ["reference is not finite", "edge/zeros"]),
-    ("op without a float16 kernel",
-     both(user_module(NO_HALF_KERNEL), params_case("task.model", "badmods.m:build_model"),
-          params_case("acceptance.min_quality", None),  # its short reference is below 0.5: freeze refuses that
-          lambda r: (stage(r, "freeze"), None)[1]),
-     ["trial", "--variant", "float16"], ["no float16 kernel", "fp32_modules"]),
+    # An op without a float16 kernel is no bad input any more: the variant's rollback (tests/test_e2e_failed_variant.py).
     ("Dataset item raises", both(user_module(DATASET), params_case("task.data", "badmods.m:load_data")),
      ["prepare"], ["raised ZeroDivisionError on item 20", "__getitem__"]),
     ("float class targets", both(user_module(DATASET), params_case("task.data", "badmods.m:load_float_targets")),
@@ -251,7 +233,7 @@ CASES = [
      ["decide", "--variant", "float16"], ["not valid JSON"]),
     ("unknown fp32 module", params_case("trial.policies.float16.fp32_modules", ["encoder.9"]),
      ["trial", "--variant", "float16"], ["fp32_modules", "'encoder.9'"]),
-    ("output folder not writable", unwritable_output, ["compare", "--variant", "float16"], ["cannot write", "writable"]),
+    ("output folder not writable", unwritable_output, ["compare", "--variant", "float16"], ["cannot write", "move it away"]),
 ]
 
 

@@ -43,13 +43,13 @@ class Opaque(torch.nn.Module):
     def __init__(self):
         super().__init__(); self.fc = torch.nn.Linear(4, 3)
     def forward(self, x):
-        return [self.fc(x)]
+        return {self.fc(x).sum().item()}  # a set: neither a tensor, a tuple, a dict nor an object with .logits
 def bad_model(**_):
     return Opaque()
 """,
         {"task": {"model": "usermod:bad_model"}},
         "freeze",
-        ["returned list with no tensor and no .logits", "return a tensor, a dict of named tensors, or an object with .logits"],
+        ["returned set with no tensor and no .logits", "return a tensor, a tuple, a dict of named tensors, or an object"],
     ),
     "optimizer factory returning no optimizer": (
         DATA + """

@@ -1,10 +1,10 @@
 """Imported by Python at the start of a stage process whose path begins with this folder (``faults.after_step``).
 
-Once ``pipeline.training`` has been imported, each of its ``train`` calls gets an ``on_step`` hook that
-sends this process ``PIPELINE_FAULT_SIGNAL`` after step ``PIPELINE_FAULT_AFTER_STEP``, counting the steps
-of the process's trainings one after the other; under torchrun only on rank ``PIPELINE_FAULT_RANK`` when
-it is set. Nothing else in the process changes: torch is imported when the stage imports it, not before,
-and the resume key is the one of a run without this module.
+Once ``pipeline.training`` has been imported, each of its ``train`` calls that saves resume states gets an ``on_step``
+hook that sends this process ``PIPELINE_FAULT_SIGNAL`` after step ``PIPELINE_FAULT_AFTER_STEP``, counting the steps
+of the process's resumable trainings one after the other (freeze's probe of its first updates is none); under
+torchrun only on rank ``PIPELINE_FAULT_RANK`` when it is set. Nothing else in the process changes: torch is imported
+when the stage imports it, not before, and the resume key is the one of a run without this module.
 
 Once ``pipeline.files`` has been imported, with ``PIPELINE_FAULT_ENOSPC_AFTER_BYTES`` set, its ``atomic_file`` (through
 which every output file is written) hands out handles that fail as a full filesystem does, ``OSError(ENOSPC)``, once
@@ -34,6 +34,8 @@ def install(training) -> None:
     train, done = training.train, [0]
 
     def train_with_fault(*args, **kwargs):
+        if kwargs.get("save_resume") is None:  # a probe's or a replay's few updates: no run a kill could resume
+            return train(*args, **kwargs)
         before = done[0]
 
         def on_step(step: int) -> None:
