@@ -8,7 +8,6 @@ and its record says why; so does ``read`` when the stage has not run yet (decide
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal
 
@@ -16,6 +15,7 @@ from pipeline import paths
 from pipeline.artifacts.record import Record
 from pipeline.errors import UserError
 from pipeline.files import read_json, write_json
+from pipeline.present import verdict
 
 FILE = "benchmark.json"
 
@@ -94,21 +94,9 @@ class TimeToQuality(Record):
 
     def words(self) -> str:
         """``time to FP32's final loss: x0.80 (0.70-0.95; AMP needed 150 of 150 updates, FP32 150; FP32's replicates
-        140-150)``, or ``never reached FP32's final loss in 150 updates (FP32 150; ...): no time-to-quality claim``."""
-        reps = self.fp32_replicates
-        if not reps:
-            others = ""
-        elif len(reps) > 1 and None not in reps:
-            others = f"; FP32's replicates {min(reps)}-{max(reps)}"
-        else:
-            others = "; FP32's replicates " + ", ".join("never" if r is None else str(r) for r in reps)
-        fp32 = "never" if self.fp32 is None else self.fp32
-        if self.amp is None:
-            return f"never reached FP32's final loss in {self.of} updates (FP32 {fp32}{others}): no time-to-quality claim"
-        if self.ratio is None:
-            return f"time to FP32's final loss not judged (AMP needed {self.amp} of {self.of} updates, FP32 {fp32}{others})"
-        return (f"time to FP32's final loss: x{self.ratio:.2f} ({self.low:.2f}-{self.high:.2f}; AMP needed {self.amp} of "
-                f"{self.of} updates, FP32 {fp32}{others})")
+        140-150)``, or ``never reached FP32's final loss in 150 updates (...): no time-to-quality claim``
+        (``present.verdict.to_quality_words``: the one wording)."""
+        return verdict.to_quality_words(self.as_dict())
 
 
 @dataclass(frozen=True)
@@ -128,24 +116,12 @@ class Speed(Record):
     ABSENT = ("to_quality",)
 
     def words(self) -> str:
-        """The verdict with its figures: ``no measurable difference (x1.03, 95 % interval 0.91-1.12; FP32 against
-        itself 0.93-1.08)``, ``x1.50 faster (...)``, ``x0.32 (3.1 times slower; ...)``; then the time to quality's
-        (``TimeToQuality.words``) after a semicolon."""
-        per_step = self.per_step_words()
-        return per_step if self.to_quality is None else f"{per_step}; {self.to_quality.words()}"
+        """The verdict with its figures, then the time to quality's (``present.verdict.speed_words``: the one wording)."""
+        return verdict.speed_words({"speed": self.as_dict()})
 
     def per_step_words(self) -> str:
         """The verdict on the time per step with its figures, without the time to quality."""
-        s, aa = self.speedup, self.fp32_again
-        if math.isinf(s.high) or math.isinf(aa.high):
-            figures = f"{s.n} rounds are too few for a {100 * s.level:.0f} % interval; raise bench.repeats"
-        else:
-            figures = f"{100 * s.level:.0f} % interval {s.low:.2f}-{s.high:.2f}; FP32 against itself {aa.low:.2f}-{aa.high:.2f}"
-        if self.verdict == FASTER:
-            return f"x{s.median:.2f} faster ({figures})"
-        if self.verdict == SLOWER:
-            return f"x{s.median:.2f} ({1 / s.median:.1f} times slower; {figures})"
-        return f"{NO_DIFFERENCE} (x{s.median:.2f}, {figures})"
+        return verdict.per_step_words(self.as_dict())
 
 
 @dataclass(frozen=True)

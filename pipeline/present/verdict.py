@@ -151,18 +151,19 @@ def speed_words(bench: Mapping[str, Any]) -> str | None:
     0.91-1.12; FP32 against itself 0.93-1.08)``, ``x1.50 faster (95 % interval ...)``, ``x0.32 (3.1 times slower;
     95 % interval ...)``. A record without a verdict (older than the A/A arm) is not judged; None without a speedup.
 
-    The same words as ``pipeline.artifacts.benchmark.Speed.words`` (the stage's own line), from the file's JSON."""
+    The one wording: ``pipeline.artifacts.benchmark.Speed.words`` (the stage's own line) says it through this."""
     speed, median = bench.get("speed"), (bench.get("speedup") or {}).get("median")
     if not speed:
         if not isinstance(median, (int, float)) or not math.isfinite(median):
             return None
         rerun = f"`dvc repro -f benchmark@{bench['variant']}`" if bench.get("variant") else "the benchmark"
         return f"speed not judged (x{median:.2f}; no interval recorded: rerun {rerun})"
-    per_step = _per_step_words(speed)
-    return per_step if not speed.get("to_quality") else f"{per_step}; {_to_quality_words(speed['to_quality'])}"
+    per_step = per_step_words(speed)
+    return per_step if not speed.get("to_quality") else f"{per_step}; {to_quality_words(speed['to_quality'])}"
 
 
-def _per_step_words(speed: Mapping[str, Any]) -> str:
+def per_step_words(speed: Mapping[str, Any]) -> str:
+    """The verdict on the time per step with its figures (``benchmark.json``'s ``speed``), without the time to quality."""
     s, aa = speed["speedup"], speed["fp32_again"]
     low, high, aa_low, aa_high = (float(x) for x in (s["low"], s["high"], aa["low"], aa["high"]))
     level = f"{100 * float(s['level']):.0f} %"
@@ -178,7 +179,7 @@ def _per_step_words(speed: Mapping[str, Any]) -> str:
     return f"no measurable difference (x{m:.2f}, {figures})"
 
 
-def _to_quality_words(q: Mapping[str, Any]) -> str:
+def to_quality_words(q: Mapping[str, Any]) -> str:
     """AMP's time to FP32's final loss (``benchmark.json``'s ``speed.to_quality``), as
     ``pipeline.artifacts.benchmark.TimeToQuality.words`` says it."""
     reps = list(q["fp32_replicates"])
