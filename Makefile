@@ -20,7 +20,8 @@ run: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" $(BIN)/dvc repro
 	@echo "Results: $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db  (then open http://127.0.0.1:5000)"
 
-# Every test (what CI runs): 452 s from a fresh clone, install included (pytest 382-432 s), on 2 idle cores of an Intel Xeon
+# Every test (what CI runs): pytest 593 s on 2 idle cores of an AMD EPYC with AVX-512 (2026-12-06: two FP32 replicates per
+# freeze, the calibration and failed-variant e2e tests); 452 s from a fresh clone, install included (pytest 382-432 s), on 2 idle cores of an Intel Xeon
 # with AVX-512 (2026-12-05); 480-555 s on an AMD EPYC with AVX-512 (2026-12-04/05); 16.7-18.7 min on an AMD EPYC with
 # AVX2 only (2026-12-03); 9.8-12.4 min on an Intel Xeon with AVX-512 (2026-12-01). The goal is 8 min; about half the CPU
 # time is `import torch` and `import torch._dynamo` in stage processes (README "Tests").
@@ -35,7 +36,7 @@ WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 test: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra --durations=10 -n $(WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
-# Pure and unit tests only (71-106 s on the AVX2 EPYC, 46-57 s on the Xeon, 2 cores idle, one worker per core; 56-63 s
+# Pure and unit tests only (53-55 s on the AVX-512 EPYC on 2026-12-06; 71-106 s on the AVX2 EPYC, 46-57 s on the Xeon, 2 cores idle, one worker per core; 56-63 s
 # with one more on the Xeon: these tests keep their CPU busy): no dvc repro, no server, no GPU.
 test-fast: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n auto -m "not integration and not gpu" tests
