@@ -428,8 +428,9 @@ def training_confidence(rule: AcceptanceConfig) -> float:
 
 def _final_loss(final: FinalLoss | None, noise: Noise | None, rule: AcceptanceConfig, j: _Judge) -> None:
     """Where training ended against where FP32 itself ends when trained again: the trial's final loss at most the larger
-    of the one-sided prediction bound of another FP32 run from the reference and its replicates, at ``rule.confidence``
-    (``bounds.fp32_drop_allowed``: an FP32 retraining fails it at 1 - confidence), and ``loss_noise_multiple`` times the
+    of the one-sided prediction bound of another FP32 run from the reference and its replicates, at
+    ``training_confidence`` (``bounds.fp32_drop_allowed``: an FP32 retraining fails it at half of 1 - confidence), and
+    ``loss_noise_multiple`` (widened where FP32 needs more: ``trajectory.fp32_multiple``) times the
     replicates' mean per-step gap to the reference (the noise floor's own yardstick, read at the end: before two runs
     decorrelate, FP32's ends nearly agree, since they read the same last batches, while a change of rounding moves the
     loss about as a swapped sample does at any step), plus ``loss_noise_atol``. Judged with the noise floor
@@ -444,9 +445,8 @@ def _final_loss(final: FinalLoss | None, noise: Noise | None, rule: AcceptanceCo
     rise = max(bound, own) + (rule.loss_noise_atol or 0.0)
     words = (f"training: final loss {final.amp:.4g} (mean of the last {final.window} steps) vs FP32's {ref:.4g}, its "
              f"replicates {', '.join(f'{v:.4g}' for v in reps)}: an FP32 retraining may end {rise:.3g} above the reference "
-             f"(the larger of its prediction bound at confidence {training_confidence(rule):g} and "
-             f"{multiple:.3g}x "
-             f"the replicates' mean gap)")
+             f"(the larger of its prediction bound at confidence {training_confidence(rule):g} and {multiple:.3g}x the "
+             f"replicates' mean gap)")
     j.check("training", final.amp - ref <= rise, f"{words}; within it",
             f"{words}; this one ends {final.amp - ref:.3g} above: training did not reach where FP32 does")
 

@@ -453,16 +453,17 @@ def replicate_key(run_key: str, index: int = 0) -> str:
 
 @dataclass
 class Replicate:
-    """One of freeze's FP32 noise replicates: its updates, and the state it trained to (whose quality on the fixed set is
-    FP32's own spread after training: ``model`` rebuilds it, one replicate in memory at a time)."""
+    """One of freeze's FP32 noise replicates: its updates, and the weights it trained to (whose quality on the fixed set
+    is FP32's own spread after training: ``model`` rebuilds it, one replicate's model in memory at a time). Its optimizer
+    state is not kept: K replicates hold K copies of the weights, not of AdamW's moments too."""
 
     records: list[StepRecord]
-    state: checkpoint.Checkpoint
+    weights: dict[str, torch.Tensor]
 
     def model(self, params: Params) -> torch.nn.Module:
-        """The model this replicate trained (built as the reference is, its trained weights restored; RNG untouched)."""
+        """The model this replicate trained (built as the reference is, its trained weights loaded; RNG untouched)."""
         model = task.build_model(params.task, params.seed)
-        checkpoint.restore(self.state, model, rng=False)
+        model.load_state_dict(self.weights, strict=True)
         return model
 
 
@@ -484,6 +485,6 @@ def noise_replicates(params: Params, init: checkpoint.Checkpoint, source: TrainS
         )
         if distributed.current().writes:
             resume.clear()
-        out.append(Replicate(result.records, result.state))
+        out.append(Replicate(result.records, result.state.model_state()))
         del model
     return out

@@ -95,38 +95,24 @@ def _trajectory(path: Path, manifest: Manifest) -> Trajectory:
     return Trajectory.parse(read_json(path, PRODUCED_BY, sha), refused)
 
 
-def _steps(path: Path, manifest: Manifest) -> Steps:
-    return _trajectory(path, manifest).steps
-
-
 def read_trajectory(manifest: Manifest | None = None) -> Steps:
     """The reference's per-step training records (verified against ``manifest``, read when not given)."""
-    return _steps(paths.REF_TRAJECTORY, manifest or read_manifest())
+    return _trajectory(paths.REF_TRAJECTORY, manifest or read_manifest()).steps
+
+
+def read_replicates(manifest: Manifest | None = None) -> Trajectory | None:
+    """The FP32 noise replicates' file (``reference.replicates``), verified: the first's steps, the others' (``more``)
+    and their quality after training (``quality``); None without a replicate."""
+    manifest = manifest or read_manifest()
+    if manifest.sha256(paths.REF_REPLICATE_TRAJECTORY) is None:
+        return None
+    return _trajectory(paths.REF_REPLICATE_TRAJECTORY, manifest)
 
 
 def read_replicate(manifest: Manifest | None = None) -> Steps | None:
-    """The first FP32 noise replicate's per-step records (``reference.replicates``), verified; None without one."""
-    manifest = manifest or read_manifest()
-    if manifest.sha256(paths.REF_REPLICATE_TRAJECTORY) is None:
-        return None
-    return _steps(paths.REF_REPLICATE_TRAJECTORY, manifest)
-
-
-def read_replicates(manifest: Manifest | None = None) -> tuple[Steps, ...]:
-    """Every FP32 noise replicate's per-step records, the first first, verified; () without one."""
-    manifest = manifest or read_manifest()
-    if manifest.sha256(paths.REF_REPLICATE_TRAJECTORY) is None:
-        return ()
-    read = _trajectory(paths.REF_REPLICATE_TRAJECTORY, manifest)
-    return (read.steps, *(read.more or ()))
-
-
-def read_spread(manifest: Manifest | None = None) -> FP32Spread | None:
-    """FP32's own quality after training, reference and replicate (``Trajectory.quality``), verified; None without."""
-    manifest = manifest or read_manifest()
-    if manifest.sha256(paths.REF_REPLICATE_TRAJECTORY) is None:
-        return None
-    return _trajectory(paths.REF_REPLICATE_TRAJECTORY, manifest).quality
+    """The first FP32 noise replicate's per-step records, verified; None without one."""
+    read = read_replicates(manifest)
+    return None if read is None else read.steps
 
 
 def read_forecast(manifest: Manifest | None = None) -> forecast.Headroom:

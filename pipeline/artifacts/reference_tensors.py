@@ -23,8 +23,7 @@ from pipeline.artifacts import forecast as forecast_file
 from pipeline.artifacts.outputs import OutputsReader, write_outputs
 from pipeline.artifacts.steps import Steps
 from pipeline.artifacts.comparison import FP32Spread
-from pipeline.artifacts.reference import (PRODUCED_BY, Manifest, Trajectory, read_manifest, read_replicates, read_spread,
-                                          read_trajectory)
+from pipeline.artifacts.reference import PRODUCED_BY, Manifest, Trajectory, read_manifest, read_replicates, read_trajectory
 from pipeline.config import Params, ReferenceConfig
 from pipeline.errors import UserError
 from pipeline.files import StagedFolder, sha256_file, write_json
@@ -42,13 +41,13 @@ class Reference:
     trajectory: Steps
     replicates: tuple[Steps, ...] = ()
     """Per-step records of each FP32 noise replicate (``reference.replicates``), the first first."""
+    spread: FP32Spread | None = None
+    """The replicates' quality after training beside the reference's: FP32's own spread (None without a replicate)."""
 
     @property
     def replicate(self) -> Steps | None:
         """The first replicate's records (the noise floor's per-step gap), or None without one."""
         return self.replicates[0] if self.replicates else None
-    spread: FP32Spread | None = None
-    """The replicate's quality after training beside the reference's: FP32's own spread (None without a replicate)."""
 
     @functools.cached_property
     def outputs(self) -> dict[str, torch.Tensor]:
@@ -221,8 +220,9 @@ def load(params: Params) -> Reference:
         if sha256_file(key) != manifest.sha256(key):
             raise UserError(f"{key} differs from the data the reference was frozen on; run `dvc repro` to re-freeze")
     fixed = cases.load(paths.REF_CASES, manifest.sha256(paths.REF_CASES), PRODUCED_BY)
+    run = read_replicates(manifest)  # read and verified once: the replicates' steps and their quality
     return Reference(manifest=manifest, cases=fixed, trajectory=read_trajectory(manifest),
-                     replicates=read_replicates(manifest), spread=read_spread(manifest))
+                     replicates=() if run is None else (run.steps, *(run.more or ())), spread=run and run.quality)
 
 
 def _spread(scan, replicate_outputs: Iterable[Iterable[dict[str, torch.Tensor]]]) -> FP32Spread | None:

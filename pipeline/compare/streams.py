@@ -767,14 +767,15 @@ def training_stats(rule: AcceptanceConfig, runs: Trajectories) -> Training:
     base = runs.aligned if runs.aligned is not None else runs.reference
     ref_loss = [s.loss for s in base]
     trial_loss = [s.loss for s in runs.trial]
-    replicate = [s.loss for s in runs.replicate] if runs.replicate is not None else None
+    reference = [s.loss for s in runs.reference]
+    copies = [r for r in (runs.replicate, *runs.more_replicates) if r is not None]  # the FP32 replicates, first first
+    replicates = [[s.loss for s in r] for r in copies]
+    replicate, more = (replicates[0], replicates[1:]) if replicates else (None, [])
     # A step whose forward overflowed (loss not finite) and whose update the GradScaler skipped is an incident the
     # scaler handled: not measured by the band; its frequency is (the skip limits), and what follows is.
     excused = [runs.scaler_enabled and s.skipped and not math.isfinite(s.loss) for s in runs.trial]
-    more = [[s.loss for s in run] for run in runs.more_replicates]
     gap = trajectory_gap(ref_loss, trial_loss, rule.loss_atol, rule.loss_rtol, replicate, rule.loss_noise_multiple,
-                         rule.loss_noise_atol, replicate_of=[s.loss for s in runs.reference], excused=excused,
-                         more_replicates=more)
+                         rule.loss_noise_atol, replicate_of=reference, excused=excused, more_replicates=more)
     skipped = [s.skipped for s in runs.trial]
     # The opening skips are excused where the rule judges quality after training: what the updates lost cost shows
     # there. Without, nothing would (the band holds the trial against FP32 aligned on the same skips): they count.
@@ -789,12 +790,10 @@ def training_stats(rule: AcceptanceConfig, runs: Trajectories) -> Training:
         calibration,
     )
     first_bad_reference = next((i for i, s in enumerate(runs.reference) if not math.isfinite(s.loss)), -1)
-    fp32 = [[s.loss for s in runs.reference], *([replicate] if replicate is not None else []), *more]
-    final = final_loss(trial_loss, fp32) if replicate is not None else None  # FP32's spread needs a replicate
+    final = final_loss(trial_loss, [reference, *replicates]) if replicates else None  # FP32's spread needs a replicate
     # Time to quality (benchmark): against the reference itself, never the skip-aligned run (the target is FP32's end).
-    replicates = [r for r in (runs.replicate, *runs.more_replicates) if r is not None]
-    reach = updates_to_fp32_loss((trial_loss, skipped), ([s.loss for s in runs.reference], [s.skipped for s in runs.reference]),
-                                 [([s.loss for s in r], [s.skipped for s in r]) for r in replicates])
+    reach = updates_to_fp32_loss((trial_loss, skipped), (reference, [s.skipped for s in runs.reference]),
+                                 [(losses, [s.skipped for s in r]) for losses, r in zip(replicates, copies)])
     return Training.of(gap, health, scaler_enabled=runs.scaler_enabled, aligned_on_skips=runs.aligned is not None,
                        first_nonfinite_reference_step=first_bad_reference, final=final, updates_to_fp32_loss=reach)
 

@@ -22,7 +22,6 @@ FP32, never TF32 (on by default for cuDNN on Ampere and newer).
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from pipeline import checkpoint, precision
+from pipeline import checkpoint, devices, precision
 from pipeline.artifacts.diagnosis import (
     FirstNonFinite,
     MatmulSummary,
@@ -73,9 +72,6 @@ MATMUL_LIKE = {
     "_addmm_activation",
     "_scaled_mm",
 }
-_MISSING_KERNEL = re.compile(
-    r"not implemented for '(Half|BFloat16)'|Low precision dtypes not supported|Unsupported dtype (Half|BFloat16)"
-)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -220,7 +216,7 @@ class Recorder(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except (NotImplementedError, RuntimeError) as exc:
-            if not isinstance(exc, NotImplementedError) and not _MISSING_KERNEL.search(str(exc)):
+            if not devices.missing_kernel(exc):  # the one reading of torch's "no kernel" messages
                 raise
             self._missing(func, module, args, kwargs, exc)
             out = _in_float32(func, args, kwargs)
