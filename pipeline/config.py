@@ -180,7 +180,9 @@ class ReferenceConfig:
     train_steps: int = 60
     """Optimizer updates (steps) of the FP32 reference training (the trial repeats exactly these); each
     step consumes ``grad_accumulation`` micro-batches. At most ``MAX_MICRO_BATCHES`` micro-batches in all: their
-    order is drawn, and each step recorded, before and while training, in memory."""
+    order is drawn, and each step recorded, before and while training, in memory. 0: an inference-only verdict (the
+    model as built): freeze trains no reference and no replicate, trials train nothing, and the verdict's training part is
+    "not judged"."""
     batch_size: int = 64
     """Micro-batch size; batches are drawn in a fixed order from ``seed`` (at most ``MAX_BATCH_SIZE``)."""
     grad_accumulation: int = 1
@@ -231,7 +233,7 @@ class ReferenceConfig:
     it changes no training. At most ``MAX_CASES``."""
 
     def check(self, key: str) -> None:
-        _count(self.train_steps, f"{key}.train_steps", MAX_MICRO_BATCHES, MICRO_BATCHES_WHY, least=1)
+        _count(self.train_steps, f"{key}.train_steps", MAX_MICRO_BATCHES, MICRO_BATCHES_WHY)  # 0: inference only
         _count(self.batch_size, f"{key}.batch_size", MAX_BATCH_SIZE, "samples in one micro-batch", least=1)
         _count(self.grad_accumulation, f"{key}.grad_accumulation", MAX_GRAD_ACCUMULATION, "micro-batches per update",
                least=1)

@@ -51,7 +51,8 @@ class RuleResult:
     reasons: tuple[str, ...]
     checks: tuple[str, ...]
     inference: Literal["accept", "rollback"]
-    training: Literal["accept", "rollback"]
+    training: Literal["accept", "rollback", "not judged"]
+    """``not judged``: nothing trained (``reference.train_steps`` 0, an inference-only verdict)."""
     cases: dict[str, tuple[str | int, ...]]
 
     @property
@@ -90,8 +91,9 @@ class _Judge:
             seen = set(kept)
             kept.extend(x for x in dict.fromkeys(cases[1]) if x not in seen)  # in order, once each
 
-    def result(self) -> RuleResult:
+    def result(self, trained: bool = True) -> RuleResult:
         inference, training = ("rollback" if self.failed[part] else "accept" for part in ("inference", "training"))
+        training = training if trained else "not judged"
         return RuleResult(
             tuple(self.reasons), tuple(self.checks), inference, training, {k: tuple(v) for k, v in self.cases.items()}
         )
@@ -106,10 +108,18 @@ def decide(stats: Stats, acceptance: AcceptanceConfig, engaged: Audit | None = N
     findings are not the rule's: decide puts them beside this result."""
     j = _Judge()
     _inference(stats, acceptance, j)
-    _training(stats, acceptance, j)
+    trained = stats.training.steps > 0
+    if trained:
+        _training(stats, acceptance, j)
+    else:  # said, never silent: an inference-only verdict answers nothing about training in this precision
+        j.checks.append(NOT_TRAINED)
     if engaged is not None:
         amp_share(engaged, acceptance, j)
-    return j.result()
+    return j.result(trained)
+
+
+NOT_TRAINED = ("training: not judged: reference.train_steps is 0 (an inference-only verdict: nothing trained, the rule's "
+               "training criteria are not applied)")
 
 
 def _pct(share: float) -> str:

@@ -46,10 +46,13 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[torch.Te
 
 
 def update_batches(n: int, cfg: ReferenceConfig, seed: int) -> list[list[torch.Tensor]]:
-    """For each optimizer update, the indices of its ``grad_accumulation`` micro-batches (seeded, fixed)."""
-    k = cfg.grad_accumulation
-    flat = batch_order(n, cfg.batch_size, cfg.train_steps * k, seed)
-    return [flat[i * k : (i + 1) * k] for i in range(cfg.train_steps)]
+    """For each optimizer update, the indices of its ``grad_accumulation`` micro-batches (seeded, fixed).
+
+    An inference-only run (``train_steps`` 0) still draws its first update, never trained on: the batch the audit and
+    the diagnosis's probe read (``train`` runs ``train_steps`` of them)."""
+    k, steps = cfg.grad_accumulation, max(cfg.train_steps, 1)
+    flat = batch_order(n, cfg.batch_size, steps * k, seed)
+    return [flat[i * k : (i + 1) * k] for i in range(steps)]
 
 
 def batch_digest(micro: list[tuple[Inputs, torch.Tensor]]) -> str:
@@ -471,9 +474,9 @@ def noise_replicates(params: Params, init: checkpoint.Checkpoint, source: TrainS
                      run_key: str) -> list[Replicate]:
     """freeze's ``reference.replicates`` FP32 noise replicates: each from the reference's start (weights and RNG,
     ``init``) on another data order (``neighbours_swapped`` at offset k for the k-th: each its own draw). Resumable as
-    the reference is, each under its own key."""
+    the reference is, each under its own key. None for an inference-only reference (``train_steps`` 0): nothing trains."""
     out = []
-    for k in range(params.reference.replicates):
+    for k in range(params.reference.replicates if params.reference.train_steps else 0):
         model = task.build_model(params.task, params.seed)
         checkpoint.restore(init, model)
         order = neighbours_swapped(update_batches(len(source), params.reference, params.seed), offset=k)

@@ -88,6 +88,8 @@ def verdict(
     if accepted:
         passed = f"the rule passed, {gain}" if gain else "every criterion of the rule passed"
         sentence = f"{variant}: ACCEPT: {passed}"
+        if decision.get("training") == "not judged":  # an inference-only verdict must not read as a training one
+            sentence += " (inference only: training not judged)"
     else:
         failed = f"{len(criteria)} criteria failed" if len(criteria) != 1 else "1 criterion failed"
         parts = {p: decision.get(p) for p in ("inference", "training") if decision.get(p)}
@@ -245,6 +247,8 @@ def _training(stats: Mapping[str, Any], dtype: str) -> str:
     t = stats.get("training") or {}
     if not t:
         return ""
+    if not t.get("steps"):
+        return "training: not judged (reference.train_steps 0: an inference-only verdict)"
     gap, violations, noise, final = t.get("max_loss_gap"), t.get("band_violations"), t.get("noise"), t.get("final")
     if noise:  # against FP32's own spread: the replicates' gap to the reference, where training ended
         drift = f"mean gap {_g(noise['mean_amp_gap'])} vs FP32's own {_g(noise['mean_replicate_gap'])}"

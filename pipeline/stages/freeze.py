@@ -59,5 +59,7 @@ def main(params_path: str = "params.yaml") -> None:
     resume.clear()
     noise = "".join(f"; FP32 replicate {k + 1} final loss {r.records[-1].loss:.4f}" for k, r in enumerate(replicates))
     noise += "; next-token targets" * shifted
-    print(f"freeze: reference trained {len(result.records)} steps, final loss {result.records[-1].loss:.4f}{noise}; "
+    trained = f"trained {len(result.records)} steps, final loss {result.records[-1].loss:.4f}" if result.records else \
+        "not trained (reference.train_steps 0: inference only)"
+    print(f"freeze: reference {trained}{noise}; "
           f"{manifest.cases['total']} cases; FP64 arbiter on {fp64.cases if fp64 else 'none'} of them\n  {phases.line()}")

@@ -4,7 +4,7 @@ has no kernel for the dtype) gives a failed trial naming the op and the module, 
 
 from __future__ import annotations
 
-from pipeline import checkpoint, devices, distributed, launch, paths, precision, sysmetrics, training, transforms
+from pipeline import checkpoint, devices, distributed, launch, paths, precision, sysmetrics, task, training, transforms
 
 from pipeline.artifacts import reference_tensors, trial, trial_tensors
 from pipeline.diagnosis import audit, failure
@@ -50,11 +50,19 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
         return  # rank 0 alone infers and writes
     result = run.training
     applied = transforms.apply(trained, policy, device)  # what ran (its float8 layers are converted already)
-    found = audit.of_trial(applied.module, source, params, policy, device)  # after inference: it moves BatchNorm's buffers
+    found = audit.of_trial(applied.module, source, params, policy, device) if params.reference.train_steps else \
+        _inference_audit(applied.module, source, params, policy, device)  # after inference: it moves BatchNorm's buffers
     writer.finish(result, policy, ref.manifest, devices.describe(device).as_dict(), run.aligned, applied.as_dict(), found)
     resume.clear()
     skipped = sum(r.skipped for r in result.records)
-    print(
-        f"trial {variant}: {len(result.records)} steps, {result.real_updates} real updates, {skipped} skipped; "
-        f"final loss {result.records[-1].loss:.4f}\n  audit: {found.line}"
-    )
+    trained = (f"{len(result.records)} steps, {result.real_updates} real updates, {skipped} skipped; final loss "
+               f"{result.records[-1].loss:.4f}" if result.records else "inference only (reference.train_steps 0)")
+    print(f"trial {variant}: {trained}\n  audit: {found.line}")
+
+
+def _inference_audit(module, source, params, policy, device):
+    """An inference-only trial's audit (``reference.train_steps`` 0): the forward pass alone, no loss, on the first
+    micro-batch of the training order, in the frozen train/eval mode (a training pass would say what never runs)."""
+    x, _ = source.batch(training.batch_order(len(source), params.reference.batch_size, 1, params.seed)[0])
+    model = module.to(device).train(not params.reference.eval_mode)
+    return audit.audit(model, task.to_device(x, device), None, None, policy, device)
