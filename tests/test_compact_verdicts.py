@@ -222,3 +222,98 @@ def test_ranks_among_the_k_best_survive_ties_near_ties_masks_and_flat_rows(keep)
         error = np.abs(np.where(finite, back.astype(np.float64) - z, 0)).max(-1)
     assert (error <= np.vectorize(lambda a, b: compact.logit_error(np.array([a]), np.array([b])))(
         parts["top"], parts["step"])).all()
+
+
+def _at_a_margin(kind: str, tokens: int = 64, seed: int = 3):
+    """[2, tokens, V] reference scores and a ``boundary_margin`` exactly at one token's own ``kind`` margin (the one
+    definition's, ``compact.row_lse`` / ``row_spread``), chosen where the margin read from the decoded compact scores
+    lies below it: read from them, that token counted near the boundary under ``compact`` and clear under ``full``
+    (issue 50.2). The trial swaps that token's best two: its one flip is near or far by that margin alone."""
+    from pipeline.compare.decisions import margins
+
+    g = torch.Generator().manual_seed(seed)
+    ref = -30.0 * torch.rand(2, tokens, V, generator=g)
+    ref[..., 0] = 30.0
+    ref[..., 1] = 29.0 + torch.rand(2, tokens, generator=g)
+    z, back = ref.numpy().reshape(-1, V), compact.decode(compact.encode(ref.numpy())).reshape(-1, V)
+    top = torch.from_numpy(z).topk(2)
+
+    def margin(x):
+        stats = {"lse": torch.from_numpy(compact.row_lse(x))} if kind == "probability" else {
+            "spread": torch.from_numpy(compact.row_spread(x))}
+        return margins(top, kind, stats.get("lse"), torch.from_numpy(x), spread=stats.get("spread"))
+
+    exact, decoded = margin(z), margin(back)
+    lower = torch.nonzero(decoded < exact).flatten()
+    assert lower.numel(), "no token whose decoded margin lies below its own"
+    row = int(lower[0])
+    trial = ref.clone().reshape(-1, V)
+    trial[row, 0], trial[row, 1] = ref.reshape(-1, V)[row, 1], ref.reshape(-1, V)[row, 0]
+    return ref, trial.reshape(ref.shape), float(exact[row])
+
+
+@pytest.mark.parametrize("kind", ["probability", "relative"])
+def test_a_probability_or_relative_margin_at_the_boundary_counts_alike_under_both_stores(tmp_path, kind):
+    """A flip whose reference margin is exactly ``boundary_margin`` is far (not below it) under ``full``; under
+    ``compact`` its margin read from decoded scores lay below, near: with ``max_near_boundary_flips: null`` compact
+    accepted and full rolled back. The compact store keeps each row's log-sum-exp and live spread (issue 50.2)."""
+    ref, trial, boundary = _at_a_margin(kind)
+    targets = torch.full(ref.shape[:2], 0)
+    rule = AcceptanceConfig(outputs=LOOSE, boundary_margin=boundary, boundary_margin_kind=kind, max_flips=0,
+                            max_flip_rate=None, max_near_boundary_flips=None, max_quality_drop=1.0, max_kl_mean=10.0,
+                            loss_noise_multiple=None)
+    task = TaskConfig(metric="accuracy")
+    full = _judge(tmp_path, ref, trial, targets, "full", rule, task)
+    small = _judge(tmp_path, ref, trial, targets, "compact", rule, task)
+    f, s = full[0].flips, small[0].flips
+    assert (f.flips, f.near_boundary_flips) == (1, 0) and full[1].decision == "rollback"
+    assert (s.flips, s.near_boundary_flips, s.near_boundary_cases) == (f.flips, f.near_boundary_flips,
+                                                                        f.near_boundary_cases)
+    _same_verdict(full, small)
+
+
+@pytest.mark.parametrize("kind", ["probability", "relative"])
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
+def test_the_margin_a_compact_store_keeps_is_the_one_full_settles_at_the_boundary(kind, kernels):
+    """``DecisionStats`` on full scores (torch's path or the kernels') and on decoded scores with the stored row
+    statistics (``exact``) count the same near cases and flips, at a boundary exactly at a token's margin."""
+    from pipeline.compare import native
+    from pipeline.compare.decisions import DecisionStats
+
+    if kernels and not native.available():
+        pytest.skip("no C compiler: the kernels' path is torch's")
+    ref, trial, boundary = _at_a_margin(kind)
+    parts = compact.encode(ref.numpy())
+    decoded = torch.from_numpy(compact.decode(parts))
+    ids, kinds = [f"ordinary/{i}" for i in range(2)], ["ordinary"] * 2
+    seen = []
+    for scores, exact in ((ref, None), (decoded, (torch.from_numpy(parts["lse"]), torch.from_numpy(parts["spread"])))):
+        stats = DecisionStats(ids, kinds, "lowest_index", boundary, kind, ref[..., 0].numel(), kernels=kernels)
+        stats.update(0, scores, trial, exact=exact)
+        d = stats.result()
+        seen.append((d.flips, d.near_boundary_flips, d.near_boundary_cases))
+    assert seen[0] == seen[1] and seen[0][:2] == (1, 0)
+
+
+def test_the_row_statistics_are_the_same_bits_in_any_block_and_follow_live_spread():
+    """``row_lse`` and ``row_spread`` of a row do not depend on the rows beside it (the compact store encodes by
+    blocks, compare settles by slices), and match torch's ``logsumexp`` and ``decisions.live_spread`` (masked classes,
+    one live class, NaN, infinities)."""
+    from pipeline.compare.decisions import live_spread
+    from pipeline.compare.gaps import ZERO_PROBABILITY_NATS
+
+    assert compact.LIVE_NATS == ZERO_PROBABILITY_NATS
+    g = np.random.default_rng(0)
+    z = (g.standard_normal((40, 3001)) * 8).astype(np.float32)
+    z[1, ::2] = -np.inf
+    z[2, 1:] = np.finfo(np.float32).min  # one live class
+    z[3, 5] = np.nan
+    z[4, 7] = np.inf
+    z[5] = -np.inf
+    for f in (compact.row_lse, compact.row_spread):
+        whole = f(z)
+        assert np.array_equal(whole, np.concatenate([f(z[i : i + 1]) for i in range(len(z))]), equal_nan=True)
+        assert np.array_equal(whole[7:], f(z[7:]))
+    t = torch.from_numpy(z).double()
+    assert np.allclose(compact.row_lse(z), torch.logsumexp(t, -1).numpy(), rtol=1e-12, atol=0, equal_nan=True)
+    assert np.allclose(compact.row_spread(z), live_spread(t).numpy(), rtol=1e-12, atol=0, equal_nan=True)

@@ -10,13 +10,16 @@ Per token (one row of V scores, z), the compact store keeps (llama.cpp's idea, c
 - ``top``, ``step`` (float32, ``step`` rounded up so that the range fits), and ``second`` (the largest finite
   score below ``top``, exact) with ``second_index`` (its first index; -1 when none);
 - ``best``, ``best_index`` [K]: the row's K best finite scores and their classes, exact, in the order top-k reads
-  them (score descending, equal scores by lowest index; -1 past the row's finite scores), K = ``task.top_k``.
+  them (score descending, equal scores by lowest index; -1 past the row's finite scores), K = ``task.top_k``;
+- ``lse`` and ``spread`` (float64): the row's log-sum-exp and live spread (``row_lse``, ``row_spread``) of the original
+  scores, what the probability and the relative margins read beside the exact top two (issue 50.2: decoded, a row's
+  log-sum-exp moves by up to half a step, and a margin that close to ``boundary_margin`` changed sides).
 
 Decoded linear entries are clamped at ``second``, and below the K-th best (strictly below it at a lower index: a class
 outside the K best stays behind it in that order), then ``second`` and the K best are written back at their indices.
 Each clamp is a bound the original score obeys, so it only brings a decoded value nearer. Decoded, a row therefore has
 exactly the original maximum, its ties, its first index and the exact top-2 gap (labels, both tie rules, flips, the
-logit margin), the exact rank of every class among the K best (``top_k`` for any k <= K: a target within half a
+logit margin; with ``lse`` and ``spread``, the probability and relative margins), the exact rank of every class among the K best (``top_k`` for any k <= K: a target within half a
 quantum of its neighbour was re-ranked by the codes alone, issue 50.2), and every other finite entry within
 ``logit_error`` = step / 2 + float32 rounding of the decoded value. The KL bound that follows is
 ``compare.decisions.kl_bound``. Only float32 outputs of shape [N, T, V >= 2] of a classification are compacted
@@ -40,9 +43,13 @@ AUTO_BYTES = 1 << 30
 and read time and its numbers are exact; above (the issue's 32k x 64 x 512 case is 4.2 GB per source, four
 sources per comparison), the compact store halves both at a bounded error (``kl_bound``: about 1e-5 nats on the
 KL mean of a realistic row)."""
-PARTS = ("codes", "top", "step", "second", "second_index", "best", "best_index")
-VERSION = 2
-"""The format: 1 had no ``best`` (top-k re-ranked near ties); files of another version are refused, to be rebuilt."""
+PARTS = ("codes", "top", "step", "second", "second_index", "best", "best_index", "lse", "spread")
+VERSION = 3
+"""The format: 1 had no ``best`` (top-k re-ranked near ties), 2 no ``lse`` and ``spread`` (probability and relative
+margins read from decoded scores); files of another version are refused, to be rebuilt."""
+LIVE_NATS = 104.0
+"""``compare.gaps.ZERO_PROBABILITY_NATS`` (a class this far below its row's maximum is at probability 0: no live class
+of ``row_spread``); repeated here, where torch is never imported (tests/test_compact_margins.py holds them equal)."""
 KEEP = 5
 """Best classes kept exactly per row when no task says how many (``TaskConfig.top_k``'s default)."""
 SEP = "::"
@@ -87,7 +94,8 @@ def encode(z: np.ndarray, keep: int = KEEP) -> dict[str, np.ndarray]:
         "codes": np.empty((n * t, v), dtype=np.uint16), "top": np.empty(n * t, np.float32),
         "step": np.empty(n * t, np.float32), "second": np.empty(n * t, np.float32),
         "second_index": np.empty(n * t, np.int32), "best": np.empty((n * t, k), np.float32),
-        "best_index": np.empty((n * t, k), np.int32),
+        "best_index": np.empty((n * t, k), np.int32), "lse": np.empty(n * t, np.float64),
+        "spread": np.empty(n * t, np.float64),
     }
     rows = max(1, BLOCK_ELEMENTS // max(v, 1))
     for a in range(0, n * t, rows):
@@ -96,6 +104,7 @@ def encode(z: np.ndarray, keep: int = KEEP) -> dict[str, np.ndarray]:
         out["codes"][a:b], out["top"][a:b], out["step"][a:b], out["second"][a:b], out["second_index"][a:b] = (
             codes, top, step, second, index)
         out["best"][a:b], out["best_index"][a:b] = _best(flat[a:b], k, finite)
+        out["lse"][a:b], out["spread"][a:b] = row_lse(flat[a:b]), row_spread(flat[a:b])
     shaped = {name: x.reshape(n, t, *x.shape[1:]) for name, x in out.items()}
     shaped["codes"] = shaped["codes"].view(np.int16)  # safetensors has no uint16 here: the same bits
     return shaped
@@ -224,6 +233,38 @@ def decode(parts: dict[str, np.ndarray]) -> np.ndarray:
         kept = np.nonzero(best_index[a:b] >= 0)
         z[kept[0], best_index[a:b][kept]] = best[a:b][kept]
     return out.reshape(n, t, v)
+
+
+def row_lse(z: np.ndarray) -> np.ndarray:
+    """Each row's log-sum-exp in float64, the one definition a margin at ``boundary_margin`` is settled by on every path
+    and store (``decisions.settled_margins``; the compact store keeps it, ``lse``): max + log(sum(exp(z - max))), the
+    sum numpy's pairwise one over the row alone, so a row gives the same bits in any block of rows. A row whose maximum
+    is not finite gives it (torch's ``logsumexp``: -inf, +inf, NaN)."""
+    x = np.array(z, dtype=np.float64, order="C", ndmin=2)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        top = x.max(-1)
+        finite = np.isfinite(top)
+        np.subtract(x, np.where(finite, top, 0.0)[:, None], out=x)
+        np.exp(x, out=x)
+        return np.where(finite, top + np.log(x.sum(-1)), top)
+
+
+def row_spread(z: np.ndarray) -> np.ndarray:
+    """Each row's standard deviation (n - 1) over its live classes, those within ``LIVE_NATS`` of its maximum, in
+    float64: ``decisions.live_spread``'s definition, computed one way (two passes of numpy's pairwise sum over the row
+    alone) so that the relative margin at ``boundary_margin`` is settled alike on every path and store. One live class:
+    inf; a maximum that is not finite: NaN."""
+    x = np.array(z, dtype=np.float64, order="C", ndmin=2)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        top = x.max(-1)
+        live = x >= (top - LIVE_NATS)[:, None]
+        count = live.sum(-1)
+        mean = np.where(live, x, 0.0).sum(-1) / np.maximum(count, 1)
+        np.subtract(x, mean[:, None], out=x)
+        np.square(x, out=x)
+        var = np.where(live, x, 0.0).sum(-1) / np.maximum(count - 1, 1)
+        spread = np.where(count > 1, np.sqrt(var), np.inf)
+        return np.where(np.isfinite(top), spread, np.nan)
 
 
 def logit_error(top: np.ndarray, step: np.ndarray) -> float:

@@ -223,13 +223,15 @@ def _ties_differ(ref: torch.Tensor, trial: torch.Tensor, r_lab: torch.Tensor, t_
     return out
 
 
-def margins(top, kind: str, lse: torch.Tensor | None, scores: torch.Tensor | None = None) -> torch.Tensor:
+def margins(top, kind: str, lse: torch.Tensor | None, scores: torch.Tensor | None = None,
+            spread: torch.Tensor | None = None) -> torch.Tensor:
     """Top-2 margin of each decision, in float64, in the unit ``kind`` names:
 
     - ``logit``: z1 - z2, in the scores' own unit (depends on their scale);
     - ``probability``: p1 - p2 of the softmax, in [0, 1] (needs the log-sum-exp ``lse``);
     - ``relative``: (z1 - z2) / std(z) over the live classes (``live_spread``), in units of the row's own spread; inf
-      for a row with one live class (every other at probability 0: the clearest decision there is, never near).
+      for a row with one live class (every other at probability 0: the clearest decision there is, never near);
+      ``spread``, where given, in place of ``live_spread(scores)`` (a compact store's, ``compact.row_spread``).
     """
     values = top[0].double()
     gap = values[..., 0] - values[..., 1]
@@ -239,24 +241,40 @@ def margins(top, kind: str, lse: torch.Tensor | None, scores: torch.Tensor | Non
         lse = lse.double()
         return torch.exp(values[..., 0] - lse) - torch.exp(values[..., 1] - lse)
     if kind == "relative":  # one live class (spread inf: no second score to be near) is as far as a margin goes
-        spread = live_spread(scores.detach().double()) if scores.shape[-1] > 1 else torch.ones_like(gap)
+        if spread is None:
+            spread = live_spread(scores.detach().double()) if scores.shape[-1] > 1 else torch.ones_like(gap)
+        spread = spread.to(gap)
         relative = torch.where(spread > 0, gap / spread, torch.zeros_like(gap))
         return torch.where(torch.isinf(spread), torch.full_like(gap, math.inf), relative)
     raise ValueError(f"unknown margin kind {kind!r}; use one of {MARGIN_KINDS}")
 
 
-def settled_margins(margin: torch.Tensor, top, lse: torch.Tensor, scores: torch.Tensor, boundary: float) -> torch.Tensor:
-    """The kernels' ``probability`` margins of a slice (``lse`` theirs, in float64), or torch's (``_top``'s float32
-    ``logsumexp``) for the whole slice where one of them lies within float32 rounding of ``boundary`` or is not finite:
-    which side of the boundary a case falls on is then torch's, as the tolerance's recount settles a gap at atol.
+def settled_margins(margin: torch.Tensor, top, lse: torch.Tensor | None, scores: torch.Tensor, boundary: float,
+                    kind: str = "probability") -> torch.Tensor:
+    """The ``probability`` or ``relative`` margins of a slice, or, for the whole slice where one of them lies within
+    rounding of ``boundary`` or is not finite, the margins of the one definition (``compact.row_lse``,
+    ``compact.row_spread``: float64, row by row), which the compact store keeps too: which side of the boundary a case
+    falls on is then the same on the kernels' path, torch's and either store, as the tolerance's recount settles a
+    gap at atol.
 
-    The two log-sum-exps differ by at most a few float32 roundings: of the result (|lse|), of each score's distance to
-    the maximum and of the sum (under 2 ln C + log2 C units of 2**-24 together). A margin p1 - p2 moves by
-    (p1 - p2) times that; the slack below is 16 times it."""
-    slack = 2.0**-20 * (lse.abs() + 4.0 * math.log(scores.shape[-1]) + 16.0) * margin.abs() + 2.0**-48
-    if bool((~((margin - boundary).abs() > slack)).any()):  # NaN: not settled either
-        return margins(top, "probability", torch.logsumexp(scores.detach(), dim=-1))
-    return margin
+    Probability: two log-sum-exps differ by at most a few float32 roundings: of the result (|lse|), of each score's
+    distance to the maximum and of the sum (under 2 ln C + log2 C units of 2**-24 together). A margin p1 - p2 moves
+    by (p1 - p2) times that; the slack below is 16 times it. Relative: two float64 spreads of C scores differ by far
+    less than 2**-30 of themselves."""
+    if kind == "probability":
+        slack = 2.0**-20 * (lse.abs() + 4.0 * math.log(scores.shape[-1]) + 16.0) * margin.abs() + 2.0**-48
+    else:
+        slack = 2.0**-30 * margin.abs() + 2.0**-60
+    if not bool((~((margin - boundary).abs() > slack) & ~torch.isinf(margin)).any()):  # NaN: not settled either
+        return margin
+    from pipeline.artifacts import compact
+
+    z = scores.detach().float().cpu().reshape(-1, scores.shape[-1]).numpy()
+    if kind == "probability":
+        exact = torch.from_numpy(compact.row_lse(z).reshape(scores.shape[:-1]))
+        return margins(top, kind, exact.to(margin.device)).to(margin)
+    exact = torch.from_numpy(compact.row_spread(z).reshape(scores.shape[:-1]))
+    return margins(top, kind, None, scores, spread=exact.to(margin.device)).to(margin)
 
 
 def live_spread(s: torch.Tensor) -> torch.Tensor:
@@ -452,8 +470,11 @@ class DecisionStats:
         """Per row of a selected copy or its twin, by position: counted, valid, flipped, near (``_one_input_once``)."""
 
     def update(self, row: int, ref: torch.Tensor, trial: torch.Tensor, targets: torch.Tensor | None = None,
-               position: int = 0, diff: torch.Tensor | None = None) -> Labels:
-        """Cases ``row:row + len(ref)`` (positions ``position:position + T'`` for [n, T', C] scores).
+               position: int = 0, diff: torch.Tensor | None = None,
+               exact: tuple[torch.Tensor, torch.Tensor] | None = None) -> Labels:
+        """Cases ``row:row + len(ref)`` (positions ``position:position + T'`` for [n, T', C] scores). ``exact``: the
+        reference rows' log-sum-exp and live spread as a compact store keeps them (``compact.row_lse``, ``row_spread``
+        of the original scores), which its probability and relative margins read in place of the decoded scores'.
 
         Returns the decisions of both sides (``Labels``) for reuse."""
         n = ref.shape[0]
@@ -475,9 +496,12 @@ class DecisionStats:
             r_lab = _labelled(ref, *r_top, self.tie_rule)
         else:
             r_lab, r_top, r_lse = _top(ref, k, self.tie_rule, need_lse)
-        r_margin = margins(r_top, self.margin_kind, r_lse, ref)
-        if self.margin_kind == "probability" and (fused if per_token else best is not None):
-            r_margin = settled_margins(r_margin, r_top, r_lse, ref, self.boundary_margin)
+        if exact is not None and self.margin_kind in ("probability", "relative"):  # the definition's, as stored
+            r_margin = margins(r_top, self.margin_kind, exact[0].to(ref.device), ref, spread=exact[1].to(ref.device))
+        else:
+            r_margin = margins(r_top, self.margin_kind, r_lse, ref)
+            if self.margin_kind in ("probability", "relative"):
+                r_margin = settled_margins(r_margin, r_top, r_lse, ref, self.boundary_margin, self.margin_kind)
         if per_token:  # top-k overlap needs the trial's k best
             if not fused:
                 t_lab, t_top, t_lse = _top(trial, k, self.tie_rule, need_lse)

@@ -36,6 +36,7 @@ import torch
 
 from pipeline.artifacts.comparison import (Decisions, FP32Spread, NonFinite, NonFiniteSides, OutputsInfo, Paired, Quality,
                                            Stats, Training)
+from pipeline.artifacts import compact
 from pipeline.artifacts.outputs import OutputsReader
 from pipeline.artifacts.steps import Steps
 from pipeline.compare import native
@@ -302,6 +303,17 @@ def store_of(source: Source) -> str:
     return source.store if isinstance(source, OutputsReader) else "full"
 
 
+def stored_rows(source: Source, name: str, margin_kind: str, start: int, stop: int, p: int | None = None,
+                q: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The log-sum-exp and live spread that a compact store keeps of rows ``start:stop`` (positions ``p:q``) of
+    ``name``, which its probability and relative margins read (``DecisionStats.update``); None when stored full, or
+    when the margin reads neither."""
+    if margin_kind not in ("probability", "relative") or not isinstance(source, OutputsReader) or name not in source.compact:
+        return None
+    lse, spread = (source.read(compact.part(name, w), start, stop) for w in ("lse", "spread"))
+    return (lse, spread) if p is None else (lse[:, p:q], spread[:, p:q])
+
+
 def logit_error(source: Source, name: str) -> float:
     """The largest error of a decoded score of ``name`` in ``source`` (0.0 unless it is stored compact)."""
     return source.logit_error(name) if isinstance(source, OutputsReader) else 0.0
@@ -472,7 +484,8 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                     rows_of.append(where[:, 0] + a)
                     positions_of.append(where[:, 1])
             if name in st.heads and p is None:
-                st.heads[name].update(a, r, t, None if valid is None or main else _ignored_where(valid))
+                st.heads[name].update(a, r, t, None if valid is None or main else _ignored_where(valid),
+                                      exact=stored_rows(ref, name, st.heads[name].margin_kind, a, b))
             if not main:
                 continue
             y = st.targets[a:b] if not st.per_token else st.targets[a:b, p:q]
@@ -485,7 +498,8 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                     st.crossing[side].append(value)
             labels = None
             if st.decisions is not None:
-                labels = st.decisions.update(a, r, t, y if st.per_token else None, position=p or 0, diff=diff)
+                labels = st.decisions.update(a, r, t, y if st.per_token else None, position=p or 0, diff=diff,
+                                             exact=stored_rows(ref, name, st.decisions.margin_kind, a, b, p, q))
             trained_slice = trained_main[a - start : b - start]
             trained_slice = trained_slice[:, p:q] if p is not None else trained_slice
             with_target = st.has_target[a:b]
