@@ -1,20 +1,22 @@
-"""Issue 26: the README's shell commands that run on a CPU machine, run as written.
+"""Issue 26: the shell commands of the README and the docs/ pages that run on a CPU machine, run as written.
 
-Each command is read from README.md (an indented block found by its first line, or an inline `code` span found
-by its text), not copied here: a README edit that breaks a command breaks its test, and a block that
+Each command is read from README.md or a docs/*.md page (an indented block found by its first line, or an inline
+`code` span found by its text), not copied here: a README edit that breaks a command breaks its test, and a block that
 disappears or is renamed fails with the line it looked for. Commands run through bash with the virtual
 environment first on PATH, as after `. .venv/bin/activate`.
 
 - the quick start's `make run` in a fresh copy of the working tree (no .git; dvc.lock and the committed outputs
-  included), on an example copied as the Diagnostics section says (stress_underflow, the cheapest): one full
+  included), on an example copied as docs/diagnostics.md says (stress_underflow, the cheapest): one full
   run is both the quick start and the one example run to the end, its diagnosis checked against the lines the
   README quotes; then the `mlflow ui` line, and the Diagnostics line itself (again, and `--dry` for stress_overflow);
-- the DVC views (`### With DVC`) and the sweep block (`### Sweeps on DVC's queue`, on tests/test_sweep.py's params);
+- the DVC views (docs/outputs.md, `## With DVC`) and the sweep block (docs/distributed.md, `## Sweeps on DVC's queue`,
+  on tests/test_sweep.py's params);
 - `python -m pipeline restore --variant NAME` after a rollback (in a copy of the session's `reproduced`);
 - `python scripts/timings.py --venv .venv` and `make timings`: checked for the target and the arguments; the real
   run (three full runs of the default pipeline, minutes) only with AMP_README_TIMINGS=1.
 
-tests/test_examples.py runs every example copied verbatim through `dvc repro --dry`.
+tests/test_examples.py runs every example copied verbatim through `dvc repro --dry`; tests/test_newcomer.py follows the
+README's "Your model in three steps" and runs its `ls -t mlartifacts/...` and `dvc exp show --drop ...` lines.
 
 Not run: `make test` (this suite), the Docker, GPU, S3 remote and team-server commands (no engine, GPU or
 network here).
@@ -45,6 +47,8 @@ from test_e2e_sweep import SMALL
 pytestmark = pytest.mark.integration
 
 README = (ROOT / "README.md").read_text()
+PAGES = {"README.md": README, **{f"docs/{p.name}": p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}}
+"""The guide and the reference pages a command may live in (issue 51 moved most of them out of the README)."""
 
 
 def blocks(text: str = README) -> list[list[str]]:
@@ -67,18 +71,19 @@ def blocks(text: str = README) -> list[list[str]]:
 
 
 def block(first: str) -> list[str]:
-    """The commands of the one README block whose first line starts with ``first`` (comments and blank lines left out)."""
-    matches = [b for b in blocks() if b[0].startswith(first)]
+    """The commands of the one block of the README or a docs/ page whose first line starts with ``first`` (comments and
+    blank lines left out)."""
+    matches = [b for text in PAGES.values() for b in blocks(text) if b[0].startswith(first)]
     assert len(matches) == 1, (
-        f"README.md: expected one shell block starting with {first!r}, found {len(matches)}; this test runs it"
+        f"README.md and docs/*.md: expected one shell block starting with {first!r}, found {len(matches)}; this test runs it"
     )
     return [line for line in matches[0] if line.strip() and not line.lstrip().startswith("#")]
 
 
 def inline(pattern: str) -> str:
-    """The README's inline `code` span matching ``pattern`` (a regular expression)."""
-    found = re.findall(rf"`({pattern})`", README)
-    assert found, f"README.md no longer mentions a command matching {pattern!r}; this test runs it"
+    """The inline `code` span matching ``pattern`` (a regular expression) in the README, else in a docs/ page."""
+    found = [m for text in PAGES.values() for m in re.findall(rf"`({pattern})`", text)]
+    assert found, f"README.md and docs/*.md no longer mention a command matching {pattern!r}; this test runs it"
     return found[0]
 
 
@@ -153,7 +158,7 @@ def test_stress_example_copied_as_written_runs_end_to_end_and_says_what_the_read
     assert (clone / "params.yaml").read_bytes() == (ROOT / "examples/stress_underflow.params.yaml").read_bytes()
     fp16 = json.loads((clone / "data/decision/float16/decision.json").read_text())
     assert fp16["decision"] == "accept", fp16["reasons"]  # README: "The trial uses the GradScaler and is accepted"
-    quoted = next(b for b in blocks() if b[0].startswith("gradient underflow in float16"))
+    quoted = next(b for text in PAGES.values() for b in blocks(text) if b[0].startswith("gradient underflow in float16"))
     expected = " ".join(part.strip() for part in quoted)
     notes = json.loads((clone / "data/diagnose/float16/diagnosis.json").read_text())["notes"]
     assert any(expected in note for note in notes), (expected, notes)
@@ -196,7 +201,7 @@ def test_quick_start_mlflow_ui_serves_the_published_experiment(clone, tmp_path):
 
 
 def test_sweep_block_runs_as_written(tmp_path):
-    """`### Sweeps on DVC's queue`, line by line, on the sweep tests' small params (tests/test_sweep.py)."""
+    """docs/distributed.md's `## Sweeps on DVC's queue`, line by line, on the sweep tests' small params (tests/test_sweep.py)."""
     commands = block("dvc repro freeze && git add -A")
     start = next(i for i, c in enumerate(commands) if c.startswith("dvc queue start"))
     queued = {re.search(r"-n (\S+)", c).group(1) for c in commands[:start] if "--queue" in c}
@@ -222,9 +227,9 @@ def test_sweep_block_runs_as_written(tmp_path):
 
 
 def _dvc_views(repo):
-    """`### With DVC`, line by line, in the sweep's repository (its experiments stand for the README's my-exp)."""
+    """docs/outputs.md's `## With DVC`, line by line, in the sweep's repository (its experiments stand for its my-exp)."""
     commands = block("dvc metrics show")
-    assert inline(r"dvc exp run -S trial\.variants='\[bfloat16\]'") in commands  # "What dvc repro does" says the same
+    assert inline(r"dvc exp run -S trial\.variants='\[bfloat16\]'") in commands  # the README's "What to do next" says the same
     run(["git", "branch", "-M", "main"], repo)  # the README's `main`, whatever git's default branch name here
     sh(repo, "dvc exp apply keep0")  # a workspace holding results, as after a `dvc repro` (the sweep ran in the queue)
     before = experiment_names(repo)
