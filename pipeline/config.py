@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
+from pipeline import heads
 from pipeline.errors import UserError
 
 DTYPES = ("float16", "bfloat16")
@@ -422,49 +423,7 @@ RESERVED_PREFIXES = ("bench-", "compare-")
 the folder where decide writes ``NAME.json`` (``paths.decision_metrics``)."""
 
 
-FEATURE_NAMES = re.compile(r"(^|_)(hidden|embed\w*|features?|states?|pooler\w*|pooled|attentions?|attn|latents?|"
-                           r"representations?|boxes|bbox\w*|coord\w*|depths?|offsets?)(_|$)", re.IGNORECASE)
-"""Output names that say features or coordinates, values and not decisions (Hugging Face's ``last_hidden_state``,
-``pooler_output``, ``hidden_states``, an ``embedding``, DETR's ``pred_boxes``), unless they end like scores
-(``DECISION_NAMES``)."""
-DECISION_NAMES = re.compile(r"(logits?|scores?|probs?|probas?|probabilit(y|ies)|class(es)?|labels?|preds?|predictions?)$",
-                            re.IGNORECASE)
-"""Output names that say decisions whatever else they hold (``dialog_state_logits``, ``attention_scores``)."""
-CLASS_NAMES = re.compile(r"(logits?|probs?|probas?|probabilit(y|ies)|class(es)?)$", re.IGNORECASE)
-"""Output names that say class scores beside a regression's values (where a ``pred`` or a ``score`` may be a value)."""
-PROBABILITY_NAMES = re.compile(r"(probs?|probas?|probabilit(y|ies))$", re.IGNORECASE)
-"""Output names that say probabilities: a single-value head so named is decided at 0.5 (``decisions.holds_probabilities``)."""
-LOGIT_NAMES = re.compile(r"logits?$", re.IGNORECASE)
-"""Output names that say logits: a single-value head so named is decided at 0, whatever range its values span."""
-POSITION_NAMES = re.compile(r"(^|_)(start|end)(_|$)", re.IGNORECASE)
-"""Output names that say scores over positions, an answer span's ends (Hugging Face's QA heads: ``start_logits``,
-``end_logits``): only such a head is read over the real positions (``streams.position_heads``)."""
-
-
-DEFAULT_OUTPUT = "output"
-"""The name of an output the model returns as a bare tensor."""
-
-
-def primary_name(names) -> str:
-    """The output decisions and the loss are computed from: ``output``, ``logits``, else the first by name that ends
-    like scores (``DECISION_NAMES``), else the first that does not say features (CLIP's ``logits_per_image``, not
-    its ``image_embeds``), else the first."""
-    names = sorted(names)
-    named = [n for n in (DEFAULT_OUTPUT, "logits") if n in names]
-    scores = [n for n in names if DECISION_NAMES.search(n)]
-    values = [n for n in names if not FEATURE_NAMES.search(n)]
-    return next(iter(named + scores + values + names), DEFAULT_OUTPUT)
-
-
-def primary_by_order(names) -> list[str]:
-    """The outputs the primary is picked among by alphabetical order alone (``primary_name``: none is ``output`` or
-    ``logits`` or ends like scores, and several do not say features), else []: a regression's ``{mean, log_var}`` would
-    have its quality and loss read from ``log_var``."""
-    names = sorted(names)
-    if any(n in (DEFAULT_OUTPUT, "logits") or DECISION_NAMES.search(n) for n in names) or all(n.isdigit() for n in names):
-        return []  # a tuple's outputs, named by position: its first is the primary, as a model returns it
-    values = [n for n in names if not FEATURE_NAMES.search(n)] or names
-    return values if len(values) > 1 else []
+DEFAULT_OUTPUT = heads.DEFAULT_OUTPUT
 
 
 @dataclass(frozen=True)
@@ -475,31 +434,25 @@ class Tolerance:
     """Relative tolerance."""
     decisions: bool | None = None
     """Judge this output's decisions (argmax, ties, flips) too. true: if shaped like class scores, [N, C >= 2] or per
-    token [N, T, C >= 2] (argmax), or like one logit, [N], [N, 1] or [N, T, 1] (a sigmoid's: logit >= 0); null: the
-    same in a classification task, except an output whose name says features (``hidden``, ``embedding``,
-    ``pooler``...: ``FEATURE_NAMES``, unless it ends like scores: ``DECISION_NAMES``), and in a regression task
-    only an output named like class scores (``logits``, ``probs``: ``CLASS_NAMES``); false: values only (an embedding, a
-    regression head). The primary of a classification is always decided, a regression's by
-    ``AcceptanceConfig.decision_threshold``. An
-    output decided here but of another shape (4 dims or more) is refused at freeze (``rule.vet_rule``)."""
-
-    def decides(self, name: str, kind: str = "classification") -> bool:
-        """Whether output ``name`` of a ``kind`` task, if shaped like class scores or one logit, is decided under
-        this entry (``decisions``)."""
-        if self.decisions is None and kind == "classification":
-            return bool(DECISION_NAMES.search(name)) or not FEATURE_NAMES.search(name)
-        return self.scored(name, kind)
-
-    def scored(self, name: str, kind: str = "classification") -> bool:
-        """Whether output ``name`` says it holds decisions: ``decisions: true``, or, with nothing said, named like
-        scores (``DECISION_NAMES``; in a regression task, like class scores: ``CLASS_NAMES``)."""
-        if self.decisions is not None:
-            return self.decisions
-        return bool((DECISION_NAMES if kind == "classification" else CLASS_NAMES).search(name))
+    token [N, T, C >= 2] (argmax), or like one logit, [N], [N, 1] or [N, T, 1] (a sigmoid's: logit >= 0); false: values
+    only; null: as ``heads`` infers it. ``role`` says more and wins; stating both, they must agree."""
+    role: Literal["classes", "positions", "labels", "values", "ignored"] | None = None
+    """What this output is, and so how it is judged (``heads``: classes by argmax, positions by argmax over the real
+    positions, labels each at a threshold, values alone, or ignored); null: inferred at freeze, and printed."""
+    threshold: float | None = None
+    """Role ``labels``: the value each label is decided at (null: 0 for a logit, 0.5 for a probability)."""
 
     def check(self, key: str) -> None:
         _non_negative(self.atol, f"{key}.atol")
         _relative(self.rtol, f"{key}.rtol", "an output of 0, or of twice the reference")
+        if self.role is not None and self.decisions is not None and self.decisions != (self.role in heads.DECIDED):
+            raise UserError(f"params.yaml: {key}.decisions is {str(self.decisions).lower()} but its role is {self.role}; "
+                            f"drop decisions (the role says it)")
+        if self.threshold is not None:
+            if not math.isfinite(self.threshold):
+                raise UserError(f"params.yaml: {key}.threshold is {self.threshold}; give a finite value, for example 0")
+            if self.role != "labels":
+                raise UserError(f"params.yaml: {key}.threshold decides role labels only; add role: labels, or drop it")
 
 
 @dataclass(frozen=True)
@@ -546,7 +499,7 @@ class AcceptanceConfig:
     """Regression only: decision threshold; a case flips where any value of its primary output (at a kept position)
     is on the other side of it in the trial. null: a primary named like logits or probabilities whose targets are 0 or
     1 (or said ``decisions: true``) is decided at 0 or 0.5, each label of a multi-label head on its own
-    (``decision_threshold``), any other primary by its values alone."""
+    (``heads.decision_threshold``), any other primary by its values alone."""
     min_quality: float | None = None
     """Minimum quality of the trial on the fixed set (accuracy, or -RMSE for regression); null: no minimum."""
     max_quality_drop: float | None = 0.01
@@ -622,23 +575,6 @@ class AcceptanceConfig:
         """Whether the rule sets a quality criterion (``max_quality_drop`` or ``min_quality``)."""
         return self.max_quality_drop is not None or self.min_quality is not None
 
-    def decision_threshold(self, kind: str, primary: str, labels: bool, fitted: bool = False) -> float | None:
-        """The value a regression's primary output is decided at, each of its values on its own: ``threshold``; else,
-        where the primary holds a sigmoid's decisions (a one-logit head, a multi-label head's logits, which a
-        classification refuses), 0.5 for a probability, 0 for a logit: said ``decisions: true``, or named like class
-        scores (``Tolerance.scored``) with targets that are ``labels``, 0 or 1 (``task.binary_targets``: Hugging Face's
-        regression head is named ``logits`` too, and its values crossing 0 are no decision); a value the loss ``fitted``
-        to the targets (``TaskConfig.fits_values``: MSE on 0/1 labels) at 0.5, the labels' midpoint, whatever its name;
-        else None, values only. A classification's primary is decided by argmax: None."""
-        if kind == "classification":
-            return None
-        if self.threshold is not None:
-            return self.threshold
-        said = self.tolerance(primary).decisions
-        if not (said or said is None and labels and self.tolerance(primary).scored(primary, kind)):
-            return None
-        return 0.5 if fitted or PROBABILITY_NAMES.search(primary) else 0.0
-
     def tolerance(self, output: str) -> Tolerance:
         """The entry for ``output``, else ``*``; no hidden default (``check_outputs`` refuses the gap at freeze)."""
         tol = self.outputs.get(output, self.outputs.get("*"))
@@ -662,7 +598,12 @@ class AcceptanceConfig:
 
     def sha256(self) -> str:
         """Hash of the rule in canonical form: the same rule always gives the same hash."""
-        canonical = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        rule = dataclasses.asdict(self)
+        for entry in rule["outputs"].values():  # the keys added with output roles hash as before where unsaid
+            for key in ("role", "threshold"):
+                if entry[key] is None:
+                    del entry[key]
+        canonical = json.dumps(rule, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 

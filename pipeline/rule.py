@@ -32,7 +32,9 @@ from pipeline.present import verdict
 from pipeline.artifacts.comparison import (Decisions, Distribution, FinalLoss, FP32Spread, Noise, Quality, Stats,
                                            Training)
 from pipeline.compare import bounds
-from pipeline.config import AcceptanceConfig, Policy, Tolerance, metric_range, primary_name
+from pipeline import heads
+from pipeline.config import AcceptanceConfig, Policy, Tolerance, metric_range
+from pipeline.heads import primary_name
 from pipeline.errors import UserError
 
 if TYPE_CHECKING:  # the loop's record: training imports torch, the rule does not
@@ -581,7 +583,7 @@ def vet_rule(
     training cannot tell precision from noise (the A/A of ``min_quality``). ``more_replicates``: the replicates after the
     first, checked as it is."""
     names = sorted(shapes)
-    unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes)
+    unknown = sorted(n for n in rule.outputs if n != "*" and n not in shapes and rule.outputs[n].role != "ignored")
     if unknown:
         return (f"params.yaml: acceptance.outputs names {', '.join(map(repr, unknown))}, which the model does not output; "
                 f"its outputs are {', '.join(map(repr, names))}: fix the name")
@@ -671,7 +673,7 @@ def vet_rule(
                         f"in the FP32 reference), so a trial answering one value for every case would pass; give '{name}' "
                         f"a tolerance below its spread, for example {{atol: {0.01 * std:.2g}, rtol: 0}}")
     scored = [n for n in names if len(shapes[n]) >= 3 and (n != primary_name(names) or kind == "classification")
-              and rule.tolerance(n).scored(n, kind)]
+              and heads.scored(rule.tolerance(n), n, kind)]
     if scored:  # [N, a, b, c...]: no decision check reads it (class scores are [N, C] or [N, T, C])
         name = scored[0]
         return (f"params.yaml: output '{name}' of shape [N, {', '.join(map(str, shapes[name]))}] is named like scores (or "
@@ -698,7 +700,8 @@ def vet_rule(
         return (f"params.yaml: acceptance.max_flip_rate {rule.max_flip_rate:g}: its upper bound is above 0 on any set, even "
                 f"with no flip, so every trial would roll back; for no flip at all use max_flip_rate: null and max_flips: 0")
     if real_units is not None and real_units < needed:  # every decided output is judged against it on its own
-        per_case = [n for n, shape in shapes.items() if n != main and len(shape) <= 1 and rule.tolerance(n).decides(n, kind)]
+        per_case = [n for n, shape in shapes.items()
+                    if n != main and len(shape) <= 1 and heads.decides(rule.tolerance(n), n, kind)]
         unit = "position" if kind == "classification" and len(shapes[main]) == 2 and not per_case else "case"
         least = 1.0 - (1.0 - rule.confidence) ** (1.0 / real_units) if real_units else 1.0
         return (f"params.yaml: acceptance.max_flip_rate {rule.max_flip_rate:g} at confidence {rule.confidence:g} needs at "
@@ -714,7 +717,7 @@ def vet_rule(
                     f"at most {reach:.6f} even when every token agrees, so every trial would roll back; give more cases "
                     f"(prepare), a min_top1_agreement of at most {reach:.4g}, or null")
     if kind == "classification" and rule.boundary_margin_kind == "relative":
-        few = [n for n in names if math.prod(shapes[n][-1:]) < 3 and rule.tolerance(n).decides(n)]  # entries checked above
+        few = [n for n in names if math.prod(shapes[n][-1:]) < 3 and heads.decides(rule.tolerance(n), n)]  # entries checked above
         if few:
             return (f"params.yaml: acceptance.boundary_margin_kind relative divides the top-2 margin by the spread of the "
                     f"row's scores, which for output '{few[0]}' of {math.prod(shapes[few[0]][-1:])} class score(s) is the "
@@ -865,8 +868,12 @@ def loosened(old: AcceptanceConfig, new: AcceptanceConfig) -> list[str]:
         for key in ("atol", "rtol"):
             if o is not None and n is not None and getattr(n, key) > getattr(o, key):
                 out.append(f"outputs.{name}.{key} {getattr(o, key):g} -> {getattr(n, key):g}")
-        if (o is None or o.decides(name)) and n is not None and not n.decides(name):  # false, or null on a feature name
-            out.append(f"outputs.{name}.decisions {o.decisions if o else None} -> {'false' if n.decisions is False else 'null'}")
+        if (o is None or heads.decides(o, name)) and n is not None and not heads.decides(n, name):  # false, null on features
+            if n.role is not None:
+                out.append(f"outputs.{name}.role {o.role if o else None} -> {n.role}")
+            else:
+                said = "false" if n.decisions is False else "null"
+                out.append(f"outputs.{name}.decisions {o.decisions if o else None} -> {said}")
     for key, sign in _LOOSER_WHEN.items():
         a, b = getattr(old, key), getattr(new, key)
         if a is None and b is None:

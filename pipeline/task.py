@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Union
 
@@ -23,7 +22,9 @@ import torch
 
 from pipeline.artifacts.record import Record
 from pipeline.files import read_tensors, sha256_file, write_tensors
-from pipeline.config import DECISION_NAMES, DEFAULT_OUTPUT, TaskConfig, primary_by_order, primary_name
+from pipeline import heads
+from pipeline.config import TaskConfig
+from pipeline.heads import DEFAULT_OUTPUT, primary_by_order, primary_name
 from pipeline.errors import UserError
 
 IGNORE_INDEX = -100
@@ -478,14 +479,6 @@ def build_model(cfg: TaskConfig, seed: int) -> torch.nn.Module:
     return model
 
 
-STATES = re.compile(r"(^|_)(hidden_states?|attentions?)$|^(intermediate|enc|init)_")
-"""Tensor fields of a Hugging Face ``ModelOutput`` that hold the model's inner states, not its predictions
-(``last_hidden_state``, ``encoder_last_hidden_state``; RT-DETR's and Deformable DETR's ``intermediate_logits``,
-``enc_topk_logits``, ``init_reference_points``: the decoder's per-layer and the encoder's proposals): left out where
-the output has a head (a field named like scores: ``config.DECISION_NAMES``); a base model's (``BertModel``, no
-head) are its outputs and are kept."""
-
-
 def named_outputs(result: Any, entry: str = "task.model") -> dict[str, torch.Tensor]:
     """A tensor, a dict of named tensors, a Hugging Face ``ModelOutput``, a tuple (named by position: ``0``, ``1``...; a
     named tuple by its fields), or an object with a tensor ``.logits``; always give a dict, sorted by name.
@@ -493,7 +486,7 @@ def named_outputs(result: Any, entry: str = "task.model") -> dict[str, torch.Ten
     A ``ModelOutput`` (any dataclass) gives every tensor head it returns: YOLOS's ``logits`` and ``pred_boxes``,
     CLIP's ``logits_per_image`` and embeddings (an untested head is no accept), less its losses and scalars and its
     inner states: what is not a tensor (caches, tuples of per-layer states, a sub-model's output) and, beside a
-    head, hidden states (``STATES``). A dict must hold tensors only (``loss`` and ``None`` left out).
+    head, hidden states (``heads.STATES``). A dict must hold tensors only (``loss`` and ``None`` left out).
 
     Raises:
         UserError: the model returned something else, or a field that is not a tensor.
@@ -507,8 +500,7 @@ def named_outputs(result: Any, entry: str = "task.model") -> dict[str, torch.Ten
         items = result.items() if isinstance(result, Mapping) else ((f.name, getattr(result, f.name))
                                                                     for f in dataclasses.fields(result))
         fields = {str(k): v for k, v in items if torch.is_tensor(v) and v.ndim > 0 and k != "loss"}
-        if any(DECISION_NAMES.search(k) for k in fields):
-            fields = {k: v for k, v in fields.items() if not STATES.search(k)}
+        fields = heads.inner_states(fields)
     elif isinstance(result, Mapping):
         fields = {str(k): v for k, v in result.items() if v is not None and k != "loss"}
     elif isinstance(result, (tuple, list)):
@@ -538,7 +530,7 @@ def _tensors(fields: dict[str, Any], what: str, entry: str) -> dict[str, torch.T
 
 
 def primary(outputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The output that decisions and the loss are computed from (``config.primary_name``)."""
+    """The output that decisions and the loss are computed from (``heads.primary_name``)."""
     return outputs[primary_name(outputs)]
 
 

@@ -22,7 +22,9 @@ from pipeline.compare import streams
 from pipeline.compare.decisions import holds_probabilities, probability_rows
 from pipeline.compare.gaps import zero_probability
 from pipeline.compare.quality import COLUMNS
-from pipeline.config import FEATURE_NAMES, LOGIT_NAMES, PROBABILITY_NAMES, Params, primary_name
+from pipeline import heads
+from pipeline.config import Params
+from pipeline.heads import decided_heads, primary_name, sign_heads
 
 if TYPE_CHECKING:
     from pipeline.artifacts.comparison import FP32Spread
@@ -103,6 +105,7 @@ class Scan:
     def update(self, row: int, chunk: dict[str, torch.Tensor]) -> None:
         """The chunk's rows from ``row`` on, a slice of rows at a time (``SLICE_ELEMENTS``): an LM's chunk holds GBs
         of scores, and its float64 squares or its rows with a target copied whole would hold as many again."""
+        chunk = {n: chunk[n] for n in heads.judged(self.rule, chunk)}  # (role ignored: not judged, not vetted)
         main = primary_name(chunk)
         positions = self._position_heads(chunk)
         chunk = {n: task.mask_padding(v, positions[n][row : row + v.shape[0]]) if n in positions else v
@@ -112,15 +115,15 @@ class Scan:
             threshold, self.metric = self.metric.reading(self.kind, self.rule, main, tuple(out.shape), self.targets,
                                                          self.has_target)
             self.quality = self.metric.quality(self.rule.tie_rule)
-            if threshold == 0.5 and self.loss == "model" and self.rule.threshold is None and not PROBABILITY_NAMES.search(main):
+            if threshold == 0.5 and self.loss == "model" and self.rule.threshold is None and not heads.says_probability(main):
                 self.fitted = [0, 0, 0, 0, 0]
             if threshold is not None and out.ndim in (2, 3) and out.shape[-1] >= 2:  # decided label by label
                 shapes = {n: tuple(t.shape) for n, t in chunk.items()}
-                self.per_label = [n for n in streams.decided_heads(self.kind, self.rule, shapes, main)
+                self.per_label = [n for n in decided_heads(self.kind, self.rule, shapes, main)
                                   if shapes[n] == shapes[main]]
         shapes = {n: tuple(t.shape) for n, t in chunk.items()}
-        scores = set(streams.decided_heads(self.kind, self.rule, shapes, main))
-        signs = set(streams.sign_heads(self.kind, self.rule, shapes, main))
+        scores = set(decided_heads(self.kind, self.rule, shapes, main))
+        signs = set(sign_heads(self.kind, self.rule, shapes, main))
         for name, v in chunk.items():
             self.shapes[name] = tuple(v.shape[1:])
             rows = task.rows_within(SLICE_ELEMENTS, math.prod(v.shape[1:]))
@@ -136,7 +139,7 @@ class Scan:
                 lowest = masking_value(v)
                 if lowest is not None:
                     self.masked[name] = min(lowest, self.masked.get(name, lowest))
-            if name in signs and not LOGIT_NAMES.search(name):  # named neither, or like a probability
+            if name in signs and not heads.says_logit(name):  # named neither, or like a probability
                 self._note_unit(name, v, row)
             if name in scores and self.softmaxed.get(name, True):
                 self.softmaxed[name] = probability_rows(v)
@@ -203,6 +206,7 @@ class Scan:
         after training, in the metric and reading the reference's set (``replicate_quality``)."""
         while len(self.replicas) <= index:
             self.replicas.append(self.metric.quality(self.rule.tie_rule))
+        chunk = {n: chunk[n] for n in heads.judged(self.rule, chunk)}
         main = primary_name(chunk)
         positions = self._position_heads(chunk)
         out = chunk[main]
@@ -228,14 +232,15 @@ class Scan:
         per position [N, T]: ``per_position``, ``task.judged_positions``) when it holds values that atol and rtol bound,
         at most ``COLUMNS`` of them, else 0: a regression's outputs, and a classifier's said ``decisions: false``; not the
         decided heads, whose class scores share one scale, nor a classifier's features (an embedding's dimensions are
-        no quantities of their own: ``FEATURE_NAMES``)."""
+        no quantities of their own: ``heads.FEATURE_NAMES``)."""
         width = v.shape[-1] if v.ndim >= 3 or v.ndim == 2 and not per_position else 1
         if width > COLUMNS:
             return 0
         tolerance = self.rule.tolerance(name)
         if self.kind == "regression":
-            return width if primary or not tolerance.decides(name, self.kind) else 0
-        return width if tolerance.decisions is False and not FEATURE_NAMES.search(name) or self._measured(name, primary) else 0
+            return width if primary or not heads.decides(tolerance, name, self.kind) else 0
+        values = not heads.decides(tolerance, name, self.kind) and not heads.says_features(name)
+        return width if values or self._measured(name, primary) else 0
 
     def _measured(self, name: str, primary: bool) -> bool:
         """Whether ``name`` is a classifier's head decided only because nothing names it (``Tolerance.decides``, not
@@ -243,8 +248,8 @@ class Scan:
         decided by its sign or ``size`` [N, 3] by argmax: its spread is vetted where an offset makes its band vacuous
         (``spreads``)."""
         tolerance = self.rule.tolerance(name)
-        return (self.kind == "classification" and not primary and tolerance.decides(name, self.kind)
-                and not tolerance.scored(name, self.kind) and name not in (self.positions or {}))
+        return (self.kind == "classification" and not primary and heads.decides(tolerance, name, self.kind)
+                and not heads.scored(tolerance, name, self.kind) and name not in (self.positions or {}))
 
     def spreads(self) -> dict[str, tuple[tuple[float, float], ...]]:
         """Per output judged by its values alone (``moments``), per column: (mean, standard deviation) over the whole
@@ -269,7 +274,7 @@ class Scan:
     def _note_decisions(self, name: str, values: torch.Tensor) -> None:
         """The reference's decisions of measured head ``name`` in ``values`` (its real cases' rows, at the positions
         compare judges), into ``decided``: argmax over the last axis where compare reads class scores
-        (``streams.decided_heads``), the range of a single value (``streams.sign_heads``); nothing for a head compare
+        (``heads.decided_heads``), the range of a single value (``heads.sign_heads``); nothing for a head compare
         decides no way ([N, a, b, c]: ``pinned`` reads it as pinned)."""
         shape = self.shapes[name]
         if math.prod(shape) == 1 or len(shape) == 2 and shape[-1] == 1:  # [N], [N, 1], per token [N, T, 1]
@@ -346,9 +351,10 @@ class Scan:
 
     def _undecided(self, name: str, v: torch.Tensor, primary: bool) -> bool:
         """Whether ``name`` is a regression's other output shaped like class scores ([N, C >= 2], [N, T, C]) that neither
-        its name (``config.CLASS_NAMES``) nor its entry (``decisions``) says decided or not."""
+        its name (``heads.CLASS_NAMES``) nor its entry (``decisions``) says decided or not."""
         return (self.kind == "regression" and not primary and v.ndim in (2, 3) and v.shape[-1] >= 2
-                and self.rule.tolerance(name).decisions is None and not self.rule.tolerance(name).scored(name, self.kind))
+                and self.rule.tolerance(name).decisions is None and self.rule.tolerance(name).role is None
+                and not heads.scored(self.rule.tolerance(name), name, self.kind))
 
     def _note_unit(self, name: str, v: torch.Tensor, row: int) -> None:
         """The range of single-value head ``name`` in rows ``row`` on (per token: at the positions the batch's
@@ -386,7 +392,7 @@ class Scan:
         [N, T, C] and [N, C, T] cannot be told apart, and nothing is refused."""
         main = primary_name(self.shapes)
         out = {}
-        for name in streams.decided_heads(self.kind, self.rule, {n: (0, *s) for n, s in self.shapes.items()}, main):
+        for name in decided_heads(self.kind, self.rule, {n: (0, *s) for n, s in self.shapes.items()}, main):
             lengths = dict(self.lengths)
             if name != main and self.kind == "classification" and len(self.shapes[main]) == 2:
                 lengths.setdefault(self.shapes[main][0], f"the tokens of the primary '{main}'")
@@ -469,8 +475,8 @@ class Scan:
             return cases
         main = primary_name(self.shapes)
         shapes = {n: (0, *s) for n, s in self.shapes.items()}
-        per_case_heads = [n for n in (*streams.decided_heads(self.kind, self.rule, shapes, main),
-                                      *streams.sign_heads(self.kind, self.rule, shapes, main))
+        per_case_heads = [n for n in (*decided_heads(self.kind, self.rule, shapes, main),
+                                      *sign_heads(self.kind, self.rule, shapes, main))
                           if n != main and len(self.shapes[n]) <= 1]
         if self.kind == "classification" and len(self.shapes[main]) == 2 and self.targets.ndim == 2 and not per_case_heads:
             return int(((self.targets != task.IGNORE_INDEX) & real[:, None]).sum())
@@ -519,7 +525,7 @@ def masking_value(v: torch.Tensor) -> float | None:
 
 def _guessed(name: str) -> bool:
     """Whether a single-value head's name says neither probability nor logit (``holds_probabilities`` then guesses)."""
-    return not PROBABILITY_NAMES.search(name) and not LOGIT_NAMES.search(name)
+    return not heads.says_probability(name) and not heads.says_logit(name)
 
 
 def _positions(x) -> tuple[dict[int, str], set[int]]:

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from pipeline import inference, recipe, training
+from pipeline import heads, inference, recipe, training
 
 from pipeline import rule
 
@@ -381,33 +381,33 @@ def test_which_heads_are_decided_by_default():
               "last_hidden_state": (6, 32), "pooler_output": (32,), "sentence_embeddings": (16,)}
     shapes = {k: (10, *v) for k, v in shapes.items()}
     plain = AcceptanceConfig()
-    assert streams.decided_heads("classification", plain, shapes, "logits") == ["aux", "box", "logits", "tags"]
-    assert streams.sign_heads("classification", plain, shapes, "logits") == ["flag"]
+    assert heads.decided_heads("classification", plain, shapes, "logits") == ["aux", "box", "logits", "tags"]
+    assert heads.sign_heads("classification", plain, shapes, "logits") == ["flag"]
     said = AcceptanceConfig(outputs={"*": Tolerance(), "embedding": Tolerance(decisions=True),
                                      "aux": Tolerance(decisions=False), "flag": Tolerance(decisions=False)})
-    assert streams.decided_heads("classification", said, shapes, "logits") == ["box", "embedding", "logits", "tags"]
-    assert streams.sign_heads("classification", said, shapes, "logits") == []
-    assert streams.decided_heads("classification", plain, {"hidden": (10, 3)}, "hidden") == ["hidden"]  # the primary
+    assert heads.decided_heads("classification", said, shapes, "logits") == ["box", "embedding", "logits", "tags"]
+    assert heads.sign_heads("classification", said, shapes, "logits") == []
+    assert heads.decided_heads("classification", plain, {"hidden": (10, 3)}, "hidden") == ["hidden"]  # the primary
     # A name that ends like scores is decided whatever else it says.
     scores = {"logits": (10, 3), "dialog_state_logits": (10, 4), "attention_scores": (10, 4), "latent_class_probs": (10, 2)}
-    assert streams.decided_heads("classification", plain, scores, "logits") == sorted(scores)
+    assert heads.decided_heads("classification", plain, scores, "logits") == sorted(scores)
     # Taking decisions: true back on a feature name stops deciding it: a loosening, listed like decisions: false.
     on = AcceptanceConfig(outputs={"*": Tolerance(), "hidden": Tolerance(decisions=True)})
     assert rule.loosened(on, AcceptanceConfig(outputs={"*": Tolerance(), "hidden": Tolerance()})) == [
         "outputs.hidden.decisions True -> null"]
     assert rule.loosened(on, AcceptanceConfig()) == ["outputs.hidden.decisions True -> null"]  # the entry removed
     assert rule.loosened(AcceptanceConfig(), on) == []
-    assert streams.decided_heads("regression", plain, shapes, "logits") == []  # a regression's primary: its threshold
-    assert streams.sign_heads("regression", plain, shapes, "logits") == []
+    assert heads.decided_heads("regression", plain, shapes, "logits") == []  # a regression's primary: its threshold
+    assert heads.sign_heads("regression", plain, shapes, "logits") == []
     # A regression's other heads named like scores are decided too (an untested head is no accept); others only if said.
     regression = {"output": (10, 1), "logits": (10, 4), "alarm_logit": (10, 1), "aux": (10, 3), "tags": (10, 6, 4)}
-    assert streams.decided_heads("regression", plain, regression, "output") == ["logits"]
-    assert streams.sign_heads("regression", plain, regression, "output") == ["alarm_logit"]
+    assert heads.decided_heads("regression", plain, regression, "output") == ["logits"]
+    assert heads.sign_heads("regression", plain, regression, "output") == ["alarm_logit"]
     aux = AcceptanceConfig(outputs={"*": Tolerance(), "aux": Tolerance(decisions=True)})
-    assert streams.decided_heads("regression", aux, regression, "output") == ["aux", "logits"]
+    assert heads.decided_heads("regression", aux, regression, "output") == ["aux", "logits"]
     # Class probabilities by their common names (scikit-learn's predict_proba, a class_prob head) are class scores.
     named = {"output": (10, 1), "proba": (10, 3), "class_prob": (10, 3), "class_probability": (10, 2), "cls_class": (10, 4)}
-    assert streams.decided_heads("regression", plain, named, "output") == ["class_prob", "class_probability", "cls_class",
+    assert heads.decided_heads("regression", plain, named, "output") == ["class_prob", "class_probability", "cls_class",
                                                                            "proba"]
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline import cases, config, recipe, task
+from pipeline import cases, config, heads, recipe, task
 from pipeline.config import PrepareConfig, TaskConfig
 from pipeline.errors import UserError
 
@@ -219,11 +219,11 @@ def test_model_outputs_give_every_head_and_leave_inner_states_out():
 
 
 def test_the_primary_output_is_named_output_or_logits_else_like_scores_else_not_features():
-    assert config.primary_name(["output", "logits"]) == "output" and config.primary_name(["aux", "logits"]) == "logits"
-    assert config.primary_name(["start_logits", "end_logits"]) == "end_logits"
+    assert heads.primary_name(["output", "logits"]) == "output" and heads.primary_name(["aux", "logits"]) == "logits"
+    assert heads.primary_name(["start_logits", "end_logits"]) == "end_logits"
     clip = ["image_embeds", "logits_per_image", "logits_per_text", "text_embeds"]  # CLIP: the scores, not an embedding
-    assert config.primary_name(clip) == "logits_per_image"
-    assert config.primary_name(["embedding", "value"]) == "value" and config.primary_name(["b", "a"]) == "a"
+    assert heads.primary_name(clip) == "logits_per_image"
+    assert heads.primary_name(["embedding", "value"]) == "value" and heads.primary_name(["b", "a"]) == "a"
     outputs = {name: torch.zeros(1) for name in clip}
     assert task.primary(outputs) is outputs["logits_per_image"]
     with pytest.raises(UserError, match="field 'boxes' is list, not a tensor"):
@@ -268,7 +268,7 @@ def test_a_tuple_is_named_by_position_and_its_first_is_the_primary():
     logits, feats = torch.randn(4, 3), torch.randn(4, 8)
     named = task.named_outputs((logits, feats))
     assert list(named) == ["0", "1"] and named["0"] is logits
-    assert config.primary_name(named) == "0" and config.primary_by_order(named) == []
+    assert heads.primary_name(named) == "0" and heads.primary_by_order(named) == []
     task.check_outputs(named, "regression", 4, torch.randn(4, 3), "m:build")  # no "name no primary" refusal
     task.check_outputs(named, "classification", 4, torch.tensor([0, 1, 2, 0]), "m:build")
     Out = namedtuple("Out", ["scores", "embedding"])

@@ -79,7 +79,7 @@ class ValueGap(Record):
     min_passing_rtol: float
     per_kind: dict[str, KindGap]
     zero_probability_both: int | None = None
-    """Class scores decided through softmax (``streams.decided_heads``): pairs at softmax probability exactly 0 on both
+    """Class scores decided through softmax (``heads.decided_heads``): pairs at softmax probability exactly 0 on both
     sides (each more than ``gaps.ZERO_PROBABILITY_NATS`` below its row's maximum: a masked class, ``finfo.min`` written
     as -3.4e38 under FP32 and -65504 under float16): agreement, in ``elements`` but in no failing count and no gap
     figure, set aside wherever a slice would fail or its largest gap exceeds that many nats; absent for other outputs."""

@@ -20,7 +20,7 @@ from pipeline.artifacts.comparison import Decisions, Distribution, Flip
 from pipeline.compare import native
 from pipeline.compare.gaps import ZERO_PROBABILITY_NATS
 from pipeline.compare.quantiles import StreamQuantile
-from pipeline.config import LOGIT_NAMES, PROBABILITY_NAMES
+from pipeline.heads import says_logit, says_probability
 from pipeline.task import IGNORE_INDEX
 
 MARGIN_KINDS = ("logit", "probability", "relative")
@@ -772,10 +772,10 @@ def holds_probabilities(name: str, ref: torch.Tensor) -> bool:
     the reference lies in [0, 1] (a logit head that never goes negative would decide class 1 for every case). That guess
     never decides alone: freeze refuses a head whose name says neither and whose values lie in [0, 1], some strictly
     between (``vetting.Scan.unit_heads``), so the user names it."""
-    if PROBABILITY_NAMES.search(name):
+    if says_probability(name):
         return True
     finite = ref[torch.isfinite(ref)]
-    return not LOGIT_NAMES.search(name) and finite.numel() > 0 and bool(((finite >= 0) & (finite <= 1)).all())
+    return not says_logit(name) and finite.numel() > 0 and bool(((finite >= 0) & (finite <= 1)).all())
 
 
 def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, trial: torch.Tensor, boundary_margin: float,

@@ -16,7 +16,7 @@ Class scores decided through softmax (``softmax=True``: ``streams`` passes it fo
 two sides both lie more than ``ZERO_PROBABILITY_NATS`` below their own row's maximum is at probability exactly 0 on
 both sides (a masked class: ``finfo(dtype).min`` is -3.4e38 under FP32, -65504 under float16), so it agrees, is
 counted apart (``zero_probability_both``) and left out of every statistic, where the output's values are known to be
-read through softmax alone (``scores_only``: ``streams.score_heads``). A head decided only because nothing names it
+read through softmax alone (``scores_only``: ``heads.score_heads``). A head decided only because nothing names it
 features (a measurement [N, 3] beside a classifier) keeps its finite values judged, however far below its row's
 maximum: only a pair with a masked side (-inf, below) is set aside there. Looked for only in a slice that would
 fail, or whose largest gap exceeds that many nats (the common, passing slice does not pay for it). -inf is such a

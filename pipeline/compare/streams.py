@@ -45,7 +45,9 @@ from pipeline.compare.decisions import (DecisionStats, PerCase, first_crossing, 
 from pipeline.compare.gaps import ArbiterStats, GapStats, all_finite, broken
 from pipeline.compare.quality import QualityStats, regression_errors
 from pipeline.compare.trajectory import calibration_steps, final_loss, trajectory_gap, update_health, updates_to_fp32_loss
-from pipeline.config import METRICS, POSITION_NAMES, PROBABILITY_NAMES, AcceptanceConfig, CompareConfig, TaskConfig, primary_name
+from pipeline import heads
+from pipeline.config import METRICS, AcceptanceConfig, CompareConfig, TaskConfig
+from pipeline.heads import decided_heads, primary_name, score_heads, sign_heads
 from pipeline.errors import UserError
 from pipeline.task import (IGNORE_INDEX, binary_targets, judged_positions, labelled_positions, mask_padding, masked_targets,
                            resolve, rows_within, scores_over_positions)
@@ -106,14 +108,15 @@ class Metric:
     def reading(self, kind: str, rule: AcceptanceConfig, primary: str, shape: tuple[int, ...], targets: torch.Tensor,
                 has_target: torch.Tensor) -> tuple[float | None, "Metric"]:
         """How the primary ``primary`` of ``shape`` [N, ...] is read: the threshold a regression decides it at
-        (``AcceptanceConfig.decision_threshold``; a value the loss fits to 0/1 labels, ``TaskConfig.fits_values``, at
+        (``heads.decision_threshold``; a value the loss fits to 0/1 labels, ``TaskConfig.fits_values``, at
         0.5), and the metric that scores it. Under ``metric: auto``, a regression decided at a threshold on targets that
         are labels (``task.binary_targets``) is scored by ``label_accuracy``, the fraction of its values on their label's
         side: an RMSE of logits against 0/1 labels rewards a model that answers 0.5 everywhere."""
         labels = binary_targets(targets, has_target)
         width = shape[-1] if len(shape) >= 2 else 1
         fitted = self.task is not None and self.task.fits_values(width)
-        threshold = rule.decision_threshold(kind, primary, labels, fitted)
+        threshold = heads.decision_threshold(rule, kind, primary, labels, fitted, width,
+                                             self.task.loss if self.task is not None else "")
         name = self.name
         if self.task is not None and self.task.metric == "auto" and threshold is not None and labels:
             name = "label_accuracy"
@@ -208,15 +211,15 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     kinds = kinds_of(ids)
     n = len(ids)
     targets, has_target = masked_targets(sources.targets, sources.token_mask), sources.has_target
-    names = sorted(ref.names)
+    names = heads.judged(rule, sorted(ref.names))  # (role ignored: never read)
     main = primary_name(names)
     shapes = {name: tuple(ref.shape(name)) for name in names}
     step = rows_within(cfg.chunk_elements, sum(math.prod(s[1:]) for s in shapes.values()))
     errors = {name: (logit_error(ref, name), logit_error(trial, name)) for name in names}
-    heads, scores = decided_heads(kind, rule, shapes, main), score_heads(kind, rule, shapes, main)
+    argmax, scores = decided_heads(kind, rule, shapes, main), score_heads(kind, rule, shapes, main)
     positions = position_heads(kind, rule, shapes, main, targets, has_target, sources.token_mask)
     gaps = {name: GapStats(conservative_atol(rule.tolerance(name).atol, rule.tolerance(name).rtol, *errors[name]),
-                           rule.tolerance(name).rtol, math.prod(shapes[name]), softmax=name in heads,  # class scores
+                           rule.tolerance(name).rtol, math.prod(shapes[name]), softmax=name in argmax,  # class scores
                            scores_only=name in scores)
             for name in names}
     signs = {name: ([], [], [], []) for name in sign_heads(kind, rule, shapes, main)}
@@ -234,7 +237,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     head_stats = {name: DecisionStats(ids, kinds, rule.tie_rule, rule.boundary_margin, rule.boundary_margin_kind,
                                       math.prod(shapes[name][:-1]), top_k=metric.top_k, max_listed=cfg.max_listed_flips,
                                       device=device)
-                  for name in heads if name != main}
+                  for name in argmax if name != main}
     threshold, metric = metric.reading(kind, rule, main, shapes[main], targets, has_target)
     for source in (ref, trial, trained) if metric.name == "top_k" else ():  # (a compact store keeps the k best exactly)
         if isinstance(source, OutputsReader):
@@ -273,7 +276,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
         picked = [torch.cat(state.crossing[side])[:, None] if state.crossing[side] else first[:, None]
                   for side, first in (("reference", ref_first), ("trial", trial_first))]
         flips = regression_flips(ids, kinds, *picked, state.threshold, rule.boundary_margin, rule.boundary_margin_kind,
-                                 bool(PROBABILITY_NAMES.search(main)), rule.tie_rule, cfg.max_listed_flips)
+                                 heads.says_probability(main), rule.tie_rule, cfg.max_listed_flips)
         distribution = None
         idx = torch.nonzero(has_target).flatten()
         regression = {side: regression_errors(first[idx][:, None], targets[idx]) for side, first in zip(SIDES, firsts)}
@@ -365,7 +368,7 @@ class _State:
     heads: dict = field(default_factory=dict)
     """DecisionStats of every decided output other than the primary (``decided_heads``)."""
     threshold: float | None = None
-    """A regression's decision threshold (``AcceptanceConfig.decision_threshold``)."""
+    """A regression's decision threshold (``heads.decision_threshold``)."""
     ties: bool = False
     """``tie_rule: tie_is_flip``: a value exactly at ``threshold`` on one side only is a flip."""
     crossing: dict = field(default_factory=lambda: {"reference": [], "trial": []})
@@ -532,53 +535,15 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                 _give_back_freed_memory()
 
 
-def decided_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
-    """Outputs whose decisions (argmax, ties, flips) the rule judges: the primary of a classification task, and
-    every other output shaped like class scores, per case [N, C >= 2] or per token [N, T, C >= 2] (an untested head
-    is no accept, in a regression task too), that its entry decides (``config.Tolerance.decides``: not an
-    embedding or hidden states, unless said; in a regression, what is named like scores)."""
-    return [name for name, shape in sorted(shapes.items())
-            if (name == main and kind == "classification")
-            or (name != main and len(shape) in (2, 3) and shape[-1] >= 2 and rule.tolerance(name).decides(name, kind))]
-
-
 def position_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str, targets: torch.Tensor,
                    has_target: torch.Tensor, token_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """The decided heads read as scores over the batch's positions, each with its real positions [N, T]
-    (``task.scores_over_positions``, on the whole set's ``shapes``): a classification's primary so read, and every
-    decided head of its shape, where their names say an answer's ends (``config.POSITION_NAMES``: an extractive QA
-    model's ``start_logits`` and ``end_logits``). Everything compare and freeze compute of them (decisions, gaps,
-    finiteness, quality) reads their padding at -inf (``task.mask_padding``).
-    The name is part of the signal: a classifier of C classes over sequences padded to T = C, whose few padded cases'
-    labels happen to lie within their lengths, has the very shapes and targets of a QA head; read over positions, its
-    classes past a short case's length would be -inf, and a trial moving that case there no flip (a false accept)."""
-    if kind != "classification" or not POSITION_NAMES.search(main):
-        return {}
-    real = scores_over_positions(shapes[main], targets, has_target, token_mask)
-    if real is None:
-        return {}
-    return {name: real for name in decided_heads(kind, rule, shapes, main)
-            if shapes[name] == shapes[main] and POSITION_NAMES.search(name)}
-
-
-def score_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
-    """The decided heads (``decided_heads``) whose values are known to be read through softmax alone: the primary of a
-    classification task, and a head that says it holds scores (``config.Tolerance.scored``: ``decisions: true``, or
-    named like scores). A pair of their scores at probability 0 on both sides agrees (``gaps.GapStats(scores_only=)``).
-    A head decided only because nothing names it features keeps every finite value judged by its tolerance: a
-    measurement [N, 3] of values 300, 5 and 2 beside a classifier is decided by argmax, yet its two small columns,
-    more than 104 below the first, are values a user reads."""
-    return [name for name in decided_heads(kind, rule, shapes, main)
-            if (name == main and kind == "classification") or rule.tolerance(name).scored(name, kind)]
-
-
-def sign_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str) -> list[str]:
-    """Single-logit heads other than the primary ([N], [N, 1], per token [N, T, 1]: a sigmoid's, decided by
-    logit >= 0) that their entry decides (``config.Tolerance.decides``): their decision flips where the logit
-    crosses 0."""
-    return [name for name, shape in sorted(shapes.items())
-            if name != main and (math.prod(shape[1:]) == 1 or len(shape) == 3 and shape[-1] == 1)
-            and rule.tolerance(name).decides(name, kind)]
+    """The argmax heads read over the batch's positions (``heads.position_names``), each with its real positions [N, T]
+    (``task.scores_over_positions``, on the whole set's ``shapes``), or {} where the primary's targets index none.
+    Everything compare and freeze compute of them (decisions, gaps, finiteness, quality) reads their padding at -inf
+    (``task.mask_padding``)."""
+    names = heads.position_names(kind, rule, shapes, main)
+    real = scores_over_positions(shapes[main], targets, has_target, token_mask) if names else None
+    return {} if real is None else dict.fromkeys(names, real)
 
 
 def _threshold_pick(r: torch.Tensor, t: torch.Tensor, threshold: float, valid: torch.Tensor | None, ties: bool = False):
@@ -690,19 +655,20 @@ def nonfinite_rows(kind: str, rule: AcceptanceConfig, chunk: dict[str, torch.Ten
     judges it (``broken_where_judged``, at ``task.judged_positions``, scores over positions without their padding:
     ``positions``, the whole set's ``position_heads``; ``targets`` and ``token_mask`` the whole set's): what freeze
     refuses in the reference."""
+    chunk = {name: chunk[name] for name in heads.judged(rule, chunk)}
     shapes = {name: tuple(v.shape) for name, v in chunk.items()}
     main = primary_name(shapes)
     positions = positions or {}
     chunk = {name: mask_padding(v, positions[name][row : row + v.shape[0]]) if name in positions else v
              for name, v in chunk.items()}
-    heads = decided_heads(kind, rule, shapes, main)
+    argmax = decided_heads(kind, rule, shapes, main)
     per_token = kind == "classification" and len(shapes[main]) == 3
     n = shapes[main][0]
     out = torch.zeros(n, dtype=torch.bool)
     for name, v in chunk.items():
         keep = judged_positions((len(targets), *shapes[name][1:]), per_token and name == main, targets, token_mask,
                                 primary=name == main)  # the whole set's shape: a chunk has fewer rows
-        bad = broken_where_judged(v, None if keep is None else keep[row : row + n].to(v.device), name in heads)
+        bad = broken_where_judged(v, None if keep is None else keep[row : row + n].to(v.device), name in argmax)
         if bad is not None:
             out |= bad.reshape(n, -1).any(1).cpu()
     return out

@@ -24,13 +24,13 @@ from pipeline import inference, rule, task
 
 from pipeline.compare.decisions import labels_of
 from pipeline.compare.gaps import value_gaps
-from pipeline.compare.streams import decided_heads, score_heads
 from pipeline.artifacts.comparison import Flip
 from pipeline.artifacts.diagnosis import FixStep, LocalFix, Ranked, Rerun, Unflip
 from pipeline.diagnosis.precision_map import ModuleScope, Recorder, forward_backward
 from pipeline.diagnosis.trace import culprit, finite
 from pipeline.diagnosis.replay import Context, Located, Run, engaged, locate, rerun
-from pipeline.config import Policy, primary_name
+from pipeline.config import Policy
+from pipeline.heads import decided_heads, judged, primary_name, score_heads
 
 
 @dataclass
@@ -187,7 +187,7 @@ def rank_modules(ctx: Context, policy: Policy) -> list[Ranked]:
         tolerance = ctx.params.acceptance.tolerance
         gaps = [value_gaps(ctx.ref.outputs[k], out[k], tolerance(k).atol, tolerance(k).rtol, softmax=k in heads,
                            scores_only=k in scores)
-                for k in sorted(ctx.ref.outputs)]
+                for k in judged(rule, sorted(ctx.ref.outputs))]  # (role ignored: not judged)
         ranked.append(
             Ranked(
                 module=name,
