@@ -23,6 +23,7 @@ import sys
 
 from pipeline.config import load_params
 from pipeline.errors import UserError
+from pipeline.quiet import silence_third_party_noise
 
 STAGES = ("prepare", "freeze", "trial", "compare", "diagnose", "decide", "benchmark", "report", "publish", "restore")
 PER_VARIANT = {"trial", "compare", "diagnose", "decide", "benchmark", "restore"}
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", help="the trial variant of a per-variant stage: a name in params trial.variants")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = parser.parse_args(argv)
+    silence_third_party_noise()  # torchao's unloadable extensions, logged by every stage that builds a HF model
     try:
         params = load_params(args.params)  # a mistake in params.yaml is reported before torch is even imported
         if args.stage in PER_VARIANT:
