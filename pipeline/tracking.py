@@ -315,6 +315,9 @@ class Publisher:
         The published tree is recorded for ``published`` unless ``remember`` is False (a tree whose publish
         has something to say again each time, such as a rule loosened since a rollback).
         """
+        from pipeline.provenance import with_source  # a dirty tree or code outside the repository: said on the parent
+
+        parent = with_source(parent)
         with self._lock, _failures(self.uri):
             done = self._publish(key, parent, children)
             if remember:
