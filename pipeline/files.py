@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, BinaryIO, Iterator
 
 from pipeline.errors import UserError
@@ -98,13 +98,16 @@ class StagedFolder:
     block ends without error; on any error the pending folder goes and ``folder`` is left as it was. An owner that
     writes across several calls (``trial_tensors.Writer``) keeps the object and enters it around its last writes.
     A crash between the two renames is undone when the next one starts (``recover``): the old folder comes back.
+    ``owned``: the files the stage writes (relative paths, or a test of a relative path); any other file of the old
+    folder (DVC's ``.gitignore`` in a folder whose outputs are files, a user's note) is carried into the new set (a hard
+    link: no space taken). None: the stage owns the whole folder.
 
     Raises:
         DiskFull: the filesystem filled up (ENOSPC, EDQUOT): one line with the free space and what is needed.
         UserError: the folder is a symlink, a file or outside the repository, or its parent cannot be written.
     """
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, owned: Collection[str] | Callable[[Path], bool] | None = None) -> None:
         self.folder = Path(folder)
         check_inside_repository(self.folder)
         self.path = self.folder.with_name(f".{self.folder.name}.pending")
@@ -115,15 +118,21 @@ class StagedFolder:
         try:
             shutil.rmtree(self.path, ignore_errors=True)  # what a killed run left
             self.path.mkdir(parents=True)
+            if owned is not None:
+                _carry(self.folder, self.path, owned)
         except OSError as exc:
+            shutil.rmtree(self.path, ignore_errors=True)
             if exc.errno in FULL:
                 raise DiskFull(no_space(self.folder)) from None
             raise UserError(f"cannot write {self.path}: {exc.strerror}; make its folder writable") from None
 
     def __enter__(self) -> Path:
+        _ENTERED.append(self)
         return self.path
 
     def __exit__(self, typ, exc, tb) -> None:
+        if _ENTERED and _ENTERED[-1] is self:
+            _ENTERED.pop()
         if exc is None:
             try:
                 self.commit()
@@ -143,18 +152,80 @@ class StagedFolder:
         shutil.rmtree(old, ignore_errors=True)
 
     def discard(self, exc: BaseException | None = None) -> None:
-        """Remove the pending folder, ``folder`` untouched; a full filesystem (``exc``) becomes one line (``DiskFull``).
+        """Remove the pending folder, ``folder`` untouched; a full filesystem (``exc``) becomes one line (``DiskFull``),
+        said by the outermost staged folder of the block (report's two: a write to either fills the one filesystem),
+        with the sizes of every folder it encloses.
 
         Raises:
-            DiskFull: ``exc`` is ENOSPC or EDQUOT.
+            DiskFull: ``exc`` is ENOSPC or EDQUOT, and no staged folder encloses this one.
         """
         written = folder_size(self.path)
         shutil.rmtree(self.path, ignore_errors=True)
         if disk_full(exc):
-            previous = folder_size(self.folder)
+            inner_written, inner_previous = getattr(exc, "staged_sizes", (0, 0))
+            written, previous = written + inner_written, folder_size(self.folder) + inner_previous
+            if _ENTERED:  # an enclosing folder's block discards its own new set, then says it once
+                exc.staged_sizes = (written, previous)
+                return
             needed = (f"about {size_text(previous)} needed, the size of the previous outputs" if previous >= written else
                       f"at least {size_text(written)} needed, what was written before it filled")
             raise DiskFull(no_space(self.folder, needed)) from None
+
+
+_ENTERED: list[StagedFolder] = []
+"""The staged folders whose ``with`` block is running, outermost first."""
+
+
+def _carry(folder: Path, new: Path, owned: Collection[str] | Callable[[Path], bool]) -> None:
+    """Link (or copy, across filesystems) each file of ``folder`` that is not ``owned`` into ``new``, at its place."""
+    if not folder.is_dir():
+        return
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if path.is_dir() or (owned(rel) if callable(owned) else rel.as_posix() in owned):
+            continue
+        (new / rel).parent.mkdir(parents=True, exist_ok=True)
+        if path.is_symlink():
+            os.symlink(os.readlink(path), new / rel)
+            continue
+        try:
+            os.link(path, new / rel)
+        except OSError:
+            shutil.copy2(path, new / rel)
+
+
+class StagedFile:
+    """The next content of one file ``path`` outside a staged folder (a DVC metric in the shared ``data/metrics``),
+    written as ``.NAME.pending`` beside it and put in its place when the block ends without error; on any error the
+    pending file goes, ``path`` is left as it was and the error goes on unchanged. Nested inside a ``StagedFolder``'s
+    block, which turns a full disk into its one line (naming the stage's folder), the folder and this file are switched
+    together, after every write succeeded (a file's switch is one rename).
+
+    Raises:
+        DiskFull: the switch itself met a full filesystem (ENOSPC, EDQUOT).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.target = Path(path)
+        check_inside_repository(self.target.parent)
+        self.path = self.target.with_name(f".{self.target.name}.pending")
+
+    def __enter__(self) -> Path:
+        self.path.unlink(missing_ok=True)  # what a killed run left
+        return self.path
+
+    def __exit__(self, typ, exc, tb) -> None:
+        if exc is not None:
+            self.path.unlink(missing_ok=True)
+            return
+        try:
+            os.replace(self.path, self.target)
+            _fsync_folder(self.target.parent)
+        except OSError as failed:
+            self.path.unlink(missing_ok=True)
+            if disk_full(failed):
+                raise DiskFull(no_space(self.target.parent)) from None
+            raise
 
 
 def _old(folder: Path) -> Path:

@@ -130,3 +130,78 @@ def test_a_full_disk_outside_a_staged_folder_is_one_line(tmp_path, monkeypatch, 
     err = capsys.readouterr().err
     assert err.startswith("error: no space left on data/resume's filesystem (") and err.count("\n") == 1, err
     assert "free space or move data/ (the previous outputs are intact)" in err
+
+
+def test_a_folder_whose_outputs_are_files_keeps_what_the_stage_does_not_own(tmp_path):
+    """``data/prepared`` holds DVC's ``.gitignore`` beside the two files prepare writes: a switch carries it (and a
+    user's note) into the new set; only the owned files change. A predicate says what is owned too (report's folders:
+    a variant no longer run loses its figures, a file of someone else's stays)."""
+    folder = tmp_path / "data" / "prepared"
+    folder.mkdir(parents=True)
+    (folder / ".gitignore").write_text("/cases.safetensors\n/train.safetensors\n")
+    (folder / "cases.safetensors").write_bytes(b"old cases")
+    (folder / "notes" / "mine.txt").parent.mkdir()
+    (folder / "notes" / "mine.txt").write_text("keep me")
+    with files.StagedFolder(folder, owned={"cases.safetensors", "train.safetensors"}) as new:
+        files.write_bytes(new / "cases.safetensors", b"new cases")
+        files.write_bytes(new / "train.safetensors", b"new train")
+    assert _contents(folder) == {".gitignore": b"/cases.safetensors\n/train.safetensors\n", "cases.safetensors": b"new cases",
+                                 "notes/mine.txt": b"keep me", "train.safetensors": b"new train"}
+    plots = tmp_path / "data" / "report" / "plots"
+    for rel in ("gone/loss.png", "float16/loss.png", "float16/mine.txt"):
+        (plots / rel).parent.mkdir(parents=True, exist_ok=True)
+        (plots / rel).write_bytes(b"old")
+    with files.StagedFolder(plots, owned=lambda rel: rel.suffix == ".png") as new:
+        files.write_bytes(new / "float16" / "loss.png", b"new")
+    assert _contents(plots) == {"float16/loss.png": b"new", "float16/mine.txt": b"old"}
+
+
+def test_a_staged_file_beside_a_staged_folder_is_switched_with_it_or_not_at_all(tmp_path):
+    """benchmark's record (its folder) and its DVC metric (a file in the shared data/metrics): a full disk on either
+    leaves both as they were, in one line naming the folder that filled; success switches both."""
+    folder, metric = tmp_path / "data" / "benchmark" / "float16", tmp_path / "data" / "metrics" / "bench-float16.json"
+    folder.mkdir(parents=True)
+    metric.parent.mkdir(parents=True)
+    (folder / "benchmark.json").write_text("old record")
+    metric.write_text("old metric")
+    for fails in ("record", "metric"):
+        with pytest.raises(files.DiskFull) as raised:
+            with files.StagedFolder(folder, owned={"benchmark.json"}) as out, files.StagedFile(metric) as m:
+                files.write_bytes(out / "benchmark.json", b"new record")
+                if fails == "record":
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                files.write_bytes(m, b"new")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        line = str(raised.value)
+        assert "\n" not in line and line.startswith("no space left on "), line
+        assert (folder / "benchmark.json").read_text() == "old record" and metric.read_text() == "old metric"
+        assert sorted(p.name for p in metric.parent.iterdir()) == ["bench-float16.json"]
+        assert sorted(p.name for p in folder.parent.iterdir()) == ["float16"]
+    with files.StagedFolder(folder, owned={"benchmark.json"}) as out, files.StagedFile(metric) as m:
+        files.write_bytes(out / "benchmark.json", b"new record")
+        files.write_bytes(m, b"new metric")
+    assert (folder / "benchmark.json").read_text() == "new record" and metric.read_text() == "new metric"
+    assert sorted(p.name for p in metric.parent.iterdir()) == ["bench-float16.json"]
+
+
+def test_nested_staged_folders_switch_together_and_a_full_disk_is_said_once_by_the_outer_one(tmp_path):
+    """report's two folders: a full disk while writing the outer one's files, or the inner one's, leaves both as they
+    were, and the one line names the outer folder with what both need."""
+    plots, curves = tmp_path / "data" / "report" / "plots", tmp_path / "data" / "report" / "curves"
+    for folder in (plots, curves):
+        _old_outputs(folder)
+    before = {f: _contents(f) for f in (plots, curves)}
+    for fails in ("outer", "inner"):
+        with pytest.raises(files.DiskFull) as raised:
+            with files.StagedFolder(plots) as p, files.StagedFolder(curves) as c:
+                files.write_bytes(c / "loss.json", b"new")
+                files.write_bytes(p / "loss.png", b"new")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(p if fails == "outer" else c))
+        line = str(raised.value)
+        assert line.startswith(f"no space left on {plots}'s filesystem (") and "about 2.2 KB needed" in line, line
+        assert {f: _contents(f) for f in (plots, curves)} == before
+        assert sorted(p.name for p in plots.parent.iterdir()) == ["curves", "plots"]
+    with files.StagedFolder(plots) as p, files.StagedFolder(curves) as c:
+        files.write_bytes(c / "loss.json", b"new")
+        files.write_bytes(p / "loss.png", b"new")
+    assert (_contents(plots), _contents(curves)) == ({"loss.png": b"new"}, {"loss.json": b"new"})

@@ -19,12 +19,14 @@ Decoded linear entries are clamped at ``second``, and below the K-th best (stric
 outside the K best stays behind it in that order), then ``second`` and the K best are written back at their indices.
 Each clamp is a bound the original score obeys, so it only brings a decoded value nearer. Decoded, a row therefore has
 exactly the original maximum, its ties, its first index and the exact top-2 gap (labels, both tie rules, flips, the
-logit margin; with ``lse`` and ``spread``, the probability and relative margins), the exact rank of every class among the K best (``top_k`` for any k <= K: a target within half a
-quantum of its neighbour was re-ranked by the codes alone, issue 50.2), and every other finite entry within
-``logit_error`` = step / 2 + float32 rounding of the decoded value. The KL bound that follows is
-``compare.decisions.kl_bound``. Only float32 outputs of shape [N, T, V >= 2] of a classification are compacted
-(``chosen``): float16 and bfloat16 already take 2 bytes, exactly, and a regression's values are decided at a threshold
-(``label_accuracy``, flips) and scored by their errors, which no code of 2 bytes keeps exactly near the threshold.
+logit margin; with ``lse`` and ``spread``, the probability and relative margins), the exact rank of every class
+among the K best (``top_k`` for any k <= K: a target within half a quantum of its neighbour was re-ranked by the codes
+alone, issue 50.2), and every other finite entry within ``logit_error`` = step / 2 + float32 rounding of the decoded
+value. The KL bound that follows is ``compare.decisions.kl_bound``: KL reads both sides' every score together, which no
+statistic of one side keeps, so its gates stay conservative under this store. Only float32 outputs of shape
+[N, T, V >= 2] of a classification are compacted (``chosen``): float16 and bfloat16 already take 2 bytes, exactly,
+and a regression's values are decided at a threshold (``label_accuracy``, flips) and scored by their errors, which no
+code of 2 bytes keeps exactly near the threshold.
 
 ``VERSION`` is recorded in the file's metadata (``compact_version``); a file of another format is refused.
 Torch-free (numpy): the report stage reads it without torch; ``outputs`` converts at its edges.
