@@ -3,6 +3,7 @@ exact ties at a rank, a label's value within a quantum of its threshold), every 
 decision are the same under ``compare.store: compact`` as under ``full`` (real safetensors files, compare's streams)."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -317,3 +318,35 @@ def test_the_row_statistics_are_the_same_bits_in_any_block_and_follow_live_sprea
     t = torch.from_numpy(z).double()
     assert np.allclose(compact.row_lse(z), torch.logsumexp(t, -1).numpy(), rtol=1e-12, atol=0, equal_nan=True)
     assert np.allclose(compact.row_spread(z), live_spread(t).numpy(), rtol=1e-12, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("gate", ["max_kl_mean", "max_kl_p99"])
+def test_kl_gates_under_compact_decide_as_full_outside_the_stated_bound_and_never_accept_more(tmp_path, gate):
+    """KL reads every score of both sides together: no statistic of one side, stored beside its codes, gives it
+    exactly, so its gates add the store's bound (``kl_mean_bound``, ``kl_p99_bound``). A limit farther from the measured
+    KL than that bound gets full's decision; within it, compact rolls back where full accepts, and never the reverse."""
+    import statistics
+
+    ref, trial, targets = _near_ties(3)
+    trial = trial + 0.05 * torch.randn(trial.shape, generator=torch.Generator().manual_seed(1))
+    task = TaskConfig(metric="accuracy")
+    base = AcceptanceConfig(outputs=LOOSE, max_flips=10_000, max_flip_rate=None, max_near_boundary_flips=None,
+                            max_quality_drop=1.0, loss_noise_multiple=None)
+    full, _, _ = _judge(tmp_path, ref, trial, targets, "full", base, task)
+    small, _, _ = _judge(tmp_path, ref, trial, targets, "compact", base, task)
+    z = statistics.NormalDist().inv_cdf(base.confidence)
+
+    def read(d):
+        return (d.kl_mean + z * d.kl_mean_se, d.kl_mean_bound) if gate == "max_kl_mean" else (d.kl_p99_upper,
+                                                                                              d.kl_p99_bound)
+
+    (f_value, f_bound), (s_value, s_bound) = read(full.distribution), read(small.distribution)
+    assert f_bound == 0.0 and 0.0 < s_bound and abs(s_value - f_value) <= s_bound
+    outside = (f_value - 2 * s_bound, f_value + 3 * s_bound, 0.5 * f_value, 2.0 * f_value + 3 * s_bound)
+    for limit in outside:
+        rule = replace(base, **{gate: limit})
+        assert acceptance.decide(small, rule).decision == acceptance.decide(full, rule).decision, limit
+    within = replace(base, **{gate: f_value + 0.5 * (s_value + s_bound - f_value)})  # full's value below it, compact's edge above
+    assert acceptance.decide(full, within).decision == "accept"
+    assert acceptance.decide(small, within).decision == "rollback"
+    assert any("store bound" in r for r in acceptance.decide(small, within).reasons)
