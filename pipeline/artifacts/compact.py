@@ -106,7 +106,7 @@ def encode(z: np.ndarray, keep: int = KEEP) -> dict[str, np.ndarray]:
         out["codes"][a:b], out["top"][a:b], out["step"][a:b], out["second"][a:b], out["second_index"][a:b] = (
             codes, top, step, second, index)
         out["best"][a:b], out["best_index"][a:b] = _best(flat[a:b], k, finite)
-        out["lse"][a:b], out["spread"][a:b] = row_lse(flat[a:b]), row_spread(flat[a:b])
+        out["lse"][a:b], out["spread"][a:b] = _row_stats(flat[a:b])
     shaped = {name: x.reshape(n, t, *x.shape[1:]) for name, x in out.items()}
     shaped["codes"] = shaped["codes"].view(np.int16)  # safetensors has no uint16 here: the same bits
     return shaped
@@ -243,12 +243,7 @@ def row_lse(z: np.ndarray) -> np.ndarray:
     sum numpy's pairwise one over the row alone, so a row gives the same bits in any block of rows. A row whose maximum
     is not finite gives it (torch's ``logsumexp``: -inf, +inf, NaN)."""
     x = np.array(z, dtype=np.float64, order="C", ndmin=2)
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        top = x.max(-1)
-        finite = np.isfinite(top)
-        np.subtract(x, np.where(finite, top, 0.0)[:, None], out=x)
-        np.exp(x, out=x)
-        return np.where(finite, top + np.log(x.sum(-1)), top)
+    return _lse(x, x.max(-1))
 
 
 def row_spread(z: np.ndarray) -> np.ndarray:
@@ -257,14 +252,36 @@ def row_spread(z: np.ndarray) -> np.ndarray:
     alone) so that the relative margin at ``boundary_margin`` is settled alike on every path and store. One live class:
     inf; a maximum that is not finite: NaN."""
     x = np.array(z, dtype=np.float64, order="C", ndmin=2)
+    return _spread(x, x.max(-1))
+
+
+def _row_stats(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(``row_lse``, ``row_spread``) of rows ``z``, bit for bit, from one float64 copy (the same operations)."""
+    x = np.array(z, dtype=np.float64, order="C", ndmin=2)
+    top = x.max(-1)
+    spread = _spread(x, top)
+    return _lse(x, top), spread
+
+
+def _lse(x: np.ndarray, top: np.ndarray) -> np.ndarray:
+    """``row_lse`` of float64 rows ``x`` (overwritten) whose maxima are ``top``."""
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        top = x.max(-1)
+        finite = np.isfinite(top)
+        np.subtract(x, np.where(finite, top, 0.0)[:, None], out=x)
+        np.exp(x, out=x)
+        return np.where(finite, top + np.log(x.sum(-1)), top)
+
+
+def _spread(x: np.ndarray, top: np.ndarray) -> np.ndarray:
+    """``row_spread`` of float64 rows ``x`` (left as they are) whose maxima are ``top``."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         live = x >= (top - LIVE_NATS)[:, None]
+        every = bool(live.all())  # the common block: no masked class (the same sums without the masks)
         count = live.sum(-1)
-        mean = np.where(live, x, 0.0).sum(-1) / np.maximum(count, 1)
-        np.subtract(x, mean[:, None], out=x)
-        np.square(x, out=x)
-        var = np.where(live, x, 0.0).sum(-1) / np.maximum(count - 1, 1)
+        mean = (x if every else np.where(live, x, 0.0)).sum(-1) / np.maximum(count, 1)
+        d = np.subtract(x, mean[:, None])
+        np.square(d, out=d)
+        var = (d if every else np.where(live, d, 0.0)).sum(-1) / np.maximum(count - 1, 1)
         spread = np.where(count > 1, np.sqrt(var), np.inf)
         return np.where(np.isfinite(top), spread, np.nan)
 
