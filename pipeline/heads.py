@@ -254,17 +254,19 @@ class Head:
     primary: bool = False
     mask: str = "-"
     """What positions are left out: ``padding`` (attention mask), ``-100 targets``, ``real positions``, ``-``."""
+    softmax_only: bool = False
+    """Its values are read through softmax alone (``score_heads``): scores at probability 0 on both sides agree."""
 
     def as_dict(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "role": self.role, "decided": self.decided,
                 "source": "stated" if self.stated else "inferred", "atol": self.atol, "rtol": self.rtol,
-                "scale": self.scale, "primary": self.primary, "mask": self.mask}
+                "scale": self.scale, "primary": self.primary, "mask": self.mask, "softmax_only": self.softmax_only}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Head":
         return cls(name=d["name"], shape=tuple(d["shape"]), role=d["role"], decided=d["decided"],
                    stated=d["source"] == "stated", atol=d["atol"], rtol=d["rtol"], scale=d.get("scale"),
-                   primary=d.get("primary", False), mask=d.get("mask", "-"))
+                   primary=d.get("primary", False), mask=d.get("mask", "-"), softmax_only=d.get("softmax_only", False))
 
 
 @dataclass(frozen=True)
@@ -280,6 +282,12 @@ class Roles:
 
     def of(self, *roles: str) -> list[str]:
         return [h.name for h in self.heads if h.role in roles]
+
+    def judged_as(self) -> tuple[list[str], list[str], list[str], list[str]]:
+        """What compare reads: the argmax heads, those read through softmax alone, the label heads beside the primary,
+        and the heads read over real positions (``decided_heads``, ``score_heads``, ``sign_heads``, ``position_names``)."""
+        return (self.of("classes", "positions"), [h.name for h in self.heads if h.softmax_only],
+                [h.name for h in self.heads if h.role == "labels" and not h.primary], self.of("positions"))
 
     def values_only(self) -> list[str]:
         """The outputs inferred ``values`` that a user may have meant as decisions: the primary of a regression on
@@ -297,7 +305,7 @@ class Roles:
 
     def lines(self) -> list[str]:
         """The table as printed by freeze and shown by the report: one line per output."""
-        rows = [("output", "shape", "role", "decided", "atol", "rtol", "scale", "mask")]
+        rows = [("name", "shape", "role", "decided", "atol", "rtol", "scale", "mask")]
         for h in self.heads:
             rows.append((h.name + " (primary)" * h.primary, "x".join(map(str, h.shape)) or "1",
                          f"{h.role} ({'stated' if h.stated else 'inferred'})", h.decided, f"{h.atol:g}", f"{h.rtol:g}",
@@ -316,6 +324,7 @@ def resolve(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]
     over = set(over_positions)
     argmax = set(decided_heads(kind, rule, shapes, main))
     signs = set(sign_heads(kind, rule, shapes, main))
+    softmax_only = set(score_heads(kind, rule, shapes, main))
     heads = []
     for name in sorted(shapes):
         tol = rule.tolerance(name)
@@ -341,5 +350,6 @@ def resolve(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]
         if name == main and per_token:
             mask = "padding, -100 targets" if token_mask else "-100 targets"
         heads.append(Head(name=name, shape=shape, role=role, decided=decided, stated=tol.role is not None,
-                          atol=tol.atol, rtol=tol.rtol, scale=(scales or {}).get(name), primary=name == main, mask=mask))
+                          atol=tol.atol, rtol=tol.rtol, scale=(scales or {}).get(name), primary=name == main, mask=mask,
+                          softmax_only=name in softmax_only))
     return Roles(heads=tuple(heads), threshold=threshold)

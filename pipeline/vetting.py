@@ -82,6 +82,10 @@ class Scan:
         (None until the first chunk: ``_position_heads``)."""
         self.lengths, self.channels = _positions(fixed.x)
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.every_shape: dict[str, tuple[int, ...]] = {}
+        """Every output's shape over the whole set, those stated ``ignored`` too (``roles``)."""
+        self.threshold: float | None = None
+        """The primary's decision threshold, as compare reads it (``streams.Metric.reading``)."""
         self.squares: dict[str, list] = {}
         """Per output: [sum of squares, count] over the whole set, then over the ordinary cases (``ordinary``)."""
         self.whole: dict[str, float] = {}
@@ -105,6 +109,8 @@ class Scan:
     def update(self, row: int, chunk: dict[str, torch.Tensor]) -> None:
         """The chunk's rows from ``row`` on, a slice of rows at a time (``SLICE_ELEMENTS``): an LM's chunk holds GBs
         of scores, and its float64 squares or its rows with a target copied whole would hold as many again."""
+        if not self.every_shape:
+            self.every_shape = {n: (len(self.has_target), *v.shape[1:]) for n, v in chunk.items()}
         chunk = {n: chunk[n] for n in heads.judged(self.rule, chunk)}  # (role ignored: not judged, not vetted)
         main = primary_name(chunk)
         positions = self._position_heads(chunk)
@@ -114,6 +120,7 @@ class Scan:
         if not self.shapes:  # the first chunk: the primary is known, and how compare reads it
             threshold, self.metric = self.metric.reading(self.kind, self.rule, main, tuple(out.shape), self.targets,
                                                          self.has_target)
+            self.threshold = threshold
             self.quality = self.metric.quality(self.rule.tie_rule)
             if threshold == 0.5 and self.loss == "model" and self.rule.threshold is None and not heads.says_probability(main):
                 self.fitted = [0, 0, 0, 0, 0]
@@ -232,7 +239,7 @@ class Scan:
         per position [N, T]: ``per_position``, ``task.judged_positions``) when it holds values that atol and rtol bound,
         at most ``COLUMNS`` of them, else 0: a regression's outputs, and a classifier's said ``decisions: false``; not the
         decided heads, whose class scores share one scale, nor a classifier's features (an embedding's dimensions are
-        no quantities of their own: ``heads.FEATURE_NAMES``)."""
+        no quantities of their own: ``heads.says_features``)."""
         width = v.shape[-1] if v.ndim >= 3 or v.ndim == 2 and not per_position else 1
         if width > COLUMNS:
             return 0
@@ -351,7 +358,7 @@ class Scan:
 
     def _undecided(self, name: str, v: torch.Tensor, primary: bool) -> bool:
         """Whether ``name`` is a regression's other output shaped like class scores ([N, C >= 2], [N, T, C]) that neither
-        its name (``heads.CLASS_NAMES``) nor its entry (``decisions``) says decided or not."""
+        its name (``heads.scored``) nor its entry (``decisions``) says decided or not."""
         return (self.kind == "regression" and not primary and v.ndim in (2, 3) and v.shape[-1] >= 2
                 and self.rule.tolerance(name).decisions is None and self.rule.tolerance(name).role is None
                 and not heads.scored(self.rule.tolerance(name), name, self.kind))
@@ -442,6 +449,11 @@ class Scan:
                 spread: FP32Spread | None = None) -> str | None:
         """The first reason the rule cannot judge this reference (``rule.vet_rule``; ``replicates``: each FP32 noise
         replicate's steps; ``spread``: their quality after training beside the reference's), or None."""
+        if self.every_shape:
+            main = primary_name(self.every_shape)
+            stated = heads.role_problem(self.kind, self.rule, self.every_shape, main, self.positions or {})
+            if stated:
+                return stated
         return rule.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
                              self.metric.higher_is_better, ref_steps, columns=self.column_rms(), spreads=self.spreads(),
                              whole_numbers=self.whole_numbers(),
@@ -464,6 +476,16 @@ class Scan:
         if outside <= 0.1 * values and not (labels and at_zero - at_half > 0.1 * labels):
             return None
         return primary_name(self.shapes)
+
+    def roles(self) -> heads.Roles:
+        """The role table of the reference's outputs, as compare will judge them (``heads.resolve``)."""
+        main = primary_name(self.every_shape)
+        probabilities = {n: heads.says_probability(n) or n in self.unit and 0 <= self.unit[n][0] and self.unit[n][1] <= 1
+                         for n in self.every_shape}
+        per_token = self.kind == "classification" and len(self.every_shape[main]) == 3
+        return heads.resolve(self.kind, self.rule, self.every_shape, main, threshold=self.threshold,
+                             over_positions=self.positions or {}, probabilities=probabilities, scales=self.rms(),
+                             per_token=per_token, token_mask=self.token_mask is not None)
 
     def real_units(self) -> int:
         """The fewest units of the flip rate's sample (ordinary cases, ``decisions.rate_sample``; per token, their kept

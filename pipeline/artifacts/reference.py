@@ -18,6 +18,7 @@ from pipeline.artifacts.comparison import FP32Spread
 from pipeline.artifacts.record import Record
 from pipeline.artifacts.steps import Steps
 from pipeline.config import AcceptanceConfig
+from pipeline.heads import Roles
 from pipeline.errors import UserError
 from pipeline.files import read_json
 
@@ -39,6 +40,8 @@ class Manifest:
     cases: dict
     """Case counts: ``total`` and one per kind."""
     fixed_set: dict
+    roles: dict
+    """The role table (``heads.Roles.as_dict``): how compare, diagnose, decide and the report judge each output."""
 
     def sha256(self, path: str | Path) -> str | None:
         """The recorded sha256 of ``path``, or None when the reference has no such file (no FP64 arbiter, no replicate)."""
@@ -59,6 +62,9 @@ class Manifest:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def output_roles(self) -> Roles:
+        return Roles.from_dict(self.roles)
 
 
 def read_manifest() -> Manifest:

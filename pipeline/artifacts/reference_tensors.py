@@ -201,6 +201,7 @@ def write(
             real_updates=real_updates,
             cases={"total": len(fixed.ids), **{k: fixed.kinds.count(k) for k in sorted(set(fixed.kinds))}},
             fixed_set=fixed.meta,
+            roles=scan.roles().as_dict() if scan is not None else {},
         )
         write_json(staged(paths.REF_MANIFEST), manifest.as_dict())
     return manifest

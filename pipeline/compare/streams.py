@@ -192,7 +192,7 @@ class Trajectories:
 
 def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, trajectories: Trajectories, *,
                     metric: Metric | None = None, cfg: CompareConfig | None = None,
-                    device: torch.device | str | None = None) -> tuple[Stats, list[dict]]:
+                    device: torch.device | str | None = None, roles: heads.Roles | None = None) -> tuple[Stats, list[dict]]:
     """Statistics and per-case table of one trial; each source read once, one chunk of rows at a time.
 
     Per-token outputs ignore the padding, positions where ``sources.token_mask`` is 0, in everything (a padding
@@ -203,6 +203,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     ``metric`` defaults to the kind's built-in one (``TaskConfig.metric_name``).
     ``device``: where the arithmetic runs (default the CPU); on a GPU each chunk is copied there and computed
     whole, host memory still one chunk; the statistics are the CPU's within float32 rounding.
+    ``roles``: the reference's role table (``heads.Roles``, recorded by freeze); None: inferred here, as freeze does.
     """
     cfg = cfg or CompareConfig()
     device = torch.device(device or "cpu")
@@ -216,13 +217,17 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     shapes = {name: tuple(ref.shape(name)) for name in names}
     step = rows_within(cfg.chunk_elements, sum(math.prod(s[1:]) for s in shapes.values()))
     errors = {name: (logit_error(ref, name), logit_error(trial, name)) for name in names}
-    argmax, scores = decided_heads(kind, rule, shapes, main), score_heads(kind, rule, shapes, main)
-    positions = position_heads(kind, rule, shapes, main, targets, has_target, sources.token_mask)
+    if roles is None:  # (diagnose's replays and unit tests: inferred as freeze did)
+        argmax, scores = decided_heads(kind, rule, shapes, main), score_heads(kind, rule, shapes, main)
+        labelled, over = sign_heads(kind, rule, shapes, main), heads.position_names(kind, rule, shapes, main)
+    else:  # freeze's table: what the reference recorded
+        argmax, scores, labelled, over = roles.judged_as()
+    positions = position_heads(kind, rule, shapes, main, targets, has_target, sources.token_mask, over)
     gaps = {name: GapStats(conservative_atol(rule.tolerance(name).atol, rule.tolerance(name).rtol, *errors[name]),
                            rule.tolerance(name).rtol, math.prod(shapes[name]), softmax=name in argmax,  # class scores
                            scores_only=name in scores)
             for name in names}
-    signs = {name: ([], [], [], []) for name in sign_heads(kind, rule, shapes, main)}
+    signs = {name: ([], [], [], []) for name in labelled}
     arbiter = {name: ArbiterStats() for name in names} if fp64 is not None else None
     main_shape = shapes[main]
     per_token = kind == "classification" and len(main_shape) == 3
@@ -239,6 +244,7 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
                                       device=device)
                   for name in argmax if name != main}
     threshold, metric = metric.reading(kind, rule, main, shapes[main], targets, has_target)
+    threshold = threshold if roles is None else roles.threshold
     for source in (ref, trial, trained) if metric.name == "top_k" else ():  # (a compact store keeps the k best exactly)
         if isinstance(source, OutputsReader):
             source.check_top_k(main, metric.top_k)
@@ -482,7 +488,7 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                 r_side, t_side, rows_of, positions_of = st.signs[name]
                 r_side.append(_kept(r, 0, b - a, valid).detach().reshape(-1).double().cpu())
                 t_side.append(_kept(t, 0, b - a, valid).detach().reshape(-1).double().cpu())
-                if r.ndim == 3:  # per token: which case and position each kept value is
+                if r.ndim == 3 or r.ndim == 2 and r.shape[-1] > 1:  # per token, or per label [N, L]: which case and position (label) each is
                     where = torch.nonzero(valid if valid is not None else torch.ones(r.shape[:2], dtype=torch.bool)).cpu()
                     rows_of.append(where[:, 0] + a)
                     positions_of.append(where[:, 1])
@@ -536,12 +542,14 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
 
 
 def position_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str, targets: torch.Tensor,
-                   has_target: torch.Tensor, token_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                   has_target: torch.Tensor, token_mask: torch.Tensor | None,
+                   names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """The argmax heads read over the batch's positions (``heads.position_names``), each with its real positions [N, T]
-    (``task.scores_over_positions``, on the whole set's ``shapes``), or {} where the primary's targets index none.
+    (``task.scores_over_positions``, on the whole set's ``shapes``), or {} where the primary's targets index none;
+    ``names``: those recorded by freeze (``heads.Roles``), else inferred.
     Everything compare and freeze compute of them (decisions, gaps, finiteness, quality) reads their padding at -inf
     (``task.mask_padding``)."""
-    names = heads.position_names(kind, rule, shapes, main)
+    names = heads.position_names(kind, rule, shapes, main) if names is None else names
     real = scores_over_positions(shapes[main], targets, has_target, token_mask) if names else None
     return {} if real is None else dict.fromkeys(names, real)
 
@@ -560,18 +568,21 @@ def _threshold_pick(r: torch.Tensor, t: torch.Tensor, threshold: float, valid: t
 
 def _sign_result(ids: Sequence[str], kinds: Sequence[str], name: str, shape: tuple[int, ...], sides: tuple[list, ...],
                  rule: AcceptanceConfig, cfg: CompareConfig) -> Decisions:
-    """``sign_flips`` of one single-value head from what ``_chunk`` kept of it (per token: each kept position); a
-    probability is decided at 0.5 (``holds_probabilities``), a logit at 0."""
+    """``sign_flips`` of one head of role labels from what ``_chunk`` kept of it (per token: each kept position; a
+    multi-label head [N, L]: each label, its index as the position); at its stated threshold, else a probability at 0.5
+    (``holds_probabilities``), a logit at 0."""
     r, t, rows, positions = sides
     r, t = torch.cat(r), torch.cat(t)
-    probability = holds_probabilities(name, r)
-    if len(shape) != 3:
+    stated = rule.tolerance(name).threshold
+    probability = stated is None and holds_probabilities(name, r)
+    at = 0.0 if stated is None else stated
+    if len(shape) != 3 and math.prod(shape[1:]) == 1:
         return sign_flips(ids, kinds, r, t, rule.boundary_margin, rule.boundary_margin_kind, cfg.max_listed_flips,
-                          probability=probability, tie_rule=rule.tie_rule)
+                          probability=probability, tie_rule=rule.tie_rule, at=at)
     rows = torch.cat(rows).tolist() if rows else []
     return sign_flips([ids[i] for i in rows], [kinds[i] for i in rows], r, t, rule.boundary_margin, rule.boundary_margin_kind,
                       cfg.max_listed_flips, torch.cat(positions).tolist() if positions else [], probability=probability,
-                      tie_rule=rule.tie_rule)
+                      tie_rule=rule.tie_rule, at=at)
 
 
 def nonfinite_summary(ids: Sequence[str], kinds: Sequence[str], rows: torch.Tensor, elements: dict[str, int],

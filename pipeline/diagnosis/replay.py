@@ -256,5 +256,6 @@ def _compare(ctx: Context, outputs: streams.Source, trained: streams.Source, ste
     runs = streams.Trajectories(ref.trajectory, steps, final_scale, scaler, ref.replicate, aligned, ref.spread,
                                 ref.replicates[1:])
     stats, _ = streams.compare_streams(params.task.kind, params.acceptance, sources, runs,
-                                       metric=streams.Metric.for_task(params.task), cfg=params.compare)
+                                       metric=streams.Metric.for_task(params.task), cfg=params.compare,
+                                       roles=ref.manifest.output_roles())
     return stats

@@ -31,7 +31,8 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
                                 ref.spread, ref.replicates[1:])
     stats, table = streams.compare_streams(params.task.kind, params.acceptance, sources, runs,
                                            metric=streams.Metric.for_task(params.task), cfg=params.compare,
-                                           device=devices.resolve(params.device))  # a GPU computes its chunks
+                                           device=devices.resolve(params.device),  # a GPU computes its chunks
+                                           roles=ref.manifest.output_roles())  # freeze's table: nothing re-inferred
     stats = replace(stats, env_differs_from_reference=tuple(run.manifest.env_differs_from_reference))
     comparison.write(variant, stats, table)
     f, d, q = stats.flips, stats.distribution, stats.quality
