@@ -276,6 +276,9 @@ class Roles:
     heads: tuple[Head, ...]
     threshold: float | None = None
     """A regression primary's decision threshold (``decision_threshold``), None: values only or a classification."""
+    undecided: tuple[str, ...] = ()
+    """Outputs judged by values alone though their targets are labels 0 or 1 (a regression primary no role, name or loss
+    says decided): the verdict says that no decision was judged for them, and how to state one."""
 
     def named(self, name: str) -> Head | None:
         return next((h for h in self.heads if h.name == name), None)
@@ -289,19 +292,15 @@ class Roles:
         return (self.of("classes", "positions"), [h.name for h in self.heads if h.softmax_only],
                 [h.name for h in self.heads if h.role == "labels" and not h.primary], self.of("positions"))
 
-    def values_only(self) -> list[str]:
-        """The outputs inferred ``values`` that a user may have meant as decisions: the primary of a regression on
-        labels 0 or 1 (``labels``) whose role nothing says. decide says no decision was judged for them."""
-        return [h.name for h in self.heads if h.role == "values" and h.primary and not h.stated]
-
     def as_dict(self) -> dict:
-        return {"threshold": self.threshold, "outputs": [h.as_dict() for h in self.heads]}
+        return {"threshold": self.threshold, "undecided": list(self.undecided), "outputs": [h.as_dict() for h in self.heads]}
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "Roles | None":
         if not d:
             return None
-        return cls(heads=tuple(Head.from_dict(h) for h in d["outputs"]), threshold=d.get("threshold"))
+        return cls(heads=tuple(Head.from_dict(h) for h in d["outputs"]), threshold=d.get("threshold"),
+                   undecided=tuple(d.get("undecided", ())))
 
     def lines(self) -> list[str]:
         """The table as printed by freeze and shown by the report: one line per output."""
@@ -316,11 +315,12 @@ class Roles:
 
 def resolve(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]], main: str, *,
             threshold: float | None, over_positions: Iterable[str], probabilities: dict[str, bool],
-            scales: dict[str, float] | None = None, per_token: bool = False, token_mask: bool = False) -> Roles:
+            scales: dict[str, float] | None = None, per_token: bool = False, token_mask: bool = False,
+            labels: bool = False) -> Roles:
     """The role table of outputs ``shapes`` (each [N, ...]) under ``rule``, as compare judges them: ``threshold``, the
     primary's (``decision_threshold``); ``over_positions``, the heads read over real positions (``position_names``, where
     real positions were found); ``probabilities``, per ``sign_heads`` head, whether it holds probabilities (decided at
-    0.5, ``decisions.holds_probabilities``)."""
+    0.5, ``decisions.holds_probabilities``); ``labels``: the primary's targets are labels 0 or 1."""
     over = set(over_positions)
     argmax = set(decided_heads(kind, rule, shapes, main))
     signs = set(sign_heads(kind, rule, shapes, main))
@@ -352,4 +352,5 @@ def resolve(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int, ...]
         heads.append(Head(name=name, shape=shape, role=role, decided=decided, stated=tol.role is not None,
                           atol=tol.atol, rtol=tol.rtol, scale=(scales or {}).get(name), primary=name == main, mask=mask,
                           softmax_only=name in softmax_only))
-    return Roles(heads=tuple(heads), threshold=threshold)
+    undecided = tuple(h.name for h in heads if h.primary and h.role == "values" and not h.stated and labels)
+    return Roles(heads=tuple(heads), threshold=threshold, undecided=undecided)

@@ -188,6 +188,9 @@ def _amp_fix(engaged: Audit, ref: float) -> str:
 
 
 def _inference(stats: Stats, rule: AcceptanceConfig, j: _Judge) -> None:
+    for name in stats.outputs.undecided or ():  # said, never failed: the user meant decisions, or did not
+        j.check("inference", True, f"decisions '{name}': none judged: its role is values (inferred), though its targets are "
+                f"labels 0 or 1; state acceptance.outputs.{name}.role: labels to decide each at a threshold", "")
     nonfinite_ids = stats.nonfinite.trial.ids
     for name, gap in sorted(stats.values.items()):
         count = gap.nonfinite_trial_only

@@ -485,7 +485,8 @@ class Scan:
         per_token = self.kind == "classification" and len(self.every_shape[main]) == 3
         return heads.resolve(self.kind, self.rule, self.every_shape, main, threshold=self.threshold,
                              over_positions=self.positions or {}, probabilities=probabilities, scales=self.rms(),
-                             per_token=per_token, token_mask=self.token_mask is not None)
+                             per_token=per_token, token_mask=self.token_mask is not None,
+                             labels=self.kind == "regression" and task.binary_targets(self.targets, self.has_target))
 
     def real_units(self) -> int:
         """The fewest units of the flip rate's sample (ordinary cases, ``decisions.rate_sample``; per token, their kept

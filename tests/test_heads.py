@@ -193,3 +193,31 @@ def test_no_module_but_heads_matches_output_names() -> None:
     found = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if p.name != "heads.py"
                    and patterns.search(p.read_text()))
     assert found == [], f"output-name patterns outside pipeline/heads.py: {found}"
+
+
+def test_a_plain_multi_label_tensor_no_role_decides_says_in_the_verdict_that_no_decision_was_judged() -> None:
+    """A plain tensor [N, 3] of 0/1 labels under a user's own BCE: nothing says its values are logits. Judged by values,
+    a label crossing 0 within atol passes, and the verdict says no decision was judged and how to state one."""
+    g = torch.Generator().manual_seed(2)
+    out = torch.randn(N, 3, generator=g) * 4
+    y = (out > 0).float()
+    cfg = _rule(output=Tolerance(atol=10.0, rtol=0.0))
+    roles = heads.resolve("regression", cfg, {"output": (N, 3)}, "output", threshold=None, over_positions=[],
+                          probabilities={}, labels=True)
+    assert roles.undecided == ("output",) and roles.heads[0].role == "values"
+    ids = [f"ordinary/c{i}" for i in range(N)]
+    every = torch.ones(N, dtype=torch.bool)
+    sources = streams.Sources(ids, y, every, streams.InMemory({"output": out}), streams.InMemory({"output": -out}),
+                              streams.InMemory({"output": out}))
+    stats, _ = streams.compare_streams("regression", cfg, sources, streams.Trajectories(FLAT, FLAT, 1.0, scaler_enabled=False),
+                                       roles=roles)
+    verdict = rule.decide(stats, cfg)
+    said = [c for c in verdict.checks if c.startswith("decisions 'output': none judged")]
+    assert said and "role: labels" in said[0]
+    stated = _rule(output=Tolerance(atol=10.0, rtol=0.0, role="labels"))
+    roles = heads.resolve("regression", stated, {"output": (N, 3)}, "output", threshold=0.0, over_positions=[],
+                          probabilities={}, labels=True)
+    assert roles.undecided == () and roles.heads[0].decided == "each value at 0"
+    stats, _ = streams.compare_streams("regression", stated, sources,
+                                       streams.Trajectories(FLAT, FLAT, 1.0, scaler_enabled=False), roles=roles)
+    assert stats.flips.flips + stats.flips.near_boundary_flips == N and not rule.decide(stats, stated).accepted

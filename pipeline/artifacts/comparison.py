@@ -102,7 +102,7 @@ class Arbiter(Record):
 
 @dataclass(frozen=True)
 class OutputsInfo(Record):
-    ABSENT = ("kernels",)
+    ABSENT = ("kernels", "undecided")
     cases: int
     primary: str
     per_token: bool
@@ -111,6 +111,8 @@ class OutputsInfo(Record):
     kernels: bool | None = None
     """True where some output's statistics ran through compare's C kernels (``compare.native``: outputs of 16.8 M
     elements and more); absent where torch computed every one."""
+    undecided: tuple[str, ...] | None = None
+    """Outputs judged by values alone though their targets are labels 0 or 1 (``heads.Roles.undecided``)."""
 
 
 @dataclass(frozen=True)

@@ -290,7 +290,8 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     stats = Stats(
         values=values,
         arbiter=None if arbiter is None else {name: a.result(covered) for name, a in arbiter.items()},
-        outputs=OutputsInfo(cases=n, primary=main, per_token=per_token, shapes=shapes, chunk_rows=step, kernels=kernels or None),
+        outputs=OutputsInfo(cases=n, primary=main, per_token=per_token, shapes=shapes, chunk_rows=step, kernels=kernels or None,
+                            undecided=(roles.undecided or None) if roles is not None else None),
         nonfinite=NonFiniteSides(*(nonfinite_summary(ids, kinds, state.nonfinite[side], state.nonfinite_elements[side])
                                    for side in ("trial", "trained"))),
         heads=dict(sorted({**{name: h.result() for name, h in head_stats.items()},
@@ -488,7 +489,7 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
                 r_side, t_side, rows_of, positions_of = st.signs[name]
                 r_side.append(_kept(r, 0, b - a, valid).detach().reshape(-1).double().cpu())
                 t_side.append(_kept(t, 0, b - a, valid).detach().reshape(-1).double().cpu())
-                if r.ndim == 3 or r.ndim == 2 and r.shape[-1] > 1:  # per token, or per label [N, L]: which case and position (label) each is
+                if r.ndim == 3 or r.ndim == 2 and r.shape[-1] > 1:  # per token, or per label [N, L]: case and position
                     where = torch.nonzero(valid if valid is not None else torch.ones(r.shape[:2], dtype=torch.bool)).cpu()
                     rows_of.append(where[:, 0] + a)
                     positions_of.append(where[:, 1])
