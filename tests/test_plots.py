@@ -331,3 +331,19 @@ def test_report_stage_reads_a_bounded_sample_of_large_outputs(tmp_path, monkeypa
         part, {k: v + 1e-3 for k, v in part.items()}, {"logits": (1e-4, 0.0)}, "float16", np.isin(rows, [3, 998]), note
     )
     assert png.startswith(b"\x89PNG")
+
+
+def test_the_report_and_the_mlflow_description_show_the_role_table() -> None:
+    """Freeze's role table (``heads.Roles``, in the reference manifest) is shown beside the verdict: a reviewer sees
+    how each output was judged, and which roles were stated."""
+    from pipeline import heads
+    from pipeline.config import AcceptanceConfig, Tolerance
+    rule = AcceptanceConfig(outputs={"*": Tolerance(), "aux": Tolerance(role="values")})
+    roles = heads.resolve("classification", rule, {"logits": (8, 10), "aux": (8, 3)}, "logits", threshold=None,
+                          over_positions=[], probabilities={}, scales={"logits": 4.7})
+    reference = {**REFERENCE, "roles": roles.as_dict()}
+    md, doc = page.markdown(reference, variants()), page.html(reference, variants(), {})
+    assert "## Outputs, as judged" in md and "| logits (primary) | 10 | classes (inferred) | argmax over classes |" in md
+    assert "| aux | 3 | values (stated) | - |" in md
+    assert "<h2>Outputs, as judged</h2>" in doc and "<td>values (stated)</td>" in doc
+    assert "Outputs, as judged" not in page.markdown(REFERENCE, variants())  # a reference frozen before roles: no table

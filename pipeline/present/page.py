@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pipeline.heads import Roles
 from pipeline.present import verdict
 
 # Plot files of one variant, in the order the report shows them, with their captions.
@@ -116,6 +117,7 @@ def markdown(
     out = [verdict.headline(verdicts), "# AMP validation", "", verdict.markdown(verdicts), "## Key figures", ""]
     out += ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     out += [f"| {_cell(label)} | " + " | ".join(_cell(c) for c in cells) + " |" for label, cells in rows(variants)]
+    out += _roles_markdown(reference)
     out += ["", "---", "", f"Reference: {_env(reference['env'])}; {_cases(reference.get('cases', {}))}.  ",
             f"Acceptance rule sha256 `{reference['rule_sha256']}`; reference run key `{reference['run_key']}`."]
     return "\n".join(out) + "\n"
@@ -181,6 +183,12 @@ def html(
                     f"<figcaption>{e(caption)}</figcaption></figure>"
                 )
         parts.append("</div>")
+    roles = Roles.from_dict(reference.get("roles"))
+    if roles is not None:  # freeze's role table: how every variant's outputs were judged
+        header, *lines = _role_rows(roles)
+        parts.append("<h2>Outputs, as judged</h2><table class=\"summary\"><tr>" + "".join(f"<th>{e(c)}</th>" for c in header)
+                     + "</tr>" + "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in lines) + "</table>"
+                     + "<p>State a role under <code>acceptance.outputs.NAME.role</code> (docs/outputs.md).</p>")
     parts.append(
         f'<footer><p>Reference: {e(_env(reference["env"]))}; {e(_cases(reference.get("cases", {})))}<br>'
         f"Acceptance rule sha256 <code>{e(reference['rule_sha256'])}</code><br>"
@@ -200,6 +208,25 @@ _CSS = (
     ".sentence{font-size:1.15em;font-weight:bold}.warning{color:#8a5a00;font-weight:bold}"
     "pre{background:#f0f0f0;padding:6px;overflow-x:auto}footer{color:#666;font-size:.9em;margin-top:2em}"
 )
+
+
+def _role_rows(roles: Roles) -> list[tuple[str, ...]]:
+    """The role table's header and one row per output (``heads.Roles``)."""
+    rows = [("output", "shape", "role", "decided", "atol", "rtol", "scale")]
+    for h in roles.heads:
+        rows.append((h.name + " (primary)" * h.primary, "x".join(map(str, h.shape)) or "1",
+                     f"{h.role} ({'stated' if h.stated else 'inferred'})", h.decided, f"{h.atol:g}", f"{h.rtol:g}",
+                     "-" if h.scale is None else f"{h.scale:.3g}"))
+    return rows
+
+
+def _roles_markdown(reference: Mapping[str, Any]) -> list[str]:
+    roles = Roles.from_dict(reference.get("roles"))
+    if roles is None:
+        return []
+    header, *lines = _role_rows(roles)
+    return ["", "## Outputs, as judged", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|",
+            *("| " + " | ".join(_cell(c) for c in r) + " |" for r in lines)]
 
 
 def _cell(text: str) -> str:

@@ -87,7 +87,8 @@ def parent(
     ref_steps: Steps, common: Mapping[str, str], flat: dict, params_path: str,
 ) -> RunSpec:
     """The pipeline execution: the verdict block first (description, report.html), the reference, params."""
-    reference = {"rule_sha256": manifest.rule_sha256, "run_key": manifest.run_key, "env": manifest.env, "cases": manifest.cases}
+    reference = {"rule_sha256": manifest.rule_sha256, "run_key": manifest.run_key, "env": manifest.env, "cases": manifest.cases,
+                 "roles": manifest.roles}  # the role table: the description and report.html show it
     images = {d: v["plots"] for d, v in variants.items()}
     summary = page.markdown(reference, list(variants.values()), verdicts_)
     suffix = " ".join(filter(None, [common.get("dvc_experiment"), common["git_commit"][:8]]))
