@@ -458,3 +458,121 @@ class ResumeFile:
         if distributed.current().writes:
             what = f"{self.path}: resume state {why}" if damaged else f"{self.path} {why}"
             print(f"warning: {what}; ignored, training restarts from step 0", file=sys.stderr, flush=True)
+
+
+# --- a user's checkpoint: where the reference, its replicates and every trial start (reference.checkpoint) ------------
+
+
+def start(path: str | None, model: torch.nn.Module, dvc_file: str | Path = "dvc.yaml") -> tuple[Checkpoint, dict[str, str]]:
+    """The state training starts from (freeze's ``init``), and ``{path: sha256}`` of the file it came from (``{}``).
+
+    Without ``path``: ``model`` as built, with the RNG its training starts from (``capture``). With one: ``model`` takes
+    the file's weights, and the state keeps the file's optimizer, scheduler and GradScaler state where it holds them (a
+    checkpoint this module wrote; a file of weights alone holds none). The RNG stays the seed's: the reference, its
+    replicates and the trials draw the same stream whatever machine saved the file. Its counters, records and policy
+    (a trial's checkpoint has them) are another run's and are not kept.
+
+    Raises:
+        UserError: the file is missing, not listed in freeze's deps, not safetensors, of another checkpoint format, or
+            does not fit ``model`` (keys, shapes), or its GradScaler state is not one torch would load.
+    """
+    if path is None:
+        return capture(model), {}
+    where = f"params.yaml: reference.checkpoint {path}"
+    if not Path(path).is_file():
+        raise UserError(f"{where} not found (paths are relative to the repository root); give the path of a safetensors "
+                        f"file, or null to start from task.model as built")
+    _check_tracked(path, dvc_file)
+    try:
+        tensors, meta, digest = read_tensors_hashed(path)
+    except UserError as exc:
+        raise UserError(f"{where} is not a safetensors file ({exc}); save weights with "
+                        f"safetensors.torch.save_file(model.state_dict(), path)") from None
+    info = None
+    if "format_version" in meta:  # one this module wrote: weights under model/, optimizer under optim/
+        info = parse_meta(meta)
+        if isinstance(info, str):
+            raise UserError(f"{where} is a checkpoint of another format ({info}); give one of format {FORMAT_VERSION!r} "
+                            f"or the weights alone (safetensors.torch.save_file(model.state_dict(), path))")
+        weights = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+    else:
+        weights = tensors
+    _load_weights(where, model, weights)
+    init = capture(model)
+    if info is None:
+        return init, {path: digest}
+    problem = scaler_problem(info.grad_scaler, enabled=True) if info.grad_scaler else None
+    if problem:
+        raise UserError(f"{where}: its GradScaler state is not one torch loads ({problem}); save it with "
+                        f"scaler.state_dict(), or drop it")
+    optim = {k: v for k, v in tensors.items() if k.startswith("optim/")}
+    kept = Meta(format_version=FORMAT_VERSION, grad_scaler=info.grad_scaler, scheduler=info.scheduler,
+                optim_param_groups=info.optim_param_groups, optim_scalars=info.optim_scalars)
+    return Checkpoint(tensors={**init.tensors, **optim}, info=kept), {path: digest}
+
+
+def _load_weights(where: str, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """``weights`` into ``model`` (cast to its dtypes), or one line naming what does not fit."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    shapes = [f"'{k}' {list(weights[k].shape)} vs the model's {list(v.shape)}" for k, v in own.items()
+              if k in weights and weights[k].shape != v.shape]
+    if missing or unexpected or shapes:
+        said = [f"{len(missing)} missing (e.g. {', '.join(repr(k) for k in missing[:3])})" if missing else "",
+                f"{len(unexpected)} unexpected (e.g. {', '.join(repr(k) for k in unexpected[:3])})" if unexpected else "",
+                f"{len(shapes)} of another shape ({'; '.join(shapes[:2])})" if shapes else ""]
+        raise UserError(f"{where} does not fit task.model: its weights have {', '.join(s for s in said if s)}; give a "
+                        f"checkpoint of this model (task.model with these task.options)")
+    model.load_state_dict(weights, strict=True)
+
+
+def _check_tracked(path: str, dvc_file: str | Path) -> None:
+    """Refuse a checkpoint that freeze's ``deps`` in dvc.yaml do not list: DVC would not see the file change, and a
+    reference frozen from the old file would stand for the new one. No dvc.yaml (a bare run): nothing to check."""
+    dvc_file = Path(dvc_file)
+    if not dvc_file.is_file():
+        return
+    import yaml
+
+    stages = (yaml.safe_load(dvc_file.read_text()) or {}).get("stages") or {}
+    deps = (stages.get("freeze") or {}).get("deps") or []
+    listed = {str(d) for d in deps if isinstance(d, str)}
+    if Path(path).as_posix() not in {Path(d).as_posix() for d in listed} and "${reference.checkpoint}" not in listed:
+        raise UserError(f"params.yaml: reference.checkpoint {path} is not in freeze's deps in {dvc_file}: DVC would not "
+                        f"re-freeze when it changes; add `- {path}` to stages.freeze.deps")
+
+
+def continue_optimizer(start: Checkpoint, optimizer: torch.optim.Optimizer, name: str) -> None:
+    """The optimizer state a run starts from (``start``'s, where it holds one: its moments, and its param_groups' lr,
+    betas, weight decay as saved), put into the run's fresh ``optimizer`` (``name``: reference.optimizer).
+
+    Raises:
+        UserError: the saved state is another optimizer's, or for other parameters."""
+    if start.info.optim_param_groups is None:
+        return
+    groups = start.info.optim_param_groups
+    where = "params.yaml: reference.checkpoint's optimizer state"
+    if name in ("sgd", "adam", "adamw") and any(("betas" in g) != (name != "sgd") for g in groups):  # Adam's have betas
+        raise UserError(f"{where} is not a {name} state (its param_groups hold {sorted(k for k in groups[0] if k != 'params')}); "
+                        f"set reference.optimizer to the optimizer that saved it")
+    state = _optimizer_state(start)
+    # Copies: torch keeps the tensors it is given and updates them in place (SGD's momentum, Adam's moments), which
+    # would move ``start`` itself, the start the replicates and the written ``init`` share.
+    state["state"] = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items()}
+                      for i, entry in state["state"].items()}
+    try:
+        optimizer.load_state_dict(state)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{where} does not fit this model's parameters ({first}); save it with the model it "
+                        f"trained, or save the weights alone") from None
+
+
+def continue_schedule(start: Checkpoint, scaler: torch.amp.GradScaler, scheduler: Any) -> None:
+    """The scheduler and GradScaler state a run starts from, where ``start`` holds them and the run has one (an enabled
+    scaler: float16; a scheduler: reference.lr_schedule)."""
+    if scheduler is not None and start.info.scheduler:
+        scheduler.load_state_dict(start.info.scheduler)
+    if scaler.is_enabled() and start.info.grad_scaler:
+        scaler.load_state_dict(start.info.grad_scaler)

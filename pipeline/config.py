@@ -232,6 +232,13 @@ class ReferenceConfig:
     float64 forward, on the CPU. 0: none; null (auto): every case while their float64 outputs hold at most
     ``inference.FP64_AUTO_ELEMENTS`` elements, else the first cases that fit. Not part of the reference's run key:
     it changes no training. At most ``MAX_CASES``."""
+    checkpoint: str | None = None
+    """A trained state that the reference, its replicates and every trial start from; null: the model as ``task.model``
+    builds it. A safetensors file, its path relative to the repository root: either weights alone (``state_dict`` names,
+    as ``safetensors.torch.save_file(model.state_dict(), path)`` or a Hugging Face ``model.safetensors`` writes them), or
+    a checkpoint this pipeline wrote (``pipeline/checkpoint.py``), whose optimizer, scheduler and GradScaler state
+    training continues from. Its sha256 is part of the reference's key. List the same path in freeze's ``deps`` in
+    dvc.yaml, so that DVC re-freezes when the file changes: freeze refuses to run otherwise."""
 
     def check(self, key: str) -> None:
         _count(self.train_steps, f"{key}.train_steps", MAX_MICRO_BATCHES, MICRO_BATCHES_WHY)  # 0: inference only
@@ -264,6 +271,10 @@ class ReferenceConfig:
         _positive(self.boundary_epsilon, f"{key}.boundary_epsilon")
         if self.fp64_arbiter is not None:
             _count(self.fp64_arbiter, f"{key}.fp64_arbiter", MAX_CASES, CASES_WHY)
+        if self.checkpoint is not None:
+            _printable(self.checkpoint, f"{key}.checkpoint", 4096)
+            if not self.checkpoint.strip():
+                raise UserError(f"params.yaml: {key}.checkpoint is empty; give the path of a safetensors file, or null")
         self.lr_schedule.check(f"{key}.lr_schedule")
 
 

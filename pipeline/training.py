@@ -228,6 +228,7 @@ def run_trial(
     label: str = "trial",
     sink: Callable[[str, Iterator[dict[str, torch.Tensor]]], None] | None = None,
     expect_batches: list[str] | None = None,
+    origin: checkpoint.Checkpoint | None = None,
 ) -> TrialResult:
     """A trial, the one definition trial@DTYPE and the diagnosis's re-runs share.
 
@@ -235,7 +236,8 @@ def run_trial(
     reference's initial state. ``make_initial`` restores that state (weights and RNG) and is called
     only after the inference, so that nothing the inference draws moves the RNG the training starts from.
     With ``sink``, outputs are streamed chunk by chunk to ``sink("outputs" | "trained_outputs", chunks)``
-    instead of being held in memory.
+    instead of being held in memory. ``origin``: the optimizer, scheduler and GradScaler state training starts from
+    (the reference's ``init``: a user's checkpoint's, ``reference.checkpoint``), where it holds them.
     """
 
     def outputs(name: str, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -247,14 +249,15 @@ def run_trial(
     first = outputs("outputs", trained)
     model = make_initial()
     result = train(model, source, cfg, task_cfg, policy, device, seed, resume=resume, save_resume=save_resume, label=label,
-                   expect_batches=expect_batches)
+                   expect_batches=expect_batches, origin=origin)
     trained_outputs = outputs("trained_outputs", model)
-    aligned = aligned_fp32(make_initial, source, cfg, task_cfg, device, seed, result.records, label)
+    aligned = aligned_fp32(make_initial, source, cfg, task_cfg, device, seed, result.records, label, origin)
     return TrialResult(first, result, trained_outputs, aligned)
 
 
 def aligned_fp32(make_initial: Callable[[], torch.nn.Module], source: TrainSource, cfg: ReferenceConfig, task_cfg: TaskConfig,
-                 device: torch.device, seed: int, records: list[StepRecord], label: str) -> list[StepRecord] | None:
+                 device: torch.device, seed: int, records: list[StepRecord], label: str,
+                 origin: checkpoint.Checkpoint | None = None) -> list[StepRecord] | None:
     """FP32 trained from the reference's start with the GradScaler's skipped updates skipped too, or None when
     the trial skipped none.
 
@@ -267,7 +270,7 @@ def aligned_fp32(make_initial: Callable[[], torch.nn.Module], source: TrainSourc
     if not skips:
         return None
     return train(make_initial(), source, cfg, task_cfg, Policy(), device, seed, label=f"{label} FP32 aligned on skips",
-                 skip_steps=skips).records
+                 skip_steps=skips, origin=origin).records
 
 
 def train(
@@ -286,6 +289,7 @@ def train(
     stop: int | None = None,
     expect_batches: list[str] | None = None,
     on_step: Callable[[int], None] | None = None,
+    origin: checkpoint.Checkpoint | None = None,
 ) -> TrainResult:
     """Train ``model`` in place for ``cfg.train_steps`` optimizer updates under ``policy``, on ``source``
     with the task's loss. The caller has already put the model in its initial state (weights and RNG).
@@ -302,6 +306,8 @@ def train(
     with one line (checked on rank 0, whose shard the reference recorded).
     ``on_step``: called with the number of steps done after each step, once its resume state is saved: the
     tests' fault injection (a kill there must resume to the same bytes).
+    ``origin``: the optimizer, scheduler and GradScaler state a run that does not resume starts from (a user's checkpoint's:
+    ``checkpoint.start``), where it holds them; the model's weights are the caller's.
     """
     end = cfg.train_steps if stop is None else min(stop, cfg.train_steps)
     precision.strict_fp32()
@@ -309,7 +315,6 @@ def train(
     model.to(device).train()
     loss_fn = make_loss(task_cfg)
     optimizer = make_optimizer(model, cfg)
-    scheduler = make_scheduler(optimizer, cfg)
     scaler = precision.make_scaler(policy, device)
     order = batches if batches is not None else trial_order(len(source), cfg, seed, policy)
     if expect_batches is not None and batches is None and policy.data_order != "reference":
@@ -323,6 +328,11 @@ def train(
         resume = None
     if resume is not None and _stale(resume, source, order, world, label, device):
         resume = None
+    if resume is None and origin is not None:  # before the schedule is built on it: its lr, initial_lr are the saved ones
+        checkpoint.continue_optimizer(origin, optimizer, cfg.optimizer)
+    scheduler = make_scheduler(optimizer, cfg)
+    if resume is None and origin is not None:
+        checkpoint.continue_schedule(origin, scaler, scheduler)
     if resume is not None:
         checkpoint.restore(resume, model, optimizer, scaler, scheduler)
         saved = resume.info  # ``ResumeFile.load`` checked its counters
@@ -485,6 +495,7 @@ def noise_replicates(params: Params, init: checkpoint.Checkpoint, source: TrainS
         result = train(
             model, source, params.reference, params.task, Policy(), device, params.seed, resume=resume.load(),
             save_resume=resume.save, label=f"freeze FP32 replicate {k + 1}/{params.reference.replicates}", batches=order,
+            origin=init,
         )
         if distributed.current().writes:
             resume.clear()

@@ -24,7 +24,8 @@ def main(params_path: str = "params.yaml") -> None:
     device = distributed.init(devices.resolve(params.device))  # one process: unchanged; under torchrun: this rank's
     inputs = {str(p): sha256_file(p) for p in (paths.PREPARED_CASES, paths.PREPARED_TRAIN)}
     source = task.load_train(params.task, paths.PREPARED_TRAIN, inputs[str(paths.PREPARED_TRAIN)])
-    init = checkpoint.capture(model := task.build_model(params.task, params.seed))
+    init, start = checkpoint.start(cfg.checkpoint, model := task.build_model(params.task, params.seed))  # reference.checkpoint
+    inputs.update(start)  # the user's checkpoint's sha256: part of the reference's key and of its manifest
     run_key, phases = reference_tensors.run_key(params, inputs, init), Phases()
     resume = checkpoint.ResumeFile(paths.RESUME / "reference.safetensors", distributed.current().key(run_key), device)
     with precision.deterministic(cfg.deterministic):  # the probe, training and inference alike
@@ -34,7 +35,7 @@ def main(params_path: str = "params.yaml") -> None:
         checkpoint.restore(init, model)  # (the probe must not move the RNG; shifted: its loss reads the next token's label)
         with phases("reference training"):
             result = training.train(model, source, cfg, params.task, FP32, device, params.seed, resume=resume.load(),
-                                    save_resume=resume.save, label="freeze FP32")
+                                    save_resume=resume.save, label="freeze FP32", origin=init)
         with phases("replicate training"):
             replicates = training.noise_replicates(params, init, source, device, run_key)
         if not distributed.current().writes:

@@ -35,7 +35,7 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
                 trained, lambda: ref.model(params, "init"), source, ref.cases.x, params.reference, params.task, policy,
                 device, params.seed, resume=resume.load(policy.uses_scaler), save_resume=resume.save,
                 label=f"trial {variant}", sink=writer.sink if world.writes else distributed.discard,
-                expect_batches=ref.batch_hashes(world.size),
+                expect_batches=ref.batch_hashes(world.size), origin=ref.checkpoint("init"),  # reference.checkpoint's state
             )
     except Exception as exc:  # the model raised under the policy? A replay says where (failure.locate), or it goes on
         failed = failure.locate(exc, writer.part, lambda: ref.model(params), lambda: ref.model(params, "init"), source,
