@@ -2,7 +2,7 @@
 
 freeze hands a ``Scan`` to ``reference.write``: it sees the outputs as they stream to disk (names, shapes,
 RMS per output, the reference's quality with compare's metric) and, with the trajectory, asks
-``rule.vet_rule`` whether the rule can judge trials of this reference at all. A refusal is one line and
+``refusals.problem`` whether the rule can judge trials of this reference at all. A refusal is one line and
 leaves the previous reference in place. Only freeze imports this module (trial and compare do not pay for it).
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from pipeline import cases, task
 
-from pipeline import rule
+from pipeline import refusals
 
 from pipeline.compare import streams
 from pipeline.compare.decisions import holds_probabilities, probability_rows
@@ -200,7 +200,7 @@ class Scan:
         """The primary's rows ``out`` (from ``row``) and their targets where compare scores quality (the cases with a
         target; a regression per position: its labelled positions), or None where none is."""
         if self.kind == "classification" and out.shape[1:-1] != self.targets.shape[1:]:
-            return None  # refused (``rule.vet_rule``: no decision check reads it)
+            return None  # refused (``refusals.problem``: no decision check reads it)
         keep = self.has_target[row : row + out.shape[0]]
         y = self.targets[row : row + out.shape[0]]
         labelled = task.labelled_positions(tuple(out.shape), y, positions) if self.kind != "classification" else None
@@ -447,24 +447,26 @@ class Scan:
 
     def problem(self, ref_steps: Sequence[StepRecord], replicates: Sequence[Sequence[StepRecord]] = (),
                 spread: FP32Spread | None = None) -> str | None:
-        """The first reason the rule cannot judge this reference (``rule.vet_rule``; ``replicates``: each FP32 noise
+        """The first reason the rule cannot judge this reference (``refusals.problem``; ``replicates``: each FP32 noise
         replicate's steps; ``spread``: their quality after training beside the reference's), or None."""
         if self.every_shape:
             main = primary_name(self.every_shape)
             stated = heads.role_problem(self.kind, self.rule, self.every_shape, main, self.positions or {})
             if stated:
                 return stated
-        return rule.vet_rule(self.rule, self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name,
-                             self.metric.higher_is_better, ref_steps, columns=self.column_rms(), spreads=self.spreads(),
-                             whole_numbers=self.whole_numbers(),
-                             distributions=sorted(n for n, every in self.distributions.items() if every),
-                             real_units=self.real_units(), tokens=self.tokens(),
-                             masked=self.masked, channels_first=self.channels_first(),
-                             unit_heads=self.unit_heads(), misnamed=self.misnamed_probabilities(),
-                             probability_rows=self.probability_rows(), top_k=self.metric.top_k,
-                             replicate=replicates[0] if replicates else None, more_replicates=replicates[1:],
-                             with_target=self.quality.scored(), logit_like=self.logit_like(),
-                             per_label=self.per_label, spread=spread) or self.pinned_offset()
+        return refusals.problem(self.rule, self.facts(ref_steps, replicates, spread)) or self.pinned_offset()
+
+    def facts(self, ref_steps: Sequence[StepRecord], replicates: Sequence[Sequence[StepRecord]] = (),
+              spread: FP32Spread | None = None) -> refusals.Facts:
+        """The record of the reference's facts that ``refusals`` vets the rule against."""
+        return refusals.Facts(
+            self.kind, self.shapes, self.rms(), self.quality.result(), self.metric.name, self.metric.higher_is_better,
+            ref_steps, columns=self.column_rms(), spreads=self.spreads(), whole_numbers=self.whole_numbers(),
+            distributions=sorted(n for n, every in self.distributions.items() if every), real_units=self.real_units(),
+            tokens=self.tokens(), masked=self.masked, channels_first=self.channels_first(), unit_heads=self.unit_heads(),
+            misnamed=self.misnamed_probabilities(), probability_rows=self.probability_rows(), top_k=self.metric.top_k,
+            replicate=replicates[0] if replicates else None, more_replicates=replicates[1:],
+            with_target=self.quality.scored(), logit_like=self.logit_like(), per_label=self.per_label, spread=spread)
 
     def logit_like(self) -> str | None:
         """The primary read as a value fitted to labels (``fitted``) when more than a tenth of its reference values lie

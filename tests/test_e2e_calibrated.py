@@ -16,7 +16,7 @@ import pytest
 
 from _project import dvc
 from conftest import make_project
-from pipeline import rule
+from pipeline import refusals
 from pipeline.artifacts.steps import StepRecord
 from pipeline.config import AcceptanceConfig
 
@@ -98,6 +98,6 @@ def test_a_decorrelated_classifier_is_accepted_within_fp32s_spread_and_a_stalled
     replicates = json.loads((repo / "data/reference/replicate_trajectory.json").read_text())
     first = [StepRecord.from_dict(s) for s in replicates["steps"]]
     more = [[StepRecord.from_dict(s) for s in run] for run in replicates.get("more", [])]
-    line = rule.vet_rule(AcceptanceConfig(loss_atol=0.05, loss_rtol=0.1), "classification", {"logits": (4,)},
-                         {"logits": 1.0}, 0.5, "accuracy", True, ref, replicate=first, more_replicates=more)
+    line = refusals.problem(AcceptanceConfig(loss_atol=0.05, loss_rtol=0.1), refusals.Facts("classification", {"logits": (4,)},
+                         {"logits": 1.0}, 0.5, "accuracy", True, ref, replicate=first, more_replicates=more))
     assert line is not None and "FP32's own replicate (another data order) leaves this per-step band" in line, line

@@ -14,7 +14,7 @@ import torch
 
 from pipeline import heads, inference, recipe, training
 
-from pipeline import rule
+from pipeline import refusals, rule
 
 from pipeline.artifacts.comparison import Decisions, Distribution, Flip, Quality
 from pipeline.artifacts.steps import StepRecord
@@ -33,6 +33,11 @@ from _steps import step
 # flat trajectories here: no replicate to measure FP32 noise on
 RULE = AcceptanceConfig(min_quality=None, loss_noise_multiple=None)
 FLAT = [step(i) for i in range(12)]
+
+
+def _vet(cfg, *facts, **named):
+    """The first refusal of rule ``cfg`` against the reference's facts (``refusals.Facts``), or None."""
+    return refusals.problem(cfg, refusals.Facts(*facts, **named))
 
 
 def _autocast(model, x, dtype):
@@ -292,7 +297,7 @@ def test_flip_rate_bound_needs_enough_cases_and_does_not_roll_back_a_large_set_o
     steps, shapes = [step(0, 1.0)], {"logits": (3,)}
 
     def vetted(cfg, real, shapes=shapes, kind="classification"):
-        return rule.vet_rule(cfg, kind, shapes, {n: 3.0 for n in shapes}, 0.9, "accuracy", True, steps, real_units=real)
+        return _vet(cfg, kind, shapes, {n: 3.0 for n in shapes}, 0.9, "accuracy", True, steps, real_units=real)
 
     line = vetted(cfg, 256)
     assert "needs at least 299 ordinary cases" in line and "has 256" in line and "at least 0.0116" in line, line
@@ -315,10 +320,10 @@ def test_flip_rate_bound_needs_enough_cases_and_does_not_roll_back_a_large_set_o
     assert (scan.real_units(), scan.tokens()) == (n_cases, n_cases * length)  # the per-case head's count, the fewest
     # So is top-1 agreement's lower bound: 600 tokens cannot show 0.999 at 0.95, even when every one agrees.
     agreement = dataclasses.replace(RULE, min_top1_agreement=0.999)
-    line = rule.vet_rule(agreement, "classification", {"logits": (6, 10)}, {"logits": 3.0}, 0.9, "accuracy", True, steps,
+    line = _vet(agreement, "classification", {"logits": (6, 10)}, {"logits": 3.0}, 0.9, "accuracy", True, steps,
                          real_units=600, tokens=600)
     assert "min_top1_agreement 0.999" in line and "600 ordinary tokens" in line and "at most 0.995" in line, line
-    assert rule.vet_rule(agreement, "classification", {"logits": (6, 10)}, {"logits": 3.0}, 0.9, "accuracy", True, steps,
+    assert _vet(agreement, "classification", {"logits": (6, 10)}, {"logits": 3.0}, 0.9, "accuracy", True, steps,
                          real_units=3000, tokens=3000) is None
     # KL and top-1 agreement judge per-token scores: on a per-case classifier or a regression they could never pass.
     for said in ({"max_kl_mean": 0.01}, {"max_kl_p99": 0.05}, {"min_top1_agreement": 0.99}):
@@ -463,14 +468,14 @@ def test_a_head_named_like_scores_that_no_decision_check_reads_is_refused_at_fre
     steps = [step(i, 1.0) for i in range(4)]
     shapes = {"logits": (3,), "seg_logits": (4, 8, 8), "pred_masks": (1, 8, 8)}
     rms = {name: 1.0 for name in shapes}
-    line = rule.vet_rule(AcceptanceConfig(), "classification", shapes, rms, 0.9, "accuracy", True, steps)
+    line = _vet(AcceptanceConfig(), "classification", shapes, rms, 0.9, "accuracy", True, steps)
     assert "output 'seg_logits' of shape [N, 4, 8, 8] is named like scores" in line and "decisions: false" in line
     assert "[N, T, classes]" in line
     values = AcceptanceConfig(outputs={"*": Tolerance(), "seg_logits": Tolerance(decisions=False)})
-    assert rule.vet_rule(values, "classification", shapes, rms, 0.9, "accuracy", True, steps) is None
+    assert _vet(values, "classification", shapes, rms, 0.9, "accuracy", True, steps) is None
     said = AcceptanceConfig(outputs={"*": Tolerance(), "seg_logits": Tolerance(decisions=False),
                                      "pred_masks": Tolerance(decisions=True)})
-    assert "output 'pred_masks'" in rule.vet_rule(said, "regression", shapes, rms, -0.1, "neg_rmse", True, steps)
+    assert "output 'pred_masks'" in _vet(said, "regression", shapes, rms, -0.1, "neg_rmse", True, steps)
 
 
 def test_a_fixed_set_without_targets_is_refused_at_freeze_under_a_quality_criterion():
@@ -479,11 +484,11 @@ def test_a_fixed_set_without_targets_is_refused_at_freeze_under_a_quality_criter
     same rule without quality criteria passes."""
     steps = [step(i, 1.0) for i in range(4)]
     shapes, rms = {"logits": (3,)}, {"logits": 1.0}
-    line = rule.vet_rule(AcceptanceConfig(), "classification", shapes, rms, math.nan, "accuracy", True, steps)
+    line = _vet(AcceptanceConfig(), "classification", shapes, rms, math.nan, "accuracy", True, steps)
     assert line.startswith("the FP32 reference has no quality to judge trials by: no case of the fixed set carries")
     assert "max_quality_drop: null and min_quality: null" in line
     without = AcceptanceConfig(max_quality_drop=None, min_quality=None)
-    assert rule.vet_rule(without, "classification", shapes, rms, math.nan, "accuracy", True, steps) is None
+    assert _vet(without, "classification", shapes, rms, math.nan, "accuracy", True, steps) is None
 
 
 def test_columns_of_different_scales_need_an_atol_below_the_smallest():
@@ -507,7 +512,7 @@ def test_columns_of_different_scales_need_an_atol_below_the_smallest():
     assert columns == pytest.approx(tuple(ref.double().square().mean(0).sqrt().tolist()), rel=1e-12)
     assert scan.rms()["output"] > 700 and columns[1] < 0.002
     # A column of zeros has no scale: the smallest column with one is still the one the atol must be below.
-    assert "column 1 of output" in rule.vet_rule(scan.rule, "regression", {"output": (3,)}, scan.rms(), -1.0, "neg_rmse",
+    assert "column 1 of output" in _vet(scan.rule, "regression", {"output": (3,)}, scan.rms(), -1.0, "neg_rmse",
                                                  True, [_step(0, loss=10.0, grad_norm=1.0)],
                                                  columns={"output": (*columns, 0.0)[::-1]})
     steps = [_step(0, loss=10.0, grad_norm=1.0)]
@@ -516,7 +521,7 @@ def test_columns_of_different_scales_need_an_atol_below_the_smallest():
     assert "atol 0.05 is not below the scale of column 1 of output 'output'" in line and "rtol" in line, line
     assert "\n" not in line
     fitted = dataclasses.replace(loose, outputs={"*": Tolerance(atol=1e-5, rtol=0.02)})
-    assert rule.vet_rule(fitted, "regression", {"output": (2,)}, scan.rms(), -1.0, "neg_rmse", True, steps,
+    assert _vet(fitted, "regression", {"output": (2,)}, scan.rms(), -1.0, "neg_rmse", True, steps,
                          columns={"output": columns}) is None
     trial = ref.clone()
     trial[:, 1] *= -10.0
@@ -904,38 +909,38 @@ def test_tiny_scale_regression_refuses_logit_tolerances_and_unknown_names():
     shapes = {"output": (1,)}
     steps = [_step(0, loss=1e-14, grad_norm=1e-7)]
     shipped = AcceptanceConfig()  # logit defaults: atol 0.05 on outputs of 1e-7
-    line = rule.vet_rule(shipped, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps)
+    line = _vet(shipped, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps)
     assert "atol 0.05 is not below the scale of output 'output'" in line
     # float16 predictions of it are noise: relative error about 100 %, yet inside atol 0.05.
     trial = _autocast(model, x, torch.float16)
     assert float(((trial["output"] - ref["output"]).abs() / ref["output"].abs()).median()) > 0.1
     typo = dataclasses.replace(shipped, outputs={"*": Tolerance(atol=1e-10, rtol=0.02), "ouptut": Tolerance(atol=1e-10)})
-    assert "'ouptut', which the model does not output; its outputs are 'output'" in rule.vet_rule(
+    assert "'ouptut', which the model does not output; its outputs are 'output'" in _vet(
         typo, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps
     )
     named = dataclasses.replace(shipped, outputs={"output": Tolerance(atol=1e-10)})
     two = {"output": (1,), "aux": (1,)}
-    assert "no entry for output 'aux' and no '*'" in rule.vet_rule(
+    assert "no entry for output 'aux' and no '*'" in _vet(
         named, "regression", two, dict(rms, aux=1e-7), -1e-8, "neg_rmse", True, steps
     )
     scaled = dataclasses.replace(shipped, outputs={"*": Tolerance(atol=1e-10, rtol=0.02)}, min_quality=None)
-    assert "max_quality_drop 0.01 is not below the reference's own error" in rule.vet_rule(
+    assert "max_quality_drop 0.01 is not below the reference's own error" in _vet(
         scaled, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps
     )
     fixed = dataclasses.replace(scaled, max_quality_drop=1e-9)  # no fixed loss band: the noise floor
-    assert rule.vet_rule(fixed, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps) is None
+    assert _vet(fixed, "regression", shapes, rms, -1e-8, "neg_rmse", True, steps) is None
 
 
 def test_reference_that_is_not_a_baseline_is_refused_at_freeze():
     cfg = AcceptanceConfig(min_quality=0.9)
     shapes, rms = {"output": (10,)}, {"output": 3.0}
     ok = [_step(0, loss=2.3, grad_norm=1.0)]
-    assert "does not meet acceptance.min_quality 0.9" in rule.vet_rule(
+    assert "does not meet acceptance.min_quality 0.9" in _vet(
         cfg, "classification", shapes, rms, 0.5, "accuracy", True, ok
     )
     nan = [_step(0, loss=2.3, grad_norm=1.0), _step(1, loss=float("nan"), grad_norm=1.0)]
-    assert "loss is not finite at step 1" in rule.vet_rule(cfg, "classification", shapes, rms, 0.95, "accuracy", True, nan)
-    assert rule.vet_rule(cfg, "classification", shapes, rms, 0.95, "accuracy", True, ok) is None
+    assert "loss is not finite at step 1" in _vet(cfg, "classification", shapes, rms, 0.95, "accuracy", True, nan)
+    assert _vet(cfg, "classification", shapes, rms, 0.95, "accuracy", True, ok) is None
 
 
 def test_vacuous_passes_become_named_reasons():
@@ -1118,13 +1123,13 @@ def test_a_relative_margin_on_two_classes_is_refused_at_freeze():
     boundary cases (1,0000 against 1,0003) would count as clear flips. freeze refuses it in one line."""
     steps = [_step(0, loss=1.0, grad_norm=1.0)]
     relative = AcceptanceConfig(boundary_margin_kind="relative", boundary_margin=0.5, min_quality=None)
-    line = rule.vet_rule(relative, "classification", {"logits": (2,)}, {"logits": 3.0}, 0.9, "accuracy", True, steps)
+    line = _vet(relative, "classification", {"logits": (2,)}, {"logits": 3.0}, 0.9, "accuracy", True, steps)
     assert "boundary_margin_kind relative" in line and "'logits' of 2 class score(s)" in line and "\n" not in line
-    assert rule.vet_rule(relative, "classification", {"logits": (5,)}, {"logits": 3.0}, 0.9, "accuracy", True, steps) is None
+    assert _vet(relative, "classification", {"logits": (5,)}, {"logits": 3.0}, 0.9, "accuracy", True, steps) is None
     values_only = dataclasses.replace(relative, outputs={"*": Tolerance(), "flag": Tolerance(decisions=False)})
-    assert rule.vet_rule(values_only, "classification", {"logits": (5,), "flag": (1,)}, {"logits": 3.0, "flag": 1.0}, 0.9,
+    assert _vet(values_only, "classification", {"logits": (5,), "flag": (1,)}, {"logits": 3.0, "flag": 1.0}, 0.9,
                          "accuracy", True, steps) is None
-    assert "'flag' of 1 class score(s)" in rule.vet_rule(relative, "classification", {"logits": (5,), "flag": (1,)},
+    assert "'flag' of 1 class score(s)" in _vet(relative, "classification", {"logits": (5,), "flag": (1,)},
                                                          {"logits": 3.0, "flag": 1.0}, 0.9, "accuracy", True, steps)
 
 
@@ -1728,13 +1733,13 @@ def test_a_top_k_metric_with_k_not_below_the_classes_is_refused_at_freeze():
     set (nothing depends on it then)."""
     steps = [step(i, 1.0) for i in range(4)]
     shapes, rms = {"logits": (3,)}, {"logits": 3.0}
-    line = rule.vet_rule(AcceptanceConfig(), "classification", shapes, rms, 1.0, "top_k", True, steps, top_k=5)
+    line = _vet(AcceptanceConfig(), "classification", shapes, rms, 1.0, "top_k", True, steps, top_k=5)
     assert line is not None and "task.top_k 5 is not below the 3 classes" in line and "metric: accuracy" in line, line
-    assert rule.vet_rule(AcceptanceConfig(), "classification", shapes, rms, 0.95, "top_k", True, steps, top_k=2) is None
+    assert _vet(AcceptanceConfig(), "classification", shapes, rms, 0.95, "top_k", True, steps, top_k=2) is None
     without = AcceptanceConfig(max_quality_drop=None, min_quality=None)
-    assert rule.vet_rule(without, "classification", shapes, rms, 1.0, "top_k", True, steps, top_k=5) is None
+    assert _vet(without, "classification", shapes, rms, 1.0, "top_k", True, steps, top_k=5) is None
     per_token = {"logits": (7, 4)}  # [N, T, 4]: the classes are the last axis
-    line = rule.vet_rule(AcceptanceConfig(), "classification", per_token, rms, 1.0, "top_k", True, steps, top_k=4)
+    line = _vet(AcceptanceConfig(), "classification", per_token, rms, 1.0, "top_k", True, steps, top_k=4)
     assert line is not None and "4 classes" in line, line
 
     from pipeline import cases, config
@@ -1761,7 +1766,7 @@ def test_a_replicate_that_gives_the_noise_floor_nothing_to_judge_by_is_refused_a
     ref = [step(i, 2.0 - 0.1 * i) for i in range(6)]
 
     def vet(replicate, acceptance=AcceptanceConfig()):
-        return rule.vet_rule(acceptance, "classification", shapes, rms, 0.95, "accuracy", True, ref, replicate=replicate)
+        return _vet(acceptance, "classification", shapes, rms, 0.95, "accuracy", True, ref, replicate=replicate)
 
     line = vet(list(ref))
     assert line is not None and "FP32 replicate repeats the reference's losses exactly over its 6 step(s)" in line, line
@@ -1786,11 +1791,11 @@ def test_a_metric_that_is_not_finite_on_the_reference_is_named_as_such_not_as_mi
     targets they gave."""
     steps = [step(i, 1.0) for i in range(4)]
     shapes, rms = {"output": (1,)}, {"output": 3.0}
-    said = rule.vet_rule(AcceptanceConfig(min_quality=None), "regression", shapes, rms, math.nan, "mymod:r2", True, steps,
+    said = _vet(AcceptanceConfig(min_quality=None), "regression", shapes, rms, math.nan, "mymod:r2", True, steps,
                          with_target=True)
     assert said is not None and "quality (mymod:r2) is nan over the cases with a target" in said, said
     assert "no case of the fixed set carries" not in said
-    none = rule.vet_rule(AcceptanceConfig(min_quality=None), "regression", shapes, rms, math.nan, "mymod:r2", True, steps)
+    none = _vet(AcceptanceConfig(min_quality=None), "regression", shapes, rms, math.nan, "mymod:r2", True, steps)
     assert none is not None and "no case of the fixed set carries a target" in none
 
 
@@ -2450,7 +2455,7 @@ def test_a_stated_loss_band_that_fp32_fails_against_its_own_replicate_is_refused
     stated = AcceptanceConfig(loss_atol=0.05, loss_rtol=0.0)
 
     def vet(acceptance, rep=replicate):
-        return rule.vet_rule(acceptance, "classification", shapes, rms, 0.95, "accuracy", True, ref, replicate=rep)
+        return _vet(acceptance, "classification", shapes, rms, 0.95, "accuracy", True, ref, replicate=rep)
 
     line = vet(stated)
     assert line is not None and "FP32's own replicate (another data order) leaves this per-step band at 30 of 40 steps" in line
@@ -2479,7 +2484,7 @@ def test_a_minimum_quality_fp32_misses_after_training_again_is_refused_at_freeze
     spread = FP32Spread(metric="accuracy", reference=0.92, replicates=(0.86,))
 
     def vet(minimum):
-        return rule.vet_rule(AcceptanceConfig(min_quality=minimum), "classification", shapes, rms, 0.92, "accuracy", True,
+        return _vet(AcceptanceConfig(min_quality=minimum), "classification", shapes, rms, 0.92, "accuracy", True,
                              ref, replicate=rep, spread=spread)
 
     line = vet(0.9)
@@ -2512,6 +2517,6 @@ def test_a_noise_floor_fp32_itself_fails_is_widened_to_what_fp32_needs_and_said(
         runs[0], runs[1], 1.0, scaler_enabled=False, replicate=runs[2], more_replicates=(runs[3],)))
     d = rule.decide(stats, AcceptanceConfig(min_quality=None))
     assert any("the rule's 3x, widened: FP32's replicates differ by that much among themselves" in c for c in d.checks)
-    assert rule.vet_rule(AcceptanceConfig(), "classification", {"logits": (3,)}, {"logits": 3.0}, 0.95, "accuracy", True,
+    assert _vet(AcceptanceConfig(), "classification", {"logits": (3,)}, {"logits": 3.0}, 0.95, "accuracy", True,
                          [step(i, v) for i, v in enumerate(ref)], replicate=[step(i, v) for i, v in enumerate(moved(0.01))],
                          more_replicates=[[step(i, v) for i, v in enumerate(moved(0.05))]]) is None

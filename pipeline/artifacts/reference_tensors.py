@@ -155,7 +155,7 @@ def write(
     Raises:
         NonFinite: the FP32 outputs are not finite on some case (a UserError); nothing of it is left, and the
             previous ``data/reference`` stays as it was (``files.StagedFolder``).
-        UserError: ``scan`` finds that the rule cannot judge this reference (``verdict.vet_rule``: an output name
+        UserError: ``scan`` finds that the rule cannot judge this reference (``refusals.problem``: an output name
             the model lacks, a tolerance as large as the output, a reference below the rule's quality, a non-finite
             step); nothing of it is left either.
         DiskFull: the filesystem filled up; the previous reference stays as it was.
