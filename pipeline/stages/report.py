@@ -20,10 +20,11 @@ def main(params_path: str = "params.yaml") -> None:
     ref_steps, noise = reference.read_trajectory(ref), reference.read_replicate(ref)
     ref_outputs = outputs.NumpyReader(paths.REF_OUTPUTS, ref.sha256(paths.REF_OUTPUTS), reference.PRODUCED_BY)
     band, names, written = params.acceptance, frozenset(params.trial.policies), 0
-    own_plot = lambda rel: len(rel.parts) == 2 and rel.parts[0] in names and rel.stem in report.FIGURES  # noqa: E731
-    own_curve = lambda rel: len(rel.parts) == 2 and rel.parts[0] in report.FAMILIES and rel.stem in names  # noqa: E731
-    with (files.StagedFolder(paths.REPORT / "plots", owned=own_plot) as plot_dir,  # (``report.Files``'s own files)
-          files.StagedFolder(paths.REPORT_CURVES, owned=own_curve) as curve_dir):
+    def own(rel, folders, stems, suffix):  # what ``report.Files`` writes: FOLDER/STEM.SUFFIX (anything else stays)
+        return len(rel.parts) == 2 and rel.parts[0] in folders and rel.stem in stems and rel.suffix == suffix
+
+    with (files.StagedFolder(paths.REPORT / "plots", owned=lambda r: own(r, names, report.FIGURES, ".png")) as plot_dir,
+          files.StagedFolder(paths.REPORT_CURVES, owned=lambda r: own(r, report.FAMILIES, names, ".json")) as curve_dir):
         for d in params.trial.variants:
             ran = trial.read_manifest(d)
             if ran.failed:  # it raised under its policy: no outputs and no curve to draw (its decision says where)
