@@ -689,14 +689,38 @@ class DistributedConfig:
     ``torchrun --standalone --nproc_per_node N`` with DistributedDataParallel (gloo on CPU, NCCL/RCCL on GPUs,
     one GPU per rank); reference.batch_size stays the global batch and must be divisible by N. At most
     ``MAX_NPROC_PER_NODE``."""
+    nnodes: int = 1
+    """Machines. N > 1: every node runs the same stage command, and torchrun's c10d rendezvous at ``rdzv_endpoint``
+    makes nnodes x nproc_per_node ranks of them (global rank 0 writes: the nodes share the repository's filesystem);
+    reference.batch_size must be divisible by that world size (docs/distributed-multinode.md). At most ``MAX_NNODES``."""
+    rdzv_endpoint: str | None = None
+    """``host:port`` every node reaches, where the rendezvous is held (a free port of the first node, usually); needed
+    when nnodes > 1."""
+    launcher: list[str] = field(default_factory=list)
+    """Words put before torchrun's command when nnodes > 1, which start that command on every node: ``[srun,
+    --ntasks-per-node=1]`` inside a Slurm allocation, so that ``dvc repro`` on one node runs the whole pipeline. Empty:
+    this node only; start the same stage command on the others yourself."""
 
     def check(self, key: str) -> None:
         _count(self.nproc_per_node, f"{key}.nproc_per_node", MAX_NPROC_PER_NODE,
                "one process per rank, each with its own copy of the model", least=1)
+        _count(self.nnodes, f"{key}.nnodes", MAX_NNODES, "each node joins one rendezvous", least=1)
+        if self.nnodes > 1 and self.rdzv_endpoint is None:
+            raise UserError(f"params.yaml: {key}.nnodes is {self.nnodes} but {key}.rdzv_endpoint is null; give the "
+                            f"host:port every node reaches (the first node's name and a free port, e.g. node001:29500)")
+        if self.rdzv_endpoint is not None:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536 or not self.rdzv_endpoint.isprintable():
+                raise UserError(f"params.yaml: {key}.rdzv_endpoint is {self.rdzv_endpoint!r}; give host:port, e.g. "
+                                f"node001:29500")
+        for i, word in enumerate(self.launcher):
+            _printable(word, f"{key}.launcher[{i}]", 4096)
 
 
 MAX_NPROC_PER_NODE = 64
 """Sixty-four ranks on one machine: a node holds 8 to 16 GPUs, and each CPU rank holds a copy of the model."""
+MAX_NNODES = 4096
+"""Four thousand and ninety-six machines: beyond the largest training jobs' node counts."""
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
-"""Data-parallel freeze, trials and benchmarks inside a rank (params ``distributed.nproc_per_node`` > 1).
+"""Data-parallel freeze, trials and benchmarks inside a rank (params ``distributed.nproc_per_node`` or ``nnodes`` > 1).
 
 pipeline/launch.py starts the ranks (torchrun); this module is each rank's side and imports neither torch
 nor pipeline.devices at the top. Each rank joins one process group (``init``): gloo on the CPU, NCCL on
 CUDA (on ROCm, torch's ``nccl`` backend is RCCL), one GPU per rank (``cuda:LOCAL_RANK``). With N == 1
-nothing here runs: no process group, no wrapper, the single-process bytes.
+nothing here runs: no process group, no wrapper, the single-process bytes. Across nodes (``nnodes`` > 1) the ranks
+are the world's (torchrun's rendezvous numbers them), and rank 0 of the world alone writes: only the world size
+changes the bytes.
 
 How the fixed batch order is split (``World.shard``): the seeded order of global micro-batches is the
 single-process one (``training.update_batches``); rank r takes the r-th of N contiguous equal slices of

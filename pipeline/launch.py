@@ -1,9 +1,13 @@
-"""Start a training stage on N ranks under torchrun (params ``distributed.nproc_per_node`` > 1).
+"""Start a training stage on N ranks under torchrun (params ``distributed.nproc_per_node`` > 1 or ``nnodes`` > 1).
 
 With ``nproc_per_node: N`` > 1, ``python -m pipeline freeze|trial|benchmark`` starts itself again as
 ``python -m torch.distributed.run --standalone --nproc_per_node N -m pipeline ...`` (``relaunched``): the
 dvc.yaml command stays the same. Only the stages that train call it, so the others never import it, nor
 pipeline.devices through it. pipeline/distributed.py is each rank's side.
+
+With ``nnodes: M`` > 1, ``--standalone`` gives way to torchrun's c10d rendezvous at ``rdzv_endpoint``: every node runs
+the same stage command, each starting its torchrun agent, and the agents make M x N ranks of them. ``launcher`` (e.g.
+``srun``) starts that command on every node; without one, the user does (docs/distributed-multinode.md).
 
 A rank that dies takes the group down (torchrun stops the others), nothing is written, and the parent
 prints one line and exits 2; rerunning resumes from rank 0's last saved state (``reference.checkpoint_every``).
@@ -24,12 +28,14 @@ from pipeline.errors import UserError
 
 def check_launch(params, visible_gpus: int | None) -> None:
     """Refuse, in one line, what N ranks cannot run. ``visible_gpus`` is None when the run is on the CPU."""
-    n = params.distributed.nproc_per_node
+    n, nodes = params.distributed.nproc_per_node, params.distributed.nnodes
     batch = params.reference.batch_size
-    if batch % n:
+    if batch % (n * nodes):
+        ranks = (f"distributed.nproc_per_node {n}" if nodes == 1
+                 else f"the world size {n * nodes} (distributed.nnodes {nodes} x nproc_per_node {n})")
         raise UserError(
-            f"params.yaml: distributed.nproc_per_node {n} does not divide reference.batch_size {batch} (each rank takes "
-            f"batch_size/N rows of every micro-batch); use a batch_size that is a multiple of {n}"
+            f"params.yaml: {ranks} does not divide reference.batch_size {batch} (each rank takes "
+            f"batch_size/N rows of every micro-batch); use a batch_size that is a multiple of {n * nodes}"
         )
     if visible_gpus is not None and n > visible_gpus:
         raise UserError(
@@ -46,13 +52,14 @@ def relaunched(stage: str, params, params_path: str, variant: str | None = None)
     Raises:
         UserError: N ranks cannot run here, or a rank failed (its own one-line error, or how it died).
     """
-    n = params.distributed.nproc_per_node
+    cfg = params.distributed
+    n = cfg.nproc_per_node * cfg.nnodes
     if n <= 1 or distributed.in_torchrun():
         return False
     device = devices.resolve(params.device)
     check_launch(params, torch.cuda.device_count() if device.type == "cuda" else None)
     argv = [stage, "--params", params_path, *(["--variant", variant] if variant else [])]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "-m", "pipeline", *argv]
+    cmd = torchrun_command(cfg, argv, "-".join(filter(None, ("amp", stage, variant))))
     proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True, errors="replace")
     if proc.returncode != 0:
         line = failure_line(proc.stderr, n, " ".join(argv))
@@ -61,6 +68,18 @@ def relaunched(stage: str, params, params_path: str, variant: str | None = None)
         raise UserError(line)
     sys.stderr.write(proc.stderr)
     return True
+
+
+def torchrun_command(cfg, argv: list[str], rdzv_id: str) -> list[str]:
+    """torchrun's command for ``python -m pipeline ARGV`` on this node (``cfg``: params.distributed): ``--standalone``
+    on one node; on several, the c10d rendezvous at ``cfg.rdzv_endpoint`` under ``rdzv_id``, which every node derives
+    alike from the stage and variant (the nodes meet stage by stage), after ``cfg.launcher``'s words."""
+    if cfg.nnodes == 1:
+        where = ["--standalone"]
+    else:
+        where = [f"--nnodes={cfg.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
+    return [*(cfg.launcher if cfg.nnodes > 1 else []), sys.executable, "-m", "torch.distributed.run", *where,
+            f"--nproc_per_node={cfg.nproc_per_node}", "-m", "pipeline", *argv]
 
 
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.M)
