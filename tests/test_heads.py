@@ -221,3 +221,65 @@ def test_a_plain_multi_label_tensor_no_role_decides_says_in_the_verdict_that_no_
     stats, _ = streams.compare_streams("regression", stated, sources,
                                        streams.Trajectories(FLAT, FLAT, 1.0, scaler_enabled=False), roles=roles)
     assert stats.flips.flips + stats.flips.near_boundary_flips == N and not rule.decide(stats, stated).accepted
+
+
+BERT = {"model_type": "bert", "vocab_size": 40, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 32, "max_position_embeddings": 32}
+
+
+def _table(kind, model, x, y, rule_outputs=None, loss="cross_entropy"):
+    """Freeze's role table of a real model's outputs on ``x`` (``vetting.Scan``, as freeze streams them)."""
+    import dataclasses
+
+    from pipeline import cases, task, vetting
+    from pipeline.config import Params, TaskConfig
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = task.named_outputs(model.eval()(**x))
+    n = len(y)
+    fixed = cases.Cases(ids=[f"ordinary/s{i}" for i in range(n)], x=x, y=y, has_target=torch.ones(n, dtype=torch.bool))
+    rule = AcceptanceConfig(outputs={"*": Tolerance(atol=1e-3, rtol=0.0), **(rule_outputs or {})})
+    params = dataclasses.replace(Params(), task=TaskConfig(kind=kind, loss=loss), acceptance=rule)
+    scan = vetting.Scan(params, fixed)
+    scan.update(0, out)
+    return {h.name: h for h in scan.roles().heads}, scan.roles()
+
+
+def _tokens(n=12, length=10, vocab=40):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (n, length), generator=g)
+    mask = torch.ones(n, length, dtype=torch.long)
+    mask[::3, -3:] = 0  # some padding
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def test_freeze_tables_the_roles_of_real_hugging_face_heads() -> None:
+    """A classifier, an extractive QA head, a multi-label head and a causal LM, tiny configs, random init: the table
+    says what each output is, as compare will judge it."""
+    hf = pytest.importorskip("transformers")
+    x = _tokens()
+    torch.manual_seed(0)
+    classifier = hf.BertForSequenceClassification(hf.BertConfig(**BERT, num_labels=3))
+    table, _ = _table("classification", classifier, x, torch.arange(12) % 3)
+    assert (table["logits"].role, table["logits"].decided, table["logits"].stated) == ("classes", "argmax over classes", False)
+
+    qa = hf.BertForQuestionAnswering(hf.BertConfig(**BERT))
+    table, roles = _table("classification", qa, x, torch.arange(12) % 7)  # the answer's end, within every real length
+    assert {n: h.role for n, h in table.items()} == {"end_logits": "positions", "start_logits": "positions"}
+    assert table["end_logits"].primary and table["start_logits"].mask == "real positions"
+
+    multi = hf.BertForSequenceClassification(hf.BertConfig(**BERT, num_labels=4, problem_type="multi_label_classification"))
+    labels = (torch.arange(48).reshape(12, 4) % 3 == 0).float()
+    table, roles = _table("regression", multi, x, labels, loss="model")
+    assert (table["logits"].role, table["logits"].decided) == ("labels", "each value at 0") and roles.undecided == ()
+
+    lm = hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    targets = x["input_ids"].roll(-1, 1).masked_fill(x["attention_mask"] == 0, -100)
+    table, _ = _table("classification", lm, x, targets)
+    assert (table["logits"].role, table["logits"].shape) == ("classes", (10, 40))
+    assert "-100 targets" in table["logits"].mask
+    # Stated, a role wins: the QA head's start judged as values only, said so.
+    table, roles = _table("classification", qa, x, torch.arange(12) % 7, {"start_logits": Tolerance(role="values")})
+    assert (table["start_logits"].role, table["start_logits"].stated) == ("values", True)
+    assert "values (stated)" in "\n".join(roles.lines())

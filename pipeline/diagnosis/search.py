@@ -179,7 +179,11 @@ def rank_modules(ctx: Context, policy: Policy) -> list[Ranked]:
     names = reduced_modules(ctx, policy)
     shapes = {k: tuple(v.shape) for k, v in ctx.ref.outputs.items()}
     kind, rule, main = ctx.params.task.kind, ctx.params.acceptance, primary_name(shapes)
-    heads, scores = decided_heads(kind, rule, shapes, main), score_heads(kind, rule, shapes, main)  # as compare judges
+    roles = ctx.ref.manifest.output_roles()  # freeze's table, as compare judged the trial
+    if roles is not None:
+        heads, scores = roles.judged_as()[:2]
+    else:  # (a reference frozen before roles were recorded)
+        heads, scores = decided_heads(kind, rule, shapes, main), score_heads(kind, rule, shapes, main)
     ranked = []
     for name in names:
         others = [o for o in names if o != name and not name.startswith(o + ".") and not o.startswith(name + ".")]
