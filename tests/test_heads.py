@@ -283,3 +283,20 @@ def test_freeze_tables_the_roles_of_real_hugging_face_heads() -> None:
     table, roles = _table("classification", qa, x, torch.arange(12) % 7, {"start_logits": Tolerance(role="values")})
     assert (table["start_logits"].role, table["start_logits"].stated) == ("values", True)
     assert "values (stated)" in "\n".join(roles.lines())
+
+
+def test_a_multi_label_primarys_flip_names_its_case_and_its_label() -> None:
+    """Hugging Face's multi-label head (``logits`` [N, L], 0/1 targets): a label crossing 0 rolls back, and the flip
+    names the case and the label; a trial within rounding keeps every label and passes."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(N, 4, generator=g) * 3
+    logits = logits + torch.sign(logits) * 0.5  # no label near 0
+    y = (logits > 0).float()
+    trial = logits.clone()
+    trial[11, 2] = -logits[11, 2]
+    cfg = _rule(logits=Tolerance(atol=10.0, rtol=0.0))
+    stats, verdict = _compare("regression", cfg, y, {"logits": logits}, {"logits": trial}, loss="model")
+    assert stats.flips.flips == 1 and verdict.inference == "rollback"
+    assert (stats.flips.flip_list[0].id, stats.flips.flip_list[0].position, stats.flips.unit) == ("ordinary/c11", 2, "case")
+    stats, verdict = _compare("regression", cfg, y, {"logits": logits}, {"logits": logits + 1e-3}, loss="model")
+    assert stats.flips.flips == 0 and verdict.inference == "accept"

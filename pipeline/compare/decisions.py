@@ -780,7 +780,8 @@ def holds_probabilities(name: str, ref: torch.Tensor) -> bool:
 
 def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, trial: torch.Tensor, boundary_margin: float,
                margin_kind: str, max_listed: int = 1000, positions: Sequence[int] | None = None,
-               probability: bool = False, tie_rule: str = "lowest_index", at: float = 0.0) -> Decisions:
+               probability: bool = False, tie_rule: str = "lowest_index", at: float = 0.0,
+               labels: Sequence[int] | None = None) -> Decisions:
     """The decisions of a single-value head, judged as DecisionStats judges class scores: a sigmoid's logit z (class 1
     where z >= 0), or with ``probability`` its probability p (class 1 where p >= 0.5, the logit z = log(p / (1 - p))
     read from it). Its margin is |z| (the two-class logits 0 and z), or |p1 - p0| = |tanh(z / 2)| for a
@@ -788,7 +789,8 @@ def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, tria
     ``tie_is_flip``, z = 0 exactly (p = 0.5) is a tie of the two classes, class -1, as ``labels_of`` marks a tie:
     a tie on one side only is a flip. ``ids``, ``kinds``: of each decision; ``positions``: per token, the position of
     each (the unit is then a token); ``at``: where a value that is no probability is decided (a regression's threshold:
-    its margin is then |value - at|)."""
+    its margin is then |value - at|); ``labels``: per case, the label its value is (a multi-label head's), named in each
+    flip as its position, the unit still the case."""
     r, t = ref.detach().double().reshape(-1), trial.detach().double().reshape(-1)
     zr, zt = (torch.logit(v.clamp(0.0, 1.0)) if probability else v - at for v in (r, t))
     r_margin, t_margin = (torch.tanh(v / 2).abs() if margin_kind == "probability" else v.abs() for v in (zr, zt))
@@ -808,7 +810,7 @@ def sign_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, tria
     flips = tuple(Flip(id=ids[i], kind=kinds[i], boundary=bool(constructed[i]), near_boundary=bool(near[i]),
                        reference_class=int(cr[i]), trial_class=int(ct[i]), reference_margin=float(r_margin[i]),
                        trial_margin=float(t_margin[i]), margin_kind=margin_kind, reference=float(r[i]), trial=float(t[i]),
-                       position=None if positions is None else int(positions[i]))
+                       position=int(positions[i]) if positions is not None else None if labels is None else int(labels[i]))
                   for i in listed[:max_listed])
     boundary_cases, boundary_flips = int(constructed.sum()), int((crossed & constructed).sum())
     sample, sample_flips = rate_sample(ids, kinds, crossed.long(), torch.ones(len(ids), dtype=torch.int64))
@@ -840,11 +842,13 @@ def first_crossing(ref: torch.Tensor, trial: torch.Tensor, threshold: float, kee
 
 def regression_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor, trial: torch.Tensor, threshold: float | None,
                      boundary_margin: float = 0.0, margin_kind: str = "logit", probability: bool = False,
-                     tie_rule: str = "lowest_index", max_listed: int = 1000) -> Decisions:
+                     tie_rule: str = "lowest_index", max_listed: int = 1000,
+                     labels: Sequence[int] | None = None) -> Decisions:
     """Cases one of whose values (``ref``, ``trial``: [N, ...]) crosses the decision threshold between reference and
     trial, judged as ``sign_flips`` judges a single-value head, at each case's first crossing value (else its first):
     at a sigmoid's boundary (0 for a logit, 0.5 for a ``probability``) with the head's margins, near the boundary or not;
-    at a threshold of the user's by the distance |value - threshold|, in the output's units (margin kind ``value``)."""
+    at a threshold of the user's by the distance |value - threshold|, in the output's units (margin kind ``value``).
+    ``labels``: per case, the index of the value picked (a multi-label head's label), named in each flip."""
     if threshold is None or not ref.shape[0]:
         sample, sample_flips = rate_sample(ids, kinds, torch.zeros(len(ids), dtype=torch.int64),
                                            torch.ones(len(ids), dtype=torch.int64))
@@ -857,5 +861,8 @@ def regression_flips(ids: Sequence[str], kinds: Sequence[str], ref: torch.Tensor
     r_pick = r.gather(1, at)[:, 0]
     t_pick = torch.where(crossed, t.gather(1, at)[:, 0], r_pick)
     sigmoid = threshold == (0.5 if probability else 0.0)
+    if labels is None and r.shape[1] > 1:
+        labels = at[:, 0].tolist()
     return sign_flips(ids, kinds, r_pick, t_pick, boundary_margin, margin_kind if sigmoid else "value", max_listed,
-                      probability=probability and sigmoid, tie_rule=tie_rule, at=0.0 if sigmoid else threshold)
+                      probability=probability and sigmoid, tie_rule=tie_rule, at=0.0 if sigmoid else threshold,
+                      labels=labels)

@@ -281,8 +281,10 @@ def compare_streams(kind: str, rule: AcceptanceConfig, sources: Sources, traject
     else:
         picked = [torch.cat(state.crossing[side])[:, None] if state.crossing[side] else first[:, None]
                   for side, first in (("reference", ref_first), ("trial", trial_first))]
+        several = math.prod(shapes[main][1:]) > 1  # a multi-label head: each flip names its label
+        labels = torch.cat(state.crossing["label"]).tolist() if several and state.crossing["label"] else None
         flips = regression_flips(ids, kinds, *picked, state.threshold, rule.boundary_margin, rule.boundary_margin_kind,
-                                 heads.says_probability(main), rule.tie_rule, cfg.max_listed_flips)
+                                 heads.says_probability(main), rule.tie_rule, cfg.max_listed_flips, labels=labels)
         distribution = None
         idx = torch.nonzero(has_target).flatten()
         regression = {side: regression_errors(first[idx][:, None], targets[idx]) for side, first in zip(SIDES, firsts)}
@@ -378,8 +380,9 @@ class _State:
     """A regression's decision threshold (``heads.decision_threshold``)."""
     ties: bool = False
     """``tie_rule: tie_is_flip``: a value exactly at ``threshold`` on one side only is a flip."""
-    crossing: dict = field(default_factory=lambda: {"reference": [], "trial": []})
-    """Per side, slice by slice: the value of each case judged against ``threshold`` (``_threshold_pick``)."""
+    crossing: dict = field(default_factory=lambda: {"reference": [], "trial": [], "label": []})
+    """Per side, slice by slice: the value of each case judged against ``threshold`` (``_threshold_pick``); ``label``:
+    its index among the case's values."""
     signs: dict = field(default_factory=dict)
     """Per single-logit head (``sign_heads``): its reference and trial values, slice by slice, and per token the row
     and position of each (the kept positions only)."""
@@ -502,9 +505,9 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             judged = st.judged[name][a:b] if st.judged[name] is not None else None  # (``valid``: None where all are)
             labelled = labelled_positions(tuple(r.shape), y, judged) if st.kind != "classification" else None
             if st.threshold is not None:
-                for side, value in zip(("reference", "trial"), _threshold_pick(r, t, st.threshold,
-                                                                                valid if labelled is None else labelled,
-                                                                                st.ties)):
+                for side, value in zip(("reference", "trial", "label"), _threshold_pick(r, t, st.threshold,
+                                                                                         valid if labelled is None else labelled,
+                                                                                         st.ties)):
                     st.crossing[side].append(value)
             labels = None
             if st.decisions is not None:
@@ -558,13 +561,13 @@ def position_heads(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[in
 def _threshold_pick(r: torch.Tensor, t: torch.Tensor, threshold: float, valid: torch.Tensor | None, ties: bool = False):
     """Per case, the reference and trial values judged against a regression's threshold: the first of its values (at
     a kept position) that crosses it between the two, else the reference's first value on both sides; a case flips
-    where any value does (a multi-label head of logits with threshold 0, per label)."""
+    where any value does (a multi-label head of logits with threshold 0, per label); and that value's index (its label)."""
     rows = r.shape[0]
     keep = None if valid is None else valid.reshape(*valid.shape, *[1] * (r.ndim - valid.ndim)).expand(r.shape)
     r2, t2 = r.reshape(rows, -1), t.reshape(rows, -1)
     crossed, at = first_crossing(r2, t2, threshold, None if keep is None else keep.reshape(rows, -1), ties)
     r_pick, t_pick = (v.gather(1, at)[:, 0].double().cpu() for v in (r2, t2))
-    return r_pick, torch.where(crossed.cpu(), t_pick, r_pick)  # no crossing: no flip, padding at 0 or not
+    return r_pick, torch.where(crossed.cpu(), t_pick, r_pick), at[:, 0].cpu()  # no crossing: no flip, padding at 0 or not
 
 
 def _sign_result(ids: Sequence[str], kinds: Sequence[str], name: str, shape: tuple[int, ...], sides: tuple[list, ...],
