@@ -844,6 +844,11 @@ def _check_min_quality(params: "Params") -> None:
     if not lo <= floor <= hi:
         span = f"[{lo:g}, {hi:g}]".replace("-inf", "-∞").replace("inf", "∞")
         hint = "for example -1.0 (an RMSE of at most 1), or null" if hi <= 0 else "or null"
+        lo_labels, hi_labels = metric_range("label_accuracy")
+        if params.task.kind == "regression" and params.task.metric == "auto" and lo_labels <= floor <= hi_labels:
+            # A fraction meant for labels 0 or 1 (a multi-label head): freeze would read it by label accuracy only where
+            # the head is decided at a threshold; said here, the fix passes every later check.
+            hint += "; or, for a head decided on labels 0 or 1 (multi-label), task.metric: label_accuracy"
         raise UserError(
             f"params.yaml: acceptance.min_quality {floor} is outside the range {span} of task.metric "
             f"{params.task.metric_name}; use a value in that range, {hint}"

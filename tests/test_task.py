@@ -283,3 +283,18 @@ def test_a_tuple_is_named_by_position_and_its_first_is_the_primary():
     ids = torch.randint(0, 32, (2, 5))
     out = task.named_outputs(bert(input_ids=ids, return_dict=False))
     assert list(out) == ["0"] and tuple(out["0"].shape) == (2, 3)
+
+
+def test_a_labels_floor_refused_under_auto_names_the_metric_that_accepts_it(tmp_path):
+    """Friction 9 of issue 51: a multi-label head's floor 0.6 under metric auto (read as -RMSE at load) is refused with a
+    fix that every later check accepts: task.metric label_accuracy, whose range holds 0.6."""
+    path = tmp_path / "params.yaml"
+    path.write_text("task: {kind: regression, loss: model}\nacceptance: {min_quality: 0.6}\n")
+    with pytest.raises(UserError, match="for a head decided on labels 0 or 1 .multi-label., task.metric: label_accuracy"):
+        config.load_params(path)
+    path.write_text("task: {kind: regression, loss: model, metric: label_accuracy}\nacceptance: {min_quality: 0.6}\n")
+    params = config.load_params(path)
+    assert params.task.metric_name == "label_accuracy"
+    from pipeline.config import metric_range
+    lo, hi = metric_range(params.task.metric_name)
+    assert lo <= params.acceptance.min_quality <= hi  # freeze's range check (refusals._min_quality_in_range) passes too
