@@ -116,85 +116,106 @@ class Scan:
         positions = self._position_heads(chunk)
         chunk = {n: task.mask_padding(v, positions[n][row : row + v.shape[0]]) if n in positions else v
                  for n, v in chunk.items()}  # as compare reads them
-        out = chunk[main]
-        if not self.shapes:  # the first chunk: the primary is known, and how compare reads it
-            threshold, self.metric = self.metric.reading(self.kind, self.rule, main, tuple(out.shape), self.targets,
-                                                         self.has_target)
-            self.threshold = threshold
-            self.quality = self.metric.quality(self.rule.tie_rule)
-            if threshold == 0.5 and self.loss == "model" and self.rule.threshold is None and not heads.says_probability(main):
-                self.fitted = [0, 0, 0, 0, 0]
-            if threshold is not None and out.ndim in (2, 3) and out.shape[-1] >= 2:  # decided label by label
-                shapes = {n: tuple(t.shape) for n, t in chunk.items()}
-                self.per_label = [n for n in decided_heads(self.kind, self.rule, shapes, main)
-                                  if shapes[n] == shapes[main]]
+        if not self.shapes:
+            self._first_chunk(main, chunk)
         shapes = {n: tuple(t.shape) for n, t in chunk.items()}
         scores = set(decided_heads(self.kind, self.rule, shapes, main))
         signs = set(sign_heads(self.kind, self.rule, shapes, main))
         for name, v in chunk.items():
-            self.shapes[name] = tuple(v.shape[1:])
-            rows = task.rows_within(SLICE_ELEMENTS, math.prod(v.shape[1:]))
-            judged = task.judged_positions((len(self.has_target), *v.shape[1:]),  # the whole set's: a chunk's rows are fewer
-                                           self.kind == "classification" and name == main and out.ndim == 3,
-                                           self.targets, self.token_mask, primary=name == main)
-            width = self._values_of(name, v, name == main, judged is not None)
-            if width and self._measured(name, name == main):
-                self.measured.add(name)
-            if self._undecided(name, v, name == main):
-                if self.distributions.get(name, True):
-                    self.distributions[name] = probability_rows(v)
-                lowest = masking_value(v)
-                if lowest is not None:
-                    self.masked[name] = min(lowest, self.masked.get(name, lowest))
-            if name in signs and not heads.says_logit(name):  # named neither, or like a probability
-                self._note_unit(name, v, row)
-            if name in scores and self.softmaxed.get(name, True):
-                self.softmaxed[name] = probability_rows(v)
-            for a in range(0, v.shape[0], rows):
-                b = min(a + rows, v.shape[0])
-                values = v[a:b].detach().double()
-                positions = None if judged is None else judged[row + a : row + b]
-                kept = [values if positions is None else values[positions]]  # where compare judges values
-                scaled = [_scaled(values, positions, name in scores)]
-                if self.ordinary is not None:
-                    ordinary = self.ordinary[row + a : row + b]
-                    kept.append(values[ordinary] if positions is None else values[ordinary][positions[ordinary]])
-                    scaled.append(scaled[0][ordinary])
-                if name in self.measured:
-                    real = ~self.constructed[row + a : row + b]
-                    self._note_decisions(name, values[real] if positions is None else values[real][positions[real]])
-                if self.whole.get(name, 0.0) is not None:  # decided heads too: bins or votes decided by argmax
-                    finite = values[torch.isfinite(values)]
-                    small = finite[finite.abs() < task.FLOAT32_EXACT_WHOLE]  # from 2**24 on, every float32 is whole: no sign
-                    if not bool((small == small.round()).all()):
-                        self.whole[name] = None  # not whole numbers: the rest of the output is not looked at
-                    elif small.numel():
-                        self.whole[name] = max(self.whole.get(name, 0.0), float(finite.abs().max()))
-                if name == main and self.fitted is not None:
-                    finite = kept[0][torch.isfinite(kept[0])]
-                    self.fitted[0] += int(((finite < -0.5) | (finite > 1.5)).sum())
-                    self.fitted[1] += finite.numel()
-                for i, part in enumerate(kept):
-                    total = self.squares.setdefault(name, [[0.0, 0], [0.0, 0]])[i]
-                    counted = scaled[i].square()
-                    total[0], total[1] = total[0] + float(counted.nansum()), total[1] + int((~torch.isnan(counted)).sum())
-                    if width:
-                        m = self.moments.setdefault(name, [[0.0, 0.0, 0], [0.0, 0.0, 0]])[i]
-                        m[0] = m[0] + part.reshape(-1, width).sum(0)
-                        m[1] = m[1] + part.square().reshape(-1, width).sum(0)
-                        m[2] += part.numel() // width
-                if v is out:
-                    picked = self._scored(out[a:b], row + a, positions)
-                    if picked is not None:
-                        scored, known = picked
-                        self.quality.update(scored, known)
-                        if self.fitted is not None:  # its labels read at 0.5 and at 0 (``logit_like``)
-                            o, known = scored.reshape(-1), known.reshape(-1)
-                            if o.numel() == known.numel():
-                                o, positive = o[known != task.IGNORE_INDEX], known[known != task.IGNORE_INDEX] >= 0.5
-                                self.fitted[2] += int(((o >= 0.5) == positive).sum())
-                                self.fitted[3] += int(((o >= 0) == positive).sum())
-                                self.fitted[4] += o.numel()
+            self._note_output(name, v, row, main, chunk[main].ndim == 3, name in scores, name in signs)
+
+    def _first_chunk(self, main: str, chunk: dict[str, torch.Tensor]) -> None:
+        """At the first chunk the primary is known, and how compare reads it: its threshold and metric, whether it may be
+        a value fitted to labels (``fitted``), and the heads decided by argmax beside labels decided one by one."""
+        out = chunk[main]
+        threshold, self.metric = self.metric.reading(self.kind, self.rule, main, tuple(out.shape), self.targets,
+                                                     self.has_target)
+        self.threshold = threshold
+        self.quality = self.metric.quality(self.rule.tie_rule)
+        if threshold == 0.5 and self.loss == "model" and self.rule.threshold is None and not heads.says_probability(main):
+            self.fitted = [0, 0, 0, 0, 0]
+        if threshold is not None and out.ndim in (2, 3) and out.shape[-1] >= 2:  # decided label by label
+            shapes = {n: tuple(t.shape) for n, t in chunk.items()}
+            self.per_label = [n for n in decided_heads(self.kind, self.rule, shapes, main) if shapes[n] == shapes[main]]
+
+    def _note_output(self, name: str, v: torch.Tensor, row: int, main: str, per_token: bool, scores: bool,
+                     signs: bool) -> None:
+        """What the scan keeps of output ``name``'s rows from ``row`` on: its shape and questions, then slice by slice."""
+        primary = name == main
+        self.shapes[name] = tuple(v.shape[1:])
+        rows = task.rows_within(SLICE_ELEMENTS, math.prod(v.shape[1:]))
+        judged = task.judged_positions((len(self.has_target), *v.shape[1:]),  # the whole set's: a chunk's rows are fewer
+                                       self.kind == "classification" and primary and per_token,
+                                       self.targets, self.token_mask, primary=primary)
+        width = self._values_of(name, v, primary, judged is not None)
+        if width and self._measured(name, primary):
+            self.measured.add(name)
+        if self._undecided(name, v, primary):
+            if self.distributions.get(name, True):
+                self.distributions[name] = probability_rows(v)
+            lowest = masking_value(v)
+            if lowest is not None:
+                self.masked[name] = min(lowest, self.masked.get(name, lowest))
+        if signs and not heads.says_logit(name):  # named neither, or like a probability
+            self._note_unit(name, v, row)
+        if scores and self.softmaxed.get(name, True):
+            self.softmaxed[name] = probability_rows(v)
+        for a in range(0, v.shape[0], rows):
+            b = min(a + rows, v.shape[0])
+            self._note_slice(name, v[a:b], row + a, None if judged is None else judged[row + a : row + b], width, scores,
+                             primary)
+
+    def _note_slice(self, name: str, v: torch.Tensor, row: int, positions: torch.Tensor | None, width: int, scores: bool,
+                    primary: bool) -> None:
+        """One slice of rows (from ``row``) of output ``name``: its whole numbers, scale, moments, decisions and, for the
+        primary, the quality and how its values read against labels (``fitted``)."""
+        values = v.detach().double()
+        kept = [values if positions is None else values[positions]]  # where compare judges values
+        scaled = [_scaled(values, positions, scores)]
+        if self.ordinary is not None:
+            ordinary = self.ordinary[row : row + v.shape[0]]
+            kept.append(values[ordinary] if positions is None else values[ordinary][positions[ordinary]])
+            scaled.append(scaled[0][ordinary])
+        if name in self.measured:
+            real = ~self.constructed[row : row + v.shape[0]]
+            self._note_decisions(name, values[real] if positions is None else values[real][positions[real]])
+        if self.whole.get(name, 0.0) is not None:  # decided heads too: bins or votes decided by argmax
+            finite = values[torch.isfinite(values)]
+            small = finite[finite.abs() < task.FLOAT32_EXACT_WHOLE]  # from 2**24 on, every float32 is whole: no sign
+            if not bool((small == small.round()).all()):
+                self.whole[name] = None  # not whole numbers: the rest of the output is not looked at
+            elif small.numel():
+                self.whole[name] = max(self.whole.get(name, 0.0), float(finite.abs().max()))
+        if primary and self.fitted is not None:
+            finite = kept[0][torch.isfinite(kept[0])]
+            self.fitted[0] += int(((finite < -0.5) | (finite > 1.5)).sum())
+            self.fitted[1] += finite.numel()
+        for i, part in enumerate(kept):
+            total = self.squares.setdefault(name, [[0.0, 0], [0.0, 0]])[i]
+            counted = scaled[i].square()
+            total[0], total[1] = total[0] + float(counted.nansum()), total[1] + int((~torch.isnan(counted)).sum())
+            if width:
+                m = self.moments.setdefault(name, [[0.0, 0.0, 0], [0.0, 0.0, 0]])[i]
+                m[0] = m[0] + part.reshape(-1, width).sum(0)
+                m[1] = m[1] + part.square().reshape(-1, width).sum(0)
+                m[2] += part.numel() // width
+        if primary:
+            self._note_quality(v, row, positions)
+
+    def _note_quality(self, out: torch.Tensor, row: int, positions: torch.Tensor | None) -> None:
+        """The primary's rows (from ``row``) scored where compare scores them, and read at 0.5 and at 0 (``logit_like``)."""
+        picked = self._scored(out, row, positions)
+        if picked is None:
+            return
+        scored, known = picked
+        self.quality.update(scored, known)
+        if self.fitted is not None:
+            o, known = scored.reshape(-1), known.reshape(-1)
+            if o.numel() == known.numel():
+                o, positive = o[known != task.IGNORE_INDEX], known[known != task.IGNORE_INDEX] >= 0.5
+                self.fitted[2] += int(((o >= 0.5) == positive).sum())
+                self.fitted[3] += int(((o >= 0) == positive).sum())
+                self.fitted[4] += o.numel()
 
     def _scored(self, out: torch.Tensor, row: int, positions: torch.Tensor | None):
         """The primary's rows ``out`` (from ``row``) and their targets where compare scores quality (the cases with a
