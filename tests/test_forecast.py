@@ -107,6 +107,11 @@ def test_layer_beyond_fp16_is_named_really_overflows_and_its_fp32_regions_fix_it
     assert forecast_file.check(both(f), steps, finite, ()).held
     steps, finite = trial(Loud(), data, F.cross_entropy, fixed, steps=6)
     assert finite and forecast_file.check(both(f), steps, finite, fixed.fp32_modules).held
+    # Inference only (reference.train_steps 0): no steps; the outputs alone hold or miss the forecast.
+    assert forecast_file.check(both(f), [], False, ()).held  # exposed, and they overflowed
+    missed = forecast_file.check(both(f), [], True, ())
+    assert not missed.held and "ran no training (inference only), outputs finite" in missed.line
+    assert forecast_file.check(both(f), [], True, fixed.fp32_modules).held  # kept in FP32: finite, as forecast
 
 
 def tiny_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -190,6 +190,16 @@ def check(headroom: Headroom, steps: Steps, outputs_finite: bool, fp32_modules: 
     its start (it starts from them; ``HALVING_SLACK``), and its scale not collapse. Underflow is not visible in a
     trajectory (the scaler does not see a zero); compare's gradient check judges it.
     """
+    exposed = [m for m in headroom.beyond_fp16 if not _covered(m, fp32_modules)]
+    if not steps:  # inference only (reference.train_steps 0): the outputs alone say whether activations overflowed
+        expected = (f"activations beyond 65504 in {exposed} to overflow (non-finite outputs)" if exposed
+                    else "finite outputs")
+        observed = f"ran no training (inference only), outputs {'finite' if outputs_finite else 'non-finite'}"
+        held = outputs_finite != bool(exposed)
+        line = f"forecast held: expected {expected}; the trial {observed}" if held else (
+            f"forecast missed: expected {expected}, but the trial {observed}")
+        return ForecastCheck(recommendation=headroom.recommendation, forecast=headroom.line, held=held, expected=expected,
+                             observed=observed, line=line)
     halvings = headroom.initial.halvings
     n = len(steps)
     skipped = sum(s.skipped for s in steps)
@@ -199,7 +209,6 @@ def check(headroom: Headroom, steps: Steps, outputs_finite: bool, fp32_modules: 
         f"skipped {leading} leading and {skipped} of {n} steps{settled}, outputs {'finite' if outputs_finite else 'non-finite'}"
     )
     collapsed = leading == n or 2 * (skipped - leading) > n - leading
-    exposed = [m for m in headroom.beyond_fp16 if not _covered(m, fp32_modules)]
     if exposed:
         expected = f"activations beyond 65504 in {exposed} to overflow (non-finite outputs, or the scale collapsing)"
         held = not outputs_finite or collapsed

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from pipeline import devices, distributed, inference, training
+from pipeline import checkpoint, devices, distributed, inference, training
 from pipeline.artifacts.trial import Failure
 from pipeline.config import Params, Policy
 from pipeline.diagnosis.precision_map import ModuleScope
@@ -144,12 +144,13 @@ def inference_raised(make_model: Callable[[], torch.nn.Module], x: Inputs, ids: 
 
 def locate(exc: BaseException, part: str, make_trained: Callable[[], torch.nn.Module],
            make_initial: Callable[[], torch.nn.Module], source, x: Inputs, ids: list[str], params: Params, policy: Policy,
-           device: torch.device) -> Failure | None:
+           device: torch.device, origin: checkpoint.Checkpoint | None = None) -> Failure | None:
     """The failed trial of ``exc``, raised by ``training.run_trial`` in ``part`` (``trial_tensors.Writer.part``):
     ``inference`` replays the trained reference's inference (``make_trained``), ``training`` the training loop from the
     initial state (``make_initial``, on ``source``) and then the trained model's inference. None when ``exc`` is no
     failure of the model under the policy: not one it could be (``under_policy``), one the replay does not reproduce,
-    or a trial on several ranks (whose collectives a one-rank replay cannot join).
+    or a trial on several ranks (whose collectives a one-rank replay cannot join). ``origin``: the optimizer, scheduler
+    and GradScaler state the trial's training started from (``reference.checkpoint``).
     """
     if not under_policy(exc) or distributed.current().size > 1:
         return None
@@ -162,7 +163,7 @@ def locate(exc: BaseException, part: str, make_trained: Callable[[], torch.nn.Mo
 
         def replay() -> None:
             training.train(model, source, params.reference, params.task, policy, device, params.seed,
-                           label="trial replay, watched", on_step=lambda n: done.__setitem__(0, n))
+                           label="trial replay, watched", on_step=lambda n: done.__setitem__(0, n), origin=origin)
 
         raised = watched(model, replay)
         step = done[0] if raised is not None else None  # the steps done before the one that raised: its 0-based index

@@ -174,6 +174,7 @@ def training_case(ctx: Context, run: Run, step: int) -> Case:
         ctx.params.seed,
         label=f"diagnose replay {ctx.variant}",
         stop=step,
+        origin=ctx.ref.checkpoint("init"),  # reference.checkpoint's optimizer and GradScaler state, as the trial began
     )
     ctx.spend(replayed_steps=step)
     replayed = [r.loss for r in result.records]
@@ -217,6 +218,7 @@ def rerun(ctx: Context, policy: Policy) -> Run:
         ctx.device,
         params.seed,
         label=f"diagnose re-run {ctx.variant}",
+        origin=ref.checkpoint("init"),
     )
     steps = tuple(run.training.records)
     aligned = tuple(run.aligned) if run.aligned is not None else None

@@ -64,3 +64,6 @@ def main(params_path: str = "params.yaml") -> None:
         "not trained (reference.train_steps 0: inference only)"
     print(f"freeze: reference {trained}{noise}; "
           f"{manifest.cases['total']} cases; FP64 arbiter on {fp64.cases if fp64 else 'none'} of them\n  {phases.line()}")
+    roles = manifest.output_roles()
+    if roles is not None:  # the role table: how compare will judge each output (acceptance.outputs.NAME.role states one)
+        print("freeze: outputs, as every trial will be judged:\n" + "\n".join(f"  {line}" for line in roles.lines()))

@@ -39,7 +39,7 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
             )
     except Exception as exc:  # the model raised under the policy? A replay says where (failure.locate), or it goes on
         failed = failure.locate(exc, writer.part, lambda: ref.model(params), lambda: ref.model(params, "init"), source,
-                                ref.cases.x, ref.cases.ids, params, policy, device)
+                                ref.cases.x, ref.cases.ids, params, policy, device, origin=ref.checkpoint("init"))
         if failed is None:
             raise
         writer.fail(failed, policy, ref.manifest, devices.describe(device).as_dict())
