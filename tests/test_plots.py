@@ -73,7 +73,7 @@ def variants() -> list[dict]:
     stats = {"flips": {"flips": 0, "near_boundary_flips": 1, "near_boundary_cases": 3, "boundary_flips": 1, "boundary_cases": 4,
                        "boundary_margin": 0.05, "flip_list": [built, flip]},
              "quality": {"reference": 0.9, "trial": 0.89}, "values": {"output": {"max_abs": 0.01, "atol": 0.05, "rtol": 0.0}},
-             "training": {"max_loss_gap": 0.01, "band_violations": 0, "scaler_enabled": False, "final_scale": 1.0,
+             "training": {"steps": 20, "max_loss_gap": 0.01, "band_violations": 0, "scaler_enabled": False, "final_scale": 1.0,
                           "skipped_fraction": 0.0}}
     aa = {"median": 1.0, "low": 0.97, "high": 1.03, "level": 0.95, "coverage": 0.96, "n": 9}
     bench = {"benchmarked": True, "speedup": {"median": 1.5, "q1": 1.4, "q3": 1.6},
