@@ -350,3 +350,176 @@ def test_kl_gates_under_compact_decide_as_full_outside_the_stated_bound_and_neve
     assert acceptance.decide(full, within).decision == "accept"
     assert acceptance.decide(small, within).decision == "rollback"
     assert any("store bound" in r for r in acceptance.decide(small, within).reasons)
+
+
+def _judge_kl(tmp_path, ref, trial, targets, store, rule, task, ids=None, chunk_elements=40_000):
+    """``_judge`` as trial@NAME writes its outputs: the reference stored full, the trial under ``store``, a compacted
+    trial keeping each token's KL against the reference (``outputs.KlAgainst``: ``decisions.token_kl``, as the stage
+    gives it). Returns (stats, decision, the trial's reader)."""
+    from pipeline.compare.decisions import token_kl
+
+    n = ref.shape[0]
+    ids = ids or [f"ordinary/{i}" for i in range(n)]
+    folder = tmp_path / store
+    folder.mkdir(exist_ok=True)
+    outputs.write_outputs(folder / "reference.safetensors", [{"logits": ref}], ids, task=task)
+    reference = outputs.OutputsReader(folder / "reference.safetensors")
+    outputs.write_outputs(folder / "trial.safetensors", [{"logits": trial[: n // 2]}, {"logits": trial[n // 2 :]}], ids,
+                          store=store, task=task, kl_against=outputs.KlAgainst(lambda: reference, token_kl))
+    reader = outputs.OutputsReader(folder / "trial.safetensors")
+    sources = streams.Sources(ids, targets, torch.ones(n, dtype=torch.bool), reference, reader, reader)
+    stats, table = streams.compare_streams(task.kind, rule, sources, RUNS, metric=streams.Metric.for_task(task),
+                                           cfg=CompareConfig(chunk_elements=chunk_elements))
+    return stats, acceptance.decide(stats, rule), reader, table
+
+
+def _gate_value(d, gate: str, rule) -> float:
+    """What the gate holds against its limit (``rule.decide``'s expression, the store's bound included)."""
+    import statistics
+
+    z = statistics.NormalDist().inv_cdf(rule.confidence)
+    if gate == "max_kl_mean":
+        return d.kl_mean + z * d.kl_mean_se + d.kl_mean_bound
+    return d.kl_p99_upper + d.kl_p99_bound
+
+
+def _same_kl(full, small):
+    """Every number compare derives from KL per token is the same under both stores, with no store bound."""
+    (f, _, f_reader, f_table), (s, _, s_reader, s_table) = full, small
+    assert (f_reader.store, s_reader.store) == ("full", "compact") and s_reader.kl("logits") is not None
+    fd, sd = f.distribution, s.distribution
+    for key in ("tokens", "kl_mean", "kl_mean_se", "kl_p99", "kl_p99_upper", "kl_max", "kl_quantiles", "top1_agreement",
+                "kl_mean_bound", "kl_p99_bound", "kl_max_bound"):
+        assert getattr(sd, key) == getattr(fd, key), key
+    assert sd.kl_mean_bound == sd.kl_p99_bound == 0.0 and sd.store == {"reference": "full", "trial": "compact"}
+    assert [(f.id, f.position, f.kl) for f in s.flips.flip_list] == [(f.id, f.position, f.kl) for f in f.flips.flip_list]
+    keys = ("id", "kl_mean", "kl_max", "worst_token")
+    assert [{k: r.get(k) for k in keys} for r in s_table] == [{k: r.get(k) for k in keys} for r in f_table]
+
+
+def _kl_pair(tokens=64, seed=1):
+    """Near ties (``_near_ties``) with a trial moved by noise of 0.05: its decoded compact scores move each token's KL."""
+    ref, trial, targets = _near_ties(3, tokens=tokens)
+    return ref, trial + 0.05 * torch.randn(trial.shape, generator=torch.Generator().manual_seed(seed)), targets
+
+
+def _wide_pair(tokens: int, v: int, seed=1):
+    """[2, tokens, v] scores over a wide vocabulary, the trial moved by noise of 0.05."""
+    g = torch.Generator().manual_seed(seed)
+    ref = -30.0 * torch.rand(2, tokens, v, generator=g)
+    ref[..., 0] = 30.0
+    trial = ref + 0.05 * torch.randn(ref.shape, generator=g)
+    return ref, trial, torch.zeros(2, tokens, dtype=torch.long)
+
+
+KL_BASE = AcceptanceConfig(outputs=LOOSE, max_flips=10_000, max_flip_rate=None, max_near_boundary_flips=None,
+                           max_quality_drop=1.0, loss_noise_multiple=None)
+
+
+@pytest.mark.parametrize("gate", ["max_kl_mean", "max_kl_p99"])
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
+def test_kl_gates_at_their_limit_decide_as_full_under_compact_both_ways(tmp_path, monkeypatch, gate, kernels):
+    """A limit exactly at full's KL mean (upper bound) or p99 accepts under ``full``, and one float below it rolls back:
+    under ``compact`` the trial keeps each token's KL of the full scores (``compact.KL``), so the same limits accept and
+    roll back alike (before, the decoded scores' KL plus the store's bound rolled back at the first). On torch's path and
+    the kernels' (which compare takes for an output of ``native.MIN_ELEMENTS``)."""
+    from pipeline.compare import native
+
+    if kernels:
+        if not native.available():
+            pytest.skip("no C compiler: the kernels' path is torch's")
+        monkeypatch.setattr(native, "MIN_ELEMENTS", 1)
+    ref, trial, targets = _kl_pair()
+    task = TaskConfig(metric="accuracy")
+    full = _judge_kl(tmp_path, ref, trial, targets, "full", KL_BASE, task)
+    small = _judge_kl(tmp_path, ref, trial, targets, "compact", KL_BASE, task)
+    assert bool(full[0].outputs.kernels) == kernels
+    _same_kl(full, small)
+    at = _gate_value(full[0].distribution, gate, KL_BASE)
+    for limit, decision in ((at, "accept"), (math.nextafter(at, -math.inf), "rollback")):
+        rule = replace(KL_BASE, **{gate: limit})
+        assert acceptance.decide(full[0], rule).decision == decision, limit
+        assert acceptance.decide(small[0], rule).decision == decision, limit
+    decoded = _judge(tmp_path, ref, trial, targets, "compact", KL_BASE, task)[0].distribution  # (no KL kept: bounded)
+    assert _gate_value(decoded, gate, KL_BASE) > at
+
+
+def test_a_token_kl_is_the_same_bits_in_any_block_of_rows_or_positions():
+    """The trial writes KL by its chunks of cases, compare reads scores by slices of positions: torch sums one row over
+    its threads in another order (past 32,768 classes), so ``token_kl`` computes a lone row beside a copy of itself."""
+    from pipeline.compare import native
+    from pipeline.compare.decisions import token_kl
+
+    ref, trial, _ = _wide_pair(3, 40_000)
+    trial[1, 1] = ref[1, 1] + 3.0 * torch.randn(40_000, generator=torch.Generator().manual_seed(2))  # far apart
+    for elements in (0, native.MIN_ELEMENTS):
+        whole = token_kl(ref, trial, 5, elements)
+        for i in range(2):
+            by_position = torch.cat([token_kl(ref[i : i + 1, p : p + 1], trial[i : i + 1, p : p + 1], 5, elements)
+                                     for p in range(3)], 1)
+            assert torch.equal(by_position, whole[i : i + 1])
+
+
+def test_one_position_slices_of_a_large_vocabulary_read_the_kl_the_trial_stored(tmp_path):
+    """140,000 classes: compare slices one position at a time, the trial wrote whole cases; at a limit exactly at
+    full's mean both stores accept, one float below both roll back."""
+    ref, trial, targets = _wide_pair(6, 140_000)
+    task = TaskConfig(metric="accuracy")
+    full = _judge_kl(tmp_path, ref, trial, targets, "full", KL_BASE, task, chunk_elements=1 << 22)
+    small = _judge_kl(tmp_path, ref, trial, targets, "compact", KL_BASE, task, chunk_elements=1 << 22)
+    _same_kl(full, small)
+    at = _gate_value(full[0].distribution, "max_kl_mean", KL_BASE)
+    for limit, decision in ((at, "accept"), (math.nextafter(at, -math.inf), "rollback")):
+        rule = replace(KL_BASE, max_kl_mean=limit)
+        assert acceptance.decide(small[0], rule).decision == acceptance.decide(full[0], rule).decision == decision
+
+
+def test_a_trial_beside_a_compact_reference_keeps_no_kl_and_its_gates_add_the_bound(tmp_path):
+    """No exact score to measure against: the trial keeps none, and compare adds the store's bound (never accepts more)."""
+    from pipeline.compare.decisions import token_kl
+
+    ref, trial, targets = _kl_pair(tokens=8)
+    ids = ["ordinary/0", "ordinary/1"]
+    task = TaskConfig(metric="accuracy")
+    outputs.write_outputs(tmp_path / "r.safetensors", [{"logits": ref}], ids, store="compact", task=task)
+    reference = outputs.OutputsReader(tmp_path / "r.safetensors")
+    outputs.write_outputs(tmp_path / "t.safetensors", [{"logits": trial}], ids, store="compact", task=task,
+                          kl_against=outputs.KlAgainst(lambda: reference, token_kl))
+    reader = outputs.OutputsReader(tmp_path / "t.safetensors")
+    assert reader.store == "compact" and reader.kl("logits") is None and reader.names == ["logits"]
+    sources = streams.Sources(ids, targets, torch.ones(2, dtype=torch.bool), reference, reader, reader)
+    d = streams.compare_streams("classification", KL_BASE, sources, RUNS, metric=streams.Metric.for_task(task))[0].distribution
+    assert d.kl_mean_bound > 0.0 and d.kl_p99_bound > 0.0
+    with pytest.raises(ValueError, match="other cases"):
+        outputs.write_outputs(tmp_path / "u.safetensors", [{"logits": trial}], ["a", "b"], store="compact", task=task,
+                              kl_against=outputs.KlAgainst(lambda: reference, token_kl))
+
+
+def test_the_stored_kl_is_hashed_with_the_outputs_and_an_older_trial_is_refused_in_one_line(tmp_path):
+    """The KL is a tensor of the trial's file, whose sha256 the manifest holds: changed, the file is refused; a trial of
+    the format before (3: no KL) is refused, naming the stage to rerun."""
+    from pipeline.compare.decisions import token_kl
+    from pipeline.files import sha256_file
+
+    ref, trial, _ = _kl_pair(tokens=8)
+    ids = ["ordinary/0", "ordinary/1"]
+    outputs.write_outputs(tmp_path / "r.safetensors", [{"logits": ref}], ids)
+    reference = outputs.OutputsReader(tmp_path / "r.safetensors")
+    path = tmp_path / "t.safetensors"
+    sha = outputs.write_outputs(path, [{"logits": trial}], ids, store="compact",
+                                kl_against=outputs.KlAgainst(lambda: reference, token_kl))
+    reader = outputs.OutputsReader(path, sha, "trial@fp16")
+    kl = reader.kl("logits")
+    assert kl.dtype == torch.float64 and torch.equal(kl, token_kl(ref, trial, compact.KEEP, ref.numel()))
+    raw = bytearray(path.read_bytes())
+    raw[reader._offsets[compact.part("logits", compact.KL)]] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(UserError):
+        outputs.OutputsReader(path, sha, "trial@fp16")
+    old = tmp_path / "old.safetensors"
+    outputs.write_outputs(old, [{"logits": trial}], ids, store="compact", meta={"compact_version": 3})
+    for reading in (lambda: outputs.OutputsReader(old, sha256_file(old), "trial@fp16"),
+                    lambda: outputs.NumpyReader(old, sha256_file(old), "trial@fp16")):
+        with pytest.raises(UserError, match="version 3.*rerun trial@fp16") as e:
+            reading()
+        assert "\n" not in str(e.value)

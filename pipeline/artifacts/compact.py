@@ -22,8 +22,14 @@ exactly the original maximum, its ties, its first index and the exact top-2 gap 
 logit margin; with ``lse`` and ``spread``, the probability and relative margins), the exact rank of every class
 among the K best (``top_k`` for any k <= K: a target within half a quantum of its neighbour was re-ranked by the codes
 alone, issue 50.2), and every other finite entry within ``logit_error`` = step / 2 + float32 rounding of the decoded
-value. The KL bound that follows is ``compare.decisions.kl_bound``: KL reads both sides' every score together, which no
-statistic of one side keeps, so its gates stay conservative under this store. Only float32 outputs of shape
+value.
+
+KL(reference || trial) reads both sides' every score together, which no statistic of one side keeps: decoded, it moves by
+up to ``compare.decisions.kl_bound``. So a trial's compacted output also keeps ``kl`` (float64 [n, T], part ``KL``): each
+token's KL against the reference's full scores, ``compare.decisions.token_kl``'s numbers, which compare computes of the
+same full scores under ``store: full`` (the same bits in any block, on the same machine's CPU); compare reads them in
+place of the decoded scores', and the KL gates decide as under ``full``. A trial of a reference stored compact keeps none
+(nothing exact to measure against): its KL gates add the store's bound. Only float32 outputs of shape
 [N, T, V >= 2] of a classification are compacted (``chosen``): float16 and bfloat16 already take 2 bytes, exactly,
 and a regression's values are decided at a threshold (``label_accuracy``, flips) and scored by their errors, which no
 code of 2 bytes keeps exactly near the threshold.
@@ -46,12 +52,15 @@ and read time and its numbers are exact; above (the issue's 32k x 64 x 512 case 
 sources per comparison), the compact store halves both at a bounded error (``kl_bound``: about 1e-5 nats on the
 KL mean of a realistic row)."""
 PARTS = ("codes", "top", "step", "second", "second_index", "best", "best_index", "lse", "spread")
-VERSION = 3
+KL = "kl"
+"""A trial's part beside ``PARTS`` where its reference is stored full: each token's KL(reference || trial), float64."""
+VERSION = 4
 """The format: 1 had no ``best`` (top-k re-ranked near ties), 2 no ``lse`` and ``spread`` (probability and relative
-margins read from decoded scores); files of another version are refused, to be rebuilt."""
+margins read from decoded scores), 3 no ``kl`` (the KL gates added the store's bound); files of another version are
+refused, to be rebuilt."""
 LIVE_NATS = 104.0
 """``compare.gaps.ZERO_PROBABILITY_NATS`` (a class this far below its row's maximum is at probability 0: no live class
-of ``row_spread``); repeated here, where torch is never imported (tests/test_compact_margins.py holds them equal)."""
+of ``row_spread``); repeated here, where torch is never imported (tests/test_compact_verdicts.py holds them equal)."""
 KEEP = 5
 """Best classes kept exactly per row when no task says how many (``TaskConfig.top_k``'s default)."""
 SEP = "::"

@@ -19,7 +19,9 @@ over its vocabulary at every position: the outputs of freeze and trial need not 
 
 Metadata holds ``ids`` (one string per row) as a JSON string, as ``files.write_tensors`` writes it, and, in the
 compact store (``store=compact``), ``compact``: the outputs kept as ``artifacts.compact`` parts, decoded on read, and
-``compact_version`` (``compact.VERSION``: a file of another format is refused in one line).
+``compact_version`` (``compact.VERSION``: a file of another format is refused in one line). A trial's compacted output
+written beside its reference (``reference``) keeps each token's KL against the reference's full scores (``compact.KL``,
+``OutputsReader.kl``).
 
 Torch-free at import: ``NumpyReader`` reads the same files with safetensors' numpy loader, for the report
 stage, which never imports torch; the torch paths import it inside.
@@ -27,12 +29,14 @@ stage, which never imports torch; the torch paths import it inside.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import mmap
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from pipeline.artifacts import compact
 from pipeline.errors import UserError
@@ -74,7 +78,7 @@ def _torch_dtype(code: str) -> torch.dtype:
 
 def write_outputs(
     path: str | Path, chunks: Iterable[dict[str, torch.Tensor]], ids: list[str], meta: dict[str, Any] | None = None,
-    store: compact.Store = "full", task: TaskConfig | None = None,
+    store: compact.Store = "full", task: TaskConfig | None = None, kl_against: KlAgainst | None = None,
 ) -> str:
     """Write the row-wise concatenation of ``chunks`` to one safetensors file, atomically; return its sha256.
 
@@ -84,10 +88,13 @@ def write_outputs(
     (``artifacts.compact``; metadata ``compact`` names them), ``auto`` does so above ``compact.AUTO_BYTES``;
     a file with none compacted is the full store's, byte for byte. ``task`` says what the compact form must keep
     exactly: a regression's outputs are never compacted, and a classification's rows keep their ``task.top_k`` best
-    classes exactly (``compact.encode``); None: a classification of ``compact.KEEP``.
+    classes exactly (``compact.encode``); None: a classification of ``compact.KEEP``. ``kl_against`` (a trial's): each
+    compacted output that its reference stores full also keeps each token's KL against it (``compact.KL``), which the
+    trial's decoded scores could not give exactly.
 
     Raises:
-        ValueError: no chunk, chunks that disagree in names, dtype or shape, or rows that do not add up.
+        ValueError: no chunk, chunks that disagree in names, dtype or shape, or rows that do not add up, or a
+            ``reference`` of other ids.
     """
     path = Path(path)
     ids = [str(i) for i in ids]
@@ -102,7 +109,9 @@ def write_outputs(
     if squeezed:
         keep = task.top_k if task is not None else compact.KEEP
         meta = {"compact_version": compact.VERSION, **(meta or {}), "compact": squeezed}
-        first, iterator = _encoded(first, squeezed, keep), (_encoded(c, squeezed, keep) for c in iterator)
+        against = _against(kl_against, squeezed, first, ids, path) if kl_against is not None else None
+        encoded = _encoding(first, iterator, squeezed, keep, against, n_rows)
+        first, iterator = next(encoded), encoded
     layout = _layout(first, n_rows)
     metadata = {k: json.dumps(to_jsonable(v), sort_keys=True) for k, v in {**(meta or {}), "ids": ids}.items()}
     header_obj: dict[str, Any] = {"__metadata__": metadata}
@@ -134,18 +143,52 @@ def write_outputs(
     return sha256_file(path)
 
 
-def _encoded(chunk: dict[str, torch.Tensor], names: list[str], keep: int) -> dict[str, torch.Tensor]:
-    """``chunk`` with each of ``names`` replaced by its compact parts (``compact.encode``, ``keep`` best exact)."""
+@dataclass(frozen=True)
+class KlAgainst:
+    """What a trial's compacted outputs keep each token's KL against (``write_outputs``)."""
+
+    reference: Callable[[], OutputsReader]
+    """The reference's outputs, opened where an output is compacted (``reference_tensors.Reference.outputs_reader``)."""
+    kl: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+    """KL per token of (reference rows, trial rows, ``task.top_k``, the output's elements): ``decisions.token_kl``, given
+    by the trial's stage (the stages that only read outputs import no compare code)."""
+
+
+def _against(kl_against: KlAgainst, names: list[str], first: dict[str, torch.Tensor], ids: list[str],
+             path: Path) -> tuple[Callable, OutputsReader, list[str]] | None:
+    """(KL's function, the reference's outputs, the compacted ``names`` whose KL is kept against them): those it stores
+    full, of the same shape past dim 0 (a compact reference has no exact score to measure against: none)."""
+    reference = kl_against.reference()
+    if reference.ids is not None and reference.ids != ids:
+        raise ValueError(f"{path}: the reference {reference.path} holds other cases than these outputs")
+    names = [n for n in names if n in reference.names and n not in reference.compact
+             and tuple(reference.shape(n)[1:]) == tuple(first[n].shape[1:])]
+    return (kl_against.kl, reference, names) if names else None
+
+
+def _encoding(first: dict[str, torch.Tensor], rest: Iterator[dict[str, torch.Tensor]], names: list[str], keep: int,
+              against: tuple[Callable, OutputsReader, list[str]] | None, n_rows: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Each chunk with each of ``names`` replaced by its compact parts (``compact.encode``, ``keep`` best exact) and, for
+    ``against``'s names, each token's KL (its function) against its reference's rows."""
     import torch
 
-    out = {k: v for k, v in chunk.items() if k not in names}
-    for name in names:
-        scores = chunk[name].detach().to("cpu")
-        if tuple(scores.shape[1:]) != tuple(chunk[name].shape[1:]) or scores.dtype != torch.float32:
-            raise ValueError(f"write_outputs: output '{name}' changed dtype or shape between chunks")
-        for what, x in compact.encode(scores.contiguous().numpy(), keep).items():
-            out[compact.part(name, what)] = torch.from_numpy(x)
-    return out
+    row = 0
+    for chunk in itertools.chain((first,), rest):
+        out = {k: v for k, v in chunk.items() if k not in names}
+        for name in names:
+            scores = chunk[name].detach().to("cpu")
+            if tuple(scores.shape[1:]) != tuple(first[name].shape[1:]) or scores.dtype != torch.float32:
+                raise ValueError(f"write_outputs: output '{name}' changed dtype or shape between chunks")
+            scores = scores.contiguous()
+            for what, x in compact.encode(scores.numpy(), keep).items():
+                out[compact.part(name, what)] = torch.from_numpy(x)
+            if against is not None and name in against[2]:
+                kl, reference = against[:2]
+                ref = reference.read(name, row, row + scores.shape[0])
+                out[compact.part(name, compact.KL)] = kl(ref, scores, keep, n_rows * math.prod(scores.shape[1:]))
+        row += next(iter(chunk.values())).shape[0] if chunk else 0
+        yield out
+
 
 
 def _layout(first: dict[str, torch.Tensor], n_rows: int) -> dict[str, tuple[torch.dtype, list[int], int]]:
@@ -236,10 +279,11 @@ class OutputsReader:
         self.compact: list[str] = [str(n) for n in self.meta.get("compact") or []]
         """Outputs stored compact (``artifacts.compact``): ``read`` decodes them, ``view`` gives None."""
         if self.compact and self.meta.get("compact_version") != compact.VERSION:
-            raise UserError(_old_format(self.path, self.meta.get("compact_version"), hint))
+            raise UserError(_old_format(self.path, self.meta.get("compact_version"), produced_by))
         parts = {compact.part(n, w) for n in self.compact for w in compact.PARTS}
         if not parts <= set(self._shapes):
             raise UserError(f"{self.path} names compact outputs without their parts; rebuild it with {hint}")
+        parts |= {compact.part(n, compact.KL) for n in self.compact} & set(self._shapes)
         self.names: list[str] = sorted([n for n in self._shapes if n not in parts] + self.compact)
         ids = self.meta.get("ids")
         self.ids: list[str] | None = [str(i) for i in ids] if isinstance(ids, list) else None
@@ -266,6 +310,12 @@ class OutputsReader:
             return 0.0
         top, step = (self._read_raw(compact.part(name, w)).numpy() for w in ("top", "step"))
         return compact.logit_error(top, step)
+
+    def kl(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor | None:
+        """Each token's KL(reference || these) of rows ``start:stop`` of ``name`` (float64 [n, T]) as a compact trial
+        keeps it (``compact.KL``); None where none is stored (a full output, or a compact reference's trial)."""
+        part = compact.part(name, compact.KL)
+        return self._read_raw(part, start, stop) if name in self.compact and part in self._shapes else None
 
     def kept(self, name: str) -> int | None:
         """The best classes of each row of ``name`` kept exactly (``compact.encode``); None when stored full (all)."""
@@ -394,9 +444,10 @@ class OutputsReader:
         return int(torch.Size(self._shapes[name][1:]).numel()), torch.empty(0, dtype=self._dtypes[name]).element_size()
 
 
-def _old_format(path: Path, version, hint: str) -> str:
+def _old_format(path: Path, version, produced_by: str) -> str:
     return (f"{path} holds compact outputs of another compact format (version {version or 1}, this version reads "
-            f"{compact.VERSION}); rebuild it with {hint}")
+            f"{compact.VERSION}, which keeps a trial's KL per token exactly); rerun {produced_by or 'the stage that wrote it'}: "
+            f"{rerun(produced_by)}")
 
 
 class NumpyReader:
@@ -419,8 +470,8 @@ class NumpyReader:
             version = json.loads(meta.get("compact_version", "null"))
             shapes = {name: handle.get_slice(name).get_shape() for name in handle.keys()}
         if self.compact and version != compact.VERSION:
-            raise UserError(_old_format(self.path, version, rerun(produced_by)))
-        parts = {compact.part(n, w) for n in self.compact for w in compact.PARTS}
+            raise UserError(_old_format(self.path, version, produced_by))
+        parts = {compact.part(n, w) for n in self.compact for w in (*compact.PARTS, compact.KL)}
         shapes |= {n: shapes[compact.part(n, "codes")] for n in self.compact}
         self.elements_per_case = sum(math.prod(s[1:]) for name, s in shapes.items() if name not in parts)
         """Output elements in one case, summed over the named outputs (a compact one counted decoded)."""
@@ -441,4 +492,5 @@ class NumpyReader:
                     out[name] = np.concatenate([view[int(r[0]) : int(r[-1]) + 1] for r in runs])
         for name in self.compact:  # decoded: the reader sees scores, whichever store wrote them
             out[name] = compact.decode({w: out.pop(compact.part(name, w)) for w in compact.PARTS})
+            out.pop(compact.part(name, compact.KL), None)
         return out

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from pipeline import checkpoint, paths
 from pipeline.artifacts import audit as audit_file
-from pipeline.artifacts.outputs import OutputsReader, write_outputs
+from pipeline.artifacts.outputs import KlAgainst, OutputsReader, write_outputs
 from pipeline.artifacts.reference import Manifest as ReferenceManifest
 from pipeline.artifacts.trial import (FAILURE, Failure, Trajectory, TrialManifest, env_differs, produced_by, read_manifest,
                                      read_trajectory)
@@ -34,12 +34,17 @@ class Writer:
     previous trial as it was, never a mix. Used as a context manager, the pending folder goes when the block raises.
     """
 
-    def __init__(self, variant: str, ids: list[str], store: str = "full", task: TaskConfig | None = None) -> None:
+    def __init__(self, variant: str, ids: list[str], store: str = "full", task: TaskConfig | None = None,
+                 reference: Callable[[], OutputsReader] | None = None, kl: Callable | None = None) -> None:
         self.folder = paths.trial(variant)
         self.ids = ids
         self.store, self.task = store, task
         """``compare.store`` and the task: how per-token scores are stored, what the compact form keeps exactly
         (``outputs.write_outputs``)."""
+        self.kl_against = KlAgainst(reference, kl) if reference is not None and kl is not None else None
+        """The reference's outputs (``reference_tensors.Reference.outputs_reader``, opened where an output is compacted)
+        and KL's definition (``decisions.token_kl``): a compacted ``outputs`` keeps each token's KL against the
+        reference's full scores, which compare reads (``compact.KL``)."""
         self.files: dict[str, str] = {}
         self.staged: StagedFolder | None = None
         """The folder's next content, made at the first write (rank 0 alone writes under torchrun)."""
@@ -61,8 +66,9 @@ class Writer:
     def sink(self, name: str, chunks: Iterable[dict[str, torch.Tensor]]) -> None:
         """``name`` is ``outputs`` or ``trained_outputs`` (what ``training.run_trial`` streams)."""
         file = f"{name}.safetensors"
+        against = self.kl_against if name == "outputs" else None  # (compare's KL: the reference against this inference)
         self.files[file] = write_outputs(self._staged().path / file, chunks, self.ids, store=self.store,
-                                         task=self.task)
+                                         task=self.task, kl_against=against)
         self.streamed.append(name)
 
     @property

@@ -314,6 +314,10 @@ def kl_and_lse(ref_scores: torch.Tensor, trial_scores: torch.Tensor, diff: torch
     if r.dtype not in (torch.float32, torch.float64):
         r, t = r.float(), t.float()
     t = t.to(r.dtype)
+    if r.numel() and r.numel() == r.shape[-1]:  # one row: computed beside a copy of itself (``_apart``)
+        two = [None if x is None else _apart(x.reshape(1, -1)) for x in (r, t, diff)]
+        kl, lse_ref, lse_trial = kl_and_lse(*two, ref_argmax=None if ref_argmax is None else ref_argmax.reshape(1).repeat(2))
+        return tuple(None if x is None else x[:1].reshape(r.shape[:-1]) for x in (kl, lse_ref, lse_trial))
     if r.numel() == 0:
         empty = torch.zeros(r.shape[:-1], dtype=torch.float64, device=r.device)
         return empty, (empty.clone() if ref_argmax is not None else None), (empty.clone() if ref_argmax is not None else None)
@@ -331,16 +335,43 @@ def kl_and_lse(ref_scores: torch.Tensor, trial_scores: torch.Tensor, diff: torch
         lse_trial = lse_ref + torch.log1p(a)
     large = ~torch.isfinite(kl) | (a > 1.0)  # far apart: the direct form has no cancellation to fear
     if bool(large.any()):
-        rl, tl, pl = r[large].double(), t[large].double(), p[large].double()
-        lse_r = torch.logsumexp(rl, dim=-1)
-        lse_t = torch.logsumexp(tl, dim=-1)
+        m = int(large.sum())
+        rl, tl, pl = (_apart(x[large].double()) for x in (r, t, p))
+        lse_r = torch.logsumexp(rl, dim=-1)[:m]
+        lse_t = torch.logsumexp(tl, dim=-1)[:m]
         # Over the support of p only: a class the reference rules out (-inf logit, a masked vocabulary)
         # adds nothing, where the pieces above would give 0 * inf = NaN for identical outputs.
-        direct = lse_t - lse_r - torch.where(pl > 0, pl * (tl - rl), torch.zeros_like(pl)).sum(-1)
+        direct = lse_t - lse_r - torch.where(pl > 0, pl * (tl - rl), torch.zeros_like(pl)).sum(-1)[:m]
         kl[large] = torch.where(torch.isfinite(direct), direct, torch.full_like(direct, math.inf))
         if lse_trial is not None:
             lse_trial[large] = lse_t
     return kl.clamp_(min=0.0), lse_ref, lse_trial
+
+
+def _apart(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``x`` [m, C], with a copy of the row beside it where m is 1: torch splits one row's sum over its threads
+    (past 32,768 elements), in another order than the same row's beside others, so that a token's KL would depend on
+    the block it came in (compare's slices, the trial's chunks: ``token_kl``). Two rows or more sum one row per thread."""
+    return torch.cat([x, x]) if x.shape[0] == 1 else x
+
+
+def fuses(kernels: bool | None, k: int, ref: torch.Tensor, trial: torch.Tensor) -> bool:
+    """Whether per-token scores go through the kernels (``decided_pair``) rather than torch's ``_top`` and ``kl_and_lse``:
+    one choice for ``DecisionStats.update`` and ``token_kl``; ``kernels``: ``native.wanted`` for the output's size."""
+    return bool(kernels and k <= native.MAX_K and k < ref.shape[-1] and ref.dtype == trial.dtype == torch.float32
+                and ref.device.type == "cpu")
+
+
+def token_kl(ref: torch.Tensor, trial: torch.Tensor, top_k: int, elements: int) -> torch.Tensor:
+    """KL(reference || trial) of each token of per-token scores [n, T, C] on the CPU, float64: the numbers
+    ``DecisionStats.update`` computes of the same scores for ``top_k`` in compare (``decided_pair``'s where it ``fuses``,
+    with the kernels ``native.wanted`` for an output of ``elements``, else ``kl_and_lse``'s), the same bits for a token in
+    any block of rows or positions, on the same machine. A trial stored compact keeps them (``artifacts.compact``): from
+    its decoded scores they would move by up to ``kl_bound``."""
+    k = min(max(top_k, 2), ref.shape[-1])
+    if fuses(native.wanted(elements, ref.device), k, ref, trial):
+        return decided_pair(ref, trial, k, "lowest_index")[2]
+    return kl_and_lse(ref, trial)[0]
 
 
 def kl_bound(kl: float, alpha: float, beta: float) -> float:
@@ -452,6 +483,8 @@ class DecisionStats:
         self.dp_tokens = 0
         self.logit_error = (0.0, 0.0)
         """Largest error of a decoded score of the reference and of the trial (compact store; 0 when full)."""
+        self.kl_stored = False
+        """Whether KL per token was read as the trial stored it (``update``'s ``stored_kl``): exact, no store bound."""
         self.stores: dict[str, str] = {}
         """Which store each side was read from (``full``, ``compact``): for the record."""
         self.constructed = torch.tensor([k == "boundary" for k in kinds], dtype=torch.bool, device=device)
@@ -471,10 +504,12 @@ class DecisionStats:
 
     def update(self, row: int, ref: torch.Tensor, trial: torch.Tensor, targets: torch.Tensor | None = None,
                position: int = 0, diff: torch.Tensor | None = None,
-               exact: tuple[torch.Tensor, torch.Tensor] | None = None) -> Labels:
+               exact: tuple[torch.Tensor, torch.Tensor] | None = None, stored_kl: torch.Tensor | None = None) -> Labels:
         """Cases ``row:row + len(ref)`` (positions ``position:position + T'`` for [n, T', C] scores). ``exact``: the
         reference rows' log-sum-exp and live spread as a compact store keeps them (``compact.row_lse``, ``row_spread``
         of the original scores), which its probability and relative margins read in place of the decoded scores'.
+        ``stored_kl``: each token's KL as a compact trial stored it (``token_kl`` of the full scores), read in place of the
+        decoded scores'.
 
         Returns the decisions of both sides (``Labels``) for reuse."""
         n = ref.shape[0]
@@ -486,8 +521,7 @@ class DecisionStats:
         k = min(max(self.top_k, 2), ref.shape[-1]) if per_token else 2
         if self.kernels is None:  # by the output's size (``native.MIN_ELEMENTS``)
             self.kernels = native.wanted(self.capacity * ref.shape[-1], ref.device)
-        fused = (self.kernels and k <= native.MAX_K and k < ref.shape[-1] and ref.dtype == trial.dtype == torch.float32
-                 and ref.device.type == "cpu")
+        fused = fuses(self.kernels, k, ref, trial)
         best = None if per_token or not fused else best_rows(ref, 2, need_lse)  # None: torch's path
         if per_token and fused:
             (r_lab, r_top, r_lse), (t_lab, t_top, t_lse), kl = decided_pair(ref, trial, k, self.tie_rule)
@@ -547,6 +581,8 @@ class DecisionStats:
             lse_r, lse_t = r_lse, t_lse
         else:
             kl, lse_r, lse_t = kl_and_lse(ref, trial, diff, ref_argmax=r_top[1][..., 0])
+        if stored_kl is not None:  # (the decoded scores' KL is within ``kl_bound`` of it; the stored one is full's)
+            kl, self.kl_stored = stored_kl.to(kl.device), True
         sample = valid & self.drawn[rows][:, None]  # a selected copy or an edge case is no draw of the data
         self._add_kl(kl[sample], kl[valid])
         if targets is not None:
@@ -680,7 +716,7 @@ class DecisionStats:
         n = self.tokens
         mean = self.kl_sum / n if n else 0.0
         agree = self.top1_agree / n if n else 1.0
-        alpha, beta = (2.0 * e for e in self.logit_error)
+        alpha, beta = (0.0, 0.0) if self.kl_stored else (2.0 * e for e in self.logit_error)
         p99_upper = self.kl_q.upper()  # never below the exact value: what a gate reads
         return Distribution(
             tokens=n,

@@ -326,6 +326,15 @@ def stored_rows(source: Source, name: str, margin_kind: str, start: int, stop: i
     return (lse, spread) if p is None else (lse[:, p:q], spread[:, p:q])
 
 
+def stored_kl(source: Source, name: str, start: int, stop: int, p: int | None = None,
+              q: int | None = None) -> torch.Tensor | None:
+    """Each token's KL(reference || trial) of rows ``start:stop`` (positions ``p:q``) of ``name`` as a compact trial keeps
+    it (``decisions.token_kl`` of the full scores, ``OutputsReader.kl``), which ``DecisionStats.update`` reads in place
+    of the decoded scores'; None where the trial keeps none (stored full, or compact beside a compact reference)."""
+    kl = source.kl(name, start, stop) if isinstance(source, OutputsReader) else None
+    return kl if kl is None or p is None else kl[:, p:q]
+
+
 def logit_error(source: Source, name: str) -> float:
     """The largest error of a decoded score of ``name`` in ``source`` (0.0 unless it is stored compact)."""
     return source.logit_error(name) if isinstance(source, OutputsReader) else 0.0
@@ -512,7 +521,8 @@ def _chunk(st: _State, ref: Source, trial: Source, trained: Source, fp64: Source
             labels = None
             if st.decisions is not None:
                 labels = st.decisions.update(a, r, t, y if st.per_token else None, position=p or 0, diff=diff,
-                                             exact=stored_rows(ref, name, st.decisions.margin_kind, a, b, p, q))
+                                             exact=stored_rows(ref, name, st.decisions.margin_kind, a, b, p, q),
+                                             stored_kl=stored_kl(trial, name, a, b, p, q))
             trained_slice = trained_main[a - start : b - start]
             trained_slice = trained_slice[:, p:q] if p is not None else trained_slice
             with_target = st.has_target[a:b]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pipeline import checkpoint, devices, distributed, launch, paths, precision, sysmetrics, task, training, transforms
 
 from pipeline.artifacts import reference_tensors, trial, trial_tensors
+from pipeline.compare import decisions
 from pipeline.diagnosis import audit, failure
 from pipeline.config import load_params
 
@@ -16,7 +17,7 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     policy = params.trial.policy(variant)
     if launch.relaunched("trial", params, params_path, variant):
         return  # it ran on distributed.nproc_per_node ranks under torchrun
-    device = distributed.init(devices.resolve(params.device))  # one process: unchanged; under torchrun: this rank's
+    device = distributed.init(devices.resolve(params.device), params.distributed)  # one process: unchanged; else this rank's
     world = distributed.current()
     if policy.amp:
         devices.check_dtype_supported(device, precision.parse_dtype(policy.dtype))
@@ -24,7 +25,8 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     trained, source = ref.model(params), ref.train_data(params)
     run_key = trial.run_key(ref.manifest, policy, reference_tensors.recipe_key(params))
     resume = checkpoint.ResumeFile(paths.RESUME / f"trial-{variant}.safetensors", world.key(run_key), device)
-    writer = trial_tensors.Writer(variant, ref.cases.ids, params.compare.store, params.task)
+    writer = trial_tensors.Writer(variant, ref.cases.ids, params.compare.store, params.task, ref.outputs_reader,
+                                  decisions.token_kl)  # a compact trial keeps compare's KL of its full scores
     try:
         with (
             writer,
