@@ -66,3 +66,29 @@ def test_rounds_with_a_skipped_update_are_dropped() -> None:
     kept = rounds.kept_times()
     assert kept["fp32"] == rounds.times["fp32"][2:] and kept["amp"] == rounds.times["amp"][2:]
     assert amp.updates == 12 - 3 and fp32.updates == 12
+
+
+def test_an_inference_only_verdict_times_a_forward_pass_and_a_trained_one_an_update() -> None:
+    """reference.train_steps 0 judges inference only: its benchmark times what it judged, a forward pass under the
+    policy (no gradient, no update: the weights stay); otherwise a training update (the weights move)."""
+    import dataclasses
+
+    from pipeline.bench.timing import update_count
+    from pipeline.bench.workload import InferenceStep, step_for
+    from pipeline.config import ReferenceConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    inference_only = dataclasses.replace(Params(), reference=dataclasses.replace(ReferenceConfig(), train_steps=0))
+    work = Workload(copy.deepcopy(model), [(x, y)], inference_only, CPU, {})
+    before = [p.detach().clone() for p in work.model.parameters()]
+    step = step_for(work, Policy(dtype="bfloat16"))
+    assert isinstance(step, InferenceStep) and update_count(step) is None
+    step()
+    assert all(torch.equal(a, b) for a, b in zip(before, work.model.parameters()))
+    trained = Workload(copy.deepcopy(model), [(x, y)], Params(), CPU, {})
+    step = step_for(trained, Policy())
+    assert isinstance(step, TrainingStep)
+    step()
+    assert update_count(step) == 1 and not all(torch.equal(a, b) for a, b in zip(before, trained.model.parameters()))

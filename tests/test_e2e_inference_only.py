@@ -53,3 +53,8 @@ def test_inference_only_accepts_bfloat16_and_rolls_back_float16s_overflow(tmp_pa
     assert not any(r.startswith("training") for r in broken["reasons"]), broken["reasons"]
     assert "non-finite" in " ".join(broken["reasons"]), broken["reasons"]
     assert "float16: ROLLBACK" in out and "training NOT JUDGED" in out, out
+
+    # The accepted variant's benchmark times what was judged: a forward pass, said in its method.
+    dvc(repo, "repro", "benchmark@bfloat16")
+    method = read(repo, "data/benchmark/bfloat16/benchmark.json")["method"]
+    assert method["timed"].startswith("inference: one forward pass"), method

@@ -96,7 +96,7 @@ class TimeToQuality(Record):
         """``time to FP32's final loss: x0.80 (0.70-0.95; AMP needed 150 of 150 updates, FP32 150; FP32's replicates
         140-150)``, or ``never reached FP32's final loss in 150 updates (...): no time-to-quality claim``
         (``present.verdict.to_quality_words``: the one wording)."""
-        return verdict.to_quality_words(self.as_dict())
+        return verdict.to_quality_words(self)
 
 
 @dataclass(frozen=True)
@@ -116,12 +116,12 @@ class Speed(Record):
     ABSENT = ("to_quality",)
 
     def words(self) -> str:
-        """The verdict with its figures, then the time to quality's (``present.verdict.speed_words``: the one wording)."""
-        return verdict.speed_words({"speed": self.as_dict()})
+        """The verdict with its figures, then the time to quality's (``present.verdict.speed_line``: the one wording)."""
+        return verdict.speed_line(self)
 
     def per_step_words(self) -> str:
         """The verdict on the time per step with its figures, without the time to quality."""
-        return verdict.per_step_words(self.as_dict())
+        return verdict.per_step_words(self)
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,8 @@ class WorkloadFacts(Record):
 class Method(Record):
     """How it was measured: enough to judge the figures without reading the code."""
 
+    ABSENT = ("timed",)
+
     warmup: int
     repeats: int
     steps_per_repeat: int
@@ -173,6 +175,8 @@ class Method(Record):
     cpu_threads: int
     cpu_load_1min: float | None
     """Other processes on the CPU slow multi-threaded steps unevenly: read wide IQRs in that light."""
+    timed: str | None = None
+    """What one step is, where it is not a training update (an inference-only verdict times a forward pass)."""
 
 
 @dataclass(frozen=True)

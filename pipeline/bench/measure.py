@@ -18,7 +18,7 @@ from pipeline.bench.sizing import Sizes, sizes
 from pipeline.bench.stats import memory_summary, ratio_spread, speed, spread, time_to_quality
 from pipeline.bench.timing import Rounds, interleaved
 from pipeline.bench.arms import arms, timed_arms
-from pipeline.bench.workload import TrainingStep, Workload, load_workload
+from pipeline.bench.workload import Workload, load_workload, step_for
 from pipeline.config import Params
 from pipeline.config import Policy
 
@@ -45,7 +45,7 @@ def measure(params_path: str, params: Params, variant: str, device: torch.device
         for a in timed_arms(chosen):  # each arm its own model, optimizer and scaler
             works[a.name] = load_workload(params, device, variant if a.name == AMP else None)
             stack.enter_context(precision.fp32_regions(works[a.name].model, a.policy, device))
-            steps[a.name] = (TrainingStep(works[a.name], a.policy), a.tf32)
+            steps[a.name] = (step_for(works[a.name], a.policy), a.tf32)
         trial_step = steps[AMP][0]
         compiled = transforms.compile_seconds(trial_step, device) if policy.compiled else None  # before any timed round
         load = os.getloadavg()[0] if device.type == "cpu" else None
@@ -95,6 +95,8 @@ def record(
             sizing=size.note,
             clock="CUDA events, synchronized" if device.type == "cuda" else "time.perf_counter (monotonic)",
             order="interleaved, rotating each round",
+            timed=(None if work.params.reference.train_steps else
+                   "inference: one forward pass of the first update's batches, no gradients (reference.train_steps 0)"),
             fp32="strict: TF32 off for matmul and cuDNN; timed twice (fp32_again, the A/A: its own model, same rounds)",
             tf32=tf32_note,
             memory=memory_method + (

@@ -27,7 +27,7 @@ from pipeline.artifacts.benchmark import AMP, TF32, MemoryProbe
 from pipeline.bench.sizing import sizes
 from pipeline.bench.timing import skipped_since, update_count
 from pipeline.bench.arms import Arm
-from pipeline.bench.workload import TrainingStep, load_workload
+from pipeline.bench.workload import load_workload, step_for
 from pipeline.config import Params
 from pipeline.errors import UserError
 from pipeline.files import from_jsonable, to_jsonable
@@ -81,7 +81,7 @@ def peak_memory(step: Callable[[], None], warmup: int, repeats: int, steps: int,
 def arm_memory(params: Params, variant: str, arm: Arm, device: torch.device) -> MemoryProbe:
     """One arm's ``peak_memory``: its workload built, stepped under its policy, measured."""
     work = load_workload(params, device, variant if arm.name == AMP else None)
-    step = TrainingStep(work, arm.policy)
+    step = step_for(work, arm.policy)
     size = sizes(params.bench, device.type)
     with precision.fp32_regions(work.model, arm.policy, device), precision.tf32(arm.tf32):
         return peak_memory(step, size.warmup, size.repeats, size.steps, device)

@@ -84,3 +84,26 @@ class TrainingStep:
             self.net, w.micro_batches, self.loss_fn, self.optimizer, self.scaler, self.policy, w.device,
             self.max_norm, self.trainable, read_back=False,
         )
+
+
+class InferenceStep:
+    """One forward pass under the trial's policy of the first update's batches, without gradients, in the reference's
+    train or eval mode: what an inference-only verdict (``reference.train_steps: 0``) judges, and so what it times.
+    No optimizer, no scaler: no update to count (``timing.update_count`` reads None)."""
+
+    def __init__(self, work: Workload, policy: Policy) -> None:
+        self.work, self.policy = work, policy
+        work.model.train(not work.params.reference.eval_mode)
+        self.applied = transforms.apply(work.model, policy, work.device)  # float8 layers, the compiled wrapper
+
+    def __call__(self) -> None:
+        w = self.work
+        with torch.no_grad(), precision.autocast(self.policy, w.device):
+            for x, _ in w.micro_batches:
+                task.call(self.applied.model, x)
+
+
+def step_for(work: Workload, policy: Policy) -> TrainingStep | InferenceStep:
+    """What the benchmark times of ``policy``: a training update, or, where nothing is trained (an inference-only
+    verdict), a forward pass."""
+    return InferenceStep(work, policy) if work.params.reference.train_steps == 0 else TrainingStep(work, policy)
