@@ -49,8 +49,8 @@ Store = Literal["full", "compact", "auto"]
 AUTO_BYTES = 1 << 30
 """``auto`` compacts a source whose per-token float32 scores exceed 1 GiB: below, the full store costs little disk
 and read time and its numbers are exact; above (the issue's 32k x 64 x 512 case is 4.2 GB per source, four
-sources per comparison), the compact store halves both at a bounded error (``kl_bound``: about 1e-5 nats on the
-KL mean of a realistic row)."""
+sources per comparison), the compact store halves both: every decision exact, KL too where the reference is stored
+full (``KL``), else within ``kl_bound`` (about 1e-5 nats on the KL mean of a realistic row)."""
 PARTS = ("codes", "top", "step", "second", "second_index", "best", "best_index", "lse", "spread")
 KL = "kl"
 """A trial's part beside ``PARTS`` where its reference is stored full: each token's KL(reference || trial), float64."""

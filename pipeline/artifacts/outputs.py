@@ -20,7 +20,7 @@ over its vocabulary at every position: the outputs of freeze and trial need not 
 Metadata holds ``ids`` (one string per row) as a JSON string, as ``files.write_tensors`` writes it, and, in the
 compact store (``store=compact``), ``compact``: the outputs kept as ``artifacts.compact`` parts, decoded on read, and
 ``compact_version`` (``compact.VERSION``: a file of another format is refused in one line). A trial's compacted output
-written beside its reference (``reference``) keeps each token's KL against the reference's full scores (``compact.KL``,
+written beside its reference (``KlAgainst``) keeps each token's KL against the reference's full scores (``compact.KL``,
 ``OutputsReader.kl``).
 
 Torch-free at import: ``NumpyReader`` reads the same files with safetensors' numpy loader, for the report
@@ -94,7 +94,7 @@ def write_outputs(
 
     Raises:
         ValueError: no chunk, chunks that disagree in names, dtype or shape, or rows that do not add up, or a
-            ``reference`` of other ids.
+            reference (``kl_against``) of other ids.
     """
     path = Path(path)
     ids = [str(i) for i in ids]
@@ -188,7 +188,6 @@ def _encoding(first: dict[str, torch.Tensor], rest: Iterator[dict[str, torch.Ten
                 out[compact.part(name, compact.KL)] = kl(ref, scores, keep, n_rows * math.prod(scores.shape[1:]))
         row += next(iter(chunk.values())).shape[0] if chunk else 0
         yield out
-
 
 
 def _layout(first: dict[str, torch.Tensor], n_rows: int) -> dict[str, tuple[torch.dtype, list[int], int]]:
