@@ -211,7 +211,11 @@ def test_a_failed_trial_is_a_verified_folder_with_no_outputs(tmp_path, monkeypat
 
 def test_decide_rolls_a_failed_trial_back_and_every_renderer_copes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no data/ here: the child run finds no checkpoint, as for a failed trial
-    from pipeline.artifacts import decision, diagnosis
+    from test_page import blank
+
+    from pipeline.artifacts import decision, diagnosis, variant
+    from pipeline.artifacts.benchmark import NotBenchmarked
+    from pipeline.artifacts.reference import Manifest
     from pipeline.present import page, runs, verdict
 
     found = diagnosis.of_failure(FAILED)
@@ -223,13 +227,13 @@ def test_decide_rolls_a_failed_trial_back_and_every_renderer_copes(tmp_path, mon
     assert d.notes == ["training was not judged: the trial stopped when its inference raised"]
     assert decision.summary_metrics(d, None) == {"decision": "rollback", "inference": "rollback", "training": "rollback",
                                                  "reasons": 2}
-    v = {"variant": "float16", "env": {}, "manifest": {"env": {}, "policy": {"dtype": "float16"}}, "trajectory": None,
-         "audit": None, "stats": {}, "metrics": {}, "cases": None, "diagnosis": found.as_dict(), "decision": d.as_dict(),
-         "benchmark": {"benchmarked": False, "reason": "rolled back"}, "plots": {}}  # variant.load of a failed trial
-    said = verdict.text(verdict.verdict("float16", v["decision"], None, v["diagnosis"]))
+    # variant.load of a failed trial: no statistics, audit, trajectory, table or figures
+    v = variant.Variant("float16", blank(trial.TrialManifest, policy={"dtype": "float16"}), d, found,
+                        NotBenchmarked("float16", "rolled back"))
+    said = verdict.text(verdict.verdict("float16", v.decision, None, v.diagnosis))
     assert FAILED.line("float16") in said and "fp32_modules=[\"encoder.attention\"]" in said, said
     assert runs.child_tags(v, [], {})["amp_engaged"] == "trial failed" and runs.columns(v)["accepted"] is False
-    child = runs.child(v, verdict.verdict("float16", v["decision"]), [], (), None, {}, {})
+    child = runs.child(v, verdict.verdict("float16", v.decision), [], (), None, {}, {})
     assert child.steps["loss_amp"] == [] and child.tables == {} and child.models == []
-    reference = {"env": {}, "rule_sha256": "r", "run_key": "k"}
-    assert "ROLLBACK" in page.markdown(reference, [v]) and "ROLLBACK" in page.html(reference, [v], {})
+    reference = blank(Manifest, rule_sha256="r", run_key="k")
+    assert "ROLLBACK" in page.markdown(reference, [v]) and "ROLLBACK" in page.html(reference, [v])

@@ -17,12 +17,19 @@ import pytest
 from _project import ROOT, dvc, stage, write_params
 from _steps import step
 
+from dataclasses import replace
+
+from test_page import blank, decided, variant
+
+from pipeline.artifacts.audit import Audit, AuditedOp, Share
+from pipeline.artifacts.benchmark import Benchmark, Interval, MemorySummary, NotBenchmarked, Speed, Spread
+from pipeline.artifacts.comparison import Decisions, Flip, Quality, Stats, Training, ValueGap
+from pipeline.artifacts.diagnosis import Diagnosis, Suggestion
+from pipeline.artifacts.forecast import ForecastCheck
+from pipeline.artifacts.reference import Manifest
 from pipeline.artifacts.steps import StepRecord
 from pipeline.config import AcceptanceConfig
-from pipeline.files import flatten
-from pipeline.present import plots
-
-from pipeline.present import page, verdict
+from pipeline.present import page, plots, verdict
 
 DTYPES = ("float16", "bfloat16")
 
@@ -60,37 +67,37 @@ def digests(figures: dict[str, bytes]) -> dict[str, str]:
     return {k: hashlib.sha256(v).hexdigest() for k, v in figures.items()}
 
 
-def variants() -> list[dict]:
-    accept = {"decision": "accept", "reasons": [], "checks": ["training: every loss finite"], "rule": {"boundary_margin": 0.05},
-              "env": {"backend": "cpu"}}
-    rollback = {"decision": "rollback", "reasons": ["values 'output': 3 of 10 <outside> | atol"],
-                "findings": ["first non-finite loss at step 3"], "checks": [],
-                "rule": {"boundary_margin": 0.05}, "env": {"backend": "cpu"}}
-    flip = {"id": "ordinary/digits-1274", "kind": "ordinary", "boundary": False, "near_boundary": True, "reference_class": 5,
-            "trial_class": 2, "reference_margin": 0.037, "trial_margin": 0.01}
-    built = {"id": "boundary/a~b", "kind": "boundary", "boundary": True, "near_boundary": False, "reference_class": 1,
-             "trial_class": 7, "reference_margin": 0.0002, "trial_margin": 0.001}
-    stats = {"flips": {"flips": 0, "near_boundary_flips": 1, "near_boundary_cases": 3, "boundary_flips": 1, "boundary_cases": 4,
-                       "boundary_margin": 0.05, "flip_list": [built, flip]},
-             "quality": {"reference": 0.9, "trial": 0.89}, "values": {"output": {"max_abs": 0.01, "atol": 0.05, "rtol": 0.0}},
-             "training": {"steps": 20, "max_loss_gap": 0.01, "band_violations": 0, "scaler_enabled": False, "final_scale": 1.0,
-                          "skipped_fraction": 0.0}}
-    aa = {"median": 1.0, "low": 0.97, "high": 1.03, "level": 0.95, "coverage": 0.96, "n": 9}
-    bench = {"benchmarked": True, "speedup": {"median": 1.5, "q1": 1.4, "q3": 1.6},
-             "speed": {"verdict": "faster", "speedup": {**aa, "median": 1.5, "low": 1.41, "high": 1.62}, "fp32_again": aa},
-             "seconds_per_step": {"fp32": {"median": 0.3}, "amp": {"median": 0.2}}, "working_memory_ratio": {"median": 0.5}}
-    slow = {**bench, "speedup": {"median": 0.32, "q1": 0.3, "q3": 0.34},
-            "speed": {"verdict": "slower", "speedup": {**aa, "median": 0.32, "low": 0.3, "high": 0.35}, "fp32_again": aa}}
-    diagnosis = {
-        "findings": ["first non-finite loss at step 3"], "suggestion": {"fp32_modules": ["head", "0"], "rule_passes": True},
-    }
+def variants(images: dict[str, dict[str, bytes]] | None = None) -> list:
+    """An accept slower than FP32, a rollback with flips and a suggestion, an accept faster than FP32 (typed records)."""
+    accept = decided("accept", checks=["training: every loss finite"], rule={"boundary_margin": 0.05})
+    rollback = decided("rollback", reasons=["values 'output': 3 of 10 <outside> | atol"], inference="rollback",
+                       findings=["first non-finite loss at step 3"], rule={"boundary_margin": 0.05})
+    flip = blank(Flip, id="ordinary/digits-1274", kind="ordinary", boundary=False, near_boundary=True, reference_class=5,
+                 trial_class=2, reference_margin=0.037, trial_margin=0.01)
+    built = blank(Flip, id="boundary/a~b", kind="boundary", boundary=True, near_boundary=False, reference_class=1,
+                  trial_class=7, reference_margin=0.0002, trial_margin=0.001)
+    stats = blank(
+        Stats, flips=blank(Decisions, flips=0, near_boundary_flips=1, near_boundary_cases=3, boundary_flips=1, boundary_cases=4,
+                           boundary_margin=0.05, flip_list=(built, flip)),
+        quality=blank(Quality, reference=0.9, trial=0.89), values={"output": blank(ValueGap, max_abs=0.01, atol=0.05, rtol=0.0)},
+        training=blank(Training, steps=20, max_loss_gap=0.01, band_violations=0, scaler_enabled=False, final_scale=1.0,
+                       skipped_fraction=0.0),
+    )
+    aa = Interval(median=1.0, low=0.97, high=1.03, level=0.95, coverage=0.96, n=9)
+    bench = blank(Benchmark, variant="float16-fast", env={"backend": "cpu"}, speedup=blank(Spread, median=1.5, q1=1.4, q3=1.6),
+                  speed=Speed("faster", replace(aa, median=1.5, low=1.41, high=1.62), aa, "m"),
+                  seconds_per_step={"fp32": blank(Spread, median=0.3), "amp": blank(Spread, median=0.2)},
+                  memory=blank(MemorySummary, working_memory_ratio=blank(Spread, median=0.5)))
+    slow = replace(bench, variant="float16", speedup=blank(Spread, median=0.32, q1=0.3, q3=0.34),
+                   speed=Speed("slower", replace(aa, median=0.32, low=0.3, high=0.35), aa, "m"))
+    diagnosis = Diagnosis(findings=["first non-finite loss at step 3"],
+                          suggestion=Suggestion(fp32_modules=("head", "0"), rule_passes=True, file=""))
+    images = images or {}
     return [
-        {"variant": "float16", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": flatten(stats),
-         "diagnosis": {"findings": []}, "benchmark": slow},
-        {"variant": "bfloat16", "env": {"backend": "cpu"}, "decision": rollback, "stats": stats, "metrics": flatten(stats),
-         "diagnosis": diagnosis, "benchmark": {"benchmarked": False, "reason": "bfloat16 was rolled back"}},
-        {"variant": "float16-fast", "env": {"backend": "cpu"}, "decision": accept, "stats": stats, "metrics": flatten(stats),
-         "diagnosis": {"findings": []}, "benchmark": bench},
+        variant("float16", accept, stats=stats, benchmark=slow, plots=images.get("float16", {})),
+        variant("bfloat16", rollback, stats=stats, diagnosis=diagnosis,
+                benchmark=NotBenchmarked("bfloat16", "bfloat16 was rolled back"), plots=images.get("bfloat16", {})),
+        variant("float16-fast", accept, stats=stats, benchmark=bench, plots=images.get("float16-fast", {})),
     ]
 
 
@@ -98,10 +105,9 @@ SLOW = "x0.32 (3.1 times slower; 95 % interval 0.30-0.35; FP32 against itself 0.
 FAST = "x1.50 faster (95 % interval 1.41-1.62; FP32 against itself 0.97-1.03)"
 """The speed words of ``variants()``' benchmarks: their verdict, interval and FP32 against itself."""
 
-REFERENCE = {
-    "rule_sha256": "ab" * 32, "run_key": "cd" * 32, "env": {"backend": "cpu", "device_name": "x86_64", "torch": "2.13.0"},
-    "cases": {"total": 50, "ordinary": 50},
-}
+REFERENCE = blank(Manifest, rule_sha256="ab" * 32, run_key="cd" * 32,
+                  env={"backend": "cpu", "device_name": "x86_64", "torch": "2.13.0"}, cases={"total": 50, "ordinary": 50})
+"""A reference frozen before the role table (``roles`` empty)."""
 
 
 @pytest.fixture(scope="module")
@@ -145,16 +151,16 @@ def test_curve_rows_are_long_records_titled_and_coloured_per_dtype_and_series():
 
 def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
     images = {d: {k.split("/")[1]: v for k, v in figures.items() if k.startswith(d)} for d in DTYPES}
-    doc = page.html(REFERENCE, variants(), images)
+    doc = page.html(REFERENCE, variants(images))
     assert (
         doc.index('<section id="verdict">') < doc.index('<table class="summary">') < doc.index("<footer>")
-        < doc.index(REFERENCE["rule_sha256"])
+        < doc.index(REFERENCE.rule_sha256)
     )
     # what a reader sees
     verdict = html.unescape(re.sub(r"<[^>]+>", "", doc[doc.index('<section id="verdict">'):doc.index("</section>")]))
     assert f"float16: ACCEPT: the rule passed, {SLOW} on this CPU" in verdict and "keep FP32 here" in verdict
     assert f"float16-fast: ACCEPT: the rule passed, {FAST} on this CPU, working memory x0.50: switch to AMP here" in verdict
-    assert "bfloat16: ROLLBACK: 1 criterion failed; keep FP32 for bfloat16" in verdict
+    assert "bfloat16: ROLLBACK: 1 criterion failed (inference ROLLBACK, training ACCEPT); keep FP32 for bfloat16" in verdict
     assert "ordinary/digits-1274: class 5 -> 2, reference margin 0.037 (trial 0.01) - a REAL sample near the boundary" in verdict
     assert verdict.index("ordinary/digits-1274") < verdict.index("boundary/a~b: class 1 -> 7")  # real samples first
     assert "a constructed boundary case" in verdict
@@ -162,42 +168,44 @@ def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
     assert """dvc exp run -S 'trial.policies.bfloat16.fp32_modules=["head","0"]' -S 'trial.variants=[bfloat16]'""" in verdict
     assert "no GradScaler" in verdict
     md = page.markdown(REFERENCE, variants())
-    assert md.index("## Verdict") < md.index("## Key figures") < md.index(REFERENCE["rule_sha256"])
+    assert md.index("## Verdict") < md.index("## Key figures") < md.index(REFERENCE.rule_sha256)
     assert md.splitlines()[:3] == [
         f"**float16: ACCEPT** - the rule passed, {SLOW} on this CPU, working memory x0.50: "
         "keep FP32 here unless memory is what you lack  ",
-        "**bfloat16: ROLLBACK** - 1 criterion failed; keep FP32 for bfloat16 (the reference state is restorable exactly); "
+        "**bfloat16: ROLLBACK** - 1 criterion failed (inference ROLLBACK, training ACCEPT); keep FP32 for bfloat16 "
+        "(the reference state is restorable exactly); "
         "next: `python -m pipeline restore --variant bfloat16`  ",
         f"**float16-fast: ACCEPT** - the rule passed, {FAST} on this CPU, working memory x0.50: switch to AMP here",
     ]
 
 
-ENGAGED = {"flagged": False, "total": {"reduced_share": 0.994}, "stayed_fp32": [],
-           "line": "AMP engaged: 99.4 % of the matmul, convolution and attention FLOPs ran in reduced precision (float16 99.4 %)"}
-BARELY = {"flagged": True, "total": {"reduced_share": 0.02},
-          "line": "AMP did not engage: only 2.0 % ...; speedup claim unsupported",
-          "stayed_fp32": [{"op": "aten.mm.default", "shapes": [[64, 8], [8, 64]], "precision": "float64", "module": "",
-                           "phase": "forward", "share": 0.98}]}
-CHECKED = {"recommendation": "fp16 is safe", "forecast": "fp16 is safe: largest activation 12.3 (module '2')", "held": True,
-           "expected": "finite outputs", "observed": "skipped 0", "line": "forecast held: expected finite outputs; the trial ..."}
+ENGAGED = blank(Audit, flagged=False, total=blank(Share, reduced_share=0.994),
+                line="AMP engaged: 99.4 % of the matmul, convolution and attention FLOPs ran in reduced precision "
+                     "(float16 99.4 %)")
+BARELY = blank(Audit, flagged=True, total=blank(Share, reduced_share=0.02),
+               line="AMP did not engage: only 2.0 % ...; speedup claim unsupported",
+               stayed_fp32=(blank(AuditedOp, op="aten.mm.default", shapes=((64, 8), (8, 64)), precision="float64", module="",
+                                  phase="forward", share=0.98),))
+CHECKED = ForecastCheck(recommendation="fp16 is safe", forecast="fp16 is safe: largest activation 12.3 (module '2')", held=True,
+                        expected="finite outputs", observed="skipped 0",
+                        line="forecast held: expected finite outputs; the trial ...")
 
 
 def test_verdict_says_the_audit_and_the_forecast_and_a_flagged_audit_unsupports_the_speedup():
     fp16, bf16, fast = variants()
-    fp16 = {**fp16, "audit": ENGAGED, "diagnosis": {"findings": [], "forecast": CHECKED}}
-    bf16, fast = {**bf16, "audit": ENGAGED}, {**fast, "audit": BARELY}
-    doc = page.html(REFERENCE, [fp16, bf16, fast], {})
+    fp16 = replace(fp16, audit=ENGAGED, diagnosis=Diagnosis(forecast=CHECKED))
+    bf16, fast = replace(bf16, audit=ENGAGED), replace(fast, audit=BARELY)
+    doc = page.html(REFERENCE, [fp16, bf16, fast])
     shown = html.unescape(re.sub(r"<[^>]+>", "", doc[doc.index('<section id="verdict">'):doc.index("</section>")]))
     assert ("float16-fast: ACCEPT: the rule passed, speedup claim unsupported: autocast barely engaged (share 2.0 %); "
             f"the benchmark measured {FAST}") in shown and "switch to AMP here" not in shown
-    assert f"audit: {ENGAGED['line']}" in shown and f"audit: {BARELY['line']}" in shown
-    assert f"FP16 forecast: {CHECKED['forecast']}" in shown and CHECKED["line"] in shown
+    assert f"audit: {ENGAGED.line}" in shown and f"audit: {BARELY.line}" in shown
+    assert f"FP16 forecast: {CHECKED.forecast}" in shown and CHECKED.line in shown
     assert shown.count("FP16 forecast:") == 1  # float16 only: the others have no check
-    text = verdict.text(verdict.verdict("float16", fp16["decision"], fp16["stats"], fp16["diagnosis"], fp16["benchmark"],
-                                        audit=ENGAGED))
+    text = verdict.text(verdict.verdict("float16", fp16.decision, fp16.stats, fp16.diagnosis, fp16.benchmark, audit=ENGAGED))
     lines = text.splitlines()
-    assert lines.index(f"  audit: {ENGAGED['line']}") < lines.index(f"  FP16 forecast: {CHECKED['forecast']}") < lines.index(
-        f"  {CHECKED['line']}")
+    assert lines.index(f"  audit: {ENGAGED.line}") < lines.index(f"  FP16 forecast: {CHECKED.forecast}") < lines.index(
+        f"  {CHECKED.line}")
     assert SLOW in lines[0]  # an engaged audit leaves the measured gain as it was
     # The variant's section lists what stayed in FP32 unasked, and the table says the share and the flag.
     assert "aten.mm.default [64,8] x [8,64] float64 in the model's own code (forward), 98.0 % of the FLOPs" in html.unescape(doc)
@@ -206,7 +214,7 @@ def test_verdict_says_the_audit_and_the_forecast_and_a_flagged_audit_unsupports_
     assert table[engaged] == ["99.4 %", "99.4 %", "2.0 %, FLAGGED: speedup claim unsupported"]
     assert table["FP16 forecast (float16 variants)"] == ["fp16 is safe", "-", "-"]
     assert table["FP16 forecast against the trial"] == ["held", "-", "-"]
-    md = verdict.markdown([verdict.verdict("float16-fast", fast["decision"], benchmark=fast["benchmark"], audit=BARELY)])
+    md = verdict.markdown([verdict.verdict("float16-fast", fast.decision, benchmark=fast.benchmark, audit=BARELY)])
     assert "speedup claim unsupported: autocast barely engaged (share 2.0 %)" in md
 
 
@@ -341,8 +349,8 @@ def test_the_report_and_the_mlflow_description_show_the_role_table() -> None:
     rule = AcceptanceConfig(outputs={"*": Tolerance(), "aux": Tolerance(role="values")})
     roles = heads.resolve("classification", rule, {"logits": (8, 10), "aux": (8, 3)}, "logits", threshold=None,
                           over_positions=[], probabilities={}, scales={"logits": 4.7})
-    reference = {**REFERENCE, "roles": roles.as_dict()}
-    md, doc = page.markdown(reference, variants()), page.html(reference, variants(), {})
+    reference = replace(REFERENCE, roles=roles.as_dict())
+    md, doc = page.markdown(reference, variants()), page.html(reference, variants())
     assert "## Outputs, as judged" in md and "| logits (primary) | 10 | classes (inferred) | argmax over classes |" in md
     assert "| aux | 3 | values (stated) | - |" in md
     assert "<h2>Outputs, as judged</h2>" in doc and "<td>values (stated)</td>" in doc

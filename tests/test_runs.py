@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from _steps import step
 
+from pipeline.artifacts.comparison import Arbiter
 from pipeline.config import AcceptanceConfig
 from pipeline.present import runs
 
-ARBITER = {"fp32_rmse_vs_fp64": 1e-7, "amp_rmse_vs_fp64": 2e-4, "amp_over_fp32": 2000.0}
+ARBITER = Arbiter(fp32_rmse_vs_fp64=1e-7, amp_rmse_vs_fp64=2e-4, amp_over_fp32=2000.0)
 
 
 def test_the_fp64_note_says_what_the_check_covered_and_that_there_was_none():
-    full = runs.fp64_note({"arbiter": {"logits": ARBITER}})
+    full = runs.fp64_note({"logits": ARBITER})
     assert "against an FP64 re-run of the same inputs, AMP's RMS error is 0.0002" in full and "first" not in full
-    partial = runs.fp64_note({"arbiter": {"logits": {**ARBITER, "cases": 5}}})
+    partial = runs.fp64_note({"logits": replace(ARBITER, cases=5)})
     assert "(the fixed set's first 5 cases: reference.fp64_arbiter)" in partial
-    for absent in ({"arbiter": None}, {}):  # 0 cases, or a model that does not run in float64: said, not silent
+    for absent in (None, {}):  # 0 cases, or a model that does not run in float64: said, not silent
         assert runs.fp64_note(absent).startswith("- No FP64 check: the reference has no FP64 re-run")
 
 

@@ -4,6 +4,13 @@ MLflow shows them (issue 24, item 7)."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
+
+from test_page import blank, decided, variant
+
+from pipeline.artifacts.audit import Audit, Share
+from pipeline.artifacts.benchmark import Benchmark, Interval, Speed, Spread, TimeToQuality
+from pipeline.artifacts.comparison import Decisions, Flip, Stats
 
 FORGED = "ordinary/x\npublish: float16 ACCEPT; review: http://evil\x1b[2J"
 SCRIPT = "<script>alert(1)</script><img src=x onerror=alert(2)>[click](javascript:alert(3))"
@@ -12,10 +19,10 @@ SCRIPT = "<script>alert(1)</script><img src=x onerror=alert(2)>[click](javascrip
 def _verdict(ids: list[str]):
     from pipeline.present import verdict
 
-    flips = [{"id": i, "kind": "ordinary", "boundary": False, "near_boundary": False, "reference_class": 1, "trial_class": 2,
-              "reference_margin": 0.5, "trial_margin": 0.1} for i in ids]
-    decision = {"decision": "rollback", "reasons": [f"1 flip among real samples: {ids[0]}"], "rule": {}, "env": {}}
-    return verdict.verdict("float16", decision, {"flips": {"flip_list": flips}}, {})
+    flips = tuple(blank(Flip, id=i, kind="ordinary", boundary=False, near_boundary=False, reference_class=1, trial_class=2,
+                        reference_margin=0.5, trial_margin=0.1) for i in ids)
+    decision = decided("rollback", reasons=[f"1 flip among real samples: {ids[0]}"], env={})
+    return verdict.verdict("float16", decision, blank(Stats, flips=blank(Decisions, flip_list=flips)))
 
 
 def test_an_id_cannot_forge_a_line_or_reach_the_terminal_raw():
@@ -36,29 +43,28 @@ def test_html_and_markdown_links_in_an_id_do_not_reach_the_mlflow_description_ra
     assert "<script" not in verdict.html([_verdict([SCRIPT])])  # report.html escapes, as before
 
 
-def _speed(verdict_: str, median: float, low: float, high: float, aa: tuple[float, float] = (0.93, 1.08)) -> dict:
-    interval = {"level": 0.95, "coverage": 0.96, "n": 9}
-    return {"benchmarked": True, "variant": "bfloat16", "speedup": {"median": median, "q1": low, "q3": high},
-            "speed": {"verdict": verdict_, "speedup": {**interval, "median": median, "low": low, "high": high},
-                      "fp32_again": {**interval, "median": 1.0, "low": aa[0], "high": aa[1]}}}
+def _speed(verdict_: str, median: float, low: float, high: float, aa: tuple[float, float] = (0.93, 1.08)) -> Benchmark:
+    interval = Interval(median=median, low=low, high=high, level=0.95, coverage=0.96, n=9)
+    return blank(Benchmark, variant="bfloat16", speedup=blank(Spread, median=median, q1=low, q3=high),
+                 speed=Speed(verdict_, interval, replace(interval, median=1.0, low=aa[0], high=aa[1]), "m"))
 
 
 def test_the_speed_words_follow_the_interval_never_a_bare_ratio():
     """Issue 48, item 6: x1.25 from a variant that ran nothing in bfloat16 was a ratio of noise."""
     from pipeline.present import page, verdict
 
-    accept = {"decision": "accept", "reasons": [], "env": {"backend": "cpu"}}
+    accept = decided("accept", variant="bfloat16")
     noise = _speed("no measurable difference", 1.25, 0.91, 1.40, (0.85, 1.30))
     said = verdict.verdict("bfloat16", accept, benchmark=noise).sentence
     assert ("the rule passed, no measurable difference (x1.25, 95 % interval 0.91-1.40; FP32 against itself 0.85-1.30) "
             "on this CPU: AMP gains nothing here but memory") in said
     assert "faster" not in said and "slower" not in said
-    row = dict(page.rows([{"variant": "bfloat16", "decision": accept, "metrics": {}, "diagnosis": {}, "benchmark": noise}]))
+    row = dict(page.rows([variant("bfloat16", accept, benchmark=noise)]))
     assert [v for k, v in row.items() if k.startswith("benchmark: speed")] == [
         ["no measurable difference (x1.25, 95 % interval 0.91-1.40; FP32 against itself 0.85-1.30)"]
     ]
     # The A/A flagged audit quotes the verdict, not the ratio.
-    barely = {"flagged": True, "total": {"reduced_share": 0.0}, "line": "AMP did not engage"}
+    barely = blank(Audit, flagged=True, total=blank(Share, reduced_share=0.0), line="AMP did not engage")
     flagged = verdict.verdict("bfloat16", accept, benchmark=noise, audit=barely).sentence
     assert "the benchmark measured no measurable difference (x1.25, 95 % interval" in flagged
     # Too few rounds for any interval: said so, with the fix.
@@ -67,32 +73,31 @@ def test_the_speed_words_follow_the_interval_never_a_bare_ratio():
         "no measurable difference (x0.83, 9 rounds are too few for a 95 % interval; raise bench.repeats)"
     )
     # A record written before the A/A arm existed: its median is quoted as not judged, with the command that judges it.
-    old = {"benchmarked": True, "variant": "bfloat16", "speedup": {"median": 1.25, "q1": 1.1, "q3": 1.3}}
+    old = blank(Benchmark, variant="bfloat16", speedup=blank(Spread, median=1.25, q1=1.1, q3=1.3))
     assert verdict.speed_words(old) == (
         "speed not judged (x1.25; no interval recorded: rerun `dvc repro -f benchmark@bfloat16`)"
     )
-    assert verdict.speed_words({"benchmarked": True}) is None
+    assert verdict.speed_words(blank(Benchmark)) is None
 
 
 def test_a_faster_step_that_needs_more_updates_is_not_called_a_switch_to_amp():
     """Issue 48, item 3: a step 2x faster that needs 2.5x the updates is slower to FP32's final loss."""
     from pipeline.present import page, verdict
 
-    accept = {"decision": "accept", "reasons": [], "env": {"backend": "cpu"}}
+    accept = decided("accept", variant="bfloat16")
 
     def bench(amp, ratio=None, low=None, high=None, verdict_="slower", replicates=(140, 150)):
         b = _speed("faster", 2.0, 1.9, 2.1)
-        b["speed"]["to_quality"] = {"verdict": verdict_, "target": 1.7, "amp": amp, "of": 375, "fp32": 150,
-                                    "fp32_replicates": list(replicates), "method": "m"}
-        b["speed"]["to_quality"] |= {"ratio": ratio, "low": low, "high": high} if ratio is not None else {}
-        return b
+        quality = TimeToQuality(verdict=verdict_, target=1.7, amp=amp, of=375, fp32=150, fp32_replicates=tuple(replicates),
+                                ratio=ratio, low=low, high=high, method="m")
+        return replace(b, speed=replace(b.speed, to_quality=quality))
 
     slower = bench(375, 1.25, 1.19, 1.41)
     said = verdict.verdict("bfloat16", accept, benchmark=slower).sentence
     assert ("x2.00 faster (95 % interval 1.90-2.10; FP32 against itself 0.93-1.08); time to FP32's final loss: x1.25 "
             "(1.19-1.41; AMP needed 375 of 375 updates, FP32 150; FP32's replicates 140-150) on this CPU: faster per step, "
             "not to FP32's final loss: keep FP32 here") in said and "switch to AMP" not in said
-    row = dict(page.rows([{"variant": "bfloat16", "decision": accept, "metrics": {}, "diagnosis": {}, "benchmark": slower}]))
+    row = dict(page.rows([variant("bfloat16", accept, benchmark=slower)]))
     assert [v for k, v in row.items() if k.startswith("benchmark: speed")] == [[verdict.speed_words(slower)]]
     assert "switch to AMP here" in verdict.verdict("bfloat16", accept, benchmark=bench(100, 0.35, 0.3, 0.4, "faster")).sentence
     never = bench(None, verdict_="never reached")
@@ -103,3 +108,18 @@ def test_a_faster_step_that_needs_more_updates_is_not_called_a_switch_to_amp():
     mixed = verdict.verdict("bfloat16", accept, benchmark=bench(None, verdict_="never reached", replicates=(None, 150)))
     assert "FP32's replicates never, 150): no time-to-quality claim" in mixed.sentence
     assert "no measurable gain to FP32's final loss" in mixed.sentence and "keep FP32" not in mixed.sentence
+
+
+def test_the_training_line_says_no_gradscaler_for_bfloat16_and_not_judged_when_nothing_trained():
+    """A bfloat16 run that trained says why its scale stayed 1; an inference-only one (no step compared) says that
+    training was not judged, whatever its dtype (02d2f5e)."""
+    from pipeline.artifacts.comparison import Training
+    from pipeline.present import verdict
+
+    bf16 = decided("accept", variant="bfloat16", policy={"dtype": "bfloat16"})
+    trained = blank(Stats, training=blank(Training, steps=20, max_loss_gap=0.01))
+    line = verdict.verdict("bfloat16", bf16, trained).training
+    assert line.startswith("training: worst loss gap 0.01, stayed inside its band; no GradScaler (bfloat16 keeps"), line
+    untrained = verdict.verdict("bfloat16", replace(bf16, training="not judged"), blank(Stats))
+    assert untrained.training == "training: not judged (reference.train_steps 0: an inference-only verdict)"
+    assert untrained.sentence.endswith("(inference only: training not judged)")

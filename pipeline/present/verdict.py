@@ -1,6 +1,7 @@
 """The verdict block: what a reviewer reads first, per variant, wherever they land.
 
-Pure: the loaded stage outputs in, text out (no torch, no MLflow, no clock). The same ``Verdict`` is
+Pure: the stages' typed records in (``pipeline.artifacts``: ``Decision``, ``Stats``, ``Diagnosis``, the benchmark's
+record, ``Audit``; ``variant.Variant`` holds them all), text out (no torch, no MLflow, no clock). The same ``Verdict`` is
 rendered as Markdown (MLflow descriptions), HTML (report.html), plain text (a stage's terminal note) and
 one line (publish's last line). Per variant it says:
 
@@ -23,13 +24,20 @@ Hashes and environment go to a footer, not here.
 
 from __future__ import annotations
 
-import json
-
 import html as _html
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the records import this module for their words: typed here, never imported at run time
+    from pipeline.artifacts.audit import Audit
+    from pipeline.artifacts.benchmark import Measured, Speed, TimeToQuality
+    from pipeline.artifacts.comparison import Decisions, Stats
+    from pipeline.artifacts.decision import Decision
+    from pipeline.artifacts.diagnosis import Diagnosis
+    from pipeline.artifacts.variant import Variant
 
 MAX_FLIPS = 10
 """Flipped cases listed per variant; the rest are counted (every one is in compare's cases.json)."""
@@ -67,45 +75,48 @@ class Verdict:
         return f"{self.decision.upper()} {self.variant}"
 
 
+def of(v: Variant, loosened: Sequence[str] = ()) -> Verdict:
+    """The verdict of one loaded variant (``pipeline.artifacts.variant.load``); ``loosened`` as ``verdict`` takes it."""
+    return verdict(v.name, v.decision, v.stats, v.diagnosis, v.benchmark, loosened, v.audit)
+
+
 def verdict(
     variant: str,
-    decision: Mapping[str, Any],
-    stats: Mapping[str, Any] | None = None,
-    diagnosis: Mapping[str, Any] | None = None,
-    benchmark: Mapping[str, Any] | None = None,
+    decision: Decision,
+    stats: Stats | None = None,
+    diagnosis: Diagnosis | None = None,
+    benchmark: Measured | None = None,
     loosened: Sequence[str] = (),
-    audit: Mapping[str, Any] | None = None,
+    audit: Audit | None = None,
 ) -> Verdict:
-    """The verdict of one variant from its outputs: ``decision.json``, compare's ``stats.json``,
-    ``diagnosis.json``, ``benchmark.json`` and the trial's ``audit.json`` (each may be absent: decide runs before the
-    benchmark). ``loosened``: how the rule was loosened since an earlier rollback of the same reference (publish)."""
-    stats, diagnosis = stats or {}, diagnosis or {}
-    accepted = decision.get("decision") == "accept"
-    env = decision.get("env") or {}
-    gain = (_unsupported(audit, benchmark) if audit and audit.get("flagged") else _gain(benchmark, env)) if accepted else ""
-    criteria = [str(r) for r in decision.get("reasons", [])]
+    """The verdict of one variant from its records: the decision, compare's statistics, the diagnosis, the benchmark and
+    the trial's audit (each but the decision may be absent: decide runs before the benchmark, a failed trial has no
+    statistics and no audit). ``loosened``: how the rule was loosened since an earlier rollback of the same reference
+    (publish)."""
+    accepted = decision.accepted
+    gain = (_unsupported(audit, benchmark) if audit and audit.flagged else _gain(benchmark, decision.env)) if accepted else ""
+    criteria = [str(r) for r in decision.reasons]
     failed = ""
     if accepted:
         passed = f"the rule passed, {gain}" if gain else "every criterion of the rule passed"
         sentence = f"{variant}: ACCEPT: {passed}"
-        if decision.get("training") == "not judged":  # an inference-only verdict must not read as a training one
+        if decision.training == "not judged":  # an inference-only verdict must not read as a training one
             sentence += " (inference only: training not judged)"
     else:
         failed = f"{len(criteria)} criteria failed" if len(criteria) != 1 else "1 criterion failed"
-        parts = {p: decision.get(p) for p in ("inference", "training") if decision.get(p)}
-        split = f" (inference {parts['inference'].upper()}, training {parts['training'].upper()})" if len(parts) == 2 else ""
+        split = f" (inference {decision.inference.upper()}, training {decision.training.upper()})"
         sentence = f"{variant}: ROLLBACK: {failed}{split}; keep FP32 for {variant} (the reference state is restorable exactly)"
-    out = Verdict(variant=variant, decision=str(decision.get("decision", "?")), sentence=sentence, failed=failed)
-    out.reasons = criteria + [f"diagnosis: {f}" for f in decision.get("findings", [])]
-    out.flips = _flips(stats, decision.get("rule") or {})
-    out.training = _training(stats, (decision.get("policy") or {}).get("dtype", variant))
-    out.audit = f"audit: {audit['line']}" if audit else ""
-    checked = diagnosis.get("forecast")
-    out.forecast = [f"FP16 forecast: {checked['forecast']}", str(checked["line"])] if checked else []
+    out = Verdict(variant=variant, decision=decision.decision, sentence=sentence, failed=failed)
+    out.reasons = criteria + [f"diagnosis: {f}" for f in decision.findings]
+    out.flips = _flips(stats.flips, decision.rule) if stats else []
+    out.training = _training(stats, decision.policy.get("dtype", variant)) if stats else ""
+    out.audit = f"audit: {audit.line}" if audit else ""
+    checked = diagnosis.forecast if diagnosis else None
+    out.forecast = [f"FP16 forecast: {checked.forecast}", str(checked.line)] if checked else []
     out.gain = gain
     if not accepted:
         out.commands = _commands(variant, diagnosis)
-    for note in decision.get("notes", []):  # e.g. the trial ran with other threads than the reference: said beside the verdict
+    for note in decision.notes:  # e.g. the trial ran with other threads than the reference: said beside the verdict
         out.warnings.append(str(note))
     if loosened:
         out.warnings.append(
@@ -115,23 +126,23 @@ def verdict(
     return out
 
 
-def _gain(bench: Mapping[str, Any] | None, env: Mapping[str, Any]) -> str:
+def _gain(bench: Measured | None, env: Mapping[str, Any]) -> str:
     """The benchmark in words, as its speed verdict says (never a bare ratio); a slower AMP is said plainly, beside a
     green accept."""
     where = "this CPU" if env.get("backend", "cpu") == "cpu" else f"this {env.get('device_name') or 'GPU'}"
-    if not bench:
+    if bench is None:
         return "not benchmarked yet"
-    if not bench.get("benchmarked"):
-        return f"not benchmarked ({bench.get('reason', 'no reason recorded')})"
+    if not bench.benchmarked:
+        return f"not benchmarked ({bench.reason})"
     words = speed_words(bench)
     if words is None:
         return "speed not measured"
-    w = (bench.get("working_memory_ratio") or {}).get("median")
+    w = bench.memory.working_memory_ratio.median if bench.memory.working_memory_ratio else None
     memory = f", working memory x{w:.2f}" if isinstance(w, (int, float)) and math.isfinite(w) else ""
-    judged = (bench.get("speed") or {}).get("verdict")
-    quality = (bench.get("speed") or {}).get("to_quality") or {}
-    to_quality = quality.get("verdict")
-    if to_quality == "never reached" and not (quality["fp32_replicates"] and None not in quality["fp32_replicates"]):
+    judged = bench.speed.verdict if bench.speed else None
+    quality = bench.speed.to_quality if bench.speed else None
+    to_quality = quality.verdict if quality else None
+    if to_quality == "never reached" and not (quality.fp32_replicates and None not in quality.fp32_replicates):
         to_quality = "no measurable difference"  # FP32 itself, trained again, did not always get there either
     if judged == "faster" and to_quality in ("slower", "never reached"):  # a faster step that needs more of them
         return f"{words} on {where}{memory}: faster per step, not to FP32's final loss: keep FP32 here"
@@ -148,88 +159,99 @@ def _gain(bench: Mapping[str, Any] | None, env: Mapping[str, Any]) -> str:
     return f"{words}{memory}"
 
 
-def speed_words(bench: Mapping[str, Any]) -> str | None:
-    """``benchmark.json``'s speed verdict with its figures: ``no measurable difference (x1.03, 95 % interval
+def speed_words(bench: Measured | Mapping[str, Any]) -> str | None:
+    """The benchmark's speed verdict with its figures: ``no measurable difference (x1.03, 95 % interval
     0.91-1.12; FP32 against itself 0.93-1.08)``, ``x1.50 faster (95 % interval ...)``, ``x0.32 (3.1 times slower;
     95 % interval ...)``. A record without a verdict (older than the A/A arm) is not judged; None without a speedup.
+    ``bench`` may also be ``benchmark.json`` as read, holding its ``speed`` section at least.
 
-    The one wording: ``pipeline.artifacts.benchmark.Speed.words`` (the stage's own line) says it through this."""
-    speed, median = bench.get("speed"), (bench.get("speedup") or {}).get("median")
-    if not speed:
+    The one wording: ``pipeline.artifacts.benchmark.Speed.words`` (the stage's own line) says it through ``speed_line``."""
+    if isinstance(bench, Mapping):  # the JSON side (tests compare it with the record's own words)
+        from pipeline.artifacts.benchmark import Speed  # at call time: that module imports this one
+
+        return speed_line(Speed.from_dict(bench["speed"]))
+    if not bench.benchmarked:
+        return None
+    median = bench.speedup.median if bench.speedup else None
+    if bench.speed is None:
         if not isinstance(median, (int, float)) or not math.isfinite(median):
             return None
-        rerun = f"`dvc repro -f benchmark@{bench['variant']}`" if bench.get("variant") else "the benchmark"
+        rerun = f"`dvc repro -f benchmark@{bench.variant}`" if bench.variant else "the benchmark"
         return f"speed not judged (x{median:.2f}; no interval recorded: rerun {rerun})"
+    return speed_line(bench.speed)
+
+
+def speed_line(speed: Speed) -> str:
+    """The verdict on the time per step with its figures, then the time to FP32's final loss where it was measured."""
     per_step = per_step_words(speed)
-    return per_step if not speed.get("to_quality") else f"{per_step}; {to_quality_words(speed['to_quality'])}"
+    return per_step if speed.to_quality is None else f"{per_step}; {to_quality_words(speed.to_quality)}"
 
 
-def per_step_words(speed: Mapping[str, Any]) -> str:
-    """The verdict on the time per step with its figures (``benchmark.json``'s ``speed``), without the time to quality."""
-    s, aa = speed["speedup"], speed["fp32_again"]
-    low, high, aa_low, aa_high = (float(x) for x in (s["low"], s["high"], aa["low"], aa["high"]))
-    level = f"{100 * float(s['level']):.0f} %"
+def per_step_words(speed: Speed) -> str:
+    """The verdict on the time per step with its figures (the benchmark's ``speed``), without the time to quality."""
+    s, aa = speed.speedup, speed.fp32_again
+    low, high, aa_low, aa_high = (float(x) for x in (s.low, s.high, aa.low, aa.high))
+    level = f"{100 * float(s.level):.0f} %"
     if math.isinf(high) or math.isinf(aa_high):
-        figures = f"{s['n']} rounds are too few for a {level} interval; raise bench.repeats"
+        figures = f"{s.n} rounds are too few for a {level} interval; raise bench.repeats"
     else:
         figures = f"{level} interval {low:.2f}-{high:.2f}; FP32 against itself {aa_low:.2f}-{aa_high:.2f}"
-    m = float(s["median"])
-    if speed["verdict"] == "faster":
+    m = float(s.median)
+    if speed.verdict == "faster":
         return f"x{m:.2f} faster ({figures})"
-    if speed["verdict"] == "slower":
+    if speed.verdict == "slower":
         return f"x{m:.2f} ({1 / m:.1f} times slower; {figures})"
     return f"no measurable difference (x{m:.2f}, {figures})"
 
 
-def to_quality_words(q: Mapping[str, Any]) -> str:
-    """AMP's time to FP32's final loss (``benchmark.json``'s ``speed.to_quality``), as
+def to_quality_words(q: TimeToQuality) -> str:
+    """AMP's time to FP32's final loss (the benchmark's ``speed.to_quality``), as
     ``pipeline.artifacts.benchmark.TimeToQuality.words`` says it."""
-    reps = list(q["fp32_replicates"])
+    reps = list(q.fp32_replicates)
     if not reps:
         others = ""
     elif len(reps) > 1 and None not in reps:
         others = f"; FP32's replicates {min(reps)}-{max(reps)}"
     else:
         others = "; FP32's replicates " + ", ".join("never" if r is None else str(r) for r in reps)
-    fp32 = "never" if q.get("fp32") is None else q["fp32"]
-    if q.get("amp") is None:
-        return f"never reached FP32's final loss in {q['of']} updates (FP32 {fp32}{others}): no time-to-quality claim"
-    if q.get("ratio") is None:
-        return f"time to FP32's final loss not judged (AMP needed {q['amp']} of {q['of']} updates, FP32 {fp32}{others})"
-    ratio, low, high = (float(q[k]) for k in ("ratio", "low", "high"))
-    return (f"time to FP32's final loss: x{ratio:.2f} ({low:.2f}-{high:.2f}; AMP needed {q['amp']} of {q['of']} updates, "
+    fp32 = "never" if q.fp32 is None else q.fp32
+    if q.amp is None:
+        return f"never reached FP32's final loss in {q.of} updates (FP32 {fp32}{others}): no time-to-quality claim"
+    if q.ratio is None:
+        return f"time to FP32's final loss not judged (AMP needed {q.amp} of {q.of} updates, FP32 {fp32}{others})"
+    ratio, low, high = (float(x) for x in (q.ratio, q.low, q.high))
+    return (f"time to FP32's final loss: x{ratio:.2f} ({low:.2f}-{high:.2f}; AMP needed {q.amp} of {q.of} updates, "
             f"FP32 {fp32}{others})")
 
 
-def _unsupported(audit: Mapping[str, Any], bench: Mapping[str, Any] | None) -> str:
+def _unsupported(audit: Audit, bench: Measured | None) -> str:
     """A speedup measured on a variant whose reduced-precision work is negligible comes from something else."""
-    share = (audit.get("total") or {}).get("reduced_share") or 0.0
-    words = speed_words(bench) if (bench or {}).get("benchmarked") else None
+    share = audit.total.reduced_share or 0.0
+    words = speed_words(bench) if bench is not None and bench.benchmarked else None
     measured = f"; the benchmark measured {words}" if words else ""
     return f"speedup claim unsupported: autocast barely engaged (share {100 * share:.1f} %){measured}"
 
 
-def _flips(stats: Mapping[str, Any], rule: Mapping[str, Any]) -> list[str]:
+def _flips(flips: Decisions, rule: Mapping[str, Any]) -> list[str]:
     """Flipped cases, real samples first. A real sample whose reference margin is under ``boundary_margin``
     is said to be one (compare counts it as "near the boundary", apart from the constructed boundary cases)."""
-    flips = stats.get("flips") or {}
-    margin = flips.get("boundary_margin", rule.get("boundary_margin"))
-    listed = flips.get("flip_list") or []
-
-    order = sorted(listed, key=lambda f: (f["kind"] == "boundary", not f["near_boundary"], str(f["id"]), f.get("position", -1)))
+    margin = flips.boundary_margin if flips.boundary_margin is not None else rule.get("boundary_margin")
+    listed = flips.flip_list
+    order = sorted(listed, key=lambda f: (f.kind == "boundary", not f.near_boundary, str(f.id),
+                                          -1 if f.position is None else f.position))
     lines = []
     for f in order[:MAX_FLIPS]:
-        where = f"{safe_id(f['id'])}@{f['position']}" if "position" in f else safe_id(f["id"])
-        if "reference_class" in f:
+        where = safe_id(f.id) if f.position is None else f"{safe_id(f.id)}@{f.position}"
+        if f.reference_class is not None:
             text = (
-                f"{where}: class {f['reference_class']} -> {f['trial_class']}, reference margin "
-                f"{_g(f.get('reference_margin'))} (trial {_g(f.get('trial_margin'))})"
+                f"{where}: class {f.reference_class} -> {f.trial_class}, reference margin "
+                f"{_g(f.reference_margin)} (trial {_g(f.trial_margin)})"
             )
         else:
-            text = f"{where}: {_g(f.get('reference'))} -> {_g(f.get('trial'))} across the threshold"
-        if f.get("kind") == "boundary":
+            text = f"{where}: {_g(f.reference)} -> {_g(f.trial)} across the threshold"
+        if f.kind == "boundary":
             text += " - a constructed boundary case"
-        elif f["near_boundary"]:
+        elif f.near_boundary:
             text += (
                 f" - a REAL sample near the boundary (its margin is under boundary_margin {_g(margin)}): "
                 "it counts as a near-boundary flip"
@@ -237,40 +259,37 @@ def _flips(stats: Mapping[str, Any], rule: Mapping[str, Any]) -> list[str]:
         else:
             text += " - a REAL sample with a clear margin"
         lines.append(text)
-    total = len(listed) + int(flips.get("flip_list_dropped") or 0)
+    total = len(listed) + flips.flip_list_dropped
     if total > MAX_FLIPS:
         lines.append(f"... and {total - MAX_FLIPS} more (compare's stats.json flip_list and cases.json)")
     return lines
 
 
-def _training(stats: Mapping[str, Any], dtype: str) -> str:
-    t = stats.get("training") or {}
-    if not t:
-        return ""
-    if not t.get("steps"):
+def _training(stats: Stats, dtype: str) -> str:
+    t = stats.training
+    if not t.steps:
         return "training: not judged (reference.train_steps 0: an inference-only verdict)"
-    gap, violations, noise, final = t.get("max_loss_gap"), t.get("band_violations"), t.get("noise"), t.get("final")
-    if noise:  # against FP32's own spread: the replicates' gap to the reference, where training ended
-        drift = f"mean gap {_g(noise['mean_amp_gap'])} vs FP32's own {_g(noise['mean_replicate_gap'])}"
-        if final:
-            drift += f", ends at {_g(final['amp'])} (FP32 runs {', '.join(_g(v) for v in final['fp32'])})"
+    if t.noise is not None:  # against FP32's own spread: the replicates' gap to the reference, where training ended
+        drift = f"mean gap {_g(t.noise.mean_amp_gap)} vs FP32's own {_g(t.noise.mean_replicate_gap)}"
+        if t.final is not None:
+            drift += f", ends at {_g(t.final.amp)} (FP32 runs {', '.join(_g(v) for v in t.final.fp32)})"
     else:
-        drift = "stayed inside its band" if not violations else f"left its band at {violations} step(s)"
+        drift = "stayed inside its band" if not t.band_violations else f"left its band at {t.band_violations} step(s)"
     scaler = (
         "no GradScaler (bfloat16 keeps FP32's exponent range: the loss scale stays 1 by design)"
         if dtype == "bfloat16"
-        else f"final loss scale {_g(t.get('final_scale'))}, {_g(100 * t.get('skipped_fraction', 0.0))}% of steps skipped"
-        + (f" after {t['calibration_steps']} calibration skip(s)" if t.get("calibration_steps") else "")
+        else f"final loss scale {_g(t.final_scale)}, {_g(100 * t.skipped_fraction)}% of steps skipped"
+        + (f" after {t.calibration_steps} calibration skip(s)" if t.calibration_steps else "")
     )
-    return f"training: worst loss gap {_g(gap)}, {drift}; {scaler}"
+    return f"training: worst loss gap {_g(t.max_loss_gap)}, {drift}; {scaler}"
 
 
-def _commands(variant: str, diagnosis: Mapping[str, Any]) -> list[str]:
+def _commands(variant: str, diagnosis: Diagnosis | None) -> list[str]:
     cmds = [f"python -m pipeline restore --variant {variant}   # verified FP32 reference state -> restored/"]
-    s = diagnosis.get("suggestion") or {}
-    if s.get("fp32_modules"):
-        modules = json.dumps(s["fp32_modules"], separators=(",", ":"))  # quoted: module '5' stays a string
-        checked = "passes the rule in a re-run" if s.get("rule_passes") else "not checked by a re-run"
+    s = diagnosis.suggestion if diagnosis else None
+    if s is not None and s.fp32_modules:
+        modules = json.dumps(list(s.fp32_modules), separators=(",", ":"))  # quoted: module '5' stays a string
+        checked = "passes the rule in a re-run" if s.rule_passes else "not checked by a re-run"
         cmds.append(
             f"dvc exp run -S 'trial.policies.{variant}.fp32_modules={modules}' -S 'trial.variants=[{variant}]'"
             f"   # suggested FP32 regions ({checked})"

@@ -49,5 +49,4 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     decision.write(result, packer)  # the package in the decision's folder, replaced with it
     decision.write_metrics(result, stats)
     # the verdict block, as everywhere
-    print(verdict.text(verdict.verdict(variant, result.as_dict(), stats.as_dict() if stats else None, found.as_dict(),
-                                       audit=engaged.as_dict() if engaged else None)))
+    print(verdict.text(verdict.verdict(variant, result, stats, found, audit=engaged)))

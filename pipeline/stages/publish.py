@@ -44,7 +44,7 @@ def main(params_path: str = "params.yaml") -> None:
 
     common = runs.common_tags(commit, manifest, provenance.dvc_experiment_name())
     publisher = tracking.Publisher(params.tracking.experiment)
-    loosened = {d: runs.loosened(v["decision"], publisher.earlier_rollbacks(manifest.run_key, d)) for d, v in variants.items()}
+    loosened = {d: runs.loosened(v.decision, publisher.earlier_rollbacks(manifest.run_key, d)) for d, v in variants.items()}
     verdicts = runs.verdicts(variants, loosened)
     ref_steps, replicate = reference.read_trajectory(manifest), reference.read_replicate(manifest)
     parent = runs.parent(manifest, variants, verdicts, ref_steps, common, flat, params_path)
