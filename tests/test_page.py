@@ -50,9 +50,12 @@ def decided(result: str = "accept", **given) -> Decision:
 
 
 def variant(name: str, decision: Decision | None = None, **given) -> Variant:
-    """One variant's records: an accept, not benchmarked, no diagnosis, a failed trial's (no statistics) unless given."""
-    manifest = blank(TrialManifest, policy={"dtype": name.split("-")[0]}, env={"backend": "cpu"})
-    return Variant(name, manifest, decision or decided(variant=name), given.pop("diagnosis", Diagnosis()),
+    """One variant's records: an accept, not benchmarked, no diagnosis, a failed trial's (no statistics) unless given;
+    ``decision`` as this variant's (its name and policy)."""
+    policy = {"dtype": name.split("-")[0]}
+    manifest = blank(TrialManifest, policy=policy, env={"backend": "cpu"})
+    decision = replace(decision or decided(), variant=name, policy=policy)
+    return Variant(name, manifest, decision, given.pop("diagnosis", Diagnosis()),
                    given.pop("benchmark", NotBenchmarked(name, "not benchmarked")), **given)
 
 

@@ -59,6 +59,12 @@ class Decision:
     def accepted(self) -> bool:
         return self.decision == "accept"
 
+    @property
+    def dtype(self) -> str:
+        """The autocast dtype of the trial's policy (``float16``, ``bfloat16``, ``float32``); the variant's name where the
+        policy does not say."""
+        return self.policy.get("dtype", self.variant)
+
     def as_dict(self) -> dict:
         out = asdict(self)
         # absent rather than empty: the file says only what happened

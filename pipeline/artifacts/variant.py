@@ -33,11 +33,6 @@ class Variant:
     plots: dict[str, bytes] = field(default_factory=dict)
     """The report's figures, name -> PNG."""
 
-    @property
-    def dtype(self) -> str:
-        """The autocast dtype of its policy (``float16``, ``bfloat16``, ``float32``)."""
-        return self.manifest.policy["dtype"]
-
 
 def load(variant: str) -> Variant:
     """One variant's records, each read and verified by its owner.

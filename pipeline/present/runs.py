@@ -151,7 +151,7 @@ def child_tags(v: Variant, loosened_: list[str], common: Mapping[str, str]) -> d
     """The decision and where it ran, as tags a reviewer filters the runs table by."""
     decision, checked = v.decision, v.diagnosis.forecast
     return {
-        **common, **env_tags(v.manifest.env), "stage": "variant", "variant": v.name, "dtype": v.dtype,
+        **common, **env_tags(v.manifest.env), "stage": "variant", "variant": v.name, "dtype": decision.dtype,
         "decision": decision.decision, "decision.inference": decision.inference, "decision.training": decision.training,
         "reasons_count": str(len(decision.reasons)), "benchmarked": str(v.benchmark.benchmarked).lower(),
         "gradscaler": "on" if v.stats is not None and v.stats.training.scaler_enabled else "off (no GradScaler)",

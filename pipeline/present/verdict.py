@@ -109,7 +109,7 @@ def verdict(
     out = Verdict(variant=variant, decision=decision.decision, sentence=sentence, failed=failed)
     out.reasons = criteria + [f"diagnosis: {f}" for f in decision.findings]
     out.flips = _flips(stats.flips, decision.rule) if stats else []
-    out.training = _training(stats, decision.policy.get("dtype", variant)) if stats else ""
+    out.training = _training(stats, decision.dtype) if stats else ""
     out.audit = f"audit: {audit.line}" if audit else ""
     checked = diagnosis.forecast if diagnosis else None
     out.forecast = [f"FP16 forecast: {checked.forecast}", str(checked.line)] if checked else []
