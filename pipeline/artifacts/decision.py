@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal
 
 from pipeline import paths
+from pipeline.config import AcceptanceConfig, build
 from pipeline.errors import UserError
 from pipeline.files import StagedFolder, read_json, write_json
 
@@ -64,6 +65,10 @@ class Decision:
         """The autocast dtype of the trial's policy (``float16``, ``bfloat16``, ``float32``); the variant's name where the
         policy does not say."""
         return self.policy.get("dtype", self.variant)
+
+    def acceptance(self) -> AcceptanceConfig:
+        """The rule it was decided under (``rule``), typed."""
+        return build(AcceptanceConfig, self.rule, "decision.rule")
 
     def as_dict(self) -> dict:
         out = asdict(self)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline import paths, rule
 from pipeline.artifacts.reference import Manifest
 from pipeline.artifacts.steps import Steps
-from pipeline.config import AcceptanceConfig, build
+from pipeline.config import AcceptanceConfig
 from pipeline.files import flatten
 from pipeline.present import page, verdict
 from pipeline.tracking import EarlierRule, ModelSpec, RunSpec
@@ -72,7 +72,7 @@ def loosened(decision: Decision, earlier_rollbacks: Sequence[EarlierRule]) -> li
     for earlier in earlier_rollbacks:
         out += [
             f"{d} (rolled back under rule {earlier.rule_sha256[:12]})"
-            for d in rule.loosened(earlier.rule, build(AcceptanceConfig, decision.rule, "decision.rule"))
+            for d in rule.loosened(earlier.rule, decision.acceptance())
         ]
     return out
 
@@ -126,7 +126,7 @@ def child(v: Variant, verdict_: verdict.Verdict, loosened_: list[str], ref_steps
         params=flat,
         metrics=columns(v),
         steps=curves(ref_steps, v.trajectory.steps if v.trajectory else (),  # None: the trial failed under its policy
-                     build(AcceptanceConfig, v.decision.rule, "decision.rule"), replicate_steps),
+                     v.decision.acceptance(), replicate_steps),
         artifacts=child_artifacts(v.name),
         # flipped cases first: the table opens on them, not after pages of unchanged cases
         tables={"cases.json": sorted(v.cases, key=lambda r: not r.get("flipped"))} if v.cases is not None else {},
@@ -243,7 +243,7 @@ def curves(
     noise floor)."""
     ref = {s.step: s.loss for s in ref_steps}
     shared = [s for s in steps if s.step in ref]
-    out = {
+    return {
         "loss_fp32": [(s.step, s.loss) for s in ref_steps],
         "loss_amp": [(s.step, s.loss) for s in steps],
         "loss_gap_abs": [(s.step, abs(s.loss - ref[s.step])) for s in shared],
@@ -252,10 +252,9 @@ def curves(
         "grad_norm": [(s.step, s.grad_norm) for s in steps],
         "skipped": [(s.step, float(s.skipped)) for s in steps],
         "lr": [(s.step, s.lr) for s in steps],
+        **({"loss_noise_floor": [(s.step, abs(s.loss - ref[s.step])) for s in replicate_steps if s.step in ref]}
+           if replicate_steps is not None else {}),
     }
-    if replicate_steps is not None:
-        out["loss_noise_floor"] = [(s.step, abs(s.loss - ref[s.step])) for s in replicate_steps if s.step in ref]
-    return out
 
 
 def fp64_note(arbiter: Mapping[str, Arbiter] | None) -> str:

@@ -108,7 +108,7 @@ def verdict(
         sentence = f"{variant}: ROLLBACK: {failed}{split}; keep FP32 for {variant} (the reference state is restorable exactly)"
     out = Verdict(variant=variant, decision=decision.decision, sentence=sentence, failed=failed)
     out.reasons = criteria + [f"diagnosis: {f}" for f in decision.findings]
-    out.flips = _flips(stats.flips, decision.rule) if stats else []
+    out.flips = _flips(stats.flips, decision) if stats else []
     out.training = _training(stats, decision.dtype) if stats else ""
     out.audit = f"audit: {audit.line}" if audit else ""
     checked = diagnosis.forecast if diagnosis else None
@@ -232,11 +232,14 @@ def _unsupported(audit: Audit, bench: Measured | None) -> str:
     return f"speedup claim unsupported: autocast barely engaged (share {100 * share:.1f} %){measured}"
 
 
-def _flips(flips: Decisions, rule: Mapping[str, Any]) -> list[str]:
-    """Flipped cases, real samples first. A real sample whose reference margin is under ``boundary_margin``
-    is said to be one (compare counts it as "near the boundary", apart from the constructed boundary cases)."""
-    margin = flips.boundary_margin if flips.boundary_margin is not None else rule.get("boundary_margin")
+def _flips(flips: Decisions, decision: Decision) -> list[str]:
+    """Flipped cases, real samples first. A real sample whose reference margin is under ``boundary_margin`` (the head's,
+    else the rule's) is said to be one (compare counts it as "near the boundary", apart from the constructed boundary
+    cases)."""
     listed = flips.flip_list
+    margin = flips.boundary_margin
+    if margin is None and any(f.near_boundary for f in listed):
+        margin = decision.acceptance().boundary_margin
     order = sorted(listed, key=lambda f: (f.kind == "boundary", not f.near_boundary, str(f.id),
                                           -1 if f.position is None else f.position))
     lines = []
