@@ -511,6 +511,8 @@ def test_the_stored_kl_is_hashed_with_the_outputs_and_an_older_trial_is_refused_
     reader = outputs.OutputsReader(path, sha, "trial@fp16")
     kl = reader.kl("logits")
     assert kl.dtype == torch.float64 and torch.equal(kl, token_kl(ref, trial, compact.KEEP, ref.numel()))
+    numpy_reader = outputs.NumpyReader(path, sha, "trial@fp16")  # (the report's: scores only)
+    assert list(numpy_reader.read()) == ["logits"] and numpy_reader.elements_per_case == 8 * V
     raw = bytearray(path.read_bytes())
     raw[reader._offsets[compact.part("logits", compact.KL)]] ^= 1
     path.write_bytes(bytes(raw))
