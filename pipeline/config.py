@@ -633,9 +633,10 @@ class CompareConfig:
     """Per-token outputs: most flipped tokens listed one by one in stats.json (their count stays exact; at most
     ``MAX_LISTED``)."""
     store: Literal["full", "compact", "auto"] = "auto"
-    """How freeze and trial@NAME store per-token float32 scores [N, T, V]: ``full`` (4 bytes per entry), ``compact``
-    (2 bytes: ``artifacts.compact``; decisions exact, KL within the bound stats.json gives, which the rule adds) or
-    ``auto`` (compact above 1 GiB per source). Other outputs are always stored full; compare reads either."""
+    """How trial@NAME stores per-token float32 scores [N, T, V]: ``full`` (4 bytes per entry), ``compact`` (2 bytes:
+    ``artifacts.compact``; decisions and margins exact from its kept row statistics, KL exact because each trial keeps
+    its per-token KL against the reference's full scores) or ``auto`` (compact above 1 GiB per source). freeze always
+    stores the reference full; other outputs are always full; compare reads either."""
 
     def check(self, key: str) -> None:
         _count(self.chunk_elements, f"{key}.chunk_elements", MAX_CHUNK_ELEMENTS,

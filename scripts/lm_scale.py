@@ -38,8 +38,11 @@ import timings
 
 STAGES = ("prepare", "freeze", "trial", "compare", "diagnose", "decide")
 """The stages of one variant's verdict, by dvc.yaml's names (benchmark, publish and report are not part of it)."""
-TOKEN_PART_BYTES = 16
-"""The compact store's bytes per token besides its codes: top, step, second (float32) and second_index (int32)."""
+TOKEN_PART_BYTES = 32
+"""The compact store's bytes per token besides its codes: top, step, second (float32), second_index (int32), and the
+row's log-sum-exp and live spread (float64)."""
+KL_BYTES = 8
+"""A compact trial's ``outputs`` also keep each token's KL against the reference (float64)."""
 FP64_AUTO_ELEMENTS = 16_000_000
 """inference.FP64_AUTO_ELEMENTS (not imported: that module imports torch, this script never does)."""
 SLACK = 1.05
@@ -75,13 +78,16 @@ def scores_per_source(values: dict) -> tuple[int, int]:
 
 
 def needed_bytes(values: dict) -> int:
-    """Disk the outputs need: the reference's scores and each variant's two (before and after its training) in the
-    compact store, the FP64 arbiter's float64 scores at its auto size, and 5% for everything else."""
+    """Disk the outputs need: the reference's scores (always full) and each variant's two (before and after its
+    training) in the store, the FP64 arbiter's float64 scores at its auto size, and 5% for everything else."""
     cases, scores = scores_per_source(values)
     tokens = cases * values["task"]["options"]["seq_len"]
-    sources = 1 + 2 * len(values["trial"]["variants"])
-    per_source = 2 * scores + TOKEN_PART_BYTES * tokens if values["compare"]["store"] != "full" else 4 * scores
-    return int(SLACK * (sources * per_source + 8 * min(scores, FP64_AUTO_ELEMENTS)))
+    variants = len(values["trial"]["variants"])
+    if values["compare"]["store"] != "full":
+        per_variant = 2 * (2 * scores + TOKEN_PART_BYTES * tokens) + KL_BYTES * tokens
+    else:
+        per_variant = 2 * 4 * scores
+    return int(SLACK * (4 * scores + variants * per_variant + 8 * min(scores, FP64_AUTO_ELEMENTS)))
 
 
 def tree_bytes(folder: Path) -> int:

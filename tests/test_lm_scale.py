@@ -31,8 +31,8 @@ def test_the_size_is_valid_params_of_1e9_scores_per_source(tmp_path):
     cases, scores = script.scores_per_source(values)
     assert cases == 520 and scores >= 1e9
     compact = script.needed_bytes(values)
-    assert 2 * 3 * scores < compact < 2.2 * 3 * scores  # three sources (reference, trial, trained trial), 2 bytes a score
-    assert script.needed_bytes(dict(values, compare={"store": "full"})) > 1.9 * compact
+    assert 8 * scores < compact < 8.8 * scores  # the reference full (4 bytes a score), the trial's two compact (2 each)
+    assert script.needed_bytes(dict(values, compare={"store": "full"})) > 1.45 * compact
     assert script.scores_per_source(script.project_params("lm-1e9", 128, None)) == (136, 136 * 64 * 32000)
 
 

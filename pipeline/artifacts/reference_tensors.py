@@ -146,7 +146,6 @@ def write(
     policy: dict,
     forecast: forecast_file.Headroom,
     scan=None,
-    store: str = "full",
     replicate_outputs: Iterable[Iterable[dict[str, torch.Tensor]]] = (),
 ) -> Manifest:
     """Write the reference (manifest last) and return the manifest. ``scan`` (``vetting.Scan``) sees the
@@ -167,8 +166,8 @@ def write(
             return out / path.relative_to(paths.REFERENCE)
 
         files[str(paths.REF_OUTPUTS)] = write_outputs(
-            staged(paths.REF_OUTPUTS), _checked(outputs, fixed.ids, bad, scan), fixed.ids, store=store, task=params.task
-        )  # the FP64 arbiter's are always full: its differences are far below a compact store's step
+            staged(paths.REF_OUTPUTS), _checked(outputs, fixed.ids, bad, scan), fixed.ids, store="full", task=params.task
+        )  # always full: a compact trial keeps its per-token KL against these exact scores (the FP64 arbiter's too)
         if bad:
             raise NonFinite(sorted(set(bad)))
         spread = _spread(scan, replicate_outputs)

@@ -53,7 +53,7 @@ def main(params_path: str = "params.yaml") -> None:
                 outputs=phases.stream("inference", inference.infer_chunks(model, fixed.x, FP32, device, cfg.eval_mode)),
                 fp64=fp64 and dataclasses.replace(fp64, chunks=phases.stream("fp64 arbiter", fp64.chunks)),
                 replicates=[r.records for r in replicates], policy=FP32.as_dict(), forecast=headroom,
-                scan=vetting.Scan(params, fixed), store=params.compare.store, replicate_outputs=(phases.stream(
+                scan=vetting.Scan(params, fixed), replicate_outputs=(phases.stream(
                     "replicate inference", inference.infer_chunks(r.model(params), fixed.x, FP32, device, cfg.eval_mode))
                     for r in replicates),  # one replicate's model at a time
             )
