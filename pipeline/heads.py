@@ -229,6 +229,9 @@ def role_problem(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int,
                     f"is decided, not {shape[-1]}; {fix}")
         if tol.threshold is not None and role != "labels":
             return f"params.yaml: {key}.threshold is set but its role is {role}; a threshold decides role labels only"
+        if name == main and tol.threshold is not None and rule.threshold is not None and tol.threshold != rule.threshold:
+            return (f"params.yaml: {key}.threshold {tol.threshold:g} and acceptance.threshold {rule.threshold:g} both decide "
+                    f"the primary '{name}'; keep one of them")
         if role == "values" and name == main and rule.threshold is not None:
             return (f"params.yaml: acceptance.threshold decides the primary '{name}', but {key}.role is values; drop one "
                     f"of them")

@@ -6,6 +6,7 @@ the direction the guide argues (« Une différence faible en valeur absolue peut
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -150,9 +151,12 @@ def test_positions_can_be_stated_for_a_primary_whose_name_says_nothing() -> None
     ("classification", {"flag": Tolerance(role="classes")}, {"logits": (N, 4), "flag": (N,)}, [], "not class scores"),
     ("classification", {"aux": Tolerance(role="positions")}, {"logits": (N, 4), "aux": (N, 4)}, [], "real positions"),
     ("classification", {"tags": Tolerance(role="labels")}, {"logits": (N, 7, 4), "tags": (N, 7, 3)}, [], "one label"),
+    ("regression", {"output": Tolerance(role="values")}, {"output": (N, 3)}, [], "drop one"),
 ])
 def test_a_stated_role_the_output_cannot_have_is_refused_in_one_line(kind, outputs, shapes, over, says) -> None:
     cfg = _rule(**outputs)
+    if says == "drop one":  # values on a primary the rule's threshold decides
+        cfg = dataclasses.replace(cfg, threshold=0.0)
     problem = heads.role_problem(kind, cfg, shapes, heads.primary_name(shapes), over)
     assert problem is not None and says in problem and "\n" not in problem
 
@@ -300,3 +304,11 @@ def test_a_multi_label_primarys_flip_names_its_case_and_its_label() -> None:
     assert (stats.flips.flip_list[0].id, stats.flips.flip_list[0].position, stats.flips.unit) == ("ordinary/c11", 2, "case")
     stats, verdict = _compare("regression", cfg, y, {"logits": logits}, {"logits": logits + 1e-3}, loss="model")
     assert stats.flips.flips == 0 and verdict.inference == "accept"
+
+
+def test_a_threshold_stated_twice_for_the_primary_is_refused_unless_they_agree() -> None:
+    shapes = {"output": (N, 3)}
+    two = dataclasses.replace(_rule(output=Tolerance(role="labels", threshold=0.5)), threshold=0.0)
+    assert "keep one of them" in heads.role_problem("regression", two, shapes, "output", [])
+    same = dataclasses.replace(_rule(output=Tolerance(role="labels", threshold=0.5)), threshold=0.5)
+    assert heads.role_problem("regression", same, shapes, "output", []) is None
