@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
+from pipeline.artifacts.record import Record
+
 if TYPE_CHECKING:
     from pipeline.config import AcceptanceConfig, Tolerance
 
@@ -239,7 +241,7 @@ def role_problem(kind: str, rule: AcceptanceConfig, shapes: dict[str, tuple[int,
 
 
 @dataclass(frozen=True)
-class Head:
+class Head(Record):
     """One line of the role table: how compare judges one output."""
 
     name: str
@@ -247,7 +249,7 @@ class Head:
     """Past the rows."""
     role: str
     decided: str
-    """How its decisions are taken (``argmax over classes``, ``at 0``...), or ``-``."""
+    """How its decisions are taken (``argmax over classes``, ``each value at 0``...), or ``-``."""
     stated: bool
     """The role came from ``acceptance.outputs.NAME.role``; else it was inferred here."""
     atol: float
@@ -260,21 +262,10 @@ class Head:
     softmax_only: bool = False
     """Its values are read through softmax alone (``score_heads``): scores at probability 0 on both sides agree."""
 
-    def as_dict(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "role": self.role, "decided": self.decided,
-                "source": "stated" if self.stated else "inferred", "atol": self.atol, "rtol": self.rtol,
-                "scale": self.scale, "primary": self.primary, "mask": self.mask, "softmax_only": self.softmax_only}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Head":
-        return cls(name=d["name"], shape=tuple(d["shape"]), role=d["role"], decided=d["decided"],
-                   stated=d["source"] == "stated", atol=d["atol"], rtol=d["rtol"], scale=d.get("scale"),
-                   primary=d.get("primary", False), mask=d.get("mask", "-"), softmax_only=d.get("softmax_only", False))
-
 
 @dataclass(frozen=True)
-class Roles:
-    """The role table of one reference: what compare reads instead of inferring again."""
+class Roles(Record):
+    """The role table of one reference (in its manifest): what compare reads instead of inferring again."""
 
     heads: tuple[Head, ...]
     threshold: float | None = None
@@ -283,8 +274,10 @@ class Roles:
     """Outputs judged by values alone though their targets are labels 0 or 1 (a regression primary no role, name or loss
     says decided): the verdict says that no decision was judged for them, and how to state one."""
 
-    def named(self, name: str) -> Head | None:
-        return next((h for h in self.heads if h.name == name), None)
+    @classmethod
+    def read(cls, recorded: dict | None) -> Roles | None:
+        """The table a manifest recorded, or None where it recorded none."""
+        return cls.from_dict(recorded) if recorded else None
 
     def of(self, *roles: str) -> list[str]:
         return [h.name for h in self.heads if h.role in roles]
@@ -295,18 +288,8 @@ class Roles:
         return (self.of("classes", "positions"), [h.name for h in self.heads if h.softmax_only],
                 [h.name for h in self.heads if h.role == "labels" and not h.primary], self.of("positions"))
 
-    def as_dict(self) -> dict:
-        return {"threshold": self.threshold, "undecided": list(self.undecided), "outputs": [h.as_dict() for h in self.heads]}
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> "Roles | None":
-        if not d:
-            return None
-        return cls(heads=tuple(Head.from_dict(h) for h in d["outputs"]), threshold=d.get("threshold"),
-                   undecided=tuple(d.get("undecided", ())))
-
     def lines(self) -> list[str]:
-        """The table as printed by freeze and shown by the report: one line per output."""
+        """The table as printed by freeze: one line per output."""
         rows = [("name", "shape", "role", "decided", "atol", "rtol", "scale", "mask")]
         for h in self.heads:
             rows.append((h.name + " (primary)" * h.primary, "x".join(map(str, h.shape)) or "1",

@@ -64,7 +64,7 @@ class Manifest:
         return asdict(self)
 
     def output_roles(self) -> Roles:
-        return Roles.from_dict(self.roles)
+        return Roles.read(self.roles)
 
 
 def read_manifest() -> Manifest:

@@ -177,7 +177,7 @@ def html(reference: Manifest, variants: Sequence[Variant], verdicts: Sequence[ve
                     f"<figcaption>{e(caption)}</figcaption></figure>"
                 )
         parts.append("</div>")
-    roles = Roles.from_dict(reference.roles)
+    roles = Roles.read(reference.roles)
     if roles is not None:  # freeze's role table: how every variant's outputs were judged
         header, *lines = _role_rows(roles)
         parts.append("<h2>Outputs, as judged</h2><table class=\"summary\"><tr>" + "".join(f"<th>{e(c)}</th>" for c in header)
@@ -215,7 +215,7 @@ def _role_rows(roles: Roles) -> list[tuple[str, ...]]:
 
 
 def _roles_markdown(reference: Manifest) -> list[str]:
-    roles = Roles.from_dict(reference.roles)
+    roles = Roles.read(reference.roles)
     if roles is None:
         return []
     header, *lines = _role_rows(roles)
