@@ -60,16 +60,12 @@ def browse(page: Path, profile: Path, *extra: str) -> subprocess.CompletedProces
 def build_report(repo: Path) -> str:
     """report.html as publish builds it, from the stage outputs of ``repo``."""
     code = (
-        "import json, sys\n"
-        "from pipeline import paths\n"
-        "from pipeline.artifacts import variant\n"
-        "from pipeline.files import read_json\n"
+        "import sys\n"
+        "from pipeline.artifacts import reference, variant\n"
         "from pipeline.config import load_params\n"
         "from pipeline.present import page\n"
-        "manifest = read_json(paths.REF_MANIFEST)\n"
-        "reference = {k: manifest[k] for k in ('rule_sha256', 'run_key', 'env', 'cases')}\n"
         "variants = [variant.load(d) for d in load_params().trial.variants]\n"
-        "sys.stdout.write(page.html(reference, variants, {v['variant']: v['plots'] for v in variants}))\n"
+        "sys.stdout.write(page.html(reference.read_manifest(), variants))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(repo)}
     return subprocess.run([os.sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, check=True).stdout

@@ -484,7 +484,12 @@ def test_publish_flags_an_accept_under_a_rule_loosened_since_a_rollback(server):
     removed = {**strict, "a_criterion_since_removed": 1.0}  # a rule of another version: not comparable, left out
     c.create_run(publisher.experiment_id, tags={"dtype": "bfloat16", "decision": "rollback", "reference_run_key": "R",
                                                "rule_json": json.dumps(removed), "rule_sha256": "t" * 64})
-    accept = {"decision": "accept", "rule": loose, "reasons": []}
+    from dataclasses import replace
+
+    from pipeline.artifacts.decision import Decision
+
+    accept = Decision(variant="bfloat16", decision="accept", reasons=[], checks=[], rule=loose, rule_sha256="", policy={},
+                      env={})
     earlier = publisher.earlier_rollbacks("R", "bfloat16")
     assert [e.rule_sha256 for e in earlier] == ["s" * 64] and earlier[0].rule.outputs["*"].atol == 0.001
     assert runs.loosened(accept, earlier) == [f"outputs.*.atol 0.001 -> 0.01 (rolled back under rule {'s' * 12})"]
@@ -497,8 +502,8 @@ def test_publish_flags_an_accept_under_a_rule_loosened_since_a_rollback(server):
                                                "rule_sha256": "u" * 64})
     assert [e.rule_sha256 for e in publisher.earlier_rollbacks("R", "bfloat16")] == ["s" * 64]
     assert [e.rule_sha256 for e in publisher.earlier_rollbacks("R", "bfloat16_inductor")] == ["u" * 64]
-    assert runs.loosened({**accept, "rule": strict}, earlier) == []
-    assert runs.loosened({**accept, "decision": "rollback"}, earlier) == []
+    assert runs.loosened(replace(accept, rule=strict), earlier) == []
+    assert runs.loosened(replace(accept, decision="rollback"), earlier) == []
 
 
 def test_batches_non_finite_values_and_awkward_names_reach_the_server(server):
