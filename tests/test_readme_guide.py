@@ -20,7 +20,7 @@ RUN_BY = {
     "docker run": "not runnable here (no Docker engine): tests/test_containers.py checks its flags",
 }
 """The first words of each command block of the README, and the test that runs it as written."""
-OUTPUT = ("publish: ", "error: ")
+OUTPUT = ("publish: ", "error: ", "freeze: ")
 """Blocks that quote what the tool prints, not commands."""
 
 
@@ -58,3 +58,14 @@ def test_every_docs_page_is_linked_and_every_link_resolves():
     for page in sorted((ROOT / "docs").glob("*.md")):
         for target in re.findall(r"\]\(([\w.-]+\.(?:md|png))(?:#[\w-]+)?\)", page.read_text()):
             assert (ROOT / "docs" / target).is_file(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_the_role_table_in_the_readme_is_the_one_freeze_prints():
+    """The README's example of freeze's role table is the digits example's, as ``heads.Roles.lines`` writes it."""
+    from pipeline import heads
+    from pipeline.config import AcceptanceConfig
+
+    roles = heads.resolve("classification", AcceptanceConfig(), {"output": (275, 10)}, "output", threshold=None,
+                          over_positions=[], probabilities={}, scales={"output": 4.71})
+    block = README.split("    freeze: outputs, as every trial will be judged:\n", 1)[1].split("\n\n", 1)[0]
+    assert [line[6:] for line in block.splitlines()] == roles.lines()
