@@ -102,12 +102,16 @@ def capture(
     real_updates: int | None = None,
     records: Sequence[dict] | None = None,
     policy: dict | None = None,
+    states: tuple[dict, dict] | None = None,
 ) -> Checkpoint:
-    """Snapshot a training state (copies, so training can go on); the loop passes its counters, records and policy."""
-    tensors = {f"model/{k}": v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+    """Snapshot a training state (copies, so training can go on); the loop passes its counters, records and policy.
+    ``states``: the model's and optimizer's state_dicts as gathered already (FSDP2's, ``distributed.World.full_state``),
+    instead of their own ``state_dict()``."""
+    weights, optim_state = states if states is not None else (model.state_dict(), None)
+    tensors = {f"model/{k}": v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()}
     groups = scalars = None
     if optimizer is not None:
-        optim, groups, scalars = _optimizer_parts(optimizer.state_dict())
+        optim, groups, scalars = _optimizer_parts(optim_state if optim_state is not None else optimizer.state_dict())
         tensors.update(optim)
     tensors.update(rng_state())
     info = Meta(
@@ -188,14 +192,19 @@ def restore(
     scaler: torch.amp.GradScaler | None = None,
     scheduler: Any = None,
     rng: bool = True,
+    load: Any = None,
 ) -> None:
-    """Put a captured state back into live objects."""
+    """Put a captured state back into live objects. ``load(weights, optimizer_state)``: how the model's and optimizer's
+    state go in when not by their own ``load_state_dict`` (FSDP2's shards: ``distributed.World.load_full_state``)."""
     try:
-        model.load_state_dict(ckpt.model_state(), strict=True)
+        if load is not None:
+            load(ckpt.model_state(), _optimizer_state(ckpt) if optimizer is not None else None)
+        else:
+            model.load_state_dict(ckpt.model_state(), strict=True)
     except RuntimeError as exc:
         first = str(exc).splitlines()[0]
         raise UserError(f"checkpoint does not fit this model ({first}); rebuild it with `dvc repro --force`") from None
-    if optimizer is not None:
+    if optimizer is not None and load is None:
         optimizer.load_state_dict(_optimizer_state(ckpt))
     if scaler is not None and ckpt.info.grad_scaler:
         scaler.load_state_dict(ckpt.info.grad_scaler)
@@ -543,9 +552,10 @@ def _check_tracked(path: str, dvc_file: str | Path) -> None:
                         f"re-freeze when it changes; add `- {path}` to stages.freeze.deps")
 
 
-def continue_optimizer(start: Checkpoint, optimizer: torch.optim.Optimizer, name: str) -> None:
+def continue_optimizer(start: Checkpoint, optimizer: torch.optim.Optimizer, name: str, load: Any = None) -> None:
     """The optimizer state a run starts from (``start``'s, where it holds one: its moments, and its param_groups' lr,
-    betas, weight decay as saved), put into the run's fresh ``optimizer`` (``name``: reference.optimizer).
+    betas, weight decay as saved), put into the run's fresh ``optimizer`` (``name``: reference.optimizer); ``load``: as
+    ``restore``'s (FSDP2's shards).
 
     Raises:
         UserError: the saved state is another optimizer's, or for other parameters."""
@@ -562,7 +572,7 @@ def continue_optimizer(start: Checkpoint, optimizer: torch.optim.Optimizer, name
     state["state"] = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items()}
                       for i, entry in state["state"].items()}
     try:
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(state) if load is None else load(None, state)
     except (ValueError, KeyError, RuntimeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"{where} does not fit this model's parameters ({first}); save it with the model it "

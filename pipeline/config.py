@@ -701,8 +701,20 @@ class DistributedConfig:
     """Words put before torchrun's command when nnodes > 1, which start that command on every node: ``[srun,
     --ntasks-per-node=1]`` inside a Slurm allocation, so that ``dvc repro`` on one node runs the whole pipeline. Empty:
     this node only; start the same stage command on the others yourself."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """``ddp``: every rank holds the whole training state (DistributedDataParallel). ``fsdp``: FSDP2 ``fully_shard``
+    shards parameters, gradients and optimizer state over the ranks (docs/distributed.md, "FSDP2"). One process: either
+    runs the model as it is."""
+    fsdp_blocks: list[str] = field(default_factory=list)
+    """With ``fsdp``: class names of the modules sharded one by one (a transformer's layer class, e.g. ``[BertLayer]``),
+    then the root. Empty: each top-level child with parameters is one block."""
 
     def check(self, key: str) -> None:
+        if self.fsdp_blocks and self.strategy != "fsdp":
+            raise UserError(f"params.yaml: {key}.fsdp_blocks is set but {key}.strategy is {self.strategy!r}; set strategy: "
+                            f"fsdp, or remove fsdp_blocks")
+        for i, name in enumerate(self.fsdp_blocks):
+            _printable(name, f"{key}.fsdp_blocks[{i}]", MAX_MODULE_NAME)
         _count(self.nproc_per_node, f"{key}.nproc_per_node", MAX_NPROC_PER_NODE,
                "one process per rank, each with its own copy of the model", least=1)
         _count(self.nnodes, f"{key}.nnodes", MAX_NNODES, "each node joins one rendezvous", least=1)

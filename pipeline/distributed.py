@@ -21,6 +21,19 @@ statistics are per rank (DDP broadcasts rank 0's buffers at each forward; no Syn
 Rank 0 alone writes: every output (atomically, as in one process), the resume state, the lines printed.
 Inference on the fixed set runs on rank 0 only. The other ranks train and exit.
 
+With ``distributed.strategy: fsdp`` (FSDP2), the training loop trains a copy of the model sharded by ``fully_shard``
+(``World.sharded_copy``): each block (a module of a class named in ``distributed.fsdp_blocks``, else each top-level
+child with parameters), then the root, holds 1/N of its parameters, gradients and optimizer state on each rank; the
+gradients of the mean loss are reduce-scattered (averaged) over the ranks, as DDP's all-reduce averages them. The
+model the caller holds stays whole: at each resume point and at the end, the full state is gathered to rank 0
+(``full_state``: torch.distributed.checkpoint.state_dict, ``full_state_dict``) in the very format one process writes
+(optimizer state numbered by parameter, as ``Optimizer.state_dict`` numbers it), the trained weights are loaded into
+that model on rank 0, which infers and writes as under DDP. A resume state goes back into the shards on every rank
+(``load_full_state``). The GradScaler's skip decision is the same on every rank: its inf/NaN flag is all-reduced
+(``agree_found_inf``). benchmark@DTYPE still times DDP (its workload is not sharded). Memory: the caller's whole
+FP32 model stays on every rank beside the shards (4 bytes a parameter; the training state, 16 with AdamW, is the
+sharded part).
+
 benchmark@DTYPE on N ranks times one global update (every rank its slice, DDP's all-reduce included) on
 rank 0's clock. On a GPU its memory probes run rank 0's slice of the batch in one process of their own (no
 process group, so no DDP gradient buckets: ``shard_only``); on the CPU every rank measures in its own
@@ -48,6 +61,15 @@ class World:
     rank: int = 0
     size: int = 1
     backend: str | None = None
+    strategy: str = "ddp"
+    """``ddp`` or ``fsdp`` (params ``distributed.strategy``)."""
+    blocks: tuple[str, ...] = ()
+    """FSDP2's block classes (params ``distributed.fsdp_blocks``)."""
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 trains here: strategy fsdp on more than one rank of a process group."""
+        return self.strategy == "fsdp" and self.size > 1 and self.backend is not None
 
     @property
     def writes(self) -> bool:
@@ -92,26 +114,163 @@ class World:
         return value / self.size
 
     def key(self, run_key: str) -> str:
-        """A resume key: a state saved by another world size is another run's."""
-        return run_key if self.size == 1 else f"{run_key}/world{self.size}"
+        """A resume key: a state saved by another world size, or under FSDP2 (other reductions), is another run's."""
+        if self.size == 1:
+            return run_key
+        return f"{run_key}/world{self.size}" + (f"/fsdp{list(self.blocks)}" if self.sharded else "")
 
     def describe(self) -> dict[str, Any]:
         """What the manifests record (nothing for a plain process: its manifests stay as they were)."""
         return {} if self.backend is None else {"world_size": self.size, "process_group_backend": self.backend}
 
+    # --- FSDP2 ------------------------------------------------------------------------------------------
+
+    def sharded_copy(self, model, policy=None):
+        """The module a training run updates: ``model`` itself, or under FSDP2 a copy of it sharded block by block
+        (``fully_shard``, children before parents, then the root) on which the optimizer is then built. ``policy``:
+        the trial's, whose ``fsdp_param_dtype`` / ``fsdp_reduce_dtype`` (where it has them) become FSDP2's
+        MixedPrecisionPolicy.
+
+        Raises:
+            UserError: a class of ``fsdp_blocks`` names no module of the model.
+        """
+        if not self.sharded:
+            return model
+        import copy
+
+        fully_shard, mixed = _fsdp()
+        copied = copy.deepcopy(model)
+        kwargs = {}
+        param_dtype, reduce_dtype = getattr(policy, "fsdp_param_dtype", None), getattr(policy, "fsdp_reduce_dtype", None)
+        if param_dtype or reduce_dtype:
+            import torch
+
+            kwargs["mp_policy"] = mixed(param_dtype=param_dtype and getattr(torch, param_dtype),
+                                        reduce_dtype=reduce_dtype and getattr(torch, reduce_dtype))
+        chosen = shard_blocks(copied, self.blocks)
+        kinds = sorted({type(m).__name__ for m in chosen})  # before fully_shard renames them (FSDPLinear)
+        for module in chosen:
+            fully_shard(module, **kwargs)
+        fully_shard(copied, **kwargs)
+        if self.writes and not _SAID:  # once a process: which blocks its trainings shard
+            _SAID.append(True)
+            print(f"FSDP2 over {self.size} ranks ({self.backend}): {len(chosen)} blocks ({', '.join(kinds) or 'none'}) "
+                  f"and the root, each rank holding 1/{self.size} of the training state", flush=True)
+        return copied
+
+    def agree_found_inf(self, scaler, optimizer) -> None:
+        """After ``scaler.unscale_(optimizer)`` under FSDP2: every rank's inf/NaN flag becomes the max over the ranks,
+        so that all skip, or none (each rank checks only its shard of the gradients). torch's DTensor already reduces
+        it (torch 2.13, checked by tests/test_fsdp.py); older torch may not, and a max of equal flags changes nothing.
+        The flag lives in the scaler's per-optimizer state, which torch's own ShardedGradScaler (FSDP1) reduces
+        the same way."""
+        if not self.sharded or not scaler.is_enabled():
+            return
+        import torch.distributed as dist
+
+        for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+
+    def full_state(self, model, optimizer):
+        """The whole model and optimizer state of a sharded run, gathered on rank 0 (on the CPU), the optimizer's
+        numbered by parameter as ``Optimizer.state_dict`` numbers it; ({}, empty) on the other ranks. Every rank
+        must call it (it gathers)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=options)
+        optim = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else {}
+        if not self.writes:
+            return {}, {"state": {}, "param_groups": []}
+        names = _parameter_names(model, optimizer)
+        index = {name: i for i, name in enumerate(names)}
+        groups, at = [], 0
+        for group in optim["param_groups"]:
+            groups.append({**group, "params": list(range(at, at + len(group["params"])))})
+            at += len(group["params"])
+        state = {index[name]: entry for name, entry in optim["state"].items()}
+        return weights, {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def load_full_state(self, model, optimizer):
+        """A loader for ``checkpoint.restore`` and ``checkpoint.continue_optimizer``: a whole state (every rank holds it)
+        put into a sharded model's and optimizer's shards."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True)
+
+        # In one order on every rank: each tensor is scattered in turn, and a file's tensors come in any order (safetensors).
+        def load(weights, optim) -> None:
+            if weights is not None:
+                set_model_state_dict(model, {k: weights[k] for k in sorted(weights)}, options=options)
+            if optim is not None:
+                names = _parameter_names(model, optimizer)
+                state = {names[int(i)]: dict(sorted(entry.items())) for i, entry in sorted(optim["state"].items(),
+                                                                                         key=lambda item: int(item[0]))}
+                groups = [{**g, "params": [names[int(i)] for i in g["params"]]} for g in optim["param_groups"]]
+                set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=options)
+
+        return load
+
+
+def _fsdp():
+    """``fully_shard`` and ``MixedPrecisionPolicy``: torch.distributed.fsdp since torch 2.6, its _composable home before."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch 2.4, 2.5
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    return fully_shard, MixedPrecisionPolicy
+
+
+def shard_blocks(model, classes: tuple[str, ...] | list[str]) -> list:
+    """The modules FSDP2 shards one by one before the root, children before parents: every module whose class is named
+    in ``classes``, else each top-level child holding parameters. A module that shares a parameter with one outside it
+    (tied embeddings) is left to its parent's block: FSDP2 gives each parameter one owner.
+
+    Raises:
+        UserError: a class in ``classes`` names no module of the model.
+    """
+    named = list(model.named_modules())
+    if classes:
+        found = {type(m).__name__ for _, m in named}
+        missing = [c for c in classes if c not in found]
+        if missing:
+            raise UserError(f"params.yaml: distributed.fsdp_blocks names {', '.join(map(repr, missing))}, no class of "
+                            f"the model's modules; use some of {', '.join(sorted(found))[:300]}")
+        chosen = [(n, m) for n, m in named if n and type(m).__name__ in classes]
+    else:
+        chosen = [(n, m) for n, m in model.named_children() if any(True for _ in m.parameters())]
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+
+    def alone(prefix, module) -> bool:
+        return all(n.startswith(prefix + ".") for p in module.parameters() for n in owners[id(p)])
+
+    return [m for n, m in reversed(chosen) if alone(n, m)]
+
+
+def _parameter_names(model, optimizer) -> list[str]:
+    """The qualified names of ``optimizer``'s parameters, in its numbering (groups in order)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
 
 _WORLD = [World()]
+_SAID: list[bool] = []
 
 
 def current() -> World:
     return _WORLD[0]
 
 
-def init(device):
+def init(device, cfg=None):
     """Join torchrun's process group when this process is one of its ranks; return the rank's device
     (``cuda:LOCAL_RANK`` on GPUs). A plain process: the device as given, nothing started. Under torchrun
     with one rank (``torchrun --nproc_per_node 1 -m pipeline ...`` by hand, to check that NCCL starts) the
-    group is made and recorded, but nothing is wrapped or split."""
+    group is made and recorded, but nothing is wrapped or split. ``cfg``: params.distributed (its strategy and
+    FSDP2 blocks); None: DDP."""
     if not in_torchrun():
         return device
     import atexit
@@ -126,7 +285,8 @@ def init(device):
     if not dist.is_initialized():
         dist.init_process_group(backend)
         atexit.register(dist.destroy_process_group)
-    _WORLD[0] = World(rank=dist.get_rank(), size=dist.get_world_size(), backend=backend)
+    strategy, classes = (cfg.strategy, tuple(cfg.fsdp_blocks)) if cfg is not None else ("ddp", ())
+    _WORLD[0] = World(rank=dist.get_rank(), size=dist.get_world_size(), backend=backend, strategy=strategy, blocks=classes)
     return device
 
 

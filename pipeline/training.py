@@ -178,7 +178,10 @@ def amp_step(
         scaler.scale(loss if n == 1 else loss / n).backward()
         total = loss.detach() if total is None else total + loss.detach()
     scaler.unscale_(optimizer)
+    distributed.current().agree_found_inf(scaler, optimizer)  # FSDP2: each rank looked at its shard only
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor (the norm over every rank's shard)
+        grad_norm = grad_norm.full_tensor()
     mean = total if n == 1 else total / n
     if not apply:
         optimizer.zero_grad(set_to_none=True)
@@ -297,7 +300,8 @@ def train(
 
     Under torchrun with N > 1 ranks (``pipeline.distributed``), each rank trains on its slice of every
     micro-batch through DistributedDataParallel, records the loss averaged over the ranks, and only rank 0
-    saves resume states.
+    saves resume states. Under FSDP2 (``distributed.strategy: fsdp``) a sharded copy of ``model`` trains, and its
+    gathered state is loaded into ``model`` at the end (on rank 0, which alone uses it).
 
     ``skip_steps``: steps whose update is not applied, as a GradScaler skip (the FP32 run aligned on a trial).
     ``batches``: another order of the micro-batch indices than the policy's (``trial_order``; the FP32 noise replicate).
@@ -314,7 +318,12 @@ def train(
     world = distributed.current()
     model.to(device).train()
     loss_fn = make_loss(task_cfg)
-    optimizer = make_optimizer(model, cfg)
+    if world.sharded and (policy.compiled or policy.float8 != "off"):
+        raise UserError(f"{label}: distributed.strategy fsdp runs eager models without float8 here (compile "
+                        f"{policy.compile}, float8 {policy.float8}); use strategy: ddp for this variant's policy")
+    trainee = world.sharded_copy(model, policy)  # the model itself, or FSDP2's sharded copy (optimizer on its shards)
+    optimizer = make_optimizer(trainee, cfg)
+    load = world.load_full_state(trainee, optimizer) if world.sharded else None  # resume states into the shards
     scaler = precision.make_scaler(policy, device)
     order = batches if batches is not None else trial_order(len(source), cfg, seed, policy)
     if expect_batches is not None and batches is None and policy.data_order != "reference":
@@ -329,23 +338,24 @@ def train(
     if resume is not None and _stale(resume, source, order, world, label, device):
         resume = None
     if resume is None and origin is not None:  # before the schedule is built on it: its lr, initial_lr are the saved ones
-        checkpoint.continue_optimizer(origin, optimizer, cfg.optimizer)
+        checkpoint.continue_optimizer(origin, optimizer, cfg.optimizer, load)
     scheduler = make_scheduler(optimizer, cfg)
     if resume is None and origin is not None:
         checkpoint.continue_schedule(origin, scaler, scheduler)
     if resume is not None:
-        checkpoint.restore(resume, model, optimizer, scaler, scheduler)
+        checkpoint.restore(resume, trainee, optimizer, scaler, scheduler, load=load)
         saved = resume.info  # ``ResumeFile.load`` checked its counters
         records = [StepRecord.from_dict(r) for r in saved.records]
         real_updates, start = saved.real_updates, saved.step
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in trainee.parameters() if p.requires_grad]
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
+    resumable = save_resume is not None  # under FSDP2 every rank gathers each resume state; rank 0 alone saves it
     if not world.writes:
         save_resume = None
     progress = Progress(label, end, start)
-    runnable = transforms.apply(model, policy, device).model  # float8 layers in place, the compiled wrapper; else model
-    with precision.fp32_regions(model, policy, device):
-        net = world.wrap(runnable, device)  # the model itself in one process
+    runnable = transforms.apply(trainee, policy, device).model  # float8 layers in place, the compiled wrapper; else model
+    with precision.fp32_regions(trainee, policy, device):
+        net = runnable if world.sharded else world.wrap(runnable, device)  # the model itself in one process
         for step in range(start, end):
             micro = _read_update(source, order[step], world, step)
             digest = batch_digest(micro)
@@ -372,11 +382,15 @@ def train(
             )
             progress.tick(step + 1, records[-1].loss, out.scale, sum(r.skipped for r in records))
             every = cfg.checkpoint_every
-            if save_resume is not None and every and (step + 1) % every == 0 and step + 1 < end:
-                save_resume(_snapshot(model, optimizer, scaler, scheduler, records, real_updates, step + 1, policy))
+            if resumable and (save_resume is not None or world.sharded) and every and (step + 1) % every == 0 and step + 1 < end:
+                saved = _snapshot(trainee, optimizer, scaler, scheduler, records, real_updates, step + 1, policy, world)
+                if save_resume is not None:
+                    save_resume(saved)
             if on_step is not None:
                 on_step(step + 1)
-    state = _snapshot(model, optimizer, scaler, scheduler, records, real_updates, end, policy)
+    state = _snapshot(trainee, optimizer, scaler, scheduler, records, real_updates, end, policy, world)
+    if world.sharded and world.writes:  # the caller's model: the trained weights, whole (rank 0 alone infers)
+        model.load_state_dict(state.model_state(), strict=True)
     final_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
     return TrainResult(records=records, real_updates=real_updates, state=state, final_scale=final_scale)
 
@@ -415,7 +429,8 @@ def _read_update(
     return micro
 
 
-def _snapshot(model, optimizer, scaler, scheduler, records, real_updates, step, policy) -> checkpoint.Checkpoint:
+def _snapshot(model, optimizer, scaler, scheduler, records, real_updates, step, policy,
+              world: distributed.World = distributed.World()) -> checkpoint.Checkpoint:
     return checkpoint.capture(
         model,
         optimizer,
@@ -425,6 +440,7 @@ def _snapshot(model, optimizer, scaler, scheduler, records, real_updates, step, 
         real_updates=real_updates,
         records=[r.as_dict() for r in records],
         policy=policy.as_dict(),
+        states=world.full_state(model, optimizer) if world.sharded else None,
     )
 
 

@@ -21,7 +21,7 @@ def main(params_path: str = "params.yaml") -> None:
     if launch.relaunched("freeze", params, params_path):
         return  # it ran on distributed.nproc_per_node ranks under torchrun
     cfg = params.reference
-    device = distributed.init(devices.resolve(params.device))  # one process: unchanged; under torchrun: this rank's
+    device = distributed.init(devices.resolve(params.device), params.distributed)  # one process: unchanged; else this rank's
     inputs = {str(p): sha256_file(p) for p in (paths.PREPARED_CASES, paths.PREPARED_TRAIN)}
     source = task.load_train(params.task, paths.PREPARED_TRAIN, inputs[str(paths.PREPARED_TRAIN)])
     init, start = checkpoint.start(cfg.checkpoint, model := task.build_model(params.task, params.seed))  # reference.checkpoint

@@ -17,7 +17,7 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     policy = params.trial.policy(variant)
     if launch.relaunched("trial", params, params_path, variant):
         return  # it ran on distributed.nproc_per_node ranks under torchrun
-    device = distributed.init(devices.resolve(params.device))  # one process: unchanged; under torchrun: this rank's
+    device = distributed.init(devices.resolve(params.device), params.distributed)  # one process: unchanged; else this rank's
     world = distributed.current()
     if policy.amp:
         devices.check_dtype_supported(device, precision.parse_dtype(policy.dtype))

@@ -1,0 +1,95 @@
+"""FSDP2 (``distributed.strategy: fsdp``, issue 52 item 3) on the CPU for real: 2 gloo ranks under torchrun through
+`dvc repro` of the tiny digits project reach the decisions one process reaches, and a rank killed mid-run resumes to
+the same bytes on that world size (the DDP test's pattern, tests/test_e2e_distributed.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import _project
+import faults
+from _project import dvc, env_for, run
+from conftest import make_project
+
+pytestmark = pytest.mark.integration
+
+QUICK = {"diagnose": {"search_budget": 0}}
+FSDP = {**QUICK, "distributed": {"nproc_per_node": 2, "strategy": "fsdp"}}
+DTYPES = ("float16", "bfloat16")
+REFERENCE = (
+    "init.safetensors", "checkpoint.safetensors", "cases.safetensors", "outputs.safetensors", "trajectory.json", "manifest.json",
+)
+TRIAL = ("outputs.safetensors", "trained_outputs.safetensors", "checkpoint.safetensors", "trajectory.json", "manifest.json")
+
+
+def digests(folder: Path, names) -> dict[str, str]:
+    return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in names}
+
+
+def decisions(repo: Path) -> dict[str, str]:
+    return {d: json.loads((repo / f"data/metrics/{d}.json").read_text())["decision"] for d in DTYPES}
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    """The tiny digits project reproduced to a decision in both dtypes by FSDP2 on 2 gloo ranks (read-only for tests)."""
+    repo = make_project(tmp_path_factory.mktemp("fsdp") / "repo", FSDP)
+    out = dvc(repo, "repro", *(f"decide@{d}" for d in DTYPES)).stdout
+    assert out.count("FSDP2 over 2 ranks (gloo): 4 blocks (LayerNorm, Linear) and the root") == 3, out  # freeze, 2 trials
+    return repo
+
+
+def test_fsdp_on_two_ranks_reaches_the_decisions_of_one_process(sharded, tmp_path):
+    alone = make_project(tmp_path / "alone", QUICK)
+    dvc(alone, "repro", *(f"decide@{d}" for d in DTYPES))
+    assert decisions(sharded) == decisions(alone) == {"float16": "accept", "bfloat16": "rollback"}  # TINY's two verdicts
+    for folder in ("data/reference", *(f"data/trial/{d}" for d in DTYPES)):
+        env = json.loads((sharded / folder / "manifest.json").read_text())["env"]
+        assert (env["world_size"], env["process_group_backend"]) == (2, "gloo"), folder
+    ones = json.loads((alone / "data/reference/trajectory.json").read_text())
+    twos = json.loads((sharded / "data/reference/trajectory.json").read_text())
+    assert json.dumps(ones) != json.dumps(twos)  # really another run (its own reductions), yet the same verdicts
+    assert not any((sharded / "data/resume").glob("*"))  # rank 0 cleared every resume state
+
+
+@pytest.mark.parametrize(("stage", "target", "folder", "names", "rank"), [
+    (["freeze"], "freeze", "data/reference", REFERENCE, 1),  # a rank other than the writer dies
+    (["trial", "--variant", "float16"], "trial@float16", "data/trial/float16", TRIAL, 0),  # the writer dies (GradScaler)
+])
+def test_a_rank_killed_mid_run_resumes_to_the_same_bytes(sharded, tmp_path, stage, target, folder, names, rank):
+    label = "freeze FP32" if target == "freeze" else "trial float16"
+    repo = tmp_path / "repo"
+    shutil.copytree(sharded, repo, symlinks=True)
+    expected = digests(repo / folder, names)
+    shutil.rmtree(repo / folder)  # as DVC does before running a stage
+    env = faults.after_step(env_for(repo), 6, rank=rank)
+    killed = run([sys.executable, "-m", "pipeline", *stage], repo, check=False, env=env)
+    assert killed.returncode == 2
+    line = killed.stderr.strip()
+    assert line.count("\n") == 0 and f"rank {rank} of 2 died (killed by SIGKILL)" in line, killed.stderr[-2000:]
+    assert not any((repo / folder / n).exists() for n in names)  # nothing half-written
+    assert any((repo / "data/resume").glob("*.safetensors"))  # rank 0 saved step 4, gathered from both ranks' shards
+
+    out = dvc(repo, "repro", "--force", "--single-item", target).stdout  # runs it (no DVC cache copy): resumes at step 4
+    assert f"Running stage '{target}'" in out and f"{label}: 8 steps in" in out, out  # steps 5 to 12 only
+    assert digests(repo / folder, names) == expected
+    assert not any((repo / "data/resume").glob("*"))  # the resumed run finished and cleared its state
+
+
+def test_fsdp_by_block_class_on_the_tiny_transformer_reaches_the_decisions_of_one_process(tmp_path):
+    """The transformer example sharded per encoder block (``fsdp_blocks: [Block]``), then the root (embedding,
+    positions, norm, head): the verdicts one process reaches."""
+    base = _project.merge(_project.transformer("tiny"), QUICK)
+    alone = make_project(tmp_path / "alone", base)
+    sharded = make_project(tmp_path / "fsdp", _project.merge(base, {"distributed": {
+        "nproc_per_node": 2, "strategy": "fsdp", "fsdp_blocks": ["Block"]}}))
+    dvc(alone, "repro", *(f"decide@{d}" for d in DTYPES))
+    out = dvc(sharded, "repro", *(f"decide@{d}" for d in DTYPES)).stdout
+    assert "FSDP2 over 2 ranks (gloo): 1 blocks (Block) and the root" in out, out
+    assert decisions(sharded) == decisions(alone), (decisions(sharded), decisions(alone))
