@@ -158,8 +158,9 @@ def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
     )
     # what a reader sees
     verdict = html.unescape(re.sub(r"<[^>]+>", "", doc[doc.index('<section id="verdict">'):doc.index("</section>")]))
-    assert f"float16: ACCEPT: the rule passed, {SLOW} on this CPU" in verdict and "keep FP32 here" in verdict
-    assert f"float16-fast: ACCEPT: the rule passed, {FAST} on this CPU, working memory x0.50: switch to AMP here" in verdict
+    assert f"float16: ACCEPT: the rule passed, {SLOW} on the benchmark's CPU" in verdict and "keep FP32 there" in verdict
+    assert (f"float16-fast: ACCEPT: the rule passed, {FAST} on the benchmark's CPU, working memory x0.50: "
+            "switch to AMP there") in verdict
     assert "bfloat16: ROLLBACK: 1 criterion failed (inference ROLLBACK, training ACCEPT); keep FP32 for bfloat16" in verdict
     assert "ordinary/digits-1274: class 5 -> 2, reference margin 0.037 (trial 0.01) - a REAL sample near the boundary" in verdict
     assert verdict.index("ordinary/digits-1274") < verdict.index("boundary/a~b: class 1 -> 7")  # real samples first
@@ -170,12 +171,12 @@ def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
     md = page.markdown(REFERENCE, variants())
     assert md.index("## Verdict") < md.index("## Key figures") < md.index(REFERENCE.rule_sha256)
     assert md.splitlines()[:3] == [
-        f"**float16: ACCEPT** - the rule passed, {SLOW} on this CPU, working memory x0.50: "
-        "keep FP32 here unless memory is what you lack  ",
+        f"**float16: ACCEPT** - the rule passed, {SLOW} on the benchmark's CPU, working memory x0.50: "
+        "keep FP32 there unless memory is what you lack  ",
         "**bfloat16: ROLLBACK** - 1 criterion failed (inference ROLLBACK, training ACCEPT); keep FP32 for bfloat16 "
         "(the reference state is restorable exactly); "
         "next: `python -m pipeline restore --variant bfloat16`  ",
-        f"**float16-fast: ACCEPT** - the rule passed, {FAST} on this CPU, working memory x0.50: switch to AMP here",
+        f"**float16-fast: ACCEPT** - the rule passed, {FAST} on the benchmark's CPU, working memory x0.50: switch to AMP there",
     ]
 
 
@@ -198,7 +199,7 @@ def test_verdict_says_the_audit_and_the_forecast_and_a_flagged_audit_unsupports_
     doc = page.html(REFERENCE, [fp16, bf16, fast])
     shown = html.unescape(re.sub(r"<[^>]+>", "", doc[doc.index('<section id="verdict">'):doc.index("</section>")]))
     assert ("float16-fast: ACCEPT: the rule passed, speedup claim unsupported: autocast barely engaged (share 2.0 %); "
-            f"the benchmark measured {FAST}") in shown and "switch to AMP here" not in shown
+            f"the benchmark measured {FAST}") in shown and "switch to AMP there" not in shown
     assert f"audit: {ENGAGED.line}" in shown and f"audit: {BARELY.line}" in shown
     assert f"FP16 forecast: {CHECKED.forecast}" in shown and CHECKED.line in shown
     assert shown.count("FP16 forecast:") == 1  # float16 only: the others have no check

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from pathlib import Path
 
 from test_page import blank, decided, variant
 
@@ -13,6 +14,7 @@ from pipeline.artifacts.benchmark import Benchmark, Interval, Speed, Spread, Tim
 from pipeline.artifacts.comparison import Decisions, Flip, Stats
 
 FORGED = "ordinary/x\npublish: float16 ACCEPT; review: http://evil\x1b[2J"
+ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "<script>alert(1)</script><img src=x onerror=alert(2)>[click](javascript:alert(3))"
 
 
@@ -57,7 +59,7 @@ def test_the_speed_words_follow_the_interval_never_a_bare_ratio():
     noise = _speed("no measurable difference", 1.25, 0.91, 1.40, (0.85, 1.30))
     said = verdict.verdict("bfloat16", accept, benchmark=noise).sentence
     assert ("the rule passed, no measurable difference (x1.25, 95 % interval 0.91-1.40; FP32 against itself 0.85-1.30) "
-            "on this CPU: AMP gains nothing here but memory") in said
+            "on the benchmark's CPU: AMP gains nothing there but memory") in said
     assert "faster" not in said and "slower" not in said
     row = dict(page.rows([variant("bfloat16", accept, benchmark=noise)]))
     assert [v for k, v in row.items() if k.startswith("benchmark: speed")] == [
@@ -95,15 +97,15 @@ def test_a_faster_step_that_needs_more_updates_is_not_called_a_switch_to_amp():
     slower = bench(375, 1.25, 1.19, 1.41)
     said = verdict.verdict("bfloat16", accept, benchmark=slower).sentence
     assert ("x2.00 faster (95 % interval 1.90-2.10; FP32 against itself 0.93-1.08); time to FP32's final loss: x1.25 "
-            "(1.19-1.41; AMP needed 375 of 375 updates, FP32 150; FP32's replicates 140-150) on this CPU: faster per step, "
-            "not to FP32's final loss: keep FP32 here") in said and "switch to AMP" not in said
+            "(1.19-1.41; AMP needed 375 of 375 updates, FP32 150; FP32's replicates 140-150) on the benchmark's CPU: "
+            "faster per step, not to FP32's final loss: keep FP32 there") in said and "switch to AMP" not in said
     row = dict(page.rows([variant("bfloat16", accept, benchmark=slower)]))
     assert [v for k, v in row.items() if k.startswith("benchmark: speed")] == [[verdict.speed_words(slower)]]
-    assert "switch to AMP here" in verdict.verdict("bfloat16", accept, benchmark=bench(100, 0.35, 0.3, 0.4, "faster")).sentence
+    assert "switch to AMP there" in verdict.verdict("bfloat16", accept, benchmark=bench(100, 0.35, 0.3, 0.4, "faster")).sentence
     never = bench(None, verdict_="never reached")
     assert verdict.speed_words(never).endswith(
         "; never reached FP32's final loss in 375 updates (FP32 150; FP32's replicates 140-150): no time-to-quality claim")
-    assert "keep FP32 here" in verdict.verdict("bfloat16", accept, benchmark=never).sentence
+    assert "keep FP32 there" in verdict.verdict("bfloat16", accept, benchmark=never).sentence
     # FP32 trained again did not get there either: AMP not getting there is within FP32's own spread.
     mixed = verdict.verdict("bfloat16", accept, benchmark=bench(None, verdict_="never reached", replicates=(None, 150)))
     assert "FP32's replicates never, 150): no time-to-quality claim" in mixed.sentence
@@ -123,3 +125,25 @@ def test_the_training_line_says_no_gradscaler_for_bfloat16_and_not_judged_when_n
     untrained = verdict.verdict("bfloat16", replace(bf16, training="not judged"), blank(Stats))
     assert untrained.training == "training: not judged (reference.train_steps 0: an inference-only verdict)"
     assert untrained.sentence.endswith("(inference only: training not judged)")
+
+
+def test_the_gain_names_the_benchmarks_own_machine_never_this_cpu(monkeypatch):
+    """Issue 51, friction 5: the default run skipped the benchmark and read the figures committed from another machine,
+    yet said "on this CPU". The gain names the machine of the benchmark's record (its env), and its advice says "there"."""
+    from pipeline.artifacts import benchmark
+    from pipeline.present import verdict
+
+    monkeypatch.chdir(ROOT)
+    committed = benchmark.read("float16")  # data/benchmark/float16/benchmark.json as the default run reads it
+    assert committed.benchmarked and committed.env["device_name"], committed
+    accept = decided("accept", env={"backend": "cpu", "device_name": "this machine's CPU", "capability": "AVX2"})
+    said = verdict.verdict("float16", accept, benchmark=committed)
+    shown = [said.sentence, verdict.text(said), verdict.html([said]), verdict.markdown([said]), verdict.one_line([said])]
+    where = f"on {committed.env['device_name']} (CPU, {committed.env['capability']})"
+    assert all(where in s and "this CPU" not in s and "this machine" not in s for s in shown), said.sentence
+    assert " here" not in said.gain and " there" in said.gain, said.gain
+    gpu = replace(committed, env={"backend": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "capability": "9.0"})
+    assert "on NVIDIA H100 80GB HBM3 (GPU, capability 9.0)" in verdict.verdict("float16", accept, benchmark=gpu).gain
+    unnamed = replace(committed, env={"backend": "rocm"})
+    assert f"{verdict.speed_words(committed)} on the benchmark's GPU" in verdict.verdict("float16", accept,
+                                                                                         benchmark=unnamed).gain

@@ -5,10 +5,11 @@ record, ``Audit``; ``variant.Variant`` holds them all), text out (no torch, no M
 rendered as Markdown (MLflow descriptions), HTML (report.html), plain text (a stage's terminal note) and
 one line (publish's last line). Per variant it says:
 
-- the decision in one sentence, with the gain in the words of the benchmark's speed verdict ("x0.32 (3.1 times
-  slower; 95 % interval 0.30-0.35; FP32 against itself 0.97-1.03) on this CPU: keep FP32 here"; "no measurable
-  difference (x1.03, ...)" where the interval holds 1 or overlaps FP32 against itself), then the time to FP32's final
-  loss ("time to FP32's final loss: x1.25 (...)": a faster step that needs more updates is no switch to AMP);
+- the decision in one sentence, with the gain in the words of the benchmark's speed verdict, on the machine that
+  benchmarked it ("x0.32 (3.1 times slower; 95 % interval 0.30-0.35; FP32 against itself 0.97-1.03) on AMD EPYC 7B13
+  (CPU, AVX512): keep FP32 there"; "no measurable difference (x1.03, ...)" where the interval holds 1 or overlaps FP32
+  against itself), then the time to FP32's final loss ("time to FP32's final loss: x1.25 (...)": a faster step
+  that needs more updates is no switch to AMP);
 - the reasons (the failed criteria, then the diagnosis' findings: two fields of the decision, never told
   apart by their words);
 - the flipped cases, reference -> trial class and margin, calling out real samples that the rule counted
@@ -94,7 +95,7 @@ def verdict(
     statistics and no audit). ``loosened``: how the rule was loosened since an earlier rollback of the same reference
     (publish)."""
     accepted = decision.accepted
-    gain = (_unsupported(audit, benchmark) if audit and audit.flagged else _gain(benchmark, decision.env)) if accepted else ""
+    gain = (_unsupported(audit, benchmark) if audit and audit.flagged else _gain(benchmark)) if accepted else ""
     criteria = [str(r) for r in decision.reasons]
     failed = ""
     if accepted:
@@ -126,10 +127,10 @@ def verdict(
     return out
 
 
-def _gain(bench: Measured | None, env: Mapping[str, Any]) -> str:
-    """The benchmark in words, as its speed verdict says (never a bare ratio); a slower AMP is said plainly, beside a
+def _gain(bench: Measured | None) -> str:
+    """The benchmark in words, as its speed verdict says (never a bare ratio), on the machine that measured it (its
+    record's env: the figures may have been committed from another machine); a slower AMP is said plainly, beside a
     green accept."""
-    where = "this CPU" if env.get("backend", "cpu") == "cpu" else f"this {env.get('device_name') or 'GPU'}"
     if bench is None:
         return "not benchmarked yet"
     if not bench.benchmarked:
@@ -137,6 +138,7 @@ def _gain(bench: Measured | None, env: Mapping[str, Any]) -> str:
     words = speed_words(bench)
     if words is None:
         return "speed not measured"
+    where = _machine(bench.env)
     w = bench.memory.working_memory_ratio.median if bench.memory.working_memory_ratio else None
     memory = f", working memory x{w:.2f}" if isinstance(w, (int, float)) and math.isfinite(w) else ""
     judged = bench.speed.verdict if bench.speed else None
@@ -145,18 +147,31 @@ def _gain(bench: Measured | None, env: Mapping[str, Any]) -> str:
     if to_quality == "never reached" and not (quality.fp32_replicates and None not in quality.fp32_replicates):
         to_quality = "no measurable difference"  # FP32 itself, trained again, did not always get there either
     if judged == "faster" and to_quality in ("slower", "never reached"):  # a faster step that needs more of them
-        return f"{words} on {where}{memory}: faster per step, not to FP32's final loss: keep FP32 here"
+        return f"{words} on {where}{memory}: faster per step, not to FP32's final loss: keep FP32 there"
     if judged == "faster" and to_quality == "no measurable difference":
         return f"{words} on {where}{memory}: faster per step, no measurable gain to FP32's final loss"
     if judged == "faster":
-        return f"{words} on {where}{memory}: switch to AMP here"
+        return f"{words} on {where}{memory}: switch to AMP there"
     if judged == "slower":
         if memory and w < 0.9:
-            return f"{words} on {where}{memory}: keep FP32 here unless memory is what you lack"
-        return f"{words} on {where}: keep FP32 here"
+            return f"{words} on {where}{memory}: keep FP32 there unless memory is what you lack"
+        return f"{words} on {where}: keep FP32 there"
     if judged == "no measurable difference":
-        return f"{words} on {where}{memory}: AMP gains nothing here but memory"
+        return f"{words} on {where}{memory}: AMP gains nothing there but memory"
     return f"{words}{memory}"
+
+
+def _machine(env: Mapping[str, Any]) -> str:
+    """The machine a record was measured on, from its env (``devices.Environment``): its device name, else ``CPU`` or
+    ``GPU`` by backend, with its capability where given (``NVIDIA H100 80GB HBM3 (GPU, capability 9.0)``,
+    ``AMD EPYC 7B13 (CPU, AVX512)``). Never "this CPU": benchmark.json may come from another machine."""
+    kind = "CPU" if env.get("backend", "cpu") == "cpu" else "GPU"
+    name = printable(env.get("device_name") or "").strip()
+    cap = printable(env.get("capability") or "").strip()
+    if cap in ("", "unknown"):
+        return f"{name} ({kind})" if name else f"the benchmark's {kind}"
+    cap = cap if kind == "CPU" else f"capability {cap}"
+    return f"{name} ({kind}, {cap})" if name else f"the benchmark's {kind} ({cap})"
 
 
 def speed_words(bench: Measured | Mapping[str, Any]) -> str | None:
