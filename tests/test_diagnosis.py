@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from _project import ROOT, dvc, merge, stage
+from _project import ROOT, dvc, merge, run, stage
 from conftest import TINY, make_project
 
 from pipeline import precision, recipe
@@ -80,6 +81,15 @@ def test_overflow_example_rolls_fp16_back_naming_the_culprit_and_accepts_bf16(tm
     assert not healthy["needed"] and healthy["findings"] == []
     assert healthy["work"] == {"replayed_steps": 0, "traced_passes": 4, "trial_reruns": 0}  # the probe (probe: always), no replay
     assert healthy["precision_map"]["summary"]["reduced_share"] == 1.0
+
+    # Publish's last line offers the suggested experiment as the next step, before the restore (issue 51, friction 6),
+    # and that step, run as printed, turns the rollback into an accept.
+    said = run([sys.executable, "-c", "from pipeline.artifacts import variant; from pipeline.present import verdict; "
+                "print(verdict.one_line([verdict.of(variant.load('float16'))]))"], repo).stdout.strip()
+    printed = said.split("; next: ", 1)[1].rsplit(")", 1)[0]
+    assert printed == ("""dvc exp run -S 'trial.policies.float16.fp32_modules=["amplify"]' -S 'trial.variants=[float16]'"""), said
+    run(["bash", "-c", printed], repo, timeout=900)
+    assert json.loads((repo / "data/decision/float16/decision.json").read_text())["decision"] == "accept"
 
 
 @pytest.mark.integration

@@ -165,8 +165,10 @@ def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
     assert "ordinary/digits-1274: class 5 -> 2, reference margin 0.037 (trial 0.01) - a REAL sample near the boundary" in verdict
     assert verdict.index("ordinary/digits-1274") < verdict.index("boundary/a~b: class 1 -> 7")  # real samples first
     assert "a constructed boundary case" in verdict
-    assert "python -m pipeline restore --variant bfloat16" in verdict
-    assert """dvc exp run -S 'trial.policies.bfloat16.fp32_modules=["head","0"]' -S 'trial.variants=[bfloat16]'""" in verdict
+    suggested = """dvc exp run -S 'trial.policies.bfloat16.fp32_modules=["head","0"]' -S 'trial.variants=[bfloat16]'"""
+    # the useful next step first (issue 51, friction 6), then the restore; the box wraps instead of cutting them off
+    assert verdict.index(suggested) < verdict.index("python -m pipeline restore --variant bfloat16")
+    assert re.search(r"pre\{[^}]*white-space:pre-wrap;overflow-wrap:anywhere", doc) and "<pre>dvc exp run" in doc
     assert "no GradScaler" in verdict
     md = page.markdown(REFERENCE, variants())
     assert md.index("## Verdict") < md.index("## Key figures") < md.index(REFERENCE.rule_sha256)
@@ -175,7 +177,7 @@ def test_verdict_block_comes_first_with_flips_gain_and_next_commands(figures):
         "keep FP32 there unless memory is what you lack  ",
         "**bfloat16: ROLLBACK** - 1 criterion failed (inference ROLLBACK, training ACCEPT); keep FP32 for bfloat16 "
         "(the reference state is restorable exactly); "
-        "next: `python -m pipeline restore --variant bfloat16`  ",
+        f"next: `{suggested}`  ",
         f"**float16-fast: ACCEPT** - the rule passed, {FAST} on the benchmark's CPU, working memory x0.50: switch to AMP there",
     ]
 

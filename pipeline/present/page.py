@@ -200,7 +200,9 @@ _CSS = (
     "#verdict .verdict{border-left:6px solid #999;padding:2px 12px;margin:8px 0;background:#fafafa}"
     "#verdict .v-accept{border-color:#176b2c}#verdict .v-rollback{border-color:#b00020}"
     ".sentence{font-size:1.15em;font-weight:bold}.warning{color:#8a5a00;font-weight:bold}"
-    "pre{background:#f0f0f0;padding:6px;overflow-x:auto}footer{color:#666;font-size:.9em;margin-top:2em}"
+    # the "Next" box: a command longer than the page wraps instead of being cut off at the right
+    "pre{background:#f0f0f0;padding:6px;white-space:pre-wrap;overflow-wrap:anywhere}"
+    "footer{color:#666;font-size:.9em;margin-top:2em}"
 )
 
 

@@ -18,7 +18,7 @@ one line (publish's last line). Per variant it says:
 - whether AMP engaged (the trial's audit: the share of matmul, convolution and attention FLOPs in reduced
   precision); a flagged audit marks the speedup claim unsupported, whatever the benchmark measured;
 - for a float16 variant, freeze's FP16 headroom forecast and whether the trial bore it out;
-- on rollback, the next commands, ready to paste.
+- on rollback, the next commands, ready to paste: the suggested experiment first, then the restore.
 
 Hashes and environment go to a footer, not here.
 """
@@ -313,7 +313,9 @@ def _training(stats: Stats, dtype: str) -> str:
 
 
 def _commands(variant: str, diagnosis: Diagnosis | None) -> list[str]:
-    cmds = [f"python -m pipeline restore --variant {variant}   # verified FP32 reference state -> restored/"]
+    """The next commands after a rollback, the useful one first: the diagnosis' suggested experiment where it has one
+    (publish's last line and the MLflow headline quote the first alone), then restoring the FP32 reference state."""
+    cmds = []
     s = diagnosis.suggestion if diagnosis else None
     if s is not None and s.fp32_modules:
         modules = json.dumps(list(s.fp32_modules), separators=(",", ":"))  # quoted: module '5' stays a string
@@ -322,6 +324,7 @@ def _commands(variant: str, diagnosis: Diagnosis | None) -> list[str]:
             f"dvc exp run -S 'trial.policies.{variant}.fp32_modules={modules}' -S 'trial.variants=[{variant}]'"
             f"   # suggested FP32 regions ({checked})"
         )
+    cmds.append(f"python -m pipeline restore --variant {variant}   # verified FP32 reference state -> restored/")
     return cmds
 
 
@@ -405,7 +408,7 @@ def headline(verdicts: Sequence[Verdict]) -> str:
         rest = v.sentence[len(head):].lstrip(": ") if v.sentence.startswith(head) else v.sentence
         line = f"**{head}** - {_md(rest)}"
         if v.commands:
-            line += f"; next: `{v.commands[0].split('#')[0].strip()}`"
+            line += f"; next: `{v.commands[0].split('   # ')[0].strip()}`"
         if v.warnings:
             line += " (:warning: rule loosened since a rollback)"
         lines.append(line)
@@ -417,7 +420,7 @@ def one_line(verdicts: Sequence[Verdict]) -> str:
     def detail(v: Verdict) -> str:
         if v.decision == "accept":
             return f" ({v.gain})" if v.gain else ""
-        return f" ({v.failed}; next: {v.commands[0].split('#')[0].strip()})" if v.commands else f" ({v.failed})"
+        return f" ({v.failed}; next: {v.commands[0].split('   # ')[0].strip()})" if v.commands else f" ({v.failed})"
 
     return printable("; ".join(f"{v.variant} {v.decision.upper()}{detail(v)}" for v in verdicts))
 
