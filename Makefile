@@ -24,7 +24,7 @@ run: $(VENV)/.installed
 # freeze, the calibration and failed-variant e2e tests); 452 s from a fresh clone, install included (pytest 382-432 s), on 2 idle cores of an Intel Xeon
 # with AVX-512 (2026-12-05); 480-555 s on an AMD EPYC with AVX-512 (2026-12-04/05); 16.7-18.7 min on an AMD EPYC with
 # AVX2 only (2026-12-03); 9.8-12.4 min on an Intel Xeon with AVX-512 (2026-12-01). The goal is 8 min; about half the CPU
-# time is `import torch` and `import torch._dynamo` in stage processes (README "Tests").
+# time is `import torch` and `import torch._dynamo` in stage processes (docs/ci.md).
 # Paired, within one hour on the Xeon: 592 s with three workers, 660 s with two.
 # pytest-xdist, one worker per core plus one: most tests wait on single-threaded subprocesses (dvc repro, a stage, a
 # server) and on servers starting, so with one worker per core the CPUs were idle 9 % of the time; a third worker fills

@@ -221,7 +221,7 @@ class ReferenceConfig:
     """FP32 replicates freeze trains beside the reference, each under another small change of the data order (a block
     of samples traded between each pair of consecutive updates, a different block each: ``training.neighbours_swapped``):
     FP32's own run-to-run variation, against which the rule judges AMP's training (its loss curve, its final loss and
-    its quality after training: README "Training"). Each costs one more FP32 training. The two bounds training is read
+    its quality after training: docs/acceptance.md "Training"). Each costs one more FP32 training. The two bounds training is read
     by take Student's t at 0.975 each (``rule.training_confidence``): 4.3 with 2 replicates, 3.2 with 3, 2.8 with 4; 1
     replicate (12.7) is refused, a gate that passes almost anything. 0: none (then the rule may set no training
     criterion that needs them)."""
@@ -295,7 +295,7 @@ RENAMED = {"reference.noise_replicate": "reference.replicates (0 = none, N = N F
 
 @dataclass(frozen=True)
 class Policy:
-    """One trial variant: what changes the arithmetic against the FP32 eager reference (README "Variants").
+    """One trial variant: what changes the arithmetic against the FP32 eager reference (docs/variants.md).
 
     The reference itself is ``Policy()``: float32, eager, no float8. A trial is judged against it by the same
     frozen rule whatever changed: the autocast dtype, the compiler, float8 linear layers, or several at once.
@@ -683,7 +683,7 @@ MAX_BENCH_COUNT = 10**5
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    """Data parallelism of freeze and trial@DTYPE (README "Beyond one GPU"; method in pipeline/distributed.py)."""
+    """Data parallelism of freeze and trial@DTYPE (docs/distributed.md; method in pipeline/distributed.py)."""
 
     nproc_per_node: int = 1
     """Ranks on this machine. 1: one process, as always. N > 1: the stage re-runs itself under

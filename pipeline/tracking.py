@@ -760,7 +760,7 @@ def _check_store(uri: str) -> None:
 
 
 def _check_not_linked(uri: str) -> None:
-    """No publish writes through a symlink in the repository (README "Reliability"): the artifact folder a sqlite
+    """No publish writes through a symlink in the repository (docs/reliability-overview.md): the artifact folder a sqlite
     store's experiments are given (``mlartifacts``, ``Publisher._experiment``) and the default database itself.
 
     Raises:

@@ -92,7 +92,7 @@ def neighbours_swapped(order: list[list[torch.Tensor]], offset: int = 0) -> list
     FP32 itself. A one-ulp change of the weights moves the loss by ~1e-7 (rounding stays rounding over a
     short run), far below what any real change does, so it cannot serve as a gate; another data-order seed
     changes every batch and moves it ~20x more than AMP does on the default example. One swapped sample in 64 per
-    pair of updates moves it by as much as a reduced precision does (measured: README "Training band")."""
+    pair of updates moves it by as much as a reduced precision does (measured: docs/acceptance.md "Training")."""
     out = [[b.clone() for b in step] for step in order]
     for s in range(0, len(out) - 1, 2):
         a, b = ([(m, i) for m, t in enumerate(out[u]) for i in range(t.numel())] for u in (s, s + 1))

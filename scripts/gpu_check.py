@@ -11,12 +11,12 @@ never touched):
 - ``transformer``: the same pipeline on examples/transformer.params.yaml, sized by ``--size`` (on a GPU:
   that file as it is, ~57M parameters, 64 x 256 tokens a step, so a step is compute-bound and AMP's gain is
   visible; ``cpu`` and ``tiny`` merge examples/sizes/transformer-SIZE.yaml into it);
-- ``variants``: the same transformer as variants beyond autocast (README "Variants"): ``bfloat16_inductor``
+- ``variants``: the same transformer as variants beyond autocast (docs/variants.md): ``bfloat16_inductor``
   (torch.compile) and ``float8_tensorwise`` (torchao; real FP8 kernels on capability 8.9+, emulated below, and left
   out with a note where torch or torchao cannot run it: the ROCm image's torch 2.10).
 
 OUT/figures.json holds everything (per-stage wall time, decisions and reasons, benchmark figures with
-their spread, the machine) and OUT/figures.md a summary to paste into the README.
+their spread, the machine) and OUT/figures.md a summary to paste into docs/gpu.md.
 
 Two modes:
 

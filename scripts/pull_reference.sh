@@ -14,7 +14,7 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 remote=$($DVC remote default 2>/dev/null)
 if [ -z "$remote" ]; then
-  echo "error: no default DVC remote to pull the reference from; add one: dvc remote add -d NAME URL (README \"Beyond one GPU\")" >&2
+  echo "error: no default DVC remote to pull the reference from; add one: dvc remote add -d NAME URL (docs/distributed.md)" >&2
   exit 2
 fi
 had=""

@@ -17,7 +17,7 @@ from a seeded generator: nothing is downloaded, the same options always give the
   reduced-precision numerics (pytorch#168126: compiled bf16 against eager, rtol up to 1e5): eager bf16 and
   compiled FP32 are the model itself, compiled bf16 is not. The diagnosis must blame compile, not precision.
 
-Run them with the params files in ``examples/`` (see README, "Diagnostics" and "Variants").
+Run them with the params files in ``examples/`` (see docs/diagnostics.md and docs/variants.md).
 """
 
 from __future__ import annotations
