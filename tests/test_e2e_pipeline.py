@@ -219,8 +219,32 @@ def test_decide_depends_on_its_deps_alone_not_on_a_tracking_server(reproduced, t
     assert after == before
     assert {f"data/metrics/{d}.json" for d in ("float16", "bfloat16")} <= after.keys()
     short = json.loads((copy / "data/metrics/float16.json").read_text())
-    assert set(short) == {"decision", "inference", "training", "reasons", "flips", "near_flips", "max_gap", "quality_trial",
-                          "quality_trained", "loss_gap"}
+    assert set(short) == {"decision", "reasons", "flips", "near_flips", "max_gap", "quality_trial", "quality_trained",
+                          "loss_gap"}
+
+
+def test_dvc_metrics_show_fits_160_columns_and_counts_the_reports_reasons(reproduced, tmp_path):
+    """Issue 51, friction 7: `dvc metrics show` was 184 columns wide and counted the diagnosis' findings as reasons
+    (3 where the report says "1 criterion failed"). Run as a user runs it, after `dvc repro`."""
+    from pipeline.artifacts.decision import Decision
+    from pipeline.present import verdict
+
+    repo = tmp_path / "repo"
+    shutil.copytree(reproduced, repo, symlinks=True)
+    shown = dvc(repo, "metrics", "show").stdout
+    lines = shown.strip().splitlines()
+    assert max(len(line) for line in lines) <= 160, shown
+    header = lines[0].split()
+    rows = {line.split()[0]: dict(zip(header, line.split())) for line in lines[1:]}
+    findings = 0
+    for d in ("float16", "bfloat16"):
+        decided = Decision(**json.loads((repo / f"data/decision/{d}/decision.json").read_text()))
+        row = rows[f"data/metrics/{d}.json"]
+        said = verdict.verdict(d, decided)  # the report's count: "1 criterion failed"
+        assert row["decision"] == decided.decision and int(row["reasons"]) == len(decided.reasons), (row, decided)
+        assert not said.failed or said.failed.startswith(f"{row['reasons']} criteri"), (row, said.failed)
+        findings += len(decided.findings)
+    assert findings, "TINY's bfloat16 rollback has diagnosis findings: the count above leaves them out"
 
 
 def dead_port() -> int:

@@ -225,8 +225,7 @@ def test_decide_rolls_a_failed_trial_back_and_every_renderer_copes(tmp_path, mon
     assert (d.decision, d.inference, d.training, d.reasons, d.cases) == (
         "rollback", "rollback", "rollback", [FAILED.line("float16")], {"raised": ["ordinary-3"]})
     assert d.notes == ["training was not judged: the trial stopped when its inference raised"]
-    assert decision.summary_metrics(d, None) == {"decision": "rollback", "inference": "rollback", "training": "rollback",
-                                                 "reasons": 2}
+    assert decision.summary_metrics(d, None) == {"decision": "rollback", "reasons": 1}  # the criterion; not the finding
     # variant.load of a failed trial: no statistics, audit, trajectory, table or figures
     v = variant.Variant("float16", blank(trial.TrialManifest, policy={"dtype": "float16"}), d, found,
                         NotBenchmarked("float16", "rolled back"))

@@ -112,13 +112,14 @@ def read(variant: str) -> Decision:
 
 
 def summary_metrics(d: Decision, stats: Stats | None) -> dict:
-    """What `dvc metrics show` and `dvc metrics diff` print per variant (short names, so that it fits 160
-    columns): the verdict and its two parts in words (DVC prints a string metric as it is: ``accept``,
-    ``rollback``), how many lines explain it (failed criteria and findings), flips of real cases and those
-    near the boundary, the largest value gap, quality of the trial (inference, after training) and the
-    largest training-loss gap. A failed trial (``stats`` None) has the first four alone."""
-    reasons = len(d.reasons) + len(d.findings)
-    verdict = {"decision": d.decision, "inference": d.inference, "training": d.training, "reasons": reasons}
+    """What `dvc metrics show` and `dvc metrics diff` print per variant: what a user compares across experiments, under
+    short names, so that the default example's table (with the benchmark's two numbers) fits 160 columns. The verdict
+    in words (DVC prints a string metric as it is: ``accept``, ``rollback``), how many criteria failed (the report's
+    count: the diagnosis' findings explain them and are not counted), flips of real cases and those near the boundary,
+    the largest value gap, quality of the trial (inference, after training) and the largest training-loss gap. A failed
+    trial (``stats`` None) has the first two alone. The verdict's two parts (inference, training) are in
+    decision.json and the report."""
+    verdict = {"decision": d.decision, "reasons": len(d.reasons)}
     if stats is None:
         return verdict
     return verdict | {
