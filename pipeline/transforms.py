@@ -17,13 +17,11 @@ only when a policy asks for float8.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import re
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -32,6 +30,7 @@ import torch
 from pipeline.bench.timing import time_steps
 from pipeline.config import Policy
 from pipeline.errors import UserError
+from pipeline.quiet import silence_third_party_noise
 
 FLOAT8_MULTIPLE = 16
 """torch._scaled_mm needs both dims of a float8 weight divisible by 16; emulation skips the same layers."""
@@ -158,29 +157,14 @@ def _float8_api():
     if tuple(map(int, re.match(r"(\d+)\.(\d+)", torch.__version__).groups())) < FLOAT8_MIN_TORCH:
         need = ".".join(map(str, FLOAT8_MIN_TORCH))
         raise UserError(f"float8 needs torch >= {need} (torchao 0.18), not {torch.__version__}; upgrade torch or set float8: off")
+    silence_third_party_noise()  # torchao's first import: its unloadable extensions (a stage has this already)
     try:
-        with _quiet_import():
-            import torchao.float8
+        import torchao.float8
     except ImportError:
         raise UserError(
             "float8 needs torchao, which is not installed: pip install 'amp-validation[fp8]', or set float8: off"
         ) from None
     return torchao.float8
-
-
-@contextlib.contextmanager
-def _quiet_import() -> Iterator[None]:
-    """torchao's first import logs a warning per CUDA extension a CPU torch cannot load (float8 training uses
-    none of them: it calls torch._scaled_mm) and torch's pytree logs a deprecation; neither is the user's."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for log, level in zip(loggers, levels):
-            log.setLevel(level)
 
 
 # --- torch.compile ----------------------------------------------------------------------------------------

@@ -57,3 +57,25 @@ def test_the_filters_are_installed_once():
     quiet.silence_third_party_noise()
     quiet.silence_third_party_noise()
     assert all(len([f for f in logging.getLogger(n).filters if isinstance(f, quiet._Drop)]) == 1 for n in quiet.NOISE)
+
+
+FLOAT8 = """
+import logging, torch
+from pipeline import transforms  # library code, without the stage entry point's filters
+from pipeline.config import Policy
+model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+print(transforms.apply(model, Policy(float8="tensorwise"), torch.device("cpu")).float8_linears)
+logging.getLogger("torchao").warning("torchao: a record that is not the extension noise")
+"""
+
+
+def test_a_float8_variant_built_outside_a_stage_gets_the_same_filters():
+    """pipeline/transforms.py imports torchao through pipeline/quiet.py's filters (one definition of the noise), not by
+    raising the loggers' level for the import, which hid every other torchao record of it too."""
+    out = subprocess.run([sys.executable, "-c", FLOAT8], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    said = out.stdout + out.stderr
+    assert "('0',)" in said and "torchao: a record that is not the extension noise" in said, said
+    assert "Failed to load" not in said and "KernelPreference" not in said, said
+    from pipeline import transforms
+
+    assert not hasattr(transforms, "_quiet_import")
