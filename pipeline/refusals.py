@@ -404,9 +404,18 @@ def _reference_meets_quality(rule: AcceptanceConfig, f: Facts) -> str | None:
         if rule.min_quality is not None and (
             ref_quality < rule.min_quality if higher_is_better else ref_quality > rule.min_quality
         ):
-            return (f"the FP32 reference's quality ({metric} {ref_quality:.4g}) does not meet acceptance.min_quality "
-                    f"{rule.min_quality:g}, so every trial would roll back: fix the reference (training, data) before any trial, "
-                    f"or set the minimum it can meet")
+            said = (f"the FP32 reference's quality ({metric} {ref_quality:.4g}) does not meet acceptance.min_quality "
+                    f"{rule.min_quality:g}, so every trial would roll back: ")
+            if rule.min_quality != 0.9:
+                return said + "fix the reference (training, data) before any trial, or set the minimum it can meet"
+            # params.yaml's value, the digits example's floor: a user's first run with their own model meets it here
+            runs = (ref_quality, *(spread.replicates if spread else ()))
+            worst = min(runs) if higher_is_better else max(runs)
+            digits = 3 - math.floor(math.log10(abs(worst))) if worst else 4  # rounded towards what FP32 reaches
+            bound = (math.floor if higher_is_better else math.ceil)(worst * 10**digits) / 10**digits
+            side = "at most" if higher_is_better else "at least"
+            return said + (f"0.9 is the digits example's floor (params.yaml); set your model's own, {side} {bound:g} (what "
+                           f"the FP32 reference and its replicates reach), or min_quality: null")
         missed = [q for q in (spread.replicates if spread else ()) if rule.min_quality is not None
                   and not (q >= rule.min_quality if higher_is_better else q <= rule.min_quality)]
         if missed:

@@ -943,6 +943,28 @@ def test_reference_that_is_not_a_baseline_is_refused_at_freeze():
     assert _vet(cfg, "classification", shapes, rms, 0.95, "accuracy", True, ok) is None
 
 
+def test_the_digits_examples_floor_is_named_with_the_value_to_set_instead():
+    """Issue 51, friction 1: a user's own model refused at freeze by params.yaml's min_quality 0.9 is told that 0.9 is
+    the digits example's floor and which value to set instead; that value passes the check, its replicates included."""
+    from pipeline.artifacts.comparison import FP32Spread
+
+    shapes, rms, ok = {"output": (10,)}, {"output": 3.0}, [_step(0, loss=2.3, grad_norm=1.0)]
+    spread = FP32Spread(metric="accuracy", reference=0.75, replicates=(0.734375,))
+    said = _vet(AcceptanceConfig(min_quality=0.9), "classification", shapes, rms, 0.75, "accuracy", True, ok, spread=spread)
+    assert "\n" not in said and said.endswith(
+        "0.9 is the digits example's floor (params.yaml); set your model's own, at most 0.7343 (what the FP32 reference and "
+        "its replicates reach), or min_quality: null"), said
+    suggested = float(said.split("at most ")[1].split()[0])
+    assert _vet(AcceptanceConfig(min_quality=suggested), "classification", shapes, rms, 0.75, "accuracy", True, ok,
+                spread=spread) is None
+    # Another floor is the user's own: no word about the example.
+    other = _vet(AcceptanceConfig(min_quality=0.8), "classification", shapes, rms, 0.75, "accuracy", True, ok)
+    assert "digits example" not in other and other.endswith("or set the minimum it can meet")
+    lower = _vet(AcceptanceConfig(min_quality=0.9), "regression", {"output": (1,)}, {"output": 1.0}, 1.23456, "loss",
+                 False, ok)
+    assert "at least 1.235 (what" in lower, lower
+
+
 def test_vacuous_passes_become_named_reasons():
     nothing = Distribution(tokens=0, kl_mean=0.0, kl_p99=0.0, kl_p99_upper=0.0, kl_p99_exact=True, kl_max=0.0, top1_agreement=1.0,
                            top_k=5, top_k_overlap=1.0, kl_mean_se=0.0, kl_quantiles={}, kl_quantiles_exact=True,
