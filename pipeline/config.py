@@ -317,6 +317,12 @@ class Policy:
     """``swapped``: FP32 trained again on another data order than the reference's and its replicate's
     (``training.trial_order``), nothing else changed: the rule's A/A, whose verdict should be accept. Only with
     dtype float32, compile off and float8 off; ``reference``: the reference's batches in its order (every AMP trial)."""
+    fsdp_param_dtype: Literal["bfloat16", "float16"] | None = None
+    """FSDP2's own mixed precision (``MixedPrecisionPolicy.param_dtype``; needs ``distributed.strategy: fsdp`` on more
+    than one rank, and ``dtype: float32``): the parameters are cast to it for the whole forward and backward, so every
+    op runs in it, not only autocast's list; float16 adds a GradScaler. None: FP32 parameters."""
+    fsdp_reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """The dtype FSDP2 reduces gradients in over the ranks (``reduce_dtype``); None: ``fsdp_param_dtype``'s."""
 
     @property
     def amp(self) -> bool:
@@ -325,7 +331,7 @@ class Policy:
     @property
     def uses_scaler(self) -> bool:
         # FP16's narrow range needs loss scaling; BF16 has FP32's exponent range and does not.
-        return self.dtype == "float16"
+        return self.dtype == "float16" or self.fsdp_param_dtype == "float16"
 
     @property
     def compiled(self) -> bool:
@@ -345,6 +351,8 @@ class Policy:
             out.update(float8=self.float8)
         if self.data_order != "reference":
             out.update(data_order=self.data_order)
+        if self.fsdp_param_dtype is not None:
+            out.update(fsdp_param_dtype=self.fsdp_param_dtype, fsdp_reduce_dtype=self.fsdp_reduce_dtype)
         return out
 
     @classmethod
@@ -363,7 +371,13 @@ class Policy:
             raise UserError(
                 f"params.yaml: {key}.compile_mode {self.compile_mode!r} needs compile: inductor; set both, or neither"
             )
-        if self.data_order != "reference" and (self.amp or self.compiled or self.float8 != "off"):
+        if self.fsdp_reduce_dtype is not None and self.fsdp_param_dtype is None:
+            raise UserError(f"params.yaml: {key}.fsdp_reduce_dtype needs {key}.fsdp_param_dtype (FSDP2's mixed precision); "
+                            f"set both, or neither")
+        if self.fsdp_param_dtype is not None and (self.amp or self.fp32_modules):
+            raise UserError(f"params.yaml: {key}.fsdp_param_dtype is FSDP2's mixed precision, not autocast; set {key}.dtype: "
+                            f"float32 and no fp32_modules beside it, or judge autocast in a variant of its own")
+        if self.data_order != "reference" and (self.amp or self.compiled or self.float8 != "off" or self.fsdp_param_dtype):
             raise UserError(
                 f"params.yaml: {key}.data_order {self.data_order!r} is FP32's A/A and needs dtype: float32, compile: off "
                 f"and float8: off (another change beside the data order could not be told from it); set those, or "

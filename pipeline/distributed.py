@@ -138,20 +138,17 @@ class World:
             return model
         import copy
 
-        fully_shard, mixed = _fsdp()
-        copied = copy.deepcopy(model)
-        kwargs = {}
-        param_dtype, reduce_dtype = getattr(policy, "fsdp_param_dtype", None), getattr(policy, "fsdp_reduce_dtype", None)
-        if param_dtype or reduce_dtype:
-            import torch
+        from pipeline import precision
 
-            kwargs["mp_policy"] = mixed(param_dtype=param_dtype and getattr(torch, param_dtype),
-                                        reduce_dtype=reduce_dtype and getattr(torch, reduce_dtype))
+        fully_shard, _ = fsdp_api()
+        copied = copy.deepcopy(model)
+        mixed = {} if policy is None else {"block": precision.fsdp_mixed_precision(policy, root=False),
+                                           "root": precision.fsdp_mixed_precision(policy, root=True)}
         chosen = shard_blocks(copied, self.blocks)
         kinds = sorted({type(m).__name__ for m in chosen})  # before fully_shard renames them (FSDPLinear)
         for module in chosen:
-            fully_shard(module, **kwargs)
-        fully_shard(copied, **kwargs)
+            fully_shard(module, **({"mp_policy": mixed["block"]} if mixed.get("block") else {}))
+        fully_shard(copied, **({"mp_policy": mixed["root"]} if mixed.get("root") else {}))
         if self.writes and not _SAID:  # once a process: which blocks its trainings shard
             _SAID.append(True)
             print(f"FSDP2 over {self.size} ranks ({self.backend}): {len(chosen)} blocks ({', '.join(kinds) or 'none'}) "
@@ -214,7 +211,7 @@ class World:
         return load
 
 
-def _fsdp():
+def fsdp_api():
     """``fully_shard`` and ``MixedPrecisionPolicy``: torch.distributed.fsdp since torch 2.6, its _composable home before."""
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -45,6 +45,25 @@ def check_launch(params, visible_gpus: int | None) -> None:
         )
 
 
+def check_mixed_precision(params) -> None:
+    """Refuse, in one line, a listed variant with FSDP2's mixed precision (``fsdp_param_dtype``) where FSDP2 does not
+    train: it would run FP32 and be judged as if it had not.
+
+    Raises:
+        UserError: naming the variant and the fix.
+    """
+    cfg = params.distributed
+    if cfg.strategy == "fsdp" and cfg.nproc_per_node * cfg.nnodes > 1:
+        return
+    for name in params.trial.variants:
+        if params.trial.policies[name].fsdp_param_dtype is not None:
+            raise UserError(
+                f"params.yaml: trial.policies.{name}.fsdp_param_dtype is FSDP2's mixed precision, but distributed.strategy is "
+                f"{cfg.strategy!r} on {cfg.nproc_per_node * cfg.nnodes} rank(s); set distributed.strategy: fsdp with "
+                f"nproc_per_node >= 2, or use an autocast dtype for this variant"
+            )
+
+
 def relaunched(stage: str, params, params_path: str, variant: str | None = None) -> bool:
     """Run ``python -m pipeline STAGE`` on N ranks under torchrun and wait for them: True when it did (this
     process has nothing left to do), False when this process runs the stage itself (N == 1, or already a rank).
@@ -54,13 +73,14 @@ def relaunched(stage: str, params, params_path: str, variant: str | None = None)
     """
     cfg = params.distributed
     n = cfg.nproc_per_node * cfg.nnodes
+    check_mixed_precision(params)
     if n <= 1 or distributed.in_torchrun():
         return False
     device = devices.resolve(params.device)
     check_launch(params, torch.cuda.device_count() if device.type == "cuda" else None)
     if stage == "benchmark" and cfg.strategy == "fsdp":  # its workload wraps in DDP (pipeline/bench/workload.py)
-        print(f"warning: benchmark{'@' + variant if variant else ''} times DDP on {n} ranks: distributed.strategy fsdp "
-              f"shards freeze and the trials only", file=sys.stderr, flush=True)
+        print(f"warning: benchmark{'@' + variant if variant else ''} times DDP on {n} ranks (and FSDP2's mixed precision "
+              f"as FP32): distributed.strategy fsdp shards freeze and the trials only", file=sys.stderr, flush=True)
     argv = [stage, "--params", params_path, *(["--variant", variant] if variant else [])]
     cmd = torchrun_command(cfg, argv, "-".join(filter(None, ("amp", stage, variant))))
     proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True, errors="replace")

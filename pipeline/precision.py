@@ -1,4 +1,4 @@
-"""The precision policy: the one place that knows autocast, GradScaler and FP32 regions.
+"""The precision policy: the one place that knows autocast, GradScaler, FP32 regions and FSDP2's mixed precision.
 
 A policy (``config.Policy``) is an autocast dtype (float32 for the reference) and a list of modules kept
 outside autocast; its compiler and float8 parts are applied by ``pipeline.transforms``. Everything else in the
@@ -186,8 +186,45 @@ def autocast(policy: Policy, device: torch.device) -> contextlib.AbstractContext
 
 
 def make_scaler(policy: Policy, device: torch.device) -> torch.amp.GradScaler:
-    """Create once per training run; enabled for float16 only."""
+    """Create once per training run; enabled for float16 only (autocast's, or FSDP2's parameters')."""
     return torch.amp.GradScaler(device.type, enabled=policy.uses_scaler)
+
+
+def fsdp_mixed_precision(policy: Policy, root: bool):
+    """FSDP2's ``MixedPrecisionPolicy`` for a policy with ``fsdp_param_dtype`` (None without): parameters cast to it,
+    gradients reduced in ``fsdp_reduce_dtype``, and at the root (``root``) the outputs cast to float32, so that the loss
+    is computed in FP32, as autocast computes it."""
+    if policy.fsdp_param_dtype is None:
+        return None
+    from pipeline.distributed import fsdp_api
+
+    _, mixed = fsdp_api()
+    reduce = policy.fsdp_reduce_dtype  # float32 too: config.Policy's Literal, not autocast's DTYPES
+    return mixed(param_dtype=parse_dtype(policy.fsdp_param_dtype), reduce_dtype=reduce and getattr(torch, reduce),
+                 output_dtype=torch.float32 if root else None)
+
+
+def param_cast(model: torch.nn.Module, policy: Policy) -> torch.nn.Module:
+    """``model`` as ``policy`` runs its forward in one process: itself, or for FSDP2's mixed precision a copy whose
+    parameters are in ``fsdp_param_dtype`` (buffers stay as they are, as FSDP2 leaves them), its floating inputs cast to
+    that dtype and its outputs to float32, as ``fsdp_mixed_precision`` runs the root. The trial's inference and audit run
+    it on rank 0, where nothing is sharded; module names stay the model's."""
+    if policy.fsdp_param_dtype is None:
+        return model
+    import copy
+
+    dtype = parse_dtype(policy.fsdp_param_dtype)
+    copied = copy.deepcopy(model)
+    for param in copied.parameters():
+        param.data = param.data.to(dtype)
+
+    def cast(to):
+        return lambda v: v.to(to) if torch.is_tensor(v) and v.is_floating_point() else v
+
+    copied.register_forward_pre_hook(lambda _, args, kwargs: (tree_map(cast(dtype), args), tree_map(cast(dtype), kwargs)),
+                                     with_kwargs=True)
+    copied.register_forward_hook(lambda _, args, out: tree_map(cast(torch.float32), out))
+    return copied
 
 
 @contextlib.contextmanager

@@ -244,6 +244,7 @@ def run_trial(
     """
 
     def outputs(name: str, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        model = precision.param_cast(model, policy)  # FSDP2's mixed precision: its parameters' dtype, in one process
         if sink is None:
             return infer(model, cases_x, policy, device, cfg.eval_mode)
         sink(name, infer_chunks(model, cases_x, policy, device, cfg.eval_mode))

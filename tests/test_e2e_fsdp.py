@@ -93,3 +93,30 @@ def test_fsdp_by_block_class_on_the_tiny_transformer_reaches_the_decisions_of_on
     out = dvc(sharded, "repro", *(f"decide@{d}" for d in DTYPES)).stdout
     assert "FSDP2 over 2 ranks (gloo): 1 blocks (Block) and the root" in out, out
     assert decisions(sharded) == decisions(alone), (decisions(sharded), decisions(alone))
+
+
+MIXED = {"dtype": "float32", "fsdp_param_dtype": "bfloat16", "fsdp_reduce_dtype": "float32"}
+
+
+def test_fsdp_mixed_precision_runs_beside_autocast_in_one_repro_judged_by_the_same_rule(tmp_path):
+    """Issue 52 item 4: a variant of FSDP2's own mixed precision (bfloat16 parameters for every op, gradients reduced in
+    FP32) beside autocast's bfloat16, in one `dvc repro`, each with a verdict under the one frozen rule."""
+    repo = make_project(tmp_path / "repo", _project.merge(FSDP, {"trial": {
+        "variants": ["bfloat16", "fsdp_bf16"], "policies": {"fsdp_bf16": MIXED}}}))
+    out = dvc(repo, "repro", "decide@bfloat16", "decide@fsdp_bf16").stdout
+    judged = {v: json.loads((repo / f"data/decision/{v}/decision.json").read_text()) for v in ("bfloat16", "fsdp_bf16")}
+    assert judged["fsdp_bf16"]["decision"] in ("accept", "rollback"), out
+    assert judged["fsdp_bf16"]["rule_sha256"] == judged["bfloat16"]["rule_sha256"]
+    manifest = json.loads((repo / "data/trial/fsdp_bf16/manifest.json").read_text())
+    assert {k: manifest["policy"][k] for k in MIXED} == MIXED  # what ran, recorded
+    audit = json.loads((repo / "data/trial/fsdp_bf16/audit.json").read_text())
+    assert list(audit["by_precision"]) == ["bfloat16"], audit["by_precision"]  # the audit: every matmul ran in bfloat16
+    assert judged["fsdp_bf16"]["decision"] == judged["bfloat16"]["decision"] == "rollback"  # TINY's atol: too tight for both
+
+
+def test_fsdp_mixed_precision_without_fsdp_is_refused_in_one_line(tmp_path):
+    repo = make_project(tmp_path / "repo", {**QUICK, "trial": {"variants": ["fsdp_bf16"], "policies": {"fsdp_bf16": MIXED}}})
+    refused = run([sys.executable, "-m", "pipeline", "freeze"], repo, check=False)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "trial.policies.fsdp_bf16.fsdp_param_dtype is FSDP2's mixed precision, but distributed.strategy is 'ddp'" in \
+        refused.stderr

@@ -146,3 +146,39 @@ def test_fsdp_params_are_checked_at_load(tmp_path):
         load({"fsdp_blocks": ["Block"]})
     with pytest.raises(UserError, match=r"distributed.strategy"):
         load({"strategy": "zero3"})
+
+
+@pytest.mark.parametrize(("policy", "refusal"), [
+    ({"dtype": "float32", "fsdp_reduce_dtype": "float32"}, "fsdp_reduce_dtype needs trial.policies.m.fsdp_param_dtype"),
+    ({"dtype": "bfloat16", "fsdp_param_dtype": "bfloat16"}, "fsdp_param_dtype is FSDP2's mixed precision, not autocast"),
+    ({"dtype": "float32", "fsdp_param_dtype": "float32"}, "fsdp_param_dtype"),
+])
+def test_fsdp_mixed_precision_policies_are_checked_at_load(tmp_path, policy, refusal):
+    import yaml
+
+    from pipeline.config import load_params
+
+    raw = yaml.safe_load(Path("params.yaml").read_text())
+    raw["trial"] = {"variants": ["m"], "policies": {"m": policy}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(UserError, match=refusal):
+        load_params(tmp_path / "params.yaml")
+    raw["trial"]["policies"]["m"] = {"dtype": "float32", "fsdp_param_dtype": "float16"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    mixed = load_params(tmp_path / "params.yaml").trial.policies["m"]
+    assert mixed.uses_scaler and not mixed.amp  # float16 parameters need loss scaling; no autocast runs
+
+
+def test_param_cast_runs_the_forward_in_the_parameters_dtype_and_returns_float32():
+    from pipeline import precision
+    from pipeline.config import Policy
+
+    torch.manual_seed(0)
+    net = Net()
+    cast = precision.param_cast(net, Policy(fsdp_param_dtype="bfloat16"))
+    seen = []
+    cast.blocks[0].linear.register_forward_hook(lambda _, args, out: seen.append((args[0].dtype, out.dtype)))
+    out = cast(torch.ones(2, 4))
+    assert seen == [(torch.bfloat16, torch.bfloat16)] and out.dtype == torch.float32
+    assert next(net.parameters()).dtype == torch.float32  # a copy: the model itself is untouched
+    assert precision.param_cast(net, Policy()) is net
