@@ -86,8 +86,13 @@ def _rank(rank: int, rendezvous: str, out: str, strategy: str) -> None:
         saved = checkpoint.load(Path(out) / "state.safetensors") if _wait(Path(out) / "state.safetensors") else None
         checkpoint.restore(saved, again, opt2, rng=False, load=world.load_full_state(again, opt2))
         snap2 = training._snapshot(again, opt2, scaler, None, [], 2, 3, policy, world)
+        third = world.sharded_copy(Net())  # a user's checkpoint's optimizer state, continued (reference.checkpoint)
+        opt3 = torch.optim.AdamW(third.parameters(), lr=0.5)
+        checkpoint.continue_optimizer(saved, opt3, "adamw", world.load_full_state(third, opt3))
+        snap3 = training._snapshot(third, opt3, None, None, [], 2, 3, policy, world)
         if rank == 0:
             checkpoint.save(Path(out) / "again.safetensors", snap2)
+            checkpoint.save(Path(out) / "continued.safetensors", snap3)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -127,6 +132,11 @@ def test_fsdp_skips_on_every_rank_agrees_with_ddp_and_its_gathered_state_reloads
     for name, t in sharded.tensors.items():
         if not name.startswith("rng/"):  # the RNG is each run's own (reseeded before the reload)
             assert torch.equal(again.tensors[name], t), name
+    continued = checkpoint.load(tmp_path / "fsdp/continued.safetensors")
+    assert continued.info.optim_param_groups == sharded.info.optim_param_groups  # lr 0.01 as saved, not 0.5
+    for name, t in sharded.tensors.items():
+        if name.startswith("optim/"):
+            assert torch.equal(continued.tensors[name], t), name
 
 
 def test_fsdp_params_are_checked_at_load(tmp_path):
