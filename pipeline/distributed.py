@@ -142,13 +142,15 @@ class World:
 
         fully_shard, _ = fsdp_api()
         copied = copy.deepcopy(model)
-        mixed = {} if policy is None else {"block": precision.fsdp_mixed_precision(policy, root=False),
-                                           "root": precision.fsdp_mixed_precision(policy, root=True)}
+        def mixed(root: bool) -> dict:  # FSDP2's mixed precision, for a policy that asks for it
+            mp = precision.fsdp_mixed_precision(policy, root) if policy is not None else None
+            return {} if mp is None else {"mp_policy": mp}
+
         chosen = shard_blocks(copied, self.blocks)
         kinds = sorted({type(m).__name__ for m in chosen})  # before fully_shard renames them (FSDPLinear)
         for module in chosen:
-            fully_shard(module, **({"mp_policy": mixed["block"]} if mixed.get("block") else {}))
-        fully_shard(copied, **({"mp_policy": mixed["root"]} if mixed.get("root") else {}))
+            fully_shard(module, **mixed(root=False))
+        fully_shard(copied, **mixed(root=True))
         if self.writes and not _SAID:  # once a process: which blocks its trainings shard
             _SAID.append(True)
             print(f"FSDP2 over {self.size} ranks ({self.backend}): {len(chosen)} blocks ({', '.join(kinds) or 'none'}) "
