@@ -120,3 +120,12 @@ def test_fsdp_mixed_precision_without_fsdp_is_refused_in_one_line(tmp_path):
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "trial.policies.fsdp_bf16.fsdp_param_dtype is FSDP2's mixed precision, but distributed.strategy is 'ddp'" in \
         refused.stderr
+
+
+def test_a_block_class_the_model_lacks_is_one_line(tmp_path):
+    repo = make_project(tmp_path / "repo", _project.merge(FSDP, {"distributed": {"fsdp_blocks": ["BertLayer"]}}))
+    dvc(repo, "repro", "prepare")
+    refused = run([sys.executable, "-m", "pipeline", "freeze"], repo, check=False)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "distributed.fsdp_blocks names 'BertLayer', no class of the model's modules; use some of LayerNorm, Linear" in \
+        refused.stderr
