@@ -125,11 +125,11 @@ class World:
 
     # --- FSDP2 ------------------------------------------------------------------------------------------
 
-    def sharded_copy(self, model, policy=None):
+    def sharded_copy(self, model, mixed: tuple[dict, dict] = ({}, {})):
         """The module a training run updates: ``model`` itself, or under FSDP2 a copy of it sharded block by block
-        (``fully_shard``, children before parents, then the root) on which the optimizer is then built. ``policy``:
-        the trial's, whose ``fsdp_param_dtype`` / ``fsdp_reduce_dtype`` (where it has them) become FSDP2's
-        MixedPrecisionPolicy.
+        (``fully_shard``, children before parents, then the root) on which the optimizer is then built. ``mixed``: the
+        arguments of FSDP2's MixedPrecisionPolicy for the blocks and for the root (``precision.fsdp_mixed_precision``);
+        empty: none.
 
         Raises:
             UserError: a class of ``fsdp_blocks`` names no module of the model.
@@ -138,19 +138,14 @@ class World:
             return model
         import copy
 
-        from pipeline import precision
-
-        fully_shard, _ = fsdp_api()
+        fully_shard, policy = fsdp_api()
+        block, root = ({"mp_policy": policy(**kwargs)} if kwargs else {} for kwargs in mixed)
         copied = copy.deepcopy(model)
-        def mixed(root: bool) -> dict:  # FSDP2's mixed precision, for a policy that asks for it
-            mp = precision.fsdp_mixed_precision(policy, root) if policy is not None else None
-            return {} if mp is None else {"mp_policy": mp}
-
         chosen = shard_blocks(copied, self.blocks)
         kinds = sorted({type(m).__name__ for m in chosen})  # before fully_shard renames them (FSDPLinear)
         for module in chosen:
-            fully_shard(module, **mixed(root=False))
-        fully_shard(copied, **mixed(root=True))
+            fully_shard(module, **block)
+        fully_shard(copied, **root)
         if self.writes and not _SAID:  # once a process: which blocks its trainings shard
             _SAID.append(True)
             print(f"FSDP2 over {self.size} ranks ({self.backend}): {len(chosen)} blocks ({', '.join(kinds) or 'none'}) "

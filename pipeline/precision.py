@@ -190,24 +190,21 @@ def make_scaler(policy: Policy, device: torch.device) -> torch.amp.GradScaler:
     return torch.amp.GradScaler(device.type, enabled=policy.uses_scaler)
 
 
-def fsdp_mixed_precision(policy: Policy, root: bool):
-    """FSDP2's ``MixedPrecisionPolicy`` for a policy with ``fsdp_param_dtype`` (None without): parameters cast to it,
-    gradients reduced in ``fsdp_reduce_dtype``, and at the root (``root``) the outputs cast to float32, so that the loss
-    is computed in FP32, as autocast computes it."""
+def fsdp_mixed_precision(policy: Policy) -> tuple[dict, dict]:
+    """The arguments of FSDP2's ``MixedPrecisionPolicy`` for the blocks and for the root (``({}, {})``: none, FP32) under
+    a policy with ``fsdp_param_dtype``: parameters cast to it, gradients reduced in ``fsdp_reduce_dtype``, and at the root
+    the outputs cast to float32, so that the loss is computed in FP32, as autocast computes it."""
     if policy.fsdp_param_dtype is None:
-        return None
-    from pipeline.distributed import fsdp_api
-
-    _, mixed = fsdp_api()
+        return {}, {}
     reduce = policy.fsdp_reduce_dtype  # float32 too: config.Policy's Literal, not autocast's DTYPES
-    return mixed(param_dtype=parse_dtype(policy.fsdp_param_dtype), reduce_dtype=reduce and getattr(torch, reduce),
-                 output_dtype=torch.float32 if root else None)
+    block = {"param_dtype": parse_dtype(policy.fsdp_param_dtype), "reduce_dtype": reduce and getattr(torch, reduce)}
+    return block, {**block, "output_dtype": torch.float32}
 
 
 def param_cast(model: torch.nn.Module, policy: Policy) -> torch.nn.Module:
     """``model`` as ``policy`` runs its forward in one process: itself, or for FSDP2's mixed precision a copy whose
     parameters are in ``fsdp_param_dtype`` (buffers stay as they are, as FSDP2 leaves them), its floating inputs cast to
-    that dtype and its outputs to float32, as ``fsdp_mixed_precision`` runs the root. The trial's inference and audit run
+    that dtype and its outputs to float32, as ``fsdp_mixed_precision`` has the root do. The trial's inference and audit run
     it on rank 0, where nothing is sharded; module names stay the model's."""
     if policy.fsdp_param_dtype is None:
         return model

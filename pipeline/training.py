@@ -322,7 +322,7 @@ def train(
     if world.sharded and (policy.compiled or policy.float8 != "off"):
         raise UserError(f"{label}: distributed.strategy fsdp runs eager models without float8 here (compile "
                         f"{policy.compile}, float8 {policy.float8}); use strategy: ddp for this variant's policy")
-    trainee = world.sharded_copy(model, policy)  # the model itself, or FSDP2's sharded copy (optimizer on its shards)
+    trainee = world.sharded_copy(model, precision.fsdp_mixed_precision(policy))  # the model itself, or FSDP2's shards
     optimizer = make_optimizer(trainee, cfg)
     load = world.load_full_state(trainee, optimizer) if world.sharded else None  # resume states into the shards
     scaler = precision.make_scaler(policy, device)
