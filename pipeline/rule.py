@@ -137,7 +137,8 @@ def amp_share(engaged: Audit, rule: AcceptanceConfig, j: _Judge | None = None) -
         j.checks.append("amp: not judged: the policy runs FP32 by design (no autocast dtype, no float8), no precision claim")
         return None
     policy = Policy.from_dict(engaged.policy)
-    how = f"float8 ({policy.float8})" if policy.float8 != "off" else f"autocast ({policy.dtype})"
+    how = (f"float8 ({policy.float8})" if policy.float8 != "off" else f"autocast ({policy.dtype})" if policy.amp
+           else f"FSDP2 mixed precision ({policy.fsdp_param_dtype})")
     ref = engaged.reference_reduced_share or 0.0
     share = gained(engaged)
     words = (f"amp: {how} engaged on {_pct(share)} of the matmul/convolution/attention FLOPs"

@@ -167,3 +167,17 @@ def test_audit_file_reads_back_key_for_key(tmp_path):
     (tmp_path / audit_file.FILE).write_text('{"total": {}}')
     with pytest.raises(UserError, match="is not an audit of this version; rebuild it with `dvc repro diagnose@x`"):
         audit_file.read(tmp_path, "diagnose@x")
+
+
+def test_fsdp2s_mixed_precision_is_a_precision_claim_the_amp_share_judges() -> None:
+    """A policy casting parameters through FSDP2 (fsdp_param_dtype) claims reduced precision as autocast does: the audit
+    expects it, and the rule's min_amp_share applies, named by what ran (not "FP32 by design")."""
+    from pipeline import rule
+    from pipeline.config import AcceptanceConfig, Policy
+    from pipeline.diagnosis import audit as auditing
+
+    mixed = auditing._audit([], Policy(dtype="float32", fsdp_param_dtype="bfloat16"), 1, None, 0.1)
+    assert mixed.expects_reduced and mixed.speedup_claim == "unsupported"  # no FLOPs seen: nothing gained
+    line = rule.amp_share(mixed, AcceptanceConfig())
+    assert line is not None and "FP32 by design" not in line
+    assert not auditing._audit([], Policy(), 1, None, 0.1).expects_reduced  # FP32: no claim

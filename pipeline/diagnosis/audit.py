@@ -129,7 +129,7 @@ def _largest_first(ops: list[AuditedOp]) -> tuple[AuditedOp, ...]:
 def _audit(ops: list[AuditedOp], policy: Policy, batch: int, reference: float | None, threshold: float) -> Audit:
     total = _total(ops)
     wide = [o for o in ops if o.precision not in REDUCED_PRECISIONS and o.flops]
-    expects = policy.amp or policy.float8 != "off"
+    expects = policy.amp or policy.float8 != "off" or policy.fsdp_param_dtype is not None  # FSDP2's casts too
     gained = (total.reduced_share or 0.0) - (reference or 0.0)
     flagged = expects and (not total.flops or gained < threshold)
     stayed = _largest_first([o for o in wide if not o.by_policy])
