@@ -1,4 +1,4 @@
-"""Screenshots for the README: report.html and the MLflow parent run, as a reviewer first sees them.
+"""Screenshots for docs/outputs.md: report.html and the MLflow parent run, as a reviewer first sees them.
 
 Usage, from a repository where `dvc repro` has run (Chromium installed: `apt-get install -y chromium`):
 
