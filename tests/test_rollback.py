@@ -21,7 +21,7 @@ def _project(root):
         (root / path).write_bytes(b"tensor bytes %d" % i)
     files = {str(p): sha256_file(root / p) for p in RESTORED}
     manifest = {"files": files, "rule_sha256": "a" * 64, "run_key": "b" * 64, "env": {}, "policy": {}, "real_updates": 3,
-                "cases": {}, "fixed_set": {}}
+                "cases": {}, "fixed_set": {}, "roles": {}}
     (root / paths.REF_MANIFEST).write_text(json.dumps(manifest))
     package = rollback.Package("bfloat16", "a" * 64, "b" * 64, files).as_dict()
     rollback.folder("bfloat16").mkdir(parents=True)
