@@ -13,6 +13,7 @@ from _project import ROOT
 
 pytest.importorskip("torchao")
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.integration  # fresh processes importing transformers and torchao: seconds each, out of test-fast
 
 SCRIPT = """
 import enum, logging, sys, warnings
