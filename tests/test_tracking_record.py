@@ -30,6 +30,12 @@ print("mlflow imported:", "mlflow" in sys.modules)
 """
 
 
+def publish(uri: str) -> list[str]:
+    """The run ids PUBLISH prints, past publish's note on a dirty checkout (``provenance``)."""
+    printed = subprocess.run([sys.executable, "-c", PUBLISH, uri], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    return [line for line in printed.splitlines() if not line.startswith("publish: note:")]
+
+
 def look_up(uri: str) -> list[str]:
     return subprocess.run(
         [sys.executable, "-c", LOOK_UP, uri], capture_output=True, text=True, check=True, cwd=ROOT
@@ -40,8 +46,7 @@ def test_a_recorded_key_is_found_without_mlflow_until_the_store_changes(tmp_path
     db = tmp_path / "mlflow.db"
     shutil.copy(blank_mlflow_db(), db)
     uri = f"sqlite:///{db}"
-    printed = subprocess.run([sys.executable, "-c", PUBLISH, uri], capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    _, done = [line for line in printed.splitlines() if not line.startswith("publish: note:")]  # (a dirty tree is said)
+    _, done = publish(uri)
     record = json.loads((tmp_path / ".mlflow-published.json").read_text())
     assert list(record[uri]["published"]["exp"]) == ["k-done"]  # a tree published with remember=False is not recorded
     assert look_up(uri) == [
@@ -53,9 +58,7 @@ def test_a_recorded_key_is_found_without_mlflow_until_the_store_changes(tmp_path
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
     assert look_up(uri)[0] == "k-done exp None"
     # A publish after it records the new tree against the store as it is now.
-    _, again = subprocess.run(
-        [sys.executable, "-c", PUBLISH, uri], capture_output=True, text=True, check=True, cwd=ROOT
-    ).stdout.split()
+    _, again = publish(uri)
     assert again != done and look_up(uri)[0] == f"k-done exp {again}"
 
 
