@@ -448,9 +448,6 @@ RESERVED_PREFIXES = ("bench-", "compare-")
 the folder where decide writes ``NAME.json`` (``paths.decision_metrics``)."""
 
 
-DEFAULT_OUTPUT = heads.DEFAULT_OUTPUT
-
-
 @dataclass(frozen=True)
 class Tolerance:
     atol: float = 0.05
