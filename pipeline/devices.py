@@ -81,7 +81,7 @@ class Environment(Record):
     compared when ``threads``, ``interop_threads`` and ``blas`` match.
     """
 
-    ABSENT = ("runtime", "arch", "world_size", "process_group_backend")
+    ABSENT = ("runtime", "arch", "world_size", "process_group_backend", "distributed_strategy", "fsdp_blocks")
 
     backend: str
     """``cpu``, ``cuda`` or ``rocm`` (``backend``)."""
@@ -102,8 +102,12 @@ class Environment(Record):
     arch: str | None = None
     """ROCm: the gfx architecture."""
     world_size: int | None = None
-    """Under torchrun with N > 1 ranks only (``distributed.World.describe``), with ``process_group_backend``."""
+    """Under torchrun only (``distributed.World.describe``), with ``process_group_backend``."""
     process_group_backend: str | None = None
+    distributed_strategy: str | None = None
+    """``fsdp`` where FSDP2 trained (``distributed.strategy``); absent under DDP or in one process."""
+    fsdp_blocks: tuple[str, ...] | None = None
+    """FSDP2's block classes (``distributed.fsdp_blocks``; empty: each top-level child)."""
 
 
 def describe(device: torch.device) -> Environment:
@@ -126,7 +130,7 @@ def describe(device: torch.device) -> Environment:
         interop_threads=torch.get_num_interop_threads(),
         blas=cpu_blas(),
         **where,
-        **distributed.current().describe(),  # world_size, process_group_backend: only with N > 1 ranks
+        **distributed.current().describe(),  # world_size, process_group_backend (FSDP2's strategy): under torchrun only
     )
 
 

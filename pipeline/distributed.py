@@ -68,8 +68,8 @@ class World:
 
     @property
     def sharded(self) -> bool:
-        """FSDP2 trains here: strategy fsdp on more than one rank of a process group."""
-        return self.strategy == "fsdp" and self.size > 1 and self.backend is not None
+        """FSDP2 trains here: strategy fsdp in a process group (one rank too, under torchrun by hand: a one-GPU check)."""
+        return self.strategy == "fsdp" and self.backend is not None
 
     @property
     def writes(self) -> bool:
@@ -115,13 +115,17 @@ class World:
 
     def key(self, run_key: str) -> str:
         """A resume key: a state saved by another world size, or under FSDP2 (other reductions), is another run's."""
-        if self.size == 1:
+        if self.size == 1 and not self.sharded:
             return run_key
         return f"{run_key}/world{self.size}" + (f"/fsdp{list(self.blocks)}" if self.sharded else "")
 
     def describe(self) -> dict[str, Any]:
-        """What the manifests record (nothing for a plain process: its manifests stay as they were)."""
-        return {} if self.backend is None else {"world_size": self.size, "process_group_backend": self.backend}
+        """What the manifests record (nothing for a plain process: its manifests stay as they were; FSDP2's strategy
+        and blocks only where it trains)."""
+        if self.backend is None:
+            return {}
+        fsdp = {"distributed_strategy": "fsdp", "fsdp_blocks": self.blocks} if self.sharded else {}
+        return {"world_size": self.size, "process_group_backend": self.backend, **fsdp}
 
     # --- FSDP2 ------------------------------------------------------------------------------------------
 

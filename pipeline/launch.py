@@ -53,7 +53,7 @@ def check_mixed_precision(params) -> None:
         UserError: naming the variant and the fix.
     """
     cfg = params.distributed
-    if cfg.strategy == "fsdp" and cfg.nproc_per_node * cfg.nnodes > 1:
+    if cfg.strategy == "fsdp" and (cfg.nproc_per_node * cfg.nnodes > 1 or distributed.in_torchrun()):
         return
     for name in params.trial.variants:
         if params.trial.policies[name].fsdp_param_dtype is not None:

@@ -51,7 +51,7 @@ def test_fsdp_on_two_ranks_reaches_the_decisions_of_one_process(sharded, tmp_pat
     assert decisions(sharded) == decisions(alone) == {"float16": "accept", "bfloat16": "rollback"}  # TINY's two verdicts
     for folder in ("data/reference", *(f"data/trial/{d}" for d in DTYPES)):
         env = json.loads((sharded / folder / "manifest.json").read_text())["env"]
-        assert (env["world_size"], env["process_group_backend"]) == (2, "gloo"), folder
+        assert (env["world_size"], env["process_group_backend"], env["distributed_strategy"]) == (2, "gloo", "fsdp"), folder
     ones = json.loads((alone / "data/reference/trajectory.json").read_text())
     twos = json.loads((sharded / "data/reference/trajectory.json").read_text())
     assert json.dumps(ones) != json.dumps(twos)  # really another run (its own reductions), yet the same verdicts

@@ -166,7 +166,7 @@ def run_key(reference: ReferenceManifest, policy, recipe: str) -> str:
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
 
-ENV_DEFAULTS = {"world_size": 1, "process_group_backend": None}
+ENV_DEFAULTS = {"world_size": 1, "process_group_backend": None, "distributed_strategy": None, "fsdp_blocks": None}
 """What an env that does not name these keys means (one process): a one-rank trial of a two-rank reference differs."""
 
 
