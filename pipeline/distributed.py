@@ -296,5 +296,5 @@ def shard_only() -> None:
         _WORLD[0] = World(rank=int(os.environ.get("RANK", "0")), size=size, backend=None)
 
 
-def discard(name: str, chunks: Iterable) -> None:
+def discard(name: str, chunks: Iterable | None) -> None:
     """The output sink of ranks other than 0: the chunks are never computed (inference is rank 0's)."""

@@ -239,7 +239,8 @@ def run_trial(
     reference's initial state. ``make_initial`` restores that state (weights and RNG) and is called
     only after the inference, so that nothing the inference draws moves the RNG the training starts from.
     With ``sink``, outputs are streamed chunk by chunk to ``sink("outputs" | "trained_outputs", chunks)``
-    instead of being held in memory. ``origin``: the optimizer, scheduler and GradScaler state training starts from
+    instead of being held in memory; inference only (``cfg.train_steps`` 0), ``sink("trained_outputs", None)``: the
+    same outputs again (the model trained for no step is the one inferred). ``origin``: the optimizer, scheduler and GradScaler state training starts from
     (the reference's ``init``: a user's checkpoint's, ``reference.checkpoint``), where it holds them.
     """
 
@@ -254,6 +255,10 @@ def run_trial(
     model = make_initial()
     result = train(model, source, cfg, task_cfg, policy, device, seed, resume=resume, save_resume=save_resume, label=label,
                    expect_batches=expect_batches, origin=origin)
+    if not cfg.train_steps:  # inference only: the model trained for no step is the one just inferred
+        if sink is not None:
+            sink("trained_outputs", None)  # the same outputs, not inferred twice
+        return TrialResult(first, result, first, None)
     trained_outputs = outputs("trained_outputs", model)
     aligned = aligned_fp32(make_initial, source, cfg, task_cfg, device, seed, result.records, label, origin)
     return TrialResult(first, result, trained_outputs, aligned)

@@ -287,3 +287,37 @@ def test_a_resume_state_at_the_last_step_or_beyond_is_a_restart_not_a_finished_r
         again = training.train(Loud(), source, c, TASK, policy, CPU, seed=0, resume=forged)
         assert f"the resume state is at step {step} of a {c.train_steps}-step run" in capsys.readouterr().err
         assert [repr(r) for r in again.records] == [repr(r) for r in full.records]
+
+
+class Counted(torch.nn.Module):
+    """Counts the rows it is called on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+        self.rows = 0
+
+    def forward(self, x):
+        self.rows += x.shape[0]
+        return self.fc(x)
+
+
+def test_an_inference_only_trial_infers_its_cases_once_and_its_trained_outputs_are_those():
+    """``train_steps`` 0: the model trained for no step is the one inferred; an LLM's fixed set is not run twice."""
+    torch.manual_seed(0)
+    model, cases = Counted(), torch.randn(24, 8)
+    initial = []
+
+    def make_initial():
+        initial.append(Counted())
+        initial[-1].load_state_dict(model.state_dict())
+        return initial[-1]
+
+    sunk = {}
+    run = training.run_trial(model, make_initial, data(), cases, cfg(train_steps=0), TASK, Policy(dtype="bfloat16"), CPU,
+                             seed=0, sink=lambda name, chunks: sunk.update({name: chunks if chunks is None else list(chunks)}))
+    assert model.rows + sum(m.rows for m in initial) == 24  # each case once
+    assert list(sunk) == ["outputs", "trained_outputs"] and sunk["trained_outputs"] is None  # "the same outputs"
+    assert run.training.records == [] and run.aligned is None
+    held = training.run_trial(model, make_initial, data(), cases, cfg(train_steps=0), TASK, Policy(dtype="bfloat16"), CPU, seed=0)
+    assert held.trained_outputs is held.outputs

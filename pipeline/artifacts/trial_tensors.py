@@ -9,6 +9,7 @@ A trial that raised under its policy is written by ``Writer.fail``: ``failure.js
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -63,9 +64,15 @@ class Writer:
             self.staged = StagedFolder(self.folder)
         return self.staged
 
-    def sink(self, name: str, chunks: Iterable[dict[str, torch.Tensor]]) -> None:
-        """``name`` is ``outputs`` or ``trained_outputs`` (what ``training.run_trial`` streams)."""
+    def sink(self, name: str, chunks: Iterable[dict[str, torch.Tensor]] | None) -> None:
+        """``name`` is ``outputs`` or ``trained_outputs`` (what ``training.run_trial`` streams); ``chunks`` None: the
+        ``outputs`` just written, copied byte for byte (an inference-only trial's trained model is the one inferred)."""
         file = f"{name}.safetensors"
+        if chunks is None:
+            shutil.copyfile(self._staged().path / paths.TRIAL_OUTPUTS, self._staged().path / file)
+            self.files[file] = self.files[paths.TRIAL_OUTPUTS]
+            self.streamed.append(name)
+            return
         against = self.kl_against if name == "outputs" else None  # (compare's KL: the reference against this inference)
         self.files[file] = write_outputs(self._staged().path / file, chunks, self.ids, store=self.store,
                                          task=self.task, kl_against=against)
