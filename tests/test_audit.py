@@ -181,3 +181,13 @@ def test_fsdp2s_mixed_precision_is_a_precision_claim_the_amp_share_judges() -> N
     line = rule.amp_share(mixed, AcceptanceConfig())
     assert line is not None and "FP32 by design" not in line
     assert not auditing._audit([], Policy(), 1, None, 0.1).expects_reduced  # FP32: no claim
+
+
+def test_fsdp2s_mixed_precision_gains_over_its_fp32_reference_traced_uncast() -> None:
+    """The audit casts the FP32 model itself for FSDP2's mixed precision and traces the reference uncast: a healthy
+    bfloat16-parameter run engages on every matmul against a reference that runs none (it read 100 % "already reduced"
+    and flagged the variant, "nothing to gain", when the trial handed it the cast copy for both passes)."""
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    a = audit(mlp(), x, y, F.cross_entropy, Policy(dtype="float32", fsdp_param_dtype="bfloat16"), CPU)
+    assert a.by_precision == {"bfloat16": 3200} and a.reference_reduced_share == 0.0
+    assert not a.flagged and a.speedup_claim == "supported" and a.line.startswith("AMP engaged: 100.0 %")

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from pipeline import recipe, task, training
+from pipeline import precision, recipe, task, training
 from pipeline.artifacts.audit import UNSUPPORTED_BELOW, Audit, AuditedOp, Share
 from pipeline.config import Params, Policy
 from pipeline.diagnosis.precision_map import Loss, ModuleScope, Recorder, forward_backward, same_rng
@@ -46,8 +46,9 @@ def audit(
     threshold: float = UNSUPPORTED_BELOW,
 ) -> Audit:
     """The audit of one training pass (an inference pass without ``y``) under ``policy``, and of the same pass of
-    the FP32 reference. Leaves the model's gradients and the RNG as it found them."""
-    ops = _trace(model, x, y, loss_fn, policy.eager, device)
+    the FP32 reference. ``model``: the FP32 model (FSDP2's mixed precision casts a copy of it here,
+    ``precision.param_cast``). Leaves the model's gradients and the RNG as it found them."""
+    ops = _trace(precision.param_cast(model, policy), x, y, loss_fn, policy.eager, device)
     reference = None
     if policy.float8 == "off":
         reference = _total(_trace(model, x, y, loss_fn, Policy(), device)).reduced_share or 0.0

@@ -35,7 +35,8 @@ def run(params: Params, variant: str, stats: Stats, trajectory: Trajectory, deci
     pmap = under = None
     probe_found: list[str] = []
     notes = list(triaged.notes)
-    if cfg.probe == "always" or (cfg.probe == "on_failure" and triaged.needed):
+    replayable = trial_run.policy.fsdp_param_dtype is None  # FSDP2's own casts run under its ranks, not in this process
+    if replayable and (cfg.probe == "always" or (cfg.probe == "on_failure" and triaged.needed)):
         pmap, under = probe(ctx, trial_run, trial.trajectory.final_scale)
         probe_found, probe_notes = wording.probe_findings(pmap, under, trial_run.policy, ctx.device)
         notes += probe_notes
@@ -52,6 +53,9 @@ def run(params: Params, variant: str, stats: Stats, trajectory: Trajectory, deci
         own = reference_fails_itself(ctx)
         if own:
             findings.append(wording.reference_fails_line(own))
+    if triaged.needed and not replayable:
+        findings.append(wording.fsdp_mixed_line(trial_run.policy))
+    elif triaged.needed and not eager_passes:
         located = locate(ctx, trial_run)
         findings += [wording.describe(loc, dtype) for loc in located]
         searched = search(ctx, trial_run, located, reference_fails=bool(own))

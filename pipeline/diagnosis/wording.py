@@ -160,6 +160,16 @@ def reference_fails_line(own: list[str]) -> str:
     )
 
 
+def fsdp_mixed_line(policy: Policy) -> str:
+    """Why a variant of FSDP2's own mixed precision gets no replay, no located op and no FP32 regions."""
+    return (
+        f"not replayed: FSDP2's mixed precision ({policy.fsdp_param_dtype} parameters) runs only under FSDP2's ranks, and "
+        f"diagnose runs in one process, so no op is located and no FP32 region is searched; the verdict stands on "
+        f"compare's evidence. To find the modules that need FP32, trial an autocast variant of the same dtype "
+        f"(trial.policies.NAME.dtype: {policy.fsdp_param_dtype}): its diagnosis searches fp32_modules"
+    )
+
+
 def snippet(s: Suggestion, variant: str, policy: Policy) -> str:
     """The suggestion as a params.yaml fragment (the variant's whole policy, its fp32_modules changed), with how to trial it."""
     modules = json.dumps(list(s.fp32_modules))  # quoted: a module named 5 is the string '5', not YAML's integer

@@ -52,9 +52,8 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
         return  # rank 0 alone infers and writes
     result = run.training
     applied = transforms.apply(trained, policy, device)  # what ran (its float8 layers are converted already)
-    ran = precision.param_cast(applied.module, policy)  # FSDP2's mixed precision: the parameters' dtype it ran in
-    found = audit.of_trial(ran, source, params, policy, device) if params.reference.train_steps else \
-        _inference_audit(ran, source, params, policy, device)  # after inference: it moves BatchNorm's buffers
+    found = audit.of_trial(applied.module, source, params, policy, device) if params.reference.train_steps else \
+        _inference_audit(applied.module, source, params, policy, device)  # after inference: it moves BatchNorm's buffers
     writer.finish(result, policy, ref.manifest, devices.describe(device).as_dict(), run.aligned, applied.as_dict(), found)
     resume.clear()
     skipped = sum(r.skipped for r in result.records)
