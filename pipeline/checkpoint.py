@@ -477,21 +477,25 @@ def start(path: str | None, model: torch.nn.Module, dvc_file: str | Path = "dvc.
 
     Without ``path``: ``model`` as built, with the RNG its training starts from (``capture``). With one: ``model`` takes
     the file's weights, and the state keeps the file's optimizer, scheduler and GradScaler state where it holds them (a
-    checkpoint this module wrote; a file of weights alone holds none). The RNG stays the seed's: the reference, its
-    replicates and the trials draw the same stream whatever machine saved the file. Its counters, records and policy
-    (a trial's checkpoint has them) are another run's and are not kept.
+    checkpoint this module wrote; a file of weights alone holds none). A folder is a torch distributed checkpoint
+    (``dcp``): its weights, and its optimizer's state where it holds one; its digest is of all its files. The RNG stays
+    the seed's: the reference, its replicates and the trials draw the same stream whatever machine saved the file. Its
+    counters, records and policy (a trial's checkpoint has them) are another run's and are not kept.
 
     Raises:
         UserError: the file is missing, not listed in freeze's deps, not safetensors, of another checkpoint format, or
-            does not fit ``model`` (keys, shapes), or its GradScaler state is not one torch would load.
+            does not fit ``model`` (keys, shapes), or its GradScaler state is not one torch would load; a folder that
+            ``dcp.read`` refuses.
     """
     if path is None:
         return capture(model), {}
     where = f"params.yaml: reference.checkpoint {path}"
-    if not Path(path).is_file():
+    if not Path(path).exists():
         raise UserError(f"{where} not found (paths are relative to the repository root); give the path of a safetensors "
-                        f"file, or null to start from task.model as built")
+                        f"file or of a torch distributed checkpoint's folder, or null to start from task.model as built")
     _check_tracked(path, dvc_file)
+    if Path(path).is_dir():
+        return _from_dcp(where, path, model)
     try:
         tensors, meta, digest = read_tensors_hashed(path)
     except UserError as exc:
@@ -518,6 +522,23 @@ def start(path: str | None, model: torch.nn.Module, dvc_file: str | Path = "dvc.
     kept = Meta(format_version=FORMAT_VERSION, grad_scaler=info.grad_scaler, scheduler=info.scheduler,
                 optim_param_groups=info.optim_param_groups, optim_scalars=info.optim_scalars)
     return Checkpoint(tensors={**init.tensors, **optim}, info=kept), {path: digest}
+
+
+def _from_dcp(where: str, path: str, model: torch.nn.Module) -> tuple[Checkpoint, dict[str, str]]:
+    """``start`` from a torch distributed checkpoint's folder: its weights, and its optimizer's state where it holds one
+    (no scheduler, no GradScaler: those of the run that saved it)."""
+    from pipeline import dcp
+
+    state, digest = dcp.read(path, where)
+    weights, optim = dcp.training_state(state, where)
+    _load_weights(where, model, weights)
+    init = capture(model)
+    if optim is None:
+        return init, {path: digest}
+    tensors, groups, scalars = _optimizer_parts(optim)
+    kept = Meta(format_version=FORMAT_VERSION, grad_scaler={}, scheduler={}, optim_param_groups=groups,
+                optim_scalars=scalars)
+    return Checkpoint(tensors={**init.tensors, **tensors}, info=kept), {path: digest}
 
 
 def _load_weights(where: str, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
