@@ -240,8 +240,9 @@ def run_trial(
     only after the inference, so that nothing the inference draws moves the RNG the training starts from.
     With ``sink``, outputs are streamed chunk by chunk to ``sink("outputs" | "trained_outputs", chunks)``
     instead of being held in memory; inference only (``cfg.train_steps`` 0), ``sink("trained_outputs", None)``: the
-    same outputs again (the model trained for no step is the one inferred). ``origin``: the optimizer, scheduler and GradScaler state training starts from
-    (the reference's ``init``: a user's checkpoint's, ``reference.checkpoint``), where it holds them.
+    same outputs again (the model trained for no step is the one inferred). ``origin``: the optimizer, scheduler and
+    GradScaler state training starts from (the reference's ``init``: a user's checkpoint's, ``reference.checkpoint``),
+    where it holds them.
     """
 
     def outputs(name: str, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
