@@ -234,11 +234,16 @@ class ReferenceConfig:
     it changes no training. At most ``MAX_CASES``."""
     checkpoint: str | None = None
     """A trained state that the reference, its replicates and every trial start from; null: the model as ``task.model``
-    builds it. A safetensors file, its path relative to the repository root: either weights alone (``state_dict`` names,
-    as ``safetensors.torch.save_file(model.state_dict(), path)`` or a Hugging Face ``model.safetensors`` writes them), or
-    a checkpoint this pipeline wrote (``pipeline/checkpoint.py``), whose optimizer, scheduler and GradScaler state
-    training continues from. Its sha256 is part of the reference's key. List the same path in freeze's ``deps`` in
-    dvc.yaml, so that DVC re-freezes when the file changes: freeze refuses to run otherwise."""
+    builds it. Its path is relative to the repository root. A safetensors file: either weights alone (``state_dict``
+    names, as ``safetensors.torch.save_file(model.state_dict(), path)`` or a Hugging Face ``model.safetensors`` writes
+    them), or a checkpoint this pipeline wrote (``pipeline/checkpoint.py``), whose optimizer, scheduler and GradScaler
+    state training continues from. Or a torch distributed checkpoint's folder (``torch.distributed.checkpoint.save``,
+    as FSDP2 runs write it; torch 2.4 or later): the weights under ``model`` (else its top level's tensors), and the
+    optimizer's state under ``optim`` or ``optimizer``, read in one process from every rank's files. Its scheduler and
+    other entries are not read. Its pickled metadata may name DCP's own classes alone: anything else is refused unrun
+    (``pipeline/dcp.py``). The sha256 of the file, or of all the folder's files, is part of the reference's key. List
+    the same path in freeze's ``deps`` in dvc.yaml, so that DVC re-freezes when it changes: freeze refuses to run
+    otherwise."""
 
     def check(self, key: str) -> None:
         _count(self.train_steps, f"{key}.train_steps", MAX_MICRO_BATCHES, MICRO_BATCHES_WHY)  # 0: inference only
@@ -274,7 +279,8 @@ class ReferenceConfig:
         if self.checkpoint is not None:
             _printable(self.checkpoint, f"{key}.checkpoint", 4096)
             if not self.checkpoint.strip():
-                raise UserError(f"params.yaml: {key}.checkpoint is empty; give the path of a safetensors file, or null")
+                raise UserError(f"params.yaml: {key}.checkpoint is empty; give the path of a safetensors file or of a "
+                                f"torch distributed checkpoint's folder, or null")
         self.lr_schedule.check(f"{key}.lr_schedule")
 
 

@@ -51,11 +51,15 @@ def read(folder: str | Path, where: str) -> tuple[dict[str, Any], str]:
                         f"torch.distributed.checkpoint.save wrote, or a safetensors file")
     md, classes = _metadata(files[METADATA], f"{where}/{METADATA}")
     flat: dict[str, Any] = {}
-    for fqn, entry in md.state_dict_metadata.items():
-        if isinstance(entry, classes["TensorStorageMetadata"]):
-            flat[fqn] = _tensor(fqn, entry, md.storage_data, files, classes["MetadataIndex"], where)
-        else:
-            flat[fqn] = _value(fqn, _stored(fqn, md.storage_data, classes["MetadataIndex"](fqn), files, where))
+    try:
+        for fqn, entry in md.state_dict_metadata.items():
+            if isinstance(entry, classes["TensorStorageMetadata"]):
+                flat[fqn] = _tensor(fqn, entry, md.storage_data, files, classes["MetadataIndex"], where)
+            else:
+                flat[fqn] = _value(fqn, _stored(fqn, md.storage_data, classes["MetadataIndex"](fqn), files, where))
+    except (TypeError, ValueError, AttributeError, IndexError, OverflowError, RuntimeError) as exc:  # its fields' types
+        raise UserError(f"{where}/{METADATA} is not readable DCP metadata ({type(exc).__name__}: {str(exc)[:120]}); "
+                        f"save the checkpoint again with torch.distributed.checkpoint.save") from None
     return _nested(flat, md.planner_data, where), digest
 
 
@@ -143,9 +147,10 @@ class _Restricted(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self.allowed:
             return self.allowed[module, name]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP metadata never holds")
+        value = vars(torch).get(name) if module == "torch" else None  # vars: no lazy import of a torch submodule
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            return value
+        raise pickle.UnpicklingError(f"it names {module}.{name}, none of DCP's metadata classes in torch {torch.__version__}")
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("it holds a persistent id, which DCP metadata never holds")
@@ -157,13 +162,14 @@ def _metadata(raw: bytes, where: str) -> tuple[Any, dict[str, Any]]:
     allowed = {(c.__module__, c.__qualname__): c for c in classes.values()}
     allowed |= {
         ("torch", "Size"): torch.Size,
-        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # a name's torch.layout, no more
         ("collections", "OrderedDict"): dict,
         ("pathlib", "PosixPath"): pathlib.PurePosixPath,  # StorageMeta.checkpoint_id: the saving machine's path
         ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
         ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
         ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
     }
+    if hasattr(torch.serialization, "_get_layout"):  # how torch pickles a layout: its name's torch.layout, no more
+        allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     try:
         md = _Restricted(raw, allowed).load()
     except pickle.UnpicklingError as exc:
@@ -213,6 +219,10 @@ def _tensor(fqn: str, entry: Any, storage: dict, files: dict[str, bytes], index:
     dtype, size = entry.properties.dtype, torch.Size(entry.size)
     if not isinstance(dtype, torch.dtype):
         raise UserError(f"{where}: '{fqn}' has no torch dtype in its metadata; save the checkpoint again")
+    stored = sum(len(b) for b in files.values())
+    if size.numel() * dtype.itemsize > stored:  # before it is allocated: a crafted size is no memory bomb
+        raise UserError(f"{where}: '{fqn}' is {list(size)} {dtype}, more than the folder's {stored:,} bytes hold; copy "
+                        f"the whole folder torch.distributed.checkpoint.save wrote")
     full, covered = torch.zeros(size, dtype=dtype), torch.zeros(size, dtype=torch.bool)
     for chunk in entry.chunks:
         offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)

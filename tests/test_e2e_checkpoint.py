@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from _project import dvc, stage, write_params
 from conftest import make_project
-from pipeline import checkpoint
+from pipeline import checkpoint, dcp
 
 pytestmark = pytest.mark.integration
 
@@ -125,3 +125,57 @@ def test_a_missing_mismatched_or_untracked_checkpoint_is_one_line(trained, tmp_p
     refused("does not fit task.model", "of another shape", "task.options")
     (repo / CKPT).write_bytes(b"not a safetensors file")
     refused("is not a safetensors file", "save_file")
+
+
+DCP = "start/dcp"
+
+
+def save_dcp(folder, state: dict) -> None:
+    """``state`` as a torch distributed checkpoint's folder (``dcp.save`` in one process, as FSDP2 teams' ranks write)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    shutil.rmtree(folder, ignore_errors=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: saving in a single process"
+        dcp.save(state, checkpoint_id=str(folder))
+
+
+def test_a_dcp_folder_starts_freeze_a_new_one_refreezes_and_a_pickle_in_its_metadata_never_runs(trained, tmp_path):
+    repo = make_project(tmp_path / "repo")
+    saved = checkpoint.load(trained["full"])
+    save_dcp(repo / DCP, {"model": saved.model_state(), "optim": checkpoint._optimizer_state(saved)})
+    write_params(repo, {"reference": {"checkpoint": DCP, "train_steps": 2, "checkpoint_every": 0}})
+    spec = yaml.safe_load((repo / "dvc.yaml").read_text())
+    spec["stages"]["freeze"]["deps"].append(DCP)  # DVC tracks a folder as one dep: any file of it changed re-runs freeze
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    dvc(repo, "repro", "freeze")
+
+    init = load_file(repo / "data/reference/init.safetensors")  # the reference starts from the folder's weights
+    assert all(init[f"model/{k}"].equal(v) for k, v in saved.model_state().items())
+    momentum = [k for k in saved.tensors if k.startswith("optim/")]
+    assert momentum and all(init[k].equal(saved.tensors[k]) for k in momentum)  # and its SGD momentum
+    files = {p.name: p.read_bytes() for p in (repo / DCP).iterdir()}
+    manifest = read(repo, "data/reference/manifest.json")
+    assert manifest["files"][DCP] == dcp.folder_digest(files)
+
+    save_dcp(repo / DCP, {"model": load_file(trained["other"])})  # another run's weights, the same path
+    assert "freeze" in dvc(repo, "status", "freeze").stdout
+    assert "Running stage 'freeze'" in dvc(repo, "repro", "freeze").stdout
+    refrozen = read(repo, "data/reference/manifest.json")
+    assert refrozen["files"][DCP] != manifest["files"][DCP] and refrozen["run_key"] != manifest["run_key"]
+    assert load_file(repo / "data/reference/init.safetensors")["model/" + next(iter(saved.model_state()))].equal(
+        load_file(trained["other"])[next(iter(saved.model_state()))])
+
+    marker = tmp_path / "ran"
+    # os.system("touch MARKER") in pickle's opcodes: the plain pickle.load of DCP's own loader would run it
+    (repo / DCP / ".metadata").write_bytes(b"cos\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR.")
+    assert "freeze" in dvc(repo, "status", "freeze").stdout  # .metadata alone changed: DVC sees it
+    before = {p: p.read_bytes() for p in (repo / "data/reference").iterdir() if p.is_file()}
+    run = stage(repo, "freeze")
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert f"{DCP}/.metadata was refused unread (it names os.system" in lines[0], lines[0]
+    assert not marker.exists()
+    assert {p: p.read_bytes() for p in (repo / "data/reference").iterdir() if p.is_file()} == before  # nothing overwritten

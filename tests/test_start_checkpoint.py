@@ -221,6 +221,10 @@ def test_chunks_outside_the_folder_and_flattened_optimizers_are_one_line(tmp_pat
     (tmp_path / "dcp/.metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(UserError, match=r"is stored in '../secret', no data file of the folder"):
         checkpoint.start("dcp", net())
+    md.state_dict_metadata["model.0.weight"].size = torch.Size([10**9, 10**4])  # 40 TB: refused, never allocated
+    (tmp_path / "dcp/.metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(UserError, match=r"'model.0.weight' is \[1000000000, 10000\] torch.float32, more than the folder"):
+        checkpoint.start("dcp", net())
 
     save_dcp("flat", {"model": net().state_dict(), "optimizer": {"state.0.weight.momentum_buffer": torch.zeros(8, 4)}})
     with pytest.raises(UserError, match=r"its 'optimizer' is not an optimizer's state_dict .* or the weights alone"):
