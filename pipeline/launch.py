@@ -78,9 +78,6 @@ def relaunched(stage: str, params, params_path: str, variant: str | None = None)
         return False
     device = devices.resolve(params.device)
     check_launch(params, torch.cuda.device_count() if device.type == "cuda" else None)
-    if stage == "benchmark" and cfg.strategy == "fsdp":  # its workload wraps in DDP (pipeline/bench/workload.py)
-        print(f"warning: benchmark{'@' + variant if variant else ''} times DDP on {n} ranks (and FSDP2's mixed precision "
-              f"as FP32): distributed.strategy fsdp shards freeze and the trials only", file=sys.stderr, flush=True)
     argv = [stage, "--params", params_path, *(["--variant", variant] if variant else [])]
     cmd = torchrun_command(cfg, argv, "-".join(filter(None, ("amp", stage, variant))))
     proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True, errors="replace")

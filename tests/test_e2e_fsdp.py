@@ -1,11 +1,13 @@
 """FSDP2 (``distributed.strategy: fsdp``, issue 52 item 3) on the CPU for real: 2 gloo ranks under torchrun through
-`dvc repro` of the tiny digits project reach the decisions one process reaches, and a rank killed mid-run resumes to
-the same bytes on that world size (the DDP test's pattern, tests/test_e2e_distributed.py)."""
+`dvc repro` of the tiny digits project reach the decisions one process reaches, a rank killed mid-run resumes to
+the same bytes on that world size (the DDP test's pattern, tests/test_e2e_distributed.py), and the benchmark times
+the sharded training the trials ran (FSDP2's mixed precision as itself)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ import _project
 import faults
 from _project import dvc, env_for, run
 from conftest import make_project
+from test_benchmark import decide
 
 pytestmark = pytest.mark.integration
 
@@ -82,6 +85,26 @@ def test_a_rank_killed_mid_run_resumes_to_the_same_bytes(sharded, tmp_path, stag
     assert not any((repo / "data/resume").glob("*"))  # the resumed run finished and cleared its state
 
 
+def test_the_benchmark_times_fsdp2_as_the_trials_train(sharded, tmp_path):
+    """benchmark@float16 (accepted on TINY) under FSDP2: every arm a sharded copy on the 2 gloo ranks, as the trials
+    trained; the record says so, in its env and its method, with a finite speedup and memory ratio."""
+    repo = tmp_path / "repo"
+    shutil.copytree(sharded, repo, symlinks=True)
+    done = dvc(repo, "repro", "benchmark@float16")
+    assert "Running stage 'benchmark@float16'" in done.stdout and "Running stage 'trial" not in done.stdout, done.stdout
+    assert "FSDP2 over 2 ranks (gloo): 4 blocks (LayerNorm, Linear) and the root" in done.stdout, done.stdout
+    assert "times DDP" not in done.stderr, done.stderr  # the warning went with the DDP workload
+    record = json.loads((repo / "data/benchmark/float16/benchmark.json").read_text())
+    assert record["benchmarked"]
+    env = record["env"]
+    assert (env["world_size"], env["process_group_backend"], env["distributed_strategy"]) == (2, "gloo", "fsdp"), env
+    fsdp = record["method"]["fsdp"]
+    assert fsdp.startswith("FSDP2 (fully_shard) on 2 ranks (gloo), as the trials train: every arm a sharded copy"), fsdp
+    assert fsdp.endswith("the amp arm's parameters in its forward: float32"), fsdp  # autocast casts op by op
+    speedup, ratio = record["speedup"]["median"], record["memory_ratio"]["median"]
+    assert math.isfinite(speedup) and speedup > 0 and math.isfinite(ratio) and ratio > 0, (speedup, ratio)
+
+
 def test_fsdp_by_block_class_on_the_tiny_transformer_reaches_the_decisions_of_one_process(tmp_path):
     """The transformer example sharded per encoder block (``fsdp_blocks: [Block]``), then the root (embedding,
     positions, norm, head): the verdicts one process reaches."""
@@ -112,6 +135,12 @@ def test_fsdp_mixed_precision_runs_beside_autocast_in_one_repro_judged_by_the_sa
     audit = json.loads((repo / "data/trial/fsdp_bf16/audit.json").read_text())
     assert list(audit["by_precision"]) == ["bfloat16"], audit["by_precision"]  # the audit: every matmul ran in bfloat16
     assert judged["fsdp_bf16"]["decision"] == judged["bfloat16"]["decision"] == "rollback"  # TINY's atol: too tight for both
+
+    decide(repo, "fsdp_bf16", "accept")  # forced: only an accepted variant is benchmarked
+    run([sys.executable, "-m", "pipeline", "benchmark", "--variant", "fsdp_bf16"], repo)
+    record = json.loads((repo / "data/benchmark/fsdp_bf16/benchmark.json").read_text())
+    assert record["method"]["fsdp"].endswith("parameters in its forward: bfloat16"), record["method"]  # timed as itself
+    assert math.isfinite(record["speedup"]["median"]) and math.isfinite(record["memory_ratio"]["median"])
 
 
 def test_fsdp_mixed_precision_without_fsdp_is_refused_in_one_line(tmp_path):

@@ -160,7 +160,7 @@ class WorkloadFacts(Record):
 class Method(Record):
     """How it was measured: enough to judge the figures without reading the code."""
 
-    ABSENT = ("timed",)
+    ABSENT = ("timed", "fsdp")
 
     warmup: int
     repeats: int
@@ -177,6 +177,9 @@ class Method(Record):
     """Other processes on the CPU slow multi-threaded steps unevenly: read wide IQRs in that light."""
     timed: str | None = None
     """What one step is, where it is not a training update (an inference-only verdict times a forward pass)."""
+    fsdp: str | None = None
+    """Under ``distributed.strategy: fsdp``: how FSDP2 sharded every arm, as the trials train, and the dtype of the amp
+    arm's parameters in its forward (``bfloat16`` under FSDP2's mixed precision)."""
 
 
 @dataclass(frozen=True)

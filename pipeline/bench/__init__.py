@@ -23,9 +23,12 @@ The method, and why:
 - Baselines (``arms``): ``fp32`` is strict FP32 (TF32 off for matmul and cuDNN), so the speedup is AMP's
   alone. Where the GPU has TF32 (NVIDIA capability 8.0+), ``tf32`` is timed beside it: it is what FP32 code
   gets there when TF32 is enabled, and AMP should be compared with it too.
+- Under ``distributed.strategy: fsdp`` every arm trains a copy sharded by FSDP2, as the trials do
+  (``workload.TrainingStep``): FSDP2's mixed precision runs as itself, and the record's ``method.fsdp`` says so.
 - Memory (``memory``), before anything is timed. GPU: each variant in its own fresh process (``python -m
   pipeline.bench.probe``), one after the other, so one variant's cached blocks never count for the other;
-  ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. CPU: in the stage's own process,
+  ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. Under FSDP2 a probe's process has no
+  process group to shard in: each rank measures in its own process, one variant after the other. CPU: in the stage's own process,
   one variant after the other, each freed before the next starts (torch's CPU allocator caches nothing, and
   ``malloc_trim`` gives freed heap pages back before each round); the process's peak resident memory
   (VmHWM), reset through ``/proc/self/clear_refs`` before each round. A fresh process per variant would cost

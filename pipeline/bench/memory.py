@@ -5,6 +5,10 @@ once per variant, one after the other), so one variant's cached blocks never cou
 models never compete for the device. CPU: in this process, one variant after the other, each freed before
 the next is built (torch's CPU allocator caches nothing; ``malloc_trim`` gives freed heap pages back), the
 peak resident set reset through ``/proc/self/clear_refs`` before each round.
+
+Under FSDP2 (``distributed.strategy: fsdp``) a probe's own process has no process group, so it could not shard:
+there, on a GPU too, every rank measures in its own process, one variant after the other, each freed (and the
+allocator's cache emptied) before the next is built; rank 0 records its figures.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ def arm_memory(params: Params, variant: str, arm: Arm, device: torch.device) -> 
     work = load_workload(params, device, variant if arm.name == AMP else None)
     step = step_for(work, arm.policy)
     size = sizes(params.bench, device.type)
-    with precision.fp32_regions(work.model, arm.policy, device), precision.tf32(arm.tf32):
+    with precision.fp32_regions(step.model, arm.policy, device), precision.tf32(arm.tf32):
         return peak_memory(step, size.warmup, size.repeats, size.steps, device)
 
 
@@ -92,12 +96,12 @@ def memory_by_arm(
 ) -> dict[str, MemoryProbe]:
     """Each arm's figures (TF32 stores what FP32 stores: not measured), before any timing.
 
-    GPU: a fresh process per arm, from rank 0 alone (other ranks get none). CPU: here, one arm after the
-    other, each freed before the next is built; under torchrun every rank measures, so that DDP's
-    collectives pair up.
+    GPU: a fresh process per arm, from rank 0 alone (other ranks get none). CPU, and a GPU under FSDP2 (a probe's
+    process has no group to shard in): here, one arm after the other, each freed before the next is built; under
+    torchrun every rank measures, so that DDP's or FSDP2's collectives pair up.
     """
     chosen = [v for v in chosen if v.name != TF32]
-    if device.type == "cuda":
+    if device.type == "cuda" and not distributed.current().sharded:
         if not distributed.current().writes:
             return {}
         with MemoryProbes(params_path, variant, [a.name for a in chosen]) as probes:
@@ -106,6 +110,8 @@ def memory_by_arm(
     for a in chosen:
         out[a.name] = arm_memory(params, variant, a, device)
         gc.collect()  # the arm's model and optimizer state go before the next one is built
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # nor do its cached blocks stay reserved
     return out
 
 

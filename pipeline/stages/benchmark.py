@@ -18,7 +18,7 @@ def main(variant: str, params_path: str = "params.yaml") -> None:
     params = load_params(params_path)
     if launch.relaunched("benchmark", params, params_path, variant):
         return  # it ran on distributed.nproc_per_node ranks under torchrun
-    device = distributed.init(devices.resolve(params.device))  # one process: unchanged; under torchrun: this rank's
+    device = distributed.init(devices.resolve(params.device), params.distributed)  # under torchrun: this rank's (FSDP2?)
     with sysmetrics.sampling(paths.system_metrics("benchmark", variant), devices.backend(device), distributed.current().writes):
         if decision.read(variant).accepted:
             result = measure(params_path, params, variant, device)  # every rank measures; rank 0 alone gets the record
