@@ -67,13 +67,16 @@ def training_state(state: dict[str, Any], where: str) -> tuple[dict[str, torch.T
     """The model's weights and the optimizer's state in a DCP state dict.
 
     Weights: the tensors under ``model``, else the top level's (``dcp.save(model.state_dict())``, torchtitan's
-    layout). The optimizer's: under ``optim`` or ``optimizer``, as ``Optimizer.state_dict()`` (parameters by number) or
-    ``get_optimizer_state_dict`` (by name) give it, numbered as torch numbers them; None where the folder holds none.
+    layout). The optimizer's: under ``optim`` or ``optimizer``, as ``Optimizer.state_dict()`` (parameters by number)
+    or ``get_optimizer_state_dict`` (by name) give it, numbered as torch numbers them; None where the folder holds
+    none. Both may sit under one top-level key (the DCP recipe's ``{"app": AppState(model, optimizer)}``).
     Anything else (a scheduler, a dataloader, counters) is another run's and is not read.
 
     Raises:
         UserError: the optimizer's state is in another layout (flattened), or holds values that are not plain data.
     """
+    if "model" not in state and len(state) == 1 and isinstance(app := next(iter(state.values())), dict) and "model" in app:
+        state = app  # the DCP recipe's {"app": AppState(model, optimizer)}: one Stateful holding both
     model = state.get("model")
     weights = {k: v for k, v in (model if isinstance(model, dict) else state).items() if torch.is_tensor(v)}
     key = next((k for k in ("optim", "optimizer") if k in state), None)
@@ -137,12 +140,13 @@ def _classes() -> dict[str, Any]:
     return found
 
 
-class _Restricted(pickle.Unpickler):
-    """Loads DCP's metadata pickle, and nothing else: any other global is refused before it is looked up."""
+class _Restricted(pickle._Unpickler):  # Python's own unpickler in Python: its BUILD can be checked, unlike C's
+    """Loads DCP's metadata pickle, and nothing else: any other global is refused before it is looked up, and state is
+    set on fresh instances of DCP's classes alone (a BUILD on a class or a shared object would change it process-wide)."""
 
-    def __init__(self, raw: bytes, allowed: dict[tuple[str, str], Any]) -> None:
+    def __init__(self, raw: bytes, allowed: dict[tuple[str, str], Any], buildable: tuple[type, ...]) -> None:
         super().__init__(io.BytesIO(raw))
-        self.allowed = allowed
+        self.allowed, self.buildable = allowed, buildable
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self.allowed:
@@ -154,6 +158,15 @@ class _Restricted(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("it holds a persistent id, which DCP metadata never holds")
+
+    def load_build(self) -> None:
+        target = self.stack[-2]  # under the state BUILD pops
+        if isinstance(target, type) or not isinstance(target, self.buildable):
+            raise pickle.UnpicklingError(f"it sets the state of {type(target).__name__} {str(target)[:60]}, which DCP "
+                                         f"metadata never does")
+        super().load_build()
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}
 
 
 def _metadata(raw: bytes, where: str) -> tuple[Any, dict[str, Any]]:
@@ -171,7 +184,7 @@ def _metadata(raw: bytes, where: str) -> tuple[Any, dict[str, Any]]:
     if hasattr(torch.serialization, "_get_layout"):  # how torch pickles a layout: its name's torch.layout, no more
         allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     try:
-        md = _Restricted(raw, allowed).load()
+        md = _Restricted(raw, allowed, tuple(c for n, c in classes.items() if n != "_MEM_FORMAT_ENCODING")).load()
     except pickle.UnpicklingError as exc:
         raise UserError(f"{where} was refused unread ({exc}): a DCP folder's metadata holds DCP's classes alone; "
                         f"nothing of it was run. Save the checkpoint again with torch.distributed.checkpoint.save") from None

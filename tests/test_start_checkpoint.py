@@ -117,6 +117,10 @@ def test_a_dcp_folder_gives_weights_and_the_optimizers_state_and_its_digest_cove
     checkpoint.continue_optimizer(init, opt, "adamw")
     assert opt.param_groups[0]["lr"] == 0.01 and torch.equal(opt.state[model[0].weight]["exp_avg"], optim["state"][0]["exp_avg"])
 
+    save_dcp("app", {"app": {"model": saved.model_state(), "optim": optim}})  # the DCP recipe's AppState layout
+    again, _ = checkpoint.start("app", net())
+    assert all(torch.equal(again.tensors[k], v) for k, v in init.tensors.items())
+
     files = {p.name: p.read_bytes() for p in (tmp_path / "dcp").iterdir()}
     assert set(files) == {".metadata", "__0_0.distcp"} and inputs == {"dcp": dcp.folder_digest(files)}
     changed = dict(files, **{"__0_0.distcp": files["__0_0.distcp"][:-1] + bytes([files["__0_0.distcp"][-1] ^ 1])})
@@ -190,6 +194,14 @@ def test_a_metadata_pickle_that_names_anything_else_is_refused_unrun(tmp_path, m
     message = str(refused.value)
     assert "dcp/.metadata was refused unread" in message and f"{os.system.__module__}.system" in message
     assert "\n" not in message and not marker.exists()
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    (tmp_path / "dcp/.metadata").write_bytes(  # Metadata, then BUILD (None, {"marker": 1}): setattr on the class itself
+        b"ctorch.distributed.checkpoint.metadata\nMetadata\n(N(dVmarker\nI1\nstb.")
+    with pytest.raises(UserError, match=r"refused unread \(it sets the state of type .*Metadata"):
+        checkpoint.start("dcp", net())
+    assert not hasattr(Metadata, "marker")
 
 
 def test_a_value_that_is_no_plain_data_is_never_run(tmp_path, monkeypatch):
