@@ -30,14 +30,15 @@ model the caller holds stays whole: at each resume point and at the end, the ful
 (optimizer state numbered by parameter, as ``Optimizer.state_dict`` numbers it), the trained weights are loaded into
 that model on rank 0, which infers and writes as under DDP. A resume state goes back into the shards on every rank
 (``load_full_state``). The GradScaler's skip decision is the same on every rank: its inf/NaN flag is all-reduced
-(``agree_found_inf``). benchmark@DTYPE still times DDP (its workload is not sharded). Memory: the caller's whole
-FP32 model stays on every rank beside the shards (4 bytes a parameter; the training state, 16 with AdamW, is the
-sharded part).
+(``agree_found_inf``). Memory: the caller's whole FP32 model stays on every rank beside the shards (4 bytes a
+parameter; the training state, 16 with AdamW, is the sharded part).
 
 benchmark@DTYPE on N ranks times one global update (every rank its slice, DDP's all-reduce included) on
 rank 0's clock. On a GPU its memory probes run rank 0's slice of the batch in one process of their own (no
 process group, so no DDP gradient buckets: ``shard_only``); on the CPU every rank measures in its own
-process, DDP included, and rank 0 records its figures.
+process, DDP included, and rank 0 records its figures. Under FSDP2 every arm trains a sharded copy, as the trials
+do (``sharded_copy``, FSDP2's mixed precision included; the whole model is not kept beside it), and the memory is
+measured in every rank's process on a GPU too: a probe's process has no group to shard in.
 """
 
 from __future__ import annotations
@@ -290,7 +291,8 @@ def init(device, cfg=None):
 
 def shard_only() -> None:
     """In a process torchrun's rank started on its own (the benchmark's memory probe): take the rank's slice
-    of every batch, in this process alone (no process group: no DDP, no all-reduce)."""
+    of every batch, in this process alone (no process group: no DDP, no all-reduce). Not under FSDP2: with no group
+    nothing shards, so the ranks measure in their own processes (``bench.memory.memory_by_arm``)."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size > 1:
         _WORLD[0] = World(rank=int(os.environ.get("RANK", "0")), size=size, backend=None)
