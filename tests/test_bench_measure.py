@@ -11,12 +11,13 @@ import torch
 from pipeline import devices
 from pipeline.artifacts.benchmark import FASTER, FP32_AGAIN, NO_DIFFERENCE, SLOWER, MemoryProbe, from_dict
 from pipeline.bench.arms import arms, timed_arms
-from pipeline.bench.measure import record
+from pipeline.bench.measure import fsdp_words, record
 from pipeline.bench.sizing import Sizes
 from pipeline.bench.stats import speed_verdict
 from pipeline.bench.timing import interleaved
-from pipeline.bench.workload import TrainingStep, Workload
+from pipeline.bench.workload import InferenceStep, TrainingStep, Workload, forward_param_dtypes
 from pipeline.config import Params, Policy
+from pipeline.distributed import World
 from pipeline.files import from_jsonable, to_jsonable
 from pipeline.present import verdict
 from test_bench_timing import CPU, overflowing
@@ -40,6 +41,7 @@ def test_the_record_keeps_dropped_rounds_out_of_every_ratio() -> None:
     assert result.memory.memory_rounds_dropped == {"amp": (0, 1)} and result.memory.memory_ratio.n == 4
     assert result.workload.initial_grad_scaler["scale"] == 2.0**22 and result.workload.parameters == 8 * 16 + 16 + 16 * 4 + 4
     assert result.method.memory == "m; in this process, one arm after the other" and result.method.cpu_load_1min == 0.5
+    assert result.method.fsdp is None and "fsdp" not in result.as_dict()["method"]  # no FSDP2: the record as it was
     assert "2 round(s) dropped" in result.summary_line() and "[CPU" in result.summary_line()
     # What the file holds reads back to the same record.
     assert from_dict(from_jsonable(to_jsonable(result.as_dict()))) == result
@@ -65,6 +67,24 @@ def test_bfloat16_records_that_it_runs_no_scaler() -> None:
     memory = probes({"fp32": [0], "amp": [0]})
     result = record("bfloat16", BF16, ENV, amp.work, Sizes(0, 1, 1, "test"), "n/a", memory, rounds, None)
     assert result.workload.initial_grad_scaler == "none: only float16 uses a GradScaler"
+
+
+def test_the_record_says_which_dtype_the_forward_read_the_parameters_in() -> None:
+    """``method.fsdp``'s dtype is seen, not configured: autocast leaves the parameters FP32 (it casts op by op); FSDP2's
+    mixed precision casts them (here one process's inference-only step, ``precision.param_cast``; the ranks' sharded
+    copies in tests/test_e2e_fsdp.py)."""
+    _, amp = overflowing(1.0)
+    assert forward_param_dtypes(amp) == ("float32",)
+    model, x = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4)), torch.randn(2, 8)
+    cast = InferenceStep(Workload(model, [(x, torch.zeros(2))], Params(), CPU, {}), Policy(fsdp_param_dtype="bfloat16"))
+    assert forward_param_dtypes(cast) == ("bfloat16",)
+    words = fsdp_words(World(size=2, backend="gloo", strategy="fsdp", blocks=("Block",)), ("bfloat16",))
+    assert words.startswith("FSDP2 (fully_shard) on 2 ranks (gloo)") and "(blocks: Block; then the root)" in words
+    assert words.endswith("the amp arm's parameters in its forward: bfloat16")
+    _, amp = overflowing(1.0)
+    rounds = interleaved({"fp32": (amp, False), "amp": (amp, False)}, warmup=0, repeats=1, steps=1, device=CPU)
+    sharded = record("float16", FP16, ENV, amp.work, Sizes(0, 1, 1, "t"), "n/a", probes(rounds.skipped), rounds, None, words)
+    assert from_dict(from_jsonable(to_jsonable(sharded.as_dict()))).method.fsdp == words
 
 
 class Elementwise(torch.nn.Module):
