@@ -130,11 +130,12 @@ class World:
 
     # --- FSDP2 ------------------------------------------------------------------------------------------
 
-    def sharded_copy(self, model, mixed: tuple[dict, dict] = ({}, {})):
+    def sharded_copy(self, model, device, mixed: tuple[dict, dict] = ({}, {})):
         """The module a training run updates: ``model`` itself, or under FSDP2 a copy of it sharded block by block
-        (``fully_shard``, children before parents, then the root) on which the optimizer is then built. ``mixed``: the
-        arguments of FSDP2's MixedPrecisionPolicy for the blocks and for the root (``precision.fsdp_mixed_precision``);
-        empty: none.
+        (``fully_shard``, children before parents, then the root) on which the optimizer is then built. The shards live
+        on ``device`` (a mesh of its type over the ranks: FSDP2 moves each block there as it shards it, so ``model`` may
+        wait on the host). ``mixed``: the arguments of FSDP2's MixedPrecisionPolicy for the blocks and for the root
+        (``precision.fsdp_mixed_precision``); empty: none.
 
         Raises:
             UserError: a class of ``fsdp_blocks`` names no module of the model.
@@ -144,7 +145,8 @@ class World:
         import copy
 
         fully_shard, policy = fsdp_api()
-        block, root = ({"mp_policy": policy(**kwargs)} if kwargs else {} for kwargs in mixed)
+        mesh = {"mesh": _mesh(device.type, self.size)}  # the run's device, not torch's default accelerator
+        block, root = ({**mesh, "mp_policy": policy(**kwargs)} if kwargs else mesh for kwargs in mixed)
         copied = copy.deepcopy(model)
         chosen = shard_blocks(copied, self.blocks)
         kinds = sorted({type(m).__name__ for m in chosen})  # before fully_shard renames them (FSDPLinear)
@@ -220,6 +222,18 @@ def fsdp_api():
     except ImportError:  # torch 2.4, 2.5
         from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
     return fully_shard, MixedPrecisionPolicy
+
+
+def _mesh(device_type: str, size: int):
+    """One 1-D device mesh over the world's ranks per process and device type (``init_device_mesh``: torch >= 2.2)."""
+    if device_type not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESHES[device_type] = init_device_mesh(device_type, (size,))
+    return _MESHES[device_type]
+
+
+_MESHES: dict = {}
 
 
 def shard_blocks(model, classes: tuple[str, ...] | list[str]) -> list:

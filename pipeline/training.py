@@ -323,12 +323,14 @@ def train(
     end = cfg.train_steps if stop is None else min(stop, cfg.train_steps)
     precision.strict_fp32()
     world = distributed.current()
-    model.to(device).train()
+    # Under FSDP2 a sharded copy trains on the device; the caller's whole model waits on the host (4 bytes a parameter
+    # off each GPU), where rank 0 loads the trained weights at the end.
+    (model.cpu() if world.sharded else model.to(device)).train()
     loss_fn = make_loss(task_cfg)
     if world.sharded and (policy.compiled or policy.float8 != "off"):
         raise UserError(f"{label}: distributed.strategy fsdp runs eager models without float8 here (compile "
                         f"{policy.compile}, float8 {policy.float8}); use strategy: ddp for this variant's policy")
-    trainee = world.sharded_copy(model, precision.fsdp_mixed_precision(policy))  # the model itself, or FSDP2's shards
+    trainee = world.sharded_copy(model, device, precision.fsdp_mixed_precision(policy))  # the model, or FSDP2's shards
     optimizer = make_optimizer(trainee, cfg)
     load = world.load_full_state(trainee, optimizer) if world.sharded else None  # resume states into the shards
     scaler = precision.make_scaler(policy, device)

@@ -94,7 +94,7 @@ def _train(world, mode: str, build, width: int, rows: int, steps: int):
     if mode == "ddp":
         trainee, net = model, world.wrap(model, torch.device("cpu"))
     else:
-        trainee = net = world.sharded_copy(model)
+        trainee = net = world.sharded_copy(model, torch.device("cpu"))
     if mode != "fsdp":
         model = None
         gc.collect()

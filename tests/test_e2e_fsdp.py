@@ -134,13 +134,27 @@ def test_fsdp_mixed_precision_runs_beside_autocast_in_one_repro_judged_by_the_sa
     assert {k: manifest["policy"][k] for k in MIXED} == MIXED  # what ran, recorded
     audit = json.loads((repo / "data/trial/fsdp_bf16/audit.json").read_text())
     assert list(audit["by_precision"]) == ["bfloat16"], audit["by_precision"]  # the audit: every matmul ran in bfloat16
+    assert audit["reference_reduced_share"] == 0.0 and not audit["flagged"]  # against the FP32 reference, traced uncast
     assert judged["fsdp_bf16"]["decision"] == judged["bfloat16"]["decision"] == "rollback"  # TINY's atol: too tight for both
+    found = json.loads((repo / "data/diagnose/fsdp_bf16/diagnosis.json").read_text())["findings"]
+    assert found[0].startswith("not replayed: FSDP2's mixed precision (bfloat16 parameters)"), found  # nothing searched
 
     decide(repo, "fsdp_bf16", "accept")  # forced: only an accepted variant is benchmarked
     run([sys.executable, "-m", "pipeline", "benchmark", "--variant", "fsdp_bf16"], repo)
     record = json.loads((repo / "data/benchmark/fsdp_bf16/benchmark.json").read_text())
     assert record["method"]["fsdp"].endswith("parameters in its forward: bfloat16"), record["method"]  # timed as itself
     assert math.isfinite(record["speedup"]["median"]) and math.isfinite(record["memory_ratio"]["median"])
+
+
+def test_healthy_fsdp_mixed_precision_is_accepted_under_the_projects_rule(tmp_path):
+    """The other direction: under the project's own tolerances (params.yaml's atol 0.05, rtol 0.02), FSDP2's bfloat16
+    parameters on the digits MLP pass every criterion, training's included (its audit once read the FP32 reference as
+    100 % reduced and rolled it back on "nothing to gain")."""
+    rule = {"acceptance": {"outputs": {"*": _project.params()["acceptance"]["outputs"]["*"]}}}
+    repo = make_project(tmp_path / "repo", _project.merge(_project.merge(FSDP, rule), {"trial": {
+        "variants": ["fsdp_bf16"], "policies": {"fsdp_bf16": MIXED}}}))
+    out = dvc(repo, "repro", "decide@fsdp_bf16").stdout
+    assert json.loads((repo / "data/decision/fsdp_bf16/decision.json").read_text())["decision"] == "accept", out
 
 
 def test_fsdp_mixed_precision_without_fsdp_is_refused_in_one_line(tmp_path):

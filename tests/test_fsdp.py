@@ -61,7 +61,7 @@ def _rank(rank: int, rendezvous: str, out: str, strategy: str) -> None:
     cpu = torch.device("cpu")
     torch.manual_seed(0)
     model = Net()
-    trainee = world.sharded_copy(model)
+    trainee = world.sharded_copy(model, torch.device("cpu"))
     net = trainee if world.sharded else world.wrap(trainee, cpu)
     optimizer = torch.optim.AdamW(trainee.parameters(), lr=0.01)
     policy = Policy(dtype="float16")
@@ -81,12 +81,12 @@ def _rank(rank: int, rendezvous: str, out: str, strategy: str) -> None:
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(steps))
     if world.sharded:  # the gathered state goes back into fresh shards and gathers to the same bytes
         torch.manual_seed(1)
-        again = world.sharded_copy(Net())
+        again = world.sharded_copy(Net(), torch.device("cpu"))
         opt2 = torch.optim.AdamW(again.parameters(), lr=0.01)
         saved = checkpoint.load(Path(out) / "state.safetensors") if _wait(Path(out) / "state.safetensors") else None
         checkpoint.restore(saved, again, opt2, rng=False, load=world.load_full_state(again, opt2))
         snap2 = training._snapshot(again, opt2, scaler, None, [], 2, 3, policy, world)
-        third = world.sharded_copy(Net())  # a user's checkpoint's optimizer state, continued (reference.checkpoint)
+        third = world.sharded_copy(Net(), torch.device("cpu"))  # a user's checkpoint's optimizer state, continued (reference.checkpoint)
         opt3 = torch.optim.AdamW(third.parameters(), lr=0.5)
         checkpoint.continue_optimizer(saved, opt3, "adamw", world.load_full_state(third, opt3))
         snap3 = training._snapshot(third, opt3, None, None, [], 2, 3, policy, world)

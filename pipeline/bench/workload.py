@@ -71,7 +71,7 @@ class TrainingStep:
         cfg = work.params.reference
         world = distributed.current()
         self.work, self.policy = work, policy
-        self.model = work.model = world.sharded_copy(work.model, precision.fsdp_mixed_precision(policy))
+        self.model = work.model = world.sharded_copy(work.model, work.device, precision.fsdp_mixed_precision(policy))
         self.loss_fn = recipe.make_loss(work.params.task)
         self.optimizer = recipe.make_optimizer(self.model, cfg)
         self.scaler = precision.make_scaler(policy, work.device)
