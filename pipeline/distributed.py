@@ -31,7 +31,7 @@ model the caller holds stays whole: at each resume point and at the end, the ful
 that model on rank 0, which infers and writes as under DDP. A resume state goes back into the shards on every rank
 (``load_full_state``). The GradScaler's skip decision is the same on every rank: its inf/NaN flag is all-reduced
 (``agree_found_inf``). Memory: the caller's whole FP32 model stays on every rank beside the shards (4 bytes a
-parameter; the training state, 16 with AdamW, is the sharded part).
+parameter; the training state, 16 with AdamW, is the sharded part), in host memory while the shards train.
 
 benchmark@DTYPE on N ranks times one global update (every rank its slice, DDP's all-reduce included) on
 rank 0's clock. On a GPU its memory probes run rank 0's slice of the batch in one process of their own (no
