@@ -724,7 +724,8 @@ class DistributedConfig:
     runs the model as it is."""
     fsdp_blocks: list[str] = field(default_factory=list)
     """With ``fsdp``: class names of the modules sharded one by one (a transformer's layer class, e.g. ``[BertLayer]``),
-    then the root. Empty: each top-level child with parameters is one block."""
+    then the root; or one ``module:function`` that, given the model, returns its blocks (a list of its submodules).
+    Empty: each top-level child with parameters is one block."""
 
     def check(self, key: str) -> None:
         if self.fsdp_blocks and self.strategy != "fsdp":
@@ -732,6 +733,9 @@ class DistributedConfig:
                             f"fsdp, or remove fsdp_blocks")
         for i, name in enumerate(self.fsdp_blocks):
             _printable(name, f"{key}.fsdp_blocks[{i}]", MAX_MODULE_NAME)
+            if ":" in name and (len(self.fsdp_blocks) > 1 or not _ENTRY_POINT.match(name)):
+                raise UserError(f"params.yaml: {key}.fsdp_blocks[{i}] is {name!r}; give class names, or one 'module:function' "
+                                f"alone that returns the model's blocks")
         _count(self.nproc_per_node, f"{key}.nproc_per_node", MAX_NPROC_PER_NODE,
                "one process per rank, each with its own copy of the model", least=1)
         _count(self.nnodes, f"{key}.nnodes", MAX_NNODES, "each node joins one rendezvous", least=1)

@@ -238,14 +238,17 @@ _MESHES: dict = {}
 
 def shard_blocks(model, classes: tuple[str, ...] | list[str]) -> list:
     """The modules FSDP2 shards one by one before the root, children before parents: every module whose class is named
-    in ``classes``, else each top-level child holding parameters. A module that shares a parameter with one outside it
-    (tied embeddings) is left to its parent's block: FSDP2 gives each parameter one owner.
+    in ``classes`` (or that the one ``module:function`` there returns, given the model), else each top-level child
+    holding parameters. A module that shares a parameter with one outside it (tied embeddings) is left to its parent's
+    block: FSDP2 gives each parameter one owner.
 
     Raises:
-        UserError: a class in ``classes`` names no module of the model.
+        UserError: a class in ``classes`` names no module of the model; the function returns anything but submodules.
     """
     named = list(model.named_modules())
-    if classes:
+    if len(classes) == 1 and ":" in classes[0]:
+        chosen = _user_blocks(model, named, classes[0])
+    elif classes:
         found = {type(m).__name__ for _, m in named}
         missing = [c for c in classes if c not in found]
         if missing:
@@ -262,6 +265,26 @@ def shard_blocks(model, classes: tuple[str, ...] | list[str]) -> list:
         return all(n.startswith(prefix + ".") for p in module.parameters() for n in owners[id(p)])
 
     return [m for n, m in reversed(chosen) if alone(n, m)]
+
+
+def _user_blocks(model, named: list, entry: str) -> list:
+    """(name, module) of each block ``entry`` (``module:function``, params ``distributed.fsdp_blocks``) returns for
+    ``model``, in ``named_modules`` order.
+
+    Raises:
+        UserError: the function does not import, or returns anything but submodules of the model (the root included).
+    """
+    from pipeline import task
+
+    where = f"params.yaml: distributed.fsdp_blocks {entry!r}"
+    returned = task.resolve(entry, "distributed.fsdp_blocks")(model)
+    names = {id(m): n for n, m in named if n}
+    blocks = list(returned) if isinstance(returned, (list, tuple)) else None
+    if blocks is None or not all(id(m) in names for m in blocks):
+        raise UserError(f"{where} returned {type(returned).__name__ if blocks is None else 'a module outside the model'}; "
+                        f"return a list of the model's submodules (not the model itself), e.g. list(model.layers)")
+    ids = {id(m) for m in blocks}
+    return [(n, m) for n, m in named if id(m) in ids]
 
 
 def _parameter_names(model, optimizer) -> list[str]:

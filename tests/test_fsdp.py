@@ -49,6 +49,30 @@ def test_blocks_are_the_named_classes_children_first_or_the_top_level_children()
         distributed.shard_blocks(net, ["Layer"])
 
 
+def every_block(model) -> list:
+    """A user's block function (``distributed.fsdp_blocks: [test_fsdp:every_block]``)."""
+    return [model.blocks[0], model.blocks[1]]
+
+
+def outside(model) -> list:
+    return [torch.nn.Linear(2, 2)]
+
+
+def whole(model):
+    return model
+
+
+def test_blocks_a_users_function_returns_are_sharded_children_first_and_anything_else_is_one_line():
+    net = Net()
+    assert distributed.shard_blocks(net, ["test_fsdp:every_block"]) == [net.blocks[1], net.blocks[0]]
+    with pytest.raises(UserError, match=r"returned a module outside the model; return a list of the model's submodules"):
+        distributed.shard_blocks(net, ["test_fsdp:outside"])
+    with pytest.raises(UserError, match=r"returned Net; return a list"):
+        distributed.shard_blocks(net, ["test_fsdp:whole"])  # not a list
+    with pytest.raises(UserError, match=r"fsdp_blocks 'test_fsdp:nothing': test_fsdp has no function 'nothing'"):
+        distributed.shard_blocks(net, ["test_fsdp:nothing"])
+
+
 def _rank(rank: int, rendezvous: str, out: str, strategy: str) -> None:
     import torch.distributed as dist
 
@@ -156,6 +180,9 @@ def test_fsdp_params_are_checked_at_load(tmp_path):
         load({"fsdp_blocks": ["Block"]})
     with pytest.raises(UserError, match=r"distributed.strategy"):
         load({"strategy": "zero3"})
+    assert load({"strategy": "fsdp", "fsdp_blocks": ["mine.model:blocks"]}).distributed.fsdp_blocks == ["mine.model:blocks"]
+    with pytest.raises(UserError, match=r"give class names, or one 'module:function' alone that returns the model's blocks"):
+        load({"strategy": "fsdp", "fsdp_blocks": ["Block", "mine.model:blocks"]})
 
 
 @pytest.mark.parametrize(("policy", "refusal"), [
