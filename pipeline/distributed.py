@@ -225,15 +225,11 @@ def fsdp_api():
 
 
 def _mesh(device_type: str, size: int):
-    """One 1-D device mesh over the world's ranks per process and device type (``init_device_mesh``: torch >= 2.2)."""
-    if device_type not in _MESHES:
-        from torch.distributed.device_mesh import init_device_mesh
+    """A 1-D device mesh over the world's ranks (``init_device_mesh``, torch >= 2.2: over the whole world it uses the
+    default process group, so a new one per sharded copy costs no collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-        _MESHES[device_type] = init_device_mesh(device_type, (size,))
-    return _MESHES[device_type]
-
-
-_MESHES: dict = {}
+    return init_device_mesh(device_type, (size,))
 
 
 def shard_blocks(model, classes: tuple[str, ...] | list[str]) -> list:
@@ -274,15 +270,25 @@ def _user_blocks(model, named: list, entry: str) -> list:
     Raises:
         UserError: the function does not import, or returns anything but submodules of the model (the root included).
     """
+    import torch
+
     from pipeline import task
 
     where = f"params.yaml: distributed.fsdp_blocks {entry!r}"
-    returned = task.resolve(entry, "distributed.fsdp_blocks")(model)
+    function = task.resolve(entry, "distributed.fsdp_blocks")
+    try:
+        returned = function(model)
+    except Exception as exc:  # the user's code: its own words, in one line
+        raise UserError(f"{where} raised {type(exc).__name__}: {str(exc)[:200]}; fix that function") from None
     names = {id(m): n for n, m in named if n}
     blocks = list(returned) if isinstance(returned, (list, tuple)) else None
     if blocks is None or not all(id(m) in names for m in blocks):
         raise UserError(f"{where} returned {type(returned).__name__ if blocks is None else 'a module outside the model'}; "
                         f"return a list of the model's submodules (not the model itself), e.g. list(model.layers)")
+    never_called = sorted({type(m).__name__ for m in blocks if type(m).forward is torch.nn.Module.forward})
+    if never_called:  # a container (ModuleList): FSDP2's hooks run around a forward it never has
+        raise UserError(f"{where} returned a container that is never called ({', '.join(never_called)}); return its "
+                        f"items instead, e.g. list(model.layers)")
     ids = {id(m) for m in blocks}
     return [(n, m) for n, m in named if id(m) in ids]
 

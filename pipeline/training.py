@@ -246,11 +246,14 @@ def run_trial(
     """
 
     def outputs(name: str, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-        model = precision.param_cast(model, policy)  # FSDP2's mixed precision: its parameters' dtype, in one process
+        ran = precision.param_cast(model, policy)  # FSDP2's mixed precision: its parameters' dtype, in one process
         if sink is None:
-            return infer(model, cases_x, policy, device, cfg.eval_mode)
-        sink(name, infer_chunks(model, cases_x, policy, device, cfg.eval_mode))
-        return None
+            out = infer(ran, cases_x, policy, device, cfg.eval_mode)
+        else:
+            out = sink(name, infer_chunks(ran, cases_x, policy, device, cfg.eval_mode))
+        if distributed.current().sharded:  # back to the host: the GPU holds the shards alone while the next run trains
+            model.cpu()
+        return out
 
     first = outputs("outputs", trained)
     model = make_initial()

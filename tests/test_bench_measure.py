@@ -81,6 +81,8 @@ def test_the_record_says_which_dtype_the_forward_read_the_parameters_in() -> Non
     words = fsdp_words(World(size=2, backend="gloo", strategy="fsdp", blocks=("Block",)), ("bfloat16",))
     assert words.startswith("FSDP2 (fully_shard) on 2 ranks (gloo)") and "(blocks: Block; then the root)" in words
     assert words.endswith("the amp arm's parameters in its forward: bfloat16")
+    inferring = fsdp_words(World(size=2, backend="gloo", strategy="fsdp"), ("bfloat16",), trains=False)
+    assert inferring.startswith("FSDP2 on 2 ranks (gloo) shards training only") and "sharded copy" not in inferring
     _, amp = overflowing(1.0)
     rounds = interleaved({"fp32": (amp, False), "amp": (amp, False)}, warmup=0, repeats=1, steps=1, device=CPU)
     sharded = record("float16", FP16, ENV, amp.work, Sizes(0, 1, 1, "t"), "n/a", probes(rounds.skipped), rounds, None, words)

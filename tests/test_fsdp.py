@@ -62,6 +62,14 @@ def whole(model):
     return model
 
 
+def container(model) -> list:
+    return [model.layers]
+
+
+def broken(model) -> list:
+    return [model.missing]
+
+
 def test_blocks_a_users_function_returns_are_sharded_children_first_and_anything_else_is_one_line():
     net = Net()
     assert distributed.shard_blocks(net, ["test_fsdp:every_block"]) == [net.blocks[1], net.blocks[0]]
@@ -69,6 +77,12 @@ def test_blocks_a_users_function_returns_are_sharded_children_first_and_anything
         distributed.shard_blocks(net, ["test_fsdp:outside"])
     with pytest.raises(UserError, match=r"returned Net; return a list"):
         distributed.shard_blocks(net, ["test_fsdp:whole"])  # not a list
+    listed = torch.nn.Sequential()
+    listed.layers = torch.nn.ModuleList([Block(), Block()])
+    with pytest.raises(UserError, match=r"returned a container that is never called \(ModuleList\); return its items"):
+        distributed.shard_blocks(listed, ["test_fsdp:container"])
+    with pytest.raises(UserError, match=r"'test_fsdp:broken' raised AttributeError: .*missing.*; fix that function"):
+        distributed.shard_blocks(net, ["test_fsdp:broken"])
     with pytest.raises(UserError, match=r"fsdp_blocks 'test_fsdp:nothing': test_fsdp has no function 'nothing'"):
         distributed.shard_blocks(net, ["test_fsdp:nothing"])
 

@@ -5,8 +5,9 @@ themselves, one rank per GPU). With one GPU, freeze and the trials run under ``t
 which makes an NCCL group of one rank (``distributed.init``): DDP then wraps nothing, but FSDP2 shards over the
 one-rank mesh, gathers the full state, casts its parameters and agrees on the GradScaler's skips through NCCL as on N.
 Each project is the tiny digits example on ``device: cuda``, run stage by stage in dvc.yaml's order (``_project.plan``):
-no dvc, git or MLflow, so a bare PyTorch image runs these. The CPU twin of every check is tests/test_e2e_fsdp.py
-(gloo ranks through `dvc repro`); ``check_ranks`` runs on the CPU too (tests/test_fsdp.py)."""
+no dvc, git or MLflow, so a PyTorch image with scikit-learn (the digits data) runs these. The CPU twin of every check
+is tests/test_e2e_fsdp.py (gloo ranks through `dvc repro`); ``check_ranks(tmp, "cpu", "gloo", n)`` also runs on the CPU,
+by hand."""
 
 from __future__ import annotations
 
@@ -102,4 +103,5 @@ def check_ranks(tmp_path: Path, device: str, backend: str, n: int) -> None:
 
 
 def test_nccl_ddp_and_fsdp2_reach_the_decisions_of_one_process_on_the_gpu(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn", reason="the digits example reads scikit-learn's bundled data")
     check_ranks(tmp_path, "cuda", "nccl", ranks())

@@ -50,7 +50,8 @@ def measure(params_path: str, params: Params, variant: str, device: torch.device
             stack.enter_context(precision.fp32_regions(steps[a.name][0].model, a.policy, device))
         trial_step = steps[AMP][0]
         compiled = transforms.compile_seconds(trial_step, device) if policy.compiled else None  # before any timed round
-        fsdp = fsdp_words(world, forward_param_dtypes(trial_step)) if world.sharded else None  # an untimed step
+        fsdp = fsdp_words(world, forward_param_dtypes(trial_step), bool(params.reference.train_steps)) \
+            if world.sharded else None  # an untimed step
         load = os.getloadavg()[0] if device.type == "cpu" else None
         rounds = interleaved(steps, size.warmup, size.repeats, size.steps, device)
     if not world.writes:
@@ -61,8 +62,12 @@ def measure(params_path: str, params: Params, variant: str, device: torch.device
     return replace(out, compile_seconds=compiled, **_unquoted(trial_step.applied))
 
 
-def fsdp_words(world: distributed.World, amp_dtypes: tuple[str, ...]) -> str:
-    """The record's words for what FSDP2 did in every timed step (``Method.fsdp``)."""
+def fsdp_words(world: distributed.World, amp_dtypes: tuple[str, ...], trains: bool = True) -> str:
+    """The record's words for what FSDP2 did in every timed step (``Method.fsdp``); ``trains`` False: an inference-only
+    benchmark, where FSDP2 shards nothing."""
+    if not trains:
+        return (f"FSDP2 on {world.size} ranks ({world.backend}) shards training only: inference runs the whole model, as the "
+                f"trial infers; the amp arm's parameters in its forward: {', '.join(amp_dtypes)}")
     blocks = ", ".join(world.blocks) or "each top-level child with parameters"
     return (f"FSDP2 (fully_shard) on {world.size} ranks ({world.backend}), as the trials train: every arm a sharded copy "
             f"(blocks: {blocks}; then the root), its optimizer on the shards, the GradScaler's skip agreed over the ranks; "
