@@ -145,6 +145,14 @@ class World:
         import copy
 
         fully_shard, policy = fsdp_api()
+        if device.type == "cpu":
+            from pipeline import torch_compat
+
+            if not torch_compat.fsdp2_runs_on_cpu():
+                import torch
+
+                raise UserError(f"distributed.strategy fsdp on the CPU: this torch's FSDP2 ({torch.__version__}) makes CUDA "
+                                f"streams whatever the device; use strategy: ddp on the CPU, or torch 2.6 or later")
         mesh = {"mesh": _mesh(device.type, self.size)}  # the run's device, not torch's default accelerator
         block, root = ({**mesh, "mp_policy": policy(**kwargs)} if kwargs else mesh for kwargs in mixed)
         copied = copy.deepcopy(model)

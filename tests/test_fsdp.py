@@ -124,7 +124,7 @@ def _rank(rank: int, rendezvous: str, out: str, strategy: str) -> None:
         saved = checkpoint.load(Path(out) / "state.safetensors") if _wait(Path(out) / "state.safetensors") else None
         checkpoint.restore(saved, again, opt2, rng=False, load=world.load_full_state(again, opt2))
         snap2 = training._snapshot(again, opt2, scaler, None, [], 2, 3, policy, world)
-        third = world.sharded_copy(Net(), torch.device("cpu"))  # a user's checkpoint's optimizer state, continued (reference.checkpoint)
+        third = world.sharded_copy(Net(), torch.device("cpu"))  # reference.checkpoint: its optimizer state, continued
         opt3 = torch.optim.AdamW(third.parameters(), lr=0.5)
         checkpoint.continue_optimizer(saved, opt3, "adamw", world.load_full_state(third, opt3))
         snap3 = training._snapshot(third, opt3, None, None, [], 2, 3, policy, world)
@@ -233,3 +233,15 @@ def test_param_cast_runs_the_forward_in_the_parameters_dtype_and_returns_float32
     assert seen == [(torch.bfloat16, torch.bfloat16)] and out.dtype == torch.float32
     assert next(net.parameters()).dtype == torch.float32  # a copy: the model itself is untouched
     assert precision.param_cast(net, Policy()) is net
+
+
+def test_fsdp_on_the_cpu_where_this_torch_cannot_is_one_line(monkeypatch):
+    """torch 2.4 and 2.5 make CUDA streams in FSDP2 whatever the device (pipeline.torch_compat): refused before any
+    step, in one line naming the fix, instead of a CUDA error at the first forward."""
+    from pipeline import torch_compat
+
+    monkeypatch.setattr(torch_compat, "fsdp2_runs_on_cpu", lambda: False)
+    world = distributed.World(rank=0, size=2, backend="gloo", strategy="fsdp")
+    with pytest.raises(UserError, match=r"FSDP2 \(.*\) makes CUDA streams whatever the device; use strategy: ddp on the CPU, "
+                                        r"or torch 2.6 or later"):
+        world.sharded_copy(Net(), torch.device("cpu"))
