@@ -35,3 +35,20 @@ def test_the_trial_stage_keeps_compare_s_kl_and_compare_reads_it(tmp_path):
     for key in ("tokens", "kl_mean", "kl_mean_se", "kl_p99", "kl_p99_upper", "kl_max", "kl_quantiles", "top1_agreement"):
         assert s[key] == f[key], key
     assert f["kl_mean"] > 0.0
+
+
+def test_an_inference_only_compact_trial_writes_its_outputs_once_and_compare_reads_both_files(tmp_path):
+    """``reference.train_steps: 0``: the trial's trained outputs are its outputs, copied byte for byte, compact KL and
+    all (``trial_tensors.Writer.sink``); compare reads both as it reads a trained trial's."""
+    from pipeline.artifacts import outputs
+
+    repo = make_project(tmp_path / "repo", {**LM, "reference": {**LM.get("reference", {}), "train_steps": 0},
+                                            "compare": {"store": "compact"}})
+    for args in (["prepare"], ["freeze"], ["trial", "--variant", "bfloat16"], ["compare", "--variant", "bfloat16"]):
+        stage(repo, *args, check=True)
+    trial = repo / "data/trial/bfloat16"
+    assert (trial / "outputs.safetensors").read_bytes() == (trial / "trained_outputs.safetensors").read_bytes()
+    files = json.loads((trial / "manifest.json").read_text())["files"]
+    assert files["outputs.safetensors"] == files["trained_outputs.safetensors"]
+    assert outputs.OutputsReader(trial / "trained_outputs.safetensors").kl("output") is not None
+    assert _stats(repo)["distribution"]["store"] == {"reference": "full", "trial": "compact"}
