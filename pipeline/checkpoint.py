@@ -483,9 +483,9 @@ def start(path: str | None, model: torch.nn.Module, dvc_file: str | Path = "dvc.
     counters, records and policy (a trial's checkpoint has them) are another run's and are not kept.
 
     Raises:
-        UserError: the file is missing, not listed in freeze's deps, not safetensors, of another checkpoint format, or
-            does not fit ``model`` (keys, shapes), or its GradScaler state is not one torch would load; a folder that
-            ``dcp.read`` refuses.
+        UserError: the file is missing, neither a file nor a folder (a FIFO, a device), not listed in freeze's deps,
+            not safetensors, of another checkpoint format, or does not fit ``model`` (keys, shapes), or its GradScaler
+            state is not one torch would load; a folder that ``dcp.read`` or ``dcp.training_state`` refuses.
     """
     if path is None:
         return capture(model), {}
@@ -493,6 +493,9 @@ def start(path: str | None, model: torch.nn.Module, dvc_file: str | Path = "dvc.
     if not Path(path).exists():
         raise UserError(f"{where} not found (paths are relative to the repository root); give the path of a safetensors "
                         f"file or of a torch distributed checkpoint's folder, or null to start from task.model as built")
+    if not (Path(path).is_file() or Path(path).is_dir()):  # a FIFO or a device (/dev/stdin) would block when read
+        raise UserError(f"{where} is neither a file nor a folder (a FIFO, a socket or a device); give the path of a "
+                        f"safetensors file or of a torch distributed checkpoint's folder")
     _check_tracked(path, dvc_file)
     if Path(path).is_dir():
         return _from_dcp(where, path, model)
@@ -530,7 +533,7 @@ def _from_dcp(where: str, path: str, model: torch.nn.Module) -> tuple[Checkpoint
     from pipeline import dcp
 
     state, digest = dcp.read(path, where)
-    weights, optim = dcp.training_state(state, where)
+    weights, optim = dcp.training_state(state, where, {n: p.shape for n, p in model.named_parameters()})
     _load_weights(where, model, weights)
     init = capture(model)
     if optim is None:

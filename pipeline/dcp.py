@@ -1,19 +1,36 @@
 """A torch distributed checkpoint (DCP) folder, read in one process with nothing of it executed (reference.checkpoint).
 
 ``torch.distributed.checkpoint.save`` writes a folder: ``.metadata`` (a pickle of DCP's dataclasses) and ``__R_I.distcp``
-files (one ``torch.save`` stream per tensor chunk or non-tensor value). DCP's own loader unpickles ``.metadata`` with
-plain ``pickle`` and non-tensor values with ``torch.load(weights_only=False)``: either runs any code a file holds. So this
-module reads the folder itself. ``.metadata`` goes through an unpickler that knows DCP's metadata classes, torch.Size,
-dtypes, layouts and paths, and refuses any other name. Each chunk and value goes through ``torch.load(weights_only=True)``.
+files, in which each tensor chunk and each non-tensor value is one ``torch.save`` archive (a zip of ``data.pkl`` and one
+record per storage). DCP's own loader runs ``pickle`` and ``torch.load`` on them. ``torch.load(weights_only=True)`` is no
+code barrier before torch 2.6 (CVE-2025-32434) and lets a crafted file corrupt memory before 2.10 (CVE-2026-24747), and
+the project supports torch 2.4. So this module reads the folder itself, the same on every torch, and calls neither:
+
+- the folder: regular files alone (no symbolic link, FIFO or device), each hashed as it is read, refused if it changes;
+- ``.metadata``: an unpickler that knows DCP's metadata classes, torch.Size, dtypes, layouts and paths, nothing else;
+- each archive: stored (uncompressed) zip records alone. Its ``data.pkl`` goes through an unpickler that builds nothing
+  of torch: a tensor's pickle is read as a description (dtype, shape, strides, storage), checked against the metadata and
+  its storage's record before the record's bytes are taken as they are. A value's pickle may hold plain data alone;
+- the storage table: each byte range read once, and all tensors together no larger than the folder's data files.
+
 The chunks of each tensor (one per rank that held a shard) are put together into the full tensor.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
 import io
+import math
+import os
 import pathlib
 import pickle
+import stat
+import struct
+import sys
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +41,13 @@ from pipeline.errors import UserError
 METADATA = ".metadata"
 CONVERT = ("load it where torch.distributed.checkpoint imports and save the weights with "
            "safetensors.torch.save_file(model.state_dict(), path)")
-_MAX_INDEX = 1 << 20  # a list position in the saved structure (a param group): a crafted huge one is refused
+AGAIN = "copy the whole folder torch.distributed.checkpoint.save wrote"
+_MAX_DEPTH = 32  # elements of a key's path (model.layers.0.attn.wq.weight has 6)
+_BLOCK = 1 << 20  # bytes hashed at a time
 
 
 class Unread:
-    """A non-tensor value that is no ``torch.save`` stream of plain data (an ``io.BytesIO`` a Stateful saved, a
+    """A non-tensor value that is no ``torch.save`` archive of plain data (an ``io.BytesIO`` a Stateful saved, a
     pickled object): left unread. Refused only where it is used."""
 
     def __init__(self, fqn: str) -> None:
@@ -37,43 +56,49 @@ class Unread:
 
 def read(folder: str | Path, where: str) -> tuple[dict[str, Any], str]:
     """The folder's state dict, nested as it was saved (``{"model": {...}, "optim": {...}}``), and its digest
-    (``folder_digest``), from one read of its files.
+    (``folder_digest``). Every file is hashed, and the chunks are read from the same files, unchanged meanwhile.
 
     Raises:
-        UserError: this torch cannot import DCP's metadata classes; no ``.metadata``; a metadata pickle that names any
-            other class; chunks that name files outside the folder, do not cover their tensor, or do not load as plain
-            tensors.
+        UserError: the folder holds a symbolic link or anything but regular files and folders, or a file changed while
+            read; this torch cannot import DCP's metadata classes; no ``.metadata``; a metadata pickle that names any
+            other class; chunks that name files outside the folder, reuse a byte range, do not cover their tensor, are
+            compressed, or are not plain tensors of the metadata's dtype and shape.
     """
-    files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
-    digest = folder_digest(files)
+    files = _listing(Path(folder), where)
+    digest = _digest(files, where)
     if METADATA not in files:
         raise UserError(f"{where} is a folder without {METADATA}: not a torch distributed checkpoint; give a folder "
                         f"torch.distributed.checkpoint.save wrote, or a safetensors file")
-    md, classes = _metadata(files[METADATA], f"{where}/{METADATA}")
+    md, classes = _metadata(_read(files[METADATA], METADATA, 0, files[METADATA].size, where), f"{where}/{METADATA}")
+    stored = _Stored(files, md.storage_data, where)
     flat: dict[str, Any] = {}
     try:
         for fqn, entry in md.state_dict_metadata.items():
             if isinstance(entry, classes["TensorStorageMetadata"]):
-                flat[fqn] = _tensor(fqn, entry, md.storage_data, files, classes["MetadataIndex"], where)
+                flat[fqn] = _tensor(fqn, entry, stored, classes["MetadataIndex"], where)
             else:
-                flat[fqn] = _value(fqn, _stored(fqn, md.storage_data, classes["MetadataIndex"](fqn), files, where))
+                flat[fqn] = _value(fqn, stored.bytes(fqn, classes["MetadataIndex"](fqn)))
     except (TypeError, ValueError, AttributeError, IndexError, OverflowError, RuntimeError) as exc:  # its fields' types
-        raise UserError(f"{where}/{METADATA} is not readable DCP metadata ({type(exc).__name__}: {str(exc)[:120]}); "
+        raise UserError(f"{where}/{METADATA} is not readable DCP metadata ({type(exc).__name__}: {_short(str(exc))}); "
                         f"save the checkpoint again with torch.distributed.checkpoint.save") from None
     return _nested(flat, md.planner_data, where), digest
 
 
-def training_state(state: dict[str, Any], where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """The model's weights and the optimizer's state in a DCP state dict.
+def training_state(
+    state: dict[str, Any], where: str, params: dict[str, torch.Size]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The model's weights and the optimizer's state in a DCP state dict; ``params``: the model's parameters' shapes,
+    in ``named_parameters()`` order (the order of the optimizer a run builds on ``model.parameters()``).
 
     Weights: the tensors under ``model``, else the top level's (``dcp.save(model.state_dict())``, torchtitan's
-    layout). The optimizer's: under ``optim`` or ``optimizer``, as ``Optimizer.state_dict()`` (parameters by number)
-    or ``get_optimizer_state_dict`` (by name) give it, numbered as torch numbers them; None where the folder holds
-    none. Both may sit under one top-level key (the DCP recipe's ``{"app": AppState(model, optimizer)}``).
-    Anything else (a scheduler, a dataloader, counters) is another run's and is not read.
+    layout). The optimizer's: under ``optim`` or ``optimizer``, as ``Optimizer.state_dict()`` (parameters by number:
+    the saver's order, taken as the model's) or ``get_optimizer_state_dict`` (by name: numbered in the model's order)
+    give it; None where the folder holds none. Both may sit under one top-level key (the DCP recipe's
+    ``{"app": AppState(model, optimizer)}``). Anything else (a scheduler, a dataloader, counters) is another run's.
 
     Raises:
-        UserError: the optimizer's state is in another layout (flattened), or holds values that are not plain data.
+        UserError: the optimizer's state is in another layout (flattened), holds values that are not plain data, names
+            a parameter the model has not, or holds a tensor of another shape than its parameter.
     """
     if "model" not in state and len(state) == 1 and isinstance(app := next(iter(state.values())), dict) and "model" in app:
         state = app  # the DCP recipe's {"app": AppState(model, optimizer)}: one Stateful holding both
@@ -87,37 +112,189 @@ def training_state(state: dict[str, Any], where: str) -> tuple[dict[str, torch.T
     groups = optim.get("param_groups") if isinstance(optim, dict) else None
     layout = isinstance(optim, dict) and isinstance(optim.get("state"), dict) and isinstance(groups, list) and all(
         isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
-    if not layout:
+    ids = [p for g in groups for p in g["params"]] if layout else []
+    by_name = bool(ids) and all(isinstance(p, str) for p in ids)  # get_optimizer_state_dict's layout
+    numbered = all(type(p) is int and abs(p) < 1 << 63 for p in ids)  # Optimizer.state_dict()'s
+    if not layout or not (by_name or numbered) or len(set(ids)) != len(ids):
         raise UserError(f"{where}: its '{key}' is not an optimizer's state_dict (state and param_groups; a flattened "
                         f"one?); {fix}")
-    number = {str(p): i for i, p in enumerate(p for g in groups for p in g["params"])}
-    unknown = [k for k, v in optim["state"].items() if str(k) not in number or not isinstance(v, dict)]
+    names = list(params)
+    # DCP made the state's keys strings: a parameter's name, or its number in the saver's param_groups
+    number = {n: i for i, n in enumerate(names)} if by_name else {str(p): i for i, p in enumerate(ids)}
+    unknown = next((k for k in [*map(str, ids), *optim["state"]] if k not in number), None)
+    if unknown is not None:
+        of = "task.model" if by_name else "its param_groups"
+        raise UserError(f"{where}: its '{key}' holds state for {_q(unknown)}, no parameter of {of}; save it with the "
+                        f"model it trained (get_optimizer_state_dict(model, optimizer)), or the weights alone")
     values = [v for g in groups for k, v in g.items() if k != "params"]
     values += [v for entry in optim["state"].values() if isinstance(entry, dict) for v in entry.values()
                if not torch.is_tensor(v)]
-    if unknown or not all(_plain(v) for v in values):
-        what = f"state for {unknown[0]!r}, no parameter of its param_groups" if unknown else "values that are not plain data"
-        raise UserError(f"{where}: its '{key}' holds {what}; {fix}")
+    if not all(isinstance(v, dict) for v in optim["state"].values()) or not all(_plain(v) for v in values):
+        raise UserError(f"{where}: its '{key}' holds values that are not plain data; {fix}")
+    state_by_number = {number[k]: dict(v) for k, v in optim["state"].items()}
+    for i, entry in state_by_number.items():
+        if i >= len(names):
+            raise UserError(f"{where}: its '{key}' holds state for parameter {i}, and task.model has {len(names)}; save "
+                            f"it with the model it trained, or the weights alone")
+        odd = next((k for k, v in entry.items() if torch.is_tensor(v) and v.dim() and v.shape != params[names[i]]), None)
+        if odd is not None:
+            raise UserError(f"{where}: its '{key}' holds {_q(str(odd))} of shape {list(entry[odd].shape)} for parameter "
+                            f"'{names[i]}' of shape {list(params[names[i]])}: another model's, or another order of its "
+                            f"parameters; save it with get_optimizer_state_dict(model, optimizer), or the weights alone")
     return weights, {
-        "state": {number[str(k)]: dict(v) for k, v in optim["state"].items()},
-        "param_groups": [{**g, "params": [number[str(p)] for p in g["params"]]} for g in groups],
+        "state": state_by_number,
+        "param_groups": [{**g, "params": sorted(number[str(p)] for p in g["params"]) if by_name
+                          else [number[str(p)] for p in g["params"]]} for g in groups],
     }
 
 
-def _plain(value: Any) -> bool:
-    """JSON's data (a param group's lr, its betas): what a checkpoint's metadata can hold."""
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, str))
+def _plain(value: Any, limit: int = 1 << 20) -> bool:
+    """JSON's data (a param group's lr, its betas): what a checkpoint's metadata can hold. At most ``limit`` values,
+    16 deep: a pickle's shared references can make a small file an endless tree."""
+    pending, seen = [(value, 0)], 0
+    while pending:
+        v, depth = pending.pop()
+        seen += 1
+        if seen > limit or depth > 16:
+            return False
+        if isinstance(v, (list, tuple)):
+            pending.extend((x, depth + 1) for x in v)
+        elif isinstance(v, dict):
+            if not all(isinstance(k, str) for k in v):
+                return False
+            pending.extend((x, depth + 1) for x in v.values())
+        elif not (v is None or isinstance(v, (bool, float, str)) or (isinstance(v, int) and abs(v) < 1 << 63)):
+            return False
+    return True
 
 
-def folder_digest(files: dict[str, bytes]) -> str:
-    """sha256 over a folder's files, in name order: each relative name, its length and its bytes."""
+def _q(text: str) -> str:
+    """A name from the folder, quoted and cut for a one-line message (it may be long or hold line breaks)."""
+    return ascii(text if len(text) <= 80 else text[:80] + "...")
+
+
+def _short(text: str) -> str:
+    return ascii(text[:120])[1:-1]
+
+
+def _shown(values: tuple) -> str:
+    """Numbers from the metadata for a message: ints alone, never the str of whatever else its pickle held (a shared
+    list's str can be of any size)."""
+    said = [str(v) if type(v) is int and abs(v) < 1 << 63 else "?" for v in values[:8]]
+    return "[" + ", ".join(said) + (", ...]" if len(values) > 8 else "]")
+
+
+# --- the folder's files: regular files alone, hashed as read, unchanged while read --------------------------------------
+
+
+@dataclass(frozen=True)
+class _File:
+    path: Path
+    identity: tuple[int, int, int, int]  # device, inode, size, mtime (ns): the file as listed
+
+    @property
+    def size(self) -> int:
+        return self.identity[2]
+
+
+def _listing(folder: Path, where: str) -> dict[str, _File]:
+    """The folder's files by relative name. The folder may be a link the user made; nothing in it may be one."""
+    root = folder.resolve()
+    files: dict[str, _File] = {}
+    pending = [root]
+    try:
+        while pending:
+            with os.scandir(pending.pop()) as entries:
+                for entry in entries:
+                    info = entry.stat(follow_symlinks=False)
+                    name = Path(entry.path).relative_to(root).as_posix()
+                    if stat.S_ISDIR(info.st_mode):
+                        pending.append(Path(entry.path))
+                    elif stat.S_ISREG(info.st_mode):
+                        files[name] = _File(Path(entry.path), _identity(info))
+                    else:
+                        raise UserError(f"{where}: {_q(name)} is {_kind(info.st_mode)}, not a file of the folder: nothing "
+                                        f"outside it is read; copy the files themselves in")
+    except OSError as exc:
+        raise UserError(f"{where} cannot be listed ({type(exc).__name__}: {_short(exc.strerror or '')}); make the "
+                        f"folder readable") from None
+    return files
+
+
+def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
+
+
+def _kind(mode: int) -> str:
+    kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket",
+             stat.S_ISCHR: "a device", stat.S_ISBLK: "a device"}
+    return next((said for test, said in kinds.items() if test(mode)), "not a regular file")
+
+
+def _open(file: _File, name: str, where: str) -> int:
+    """A descriptor of ``file`` as listed: never through a link, never blocking on a FIFO put in its place."""
+    try:
+        fd = os.open(file.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise UserError(f"{where}: {_q(name)} cannot be opened ({type(exc).__name__}: {_short(exc.strerror or '')}); "
+                        f"make it a readable file, or run again once its save has finished") from None
+    try:
+        _unchanged(fd, file, name, where)
+    except UserError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _unchanged(fd: int, file: _File, name: str, where: str) -> None:
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or _identity(info) != file.identity:
+        raise UserError(f"{where}: {_q(name)} changed while it was read; run again once its save has finished")
+
+
+def _pread(fd: int, start: int, length: int, file: _File, name: str, where: str) -> bytearray:
+    """``length`` bytes from ``start`` (within the file: the caller checked), the file unchanged meanwhile."""
+    buffer = bytearray(length)
+    view, done = memoryview(buffer), 0
+    while done < length:
+        got = os.preadv(fd, [view[done:]], start + done)  # one read stops short of 2 GiB
+        if got <= 0:
+            break
+        done += got
+    if done < length:
+        raise UserError(f"{where}: {_q(name)} changed while it was read; run again once its save has finished")
+    _unchanged(fd, file, name, where)
+    return buffer
+
+
+def _read(file: _File, name: str, start: int, length: int, where: str) -> bytearray:
+    fd = _open(file, name, where)
+    try:
+        return _pread(fd, start, length, file, name, where)
+    finally:
+        os.close(fd)
+
+
+def _digest(files: dict[str, _File], where: str) -> str:
+    """sha256 over the files, in name order: each relative name, its length and its bytes, one block at a time."""
     digest = hashlib.sha256()
     for name in sorted(files):
-        digest.update(f"{name}\0{len(files[name])}\0".encode())
-        digest.update(files[name])
+        file = files[name]
+        digest.update(f"{name}\0{file.size}\0".encode())
+        fd = _open(file, name, where)
+        try:
+            for start in range(0, file.size, _BLOCK):
+                digest.update(_pread(fd, start, min(_BLOCK, file.size - start), file, name, where))
+        finally:
+            os.close(fd)
     return digest.hexdigest()
+
+
+def folder_digest(folder: str | Path) -> str:
+    """The digest ``read`` gives a folder (reference.checkpoint's entry in freeze's manifest)."""
+    files = _listing(Path(folder), str(folder))
+    return _digest(files, str(folder))
+# --- .metadata: DCP's classes alone -------------------------------------------------------------------------------------
 
 
 def _classes() -> dict[str, Any]:
@@ -126,7 +303,7 @@ def _classes() -> dict[str, Any]:
         from torch.distributed.checkpoint import filesystem, metadata
     except Exception as exc:  # ImportError, or a torch built without torch.distributed
         raise UserError(f"this torch ({torch.__version__}) cannot read torch distributed checkpoints "
-                        f"(torch.distributed.checkpoint does not import: {exc}); {CONVERT}") from None
+                        f"(torch.distributed.checkpoint does not import: {_short(str(exc))}); {CONVERT}") from None
     names = ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
              "TensorProperties")
     found = {n: getattr(metadata, n, None) for n in names} | {"_StorageInfo": getattr(filesystem, "_StorageInfo", None)}
@@ -154,7 +331,8 @@ class _Restricted(pickle._Unpickler):  # Python's own unpickler in Python: its B
         value = vars(torch).get(name) if module == "torch" else None  # vars: no lazy import of a torch submodule
         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
             return value
-        raise pickle.UnpicklingError(f"it names {module}.{name}, none of DCP's metadata classes in torch {torch.__version__}")
+        raise pickle.UnpicklingError(f"it names {_short(str(module))}.{_short(str(name))}, none of DCP's metadata "
+                                     f"classes in torch {torch.__version__}")
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("it holds a persistent id, which DCP metadata never holds")
@@ -162,8 +340,9 @@ class _Restricted(pickle._Unpickler):  # Python's own unpickler in Python: its B
     def load_build(self) -> None:
         target = self.stack[-2]  # under the state BUILD pops
         if isinstance(target, type) or not isinstance(target, self.buildable):
-            raise pickle.UnpicklingError(f"it sets the state of {type(target).__name__} {str(target)[:60]}, which DCP "
-                                         f"metadata never does")
+            what = target.__name__ if isinstance(target, type) else type(target).__name__  # never str(target): any size
+            raise pickle.UnpicklingError(f"it sets the state of {'type ' if isinstance(target, type) else ''}"
+                                         f"{_short(what)}, which DCP metadata never does")
         super().load_build()
 
     dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}
@@ -189,7 +368,7 @@ def _metadata(raw: bytes, where: str) -> tuple[Any, dict[str, Any]]:
         raise UserError(f"{where} was refused unread ({exc}): a DCP folder's metadata holds DCP's classes alone; "
                         f"nothing of it was run. Save the checkpoint again with torch.distributed.checkpoint.save") from None
     except Exception as exc:  # a damaged pickle: only the allowed classes ran
-        raise UserError(f"{where} is not readable DCP metadata ({type(exc).__name__}: {str(exc)[:120]}); save the "
+        raise UserError(f"{where} is not readable DCP metadata ({type(exc).__name__}: {_short(str(exc))}); save the "
                         f"checkpoint again with torch.distributed.checkpoint.save") from None
     kinds = (classes["TensorStorageMetadata"], classes["BytesStorageMetadata"])
     problem = (
@@ -207,97 +386,340 @@ def _metadata(raw: bytes, where: str) -> tuple[Any, dict[str, Any]]:
     return md, classes
 
 
-def _stored(fqn: str, storage: dict, index: Any, files: dict[str, bytes], where: str) -> bytes:
-    """The bytes the storage table gives for ``index``: a slice of a file of the folder, never of another."""
-    info = storage.get(index)
-    if info is None:
-        raise UserError(f"{where}: '{fqn}' has no entry in its metadata's storage table (a rank's files missing?); "
-                        f"copy the whole folder torch.distributed.checkpoint.save wrote")
-    name, start, length = info.relative_path, info.offset, info.length
-    if not isinstance(name, str) or name not in files or "/" in name or name == METADATA:
-        raise UserError(f"{where}: '{fqn}' is stored in {name!r}, no data file of the folder; copy the whole folder "
-                        f"torch.distributed.checkpoint.save wrote")
-    if not (isinstance(start, int) and isinstance(length, int) and 0 <= start and 0 <= length
-            and start + length <= len(files[name])):
-        raise UserError(f"{where}: '{fqn}' lies outside {name} (bytes {start}+{length} of {len(files[name])}): the "
-                        f"file is truncated; copy it again")
-    if getattr(info, "transform_descriptors", None):
-        raise UserError(f"{where}: '{fqn}' is stored transformed ({', '.join(map(str, info.transform_descriptors))}); "
-                        f"save the checkpoint without a storage extension (compression)")
-    return files[name][start : start + length]
+# --- the storage table: byte ranges of the data files, each read once ---------------------------------------------------
 
 
-def _tensor(fqn: str, entry: Any, storage: dict, files: dict[str, bytes], index: type, where: str) -> torch.Tensor:
+class _Stored:
+    """The data files as the storage table slices them. Each byte range is read once (a range many entries name
+    would cost the folder's size each time), and the tensors built are no larger in all than the data files."""
+
+    def __init__(self, files: dict[str, _File], storage: dict, where: str) -> None:
+        self.files, self.storage, self.where = files, storage, where
+        self.total = sum(f.size for n, f in files.items() if n != METADATA)
+        self.left = self.total
+        self.used: dict[str, list[tuple[int, int]]] = {}
+
+    def claim(self, fqn: str, size: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Room for a tensor of ``size`` and ``dtype``, refused before it is allocated (a crafted size is no bomb)."""
+        self.left -= math.prod(size) * dtype.itemsize
+        if self.left < 0:
+            raise UserError(f"{self.where}: {_q(fqn)} is {list(size)} {dtype}: with the tensors before it, more than the "
+                            f"folder's {self.total:,} bytes hold; {AGAIN}")
+
+    def bytes(self, fqn: str, index: Any) -> bytearray:
+        """The bytes the storage table gives for ``index``: a range of a data file of the folder, never used before."""
+        info = self.storage.get(index)
+        where = self.where
+        if info is None:
+            raise UserError(f"{where}: {_q(fqn)} has no entry in its metadata's storage table (a rank's files "
+                            f"missing?); {AGAIN}")
+        name, start, length = info.relative_path, info.offset, info.length
+        if not isinstance(name, str) or name not in self.files or "/" in name or name == METADATA:
+            said = _q(name) if isinstance(name, str) else f"a {type(name).__name__}"
+            raise UserError(f"{where}: {_q(fqn)} is stored in {said}, no data file of the folder; {AGAIN}")
+        size = self.files[name].size
+        if not (type(start) is int and type(length) is int and 0 <= start and 0 <= length and start + length <= size):
+            raise UserError(f"{where}: {_q(fqn)} lies outside {_q(name)} (bytes {_shown((start, length))} of {size}): "
+                            f"the file is truncated; copy it again")
+        if getattr(info, "transform_descriptors", None):
+            raise UserError(f"{where}: {_q(fqn)} is stored transformed (a storage extension: compression?); save the "
+                            f"checkpoint without one")
+        used = self.used.setdefault(name, [])
+        at = bisect.bisect(used, (start, start + length))
+        if length and ((at and used[at - 1][1] > start) or (at < len(used) and used[at][0] < start + length)):
+            raise UserError(f"{where}: {_q(fqn)} is stored in bytes {start}+{length} of {_q(name)}, which another entry "
+                            f"uses too: a crafted or damaged storage table; {AGAIN}")
+        used.insert(at, (start, start + length))
+        return _read(self.files[name], name, start, length, where)
+
+
+def _tensor(fqn: str, entry: Any, stored: _Stored, index: type, where: str) -> torch.Tensor:
     """The full tensor from its chunks (one per shard that held part of it), each read as a plain tensor."""
-    dtype, size = entry.properties.dtype, torch.Size(entry.size)
+    dtype, size = entry.properties.dtype, tuple(entry.size)
     if not isinstance(dtype, torch.dtype):
-        raise UserError(f"{where}: '{fqn}' has no torch dtype in its metadata; save the checkpoint again")
-    stored = sum(len(b) for b in files.values())
-    if size.numel() * dtype.itemsize > stored:  # before it is allocated: a crafted size is no memory bomb
-        raise UserError(f"{where}: '{fqn}' is {list(size)} {dtype}, more than the folder's {stored:,} bytes hold; copy "
-                        f"the whole folder torch.distributed.checkpoint.save wrote")
-    full, covered = torch.zeros(size, dtype=dtype), torch.zeros(size, dtype=torch.bool)
+        raise UserError(f"{where}: {_q(fqn)} has no torch dtype in its metadata; save the checkpoint again")
+    if not all(type(d) is int and d >= 0 for d in size):
+        raise UserError(f"{where}: {_q(fqn)} has no shape in its metadata ({_shown(size)}); save the checkpoint again")
+    stored.claim(fqn, size, dtype)
+    full, covered = torch.empty(size, dtype=dtype), torch.zeros(size, dtype=torch.bool)
     for chunk in entry.chunks:
         offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if not (len(offsets) == len(sizes) == len(size) and all(type(v) is int for v in offsets + sizes)
+                and all(0 <= o and 0 <= s and o + s <= d for o, s, d in zip(offsets, sizes, size))):
+            raise UserError(f"{where}: a chunk of {_q(fqn)} lies outside it ({_shown(sizes)} at {_shown(offsets)} of "
+                            f"{list(size)}); {AGAIN}")
+        part = _chunk(stored.bytes(fqn, index(fqn, torch.Size(offsets))), dtype, sizes, fqn, where)
         region = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-        raw = _stored(fqn, storage, index(fqn, torch.Size(offsets)), files, where)
-        try:
-            part = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-        except Exception as exc:  # weights_only: only tensors and plain data are built
-            raise UserError(f"{where}: '{fqn}' does not load as a plain tensor ({type(exc).__name__}); nothing of it "
-                            f"was run: save the checkpoint again with torch.distributed.checkpoint.save") from None
-        if (not torch.is_tensor(part) or len(offsets) != len(size) or part.shape != torch.Size(sizes)
-                or covered[region].shape != part.shape or covered[region].any()):
-            raise UserError(f"{where}: a chunk of '{fqn}' does not fit its place ({list(sizes)} at {list(offsets)} of "
-                            f"{list(size)}); copy the whole folder torch.distributed.checkpoint.save wrote")
-        full[region] = part.to(dtype)
+        if covered[region].any():
+            raise UserError(f"{where}: chunks of {_q(fqn)} overlap ({list(sizes)} at {list(offsets)} of {list(size)}); "
+                            f"{AGAIN}")
+        full[region] = part
         covered[region] = True
     if not bool(covered.all()):
-        raise UserError(f"{where}: the chunks of '{fqn}' leave part of its {list(size)} unsaved (a rank's file "
-                        f"missing?); copy the whole folder torch.distributed.checkpoint.save wrote")
+        raise UserError(f"{where}: the chunks of {_q(fqn)} leave part of its {list(size)} unsaved (a rank's file "
+                        f"missing?); {AGAIN}")
     return full
 
 
-def _value(fqn: str, raw: bytes) -> Any:
-    """A non-tensor value (a learning rate, a param group's list): plain data from ``torch.load(weights_only=True)``,
-    or ``Unread`` where the stream is no such thing (raw bytes a Stateful saved, a pickled object)."""
+def _value(fqn: str, raw: bytearray) -> Any:
+    """A non-tensor value (a learning rate, a param group's list): the plain data of a ``torch.save`` archive, or
+    ``Unread`` where it is no such thing (raw bytes a Stateful saved, a pickled object)."""
     try:
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except Exception:
+        value = _Payload(_archive(raw)["data.pkl"], tensors=False).load()
+    except Exception:  # nothing but plain data was built
         return Unread(fqn)
+    return value if _plain(value) else Unread(fqn)
+
+
+# --- one torch.save archive, read without torch.load ---------------------------------------------------------------------
+
+
+class _Refused(Exception):
+    """Why an archive is no plain tensor's: said in the caller's one line."""
+
+
+class _View:
+    """``raw`` as a file for ``zipfile`` to read its central directory from, without a copy."""
+
+    def __init__(self, raw: bytearray) -> None:
+        self.raw, self.at = memoryview(raw), 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.at = max(0, (0, self.at, len(self.raw))[whence] + offset)
+        return self.at
+
+    def tell(self) -> int:
+        return self.at
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.raw) if n is None or n < 0 else min(len(self.raw), self.at + n)
+        data = bytes(self.raw[self.at : end])
+        self.at = max(self.at, end)
+        return data
+
+
+def _archive(raw: bytearray) -> dict[str, memoryview]:
+    """The records of one ``torch.save`` archive by name under its top folder (``data.pkl``, ``data/0``), each a view
+    of ``raw``. Stored records alone: a deflated one could inflate a thousandfold before anything is checked."""
+    try:
+        infos = zipfile.ZipFile(_View(raw)).infolist()  # the central directory alone: nothing is decompressed
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error, NotImplementedError) as exc:
+        raise _Refused(f"not a torch.save archive: {_short(str(exc))}") from None
+    records: dict[str, memoryview] = {}
+    view = memoryview(raw)
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1 or info.compress_size != info.file_size:
+            raise _Refused(f"its record {_q(info.orig_filename)} is compressed or encrypted, which torch.save never does")
+        at = info.header_offset
+        head = bytes(view[at : at + 30])
+        if len(head) < 30 or head[:4] != b"PK\x03\x04":
+            raise _Refused(f"its record {_q(info.orig_filename)} has no local header")
+        named, extra = struct.unpack("<HH", head[26:30])
+        start = at + 30 + named + extra
+        if bytes(view[at + 30 : at + 30 + named]) != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+            raise _Refused(f"its record {_q(info.orig_filename)} is named otherwise in its local header")
+        if start + info.file_size > len(raw):
+            raise _Refused(f"its record {_q(info.orig_filename)} ends past the archive")
+        name = info.orig_filename.split("/", 1)[-1]
+        if name in records:
+            raise _Refused(f"it holds {_q(name)} twice")
+        records[name] = view[start : start + info.file_size]
+    if "data.pkl" not in records:
+        raise _Refused("it holds no data.pkl")
+    return records
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    """A storage class a tensor's pickle names (``torch.FloatStorage``): its dtype, no class of torch."""
+
+    dtype: torch.dtype
+    untyped: bool
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    kind: _StorageType
+    key: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    """A tensor as its pickle describes it, nothing allocated: its storage, offset, size and strides (in elements)."""
+
+    storage: _StorageRef
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@functools.cache
+def _storage_types() -> dict[tuple[str, str], _StorageType]:
+    typed = {("torch", name): _StorageType(dtype, False) for dtype, name in
+             torch.storage._dtype_to_storage_type_map().items() if not name.startswith("Q")}  # no quantized storage
+    return typed | {(m, "UntypedStorage"): _StorageType(torch.uint8, True) for m in ("torch", "torch.storage")}
+
+
+def _describe(storage: Any, offset: Any, size: Any, stride: Any, hooks: Any, dtype: Any, metadata: Any) -> _TensorRef:
+    if not (isinstance(storage, _StorageRef) and type(offset) is int and offset >= 0 and _counts(size) and _counts(stride)
+            and len(size) == len(stride) and isinstance(dtype, torch.dtype) and hooks == {}
+            and (metadata is None or (isinstance(metadata, dict) and not any(metadata.values())))):
+        raise pickle.UnpicklingError("its tensor is described by other values than torch.save writes")
+    return _TensorRef(storage, offset, size, stride, dtype)
+
+
+def _counts(values: Any) -> bool:
+    return type(values) is tuple and all(type(v) is int and v >= 0 for v in values)
+
+
+def _rebuild_v2(storage, offset, size, stride, requires_grad, hooks, metadata=None):  # noqa: ANN001, ANN202
+    """torch._utils._rebuild_tensor_v2 of a typed storage, as a description."""
+    dtype = storage.kind.dtype if isinstance(storage, _StorageRef) and not storage.kind.untyped else None
+    return _describe(storage, offset, size, stride, hooks, dtype, metadata)
+
+
+def _rebuild_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):  # noqa: ANN001, ANN202
+    """torch._utils._rebuild_tensor_v3 (float8 and other dtypes of an untyped storage), as a description."""
+    untyped = isinstance(storage, _StorageRef) and storage.kind.untyped
+    return _describe(storage if untyped else None, offset, size, stride, hooks, dtype, metadata)
+
+
+def _ordered_dict(*args: Any) -> dict:
+    return dict(*args)
+
+
+class _Payload(pickle._Unpickler):
+    """An archive's ``data.pkl``: a tensor's (``tensors``), read as a ``_TensorRef``, or a value's, plain data alone.
+    No global but those named here is looked up, no object of torch is built, no state is set on anything."""
+
+    def __init__(self, raw: memoryview, tensors: bool) -> None:
+        super().__init__(io.BytesIO(raw))
+        self.tensors = tensors
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self.tensors:
+            if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+                return _rebuild_v2
+            if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):
+                return _rebuild_v3
+            if (module, name) == ("collections", "OrderedDict"):
+                return _ordered_dict
+            if (module, name) in (types := _storage_types()):
+                return types[module, name]
+            if module == "torch" and isinstance(dtype := vars(torch).get(name), torch.dtype):
+                return dtype
+        raise pickle.UnpicklingError(f"it names {_short(str(module))}.{_short(str(name))}, no part of a plain tensor")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if (self.tensors and type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"
+                and isinstance(pid[1], _StorageType) and type(pid[2]) is str and type(pid[4]) is int and pid[4] >= 0):
+            return _StorageRef(pid[1], pid[2], pid[4])
+        raise pickle.UnpicklingError("it holds a persistent id that is no storage of a plain tensor")
+
+    def load_build(self) -> None:
+        raise pickle.UnpicklingError("it sets the state of an object, which a plain tensor's pickle never does")
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}
+
+
+def _chunk(raw: bytearray, dtype: torch.dtype, sizes: tuple[int, ...], fqn: str, where: str) -> torch.Tensor:
+    """One chunk's tensor, its bytes taken as they are from its storage's record, after its pickle's description was
+    checked against the metadata (dtype, shape) and the record (its length, the strides' reach)."""
+    try:
+        records = _archive(raw)
+        ref = _Payload(records["data.pkl"], tensors=True).load()
+        if not isinstance(ref, _TensorRef):
+            raise _Refused(f"it holds a {type(ref).__name__}")
+    except (_Refused, pickle.UnpicklingError) as exc:
+        why = _short(str(exc))
+    except Exception as exc:  # a damaged pickle: nothing but the descriptions above was built
+        why = f"{type(exc).__name__}: {_short(str(exc))}"
+    else:
+        why = None
+    if why is not None:
+        raise UserError(f"{where}: a chunk of {_q(fqn)} is no plain tensor's archive ({why}); nothing of it was run: "
+                        f"save the checkpoint again with torch.distributed.checkpoint.save") from None
+    if ref.dtype != dtype:  # a cast would load other numbers than were saved, without a word
+        raise UserError(f"{where}: a chunk of {_q(fqn)} is stored as {ref.dtype}, and its metadata says {dtype}; save "
+                        f"the checkpoint again with torch.distributed.checkpoint.save")
+    if ref.size != sizes:
+        raise UserError(f"{where}: a chunk of {_q(fqn)} is {list(ref.size)}, and its metadata says "
+                        f"{list(sizes)}; {AGAIN}")
+    record = records.get(f"data/{ref.storage.key}")
+    nbytes = ref.storage.numel * (1 if ref.storage.kind.untyped else ref.storage.kind.dtype.itemsize)
+    order = bytes(records.get("byteorder", sys.byteorder.encode()))  # torch before 1.12 wrote none: the saver's own
+    reach = ref.offset + sum((s - 1) * st for s, st in zip(ref.size, ref.stride)) + 1 if math.prod(ref.size) else 0
+    problem = (
+        "no record for its storage" if record is None
+        else f"its storage's record has {len(record)} bytes, and its pickle says {nbytes}" if len(record) != nbytes
+        else f"its storage's {nbytes} bytes are no whole number of {dtype}" if nbytes % dtype.itemsize
+        else f"its strides reach past its storage's {nbytes // dtype.itemsize} elements" if reach * dtype.itemsize > nbytes
+        else f"it was saved {_short(order.decode(errors='replace'))}-endian" if order != sys.byteorder.encode()
+        else None
+    )
+    if problem:
+        raise UserError(f"{where}: a chunk of {_q(fqn)} is no plain tensor's archive ({problem}); save the checkpoint "
+                        f"again with torch.distributed.checkpoint.save")
+    if not reach:
+        return torch.empty(sizes, dtype=dtype)
+    as_bytes = torch.frombuffer(record, dtype=torch.uint8)  # the record's own bytes: read, never interpreted by a pickle
+    if as_bytes.data_ptr() % dtype.itemsize:  # a crafted archive's record may sit anywhere: aligned for the dtype's kernels
+        as_bytes = as_bytes.clone()
+    if dtype == torch.bool:  # a byte other than 0 or 1 is no bool torch may hold
+        flat = as_bytes.ne(0)
+    else:
+        flat = as_bytes.view(dtype)
+    return torch.as_strided(flat, ref.size, ref.stride, ref.offset)
+
+
+# --- the nesting DCP flattened ------------------------------------------------------------------------------------------
 
 
 def _nested(flat: dict[str, Any], planner_data: Any, where: str) -> dict[str, Any]:
     """The state dict as saved: DCP flattens nested dicts and lists into dotted keys and keeps each key's path (str:
-    a dict key, int: a list position) in ``planner_data``; without it, the keys are the top level's."""
+    a dict key, int: a list position) in ``planner_data``; without it, the keys are the top level's. Lists grow to no
+    more places than there are entries, and paths are at most ``_MAX_DEPTH`` long (a crafted path is no memory bomb)."""
     paths = planner_data if isinstance(planner_data, dict) and planner_data else {k: (k,) for k in flat}
     root: dict[str, Any] = {}
+    room = [len(flat)]  # list places left to grow
     try:
         for fqn, value in flat.items():
-            path = tuple(paths[fqn])
-            if not path or not all(isinstance(k, str) or (type(k) is int and 0 <= k < _MAX_INDEX) for k in path):
-                raise ValueError(f"the path of '{fqn}'")
+            path = paths[fqn]
+            if (not isinstance(path, (tuple, list)) or not 0 < len(path) <= _MAX_DEPTH
+                    or not all(isinstance(k, str) or (type(k) is int and 0 <= k < len(flat)) for k in path)):
+                raise ValueError(f"the path of {_q(fqn)}")
             node: Any = root
             for key, nxt in zip(path, path[1:]):
-                node = _slot(node, key, lambda nxt=nxt: [] if isinstance(nxt, int) else {})
-            _slot(node, path[-1], lambda value=value: value)
+                node = _slot(node, key, lambda nxt=nxt: [] if isinstance(nxt, int) else {}, room)
+            _slot(node, path[-1], lambda value=value: value, room)
     except (KeyError, ValueError, TypeError, IndexError) as exc:
-        raise UserError(f"{where}/{METADATA}: its key paths do not fit its entries ({exc}); save the checkpoint again "
+        said = f"no path for {_q(str(exc.args[0]))}" if isinstance(exc, KeyError) and exc.args else _short(str(exc))
+        raise UserError(f"{where}/{METADATA}: its key paths do not fit its entries ({said}); save the checkpoint again "
                         f"with torch.distributed.checkpoint.save") from None
     return root
 
 
-def _slot(node: Any, key: Any, make: Any) -> Any:
-    """``node[key]``, made by ``make()`` where absent (a list grows to ``key``)."""
+def _slot(node: Any, key: Any, make: Any, room: list[int]) -> Any:
+    """``node[key]``, made by ``make()`` where absent (a list grows to ``key``, out of ``room``)."""
     if isinstance(node, list):
         if type(key) is not int:
-            raise TypeError(f"key {key!r} in a list")
-        node.extend([None] * (key + 1 - len(node)))
+            raise TypeError(f"key {_q(str(key))} in a list")
+        grow = key + 1 - len(node)
+        if grow > 0:
+            room[0] -= grow
+            if room[0] < 0:
+                raise ValueError("its list positions leave more places than it has entries")
+            node.extend([None] * grow)
         if node[key] is None:
             node[key] = make()
         return node[key]
     if not isinstance(node, dict):
-        raise TypeError(f"key {key!r} in a value")
+        raise TypeError(f"key {_q(str(key))} in a value")
     if key not in node:
         node[key] = make()
     return node[key]

@@ -93,6 +93,17 @@ def test_a_checkpoint_freezes_deps_do_not_list_is_refused(tmp_path, monkeypatch)
 dcp_api = pytest.importorskip("torch.distributed.checkpoint")
 
 
+def digest_of(files: dict[str, bytes]) -> str:
+    """The folder's digest as docs/params.md defines it: sha256 over each file, in name order, of its relative name,
+    its length and its bytes."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(f"{name}\0{len(files[name])}\0".encode() + files[name])
+    return digest.hexdigest()
+
+
 def save_dcp(folder, state: dict) -> str:
     """``state`` as ``dcp.save`` writes it in one process (no process group), the folder's path."""
     import warnings
@@ -122,9 +133,11 @@ def test_a_dcp_folder_gives_weights_and_the_optimizers_state_and_its_digest_cove
     assert all(torch.equal(again.tensors[k], v) for k, v in init.tensors.items())
 
     files = {p.name: p.read_bytes() for p in (tmp_path / "dcp").iterdir()}
-    assert set(files) == {".metadata", "__0_0.distcp"} and inputs == {"dcp": dcp.folder_digest(files)}
-    changed = dict(files, **{"__0_0.distcp": files["__0_0.distcp"][:-1] + bytes([files["__0_0.distcp"][-1] ^ 1])})
-    assert dcp.folder_digest(changed) != inputs["dcp"] != dcp.folder_digest({**files, "extra": b""})
+    assert set(files) == {".metadata", "__0_0.distcp"} and inputs == {"dcp": digest_of(files)}
+    assert dcp.folder_digest("dcp") == inputs["dcp"]  # hashed a block at a time: the same digest
+    data = tmp_path / "dcp/__0_0.distcp"
+    data.write_bytes(files["__0_0.distcp"][:-1] + bytes([files["__0_0.distcp"][-1] ^ 1]))
+    assert dcp.folder_digest("dcp") != inputs["dcp"]
 
 
 def test_a_dcp_folder_of_weights_alone_in_bfloat16_carries_no_optimizer(tmp_path, monkeypatch):
@@ -235,7 +248,7 @@ def test_chunks_outside_the_folder_and_flattened_optimizers_are_one_line(tmp_pat
         checkpoint.start("dcp", net())
     md.state_dict_metadata["model.0.weight"].size = torch.Size([10**9, 10**4])  # 40 TB: refused, never allocated
     (tmp_path / "dcp/.metadata").write_bytes(pickle.dumps(md))
-    with pytest.raises(UserError, match=r"'model.0.weight' is \[1000000000, 10000\] torch.float32, more than the folder"):
+    with pytest.raises(UserError, match=r"'model.0.weight' is \[1000000000, 10000\] torch.float32: .* more than the folder"):
         checkpoint.start("dcp", net())
 
     save_dcp("flat", {"model": net().state_dict(), "optimizer": {"state.0.weight.momentum_buffer": torch.zeros(8, 4)}})
@@ -251,3 +264,251 @@ def test_a_torch_without_dcps_metadata_classes_is_refused_in_one_line(tmp_path, 
     monkeypatch.delattr(metadata, "TensorStorageMetadata")  # as an older torch than 2.4 may lack
     with pytest.raises(UserError, match=r"has no TensorStorageMetadata .* use torch 2.4 or later, or load it where"):
         checkpoint.start("dcp", net())
+
+
+# --- a crafted DCP folder (the reviewer's findings): each refused in one line, nothing of it run or read past ------------
+
+
+def metadata(folder):
+    import pickle
+
+    return pickle.loads((tmp := __import__("pathlib").Path(folder) / ".metadata").read_bytes()), tmp  # our own file
+
+
+def write_metadata(path, md) -> None:
+    import pickle
+
+    path.write_bytes(pickle.dumps(md))
+
+
+def put(folder, md, fqn: str, raw: bytes, offsets=None) -> None:
+    """``raw`` appended to the folder's data file, and the storage entry of ``fqn`` (``offsets``: its chunk's) pointed
+    at it."""
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    data = Path(folder) / "__0_0.distcp"
+    start = data.stat().st_size
+    with data.open("ab") as out:
+        out.write(raw)
+    info = md.storage_data[MetadataIndex(fqn, None if offsets is None else torch.Size(offsets))]
+    info.offset, info.length = start, len(raw)
+
+
+def archive(obj, deflated: bool = False) -> bytes:
+    """``obj`` as ``torch.save`` writes it (DCP's record of a chunk or a value); ``deflated``: its records compressed."""
+    import io
+    import zipfile
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    if not deflated:
+        return buffer.getvalue()
+    source, out = zipfile.ZipFile(io.BytesIO(buffer.getvalue())), io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as packed:
+        for info in source.infolist():
+            packed.writestr(info.filename, source.read(info))
+    return out.getvalue()
+
+
+def test_no_record_of_the_folder_goes_through_torch_load_and_a_pickled_object_in_a_chunk_never_runs(tmp_path, monkeypatch):
+    """torch.load(weights_only=True) runs code before torch 2.6 (CVE-2025-32434) and corrupts memory before 2.10
+    (CVE-2026-24747); the project supports 2.4. The folder's archives are read without it, on every torch."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    saved = trained_state("adamw", enabled_scaler=False)
+    save_dcp("dcp", {"model": saved.model_state(), "optim": checkpoint._optimizer_state(saved), "step": 2})
+
+    def refused(*args, **kwargs):
+        raise AssertionError("torch.load was called on a user's file")
+
+    monkeypatch.setattr(torch, "load", refused)
+    model = net()
+    init, _ = checkpoint.start("dcp", model)
+    assert all(torch.equal(v, saved.model_state()[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(init.tensors[k], v) for k, v in saved.tensors.items() if k.startswith("optim/"))
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    md, path = metadata("dcp")
+    put("dcp", md, "model.0.weight", archive(Payload()), offsets=(0, 0))
+    write_metadata(path, md)
+    with pytest.raises(UserError) as out:
+        checkpoint.start("dcp", net())
+    assert f"a chunk of 'model.0.weight' is no plain tensor's archive (it names {os.system.__module__}.system" in str(
+        out.value) and "nothing of it was run" in str(out.value) and "\n" not in str(out.value)
+    assert not marker.exists()
+
+
+def test_key_paths_grow_no_list_past_the_entries_and_nest_no_deeper_than_32(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    save_dcp("dcp", {"model": net().state_dict(), "extra": [torch.zeros(1) for _ in range(6)]})  # a list DCP flattens
+    md, path = metadata("dcp")
+    entries = len(md.state_dict_metadata)  # 10: each path element could have made an 8 MiB list before
+    for bad in ({"extra.1": ("extra", 10**6)},  # one list of a million places
+                {f"extra.{i}": ("extra", i, entries - 1) for i in range(6)},  # 6 lists of all entries' places
+                {"extra.1": ("extra",) + ("deeper",) * 100}):
+        write_metadata(path, dict_replace(md, planner_data={**md.planner_data, **bad}))
+        with pytest.raises(UserError, match=r"dcp/.metadata: its key paths do not fit its entries .* save the checkpoint"):
+            checkpoint.start("dcp", net())
+
+
+def dict_replace(md, **fields):
+    import copy
+
+    md = copy.copy(md)
+    for name, value in fields.items():
+        setattr(md, name, value)
+    return md
+
+
+def test_a_compressed_record_is_refused_before_it_is_inflated(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    save_dcp("dcp", {"model": net().state_dict()})
+    md, path = metadata("dcp")
+    put("dcp", md, "model.0.weight", archive(net().state_dict()["0.weight"], deflated=True), offsets=(0, 0))
+    write_metadata(path, md)
+    with pytest.raises(UserError, match=r"a chunk of 'model.0.weight' is no plain tensor's archive \(its record "
+                                        r"'archive/data.pkl' is compressed or encrypted, which torch.save never does"):
+        checkpoint.start("dcp", net())
+
+
+def test_a_byte_range_two_entries_name_is_read_once_and_refused_the_second_time(tmp_path):
+    save_dcp(tmp_path / "dcp", {"model": {"a": torch.ones(4), "b": torch.zeros(4)}})
+    md, path = metadata(tmp_path / "dcp")
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    first = md.storage_data[MetadataIndex("model.a", torch.Size([0]))]
+    second = md.storage_data[MetadataIndex("model.b", torch.Size([0]))]
+    second.offset, second.length = first.offset, first.length  # N names on one chunk: N times the folder's size
+    write_metadata(path, md)
+    with pytest.raises(UserError, match=r"'model.b' is stored in bytes \d+\+\d+ of '__0_0.distcp', which another "
+                                        r"entry uses too"):
+        dcp.read(tmp_path / "dcp", "dcp")
+
+
+def test_a_refused_metadata_pickle_is_named_by_its_type_never_by_its_str(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    save_dcp("dcp", {"model": net().state_dict()})
+    # a list of two references to a list of two references ... 40 deep: its str would be 2**40 Nones long
+    ops = b"\x80\x02Nq\x00" + b"".join(b"(h" + bytes([i]) + b"h" + bytes([i]) + b"lq" + bytes([i + 1]) for i in range(40))
+    (tmp_path / "dcp/.metadata").write_bytes(ops + b"}b.")
+    with pytest.raises(UserError, match=r"refused unread \(it sets the state of list, which DCP metadata never does\)"):
+        checkpoint.start("dcp", net())
+
+
+def test_links_and_special_files_in_the_folder_are_refused_and_never_read(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    save_dcp("dcp", {"model": net().state_dict()})
+    os.symlink(tmp_path / "dcp", tmp_path / "alias")  # the folder the user names may itself be a link
+    checkpoint.start("alias", net())
+    (tmp_path / "secret").write_text("a private key")
+    os.symlink(tmp_path / "secret", tmp_path / "dcp/id_rsa")
+    with pytest.raises(UserError, match=r"reference.checkpoint dcp: 'id_rsa' is a symbolic link, not a file of the "
+                                        r"folder: nothing outside it is read"):
+        checkpoint.start("dcp", net())
+    (tmp_path / "dcp/id_rsa").unlink()
+    os.mkfifo(tmp_path / "dcp/pipe")  # reading it would block
+    with pytest.raises(UserError, match=r"'pipe' is a FIFO, not a file of the folder"):
+        checkpoint.start("dcp", net())
+
+
+def test_a_chunk_of_another_dtype_or_outside_its_tensor_is_refused(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    monkeypatch.chdir(tmp_path)
+    save_dcp("dcp", {"model": {"w": torch.arange(4, dtype=torch.float64)}})
+    md, path = metadata("dcp")
+    md.state_dict_metadata["model.w"].properties.dtype = torch.float32  # cast without a word before
+    write_metadata(path, md)
+    with pytest.raises(UserError, match=r"a chunk of 'model.w' is stored as torch.float64, and its metadata says "
+                                        r"torch.float32"):
+        dcp.read(tmp_path / "dcp", "dcp")
+
+    save_dcp("two", {"model": {"a": torch.arange(4.0), "b": torch.arange(4.0, 8.0)}})
+    md, path = metadata("two")
+    entry = md.state_dict_metadata.pop("model.a")
+    md.state_dict_metadata.pop("model.b")
+    entry.size = torch.Size([8])
+    for chunks in ([(-8, 4), (4, 4)],  # a negative offset: slice(-8, -4) wraps onto 0:4, and passed the coverage check
+                   [(0, 4), (4, 5)]):  # past the end
+        entry.chunks = [ChunkStorageMetadata(offsets=torch.Size([o]), sizes=torch.Size([s])) for o, s in chunks]
+        storage = {MetadataIndex("model.w", torch.Size([o])): md.storage_data[MetadataIndex(k, torch.Size([0]))]
+                   for (o, _), k in zip(chunks, ("model.a", "model.b"))}
+        write_metadata(path, dict_replace(md, state_dict_metadata={"model.w": entry}, storage_data=storage,
+                                          planner_data={"model.w": ("model", "w")}))
+        with pytest.raises(UserError, match=r"a chunk of 'model.w' lies outside it \(\[\d\] at \[-?\d\] of \[8\]\)"):
+            dcp.read(tmp_path / "two", "two")
+    entry.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4, 1]))]  # sizes of another rank
+    write_metadata(path, dict_replace(md, state_dict_metadata={"model.w": entry}, planner_data={"model.w": ("model", "w")},
+                                      storage_data={MetadataIndex("model.w", torch.Size([0])): storage[
+                                          MetadataIndex("model.w", torch.Size([0]))]}))
+    with pytest.raises(UserError, match=r"a chunk of 'model.w' lies outside it"):
+        dcp.read(tmp_path / "two", "two")
+
+
+def by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer, order: list[str]) -> dict:
+    """``optimizer.state_dict()`` keyed by parameter name (get_optimizer_state_dict's layout); ``order``: the names of
+    the optimizer's parameters in its own order."""
+    state = optimizer.state_dict()
+    return {"state": {order[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def test_a_name_keyed_optimizer_state_is_numbered_by_the_models_names_and_checked_against_its_shapes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = net(1)
+    names = [n for n, _ in model.named_parameters()][::-1]
+    opt = torch.optim.AdamW([p for _, p in model.named_parameters()][::-1], lr=0.01)  # the saver's order: reversed
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    save_dcp("named", {"model": model.state_dict(), "optim": by_name(model, opt, names)})
+    fresh = net()
+    init, _ = checkpoint.start("named", fresh)
+    resumed = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    checkpoint.continue_optimizer(init, resumed, "adamw")
+    theirs = dict(model.named_parameters())
+    for name, p in fresh.named_parameters():
+        assert torch.equal(resumed.state[p]["exp_avg"], opt.state[theirs[name]]["exp_avg"]), name
+
+    save_dcp("numbered", {"model": model.state_dict(), "optim": opt.state_dict()})  # by number, in the saver's order
+    with pytest.raises(UserError, match=r"holds 'exp_avg' of shape \[3\] for parameter '0.weight' of shape \[8, 4\]"):
+        checkpoint.start("numbered", net())
+    other = by_name(model, opt, ["2.bias", "2.weight", "0.bias", "nope.weight"])
+    save_dcp("unknown", {"model": model.state_dict(), "optim": other})
+    with pytest.raises(UserError, match=r"its 'optim' holds state for 'nope.weight', no parameter of task.model"):
+        checkpoint.start("unknown", net())
+
+
+def test_a_file_that_changes_while_the_folder_is_read_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    save_dcp("dcp", {"model": net().state_dict()})
+    read_metadata = dcp._metadata
+
+    def then_saved_again(*args):  # another rank's save still writing: the digest would not be of what was read
+        out = read_metadata(*args)
+        with (tmp_path / "dcp/__0_0.distcp").open("ab") as data:
+            data.write(b"more")
+        return out
+
+    monkeypatch.setattr(dcp, "_metadata", then_saved_again)
+    with pytest.raises(UserError, match=r"'__0_0.distcp' changed while it was read; run again once its save has finished"):
+        checkpoint.start("dcp", net())
+
+
+def test_a_fifo_or_device_as_the_checkpoint_is_one_line(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo("fifo")
+    for path in ("fifo", "/dev/null"):
+        with pytest.raises(UserError, match=rf"reference.checkpoint {path} is neither a file nor a folder"):
+            checkpoint.start(path, net())
