@@ -138,14 +138,18 @@ class World:
         (``precision.fsdp_mixed_precision``); empty: none.
 
         Raises:
-            UserError: a class of ``fsdp_blocks`` names no module of the model.
+            UserError: a class of ``fsdp_blocks`` names no module of the model; FSDP2 on the CPU where this torch's
+                FSDP2 runs on CUDA only (torch 2.4, 2.5: ``torch_compat.fsdp2_runs_on_cpu``).
         """
         if not self.sharded:
             return model
         import copy
 
         fully_shard, policy = fsdp_api()
-        if device.type == "cpu":
+        copied = copy.deepcopy(model)
+        chosen = shard_blocks(copied, self.blocks)
+        kinds = sorted({type(m).__name__ for m in chosen})  # before fully_shard renames them (FSDPLinear)
+        if device.type == "cpu":  # after the params' own errors (fsdp_blocks)
             from pipeline import torch_compat
 
             if not torch_compat.fsdp2_runs_on_cpu():
@@ -155,9 +159,6 @@ class World:
                                 f"streams whatever the device; use strategy: ddp on the CPU, or torch 2.6 or later")
         mesh = {"mesh": _mesh(device.type, self.size)}  # the run's device, not torch's default accelerator
         block, root = ({**mesh, "mp_policy": policy(**kwargs)} if kwargs else mesh for kwargs in mixed)
-        copied = copy.deepcopy(model)
-        chosen = shard_blocks(copied, self.blocks)
-        kinds = sorted({type(m).__name__ for m in chosen})  # before fully_shard renames them (FSDPLinear)
         for module in chosen:
             fully_shard(module, **block)
         fully_shard(copied, **root)

@@ -196,7 +196,9 @@ def test_op_without_reduced_precision_kernel_is_a_finding_not_a_crash(dtype, act
     model.add_module("act", activation)
     model.add_module("head", torch.nn.Linear(16, 3))
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
-    with pytest.raises(NotImplementedError), torch.autocast("cpu", dtype=getattr(torch, dtype)):
+    # torch 2.4 raises RuntimeError("... not implemented for 'Half'"), newer torch NotImplementedError: both a missing kernel
+    with pytest.raises((NotImplementedError, RuntimeError), match="not implemented for"), torch.autocast(
+            "cpu", dtype=getattr(torch, dtype)):
         model(x)  # the real thing: the trial itself would stop here
 
     pmap = precision_map.precision_map(model, x, y, cross_entropy, Policy(dtype=dtype), CPU)

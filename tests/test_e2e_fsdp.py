@@ -18,9 +18,12 @@ import _project
 import faults
 from _project import dvc, env_for, run
 from conftest import make_project
+from pipeline import torch_compat
 from test_benchmark import decide
 
 pytestmark = pytest.mark.integration
+trains = pytest.mark.skipif(not torch_compat.fsdp2_runs_on_cpu(), reason="this torch's FSDP2 runs on CUDA only (torch 2.4, "
+                                                                          "2.5): the stage refuses in one line (test_fsdp.py)")
 
 QUICK = {"diagnose": {"search_budget": 0}}
 FSDP = {**QUICK, "distributed": {"nproc_per_node": 2, "strategy": "fsdp"}}
@@ -48,6 +51,7 @@ def sharded(tmp_path_factory) -> Path:
     return repo
 
 
+@trains
 def test_fsdp_on_two_ranks_reaches_the_decisions_of_one_process(sharded, tmp_path):
     alone = make_project(tmp_path / "alone", QUICK)
     dvc(alone, "repro", *(f"decide@{d}" for d in DTYPES))
@@ -61,6 +65,7 @@ def test_fsdp_on_two_ranks_reaches_the_decisions_of_one_process(sharded, tmp_pat
     assert not any((sharded / "data/resume").glob("*"))  # rank 0 cleared every resume state
 
 
+@trains
 @pytest.mark.parametrize(("stage", "target", "folder", "names", "rank"), [
     (["freeze"], "freeze", "data/reference", REFERENCE, 1),  # a rank other than the writer dies
     (["trial", "--variant", "float16"], "trial@float16", "data/trial/float16", TRIAL, 0),  # the writer dies (GradScaler)
@@ -85,6 +90,7 @@ def test_a_rank_killed_mid_run_resumes_to_the_same_bytes(sharded, tmp_path, stag
     assert not any((repo / "data/resume").glob("*"))  # the resumed run finished and cleared its state
 
 
+@trains
 def test_the_benchmark_times_fsdp2_as_the_trials_train(sharded, tmp_path):
     """benchmark@float16 (accepted on TINY) under FSDP2: every arm a sharded copy on the 2 gloo ranks, as the trials
     trained; the record says so, in its env and its method, with a finite speedup and memory ratio."""
@@ -105,6 +111,7 @@ def test_the_benchmark_times_fsdp2_as_the_trials_train(sharded, tmp_path):
     assert math.isfinite(speedup) and speedup > 0 and math.isfinite(ratio) and ratio > 0, (speedup, ratio)
 
 
+@trains
 def test_fsdp_by_block_class_on_the_tiny_transformer_reaches_the_decisions_of_one_process(tmp_path):
     """The transformer example sharded per encoder block (``fsdp_blocks: [Block]``), then the root (embedding,
     positions, norm, head): the verdicts one process reaches."""
@@ -121,6 +128,7 @@ def test_fsdp_by_block_class_on_the_tiny_transformer_reaches_the_decisions_of_on
 MIXED = {"dtype": "float32", "fsdp_param_dtype": "bfloat16", "fsdp_reduce_dtype": "float32"}
 
 
+@trains
 def test_fsdp_mixed_precision_runs_beside_autocast_in_one_repro_judged_by_the_same_rule(tmp_path):
     """Issue 52 item 4: a variant of FSDP2's own mixed precision (bfloat16 parameters for every op, gradients reduced in
     FP32) beside autocast's bfloat16, in one `dvc repro`, each with a verdict under the one frozen rule."""
@@ -146,6 +154,7 @@ def test_fsdp_mixed_precision_runs_beside_autocast_in_one_repro_judged_by_the_sa
     assert math.isfinite(record["speedup"]["median"]) and math.isfinite(record["memory_ratio"]["median"])
 
 
+@trains
 def test_healthy_fsdp_mixed_precision_is_accepted_under_the_projects_rule(tmp_path):
     """The other direction: under the project's own tolerances (params.yaml's atol 0.05, rtol 0.02), FSDP2's bfloat16
     parameters on the digits MLP pass every criterion, training's included (its audit once read the FP32 reference as

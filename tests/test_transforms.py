@@ -16,6 +16,9 @@ from pipeline.errors import UserError
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[1]
+OLD_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2]) < transforms.FLOAT8_MIN_TORCH
+needs_float8 = pytest.mark.skipif(OLD_TORCH, reason="torchao 0.18's float8 needs torch >= 2.11 (transforms refuses older: "
+                                                    "test_float8_on_an_older_torch_is_one_line)")
 
 
 def _model(*dims: tuple[int, int]) -> torch.nn.Sequential:
@@ -47,6 +50,7 @@ def _train(model: torch.nn.Module, steps: int) -> list[float]:
     return losses
 
 
+@needs_float8
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_float8_emulated_on_cpu_changes_numerics_close_to_eager_same_parameters(recipe: str) -> None:
     eager, applied = _eager_and_applied(Policy(dtype="bfloat16", float8=recipe), (32, 32), (32, 32), (32, 32))
@@ -66,6 +70,7 @@ def test_float8_emulated_on_cpu_changes_numerics_close_to_eager_same_parameters(
     assert 0 < err < 0.1, f"float8 {recipe}: relative error {err}"
 
 
+@needs_float8
 def test_float8_trains_and_checkpoints_with_the_eager_keys(tmp_path: Path) -> None:
     eager, applied = _eager_and_applied(Policy(dtype="bfloat16", float8="tensorwise"), (32, 32), (32, 32))
     params = list(applied.module.parameters())
@@ -83,6 +88,7 @@ def test_float8_trains_and_checkpoints_with_the_eager_keys(tmp_path: Path) -> No
         assert torch.equal(again.model(x), applied.model(x))
 
 
+@needs_float8
 def test_float8_skips_what_it_cannot_take_and_says_why() -> None:
     policy = Policy(dtype="bfloat16", float8="tensorwise", fp32_modules=("2",))
     _, applied = _eager_and_applied(policy, (32, 32), (32, 32), (32, 10), (10, 3))
@@ -101,6 +107,7 @@ def test_float8_skips_what_it_cannot_take_and_says_why() -> None:
     }
 
 
+@needs_float8
 def test_float8_leaves_multihead_attention_out_proj_which_it_would_never_call() -> None:
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"attn": torch.nn.MultiheadAttention(32, 2), "head": torch.nn.Linear(32, 32)})
@@ -110,9 +117,17 @@ def test_float8_leaves_multihead_attention_out_proj_which_it_would_never_call() 
     assert type(model["attn"].out_proj) is torch.nn.modules.linear.NonDynamicallyQuantizableLinear
 
 
+@needs_float8
 def test_float8_with_no_eligible_linear_is_one_line() -> None:
     with pytest.raises(UserError, match=r"^float8: rowwise found no linear layer it can convert \(0: 10x3: .*float8: off") as exc:
         transforms.apply(_model((10, 3)), Policy(float8="rowwise"), CPU)
+    assert "\n" not in str(exc.value)
+
+
+@pytest.mark.skipif(not OLD_TORCH, reason="this torch runs torchao 0.18's float8")
+def test_float8_on_an_older_torch_is_one_line() -> None:
+    with pytest.raises(UserError, match=r"^float8 needs torch >= 2\.11 \(torchao 0\.18\), not .*set float8: off$") as exc:
+        transforms.apply(_model((32, 32)), Policy(float8="tensorwise"), CPU)
     assert "\n" not in str(exc.value)
 
 
@@ -139,7 +154,8 @@ def test_missing_torchao_and_missing_compiler_are_one_line_each() -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines() == [
-        "float8 needs torchao, which is not installed: pip install 'amp-validation[fp8]', or set float8: off",
+        f"float8 needs torch >= 2.11 (torchao 0.18), not {torch.__version__}; upgrade torch or set float8: off" if OLD_TORCH
+        else "float8 needs torchao, which is not installed: pip install 'amp-validation[fp8]', or set float8: off",
         "compile: inductor on the CPU needs a C++ compiler and no-such-c++ was not found; "
         "install one (apt-get install g++), point $CXX at one, or set compile: off",
     ]
