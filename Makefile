@@ -20,8 +20,10 @@ run: $(VENV)/.installed
 	PATH="$(BIN):$$PATH" $(BIN)/dvc repro
 	@echo "Results: $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db  (then open http://127.0.0.1:5000)"
 
-# Every test (what CI runs): pytest 975 s from a fresh clone (18 min with install and lint) on 2 cores of an AMD EPYC with
-# AVX-512 (2026-12-06, afternoon: FSDP2, multi-node, checkpoint, inference-only, newcomer and full-disk e2e tests added);
+# Every test (what CI runs): pytest 1105 s from a fresh clone (25 min with install, lint and check-locks) on 2 cores of an
+# AMD EPYC with AVX-512 (2026-12-06, third session: 966 passed; FSDP2 benchmark, DCP folders, FSDP2 mixed-precision
+# accept/rollback and torch-compat tests added); 975 s earlier that day (FSDP2, multi-node, checkpoint, inference-only,
+# newcomer and full-disk e2e tests added);
 # 593 s earlier that day (two FP32 replicates per freeze, the calibration and failed-variant e2e tests); 452 s from a fresh clone, install included (pytest 382-432 s), on 2 idle cores of an Intel Xeon
 # with AVX-512 (2026-12-05); 480-555 s on an AMD EPYC with AVX-512 (2026-12-04/05); 16.7-18.7 min on an AMD EPYC with
 # AVX2 only (2026-12-03); 9.8-12.4 min on an Intel Xeon with AVX-512 (2026-12-01). The goal is 8 min; about half the CPU
