@@ -57,6 +57,17 @@ def blank_mlflow_db() -> Path:
     return _BLANK_DB[0]
 
 
+def import_or_skip(name: str):
+    """``pytest.importorskip`` for a package that may also fail otherwise on this torch (torchao 0.18 below torch 2.11
+    raises AttributeError at import): skip, naming why."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:  # ImportError, or the package's own failure on this torch
+        pytest.skip(f"{name} does not import here ({type(exc).__name__}: {str(exc)[:120]})", allow_module_level=True)
+
+
 def make_project(dest: Path, override: dict | None = None) -> Path:
     """Copy the project into ``dest``, make it a git + DVC repository with tiny params, commit."""
     _project.copy(dest, override=_project.merge(TINY, override or {}))

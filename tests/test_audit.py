@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from conftest import import_or_skip
 from pipeline.artifacts import audit as audit_file
 from pipeline.config import Policy
 from pipeline.diagnosis.audit import audit
@@ -144,7 +145,7 @@ def test_fp32_policy_is_not_a_precision_claim():
 
 @pytest.mark.parametrize("recipe, share", [("tensorwise", 1.0), ("rowwise_with_gw_hp", 2 / 3)])
 def test_float8_matmuls_count_as_reduced_emulated(recipe, share):
-    torchao_float8 = pytest.importorskip("torchao.float8")
+    torchao_float8 = import_or_skip("torchao.float8")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
     config = dataclasses.replace(torchao_float8.Float8LinearConfig.from_recipe_name(recipe), emulate=True)

@@ -10,9 +10,10 @@ import sys
 
 import pytest
 from _project import ROOT
+from conftest import import_or_skip
 
-pytest.importorskip("torchao")
-pytest.importorskip("transformers")
+import_or_skip("torchao")
+import_or_skip("transformers")
 pytestmark = pytest.mark.integration  # fresh processes importing transformers and torchao: seconds each, out of test-fast
 
 SCRIPT = """
