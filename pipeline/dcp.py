@@ -19,6 +19,7 @@ The chunks of each tensor (one per rank that held a shard) are put together into
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import hashlib
 import io
@@ -317,13 +318,69 @@ def _classes() -> dict[str, Any]:
     return found
 
 
-class _Restricted(pickle._Unpickler):  # Python's own unpickler in Python: its BUILD can be checked, unlike C's
+_KEY_INT = (1 << 61) - 1  # below it an int hashes to itself: keys that cannot collide
+_DTYPES = frozenset(getattr(torch, n) for n in (
+    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int64", "int32", "int16", "int8",
+    "uint8", "bool") if hasattr(torch, n))
+"""What safetensors holds, and so what a checkpoint's weights and optimizer state may be here (no complex, no bits)."""
+_MAX_DIMS = 64
+
+
+class _PlainKeys(pickle._Unpickler):
+    """Dict keys as DCP's pickles hold them and nothing else: a str, a small non-negative int, or (``key``) an object the
+    subclass allows. Hashing anything else could recurse without bound in C (a tuple nested a million deep) or cost
+    2^depth (a tuple of itself, twice, by the memo); sets and frozensets, which DCP never pickles, are refused."""
+
+    def key(self, value: Any) -> bool:
+        return False
+
+    def _keys(self, keys) -> None:  # noqa: ANN001
+        for k in keys:
+            if not (type(k) is str or (type(k) is int and 0 <= k < _KEY_INT) or self.key(k)):
+                raise pickle.UnpicklingError(f"it keys a dict by a {type(k).__name__}, which DCP's pickles never do")
+
+    def load_setitem(self) -> None:
+        self._keys([self.stack[-2]])
+        super().load_setitem()
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()
+        self._keys(items[0::2])
+        target = self.stack[-1]
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
+
+    def load_dict(self) -> None:
+        items = self.pop_mark()
+        self._keys(items[0::2])
+        self.append({items[i]: items[i + 1] for i in range(0, len(items), 2)})
+
+    def refused(self) -> None:
+        raise pickle.UnpicklingError("it builds a set, which DCP's pickles never do")
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.SETITEM[0]: load_setitem, pickle.SETITEMS[0]: load_setitems,
+                pickle.DICT[0]: load_dict, pickle.EMPTY_SET[0]: refused, pickle.ADDITEMS[0]: refused,
+                pickle.FROZENSET[0]: refused}
+
+
+class _Restricted(_PlainKeys):  # Python's own unpickler in Python: its BUILD can be checked, unlike C's
     """Loads DCP's metadata pickle, and nothing else: any other global is refused before it is looked up, and state is
     set on fresh instances of DCP's classes alone (a BUILD on a class or a shared object would change it process-wide)."""
 
-    def __init__(self, raw: bytes, allowed: dict[tuple[str, str], Any], buildable: tuple[type, ...]) -> None:
+    def __init__(self, raw: bytes, allowed: dict[tuple[str, str], Any], buildable: tuple[type, ...], index: type,
+                 properties: type, memory_format: type | None) -> None:
         super().__init__(io.BytesIO(raw))
         self.allowed, self.buildable = allowed, buildable
+        self.index, self.properties, self.memory_format = index, properties, memory_format
+
+    def key(self, value: Any) -> bool:
+        """A ``MetadataIndex`` (the storage table's key) of a str name and small non-negative int offsets."""
+        if type(value) is not self.index or not isinstance(vars(value).get("fqn"), str):
+            return False
+        offset, at = vars(value).get("offset"), vars(value).get("index")
+        return (offset is None or (type(offset) is torch.Size and len(offset) <= _MAX_DIMS
+                                   and all(type(v) is int and 0 <= v < _KEY_INT for v in offset))) \
+            and (at is None or (type(at) is int and 0 <= at < _KEY_INT))
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self.allowed:
@@ -338,14 +395,36 @@ class _Restricted(pickle._Unpickler):  # Python's own unpickler in Python: its B
         raise pickle.UnpicklingError("it holds a persistent id, which DCP metadata never holds")
 
     def load_build(self) -> None:
-        target = self.stack[-2]  # under the state BUILD pops
+        state, target = self.stack[-1], self.stack[-2]  # BUILD pops the state, then sets it on the object under it
         if isinstance(target, type) or not isinstance(target, self.buildable):
             what = target.__name__ if isinstance(target, type) else type(target).__name__  # never str(target): any size
             raise pickle.UnpicklingError(f"it sets the state of {'type ' if isinstance(target, type) else ''}"
                                          f"{_short(what)}, which DCP metadata never does")
+        if isinstance(target, self.properties):  # TensorProperties.__setstate__: a 5-tuple, its memory format DCP's enum
+            plain = type(state) is tuple and len(state) == 5 and (
+                self.memory_format is None or isinstance(state[3], self.memory_format))
+        else:  # a dataclass's fields by name, no more (no __setstate__ or __class__ slipped in)
+            names = {f.name for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target) else set()
+            plain = type(state) is dict and all(type(k) is str and k in names for k in state)
+        if not plain:
+            raise pickle.UnpicklingError(f"it sets a {type(target).__name__} to a state DCP never writes")
         super().load_build()
 
-    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}
+    dispatch = {**_PlainKeys.dispatch, pickle.BUILD[0]: load_build}
+
+
+def _layout(name: Any) -> torch.layout:
+    """``torch.serialization._get_layout`` of a short name alone (it hashes its argument: any object could cost 2^n)."""
+    if type(name) is not str or len(name) > 64:
+        raise pickle.UnpicklingError("it names a layout by something other than its name")
+    return torch.serialization._get_layout(name)
+
+
+def _member(enum: type, value: Any) -> Any:
+    """A member of DCP's memory-format enum from its int alone (the enum's own error would print any object)."""
+    if type(value) is not int or not 0 <= value < 64:
+        raise pickle.UnpicklingError("it names a memory format by something other than its number")
+    return enum(value)
 
 
 def _metadata(raw: bytes, where: str) -> tuple[Any, dict[str, Any]]:
@@ -361,9 +440,13 @@ def _metadata(raw: bytes, where: str) -> tuple[Any, dict[str, Any]]:
         ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
     }
     if hasattr(torch.serialization, "_get_layout"):  # how torch pickles a layout: its name's torch.layout, no more
-        allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+        allowed[("torch.serialization", "_get_layout")] = _layout
+    memory_format = classes.get("_MEM_FORMAT_ENCODING")
+    if memory_format is not None:  # an Enum, rebuilt from its int: nothing else reaches it (its error prints the value)
+        allowed[(memory_format.__module__, memory_format.__qualname__)] = functools.partial(_member, memory_format)
     try:
-        md = _Restricted(raw, allowed, tuple(c for n, c in classes.items() if n != "_MEM_FORMAT_ENCODING")).load()
+        md = _Restricted(raw, allowed, tuple(c for n, c in classes.items() if n != "_MEM_FORMAT_ENCODING"),
+                         classes["MetadataIndex"], classes["TensorProperties"], memory_format).load()
     except pickle.UnpicklingError as exc:
         raise UserError(f"{where} was refused unread ({exc}): a DCP folder's metadata holds DCP's classes alone; "
                         f"nothing of it was run. Save the checkpoint again with torch.distributed.checkpoint.save") from None
@@ -371,13 +454,14 @@ def _metadata(raw: bytes, where: str) -> tuple[Any, dict[str, Any]]:
         raise UserError(f"{where} is not readable DCP metadata ({type(exc).__name__}: {_short(str(exc))}); save the "
                         f"checkpoint again with torch.distributed.checkpoint.save") from None
     kinds = (classes["TensorStorageMetadata"], classes["BytesStorageMetadata"])
+    fields = vars(md) if isinstance(md, classes["Metadata"]) else {}
+    entries, table = fields.get("state_dict_metadata"), fields.get("storage_data")  # absent where no BUILD ran
     problem = (
         "not DCP's Metadata" if not isinstance(md, classes["Metadata"])
-        else "its entries are not DCP's" if not isinstance(md.state_dict_metadata, dict) or not all(
-            isinstance(k, str) and isinstance(v, kinds) for k, v in md.state_dict_metadata.items())
-        else "its storage table is not DCP's" if not isinstance(md.storage_data, dict) or not all(
-            isinstance(k, classes["MetadataIndex"]) and isinstance(v, classes["_StorageInfo"])
-            for k, v in md.storage_data.items())
+        else "its entries are not DCP's" if not isinstance(entries, dict) or not all(
+            isinstance(k, str) and isinstance(v, kinds) for k, v in entries.items())
+        else "its storage table is not DCP's" if not isinstance(table, dict) or not all(
+            isinstance(k, classes["MetadataIndex"]) and isinstance(v, classes["_StorageInfo"]) for k, v in table.items())
         else None
     )
     if problem:
@@ -403,7 +487,7 @@ class _Stored:
         """Room for a tensor of ``size`` and ``dtype``, refused before it is allocated (a crafted size is no bomb)."""
         self.left -= math.prod(size) * dtype.itemsize
         if self.left < 0:
-            raise UserError(f"{self.where}: {_q(fqn)} is {list(size)} {dtype}: with the tensors before it, more than the "
+            raise UserError(f"{self.where}: {_q(fqn)} is {_shown(size)} {dtype}: with the tensors before it, more than the "
                             f"folder's {self.total:,} bytes hold; {AGAIN}")
 
     def bytes(self, fqn: str, index: Any) -> bytearray:
@@ -436,9 +520,11 @@ class _Stored:
 def _tensor(fqn: str, entry: Any, stored: _Stored, index: type, where: str) -> torch.Tensor:
     """The full tensor from its chunks (one per shard that held part of it), each read as a plain tensor."""
     dtype, size = entry.properties.dtype, tuple(entry.size)
-    if not isinstance(dtype, torch.dtype):
-        raise UserError(f"{where}: {_q(fqn)} has no torch dtype in its metadata; save the checkpoint again")
-    if not all(type(d) is int and d >= 0 for d in size):
+    if dtype not in _DTYPES:
+        said = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else "no torch dtype"
+        raise UserError(f"{where}: {_q(fqn)} is {said} in its metadata, no dtype a model's weights or optimizer state "
+                        f"hold; save the checkpoint again, or as safetensors")
+    if not (len(size) <= _MAX_DIMS and all(type(d) is int and 0 <= d < _KEY_INT for d in size)):
         raise UserError(f"{where}: {_q(fqn)} has no shape in its metadata ({_shown(size)}); save the checkpoint again")
     stored.claim(fqn, size, dtype)
     full, covered = torch.empty(size, dtype=dtype), torch.zeros(size, dtype=torch.bool)
@@ -447,16 +533,16 @@ def _tensor(fqn: str, entry: Any, stored: _Stored, index: type, where: str) -> t
         if not (len(offsets) == len(sizes) == len(size) and all(type(v) is int for v in offsets + sizes)
                 and all(0 <= o and 0 <= s and o + s <= d for o, s, d in zip(offsets, sizes, size))):
             raise UserError(f"{where}: a chunk of {_q(fqn)} lies outside it ({_shown(sizes)} at {_shown(offsets)} of "
-                            f"{list(size)}); {AGAIN}")
+                            f"{_shown(size)}); {AGAIN}")
         part = _chunk(stored.bytes(fqn, index(fqn, torch.Size(offsets))), dtype, sizes, fqn, where)
         region = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
         if covered[region].any():
-            raise UserError(f"{where}: chunks of {_q(fqn)} overlap ({list(sizes)} at {list(offsets)} of {list(size)}); "
+            raise UserError(f"{where}: chunks of {_q(fqn)} overlap ({_shown(sizes)} at {_shown(offsets)} of {_shown(size)}); "
                             f"{AGAIN}")
         full[region] = part
         covered[region] = True
     if not bool(covered.all()):
-        raise UserError(f"{where}: the chunks of {_q(fqn)} leave part of its {list(size)} unsaved (a rank's file "
+        raise UserError(f"{where}: the chunks of {_q(fqn)} leave part of its {_shown(size)} unsaved (a rank's file "
                         f"missing?); {AGAIN}")
     return full
 
@@ -514,6 +600,8 @@ def _archive(raw: bytearray) -> dict[str, memoryview]:
         if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1 or info.compress_size != info.file_size:
             raise _Refused(f"its record {_q(info.orig_filename)} is compressed or encrypted, which torch.save never does")
         at = info.header_offset
+        if at < 0:  # zipfile subtracts a central directory's stated offset: a crafted one goes below the file
+            raise _Refused(f"its record {_q(info.orig_filename)} has a header before the archive")
         head = bytes(view[at : at + 30])
         if len(head) < 30 or head[:4] != b"PK\x03\x04":
             raise _Refused(f"its record {_q(info.orig_filename)} has no local header")
@@ -593,7 +681,7 @@ def _ordered_dict(*args: Any) -> dict:
     return dict(*args)
 
 
-class _Payload(pickle._Unpickler):
+class _Payload(_PlainKeys):
     """An archive's ``data.pkl``: a tensor's (``tensors``), read as a ``_TensorRef``, or a value's, plain data alone.
     No global but those named here is looked up, no object of torch is built, no state is set on anything."""
 
@@ -624,7 +712,7 @@ class _Payload(pickle._Unpickler):
     def load_build(self) -> None:
         raise pickle.UnpicklingError("it sets the state of an object, which a plain tensor's pickle never does")
 
-    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}
+    dispatch = {**_PlainKeys.dispatch, pickle.BUILD[0]: load_build}
 
 
 def _chunk(raw: bytearray, dtype: torch.dtype, sizes: tuple[int, ...], fqn: str, where: str) -> torch.Tensor:
@@ -648,8 +736,8 @@ def _chunk(raw: bytearray, dtype: torch.dtype, sizes: tuple[int, ...], fqn: str,
         raise UserError(f"{where}: a chunk of {_q(fqn)} is stored as {ref.dtype}, and its metadata says {dtype}; save "
                         f"the checkpoint again with torch.distributed.checkpoint.save")
     if ref.size != sizes:
-        raise UserError(f"{where}: a chunk of {_q(fqn)} is {list(ref.size)}, and its metadata says "
-                        f"{list(sizes)}; {AGAIN}")
+        raise UserError(f"{where}: a chunk of {_q(fqn)} is {_shown(ref.size)}, and its metadata says "
+                        f"{_shown(sizes)}; {AGAIN}")
     record = records.get(f"data/{ref.storage.key}")
     nbytes = ref.storage.numel * (1 if ref.storage.kind.untyped else ref.storage.kind.dtype.itemsize)
     order = bytes(records.get("byteorder", sys.byteorder.encode()))  # torch before 1.12 wrote none: the saver's own

@@ -445,7 +445,8 @@ def test_a_chunk_of_another_dtype_or_outside_its_tensor_is_refused(tmp_path, mon
                    for (o, _), k in zip(chunks, ("model.a", "model.b"))}
         write_metadata(path, dict_replace(md, state_dict_metadata={"model.w": entry}, storage_data=storage,
                                           planner_data={"model.w": ("model", "w")}))
-        with pytest.raises(UserError, match=r"a chunk of 'model.w' lies outside it \(\[\d\] at \[-?\d\] of \[8\]\)"):
+        with pytest.raises(UserError, match=r"a chunk of 'model.w' lies outside it \(\[\d\] at \[-?\d\] of \[8\]\)|it keys "
+                                            r"a dict by a MetadataIndex"):  # -8: refused as the storage table's key
             dcp.read(tmp_path / "two", "two")
     entry.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4, 1]))]  # sizes of another rank
     write_metadata(path, dict_replace(md, state_dict_metadata={"model.w": entry}, planner_data={"model.w": ("model", "w")},
@@ -512,3 +513,39 @@ def test_a_fifo_or_device_as_the_checkpoint_is_one_line(tmp_path, monkeypatch):
     for path in ("fifo", "/dev/null"):
         with pytest.raises(UserError, match=rf"reference.checkpoint {path} is neither a file nor a folder"):
             checkpoint.start(path, net())
+
+
+def _raw_metadata(tmp_path, name: str, raw: bytes):
+    save_dcp(name, {"model": {"w": torch.arange(4.0)}})
+    (tmp_path / name / ".metadata").write_bytes(raw)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize(("raw", "refusal"), [
+    # a dict keyed by a tuple 200,000 deep: hashing it recursed in C until the interpreter crashed (SIGSEGV)
+    (b"\x80\x04}N" + b"\x85" * 200_000 + b"Ns.", r"it keys a dict by a tuple"),
+    # a tuple of itself, twice, 60 deep through the memo (370 bytes): hashing it costs 2^60
+    (b"\x80\x04}N\x94" + b"".join(b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86\x94" for i in range(60)) + b"Ns.",
+     r"it keys a dict by a tuple"),
+    # a layout named by a list: torch's _get_layout would hash whatever it is given
+    (b"\x80\x04\x8c\x13torch.serialization\x94\x8c\x0b_get_layout\x94\x93]\x85R.", r"names a layout by something"),
+    # Metadata made by NEWOBJ, no state set: its fields were read as attributes, a traceback
+    (b"\x80\x04\x8c%torch.distributed.checkpoint.metadata\x94\x8c\x08Metadata\x94\x93)\x81.",
+     r"is not readable DCP metadata \(its entries are not DCP's\)"),
+    (b"\x80\x04}\x8f.", r"builds a set"),  # EMPTY_SET: DCP never pickles one
+])
+def test_metadata_pickles_that_hash_or_build_without_bound_are_one_line(tmp_path, monkeypatch, raw, refusal):
+    """Dict keys are a str, a small int or a checked MetadataIndex; layouts and memory formats come from their names and
+    numbers alone; a Metadata without its fields is refused, never read as attributes (security review, second pass)."""
+    monkeypatch.chdir(tmp_path)
+    folder = _raw_metadata(tmp_path, "bad", raw)
+    with pytest.raises(UserError, match=refusal) as exc:
+        dcp.read(folder, "bad")
+    assert "\n" not in str(exc.value)
+
+
+def test_a_tensor_of_a_dtype_no_checkpoint_holds_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    save_dcp("cplx", {"model": {"w": torch.zeros(4, dtype=torch.complex64)}})
+    with pytest.raises(UserError, match=r"'model.w' is complex64 in its metadata, no dtype a model's weights"):
+        dcp.read(tmp_path / "cplx", "cplx")
