@@ -133,8 +133,8 @@ class World:
     def sharded_copy(self, model, device, mixed: tuple[dict, dict] = ({}, {})):
         """The module a training run updates: ``model`` itself, or under FSDP2 a copy of it sharded block by block
         (``fully_shard``, children before parents, then the root) on which the optimizer is then built. The shards live
-        on ``device`` (a mesh of its type over the ranks: FSDP2 moves each block there as it shards it, so ``model`` may
-        wait on the host). ``mixed``: the arguments of FSDP2's MixedPrecisionPolicy for the blocks and for the root
+        on ``device`` (a mesh of its type over the ranks: FSDP2 moves each block there as it shards it), and ``model``
+        moves to the host. ``mixed``: the arguments of FSDP2's MixedPrecisionPolicy for the blocks and for the root
         (``precision.fsdp_mixed_precision``); empty: none.
 
         Raises:
@@ -146,6 +146,7 @@ class World:
         import copy
 
         fully_shard, policy = fsdp_api()
+        model.cpu()  # the caller's whole model waits on the host: the device holds the shards alone
         copied = copy.deepcopy(model)
         chosen = shard_blocks(copied, self.blocks)
         kinds = sorted({type(m).__name__ for m in chosen})  # before fully_shard renames them (FSDPLinear)

@@ -326,9 +326,9 @@ def train(
     end = cfg.train_steps if stop is None else min(stop, cfg.train_steps)
     precision.strict_fp32()
     world = distributed.current()
-    # Under FSDP2 a sharded copy trains on the device; the caller's whole model waits on the host (4 bytes a parameter
-    # off each GPU), where rank 0 loads the trained weights at the end.
-    (model.cpu() if world.sharded else model.to(device)).train()
+    # Under FSDP2 a sharded copy trains on the device (``sharded_copy`` puts the whole model on the host, 4 bytes a
+    # parameter off each GPU), and rank 0 loads the trained weights into it at the end.
+    (model if world.sharded else model.to(device)).train()
     loss_fn = make_loss(task_cfg)
     if world.sharded and (policy.compiled or policy.float8 != "off"):
         raise UserError(f"{label}: distributed.strategy fsdp runs eager models without float8 here (compile "

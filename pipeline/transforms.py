@@ -152,9 +152,14 @@ def _float8_plan(model: torch.nn.Module, fp32_modules: tuple[str, ...]) -> tuple
     return eligible, skipped
 
 
+def float8_torch() -> bool:
+    """This torch is one torchao 0.18's float8 runs on (``FLOAT8_MIN_TORCH`` or later)."""
+    return tuple(map(int, re.match(r"(\d+)\.(\d+)", torch.__version__).groups())) >= FLOAT8_MIN_TORCH
+
+
 def _float8_api():
     """``torchao.float8``, or the one line that says how to install it (or the torch it needs)."""
-    if tuple(map(int, re.match(r"(\d+)\.(\d+)", torch.__version__).groups())) < FLOAT8_MIN_TORCH:
+    if not float8_torch():
         need = ".".join(map(str, FLOAT8_MIN_TORCH))
         raise UserError(f"float8 needs torch >= {need} (torchao 0.18), not {torch.__version__}; upgrade torch or set float8: off")
     silence_third_party_noise()  # torchao's first import: its unloadable extensions (a stage has this already)

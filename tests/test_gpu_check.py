@@ -18,8 +18,7 @@ from _project import ROOT
 import gpu_check
 from pipeline import transforms
 
-FLOAT8 = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= transforms.FLOAT8_MIN_TORCH and bool(
-    importlib.util.find_spec("torchao"))
+FLOAT8 = transforms.float8_torch() and bool(importlib.util.find_spec("torchao"))
 
 
 def test_plan_is_dvc_yaml_with_its_matrix_stages_once_per_dtype() -> None:

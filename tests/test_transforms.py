@@ -16,7 +16,7 @@ from pipeline.errors import UserError
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[1]
-OLD_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2]) < transforms.FLOAT8_MIN_TORCH
+OLD_TORCH = not transforms.float8_torch()
 needs_float8 = pytest.mark.skipif(OLD_TORCH, reason="torchao 0.18's float8 needs torch >= 2.11 (transforms refuses older: "
                                                     "test_float8_on_an_older_torch_is_one_line)")
 
@@ -193,7 +193,7 @@ def test_on_a_gpu_float8_runs_real_kernels_from_capability_8_9_and_compile_match
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64)).to(device)
     x = torch.randn(32, 64, device=device)
     float8 = Policy(dtype="bfloat16", float8="tensorwise")
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < transforms.FLOAT8_MIN_TORCH:  # the ROCm image's torch
+    if OLD_TORCH:  # the ROCm image's torch
         with pytest.raises(UserError, match="float8 needs torch"):
             transforms.apply(model, float8, device)
     else:

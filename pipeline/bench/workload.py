@@ -71,8 +71,6 @@ class TrainingStep:
         cfg = work.params.reference
         world = distributed.current()
         self.work, self.policy = work, policy
-        if world.sharded:  # FSDP2 moves each block to the device as it shards it: no whole model kept there
-            work.model.cpu()
         self.model = work.model = world.sharded_copy(work.model, work.device, precision.fsdp_mixed_precision(policy))
         self.loss_fn = recipe.make_loss(work.params.task)
         self.optimizer = recipe.make_optimizer(self.model, cfg)
